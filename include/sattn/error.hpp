@@ -1,0 +1,54 @@
+// sattn::Error — the one exception type of the public API.
+//
+// Every public entry validates its arguments once, at the boundary, and throws
+// sattn::Error with a kind and a message that names the argument, what was
+// expected and what was given. Python maps the kinds to ValueError / TypeError /
+// MemoryError / NotImplementedError / OSError; the CLI prints the message and exits 2.
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace sattn {
+
+enum class ErrorKind {
+  kInvalidArgument,  // a shape, value or option is wrong          -> ValueError
+  kTypeError,        // a dtype is wrong                             -> TypeError
+  kOutOfMemory,      // a buffer would exceed the memory limit       -> MemoryError
+  kUnsupported,      // valid, but no kernel supports it (e.g. strict mode) -> NotImplementedError
+  kIO,               // a file could not be read or is malformed     -> OSError / ValueError
+  kInternal,         // a bug in sattn
+};
+
+const char* to_string(ErrorKind kind);
+
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorKind kind, const std::string& message) : std::runtime_error(message), kind_(kind) {}
+  ErrorKind kind() const noexcept { return kind_; }
+
+ private:
+  ErrorKind kind_;
+};
+
+namespace detail {
+template <typename... Args>
+std::string concat(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+}  // namespace detail
+
+// Throws sattn::Error(kind, concat(args...)) when `cond` is false.
+template <typename... Args>
+inline void check(bool cond, ErrorKind kind, const Args&... args) {
+  if (!cond) throw Error(kind, detail::concat(args...));
+}
+template <typename... Args>
+[[noreturn]] inline void fail(ErrorKind kind, const Args&... args) {
+  throw Error(kind, detail::concat(args...));
+}
+
+}  // namespace sattn

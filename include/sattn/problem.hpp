@@ -1,0 +1,76 @@
+// AttentionProblem: one plain descriptor of an attention call — shapes, dtypes, masks, options —
+// separate from the data pointers. Built (and validated) once at the API boundary by
+// describe_attention(); every kernel's supports()/forward()/backward() reads only this and views.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "sattn/tensor.hpp"
+
+namespace sattn {
+
+// Causal masking and how a query row is aligned with the keys when Lq != Lk.
+enum class Causal : uint8_t {
+  kNone,
+  kTopLeft,      // PyTorch's is_causal: key j allowed for query i iff j <= i
+  kBottomRight,  // FlashAttention >= 2.1: key j allowed iff j <= i + Lk - Lq
+};
+const char* to_string(Causal causal);
+// Parses "none", "top_left"/"top-left", "bottom_right"/"bottom-right" (throws sattn::Error otherwise).
+Causal parse_causal(const std::string& text, const char* argument_name = "causal");
+
+enum class MaskKind : uint8_t { kNone, kBool, kAdditive };
+enum class KeyPaddingKind : uint8_t { kNone, kBool, kLengths };
+
+// Options of one attention call. Masks are views; an empty view (data == nullptr) means "absent".
+struct AttentionOptions {
+  // Boolean with True = may attend (PyTorch SDPA), or float (f32/f64) additive.
+  // Broadcastable to [B, Hq, Lq, Lk] (numpy rules, right-aligned; 2-D [Lq, Lk] is common).
+  // A key is masked only by False or by an additive -inf; a finite bias never masks.
+  TensorView attn_mask;
+  // Bool [B, Lk] with True = padding (nn.MultiheadAttention's key_padding_mask).
+  TensorView key_padding_mask;
+  // Int32/int64 [B]: keys j >= key_lengths[b] are padding. Exclusive with key_padding_mask.
+  TensorView key_lengths;
+  Causal causal = Causal::kNone;  // intersected with attn_mask when both are given
+  std::optional<double> scale;    // default 1/sqrt(D)
+  double dropout_p = 0.0;         // in [0, 1); keep(b,h,i,j) = philox(seed; b,h,i,j), see random.hpp
+  uint64_t seed = 0;
+
+  // Execution.
+  std::string kernel;          // "" = choose automatically; else a registry name; env SATTN_KERNEL
+  bool strict = false;         // error instead of falling back to the O(L^2) reference; env SATTN_STRICT=1
+  int num_threads = 0;         // 0 = SATTN_NUM_THREADS, else the hardware's; see threads.hpp
+  bool accumulate_fp64 = false;  // reference kernel: accumulate in double even for fp32 inputs
+  int64_t memory_limit_bytes = 0;  // reference: refuse L×L buffers above this; 0 = half of physical memory
+};
+
+// The validated description of a call. Sizes follow the names used in the docs:
+// q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv], out [B, Hq, Lq, Dv].
+struct AttentionProblem {
+  int64_t batch = 0, heads_q = 0, heads_kv = 0, len_q = 0, len_k = 0, head_dim = 0, head_dim_v = 0;
+  DType dtype_q = DType::kF32, dtype_kv = DType::kF32, dtype_out = DType::kF32;
+  MaskKind mask = MaskKind::kNone;
+  DType mask_dtype = DType::kBool;
+  Shape mask_shape;    // the mask's own shape (for dmask)
+  Shape mask_strides;  // 4-D strides broadcast to [B, Hq, Lq, Lk]; 0 on broadcast dims
+  KeyPaddingKind key_padding = KeyPaddingKind::kNone;
+  Causal causal = Causal::kNone;
+  double scale = 0.0;
+  double dropout_p = 0.0;
+  uint64_t seed = 0;
+  bool need_lse = false, need_weights = false;
+  bool backward = false, need_dmask = false;
+
+  int64_t group_size() const { return heads_q / heads_kv; }  // query heads per kv head
+  bool has_dropout() const { return dropout_p > 0.0; }
+  // Bytes of one [B, Hq, Lq, Lk] buffer of `elem` bytes (the materialised score matrix).
+  double score_matrix_bytes(size_t elem) const {
+    return double(batch) * heads_q * len_q * len_k * elem;
+  }
+  std::string to_string() const;  // e.g. "B=1 Hq=8 Hkv=2 Lq=7 Lk=129 D=64 Dv=64 f32 mask=bool causal=bottom_right"
+};
+
+}  // namespace sattn
