@@ -1,3 +1,8 @@
-#include <pybind11/pybind11.h>
+#include "bindings.hpp"
 
-PYBIND11_MODULE(_core, m) { m.doc() = "sattn native core"; }
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "sattn native core (use the `sattn` package)";
+  sattn::py::bind_core(m);
+  sattn::py::bind_attention(m);
+  sattn::py::bind_nn(m);
+}

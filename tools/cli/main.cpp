@@ -1,21 +1,27 @@
-// The `sattn` command. Subcommands are added in tools/cli/*.cpp.
-#include <CLI/CLI.hpp>
+// The `sattn` command: parses the subcommand and maps errors to exit codes
+// (0 ok, 1 a finding/failed check where a subcommand says so, 2 bad usage or input).
+#include <exception>
 #include <iostream>
 
-#include "sattn/attention.hpp"
+#include "cli/commands.hpp"
+#include "sattn/error.hpp"
 
 int main(int argc, char** argv) {
-  CLI::App app{"sattn: self-attention, exact and sparse"};
+  CLI::App app{"sattn: self-attention, exact and sparse — reference, fused and sparse kernels, tools"};
   app.require_subcommand(1);
-  auto* version = app.add_subcommand("version", "Print the version and the registered kernels");
-  version->callback([] {
-    std::cout << "sattn 0.1.0\n";
-  });
+  app.set_help_all_flag("--help-all", "Show the help of every subcommand");
+  sattn::cli::add_demo_command(app);
+  sattn::cli::add_attn_command(app);
+  sattn::cli::add_version_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;
   } catch (const sattn::Error& e) {
+    std::cerr << "sattn: error: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
     std::cerr << "sattn: error: " << e.what() << "\n";
     return 2;
   }

@@ -1,0 +1,9 @@
+// Each area of the Python module binds itself in its own file; module.cpp calls them in order.
+#pragma once
+#include <pybind11/pybind11.h>
+
+namespace sattn::py {
+void bind_core(pybind11::module_& m);       // bind_core.cpp: errors, dtypes, kernels, threads, version
+void bind_attention(pybind11::module_& m);  // bind_attention.cpp: scaled_dot_product_attention & co.
+void bind_nn(pybind11::module_& m);         // bind_nn.cpp: MultiheadAttention, safetensors
+}  // namespace sattn::py
