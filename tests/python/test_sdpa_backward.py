@@ -13,6 +13,15 @@ N_BACKWARD = 80
 TOL = {np.dtype(np.float32): 1e-4, np.dtype(np.float64): 1e-9}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The sweeps' problems are tiny: on a loaded 2-core machine OpenMP threads only add waiting. Thread-count
+    independence is tested in test_core.py."""
+    sattn.set_num_threads(1)
+    yield
+    sattn.set_num_threads(None)
+
+
 def torch_manual_attention_grads(q, k, v, dout, kw, keep=None):
     """Gradients by torch autograd of a float64 manual attention with sattn's semantics: the bool/causal/padding
     masks as -inf, the float mask as a leaf tensor added to the scores (autograd reduces its gradient to the
