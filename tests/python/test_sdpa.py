@@ -239,3 +239,30 @@ def test_forward_matches_torch_sdpa(seed):
                                                               is_causal=True, scale=kw.get("scale")).numpy()
         live = np.isfinite(t2).all(axis=-1)
         assert max_rel_err(out[live], t2[live]) <= 1e-10
+
+
+def test_strided_inputs_are_not_copied():
+    """Inputs a strided view can describe (transposed, sliced, broadcast) reach the kernels without a copy: the
+    numpy memory allocated during the call (traced by tracemalloc) is the output alone. A negative stride forces
+    a copy, which the same measurement sees (so the check can fail)."""
+    import tracemalloc
+
+    rng = np.random.default_rng(10)
+    base = rng.standard_normal((2, 256, 4, 128)).astype(np.float32)  # (B, L, H, 2E) storage
+    q = base[..., ::2].transpose(0, 2, 1, 3)  # (B, H, L, E), neither contiguous nor dense
+    k = base[..., 1::2].transpose(0, 2, 1, 3)
+    v = np.broadcast_to(rng.standard_normal((1, 1, 256, 64)).astype(np.float32), (2, 4, 256, 64))
+    mask = np.broadcast_to(rng.random((256, 1)) > 0.1, (256, 256))
+
+    def traced_peak(*args, **kw):
+        tracemalloc.start()
+        try:
+            out = sattn.scaled_dot_product_attention(*args, **kw)
+            return tracemalloc.get_traced_memory()[1], out
+        finally:
+            tracemalloc.stop()
+
+    peak, out = traced_peak(q, k, v, attn_mask=mask)
+    assert peak < out.nbytes + 64 * 1024, (peak, out.nbytes)
+    peak_rev, _ = traced_peak(q[:, :, ::-1], k, v, attn_mask=mask)
+    assert peak_rev >= out.nbytes + q.nbytes
