@@ -171,6 +171,9 @@ class _Call:
             return
         m = attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask)
         self.mask_dtype = m.dtype
+        self.mask_shape = m.shape
+        if m.ndim == 0:  # a scalar broadcasts to everything
+            m = m.reshape(1)
         if m.dtype == np.bool_:
             pass
         elif m.dtype in _NATIVE_FLOATS:
@@ -186,7 +189,6 @@ class _Call:
         if not ok:
             raise _value_error(f"attn_mask: shape {m.shape} does not broadcast to the attention weights' shape "
                                f"{target} (..., Hq, Lq, Lk)")
-        self.mask_shape = m.shape
         self.mask_fold = None
         if m.ndim > 4 or (m.ndim == 4 and len(target) > 4):
             # Leading batch dimensions beyond one: fold them into B like the inputs.

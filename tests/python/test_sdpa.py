@@ -266,3 +266,14 @@ def test_strided_inputs_are_not_copied():
     assert peak < out.nbytes + 64 * 1024, (peak, out.nbytes)
     peak_rev, _ = traced_peak(q[:, :, ::-1], k, v, attn_mask=mask)
     assert peak_rev >= out.nbytes + q.nbytes
+
+
+def test_scalar_float_mask_and_its_gradient():
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((2, 2, 4, 8)) for _ in range(3))
+    bias = np.array(0.7)
+    out, lse = sattn.scaled_dot_product_attention(q, k, v, attn_mask=bias, return_lse=True)
+    ref_out, ref_lse, _ = sdpa(q, k, v, attn_mask=bias)
+    assert max_rel_err(out, ref_out) <= 1e-12 and max_rel_err(lse, ref_lse) <= 1e-12
+    *_, dmask = sattn.scaled_dot_product_attention_backward(np.ones_like(out), q, k, v, out, lse, attn_mask=bias)
+    assert dmask.shape == () and abs(float(dmask)) < 1e-10  # a constant bias does not change softmax
