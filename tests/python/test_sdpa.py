@@ -213,30 +213,36 @@ def _torch_sdpa_or_skip():
     return torch
 
 
+def _to_4d(x):
+    x = x.reshape((1,) * max(0, 4 - x.ndim) + x.shape)
+    return np.array(x.reshape((-1,) + x.shape[-3:]), order="C")  # a writable copy for torch.from_numpy
+
+
 @pytest.mark.parametrize("seed", range(0, N_FORWARD, 4))
 def test_forward_matches_torch_sdpa(seed):
     torch = _torch_sdpa_or_skip()
     from sdpa_reference import attn_bias
 
     q, k, v, kw = random_problem(seed)
-    q, k, v = (np.ascontiguousarray(x, np.float64) for x in (q, k, v))
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     out = sattn.scaled_dot_product_attention(q, k, v, **kw)
-    # torch gets sattn's extensions (bottom-right, padding, causal+mask) as one additive mask.
+    # torch gets sattn's extensions (bottom-right, padding, causal + mask) as one additive float64 mask of the
+    # weights' full shape; everything goes in as 4-D (B, H, L, E).
     bias = attn_bias(q.shape[-2], k.shape[-2], kw.get("attn_mask"), kw.get("is_causal", False),
                      kw.get("causal_alignment", "top_left"), kw.get("key_padding_mask"), kw.get("key_lengths"))
+    weights_shape = q.shape[:-1] + (k.shape[-2],)
+    bias = np.broadcast_to(bias, np.broadcast_shapes(bias.shape, weights_shape)).reshape(weights_shape)
     if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:  # enable_gqa needs torch 2.5: repeat instead
         k, v = (np.repeat(x, q.shape[-3] // x.shape[-3], axis=-3) for x in (k, v))
-    t = torch.nn.functional.scaled_dot_product_attention(
-        *(torch.from_numpy(x) for x in (q, k, v)), attn_mask=torch.from_numpy(np.ascontiguousarray(bias)),
-        scale=kw.get("scale")).numpy()
-    t = np.broadcast_to(t, out.shape)
+    q4, k4, v4, b4 = (torch.from_numpy(_to_4d(x)) for x in (q, k, v, bias))
+    sdpa_torch = torch.nn.functional.scaled_dot_product_attention
+    t = sdpa_torch(q4, k4, v4, attn_mask=b4, scale=kw.get("scale")).numpy().reshape(out.shape)
     live = np.isfinite(t).all(axis=-1)  # torch gives NaN where sattn gives 0 (fully masked rows)
     assert max_rel_err(out[live], t[live]) <= 1e-10
     assert np.all(out[~live] == 0)
     if kw.get("is_causal") and kw["causal_alignment"] == "top_left" and set(kw) <= {"is_causal", "causal_alignment",
                                                                                       "enable_gqa", "scale"}:
-        t2 = torch.nn.functional.scaled_dot_product_attention(*(torch.from_numpy(x) for x in (q, k, v)),
-                                                              is_causal=True, scale=kw.get("scale")).numpy()
+        t2 = sdpa_torch(q4, k4, v4, is_causal=True, scale=kw.get("scale")).numpy().reshape(out.shape)
         live = np.isfinite(t2).all(axis=-1)
         assert max_rel_err(out[live], t2[live]) <= 1e-10
 
