@@ -22,7 +22,6 @@
 #define SATTN_VERSION "unknown"
 #endif
 
-namespace py = pybind11;
 
 namespace sattn {
 int resolve_num_threads(int requested);  // src/core/threads.hpp (not included: it needs OpenMP flags)
