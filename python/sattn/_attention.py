@@ -149,7 +149,9 @@ class _Call:
         self.scale = None if scale is None else _check_real(scale, "scale")
         if self.scale is not None and not math.isfinite(self.scale):
             raise _value_error(f"scale: expected a finite number or None, got {scale}")
-        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**64:
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
+            raise _type_error(f"seed: expected an int in [0, 2**64), got {type(seed).__name__}")
+        if not 0 <= seed < 2**64:
             raise _value_error(f"seed: expected an int in [0, 2**64), got {seed!r}")
         self.seed = int(seed)
         if kernel is not None and not isinstance(kernel, str):
