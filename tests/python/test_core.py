@@ -103,11 +103,9 @@ def _long_problem():
     return q, q.copy(), q.copy()
 
 
-def test_gil_is_released_during_a_call():
-    """While one thread is inside a long sattn call, another Python thread keeps running: with the GIL held,
-    the main thread could not execute a single bytecode between the worker's call start and end."""
-    q, k, v = _long_problem()
-    sattn.scaled_dot_product_attention(q, k, v, num_threads=1)  # warm-up
+def _ticks_during_a_call(q, k, v):
+    """Runs one long call in a worker thread while this thread ticks; returns (call duration, ticks that fell in
+    the middle 80% of the call)."""
     window = {}
     started = threading.Event()
 
@@ -126,9 +124,23 @@ def test_gil_is_released_during_a_call():
         time.sleep(0.001)
     t.join()
     t0, t1 = window["t0"], window["t1"]
-    assert t1 - t0 > 0.02, "the call is too short to tell anything"
     inside = [x for x in ticks if t0 + 0.1 * (t1 - t0) < x < t1 - 0.1 * (t1 - t0)]
-    assert len(inside) >= 2, (t1 - t0, len(ticks))
+    return t1 - t0, len(inside)
+
+
+def test_gil_is_released_during_a_call():
+    """While one thread is inside a long sattn call, another Python thread keeps running: with the GIL held,
+    the main thread could not execute a single bytecode between the worker's call start and end, so no attempt
+    could pass; a few attempts only guard against a machine so loaded that this thread is never scheduled."""
+    q, k, v = _long_problem()
+    sattn.scaled_dot_product_attention(q, k, v, num_threads=1)  # warm-up
+    attempts = []
+    for _ in range(3):
+        attempts.append(_ticks_during_a_call(q, k, v))
+        assert attempts[-1][0] > 0.02, "the call is too short to tell anything"
+        if attempts[-1][1] >= 2:
+            break
+    assert attempts[-1][1] >= 2, attempts
 
 
 def test_concurrent_calls_from_threads_agree_with_serial():
