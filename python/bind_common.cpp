@@ -11,6 +11,8 @@ namespace pyb = pybind11;
 namespace sattn::py {
 
 DType dtype_of(const pyb::dtype& dt, const char* name) {
+  check(dt.attr("isnative").cast<bool>(), ErrorKind::kTypeError, name, ": expected the machine's byte order, got ",
+        std::string(pyb::str(dt.attr("str"))));
   const char kind = dt.kind();
   const auto size = dt.itemsize();
   if (kind == 'f' && size == 4) return DType::kF32;

@@ -42,6 +42,11 @@ def _is_half(dtype):
     return dtype == np.float16 or (_BF16 is not None and dtype == _BF16)
 
 
+def _native_byte_order(x):
+    """Big-endian data (e.g. from a file) is converted to the machine's byte order; the kernels read native."""
+    return x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))
+
+
 def _value_error(msg):
     return _core.InvalidArgumentError(msg)
 
@@ -57,6 +62,7 @@ def _as_float_array(x, name):
         if x is None:
             raise _type_error(f"{name}: expected a numpy array, got None")
         x = np.asarray(x)
+    x = _native_byte_order(x)
     if x.dtype in _NATIVE_FLOATS:
         return x
     if _is_half(x.dtype):
@@ -171,7 +177,7 @@ class _Call:
         self.mask_dtype = None
         if attn_mask is None:
             return
-        m = attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask)
+        m = _native_byte_order(attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask))
         self.mask_dtype = m.dtype
         self.mask_shape = m.shape
         if m.ndim == 0:  # a scalar broadcasts to everything

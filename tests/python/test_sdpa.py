@@ -283,3 +283,13 @@ def test_scalar_float_mask_and_its_gradient():
     assert max_rel_err(out, ref_out) <= 1e-12 and max_rel_err(lse, ref_lse) <= 1e-12
     *_, dmask = sattn.scaled_dot_product_attention_backward(np.ones_like(out), q, k, v, out, lse, attn_mask=bias)
     assert dmask.shape == () and abs(float(dmask)) < 1e-10  # a constant bias does not change softmax
+
+
+def test_big_endian_inputs_are_converted():
+    rng = np.random.default_rng(12)
+    q, k, v = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
+    bias = rng.standard_normal((5, 5))
+    out = sattn.scaled_dot_product_attention(*(x.astype(">f8") for x in (q, k, v)), attn_mask=bias.astype(">f4"),
+                                             key_lengths=np.array([4], ">i8"))
+    ref = sattn.scaled_dot_product_attention(q, k, v, attn_mask=bias.astype(np.float32), key_lengths=np.array([4]))
+    np.testing.assert_array_equal(out, ref)
