@@ -1,5 +1,146 @@
+// Native part of sattn.scaled_dot_product_attention & co. The user-facing functions (argument checking,
+// PyTorch's leading-dimension forms, enable_gqa, half-precision handling) live in python/sattn/_attention.py;
+// these private entry points take 4-D numpy arrays [B, H, L, E], wrap them as strided TensorViews without
+// copying, allocate the outputs with numpy, and run the library with the GIL released.
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "bind_common.hpp"
 #include "bindings.hpp"
+#include "sattn/attention.hpp"
+#include "sattn/error.hpp"
+
+namespace pyb = pybind11;
+
+namespace sattn {
+int64_t physical_memory_bytes();  // src/core/threads.hpp (not included: it needs OpenMP flags)
+}  // namespace sattn
 
 namespace sattn::py {
-void bind_attention(pybind11::module_& m) { (void)m; }
+
+namespace {
+
+// The options every private entry point takes, in one place (after the arrays).
+AttentionOptions make_options(const TensorView& attn_mask, const TensorView& key_padding_mask,
+                              const TensorView& key_lengths, const std::string& causal,
+                              std::optional<double> scale, double dropout_p, uint64_t seed,
+                              const std::optional<std::string>& kernel, bool strict, const pyb::object& num_threads) {
+  AttentionOptions o;
+  o.attn_mask = attn_mask;
+  o.key_padding_mask = key_padding_mask;
+  o.key_lengths = key_lengths;
+  o.causal = parse_causal(causal, "causal_alignment");
+  o.scale = scale;
+  o.dropout_p = dropout_p;
+  o.seed = seed;
+  o.kernel = kernel.value_or("");
+  o.strict = strict;
+  o.num_threads = resolve_python_threads(num_threads);
+  return o;
+}
+
+DType result_dtype(const TensorView& q) { return q.dtype == DType::kF64 ? DType::kF64 : DType::kF32; }
+
+pyb::tuple forward(const pyb::object& q_obj, const pyb::object& k_obj, const pyb::object& v_obj,
+                   const pyb::object& mask_obj, const pyb::object& kpm_obj, const pyb::object& len_obj,
+                   const std::string& causal, std::optional<double> scale, double dropout_p, uint64_t seed,
+                   const std::optional<std::string>& kernel, bool strict, const pyb::object& num_threads,
+                   bool need_lse, bool need_weights) {
+  ArrayKeeper keep;
+  const TensorView q = view_of(q_obj, "query", keep), k = view_of(k_obj, "key", keep), v = view_of(v_obj, "value", keep);
+  const AttentionOptions o = make_options(view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
+                                          view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, kernel,
+                                          strict, num_threads);
+  // Validate before allocating anything (sizes come from the validated problem).
+  const AttentionProblem p = describe_attention(q, k, v, o);
+  const DType dt = result_dtype(q);
+  AttentionOutputs outs;
+  pyb::object out = new_array(dt, {p.batch, p.heads_q, p.len_q, p.head_dim_v}, &outs.out);
+  pyb::object lse = pyb::none(), weights = pyb::none();
+  if (need_lse) lse = new_array(dt, {p.batch, p.heads_q, p.len_q}, &outs.lse);
+  if (need_weights) {
+    // The same limit as the reference kernel's (half of physical memory), checked before numpy allocates.
+    const double bytes = p.score_matrix_bytes(dtype_size(dt)), limit = double(physical_memory_bytes()) / 2;
+    check(bytes <= limit, ErrorKind::kOutOfMemory, "attention weights: [B, Hq, Lq, Lk] = ",
+          shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}), " needs ", bytes / (1 << 20),
+          " MiB, over the memory limit of ", limit / (1 << 20), " MiB (half of physical memory)");
+    weights = new_array(dt, {p.batch, p.heads_q, p.len_q, p.len_k}, &outs.weights);
+  }
+  KernelInfo info;
+  {
+    pyb::gil_scoped_release release;  // no Python object is touched below
+    scaled_dot_product_attention(q, k, v, o, outs, &info);
+  }
+  return pyb::make_tuple(out, lse, weights, info.kernel);
+}
+
+pyb::tuple backward(const pyb::object& dout_obj, const pyb::object& q_obj, const pyb::object& k_obj,
+                    const pyb::object& v_obj, const pyb::object& out_obj, const pyb::object& lse_obj,
+                    const pyb::object& mask_obj, const pyb::object& kpm_obj, const pyb::object& len_obj,
+                    const std::string& causal, std::optional<double> scale, double dropout_p, uint64_t seed,
+                    const std::optional<std::string>& kernel, bool strict, const pyb::object& num_threads,
+                    bool need_dmask) {
+  ArrayKeeper keep;
+  const TensorView dout = view_of(dout_obj, "dout", keep), q = view_of(q_obj, "query", keep),
+                   k = view_of(k_obj, "key", keep), v = view_of(v_obj, "value", keep),
+                   out = view_of(out_obj, "out", keep), lse = view_of(lse_obj, "lse", keep);
+  const AttentionOptions o = make_options(view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
+                                          view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, kernel,
+                                          strict, num_threads);
+  const AttentionOutputs fwd{out, lse, {}};
+  const AttentionProblem p = describe_attention(q, k, v, o, &fwd);
+  const DType dt = result_dtype(q);
+  AttentionGrads g;
+  pyb::object dq = new_array(dt, q.shape, &g.dq), dk = new_array(dt, k.shape, &g.dk), dv = new_array(dt, v.shape, &g.dv);
+  pyb::object dmask = pyb::none();
+  if (need_dmask && p.mask == MaskKind::kAdditive) dmask = new_array(dt, p.mask_shape, &g.dmask);
+  KernelInfo info;
+  {
+    pyb::gil_scoped_release release;
+    scaled_dot_product_attention_backward(dout, q, k, v, out, lse, o, g, &info);
+  }
+  return pyb::make_tuple(dq, dk, dv, dmask, info.kernel);
+}
+
+pyb::tuple explain(const pyb::object& q_obj, const pyb::object& k_obj, const pyb::object& v_obj,
+                   const pyb::object& mask_obj, const pyb::object& kpm_obj, const pyb::object& len_obj,
+                   const std::string& causal, std::optional<double> scale, double dropout_p, uint64_t seed,
+                   bool is_backward, bool need_lse, bool need_weights, bool need_dmask) {
+  ArrayKeeper keep;
+  const TensorView q = view_of(q_obj, "query", keep), k = view_of(k_obj, "key", keep), v = view_of(v_obj, "value", keep);
+  const AttentionOptions o = make_options(view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
+                                          view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed,
+                                          std::nullopt, false, pyb::none());
+  AttentionProblem p = describe_attention(q, k, v, o);
+  p.backward = is_backward;
+  p.need_lse = need_lse || is_backward;
+  p.need_weights = need_weights && !is_backward;
+  p.need_dmask = is_backward && need_dmask && p.mask == MaskKind::kAdditive;
+  pyb::list kernels;
+  for (const auto& [name, why] : explain_kernels(p))
+    kernels.append(pyb::make_tuple(name, why.empty() ? pyb::object(pyb::none()) : pyb::object(pyb::str(why))));
+  return pyb::make_tuple(p.to_string(), kernels);
+}
+
+}  // namespace
+
+void bind_attention(pyb::module_& m) {
+  using pyb::arg;
+  m.def("_forward", &forward, arg("query"), arg("key"), arg("value"), arg("attn_mask"), arg("key_padding_mask"),
+        arg("key_lengths"), arg("causal"), arg("scale"), arg("dropout_p"), arg("seed"), arg("kernel"), arg("strict"),
+        arg("num_threads"), arg("need_lse"), arg("need_weights"),
+        "Private: 4-D forward. Returns (out, lse or None, weights or None, kernel name).");
+  m.def("_backward", &backward, arg("dout"), arg("query"), arg("key"), arg("value"), arg("out"), arg("lse"),
+        arg("attn_mask"), arg("key_padding_mask"), arg("key_lengths"), arg("causal"), arg("scale"), arg("dropout_p"),
+        arg("seed"), arg("kernel"), arg("strict"), arg("num_threads"), arg("need_dmask"),
+        "Private: 4-D backward. Returns (dq, dk, dv, dmask or None, kernel name).");
+  m.def("_explain", &explain, arg("query"), arg("key"), arg("value"), arg("attn_mask"), arg("key_padding_mask"),
+        arg("key_lengths"), arg("causal"), arg("scale"), arg("dropout_p"), arg("seed"), arg("backward"),
+        arg("need_lse"), arg("need_weights"), arg("need_dmask"),
+        "Private: (problem description, [(kernel, None if eligible else why not)]) in registry order.");
+}
+
 }  // namespace sattn::py

@@ -1,5 +1,131 @@
+// Core of the Python module: exception translation, version, kernel registry queries, thread count.
+//
+// Exceptions: every sattn::Error becomes an instance of a sattn.Error subclass that ALSO derives from the
+// builtin Python exception users expect, so `except ValueError` works as with PyTorch/numpy:
+//   kInvalidArgument -> sattn.InvalidArgumentError(sattn.Error, ValueError)
+//   kTypeError       -> sattn.DTypeError(sattn.Error, TypeError)
+//   kOutOfMemory     -> sattn.OutOfMemoryError(sattn.Error, MemoryError)
+//   kUnsupported     -> sattn.UnsupportedError(sattn.Error, NotImplementedError)
+//   kIO              -> sattn.FileFormatError(sattn.Error, ValueError, OSError)
+//   kInternal        -> sattn.InternalError(sattn.Error, RuntimeError)
+#include <pybind11/stl.h>
+
+#include <atomic>
+#include <string>
+
 #include "bindings.hpp"
+#include "bind_common.hpp"
+#include "sattn/attention.hpp"
+#include "sattn/error.hpp"
+
+#ifndef SATTN_VERSION
+#define SATTN_VERSION "unknown"
+#endif
+
+
+namespace sattn {
+int resolve_num_threads(int requested);  // src/core/threads.hpp (not included: it needs OpenMP flags)
+}  // namespace sattn
 
 namespace sattn::py {
-void bind_core(pybind11::module_& m) { (void)m; }
+
+namespace {
+
+// Python exception classes, created once at import (kept alive by the module's attributes).
+PyObject* g_error = nullptr;
+PyObject* g_invalid = nullptr;
+PyObject* g_dtype = nullptr;
+PyObject* g_memory = nullptr;
+PyObject* g_unsupported = nullptr;
+PyObject* g_io = nullptr;
+PyObject* g_internal = nullptr;
+
+// Module-wide default thread count for calls made with num_threads=None (0 = library default).
+std::atomic<int> g_default_threads{0};
+
+PyObject* new_exception(pybind11::module_& m, const char* name, std::initializer_list<PyObject*> bases,
+                        const char* doc) {
+  pybind11::tuple t(bases.size());
+  size_t i = 0;
+  for (PyObject* b : bases) t[i++] = pybind11::reinterpret_borrow<pybind11::object>(b);
+  const std::string qualified = std::string("sattn.") + name;
+  PyObject* cls = PyErr_NewExceptionWithDoc(qualified.c_str(), doc, t.ptr(), nullptr);
+  if (!cls) throw pybind11::error_already_set();
+  m.attr(name) = pybind11::reinterpret_steal<pybind11::object>(cls);
+  return cls;
+}
+
+}  // namespace
+
+int default_num_threads() { return g_default_threads.load(); }
+
+int resolve_python_threads(const pybind11::object& num_threads) {
+  if (num_threads.is_none()) return g_default_threads.load();
+  if (!pybind11::isinstance<pybind11::int_>(num_threads) || pybind11::isinstance<pybind11::bool_>(num_threads))
+    throw Error(ErrorKind::kTypeError, detail::concat("num_threads: expected None or a positive int, got ",
+                                                      std::string(pybind11::str(num_threads.get_type().attr("__name__")))));
+  const long n = num_threads.cast<long>();
+  check(n >= 1 && n <= 4096, ErrorKind::kInvalidArgument, "num_threads: expected None or an int in [1, 4096], got ", n);
+  return int(n);
+}
+
+void bind_core(pybind11::module_& m) {
+  g_error = new_exception(m, "Error", {PyExc_Exception},
+                          "Base class of every error raised by sattn (each also derives from a builtin exception).");
+  g_invalid = new_exception(m, "InvalidArgumentError", {g_error, PyExc_ValueError},
+                            "A shape, value or option is wrong (a ValueError).");
+  g_dtype = new_exception(m, "DTypeError", {g_error, PyExc_TypeError}, "A dtype is wrong (a TypeError).");
+  g_memory = new_exception(m, "OutOfMemoryError", {g_error, PyExc_MemoryError},
+                           "A buffer would exceed sattn's memory limit (a MemoryError).");
+  g_unsupported = new_exception(m, "UnsupportedError", {g_error, PyExc_NotImplementedError},
+                                "Valid, but no (allowed) kernel supports it, e.g. in strict mode "
+                                "(a NotImplementedError).");
+  g_io = new_exception(m, "FileFormatError", {g_error, PyExc_ValueError, PyExc_OSError},
+                       "A file could not be read or is malformed (a ValueError and an OSError).");
+  g_internal = new_exception(m, "InternalError", {g_error, PyExc_RuntimeError}, "A bug in sattn (a RuntimeError).");
+
+  pybind11::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      PyObject* cls = g_internal;
+      switch (e.kind()) {
+        case ErrorKind::kInvalidArgument: cls = g_invalid; break;
+        case ErrorKind::kTypeError: cls = g_dtype; break;
+        case ErrorKind::kOutOfMemory: cls = g_memory; break;
+        case ErrorKind::kUnsupported: cls = g_unsupported; break;
+        case ErrorKind::kIO: cls = g_io; break;
+        case ErrorKind::kInternal: cls = g_internal; break;
+      }
+      PyErr_SetString(cls, e.what());
+    } catch (const std::bad_alloc&) {
+      PyErr_SetString(g_memory, "sattn: out of memory (std::bad_alloc)");
+    }
+  });
+
+  m.attr("__version__") = SATTN_VERSION;
+
+  m.def("kernel_names", &sattn::kernel_names,
+        "Names of the registered attention kernels, in the order the registry tries them (reference last).");
+
+  m.def(
+      "get_num_threads",
+      []() { return resolve_num_threads(g_default_threads.load()); },
+      "Threads a call with num_threads=None uses: set_num_threads()'s value, else $SATTN_NUM_THREADS, else the "
+      "number of online cores.");
+  m.def(
+      "set_num_threads",
+      [](const pybind11::object& n) {
+        if (n.is_none() || (pybind11::isinstance<pybind11::int_>(n) && !pybind11::isinstance<pybind11::bool_>(n) &&
+                            n.cast<long>() == 0)) {
+          g_default_threads.store(0);
+          return;
+        }
+        g_default_threads.store(resolve_python_threads(n));
+      },
+      pybind11::arg("num_threads"),
+      "Sets the default thread count of calls made with num_threads=None (process-wide). None or 0 restores the "
+      "default ($SATTN_NUM_THREADS, else the number of online cores).");
+}
+
 }  // namespace sattn::py

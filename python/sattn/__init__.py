@@ -1,2 +1,6 @@
 """sattn: self-attention, exact and sparse (Python bindings)."""
 from . import _core  # noqa: F401
+from ._core import (__version__, Error, InvalidArgumentError, DTypeError, OutOfMemoryError, UnsupportedError,  # noqa: F401,E501
+                    FileFormatError, InternalError, kernel_names, get_num_threads, set_num_threads)
+from ._attention import (scaled_dot_product_attention, scaled_dot_product_attention_backward,  # noqa: F401
+                         attention_weights, explain_kernels, KernelReport)

@@ -1,0 +1,82 @@
+// Helpers shared by the Python binding files: numpy arrays <-> TensorView (see bind_common.hpp).
+#include "bind_common.hpp"
+
+#include <cstdint>
+#include <string>
+
+#include "sattn/error.hpp"
+
+namespace pyb = pybind11;
+
+namespace sattn::py {
+
+DType dtype_of(const pyb::dtype& dt, const char* name) {
+  check(dt.attr("isnative").cast<bool>(), ErrorKind::kTypeError, name, ": expected the machine's byte order, got ",
+        std::string(pyb::str(dt.attr("str"))));
+  const char kind = dt.kind();
+  const auto size = dt.itemsize();
+  if (kind == 'f' && size == 4) return DType::kF32;
+  if (kind == 'f' && size == 8) return DType::kF64;
+  if (kind == 'f' && size == 2) return DType::kF16;
+  if (kind == 'b' && size == 1) return DType::kBool;
+  if (kind == 'i' && size == 4) return DType::kI32;
+  if (kind == 'i' && size == 8) return DType::kI64;
+  if (kind == 'u' && size == 1) return DType::kU8;
+  const std::string type_name = pyb::str(dt.attr("name"));
+  if (size == 2 && type_name == "bfloat16") return DType::kBF16;
+  fail(ErrorKind::kTypeError, name, ": unsupported numpy dtype ", type_name);
+}
+
+namespace {
+
+pyb::dtype numpy_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return pyb::dtype::of<float>();
+    case DType::kF64: return pyb::dtype::of<double>();
+    case DType::kBool: return pyb::dtype::of<bool>();
+    case DType::kI32: return pyb::dtype::of<int32_t>();
+    case DType::kI64: return pyb::dtype::of<int64_t>();
+    case DType::kU8: return pyb::dtype::of<uint8_t>();
+    case DType::kF16: return pyb::dtype("float16");
+    case DType::kBF16: break;
+  }
+  fail(ErrorKind::kInternal, "no numpy dtype for ", to_string(dtype));
+}
+
+// Whether a TensorView can describe `a` as it is (element strides, non-negative, aligned).
+bool viewable(const pyb::array& a) {
+  const auto item = a.itemsize();
+  if (reinterpret_cast<uintptr_t>(a.data()) % uintptr_t(item) != 0) return false;
+  for (pyb::ssize_t d = 0; d < a.ndim(); ++d) {
+    if (a.shape(d) == 1) continue;  // the stride of a size-1 dimension is never used
+    if (a.strides(d) < 0 || a.strides(d) % item != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+TensorView view_of(const pyb::object& obj, const char* name, ArrayKeeper& keeper) {
+  if (obj.is_none()) return {};
+  check(pyb::isinstance<pyb::array>(obj), ErrorKind::kTypeError, name, ": expected a numpy array, got ",
+        std::string(pyb::str(obj.get_type().attr("__name__"))));
+  pyb::array a = pyb::reinterpret_borrow<pyb::array>(obj);
+  const DType dtype = dtype_of(a.dtype(), name);
+  if (!viewable(a)) a = pyb::module_::import("numpy").attr("ascontiguousarray")(a).cast<pyb::array>();
+  keeper.arrays.push_back(a);
+  Shape shape(size_t(a.ndim())), strides(size_t(a.ndim()));
+  for (pyb::ssize_t d = 0; d < a.ndim(); ++d) {
+    shape[size_t(d)] = a.shape(d);
+    strides[size_t(d)] = a.shape(d) == 1 ? 0 : a.strides(d) / a.itemsize();
+  }
+  return TensorView(const_cast<void*>(a.data()), dtype, std::move(shape), std::move(strides));
+}
+
+pyb::array new_array(DType dtype, const Shape& shape, TensorView* view) {
+  std::vector<pyb::ssize_t> dims(shape.begin(), shape.end());
+  pyb::array a(numpy_dtype(dtype), dims);
+  if (view) *view = TensorView(a.mutable_data(), dtype, shape, contiguous_strides(shape));
+  return a;
+}
+
+}  // namespace sattn::py

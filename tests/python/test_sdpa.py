@@ -1,0 +1,295 @@
+"""sattn.scaled_dot_product_attention & co. against a float64 numpy transcription of PyTorch 2.x's documented SDPA
+reference (sdpa_reference.py), over random problems nobody hand-picked; against torch >= 2.1 when importable."""
+import numpy as np
+import pytest
+
+import sattn
+from sdpa_reference import max_rel_err, random_problem, sdpa
+
+N_FORWARD = 240
+TOL = {np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-10}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The sweeps' problems are tiny: on a loaded 2-core machine OpenMP threads only add waiting. Thread-count
+    independence is tested in test_core.py."""
+    sattn.set_num_threads(1)
+    yield
+    sattn.set_num_threads(None)
+
+
+def _reference_kwargs(kw):
+    return {k: kw[k] for k in ("attn_mask", "is_causal", "scale", "enable_gqa", "causal_alignment",
+                               "key_padding_mask", "key_lengths") if k in kw}
+
+
+@pytest.mark.parametrize("seed", range(N_FORWARD))
+def test_forward_matches_reference(seed):
+    q, k, v, kw = random_problem(seed)
+    out, lse = sattn.scaled_dot_product_attention(q, k, v, **kw, return_lse=True)
+    ref_out, ref_lse, ref_w = sdpa(q, k, v, **_reference_kwargs(kw))
+    tol = TOL[q.dtype]
+    assert out.dtype == q.dtype and lse.dtype == q.dtype
+    assert out.shape == q.shape[:-1] + (v.shape[-1],)
+    assert lse.shape == q.shape[:-1]
+    assert np.all(np.isfinite(out)), "fully masked rows must give 0, never NaN"
+    assert max_rel_err(out, ref_out) <= tol
+    assert max_rel_err(lse, ref_lse) <= tol
+    dead = np.isneginf(ref_lse)
+    assert np.all(np.isneginf(lse[dead]))
+    assert np.all(out[dead] == 0)
+    if seed % 3 == 0:  # weights on a third of the problems (they materialise Lq x Lk)
+        w = sattn.attention_weights(q, k, **kw)
+        assert w.shape == ref_w.shape
+        assert max_rel_err(w, ref_w) <= tol
+
+
+def test_random_problems_cover_the_options():
+    """The random sweep really exercises every option (guards against a generator that silently narrows)."""
+    seen = set()
+    for seed in range(N_FORWARD):
+        q, k, v, kw = random_problem(seed)
+        seen.add(("ndim", q.ndim))
+        seen.add(("gqa", q.ndim >= 3 and q.shape[-3] != k.shape[-3]))
+        seen.add(("lq!=lk", q.shape[-2] != k.shape[-2]))
+        seen.add(("dv!=d", v.shape[-1] != q.shape[-1]))
+        seen.add(("causal", kw.get("is_causal", False) and kw["causal_alignment"]))
+        m = kw.get("attn_mask")
+        if m is not None:
+            seen.add(("mask", m.dtype == np.bool_, m.ndim))
+            seen.add(("mask-inf", bool(np.isneginf(m).any()) if m.dtype != np.bool_ else None))
+            seen.add(("mask-broadcast", any(s == 1 for s in m.shape)))
+        seen.add(("kpm", "key_padding_mask" in kw, "key_lengths" in kw))
+        seen.add(("noncontig", not q.flags.c_contiguous))
+        seen.add(("negstride", any(s < 0 for s in q.strides + k.strides + v.strides)))
+        seen.add(("dtype", q.dtype.name))
+        ref_out, ref_lse, _ = sdpa(q, k, v, **_reference_kwargs(kw))
+        seen.add(("dead-row", bool(np.isneginf(ref_lse).any())))
+    for item in [("ndim", 2), ("ndim", 3), ("ndim", 4), ("ndim", 5), ("gqa", True), ("lq!=lk", True),
+                 ("dv!=d", True), ("causal", "top_left"), ("causal", "bottom_right"), ("mask-inf", True),
+                 ("mask-broadcast", True), ("kpm", True, False), ("kpm", False, True), ("noncontig", True),
+                 ("negstride", True), ("dtype", "float32"), ("dtype", "float64"), ("dead-row", True)]:
+        assert item in seen, item
+    for nd in (1, 2, 3, 4):
+        assert ("mask", True, nd) in seen or ("mask", False, nd) in seen
+
+
+def test_fully_masked_rows_are_zero_not_nan():
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((2, 3, 5, 8)).astype(np.float32) for _ in range(3))
+    mask = np.ones((5, 5), bool)
+    mask[2] = False
+    out, lse = sattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_lse=True)
+    assert np.all(out[:, :, 2] == 0) and np.all(np.isneginf(lse[:, :, 2]))
+    assert np.all(np.isfinite(out))
+    dq, dk, dv = sattn.scaled_dot_product_attention_backward(np.ones_like(out), q, k, v, out, lse, attn_mask=mask)
+    assert np.all(dq[:, :, 2] == 0) and all(np.all(np.isfinite(g)) for g in (dq, dk, dv))
+    # All keys padded (key_lengths = 0) for batch entry 1.
+    out = sattn.scaled_dot_product_attention(q, k, v, key_lengths=np.array([5, 0]))
+    assert np.all(out[1] == 0) and np.any(out[0] != 0)
+
+
+def test_leading_dimension_forms_agree_with_4d():
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((2, 3, 4, 7, 8)).astype(np.float32)
+    k = rng.standard_normal((2, 3, 4, 9, 8)).astype(np.float32)
+    v = rng.standard_normal((2, 3, 4, 9, 5)).astype(np.float32)
+    mask = rng.standard_normal((3, 1, 7, 9)).astype(np.float32)  # broadcast over the outer batch dim and heads
+    out5 = sattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    m4 = np.broadcast_to(mask, (2, 3, 4, 7, 9)).reshape(6, 4, 7, 9)
+    out4 = sattn.scaled_dot_product_attention(q.reshape(6, 4, 7, 8), k.reshape(6, 4, 9, 8), v.reshape(6, 4, 9, 5),
+                                              attn_mask=m4)
+    np.testing.assert_array_equal(out5.reshape(6, 4, 7, 5), out4)
+    out3 = sattn.scaled_dot_product_attention(q[0, 0], k[0, 0], v[0, 0])
+    out2 = sattn.scaled_dot_product_attention(q[0, 0, 1], k[0, 0, 1], v[0, 0, 1])
+    ref4 = sattn.scaled_dot_product_attention(q[0, :1], k[0, :1], v[0, :1])
+    np.testing.assert_array_equal(out3, ref4[0])
+    np.testing.assert_array_equal(out2, ref4[0, 1])
+
+
+def test_noncontiguous_inputs_give_the_same_result():
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal((2, 11, 4, 16)).astype(np.float32)  # PyTorch's (B, L, H, E) storage
+    q = base.transpose(0, 2, 1, 3)
+    k = base[:, ::-1].transpose(0, 2, 1, 3)  # negative stride: copied
+    v = base[..., ::2].transpose(0, 2, 1, 3)
+    out = sattn.scaled_dot_product_attention(q, k, v)
+    ref = sattn.scaled_dot_product_attention(*(np.ascontiguousarray(x) for x in (q, k, v)))
+    np.testing.assert_array_equal(out, ref)
+
+
+def test_explicit_scale_and_default_scale():
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((1, 2, 6, 10)) for _ in range(3))
+    a = sattn.scaled_dot_product_attention(q, k, v)
+    b = sattn.scaled_dot_product_attention(q, k, v, scale=1 / np.sqrt(10))
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-14)
+    c = sattn.scaled_dot_product_attention(q, k, v, scale=0.9)
+    assert max_rel_err(c, sdpa(q, k, v, scale=0.9)[0]) <= 1e-12
+
+
+def test_is_causal_intersects_attn_mask():
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((1, 2, 6, 4)) for _ in range(3))
+    mask = rng.random((6, 6)) > 0.3
+    out = sattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    both = mask & np.tril(np.ones((6, 6), bool))
+    ref = sattn.scaled_dot_product_attention(q, k, v, attn_mask=both)
+    np.testing.assert_array_equal(out, ref)
+
+
+def test_half_precision_is_upconverted_and_cast_back():
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((2, 2, 9, 16)).astype(np.float16) for _ in range(3))
+    out, lse = sattn.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+    assert out.dtype == np.float16 and lse.dtype == np.float32
+    ref = sattn.scaled_dot_product_attention(*(x.astype(np.float32) for x in (q, k, v)), is_causal=True)
+    np.testing.assert_array_equal(out, ref.astype(np.float16))
+    grads = sattn.scaled_dot_product_attention_backward(np.ones_like(out), q, k, v, out, lse, is_causal=True)
+    assert all(g.dtype == np.float16 for g in grads)
+
+
+def test_bfloat16_if_ml_dtypes_is_installed():
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes not installed: bfloat16 input not tested")
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((1, 2, 9, 16)).astype(ml_dtypes.bfloat16) for _ in range(3))
+    out = sattn.scaled_dot_product_attention(q, k, v)
+    assert out.dtype == np.dtype(ml_dtypes.bfloat16)
+    ref = sattn.scaled_dot_product_attention(*(x.astype(np.float32) for x in (q, k, v)))
+    np.testing.assert_array_equal(out, ref.astype(ml_dtypes.bfloat16))
+
+
+# ---- dropout ------------------------------------------------------------------------------------------------
+
+
+def _dropout_problem():
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((2, 3, 40, 16)).astype(np.float32)
+    k = rng.standard_normal((2, 3, 50, 16)).astype(np.float32)
+    v = rng.standard_normal((2, 3, 50, 8)).astype(np.float32)
+    return q, k, v
+
+
+def test_dropout_is_deterministic_per_seed():
+    q, k, v = _dropout_problem()
+    a = sattn.scaled_dot_product_attention(q, k, v, dropout_p=0.3, seed=11)
+    b = sattn.scaled_dot_product_attention(q, k, v, dropout_p=0.3, seed=11)
+    c = sattn.scaled_dot_product_attention(q, k, v, dropout_p=0.3, seed=12)
+    np.testing.assert_array_equal(a, b)
+    assert np.mean(a != c) > 0.5
+    # and independent of the thread count
+    d = sattn.scaled_dot_product_attention(q, k, v, dropout_p=0.3, seed=11, num_threads=1)
+    np.testing.assert_array_equal(a, d)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_keeps_1_minus_p_and_matches_reference(p):
+    q, k, v = _dropout_problem()
+    mask = np.random.default_rng(9).random((40, 50)) > 0.2
+    w0 = sattn.attention_weights(q, k, attn_mask=mask)
+    w = sattn.attention_weights(q, k, attn_mask=mask, dropout_p=p, seed=5)
+    live = w0 != 0
+    keep = w != 0
+    n = live.sum()
+    frac = keep[live].mean()
+    assert abs(frac - (1 - p)) < 5 * np.sqrt(p * (1 - p) / n) + 1e-3, frac
+    np.testing.assert_allclose(w[keep], w0[keep] / (1 - p), rtol=1e-6)
+    keep_full = np.where(live, keep, True)
+    out = sattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, seed=5)
+    ref, _, _ = sdpa(q, k, v, attn_mask=mask, dropout_p=p, keep=keep_full)
+    assert max_rel_err(out, ref) <= 2e-5
+
+
+# ---- torch >= 2.1 (if importable) -------------------------------------------------------------------------
+
+
+def _torch_sdpa_or_skip():
+    torch = pytest.importorskip("torch", reason="torch not installed: comparison with torch SDPA skipped")
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if version < (2, 1) or not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
+        pytest.skip(f"torch {torch.__version__} has no scaled_dot_product_attention (need >= 2.1); compared with "
+                    "the numpy transcription of its reference instead")
+    return torch
+
+
+def _to_4d(x):
+    x = x.reshape((1,) * max(0, 4 - x.ndim) + x.shape)
+    return np.array(x.reshape((-1,) + x.shape[-3:]), order="C")  # a writable copy for torch.from_numpy
+
+
+@pytest.mark.parametrize("seed", range(0, N_FORWARD, 4))
+def test_forward_matches_torch_sdpa(seed):
+    torch = _torch_sdpa_or_skip()
+    from sdpa_reference import attn_bias
+
+    q, k, v, kw = random_problem(seed)
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    out = sattn.scaled_dot_product_attention(q, k, v, **kw)
+    # torch gets sattn's extensions (bottom-right, padding, causal + mask) as one additive float64 mask of the
+    # weights' full shape; everything goes in as 4-D (B, H, L, E).
+    bias = attn_bias(q.shape[-2], k.shape[-2], kw.get("attn_mask"), kw.get("is_causal", False),
+                     kw.get("causal_alignment", "top_left"), kw.get("key_padding_mask"), kw.get("key_lengths"))
+    weights_shape = q.shape[:-1] + (k.shape[-2],)
+    bias = np.broadcast_to(bias, np.broadcast_shapes(bias.shape, weights_shape)).reshape(weights_shape)
+    if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:  # enable_gqa needs torch 2.5: repeat instead
+        k, v = (np.repeat(x, q.shape[-3] // x.shape[-3], axis=-3) for x in (k, v))
+    q4, k4, v4, b4 = (torch.from_numpy(_to_4d(x)) for x in (q, k, v, bias))
+    sdpa_torch = torch.nn.functional.scaled_dot_product_attention
+    t = sdpa_torch(q4, k4, v4, attn_mask=b4, scale=kw.get("scale")).numpy().reshape(out.shape)
+    live = np.isfinite(t).all(axis=-1)  # torch gives NaN where sattn gives 0 (fully masked rows)
+    assert max_rel_err(out[live], t[live]) <= 1e-10
+    assert np.all(out[~live] == 0)
+    if kw.get("is_causal") and kw["causal_alignment"] == "top_left" and set(kw) <= {"is_causal", "causal_alignment",
+                                                                                      "enable_gqa", "scale"}:
+        t2 = sdpa_torch(q4, k4, v4, is_causal=True, scale=kw.get("scale")).numpy().reshape(out.shape)
+        live = np.isfinite(t2).all(axis=-1)
+        assert max_rel_err(out[live], t2[live]) <= 1e-10
+
+
+def test_strided_inputs_are_not_copied():
+    """Inputs a strided view can describe (transposed, sliced, broadcast) reach the kernels without a copy: the
+    numpy memory allocated during the call (traced by tracemalloc) is the output alone. A negative stride forces
+    a copy, which the same measurement sees (so the check can fail)."""
+    import tracemalloc
+
+    rng = np.random.default_rng(10)
+    base = rng.standard_normal((2, 256, 4, 128)).astype(np.float32)  # (B, L, H, 2E) storage
+    q = base[..., ::2].transpose(0, 2, 1, 3)  # (B, H, L, E), neither contiguous nor dense
+    k = base[..., 1::2].transpose(0, 2, 1, 3)
+    v = np.broadcast_to(rng.standard_normal((1, 1, 256, 64)).astype(np.float32), (2, 4, 256, 64))
+    mask = np.broadcast_to(rng.random((256, 1)) > 0.1, (256, 256))
+
+    def traced_peak(*args, **kw):
+        tracemalloc.start()
+        try:
+            out = sattn.scaled_dot_product_attention(*args, **kw)
+            return tracemalloc.get_traced_memory()[1], out
+        finally:
+            tracemalloc.stop()
+
+    peak, out = traced_peak(q, k, v, attn_mask=mask)
+    assert peak < out.nbytes + 64 * 1024, (peak, out.nbytes)
+    peak_rev, _ = traced_peak(q[:, :, ::-1], k, v, attn_mask=mask)
+    assert peak_rev >= out.nbytes + q.nbytes
+
+
+def test_scalar_float_mask_and_its_gradient():
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((2, 2, 4, 8)) for _ in range(3))
+    bias = np.array(0.7)
+    out, lse = sattn.scaled_dot_product_attention(q, k, v, attn_mask=bias, return_lse=True)
+    ref_out, ref_lse, _ = sdpa(q, k, v, attn_mask=bias)
+    assert max_rel_err(out, ref_out) <= 1e-12 and max_rel_err(lse, ref_lse) <= 1e-12
+    *_, dmask = sattn.scaled_dot_product_attention_backward(np.ones_like(out), q, k, v, out, lse, attn_mask=bias)
+    assert dmask.shape == () and abs(float(dmask)) < 1e-10  # a constant bias does not change softmax
+
+
+def test_big_endian_inputs_are_converted():
+    rng = np.random.default_rng(12)
+    q, k, v = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
+    bias = rng.standard_normal((5, 5))
+    out = sattn.scaled_dot_product_attention(*(x.astype(">f8") for x in (q, k, v)), attn_mask=bias.astype(">f4"),
+                                             key_lengths=np.array([4], ">i8"))
+    ref = sattn.scaled_dot_product_attention(q, k, v, attn_mask=bias.astype(np.float32), key_lengths=np.array([4]))
+    np.testing.assert_array_equal(out, ref)
