@@ -23,7 +23,7 @@ def dumps(tensors, metadata=None, header_override=None):
         header["__metadata__"] = dict(metadata)
     blobs, offset = [], 0
     for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name])
+        a = np.asarray(tensors[name], order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
         a = a.astype(a.dtype.newbyteorder("<")) if a.dtype.byteorder == ">" else a
         raw = a.tobytes()
         header[name] = {"dtype": NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + len(raw)]}
