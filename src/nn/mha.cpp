@@ -47,29 +47,31 @@ Tensor normal_tensor(const Shape& shape, double stddev, uint64_t seed, uint32_t 
 }
 
 // y[r, :] = x[r, :] W^T + b for r < rows; x dense [rows, in], W dense [out, in], y rows `y_stride` apart.
-// Accumulates in double.
+// Accumulates in double. W is transposed once so that the inner loop is a contiguous axpy over the outputs
+// (vectorises without reassociating sums); blocks of kRows rows share each pass over W. The summation order
+// does not depend on the thread count.
 template <typename T>
 void linear(const T* x, int64_t rows, int64_t in, const T* w, const T* b, int64_t out, T* y, int64_t y_stride,
             int threads) {
-  constexpr int64_t kRowBlock = 8;
-  parallel_for((rows + kRowBlock - 1) / kRowBlock, threads, [&](int64_t blk) {
-    const int64_t r1 = std::min(rows, (blk + 1) * kRowBlock);
-    for (int64_t r = blk * kRowBlock; r < r1; ++r) {
-      const T* xr = x + r * in;
-      for (int64_t o = 0; o < out; ++o) {
-        const T* wo = w + o * in;
-        double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-        int64_t i = 0;
-        for (; i + 4 <= in; i += 4) {
-          a0 += double(xr[i]) * double(wo[i]);
-          a1 += double(xr[i + 1]) * double(wo[i + 1]);
-          a2 += double(xr[i + 2]) * double(wo[i + 2]);
-          a3 += double(xr[i + 3]) * double(wo[i + 3]);
-        }
-        for (; i < in; ++i) a0 += double(xr[i]) * double(wo[i]);
-        y[r * y_stride + o] = T((a0 + a1) + (a2 + a3) + (b ? double(b[o]) : 0.0));
+  constexpr int64_t kRows = 8;
+  std::vector<double> wt(size_t(in * out));
+  for (int64_t o = 0; o < out; ++o)
+    for (int64_t i = 0; i < in; ++i) wt[size_t(i * out + o)] = double(w[o * in + i]);
+  parallel_for((rows + kRows - 1) / kRows, threads, [&](int64_t blk) {
+    const int64_t r0 = blk * kRows, nr = std::min(kRows, rows - r0);
+    std::vector<double> acc(size_t(kRows * out));
+    for (int64_t rr = 0; rr < nr; ++rr)
+      for (int64_t o = 0; o < out; ++o) acc[size_t(rr * out + o)] = b ? double(b[o]) : 0.0;
+    for (int64_t i = 0; i < in; ++i) {
+      const double* wi = wt.data() + i * out;
+      for (int64_t rr = 0; rr < nr; ++rr) {
+        const double xv = double(x[(r0 + rr) * in + i]);
+        double* a = acc.data() + rr * out;
+        for (int64_t o = 0; o < out; ++o) a[o] += xv * wi[o];
       }
     }
+    for (int64_t rr = 0; rr < nr; ++rr)
+      for (int64_t o = 0; o < out; ++o) y[(r0 + rr) * y_stride + o] = T(acc[size_t(rr * out + o)]);
   });
 }
 
