@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -48,6 +49,8 @@ class MultiheadAttention {
                                                    bool need_weights = true, const TensorView& attn_mask = {},
                                                    bool average_attn_weights = true, bool is_causal = false) const;
 
+  // Thread safety: forward() may run concurrently from several threads; loading or re-initialising the
+  // weights waits for running forwards (and vice versa).
   MultiheadAttention& train(bool mode = true) { training_ = mode; return *this; }
   MultiheadAttention& eval() { return train(false); }
   bool training() const { return training_; }
@@ -94,10 +97,11 @@ class MultiheadAttention {
   double dropout_;
   bool bias_, add_bias_kv_, add_zero_attn_, batch_first_;
   DType dtype_;
-  bool training_ = true;  // torch modules start in training mode
+  std::atomic<bool> training_{true};  // torch modules start in training mode
   std::vector<std::pair<std::string, Tensor>> params_;
   uint64_t dropout_seed_ = 0;
   mutable std::atomic<uint64_t> calls_{0};
+  mutable std::shared_mutex mutex_;  // guards params_
 };
 
 }  // namespace sattn::nn

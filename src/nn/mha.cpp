@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <set>
 
 #include "core/threads.hpp"
@@ -252,7 +253,7 @@ MultiheadAttention::MultiheadAttention(const MultiheadAttention& o)
       add_zero_attn_(o.add_zero_attn_),
       batch_first_(o.batch_first_),
       dtype_(o.dtype_),
-      training_(o.training_),
+      training_(o.training_.load()),
       params_(o.state_dict()),
       dropout_seed_(o.dropout_seed_),
       calls_(o.calls_.load()) {
@@ -271,8 +272,10 @@ MultiheadAttention& MultiheadAttention::operator=(const MultiheadAttention& o) {
   add_zero_attn_ = o.add_zero_attn_;
   batch_first_ = o.batch_first_;
   dtype_ = o.dtype_;
-  training_ = o.training_;
-  params_ = o.state_dict();
+  training_ = o.training_.load();
+  auto copied = o.state_dict();
+  std::unique_lock lock(mutex_);
+  params_ = std::move(copied);
   dropout_seed_ = o.dropout_seed_;
   calls_ = o.calls_.load();
   num_threads = o.num_threads;
@@ -309,6 +312,7 @@ const Tensor& MultiheadAttention::param(const std::string& name) const {
 }
 
 void MultiheadAttention::reset_parameters(uint64_t seed) {
+  std::unique_lock lock(mutex_);
   const int64_t E = embed_dim_;
   const uint64_t key = splitmix64(seed ^ 0x6d68615f696e6974ull);
   const auto set = [&](const std::string& name, const Tensor& f64) { param(name) = f64.to(dtype_); };
@@ -342,6 +346,7 @@ void MultiheadAttention::set_dropout_seed(uint64_t seed) {
 }
 
 std::vector<std::pair<std::string, Tensor>> MultiheadAttention::state_dict() const {
+  std::shared_lock lock(mutex_);
   std::vector<std::pair<std::string, Tensor>> out;
   for (const auto& [n, t] : params_) out.emplace_back(n, Tensor::from_view(t.view()));
   return out;
@@ -384,6 +389,7 @@ void MultiheadAttention::load_state_dict(const std::map<std::string, TensorView>
   }
   std::vector<std::pair<std::string, Tensor>> fresh;
   for (const auto& [name, shape] : expected) fresh.emplace_back(name, Tensor::from_view(tensors.at(name)).to(dtype_));
+  std::unique_lock lock(mutex_);
   params_ = std::move(fresh);
 }
 
@@ -396,8 +402,9 @@ void MultiheadAttention::load_state_dict(const std::map<std::string, Tensor>& te
 void MultiheadAttention::load_safetensors(const std::string& path) { load_state_dict(read_safetensors(path).tensors); }
 
 void MultiheadAttention::save_safetensors(const std::string& path) const {
+  const auto params = state_dict();
   std::map<std::string, TensorView> views;
-  for (const auto& [n, t] : params_) views.emplace(n, t.view());
+  for (const auto& [n, t] : params) views.emplace(n, t.view());
   write_safetensors(path, views, {{"format", "pt"}});
 }
 
@@ -497,6 +504,7 @@ std::pair<Tensor, std::optional<Tensor>> MultiheadAttention::forward(const Tenso
   const double p = training_ ? dropout_ : 0.0;
   const uint64_t seed = p > 0 ? splitmix64(dropout_seed_ ^ splitmix64(calls_.fetch_add(1))) : 0;
   const int threads = resolve_num_threads(num_threads);
+  std::shared_lock lock(mutex_);
   auto [y, w] = query.dtype == DType::kF64
                     ? run<double>(*this, z, xq, xk, xv, params_, kpm, attn_mask, need_weights, p, seed, threads)
                     : run<float>(*this, z, xq, xk, xv, params_, kpm, attn_mask, need_weights, p, seed, threads);
