@@ -196,6 +196,13 @@ std::pair<Tensor, std::optional<Tensor>> run(const MultiheadAttention& m, const 
 
   // Attention, written straight into [N, L, E] (head h at columns h*hd..) for the out-projection.
   Tensor attn(dt, {N, L, E});
+  if (need_weights) {  // refuse before allocating (the kernel would refuse its own L x L buffers the same way)
+    const double bytes = double(N) * double(H) * double(L) * double(Sp) * double(sizeof(T));
+    const double limit = 0.5 * double(physical_memory_bytes());
+    check(bytes <= limit, ErrorKind::kOutOfMemory, "need_weights: the attention weights [N, H, L, S'] = [", N, ", ",
+          H, ", ", L, ", ", Sp, "] need ", bytes / 1e9, " GB, over half of physical memory (", limit / 1e9,
+          " GB); call with need_weights=False");
+  }
   Tensor weights = need_weights ? Tensor(dt, {N, H, L, Sp}) : Tensor();
   const TensorView out4(attn.data(), dt, {N, H, L, hd}, {L * E, hd, E, 1});
   if (dropout_p < 1.0) {

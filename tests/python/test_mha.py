@@ -568,3 +568,10 @@ def test_load_safetensors_errors():
         safetensors_py.save(path, sd)
         with pytest.raises(ValueError, match="unexpected key.*'extra.weight'"):
             s.load_safetensors(path)
+
+
+def test_huge_need_weights_is_refused_before_allocating():
+    s = sattn.MultiheadAttention(2, 1)
+    x = np.zeros((1 << 19, 1, 2), np.float32)  # weights would be [1, 1, 2^19, 2^19] float32 = 1.1 TB
+    with pytest.raises(MemoryError, match="need_weights"):
+        s(x, x, x)
