@@ -231,8 +231,9 @@ def test_parity_self_attention_eval_fast_path(kpm):
     t.eval()
     s.eval()
     x = rng.standard_normal((N, L, E)).astype(np.float32)
-    check_parity(t, s, x, x, x, key_padding_mask=None if kpm == "none" else bool_kpm(rng, (N, L)))
-    check_parity(t, s, x, x, x, need_weights=False)
+    kp = None if kpm == "none" else bool_kpm(rng, (N, L))
+    check_parity(t, s, x, x, x, key_padding_mask=kp)
+    check_parity(t, s, x, x, x, key_padding_mask=kp, need_weights=False)
 
 
 @needs_torch
