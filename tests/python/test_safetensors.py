@@ -108,3 +108,19 @@ def test_malformed_files_raise_value_error_naming_file_and_problem(tmp_path, cas
 def test_good_handcrafted_file_reads(tmp_path):
     path = write_raw(tmp_path, header_bytes(GOOD, struct.pack("<2f", 1.5, -2.0)))
     np.testing.assert_array_equal(sattn.read_safetensors(path)["a"], [1.5, -2.0])
+
+
+def test_against_pypi_safetensors_when_installed(tmp_path):
+    """Optional third implementation: the reference `safetensors` package (not a dependency)."""
+    st = pytest.importorskip("safetensors.numpy", reason="PyPI safetensors not installed: cross-check skipped")
+    ts = {k: v for k, v in sample_tensors(np.random.default_rng(2)).items()}
+    a = str(tmp_path / "ref.safetensors")
+    st.save_file(ts, a, metadata={"m": "1"})
+    got = sattn.read_safetensors(a)
+    for name, x in ts.items():
+        np.testing.assert_array_equal(got[name], x)
+    b = str(tmp_path / "ours.safetensors")
+    sattn.write_safetensors(b, ts)
+    back = st.load_file(b)
+    for name, x in ts.items():
+        np.testing.assert_array_equal(back[name], x)
