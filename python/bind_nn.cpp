@@ -1,5 +1,192 @@
+// Python bindings for the nn area: sattn.MultiheadAttention and safetensors I/O.
+#include <pybind11/stl.h>
+
+#include <map>
+#include <optional>
+#include <string>
+
 #include "bindings.hpp"
+#include "numpy_util.hpp"
+#include "sattn/error.hpp"
+#include "sattn/mha.hpp"
+#include "sattn/safetensors.hpp"
 
 namespace sattn::py {
-void bind_nn(pybind11::module_& m) { (void)m; }
+namespace pyb = pybind11;
+using namespace pybind11::literals;
+
+namespace {
+
+// Optional array argument: None -> empty view.
+NumpyView optional_view(const pyb::object& obj, const char* what) {
+  if (obj.is_none()) return {pyb::array(), TensorView()};
+  return numpy_view(obj, what);
+}
+
+DType parse_param_dtype(const pyb::object& obj) {
+  if (obj.is_none()) return DType::kF32;
+  const pyb::dtype dt = pyb::dtype::from_args(obj);
+  const DType t = dtype_from_numpy(dt, "dtype");
+  check(t == DType::kF32 || t == DType::kF64, ErrorKind::kTypeError, "dtype: expected float32 or float64, got ",
+        std::string(pyb::str(static_cast<const pyb::handle&>(dt))));
+  return t;
+}
+
+std::map<std::string, NumpyView> dict_views(const pyb::dict& d, const char* what) {
+  std::map<std::string, NumpyView> out;
+  for (const auto& [k, v] : d) {
+    check(pyb::isinstance<pyb::str>(k), ErrorKind::kTypeError, what, ": keys must be str, got ",
+          std::string(pyb::str(pyb::type::of(k))));
+    const std::string name = k.cast<std::string>();
+    out.emplace(name, numpy_view(v, (std::string(what) + "['" + name + "']").c_str()));
+  }
+  return out;
+}
+
+}  // namespace
+
+void bind_nn(pyb::module_& m) {
+  using MHA = nn::MultiheadAttention;
+
+  pyb::class_<MHA>(m, "MultiheadAttention", R"doc(
+torch.nn.MultiheadAttention (PyTorch 1.13 semantics) on sattn's exact attention; numpy in and out.
+
+MultiheadAttention(embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
+                   kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, seed=0)
+
+Bool masks keep torch MHA's polarity: True = may NOT attend / is padding. A query row with no allowed key
+gives zeros where torch gives NaN. See docs/mha.md.)doc")
+      .def(pyb::init([](int64_t embed_dim, int64_t num_heads, double dropout, bool bias, bool add_bias_kv,
+                        bool add_zero_attn, std::optional<int64_t> kdim, std::optional<int64_t> vdim,
+                        bool batch_first, const pyb::object& device, const pyb::object& dtype, uint64_t seed) {
+             if (!device.is_none())
+               check(std::string(pyb::str(device)) == "cpu", ErrorKind::kInvalidArgument,
+                     "device: sattn runs on the CPU; expected None or 'cpu', got '", std::string(pyb::str(device)),
+                     "'");
+             return MHA(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first,
+                        parse_param_dtype(dtype), seed);
+           }),
+           "embed_dim"_a, "num_heads"_a, "dropout"_a = 0.0, "bias"_a = true, "add_bias_kv"_a = false,
+           "add_zero_attn"_a = false, "kdim"_a = pyb::none(), "vdim"_a = pyb::none(), "batch_first"_a = false,
+           "device"_a = pyb::none(), "dtype"_a = pyb::none(), pyb::kw_only(), "seed"_a = 0)
+      .def(
+          "forward",
+          [](const MHA& self, const pyb::object& query, const pyb::object& key, const pyb::object& value,
+             const pyb::object& key_padding_mask, bool need_weights, const pyb::object& attn_mask,
+             bool average_attn_weights, bool is_causal) -> pyb::tuple {
+            const NumpyView q = numpy_view(query, "query");
+            const NumpyView k = key.is(query) ? q : numpy_view(key, "key");
+            const NumpyView v = value.is(key) ? k : numpy_view(value, "value");
+            const NumpyView kpm = optional_view(key_padding_mask, "key_padding_mask");
+            const NumpyView am = optional_view(attn_mask, "attn_mask");
+            std::pair<Tensor, std::optional<Tensor>> r;
+            {
+              pyb::gil_scoped_release release;
+              r = self.forward(q.view, k.view, v.view, kpm.view, need_weights, am.view, average_attn_weights,
+                               is_causal);
+            }
+            return pyb::make_tuple(to_numpy(r.first), r.second ? pyb::object(to_numpy(*r.second)) : pyb::none());
+          },
+          "query"_a, "key"_a, "value"_a, "key_padding_mask"_a = pyb::none(), "need_weights"_a = true,
+          "attn_mask"_a = pyb::none(), "average_attn_weights"_a = true, "is_causal"_a = false,
+          "Returns (attn_output, attn_weights or None); shapes as torch.nn.MultiheadAttention.forward.")
+      .def("__call__", [](pyb::object self, pyb::args args, pyb::kwargs kwargs) {
+        return self.attr("forward")(*args, **kwargs);
+      })
+      .def(
+          "train", [](MHA& self, bool mode) -> MHA& { return self.train(mode); }, "mode"_a = true,
+          pyb::return_value_policy::reference_internal)
+      .def("eval", &MHA::eval, pyb::return_value_policy::reference_internal)
+      .def_property_readonly("training", &MHA::training)
+      .def_property_readonly("embed_dim", &MHA::embed_dim)
+      .def_property_readonly("num_heads", &MHA::num_heads)
+      .def_property_readonly("head_dim", &MHA::head_dim)
+      .def_property_readonly("kdim", &MHA::kdim)
+      .def_property_readonly("vdim", &MHA::vdim)
+      .def_property_readonly("dropout", &MHA::dropout)
+      .def_property_readonly("batch_first", &MHA::batch_first)
+      .def_property_readonly("add_zero_attn", &MHA::add_zero_attn)
+      .def_property_readonly("_qkv_same_embed_dim", &MHA::qkv_same_embed_dim)
+      .def_property_readonly("dtype", [](const MHA& self) { return numpy_dtype(self.dtype()); })
+      .def_readwrite("num_threads", &MHA::num_threads)
+      .def(
+          "state_dict",
+          [](const MHA& self) {
+            pyb::dict d;
+            for (const auto& [name, t] : self.state_dict()) d[pyb::str(name)] = to_numpy(t);
+            return d;
+          },
+          "A dict of numpy arrays with torch's state_dict key names (copies).")
+      .def(
+          "load_state_dict",
+          [](MHA& self, const pyb::dict& state_dict, bool strict) {
+            std::map<std::string, NumpyView> views = dict_views(state_dict, "state_dict");
+            std::map<std::string, TensorView> tv;
+            std::vector<std::pair<std::string, Tensor>> current;
+            if (!strict) {  // as torch: ignore unknown keys, keep current values for missing ones
+              current = self.state_dict();
+              for (const auto& [name, t] : current)
+                tv[name] = views.count(name) ? views.at(name).view : t.view();
+            } else {
+              for (const auto& [name, nv] : views) tv[name] = nv.view;
+            }
+            pyb::gil_scoped_release release;
+            self.load_state_dict(tv);
+          },
+          "state_dict"_a, "strict"_a = true,
+          "Copies parameters from a dict of arrays keyed by torch's names; strict: error on missing or "
+          "unexpected keys (a wrong shape is always an error).")
+      .def(
+          "load_safetensors",
+          [](MHA& self, const std::string& path) {
+            pyb::gil_scoped_release release;
+            self.load_safetensors(path);
+          },
+          "path"_a, "Loads a torch state_dict saved as safetensors.")
+      .def(
+          "save_safetensors",
+          [](const MHA& self, const std::string& path) {
+            pyb::gil_scoped_release release;
+            self.save_safetensors(path);
+          },
+          "path"_a)
+      .def("reset_parameters", &MHA::reset_parameters, "seed"_a = 0)
+      .def("set_dropout_seed", &MHA::set_dropout_seed, "seed"_a)
+      .def("__repr__", [](const MHA& self) {
+        return detail::concat("MultiheadAttention(embed_dim=", self.embed_dim(), ", num_heads=", self.num_heads(),
+                              ", dropout=", self.dropout(), ", kdim=", self.kdim(), ", vdim=", self.vdim(),
+                              ", batch_first=", self.batch_first() ? "True" : "False", ")");
+      });
+
+  m.def(
+      "read_safetensors",
+      [](const std::string& path, bool with_metadata) -> pyb::object {
+        SafetensorsFile f;
+        {
+          pyb::gil_scoped_release release;
+          f = read_safetensors(path);
+        }
+        pyb::dict d;
+        for (const auto& [name, t] : f.tensors) {
+          check(t.dtype() != DType::kBF16, ErrorKind::kTypeError, "read_safetensors: tensor '", name,
+                "' is BF16, which numpy cannot represent (use the C++ API)");
+          d[pyb::str(name)] = to_numpy(t);
+        }
+        if (!with_metadata) return d;
+        return pyb::make_tuple(d, pyb::cast(f.metadata));
+      },
+      "path"_a, "with_metadata"_a = false,
+      "Reads a safetensors file into {name: numpy array} (and the __metadata__ dict when with_metadata).");
+  m.def(
+      "write_safetensors",
+      [](const std::string& path, const pyb::dict& tensors, const std::optional<std::map<std::string, std::string>>& metadata) {
+        std::map<std::string, NumpyView> views = dict_views(tensors, "tensors");
+        std::map<std::string, TensorView> tv;
+        for (const auto& [name, nv] : views) tv[name] = nv.view;
+        pyb::gil_scoped_release release;
+        write_safetensors(path, tv, metadata ? *metadata : std::map<std::string, std::string>{});
+      },
+      "path"_a, "tensors"_a, "metadata"_a = pyb::none(), "Writes {name: numpy array} as a safetensors file.");
+}
+
 }  // namespace sattn::py

@@ -4,3 +4,4 @@ from ._core import (__version__, Error, InvalidArgumentError, DTypeError, OutOfM
                     FileFormatError, InternalError, kernel_names, get_num_threads, set_num_threads)
 from ._attention import (scaled_dot_product_attention, scaled_dot_product_attention_backward,  # noqa: F401
                          attention_weights, explain_kernels, KernelReport)
+from ._core import MultiheadAttention, read_safetensors, write_safetensors  # noqa: F401,E402  (bind_nn.cpp)
