@@ -3,6 +3,7 @@
 // dense arrays of the accumulation type (double when the inputs are float64 or accumulate_fp64 is set).
 #include <cmath>
 #include <limits>
+#include <new>
 #include <vector>
 
 #include "core/threads.hpp"
@@ -56,10 +57,13 @@ struct Materialised {
 template <typename T>
 Materialised<T> compute_probabilities(const AttentionProblem& p, const AttentionOptions& o, const MaskData& m,
                                       const std::vector<T>& q, const std::vector<T>& k, int threads) {
-  const double bytes = p.score_matrix_bytes(sizeof(T) + 1);
+  // The L x L buffers: probabilities + allowed flags, plus weights (forward) or dS for dmask (backward).
+  const bool extra = p.backward ? p.need_dmask : p.need_weights;
+  const double bytes = p.score_matrix_bytes(sizeof(T) * (extra ? 2 : 1) + 1);
   const int64_t limit = memory_limit_bytes(o);
-  check(bytes <= double(limit), ErrorKind::kOutOfMemory, "reference attention: the materialised score matrix [B, Hq, Lq, Lk] = ",
-        shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}), " needs ", bytes / (1 << 20),
+  check(bytes <= double(limit), ErrorKind::kOutOfMemory,
+        "reference attention: the materialised score matrices [B, Hq, Lq, Lk] = ",
+        shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}), " need ", bytes / (1 << 20),
         " MiB, over the memory limit of ", double(limit) / (1 << 20),
         " MiB (AttentionOptions::memory_limit_bytes; default half of physical memory)");
   Materialised<T> r{p.batch, p.heads_q, p.len_q, p.len_k, {}, {}, {}};
@@ -79,8 +83,9 @@ Materialised<T> compute_probabilities(const AttentionProblem& p, const Attention
         T bias = 0;
         if (p.mask == MaskKind::kBool) ok = ok && m.mask_value(b, h, i, j) != 0.0;
         if (p.mask == MaskKind::kAdditive) {
-          bias = T(m.mask_value(b, h, i, j));
-          ok = ok && bias != -std::numeric_limits<T>::infinity();  // only -inf masks; a finite bias never does
+          const double value = m.mask_value(b, h, i, j);
+          ok = ok && value != -std::numeric_limits<double>::infinity();  // only -inf masks; a finite bias never does
+          bias = T(value);
         }
         if (!ok) continue;
         const T* kj = &k[size_t(((b * p.heads_kv + hk) * p.len_k + j) * D)];
@@ -219,14 +224,28 @@ void backward_impl(const BackwardArgs& a) {
 
 bool reference_supports(const AttentionProblem&, std::string*) { return true; }
 
+[[noreturn]] void out_of_memory(const AttentionProblem& p) {
+  fail(ErrorKind::kOutOfMemory, "reference attention: cannot allocate the score matrices [B, Hq, Lq, Lk] = ",
+       shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}), " (", p.score_matrix_bytes(1) / (1 << 20),
+       " MiB per byte of element); lower AttentionOptions::memory_limit_bytes to fail earlier");
+}
+
 void reference_forward(const ForwardArgs& a) {
-  if (a.problem.dtype_q == DType::kF64 || a.options.accumulate_fp64) forward_impl<double>(a);
-  else forward_impl<float>(a);
+  try {
+    if (a.problem.dtype_q == DType::kF64 || a.options.accumulate_fp64) forward_impl<double>(a);
+    else forward_impl<float>(a);
+  } catch (const std::bad_alloc&) {
+    out_of_memory(a.problem);
+  }
 }
 
 void reference_backward(const BackwardArgs& a) {
-  if (a.problem.dtype_q == DType::kF64 || a.options.accumulate_fp64) backward_impl<double>(a);
-  else backward_impl<float>(a);
+  try {
+    if (a.problem.dtype_q == DType::kF64 || a.options.accumulate_fp64) backward_impl<double>(a);
+    else backward_impl<float>(a);
+  } catch (const std::bad_alloc&) {
+    out_of_memory(a.problem);
+  }
 }
 
 }  // namespace
