@@ -7,6 +7,7 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <sstream>
 
 #include "sattn/random.hpp"
@@ -146,7 +147,8 @@ std::string Config::name() const {
   return os.str();
 }
 
-std::vector<Config> pairwise_configs(double max_cost) {
+namespace {
+std::vector<Config> generate_pairwise(double max_cost) {
   PairSet pairs;
   for (int fa = 0; fa < kFactors; ++fa)
     for (int fb = fa + 1; fb < kFactors; ++fb) {
@@ -211,6 +213,18 @@ std::vector<Config> pairwise_configs(double max_cost) {
     configs.push_back(to_config(best));
   }
   return configs;
+}
+}  // namespace
+
+std::vector<Config> pairwise_configs(double max_cost) {
+  // Generated once per (process, max_cost): several test suites instantiate from the same lists.
+  static std::mutex mutex;
+  static std::vector<std::pair<double, std::vector<Config>>> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& [cost, configs] : cache)
+    if (cost == max_cost) return configs;
+  cache.emplace_back(max_cost, generate_pairwise(max_cost));
+  return cache.back().second;
 }
 
 std::vector<Config> pairwise_backward_configs() {

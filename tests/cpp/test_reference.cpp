@@ -81,27 +81,27 @@ INSTANTIATE_TEST_SUITE_P(Pairwise, ReferenceSweep, ::testing::ValuesIn(st::pairw
 
 class ReferenceBackwardSweep : public ::testing::TestWithParam<st::Config> {};
 
-TEST_P(ReferenceBackwardSweep, F64ForwardAndBackwardMatchNaive) {
-  const st::Problem p = st::make_problem(GetParam(), DType::kF64);
+TEST_P(ReferenceBackwardSweep, ForwardAndBackwardMatchNaive) {
   st::CheckOptions co;
-  EXPECT_TRUE(st::check_forward(p, co));
-  EXPECT_TRUE(st::check_backward(p, co));
-}
-
-TEST_P(ReferenceBackwardSweep, F32BackwardMatchesNaive) {
-  const st::Problem p = st::make_problem(GetParam(), DType::kF32, 3);
-  st::CheckOptions co;
-  EXPECT_TRUE(st::check_backward(p, co));
-}
-
-TEST_P(ReferenceBackwardSweep, F32WithFp64AccumulationIsTighter) {
-  // accumulate_fp64: computed in double, only rounded once into the f32 outputs.
-  const st::Problem p0 = st::make_problem(GetParam(), DType::kF32, 5);
-  st::Problem p = p0;
-  p.options.accumulate_fp64 = true;
-  st::CheckOptions co;
-  co.tol = 1e-6;
-  EXPECT_TRUE(st::check_forward(p, co));
+  {
+    SCOPED_TRACE("float64 inputs");
+    const st::Problem p = st::make_problem(GetParam(), DType::kF64);
+    EXPECT_TRUE(st::check_forward(p, co));
+    EXPECT_TRUE(st::check_backward(p, co));
+  }
+  {
+    SCOPED_TRACE("float32 inputs");
+    const st::Problem p = st::make_problem(GetParam(), DType::kF32, 3);
+    EXPECT_TRUE(st::check_backward(p, co));
+  }
+  {
+    // accumulate_fp64: computed in double, rounded once into the f32 outputs, so a tighter tolerance holds.
+    SCOPED_TRACE("float32 inputs, accumulate_fp64");
+    st::Problem p = st::make_problem(GetParam(), DType::kF32, 5);
+    p.options.accumulate_fp64 = true;
+    co.tol = 1e-6;
+    EXPECT_TRUE(st::check_forward(p, co));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Pairwise, ReferenceBackwardSweep, ::testing::ValuesIn(st::pairwise_backward_configs()),
