@@ -54,10 +54,10 @@ struct Materialised {
   size_t at(int64_t b, int64_t h, int64_t i, int64_t j) const { return size_t(((b * H + h) * Lq + i) * Lk + j); }
 };
 
+// Refuses (kOutOfMemory, naming the size) a problem whose L x L buffers would exceed the memory limit:
+// probabilities + allowed flags, plus weights (forward) or dS for dmask (backward).
 template <typename T>
-Materialised<T> compute_probabilities(const AttentionProblem& p, const AttentionOptions& o, const MaskData& m,
-                                      const std::vector<T>& q, const std::vector<T>& k, int threads) {
-  // The L x L buffers: probabilities + allowed flags, plus weights (forward) or dS for dmask (backward).
+void check_memory(const AttentionProblem& p, const AttentionOptions& o) {
   const bool extra = p.backward ? p.need_dmask : p.need_weights;
   const double bytes = p.score_matrix_bytes(sizeof(T) * (extra ? 2 : 1) + 1);
   const int64_t limit = memory_limit_bytes(o);
@@ -66,6 +66,11 @@ Materialised<T> compute_probabilities(const AttentionProblem& p, const Attention
         shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}), " need ", bytes / (1 << 20),
         " MiB, over the memory limit of ", double(limit) / (1 << 20),
         " MiB (AttentionOptions::memory_limit_bytes; default half of physical memory)");
+}
+
+template <typename T>
+Materialised<T> compute_probabilities(const AttentionProblem& p, const MaskData& m,
+                                      const std::vector<T>& q, const std::vector<T>& k, int threads) {
   Materialised<T> r{p.batch, p.heads_q, p.len_q, p.len_k, {}, {}, {}};
   r.prob.assign(size_t(p.batch * p.heads_q * p.len_q * p.len_k), T(0));
   r.allowed.assign(r.prob.size(), 0);
@@ -119,8 +124,9 @@ T dropout_factor(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, int
 template <typename T>
 void forward_impl(const ForwardArgs& a) {
   const AttentionProblem& p = a.problem;
+  check_memory<T>(p, a.options);  // before any allocation
   const std::vector<T> q = dense_copy<T>(a.q), k = dense_copy<T>(a.k), v = dense_copy<T>(a.v);
-  const Materialised<T> m = compute_probabilities<T>(p, a.options, a.masks, q, k, a.num_threads);
+  const Materialised<T> m = compute_probabilities<T>(p, a.masks, q, k, a.num_threads);
   const int64_t Dv = p.head_dim_v, g = p.group_size();
   std::vector<T> out(size_t(p.batch * p.heads_q * p.len_q * Dv), T(0));
   std::vector<T> weights;
@@ -151,9 +157,10 @@ void forward_impl(const ForwardArgs& a) {
 template <typename T>
 void backward_impl(const BackwardArgs& a) {
   const AttentionProblem& p = a.problem;
+  check_memory<T>(p, a.options);  // before any allocation
   const std::vector<T> q = dense_copy<T>(a.q), k = dense_copy<T>(a.k), v = dense_copy<T>(a.v);
   const std::vector<T> dout = dense_copy<T>(a.dout);
-  const Materialised<T> m = compute_probabilities<T>(p, a.options, a.masks, q, k, a.num_threads);
+  const Materialised<T> m = compute_probabilities<T>(p, a.masks, q, k, a.num_threads);
   const int64_t D = p.head_dim, Dv = p.head_dim_v, g = p.group_size();
   std::vector<T> dq(q.size(), T(0)), dk(k.size(), T(0)), dv(v.size(), T(0));
   std::vector<T> ds;
