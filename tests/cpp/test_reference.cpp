@@ -538,3 +538,26 @@ TEST(ReferenceMemory, DefaultLimitRefusesAnAbsurdProblemWithoutAllocating) {
     EXPECT_EQ(e.kind(), sattn::ErrorKind::kOutOfMemory);
   }
 }
+
+// ---- half-precision inputs and outputs -------------------------------------------------------------------------
+
+TEST(ReferenceHalf, Float16AndBfloat16InputsAreExactInTheOracle) {
+  // The oracle sees exactly the rounded half values, and the reference computes in float32, so the float32
+  // tolerance holds for float32 outputs; float16 / bfloat16 outputs add one rounding of the result.
+  st::Config c;
+  c.batch = 2, c.heads_q = 4, c.heads_kv = 2, c.len_q = 17, c.len_k = 33, c.head_dim = 16, c.head_dim_v = 8;
+  c.mask = st::MaskCase::kAdd2D;
+  c.causal = Causal::kBottomRight;
+  c.strided = true;
+  for (DType dt : {DType::kF16, DType::kBF16}) {
+    const st::Problem p = st::make_problem(c, dt);
+    st::CheckOptions co;
+    co.tol = 2e-5;
+    EXPECT_TRUE(st::check_forward(p, co)) << sattn::to_string(dt);
+    // Half outputs: only `out` may be half; lse and weights stay float32.
+    co.out_dtype = dt;
+    co.tol = dt == DType::kF16 ? 1e-3 : 8e-3;  // one rounding: 2^-11 (f16) / 2^-8 (bf16) relative
+    co.lse = co.weights = false;
+    EXPECT_TRUE(st::check_forward(p, co)) << sattn::to_string(dt) << " out";
+  }
+}
