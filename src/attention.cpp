@@ -1,6 +1,7 @@
 // The public attention entry points: validate once, describe, choose a kernel, run it.
 #include "sattn/attention.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -66,6 +67,21 @@ void check_attention_input(const TensorView& t, const char* name, const char* la
           shape_to_string(t.shape), " (expected ", layout, " with every size >= 1)");
 }
 
+// Whether the strides nest without overlap: sorted by stride, each stride clears the inner dims' extent.
+// True for every permutation / padding / slicing of a dense layout; conservative for exotic interleavings.
+bool non_overlapping(const TensorView& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dims with size > 1
+  for (size_t d = 0; d < t.shape.size(); ++d)
+    if (t.shape[d] > 1) dims.emplace_back(t.strides[d], t.shape[d]);
+  std::sort(dims.begin(), dims.end());
+  int64_t extent = 1;  // elements spanned by the inner dims
+  for (const auto& [stride, size] : dims) {
+    if (stride < extent) return false;
+    extent += stride * (size - 1);
+  }
+  return true;
+}
+
 void check_output(const TensorView& t, const char* name, const Shape& expected, bool allow_half) {
   check_view(t, name);
   check(t.shape == expected, ErrorKind::kInvalidArgument, name, ": expected shape ", shape_to_string(expected),
@@ -77,6 +93,10 @@ void check_output(const TensorView& t, const char* name, const Shape& expected, 
   for (size_t d = 0; d < t.shape.size(); ++d)
     check(t.strides[d] != 0 || t.shape[d] == 1, ErrorKind::kInvalidArgument, name,
           ": an output may not broadcast (stride 0 on dimension ", d, ")");
+  check(non_overlapping(t), ErrorKind::kInvalidArgument, name, ": the strides ", shape_to_string(t.strides),
+        " make elements of shape ", shape_to_string(t.shape),
+        " overlap (or interleave); an output needs nested, non-overlapping strides (any permutation or padding of"
+        " a dense layout)");
 }
 
 }  // namespace

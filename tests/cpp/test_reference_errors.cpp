@@ -231,6 +231,13 @@ TEST(ReferenceErrors, Outputs) {
   bcast.strides[2] = 0;
   expect_error([&] { forward(in.q, in.k, in.v, {}, {bcast, {}, {}}); }, ErrorKind::kInvalidArgument,
                {"out", "broadcast"}, "broadcast out");
+  Tensor big(DType::kF32, {200});
+  const TensorView overlap(big.data(), DType::kF32, {2, 4, 5, 3}, {60, 15, 3, 2});  // rows of 3 overlap by one
+  expect_error([&] { forward(in.q, in.k, in.v, {}, {overlap, {}, {}}); }, ErrorKind::kInvalidArgument,
+               {"out", "overlap", "[60, 15, 3, 2]"}, "self-overlapping out");
+  // Padded and permuted (but non-overlapping) outputs are fine.
+  EXPECT_NO_THROW(forward(in.q, in.k, in.v, {},
+                          {TensorView(big.data(), DType::kF32, {2, 4, 5, 3}, {1, 2, 8, 40}), {}, {}}));
   expect_error([&] { forward(in.q, in.k, in.v, {}, {in.out, Tensor(DType::kF32, {2, 4, 6}), {}}); },
                ErrorKind::kInvalidArgument, {"lse", "[2, 4, 5]", "[2, 4, 6]"}, "lse shape");
   expect_error([&] { forward(in.q, in.k, in.v, {}, {in.out, Tensor(DType::kF16, {2, 4, 5}), {}}); },
