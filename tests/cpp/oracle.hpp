@@ -2,19 +2,14 @@
 // independent naive fp64 implementation (forward and analytic backward, written here from the math, never
 // calling the library's reference), and a relative compare helper.
 //
-// Any kernel can run the same sweep by name (AttentionOptions::kernel):
+// Any kernel can run the same sweep by name (AttentionOptions::kernel) with one line in its test file:
 //
-//   class FusedSweep : public ::testing::TestWithParam<sattn::testing::Config> {};
-//   TEST_P(FusedSweep, Forward) {
-//     const auto prob = sattn::testing::make_problem(GetParam(), sattn::DType::kF32);
-//     sattn::testing::CheckOptions co;
-//     co.kernel = "fused";
-//     bool skipped = false;
-//     EXPECT_TRUE(sattn::testing::check_forward(prob, co, &skipped));
-//     if (skipped) GTEST_SKIP() << "fused does not support " << GetParam().name();
-//   }
-//   INSTANTIATE_TEST_SUITE_P(Pairwise, FusedSweep, ::testing::ValuesIn(sattn::testing::pairwise_configs()),
-//                            sattn::testing::ConfigName());
+//   SATTN_ORACLE_SWEEP(FusedOracle, "fused", sattn::DType::kF32)
+//
+// which instantiates FusedOracleForward (pairwise_configs(), out + lse + weights where the kernel returns them)
+// and FusedOracleBackward (pairwise_backward_configs(), dq/dk/dv/dmask); configurations the kernel does not
+// support are reported as skipped. For other tolerances or options, call make_problem + check_forward /
+// check_backward from your own TEST_P (see SATTN_ORACLE_SWEEP below).
 //
 // Tolerances are relative: ||actual - expected||_inf <= tol * max(1, ||expected||_inf); non-finite values
 // (lse = -inf of a fully masked row) must match exactly and a NaN is always a failure.
@@ -143,3 +138,30 @@ double default_tolerance(DType dtype);
                                           bool* skipped = nullptr);
 
 }  // namespace sattn::testing
+
+// The whole sweep for one kernel (see the top of this file). `dtype`: the dtype of q, k, v.
+#define SATTN_ORACLE_SWEEP(Suite, kernel_name, dtype)                                                         \
+  class Suite##Forward : public ::testing::TestWithParam<::sattn::testing::Config> {};                        \
+  TEST_P(Suite##Forward, MatchesNaiveFp64) {                                                                  \
+    const auto problem = ::sattn::testing::make_problem(GetParam(), dtype);                                   \
+    ::sattn::testing::CheckOptions co;                                                                        \
+    co.kernel = kernel_name;                                                                                  \
+    co.weights = GetParam().cost() < 3e6; /* weights for all but the largest problems */                      \
+    bool skipped = false;                                                                                     \
+    EXPECT_TRUE(::sattn::testing::check_forward(problem, co, &skipped));                                      \
+    if (skipped) GTEST_SKIP() << kernel_name << " does not support " << GetParam().name();                    \
+  }                                                                                                           \
+  INSTANTIATE_TEST_SUITE_P(Pairwise, Suite##Forward, ::testing::ValuesIn(::sattn::testing::pairwise_configs()), \
+                           ::sattn::testing::ConfigName());                                                   \
+  class Suite##Backward : public ::testing::TestWithParam<::sattn::testing::Config> {};                       \
+  TEST_P(Suite##Backward, MatchesNaiveFp64) {                                                                 \
+    const auto problem = ::sattn::testing::make_problem(GetParam(), dtype);                                   \
+    ::sattn::testing::CheckOptions co;                                                                        \
+    co.kernel = kernel_name;                                                                                  \
+    bool skipped = false;                                                                                     \
+    EXPECT_TRUE(::sattn::testing::check_backward(problem, co, &skipped));                                     \
+    if (skipped) GTEST_SKIP() << kernel_name << " has no backward for " << GetParam().name();                 \
+  }                                                                                                           \
+  INSTANTIATE_TEST_SUITE_P(Pairwise, Suite##Backward,                                                         \
+                           ::testing::ValuesIn(::sattn::testing::pairwise_backward_configs()),                \
+                           ::sattn::testing::ConfigName())

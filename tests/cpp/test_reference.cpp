@@ -67,21 +67,13 @@ TEST(OracleHarness, CompareHelperIsRelativeAndStrictOnNonFinite) {
   EXPECT_FALSE(st::all_close({1.0}, {1.0, 2.0}, 1e-6, "x"));
 }
 
-class ReferenceSweep : public ::testing::TestWithParam<st::Config> {};
+// The reference through the same one-line sweep that other kernels use: float32 inputs (forward + backward).
+SATTN_ORACLE_SWEEP(ReferenceF32, "reference", DType::kF32);
 
-TEST_P(ReferenceSweep, ForwardF32MatchesNaiveF64) {
-  const st::Problem p = st::make_problem(GetParam(), DType::kF32);
-  st::CheckOptions co;
-  co.kernel = "reference";
-  co.weights = GetParam().cost() < 3e6;  // weights for all but the largest problems
-  EXPECT_TRUE(st::check_forward(p, co));
-}
+// And with float64 inputs (tolerance 1e-10), plus float32 computed with accumulate_fp64 (one final rounding).
+class ReferenceF64Sweep : public ::testing::TestWithParam<st::Config> {};
 
-INSTANTIATE_TEST_SUITE_P(Pairwise, ReferenceSweep, ::testing::ValuesIn(st::pairwise_configs()), st::ConfigName());
-
-class ReferenceBackwardSweep : public ::testing::TestWithParam<st::Config> {};
-
-TEST_P(ReferenceBackwardSweep, ForwardAndBackwardMatchNaive) {
+TEST_P(ReferenceF64Sweep, ForwardAndBackwardMatchNaive) {
   st::CheckOptions co;
   {
     SCOPED_TRACE("float64 inputs");
@@ -90,12 +82,6 @@ TEST_P(ReferenceBackwardSweep, ForwardAndBackwardMatchNaive) {
     EXPECT_TRUE(st::check_backward(p, co));
   }
   {
-    SCOPED_TRACE("float32 inputs");
-    const st::Problem p = st::make_problem(GetParam(), DType::kF32, 3);
-    EXPECT_TRUE(st::check_backward(p, co));
-  }
-  {
-    // accumulate_fp64: computed in double, rounded once into the f32 outputs, so a tighter tolerance holds.
     SCOPED_TRACE("float32 inputs, accumulate_fp64");
     st::Problem p = st::make_problem(GetParam(), DType::kF32, 5);
     p.options.accumulate_fp64 = true;
@@ -104,7 +90,7 @@ TEST_P(ReferenceBackwardSweep, ForwardAndBackwardMatchNaive) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Pairwise, ReferenceBackwardSweep, ::testing::ValuesIn(st::pairwise_backward_configs()),
+INSTANTIATE_TEST_SUITE_P(Pairwise, ReferenceF64Sweep, ::testing::ValuesIn(st::pairwise_backward_configs()),
                          st::ConfigName());
 
 // ---- backward vs finite differences -------------------------------------------------------------------------
