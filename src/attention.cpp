@@ -1,6 +1,7 @@
 // The public attention entry points: validate once, describe, choose a kernel, run it.
 #include "sattn/attention.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -66,16 +67,36 @@ void check_attention_input(const TensorView& t, const char* name, const char* la
           shape_to_string(t.shape), " (expected ", layout, " with every size >= 1)");
 }
 
+// Whether the strides nest without overlap: sorted by stride, each stride clears the inner dims' extent.
+// True for every permutation / padding / slicing of a dense layout; conservative for exotic interleavings.
+bool non_overlapping(const TensorView& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dims with size > 1
+  for (size_t d = 0; d < t.shape.size(); ++d)
+    if (t.shape[d] > 1) dims.emplace_back(t.strides[d], t.shape[d]);
+  std::sort(dims.begin(), dims.end());
+  int64_t extent = 1;  // elements spanned by the inner dims
+  for (const auto& [stride, size] : dims) {
+    if (stride < extent) return false;
+    extent += stride * (size - 1);
+  }
+  return true;
+}
+
 void check_output(const TensorView& t, const char* name, const Shape& expected, bool allow_half) {
   check_view(t, name);
   check(t.shape == expected, ErrorKind::kInvalidArgument, name, ": expected shape ", shape_to_string(expected),
         ", got ", shape_to_string(t.shape));
   const bool ok = t.dtype == DType::kF32 || t.dtype == DType::kF64 ||
                   (allow_half && (t.dtype == DType::kBF16 || t.dtype == DType::kF16));
-  check(ok, ErrorKind::kTypeError, name, ": expected a float32 or float64 tensor, got ", to_string(t.dtype));
+  check(ok, ErrorKind::kTypeError, name, ": expected a float32 or float64", allow_half ? " (or bfloat16/float16)" : "",
+        " tensor, got ", to_string(t.dtype));
   for (size_t d = 0; d < t.shape.size(); ++d)
     check(t.strides[d] != 0 || t.shape[d] == 1, ErrorKind::kInvalidArgument, name,
           ": an output may not broadcast (stride 0 on dimension ", d, ")");
+  check(non_overlapping(t), ErrorKind::kInvalidArgument, name, ": the strides ", shape_to_string(t.strides),
+        " make elements of shape ", shape_to_string(t.shape),
+        " overlap (or interleave); an output needs nested, non-overlapping strides (any permutation or padding of"
+        " a dense layout)");
 }
 
 }  // namespace
@@ -116,6 +137,11 @@ AttentionProblem describe_attention(const TensorView& q, const TensorView& k, co
         "dropout_p: expected a probability in [0, 1), got ", o.dropout_p);
   p.dropout_p = o.dropout_p;
   p.seed = o.seed;
+  check(o.num_threads >= 0, ErrorKind::kInvalidArgument, "num_threads: expected 0 (automatic) or a positive count, got ",
+        o.num_threads);
+  check(o.memory_limit_bytes >= 0, ErrorKind::kInvalidArgument,
+        "memory_limit_bytes: expected 0 (half of physical memory) or a positive byte count, got ",
+        o.memory_limit_bytes);
   p.causal = o.causal;
 
   // attn_mask: bool (True = may attend) or additive float, broadcastable to [B, Hq, Lq, Lk].
@@ -125,7 +151,7 @@ AttentionProblem describe_attention(const TensorView& q, const TensorView& k, co
     check(m.dtype == DType::kBool || m.dtype == DType::kF32 || m.dtype == DType::kF64, ErrorKind::kTypeError,
           "attn_mask: expected bool (True = may attend) or float32/float64 (additive), got ", to_string(m.dtype));
     const Shape target = {p.batch, p.heads_q, p.len_q, p.len_k};
-    check(m.dim() >= 1 && m.dim() <= 4, ErrorKind::kInvalidArgument, "attn_mask: expected 1 to 4 dimensions "
+    check(m.dim() <= 4, ErrorKind::kInvalidArgument, "attn_mask: expected at most 4 dimensions "
           "broadcastable to ", shape_to_string(target), ", got shape ", shape_to_string(m.shape));
     p.mask_strides.assign(4, 0);
     const int64_t off = 4 - m.dim();
@@ -302,7 +328,14 @@ AttentionResult attention(const TensorView& q, const TensorView& k, const Tensor
     outs.lse = r.lse.view();
   }
   if (need_weights) {
-    check(p.score_matrix_bytes(dtype_size(out_dtype)) < 9.0e18, ErrorKind::kOutOfMemory, "weights: too large");
+    // Refuse before allocating (and touching) a weights tensor that the memory limit would not allow.
+    const double bytes = p.score_matrix_bytes(dtype_size(out_dtype));
+    const double limit = options.memory_limit_bytes > 0 ? double(options.memory_limit_bytes)
+                                                        : double(physical_memory_bytes()) / 2;
+    check(bytes <= limit, ErrorKind::kOutOfMemory, "weights: the attention weights [B, Hq, Lq, Lk] = ",
+          shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}), " need ", bytes / (1 << 20),
+          " MiB, over the memory limit of ", limit / (1 << 20),
+          " MiB (AttentionOptions::memory_limit_bytes; default half of physical memory)");
     r.weights = Tensor(out_dtype, {p.batch, p.heads_q, p.len_q, p.len_k});
     outs.weights = r.weights.view();
   }

@@ -15,6 +15,8 @@ int main(int argc, char** argv) {
   sattn::cli::add_version_command(app);
   try {
     app.parse(argc, argv);
+  } catch (const CLI::RuntimeError& e) {  // a subcommand's own exit code (e.g. demo: 1 = check failed)
+    return e.get_exit_code();
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e);
     return code == 0 ? 0 : 2;

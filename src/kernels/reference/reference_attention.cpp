@@ -3,6 +3,7 @@
 // dense arrays of the accumulation type (double when the inputs are float64 or accumulate_fp64 is set).
 #include <cmath>
 #include <limits>
+#include <new>
 #include <vector>
 
 #include "core/threads.hpp"
@@ -53,15 +54,23 @@ struct Materialised {
   size_t at(int64_t b, int64_t h, int64_t i, int64_t j) const { return size_t(((b * H + h) * Lq + i) * Lk + j); }
 };
 
+// Refuses (kOutOfMemory, naming the size) a problem whose L x L buffers would exceed the memory limit:
+// probabilities + allowed flags, plus weights (forward) or dS for dmask (backward).
 template <typename T>
-Materialised<T> compute_probabilities(const AttentionProblem& p, const AttentionOptions& o, const MaskData& m,
-                                      const std::vector<T>& q, const std::vector<T>& k, int threads) {
-  const double bytes = p.score_matrix_bytes(sizeof(T) + 1);
+void check_memory(const AttentionProblem& p, const AttentionOptions& o) {
+  const bool extra = p.backward ? p.need_dmask : p.need_weights;
+  const double bytes = p.score_matrix_bytes(sizeof(T) * (extra ? 2 : 1) + 1);
   const int64_t limit = memory_limit_bytes(o);
-  check(bytes <= double(limit), ErrorKind::kOutOfMemory, "reference attention: the materialised score matrix [B, Hq, Lq, Lk] = ",
-        shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}), " needs ", bytes / (1 << 20),
+  check(bytes <= double(limit), ErrorKind::kOutOfMemory,
+        "reference attention: the materialised score matrices [B, Hq, Lq, Lk] = ",
+        shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}), " need ", bytes / (1 << 20),
         " MiB, over the memory limit of ", double(limit) / (1 << 20),
         " MiB (AttentionOptions::memory_limit_bytes; default half of physical memory)");
+}
+
+template <typename T>
+Materialised<T> compute_probabilities(const AttentionProblem& p, const MaskData& m,
+                                      const std::vector<T>& q, const std::vector<T>& k, int threads) {
   Materialised<T> r{p.batch, p.heads_q, p.len_q, p.len_k, {}, {}, {}};
   r.prob.assign(size_t(p.batch * p.heads_q * p.len_q * p.len_k), T(0));
   r.allowed.assign(r.prob.size(), 0);
@@ -79,8 +88,9 @@ Materialised<T> compute_probabilities(const AttentionProblem& p, const Attention
         T bias = 0;
         if (p.mask == MaskKind::kBool) ok = ok && m.mask_value(b, h, i, j) != 0.0;
         if (p.mask == MaskKind::kAdditive) {
-          bias = T(m.mask_value(b, h, i, j));
-          ok = ok && bias != -std::numeric_limits<T>::infinity();  // only -inf masks; a finite bias never does
+          const double value = m.mask_value(b, h, i, j);
+          ok = ok && value != -std::numeric_limits<double>::infinity();  // only -inf masks; a finite bias never does
+          bias = T(value);
         }
         if (!ok) continue;
         const T* kj = &k[size_t(((b * p.heads_kv + hk) * p.len_k + j) * D)];
@@ -114,8 +124,9 @@ T dropout_factor(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, int
 template <typename T>
 void forward_impl(const ForwardArgs& a) {
   const AttentionProblem& p = a.problem;
+  check_memory<T>(p, a.options);  // before any allocation
   const std::vector<T> q = dense_copy<T>(a.q), k = dense_copy<T>(a.k), v = dense_copy<T>(a.v);
-  const Materialised<T> m = compute_probabilities<T>(p, a.options, a.masks, q, k, a.num_threads);
+  const Materialised<T> m = compute_probabilities<T>(p, a.masks, q, k, a.num_threads);
   const int64_t Dv = p.head_dim_v, g = p.group_size();
   std::vector<T> out(size_t(p.batch * p.heads_q * p.len_q * Dv), T(0));
   std::vector<T> weights;
@@ -146,9 +157,10 @@ void forward_impl(const ForwardArgs& a) {
 template <typename T>
 void backward_impl(const BackwardArgs& a) {
   const AttentionProblem& p = a.problem;
+  check_memory<T>(p, a.options);  // before any allocation
   const std::vector<T> q = dense_copy<T>(a.q), k = dense_copy<T>(a.k), v = dense_copy<T>(a.v);
   const std::vector<T> dout = dense_copy<T>(a.dout);
-  const Materialised<T> m = compute_probabilities<T>(p, a.options, a.masks, q, k, a.num_threads);
+  const Materialised<T> m = compute_probabilities<T>(p, a.masks, q, k, a.num_threads);
   const int64_t D = p.head_dim, Dv = p.head_dim_v, g = p.group_size();
   std::vector<T> dq(q.size(), T(0)), dk(k.size(), T(0)), dv(v.size(), T(0));
   std::vector<T> ds;
@@ -219,14 +231,28 @@ void backward_impl(const BackwardArgs& a) {
 
 bool reference_supports(const AttentionProblem&, std::string*) { return true; }
 
+[[noreturn]] void out_of_memory(const AttentionProblem& p) {
+  fail(ErrorKind::kOutOfMemory, "reference attention: cannot allocate the score matrices [B, Hq, Lq, Lk] = ",
+       shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}), " (", p.score_matrix_bytes(1) / (1 << 20),
+       " MiB per byte of element); lower AttentionOptions::memory_limit_bytes to fail earlier");
+}
+
 void reference_forward(const ForwardArgs& a) {
-  if (a.problem.dtype_q == DType::kF64 || a.options.accumulate_fp64) forward_impl<double>(a);
-  else forward_impl<float>(a);
+  try {
+    if (a.problem.dtype_q == DType::kF64 || a.options.accumulate_fp64) forward_impl<double>(a);
+    else forward_impl<float>(a);
+  } catch (const std::bad_alloc&) {
+    out_of_memory(a.problem);
+  }
 }
 
 void reference_backward(const BackwardArgs& a) {
-  if (a.problem.dtype_q == DType::kF64 || a.options.accumulate_fp64) backward_impl<double>(a);
-  else backward_impl<float>(a);
+  try {
+    if (a.problem.dtype_q == DType::kF64 || a.options.accumulate_fp64) backward_impl<double>(a);
+    else backward_impl<float>(a);
+  } catch (const std::bad_alloc&) {
+    out_of_memory(a.problem);
+  }
 }
 
 }  // namespace

@@ -1,0 +1,208 @@
+// The `sattn` command (built next to the tests, or in $SATTN_BINARY_DIR): --help texts, a good `attn`
+// run compared bitwise with the library, `demo`, `version`, and bad inputs -> exit 2 with a message on stderr.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "oracle.hpp"
+#include "sattn/attention.hpp"
+#include "sattn/io.hpp"
+
+namespace fs = std::filesystem;
+using sattn::DType;
+using sattn::Tensor;
+
+namespace {
+
+struct CliRun {
+  int code = -1;
+  std::string out, err;
+};
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // SATTN_BINARY_DIR, else the directory of this test binary (both live in the build directory).
+    const char* dir = std::getenv("SATTN_BINARY_DIR");
+    std::error_code ec;
+    const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+    binary_ = (dir && *dir ? fs::path(dir) : self.parent_path()) / "sattn";
+    if (!fs::exists(binary_)) GTEST_SKIP() << binary_ << " was not built (SATTN_BUILD_CLI=OFF?)";
+    tmp_ = fs::path(::testing::TempDir()) /
+           ("sattn_cli_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(tmp_);
+  }
+  void TearDown() override {
+    std::error_code ec;
+    if (!tmp_.empty()) fs::remove_all(tmp_, ec);
+  }
+
+  std::string path(const std::string& name) const { return (tmp_ / name).string(); }
+
+  CliRun run(const std::string& args) const {
+    const std::string out = path("stdout.txt"), err = path("stderr.txt");
+    const std::string cmd = "'" + binary_.string() + "' " + args + " >'" + out + "' 2>'" + err + "'";
+    const int status = std::system(cmd.c_str());
+    CliRun r;
+    r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    r.out = slurp(out);
+    r.err = slurp(err);
+    return r;
+  }
+
+  static std::string slurp(const std::string& p) {
+    std::ifstream f(p);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+  }
+
+  // Writes q/k/v (and masks) of a generated problem and returns the problem.
+  sattn::testing::Problem write_problem(const sattn::testing::Config& c) const {
+    auto p = sattn::testing::make_problem(c, DType::kF32, 9);
+    sattn::write_npy(path("q.npy"), p.q);
+    sattn::write_npy(path("k.npy"), p.k);
+    sattn::write_npy(path("v.npy"), p.v);
+    if (p.options.attn_mask.data) sattn::write_npy(path("mask.npy"), p.options.attn_mask);
+    if (p.options.key_padding_mask.data) sattn::write_npy(path("kpm.npy"), p.options.key_padding_mask);
+    if (p.options.key_lengths.data) sattn::write_npy(path("len.npy"), p.options.key_lengths);
+    return p;
+  }
+
+  std::string qkv() const { return "--q " + path("q.npy") + " --k " + path("k.npy") + " --v " + path("v.npy"); }
+
+  fs::path binary_, tmp_;
+};
+
+bool same(const Tensor& a, const Tensor& b) {
+  return a.dtype() == b.dtype() && a.shape() == b.shape() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
+}
+
+}  // namespace
+
+TEST_F(Cli, HelpOfEverySubcommand) {
+  CliRun r = run("--help");
+  EXPECT_EQ(r.code, 0);
+  for (const char* sub : {"attn", "demo", "version"}) EXPECT_NE(r.out.find(sub), std::string::npos) << r.out;
+  r = run("attn --help");
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("True = may attend"), std::string::npos) << "mask polarity must be stated: " << r.out;
+  EXPECT_NE(r.out.find("True = padding"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("bottom-right"), std::string::npos) << r.out;
+  r = run("demo --help");
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("--len"), std::string::npos);
+  r = run("version --help");
+  EXPECT_EQ(r.code, 0);
+  r = run("version");
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("reference"), std::string::npos) << r.out;
+  r = run("");
+  EXPECT_EQ(r.code, 2) << "no subcommand";
+  r = run("frobnicate");
+  EXPECT_EQ(r.code, 2);
+}
+
+TEST_F(Cli, AttnMatchesTheLibraryBitwise) {
+  sattn::testing::Config c;
+  c.batch = 2, c.heads_q = 4, c.heads_kv = 2, c.len_q = 9, c.len_k = 13, c.head_dim = 8, c.head_dim_v = 5;
+  c.mask = sattn::testing::MaskCase::kBool2D;
+  c.key_padding = sattn::KeyPaddingKind::kLengths;
+  c.fully_masked = true;
+  const auto p = write_problem(c);
+  const CliRun r = run("attn " + qkv() + " --mask " + path("mask.npy") + " --lengths " + path("len.npy") +
+                    " --causal bottom-right --scale 0.3 --dropout 0.2 --seed 7 --threads 2 --out " + path("o.npy") +
+                    " --lse " + path("l.npy") + " --weights " + path("w.npy"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  sattn::AttentionOptions o = p.options;
+  o.causal = sattn::Causal::kBottomRight;
+  o.scale = 0.3;
+  o.dropout_p = 0.2;
+  o.seed = 7;
+  const auto lib = sattn::attention(p.q, p.k, p.v, o, true, true);
+  EXPECT_TRUE(same(sattn::read_npy(path("o.npy")), lib.out));
+  EXPECT_TRUE(same(sattn::read_npy(path("l.npy")), lib.lse));
+  EXPECT_TRUE(same(sattn::read_npy(path("w.npy")), lib.weights));
+}
+
+TEST_F(Cli, AttnAdditiveMaskAndKeyPaddingAgainstTheOracle) {
+  sattn::testing::Config c;
+  c.batch = 1, c.heads_q = 2, c.heads_kv = 1, c.len_q = 6, c.len_k = 4, c.head_dim = 16, c.head_dim_v = 16;
+  c.mask = sattn::testing::MaskCase::kAdd4D;
+  c.key_padding = sattn::KeyPaddingKind::kBool;
+  c.causal = sattn::Causal::kTopLeft;
+  const auto p = write_problem(c);
+  const CliRun r = run("attn " + qkv() + " --mask " + path("mask.npy") + " --key-padding " + path("kpm.npy") +
+                    " --causal top-left --out " + path("o.npy") + " --lse " + path("l.npy"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto ref = sattn::testing::naive_forward(p);
+  EXPECT_TRUE(sattn::testing::all_close(sattn::read_npy(path("o.npy")), ref.out, 2e-5, "out"));
+  EXPECT_TRUE(sattn::testing::all_close(sattn::read_npy(path("l.npy")), ref.lse, 2e-5, "lse"));
+}
+
+TEST_F(Cli, AttnBadInputsExit2WithAMessage) {
+  sattn::testing::Config c;
+  c.batch = 1, c.heads_q = 2, c.heads_kv = 2, c.len_q = 3, c.len_k = 4, c.head_dim = 8, c.head_dim_v = 8;
+  write_problem(c);
+  const std::string o = " --out " + path("o.npy");
+  struct Case {
+    std::string args, needle;
+  };
+  // A malformed file, a wrong shape, wrong dtypes.
+  {
+    std::ofstream(path("junk.npy")) << "not an npy file at all";
+    sattn::write_npy(path("k_bad.npy"), Tensor(DType::kF32, {1, 2, 4, 7}));
+    sattn::write_npy(path("mask_int.npy"), Tensor(DType::kI32, {3, 4}));
+    sattn::write_npy(path("mask_shape.npy"), Tensor(DType::kBool, {3, 5}));
+    sattn::write_npy(path("kpm_float.npy"), Tensor(DType::kF32, {1, 4}));
+    sattn::write_npy(path("len_bad.npy"), Tensor(DType::kI64, {2}));
+    sattn::write_npy(path("q_int.npy"), Tensor(DType::kI32, {1, 2, 3, 8}));
+  }
+  const std::vector<Case> cases = {
+      {"attn --q " + path("missing.npy") + " --k " + path("k.npy") + " --v " + path("v.npy") + o, "cannot open"},
+      {"attn --q " + path("junk.npy") + " --k " + path("k.npy") + " --v " + path("v.npy") + o, "bad magic"},
+      {"attn --q " + path("q.npy") + " --k " + path("k_bad.npy") + " --v " + path("v.npy") + o, "key"},
+      {"attn --q " + path("q_int.npy") + " --k " + path("k.npy") + " --v " + path("v.npy") + o, "--q"},
+      {"attn " + qkv() + " --mask " + path("mask_int.npy") + o, "--mask"},
+      {"attn " + qkv() + " --mask " + path("mask_shape.npy") + o, "does not broadcast"},
+      {"attn " + qkv() + " --key-padding " + path("kpm_float.npy") + o, "True = padding"},
+      {"attn " + qkv() + " --lengths " + path("len_bad.npy") + o, "key_lengths"},
+      {"attn " + qkv() + " --key-padding " + path("kpm_float.npy") + " --lengths " + path("len_bad.npy") + o,
+       "excludes"},
+      {"attn " + qkv() + " --causal upper" + o, "--causal"},
+      {"attn " + qkv() + " --dropout 1.5" + o, "dropout_p"},
+      {"attn " + qkv() + " --kernel warp9" + o, "unknown kernel 'warp9'"},
+      {"attn " + qkv(), "--out"},
+      {"attn " + qkv() + " --bogus 1" + o, "--bogus"},
+      {"attn " + qkv() + " --out " + path("no_such_dir/o.npy"), "cannot open for writing"},
+  };
+  for (const auto& cs : cases) {
+    const CliRun r = run(cs.args);
+    EXPECT_EQ(r.code, 2) << cs.args << "\nstderr: " << r.err;
+    EXPECT_NE(r.err.find(cs.needle), std::string::npos) << cs.args << "\nstderr: " << r.err;
+  }
+}
+
+TEST_F(Cli, DemoChecksAgainstTheReference) {
+  CliRun r = run("demo --len 48 --heads 2 --dim 16 --repeat 1 --causal bottom-right");
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("kernel:"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("max error:"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("PASS"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" ms"), std::string::npos) << r.out;
+  // An impossible tolerance makes the check fail: exit 1.
+  r = run("demo --len 48 --heads 2 --dim 16 --repeat 1 --tol 1e-15");
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_NE(r.out.find("FAIL"), std::string::npos) << r.out;
+  r = run("demo --heads 3 --kv-heads 2 --len 8");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("multiple"), std::string::npos) << r.err;
+}
