@@ -121,7 +121,7 @@ int ytick_label_width(int64_t rows, int scale) { return text_width(std::to_strin
 int colorbar_width(double vmin, double vmax, const std::string& label, int scale) {
   int w = 0;
   for (double v : {vmin, (vmin + vmax) / 2, vmax}) w = std::max(w, text_width(format_value(v), scale));
-  return 16 + 6 + w + (label.empty() ? 0 : 6 + text_height(scale) + 2 * scale);
+  return 16 + 8 + w + (label.empty() ? 0 : 6 + text_height(scale) + 2 * scale);
 }
 
 void draw_colorbar(Image& img, int ox, int oy, int height, double vmin, double vmax, Colormap cmap,
@@ -139,11 +139,11 @@ void draw_colorbar(Image& img, int ox, int oy, int height, double vmin, double v
     img.fill_rect(ox + bar_w, y, 4, 1, kAxis);
     const std::string s = format_value(vals[k]);
     w = std::max(w, text_width(s, scale));
-    draw_text(img, ox + bar_w + 6, std::clamp(y - text_height(scale) / 2, oy - 2, oy + height - text_height(scale)), s,
+    draw_text(img, ox + bar_w + 8, std::clamp(y - text_height(scale) / 2, oy - 2, oy + height - text_height(scale)), s,
               kText, scale);
   }
   if (!label.empty())
-    draw_text_vertical(img, ox + bar_w + 6 + w + 6, oy + (height - text_width(label, scale)) / 2, label, kText, scale);
+    draw_text_vertical(img, ox + bar_w + 8 + w + 6, oy + (height - text_width(label, scale)) / 2, label, kText, scale);
 }
 
 }  // namespace
@@ -197,27 +197,28 @@ Image render_heatmap_grid(const std::vector<Matrix>& panels, const std::vector<s
   const int th = text_height(fs), bth = text_height(big);
   const int tick_w = ytick_label_width(max_rows, fs) + 3 * fs + 6;
   const int cell_w = tick_w + f.width + 14;
-  const int cell_h = th + 8 + f.height + 3 * fs + 4 + th + 10;
+  const int cell_h = bth + 10 + f.height + 3 * fs + 4 + th + 10;
   const int left = 8 + bth + 10, top = (style.title.empty() ? 8 : bth + 18);
   const int grid_w = cols * cell_w, grid_h = nrows * cell_h;
-  const int right = style.colorbar ? 16 + colorbar_width(vmin, vmax, style.colorbar_label, fs) + 10 : 10;
+  const int right = style.colorbar ? 16 + colorbar_width(vmin, vmax, style.colorbar_label, big) + 10 : 10;
   const int bottom = bth + 14;
   const int width = std::max(left + grid_w + right, text_width(style.title, big) + 20);
   Image img(width, top + grid_h + bottom);
   if (!style.title.empty()) draw_text(img, (width - text_width(style.title, big)) / 2, 8, style.title, kText, big);
   for (size_t p = 0; p < panels.size(); ++p) {
     const int r = int(p) / cols, c = int(p) % cols;
-    const int ox = left + c * cell_w + tick_w, oy = top + r * cell_h + th + 8;
+    const int ox = left + c * cell_w + tick_w, oy = top + r * cell_h + bth + 10;
     const std::string t = p < titles.size() ? titles[p] : std::string();
-    draw_text(img, ox + (f.width - text_width(t, fs)) / 2, oy - th - 5, t, kText, fs);
+    draw_text(img, ox + (f.width - text_width(t, big)) / 2, oy - bth - 6, t, kText, big);
     draw_cells(img, ox, oy, panels[p], f, vmin, vmax, style.cmap);
     draw_ticks(img, ox, oy, panels[p].rows, panels[p].cols, f, fs, true, true);
   }
   draw_text(img, left + (grid_w - text_width(style.xlabel, big)) / 2, top + grid_h + 4, style.xlabel, kText, big);
   draw_text_vertical(img, 8, top + (grid_h - text_width(style.ylabel, big)) / 2, style.ylabel, kText, big);
   if (style.colorbar)
-    draw_colorbar(img, left + grid_w + 16, top + th + 8, std::max(f.height, std::min(grid_h - th - 16, 3 * f.height)),
-                  vmin, vmax, style.cmap, style.colorbar_label, fs);
+    draw_colorbar(img, left + grid_w + 16, top + bth + 10,
+                  std::max(f.height, std::min(grid_h - bth - 30, 3 * f.height)), vmin, vmax, style.cmap,
+                  style.colorbar_label, big);
   return img;
 }
 

@@ -199,4 +199,39 @@ std::string profile_to_table(const std::vector<ProfilePoint>& points) {
   return os.str();
 }
 
+std::vector<viz::PlotSpec> profile_plot_specs(const std::vector<ProfilePoint>& points) {
+  viz::PlotSpec time{"forward time", "L", "ms", true, true, {}};
+  viz::PlotSpec mem{"peak memory", "L", "MiB", true, true, {}};
+  std::vector<std::pair<std::string, int64_t>> keys;
+  for (const auto& p : points)
+    if (std::find(keys.begin(), keys.end(), std::make_pair(p.kernel, p.heads)) == keys.end())
+      keys.emplace_back(p.kernel, p.heads);
+  std::vector<int64_t> heads_seen;
+  for (const auto& [kernel, heads] : keys) {
+    viz::Series t{kernel + " h=" + std::to_string(heads), {}, {}, false};
+    viz::Series m{kernel + " h=" + std::to_string(heads), {}, {}, false};
+    for (const auto& p : points) {
+      if (p.kernel != kernel || p.heads != heads || !p.error.empty()) continue;
+      t.x.push_back(double(p.length));
+      t.y.push_back(p.ms);
+      m.x.push_back(double(p.length));
+      m.y.push_back(p.peak_mib);
+    }
+    time.series.push_back(t);
+    mem.series.push_back(m);
+  }
+  for (const auto& [kernel, heads] : keys) {
+    if (std::find(heads_seen.begin(), heads_seen.end(), heads) != heads_seen.end()) continue;
+    heads_seen.push_back(heads);
+    viz::Series a{"analytic B*h*L^2*4 h=" + std::to_string(heads), {}, {}, true};
+    for (const auto& p : points)
+      if (p.heads == heads && p.kernel == kernel) {
+        a.x.push_back(double(p.length));
+        a.y.push_back(p.analytic_mib);
+      }
+    mem.series.push_back(a);
+  }
+  return {time, mem};
+}
+
 }  // namespace sattn

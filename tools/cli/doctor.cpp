@@ -1,0 +1,53 @@
+// `sattn doctor`: health diagnostics of one attention call (see include/sattn/diagnose.hpp).
+// Exit 0 when healthy, 1 when there are findings, 2 on bad usage or input.
+#include <cstdlib>
+#include <iostream>
+
+#include "cli/commands.hpp"
+#include "cli/tool_inputs.hpp"
+#include "sattn/diagnose.hpp"
+#include "sattn/io.hpp"
+
+namespace sattn::cli {
+namespace {
+
+struct DoctorArgs {
+  std::string q, k, v, expect;
+  MaskArgs masks;
+  bool json = false;
+};
+
+void run_doctor(const DoctorArgs& a) {
+  const Tensor q = read_npy(a.q), k = read_npy(a.k), v = read_npy(a.v);
+  LoadedMasks m = load_masks(a.masks);
+  DiagnoseOptions d;
+  d.expect = parse_expectation(a.expect);
+  const Diagnosis dg = diagnose(q, k, v, m.options, d);
+  if (a.json) std::cout << diagnosis_to_json(dg, 2) << "\n";
+  else std::cout << diagnosis_to_text(dg);
+  std::cout.flush();
+  if (!dg.healthy()) std::exit(1);  // findings: exit 1 (documented); stdout is flushed above
+}
+
+}  // namespace
+
+void add_doctor_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "doctor", "Health check of attention on given q/k/v: saturation, missing scaling, fully masked rows, NaN/Inf, "
+                "causal and padding leaks, suspicious mask polarity, determinism. Exit 0 healthy, 1 findings, 2 bad usage");
+  auto a = std::make_shared<DoctorArgs>();
+  cmd->add_option("--q", a->q, "queries .npy [B, Hq, Lq, D]")->required()->check(CLI::ExistingFile);
+  cmd->add_option("--k", a->k, "keys .npy [B, Hkv, Lk, D]")->required()->check(CLI::ExistingFile);
+  cmd->add_option("--v", a->v, "values .npy [B, Hkv, Lk, Dv]")->required()->check(CLI::ExistingFile);
+  add_mask_options(cmd, a->masks, true);
+  cmd->add_option("--expect", a->expect,
+                  "what the masks are meant to do. causal: flag weight on future keys (alignment from --causal, else "
+                  "top-left). padding: flag weight on padded keys; --key-padding/--lengths then say WHERE the padding "
+                  "is and are not applied (the check is whether --mask/--causal hide it); without them, trailing "
+                  "all-zero k/v rows are taken as padding")
+      ->check(CLI::IsMember({"causal", "padding", "none"}));
+  cmd->add_flag("--json", a->json, "print {\"findings\": [...], \"stats\": {...}} instead of text");
+  cmd->callback([a] { run_doctor(*a); });
+}
+
+}  // namespace sattn::cli
