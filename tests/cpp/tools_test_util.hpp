@@ -123,9 +123,18 @@ struct RunResult {
 };
 
 // Runs `$SATTN_BINARY_DIR/sattn args`, capturing stdout and stderr (stdout/stderr are files, not terminals).
+// The build directory: $SATTN_BINARY_DIR (set by ctest), else the one this test binary was configured in.
+inline std::string binary_dir() {
+  if (const char* bin = std::getenv("SATTN_BINARY_DIR"); bin && *bin) return bin;
+#ifdef SATTN_TEST_BINARY_DIR
+  return SATTN_TEST_BINARY_DIR;
+#else
+  return ".";
+#endif
+}
+
 inline RunResult run_sattn(const std::string& args, const std::string& dir) {
-  const char* bin = std::getenv("SATTN_BINARY_DIR");
-  const std::string exe = std::string(bin ? bin : ".") + "/sattn";
+  const std::string exe = binary_dir() + "/sattn";
   const std::string out = dir + "/stdout.txt", err = dir + "/stderr.txt";
   const std::string cmd = "cd '" + dir + "' && '" + exe + "' " + args + " >'" + out + "' 2>'" + err + "'";
   const int status = std::system(cmd.c_str());
@@ -136,9 +145,6 @@ inline RunResult run_sattn(const std::string& args, const std::string& dir) {
   return r;
 }
 
-inline bool have_binary() {
-  const char* bin = std::getenv("SATTN_BINARY_DIR");
-  return bin && std::filesystem::exists(std::string(bin) + "/sattn");
-}
+inline bool have_binary() { return std::filesystem::exists(binary_dir() + "/sattn"); }
 
 }  // namespace sattn::testing_tools
