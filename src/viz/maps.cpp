@@ -77,7 +77,7 @@ ExampleInputs example_inputs(int64_t batch, int64_t heads, int64_t len, int64_t 
     const double w = std::numbers::pi * std::pow(double(2 * len), -double(m) / double(std::max<int64_t>(pairs - 1, 1)));
     return d % 2 == 0 ? std::cos(w * pos) : std::sin(w * pos);
   };
-  const double beta = 3.0 * std::sqrt(double(dim)) / std::sqrt(double(pairs));  // sharpness of the positional heads
+  const double beta = 1.6 * std::sqrt(double(dim)) / std::sqrt(double(pairs));  // sharpness of the positional heads
   size_t n = 0;
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t h = 0; h < heads; ++h)

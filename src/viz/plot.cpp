@@ -112,7 +112,7 @@ struct Axis {
     if (log) {
       // Data values themselves when there are few (e.g. the swept L), else 1-2-5 per decade or decades.
       if (!data_values.empty() && data_values.size() <= 8) return {data_values.begin(), data_values.end()};
-      const bool dense = hi - lo < 2.5;
+      const bool dense = hi - lo < 3.2;
       for (int e = int(std::floor(lo)); e <= int(std::ceil(hi)); ++e)
         for (double m : dense ? std::vector<double>{1, 2, 5} : std::vector<double>{1}) {
           const double v = m * std::pow(10.0, e);

@@ -19,6 +19,7 @@ struct VizArgs {
   int columns = 0, side = 0;
   double vmax = 0;
   bool has_vmax = false;
+  bool example = false;
 };
 
 void run_viz(const VizArgs& a) {
@@ -29,8 +30,17 @@ void run_viz(const VizArgs& a) {
         "': attention maps of the super-resolution model are not yet available in this build");
   // TODO(nn): `--mha weights.safetensors --x x.npy` once include/sattn/mha.hpp lands: project x with the
   // module's in_proj weights to q/k [B, H, L, D] and reuse everything below (torch MHA mask polarity!).
-  check(!a.q.empty() && !a.k.empty(), ErrorKind::kInvalidArgument, "--q and --k: both are required");
-  const Tensor q = read_npy(a.q), k = read_npy(a.k);
+  check(a.example || (!a.q.empty() && !a.k.empty()), ErrorKind::kInvalidArgument,
+        "--q and --k: both are required (or --example)");
+  check(!a.example || (a.q.empty() && a.k.empty()), ErrorKind::kInvalidArgument,
+        "--example: replaces --q/--k, give one or the other");
+  Tensor q, k;
+  if (a.example) {
+    const viz::ExampleInputs ex = viz::example_inputs(1, 4, 48, 32, 7);
+    q = ex.q, k = ex.k;
+  } else {
+    q = read_npy(a.q), k = read_npy(a.k);
+  }
   LoadedMasks m = load_masks(a.masks);
   const viz::AttentionMaps maps = viz::attention_maps(q, k, m.options);
   std::filesystem::create_directories(a.out);
@@ -92,8 +102,10 @@ void add_viz_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("viz", "Attention maps as PNG: DIR/head_<b>_<h>.png, DIR/heads.png (grid with colour "
                                         "bar), DIR/query_<i>.png (the keys one query attends to)");
   auto a = std::make_shared<VizArgs>();
-  cmd->add_option("--q", a->q, "queries .npy [B, Hq, Lq, D]")->required()->check(CLI::ExistingFile);
-  cmd->add_option("--k", a->k, "keys .npy [B, Hkv, Lk, D]")->required()->check(CLI::ExistingFile);
+  cmd->add_option("--q", a->q, "queries .npy [B, Hq, Lq, D]")->check(CLI::ExistingFile);
+  cmd->add_option("--k", a->k, "keys .npy [B, Hkv, Lk, D]")->check(CLI::ExistingFile);
+  cmd->add_flag("--example", a->example, "use generated inputs instead of --q/--k: 4 heads, L=48, D=32 with a diagonal, "
+                                         "a 3-back, a sink and a random head");
   add_mask_options(cmd, a->masks, true);
   cmd->add_option("--pattern", a->pattern, "sparse/adaptive pattern SPEC to draw (not yet available in this build)");
   cmd->add_option("--image", a->image, "an image through the SR model (not yet available in this build)");
