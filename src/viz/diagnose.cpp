@@ -118,6 +118,11 @@ std::string heads_summary(const std::vector<std::pair<int64_t, int64_t>>& heads)
 Diagnosis diagnose(const TensorView& q, const TensorView& k, const TensorView& v, const AttentionOptions& options,
                    const DiagnoseOptions& dopt) {
   const AttentionProblem given = describe_attention(q, k, v, options);  // validates everything
+  check(double(given.batch) * double(given.heads_q) * double(given.len_q) * double(given.len_k) <=
+            double(int64_t(1) << 27),
+        ErrorKind::kOutOfMemory, "diagnose: [B, Hq, Lq, Lk] = ",
+        shape_to_string({given.batch, given.heads_q, given.len_q, given.len_k}),
+        " has more than 2^27 entries (the checks keep several copies of the weights); diagnose a slice");
   Diagnosis dg;
   const Tensor q64 = Tensor::from_view(q).to(DType::kF64), k64 = Tensor::from_view(k).to(DType::kF64);
   const Tensor v64 = Tensor::from_view(v).to(DType::kF64);
@@ -259,7 +264,9 @@ Diagnosis diagnose(const TensorView& q, const TensorView& k, const TensorView& v
 
   // Determinism: the kernel the user would get, twice, compared bit for bit.
   {
-    Tensor a, c;
+    // Two runs as configured, and (without a custom runner) a third on one thread: the library promises the
+    // same bits for any thread count, so a difference there is a determinism bug too.
+    Tensor a, c, one;
     if (dopt.runner) {
       a = dopt.runner(q, k, v, applied);
       c = dopt.runner(q, k, v, applied);
@@ -269,9 +276,15 @@ Diagnosis diagnose(const TensorView& q, const TensorView& k, const TensorView& v
       dg.kernel = first.info.kernel;
       a = first.out;
       c = attention(q, k, v, applied, false, false).out;
+      AttentionOptions single = applied;
+      single.num_threads = 1;
+      one = attention(q, k, v, single, false, false).out;
     }
-    dg.deterministic = a.shape() == c.shape() && a.dtype() == c.dtype() &&
-                       std::memcmp(a.data(), c.data(), a.nbytes()) == 0;
+    auto same = [](const Tensor& x, const Tensor& y) {
+      return x.shape() == y.shape() && x.dtype() == y.dtype() && std::memcmp(x.data(), y.data(), x.nbytes()) == 0;
+    };
+    dg.deterministic = same(a, c) && (!one.defined() || same(a, one));
+    if (same(a, c) && !dg.deterministic) c = one;  // report the thread-count difference below
     if (!dg.deterministic && a.shape() == c.shape()) {
       const Tensor a64 = a.to(DType::kF64), c64 = c.to(DType::kF64);
       double md_ = 0;
@@ -429,7 +442,28 @@ Diagnosis diagnose(const TensorView& q, const TensorView& k, const TensorView& v
                "use True = masked out, so a mask copied from one to the other silently flips. Fix: pass ~mask "
                "(logical not), or print a few rows and check that True marks the keys a query may see."});
     }
-  } else if (p.mask == MaskKind::kAdditive) {
+  }
+  if (given.key_padding == KeyPaddingKind::kBool && dopt.expect != Expectation::kPadding) {
+    // True = padding. A mask that is True on a leading block and False after it, in every batch entry, reads
+    // as "True = real token" (padding normally trails; left padding is legitimate but rarer).
+    const MaskData kp = make_mask_data(given, options);
+    bool all_leading = true;
+    for (int64_t b = 0; b < B && all_leading; ++b) {
+      int64_t n_true = 0;
+      while (n_true < Lk && kp.key_is_padding(b, n_true)) ++n_true;
+      bool rest_false = true;
+      for (int64_t j = n_true; j < Lk; ++j) rest_false = rest_false && !kp.key_is_padding(b, j);
+      all_leading = n_true > 0 && n_true < Lk && rest_false;
+    }
+    if (all_leading)
+      dg.findings.push_back(
+          {"mask_polarity_suspect", {},
+           "The key_padding_mask is True on a leading block of keys and False after it in every batch entry. In "
+           "sattn (as in nn.MultiheadAttention) True = padding, so this hides the start of every sequence and "
+           "keeps its padding; it looks like a mask where True marks real tokens. Fix: pass ~key_padding_mask, "
+           "or lengths. (If the batch really is left-padded, ignore this.)"});
+  }
+  if (p.mask == MaskKind::kAdditive) {
     const Tensor m64 = Tensor::from_view(options.attn_mask).to(DType::kF64);
     bool zero_one = true, has_one = false;
     for (int64_t n = 0; n < m64.numel(); ++n) {

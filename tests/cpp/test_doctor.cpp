@@ -299,3 +299,27 @@ TEST(Doctor, JsonAndTextShapes) {
   // Invalid inputs raise the library's errors.
   EXPECT_THROW(diagnose(in.q, randn({1, 2, 16, 8}, 1), in.v, {}), Error);
 }
+
+TEST(Doctor, KeyPaddingMaskMarkingRealTokensIsSuspect) {
+  const Inputs in = healthy(2, 1, 10, 8);
+  Tensor kpm(DType::kBool, {2, 10});
+  const int64_t len[2] = {7, 4};
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t j = 0; j < 10; ++j) kpm.data<uint8_t>()[b * 10 + j] = j < len[b];  // True = real token (wrong)
+  AttentionOptions o;
+  o.key_padding_mask = kpm.view();
+  EXPECT_TRUE(has(diagnose(in.q, in.k, in.v, o), "mask_polarity_suspect"));
+  for (int64_t n = 0; n < 20; ++n) kpm.data<uint8_t>()[n] = !kpm.data<uint8_t>()[n];  // the right polarity
+  EXPECT_TRUE(diagnose(in.q, in.k, in.v, o).healthy());
+}
+
+TEST(Doctor, TooLargeProblemIsRefusedClearly) {
+  Tensor q(DType::kF32, {1, 1, 12000, 1}), k(DType::kF32, {1, 1, 12000, 1}), v(DType::kF32, {1, 1, 12000, 1});
+  try {
+    diagnose(q, k, v, {});
+    FAIL() << "expected sattn::Error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kOutOfMemory);
+    EXPECT_NE(std::string(e.what()).find("2^27"), std::string::npos);
+  }
+}
