@@ -37,27 +37,32 @@ std::vector<int64_t> index_ticks(int64_t n, int max_ticks) {
   return ticks;
 }
 
-// How a matrix is fitted into a square-ish area of `side` pixels: `pool` cells per pixel or `cell` pixels per cell.
+// How a matrix is fitted into an area of about `side` pixels, per axis: `pool` indices per block (max-pooled)
+// and `cell` pixels per block. Square cells when both sides fit; a short axis (e.g. one query against 1000 keys)
+// is stretched to at least `min_side` pixels so that the map stays readable.
 struct Fit {
-  int64_t pool = 1;
-  int cell = 1;
-  int width = 0, height = 0;  // pixels
-  double px_per_index = 1;    // along either axis
+  int64_t pool_r = 1, pool_c = 1;
+  int cell_h = 1, cell_w = 1;
+  int width = 0, height = 0;       // pixels
+  double ppx = 1, ppy = 1;         // pixels per index along x (keys) and y (queries)
 };
 
-Fit fit_matrix(int64_t rows, int64_t cols, int side) {
+Fit fit_matrix(int64_t rows, int64_t cols, int side, int min_side = 48) {
   Fit f;
   const int64_t n = std::max(rows, cols);
-  if (n <= side) {
-    f.cell = std::max<int>(1, int(side / n));
-    f.pool = 1;
-  } else {
-    f.pool = (n + side - 1) / side;
-    f.cell = 1;
-  }
-  f.width = int((cols + f.pool - 1) / f.pool) * f.cell;
-  f.height = int((rows + f.pool - 1) / f.pool) * f.cell;
-  f.px_per_index = double(f.cell) / double(f.pool);
+  const int square = n <= side ? std::max<int>(1, int(side / n)) : 1;
+  auto axis = [&](int64_t len, int64_t* pool, int* cell) {
+    *pool = len <= side ? 1 : (len + side - 1) / side;
+    *cell = square;
+    const int64_t blocks = (len + *pool - 1) / *pool;
+    if (blocks * *cell < min_side) *cell = int((min_side + blocks - 1) / blocks);
+  };
+  axis(rows, &f.pool_r, &f.cell_h);
+  axis(cols, &f.pool_c, &f.cell_w);
+  f.width = int((cols + f.pool_c - 1) / f.pool_c) * f.cell_w;
+  f.height = int((rows + f.pool_r - 1) / f.pool_r) * f.cell_h;
+  f.ppx = double(f.cell_w) / double(f.pool_c);
+  f.ppy = double(f.cell_h) / double(f.pool_r);
   return f;
 }
 
@@ -77,17 +82,17 @@ std::pair<double, double> value_range(const std::vector<const Matrix*>& ms, cons
 
 // Draws the cells of `m` with their top-left at (ox, oy); pooled blocks show their largest value.
 void draw_cells(Image& img, int ox, int oy, const Matrix& m, const Fit& f, double vmin, double vmax, Colormap cmap) {
-  const int64_t prow = (m.rows + f.pool - 1) / f.pool, pcol = (m.cols + f.pool - 1) / f.pool;
+  const int64_t prow = (m.rows + f.pool_r - 1) / f.pool_r, pcol = (m.cols + f.pool_c - 1) / f.pool_c;
   for (int64_t bi = 0; bi < prow; ++bi) {
     for (int64_t bj = 0; bj < pcol; ++bj) {
       double best = std::numeric_limits<double>::quiet_NaN();
-      for (int64_t i = bi * f.pool; i < std::min(m.rows, (bi + 1) * f.pool); ++i)
-        for (int64_t j = bj * f.pool; j < std::min(m.cols, (bj + 1) * f.pool); ++j) {
+      for (int64_t i = bi * f.pool_r; i < std::min(m.rows, (bi + 1) * f.pool_r); ++i)
+        for (int64_t j = bj * f.pool_c; j < std::min(m.cols, (bj + 1) * f.pool_c); ++j) {
           const double v = m.at(i, j);
           if (!std::isnan(v) && (std::isnan(best) || v > best)) best = v;
         }
       const Rgb c = colormap(cmap, std::isnan(best) ? best : (best - vmin) / (vmax - vmin));
-      img.fill_rect(ox + int(bj) * f.cell, oy + int(bi) * f.cell, f.cell, f.cell, c);
+      img.fill_rect(ox + int(bj) * f.cell_w, oy + int(bi) * f.cell_h, f.cell_w, f.cell_h, c);
     }
   }
   img.draw_rect(ox - 1, oy - 1, f.width + 2, f.height + 2, kAxis);
@@ -98,7 +103,7 @@ void draw_ticks(Image& img, int ox, int oy, int64_t rows, int64_t cols, const Fi
                 bool y_labels) {
   const int tick_len = 3 * scale;
   for (int64_t t : index_ticks(cols, std::max(2, f.width / (text_width("0000", scale) + 4)))) {
-    const int x = ox + int((double(t) + 0.5) * f.px_per_index);
+    const int x = ox + int((double(t) + 0.5) * f.ppx);
     img.fill_rect(x, oy + f.height + 1, 1, tick_len, kAxis);
     if (x_labels) {
       const std::string s = std::to_string(t);
@@ -106,7 +111,7 @@ void draw_ticks(Image& img, int ox, int oy, int64_t rows, int64_t cols, const Fi
     }
   }
   for (int64_t t : index_ticks(rows, std::max(2, f.height / (text_height(scale) * 3)))) {
-    const int y = oy + int((double(t) + 0.5) * f.px_per_index);
+    const int y = oy + int((double(t) + 0.5) * f.ppy);
     img.fill_rect(ox - 1 - tick_len, y, tick_len, 1, kAxis);
     if (y_labels) {
       const std::string s = std::to_string(t);
@@ -152,7 +157,9 @@ Image render_heatmap(const Matrix& m, const HeatmapStyle& style) {
   check(m.rows > 0 && m.cols > 0 && m.data.size() == size_t(m.rows * m.cols), ErrorKind::kInvalidArgument,
         "heatmap: expected a non-empty matrix, got ", m.rows, "x", m.cols);
   const int fs = 2;  // font scale
-  const Fit f = fit_matrix(m.rows, m.cols, std::max(16, style.plot_side));
+  // Tall enough for the vertical axis label and the colour bar's three labels.
+  const int min_side = std::max(text_width(style.ylabel, fs) + 8, 6 * text_height(fs));
+  const Fit f = fit_matrix(m.rows, m.cols, std::max(16, style.plot_side), min_side);
   const auto [vmin, vmax] = value_range({&m}, style);
   const int th = text_height(fs);
   const int left = 8 + th + 8 + ytick_label_width(m.rows, fs) + 3 * fs + 6;
@@ -193,7 +200,7 @@ Image render_heatmap_grid(const std::vector<Matrix>& panels, const std::vector<s
   // Every panel has the same fit (same shapes in practice); use the largest for the cell size.
   int64_t max_cols = 0;
   for (const Matrix& m : panels) max_cols = std::max(max_cols, m.cols);
-  const Fit f = fit_matrix(max_rows, max_cols, std::max(16, style.plot_side));
+  const Fit f = fit_matrix(max_rows, max_cols, std::max(16, style.plot_side), 64);
   const int th = text_height(fs), bth = text_height(big);
   const int tick_w = ytick_label_width(max_rows, fs) + 3 * fs + 6;
   const int cell_w = tick_w + f.width + 14;

@@ -267,3 +267,14 @@ TEST(Profile, MeasuredPeakGrowsWithTheScoreMatrix) {
   EXPECT_DOUBLE_EQ(pts[0].analytic_mib, 16.0);
   EXPECT_GE(pts[0].peak_mib, 0.9 * 16.0);
 }
+
+TEST(VizHeatmap, OneQueryAgainstManyKeysStaysReadable) {
+  Matrix m(1, 1000, 0.001);
+  m.at(0, 10) = 0.5;
+  HeatmapStyle s;
+  s.plot_side = 256;
+  const Image img = render_heatmap(m, s);
+  EXPECT_GE(img.height(), 48 + 60);  // the single row is stretched to >= 48 px
+  EXPECT_TRUE(decode_png_bytes(encode_png(img)).non_constant());
+  EXPECT_TRUE(has_colour(decode_png_bytes(encode_png(img)), colormap(Colormap::kViridis, 1.0)));
+}
