@@ -1,7 +1,9 @@
 // Image buffer, PNG output (stb_image_write, implementation from Debian's libstb.so), colour maps, text and base64.
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 
 #include "sattn/error.hpp"
