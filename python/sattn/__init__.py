@@ -5,3 +5,4 @@ from ._core import (__version__, Error, InvalidArgumentError, DTypeError, OutOfM
 from ._attention import (scaled_dot_product_attention, scaled_dot_product_attention_backward,  # noqa: F401
                          attention_weights, explain_kernels, KernelReport)
 from ._core import MultiheadAttention, read_safetensors, write_safetensors  # noqa: F401,E402  (bind_nn.cpp)
+from ._core import diagnose  # noqa: F401  (bind_tools.cpp)

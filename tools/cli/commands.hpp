@@ -8,4 +8,8 @@ namespace sattn::cli {
 void add_version_command(CLI::App& app);  // version.cpp
 void add_demo_command(CLI::App& app);     // demo.cpp
 void add_attn_command(CLI::App& app);     // attn.cpp
+void add_viz_command(CLI::App& app);      // viz.cpp
+void add_doctor_command(CLI::App& app);   // doctor.cpp
+void add_profile_command(CLI::App& app);  // profile.cpp
+void add_report_command(CLI::App& app);   // report.cpp
 }  // namespace sattn::cli

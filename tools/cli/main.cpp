@@ -13,6 +13,10 @@ int main(int argc, char** argv) {
   sattn::cli::add_demo_command(app);
   sattn::cli::add_attn_command(app);
   sattn::cli::add_version_command(app);
+  sattn::cli::add_viz_command(app);
+  sattn::cli::add_doctor_command(app);
+  sattn::cli::add_profile_command(app);
+  sattn::cli::add_report_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {  // a subcommand's own exit code (e.g. demo: 1 = check failed)

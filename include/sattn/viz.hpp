@@ -1,0 +1,149 @@
+// sattn::viz — a small imaging library for looking at attention: RGB images, PNG output (stb_image_write from
+// Debian's libstb), perceptual colour maps, an embedded bitmap font (stb_easy_font), heatmaps with axes and a
+// colour bar, grids of heads, query-focus views, line plots (SVG or PNG) with log axes, and base64 for HTML.
+//
+// Everything is drawn by C++ code; nothing here needs Python or a network.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "sattn/attention.hpp"
+#include "sattn/tensor.hpp"
+
+namespace sattn::viz {
+
+struct Rgb {
+  uint8_t r = 0, g = 0, b = 0;
+  bool operator==(const Rgb&) const = default;
+};
+
+inline constexpr Rgb kWhite{255, 255, 255};
+inline constexpr Rgb kBlack{0, 0, 0};
+inline constexpr Rgb kMaskedGrey{200, 200, 200};  // cells with no value (masked keys, NaN)
+
+// An 8-bit RGB raster, row-major, (0, 0) at the top left.
+class Image {
+ public:
+  Image() = default;
+  Image(int width, int height, Rgb fill = kWhite);
+  int width() const { return width_; }
+  int height() const { return height_; }
+  const std::vector<uint8_t>& pixels() const { return pixels_; }  // width*height*3 bytes
+  Rgb get(int x, int y) const;
+  void set(int x, int y, Rgb c);                            // ignores pixels outside the image
+  void fill_rect(int x, int y, int w, int h, Rgb c);        // clipped
+  void draw_rect(int x, int y, int w, int h, Rgb c);        // 1-px outline, clipped
+  void draw_line(double x0, double y0, double x1, double y1, Rgb c, double width = 1.0);
+  void fill_circle(double cx, double cy, double r, Rgb c);
+  void blit(const Image& src, int x, int y);                // copies src with its top-left at (x, y), clipped
+  Image rotated_ccw() const;                                // 90 degrees counter-clockwise
+
+ private:
+  int width_ = 0, height_ = 0;
+  std::vector<uint8_t> pixels_;
+};
+
+// PNG encoding through stb_image_write. Throws sattn::Error(kIO) naming the path when writing fails.
+std::vector<uint8_t> encode_png(const Image& image);
+void write_png(const std::string& path, const Image& image);
+
+// ---- colour maps ------------------------------------------------------------------------------------------
+enum class Colormap { kViridis, kMagma, kGray };
+Colormap parse_colormap(const std::string& name);  // "viridis" | "magma" | "gray"; throws sattn::Error otherwise
+const char* to_string(Colormap cmap);
+// Colour at t in [0, 1] (clamped); NaN gives kMaskedGrey. Tables are matplotlib's at 9 stops, interpolated.
+Rgb colormap(Colormap cmap, double t);
+
+// ---- text (stb_easy_font, a 5x7-ish stroke font drawn as pixel quads) ----------------------------------------
+// `scale` multiplies the font's pixel grid (1: ~7 px capitals, 2: ~14 px). Only printable ASCII.
+void draw_text(Image& image, int x, int y, const std::string& text, Rgb colour, int scale = 1);
+int text_width(const std::string& text, int scale = 1);
+int text_height(int scale = 1);  // height of one line of capitals, in pixels
+// Text rotated 90 degrees counter-clockwise (reads bottom-to-top), top-left corner of its box at (x, y).
+void draw_text_vertical(Image& image, int x, int y, const std::string& text, Rgb colour, int scale = 1);
+
+// ---- matrices and heatmaps --------------------------------------------------------------------------------
+// A dense row-major matrix of doubles; NaN marks "no value" (a masked key), drawn in kMaskedGrey.
+struct Matrix {
+  int64_t rows = 0, cols = 0;
+  std::vector<double> data;
+  Matrix() = default;
+  Matrix(int64_t r, int64_t c, double fill = 0.0) : rows(r), cols(c), data(size_t(r * c), fill) {}
+  double& at(int64_t i, int64_t j) { return data[size_t(i * cols + j)]; }
+  double at(int64_t i, int64_t j) const { return data[size_t(i * cols + j)]; }
+};
+
+struct HeatmapStyle {
+  Colormap cmap = Colormap::kViridis;
+  double vmin = 0.0;
+  double vmax = std::numeric_limits<double>::quiet_NaN();  // NaN: the largest finite value (at least vmin + 1e-12)
+  std::string title;
+  std::string xlabel = "key j";
+  std::string ylabel = "query i";
+  std::string colorbar_label = "weight";
+  int plot_side = 384;  // target size of the longer side of the matrix area, in pixels
+  bool colorbar = true;
+};
+
+// One matrix as a heatmap with title, tick labels on both axes, axis labels and a colour bar.
+// Matrices larger than the plot area are max-pooled (a peak stays visible); smaller ones get square cells.
+Image render_heatmap(const Matrix& m, const HeatmapStyle& style);
+
+// Several matrices (e.g. every head) in a grid with `columns` panels per row, each with its own title and
+// tick labels, one shared colour scale and one colour bar. `style.plot_side` is the side of each panel.
+Image render_heatmap_grid(const std::vector<Matrix>& panels, const std::vector<std::string>& titles, int columns,
+                          const HeatmapStyle& style);
+
+// The keys one query attends to: one bar chart per row of `rows` (e.g. per head), bars coloured by weight,
+// masked keys (NaN) marked with a grey tick under the axis. `row_labels` name the rows ("h0", ...).
+Image render_query_focus(const Matrix& rows, const std::vector<std::string>& row_labels, const std::string& title,
+                         const HeatmapStyle& style);
+
+// ---- line plots --------------------------------------------------------------------------------------------
+struct Series {
+  std::string name;
+  std::vector<double> x, y;  // non-positive values are skipped on a log axis
+  bool dashed = false;
+};
+struct PlotSpec {
+  std::string title, xlabel, ylabel;
+  bool log_x = true, log_y = true;
+  std::vector<Series> series;
+};
+// Panels side by side in one figure, each `panel_width` x `panel_height` pixels, with axes, ticks, grid and legend.
+std::string render_plots_svg(const std::vector<PlotSpec>& panels, int panel_width = 480, int panel_height = 360);
+Image render_plots_png(const std::vector<PlotSpec>& panels, int panel_width = 480, int panel_height = 360);
+// The same colours the plots use, in series order.
+Rgb series_colour(size_t index);
+
+// ---- HTML helpers ----------------------------------------------------------------------------------------
+std::string base64_encode(const std::vector<uint8_t>& bytes);
+std::string png_data_uri(const Image& image);  // "data:image/png;base64,..."
+std::string html_escape(const std::string& text);
+
+// ---- attention maps ----------------------------------------------------------------------------------------
+// Attention weights [B, Hq, Lq, Lk] from the reference kernel (with the masks in `options`), as matrices per
+// (b, h) in row-major (b, h) order, with NaN where a key is not allowed (masked, padded, causal) so that a map
+// shows the mask as well as the weights. Shapes as in attention.hpp.
+struct AttentionMaps {
+  int64_t batch = 0, heads = 0, len_q = 0, len_k = 0;
+  std::vector<Matrix> maps;  // batch * heads
+  const Matrix& at(int64_t b, int64_t h) const { return maps[size_t(b * heads + h)]; }
+};
+AttentionMaps attention_maps(const TensorView& q, const TensorView& k, const AttentionOptions& options);
+
+// Whether key j is allowed for query i of (b, h) under `options`' masks, as a [B, Hq, Lq, Lk] uint8 tensor
+// (1 = allowed). The same rules as the kernels: bool False, additive -inf, padding and causality mask a key.
+Tensor allowed_keys(const AttentionProblem& problem, const AttentionOptions& options);
+
+// Example inputs with visible structure, for demos and the report: q, k [B, H, L, D], v [B, H, L, D].
+// Head h % 4 == 0 attends to the diagonal, 1 to three keys back, 2 to the first keys (a "sink"), 3 is random.
+struct ExampleInputs {
+  Tensor q, k, v;
+};
+ExampleInputs example_inputs(int64_t batch, int64_t heads, int64_t len, int64_t dim, uint64_t seed = 0);
+
+}  // namespace sattn::viz
