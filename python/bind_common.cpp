@@ -27,8 +27,6 @@ DType dtype_of(const pyb::dtype& dt, const char* name) {
   fail(ErrorKind::kTypeError, name, ": unsupported numpy dtype ", type_name);
 }
 
-namespace {
-
 pyb::dtype numpy_dtype(DType dtype) {
   switch (dtype) {
     case DType::kF32: return pyb::dtype::of<float>();
@@ -40,8 +38,10 @@ pyb::dtype numpy_dtype(DType dtype) {
     case DType::kF16: return pyb::dtype("float16");
     case DType::kBF16: break;
   }
-  fail(ErrorKind::kInternal, "no numpy dtype for ", to_string(dtype));
+  fail(ErrorKind::kTypeError, "numpy has no ", to_string(dtype), " dtype");
 }
+
+namespace {
 
 // Whether a TensorView can describe `a` as it is (element strides, non-negative, aligned).
 bool viewable(const pyb::array& a) {
@@ -77,6 +77,21 @@ pyb::array new_array(DType dtype, const Shape& shape, TensorView* view) {
   pyb::array a(numpy_dtype(dtype), dims);
   if (view) *view = TensorView(a.mutable_data(), dtype, shape, contiguous_strides(shape));
   return a;
+}
+
+NumpyView numpy_view(const pyb::handle& obj, const char* name) {
+  pyb::object a = pyb::module_::import("numpy").attr("asarray")(obj);
+  ArrayKeeper keeper;
+  const TensorView view = view_of(a, name, keeper);
+  return {keeper.arrays.back(), view};
+}
+
+pyb::array to_numpy(const Tensor& t) {
+  auto* keep = new Tensor(t);
+  pyb::capsule owner(keep, [](void* p) { delete static_cast<Tensor*>(p); });
+  std::vector<pyb::ssize_t> shape(t.shape().begin(), t.shape().end()), strides;
+  for (int64_t s : contiguous_strides(t.shape())) strides.push_back(pyb::ssize_t(s * int64_t(dtype_size(t.dtype()))));
+  return pyb::array(numpy_dtype(t.dtype()), shape, strides, t.data(), owner);
 }
 
 }  // namespace sattn::py

@@ -31,4 +31,17 @@ TensorView view_of(const pybind11::object& obj, const char* name, ArrayKeeper& k
 // A freshly allocated C-order numpy array and a view of it (for outputs).
 pybind11::array new_array(DType dtype, const Shape& shape, TensorView* view);
 
+// The numpy dtype of a sattn dtype (float16 included; bfloat16 has none -> sattn::Error).
+pybind11::dtype numpy_dtype(DType dtype);
+
+// A numpy array (anything numpy.asarray accepts) kept alive together with a TensorView of it.
+struct NumpyView {
+  pybind11::array array;
+  TensorView view;
+};
+NumpyView numpy_view(const pybind11::handle& obj, const char* name);
+
+// A numpy array sharing the tensor's storage (no copy); the array keeps the storage alive.
+pybind11::array to_numpy(const Tensor& t);
+
 }  // namespace sattn::py

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "bindings.hpp"
-#include "numpy_util.hpp"
+#include "bind_common.hpp"
 #include "sattn/error.hpp"
 #include "sattn/mha.hpp"
 #include "sattn/safetensors.hpp"
@@ -26,7 +26,7 @@ NumpyView optional_view(const pyb::object& obj, const char* what) {
 DType parse_param_dtype(const pyb::object& obj) {
   if (obj.is_none()) return DType::kF32;
   const pyb::dtype dt = pyb::dtype::from_args(obj);
-  const DType t = dtype_from_numpy(dt, "dtype");
+  const DType t = dtype_of(dt, "dtype");
   check(t == DType::kF32 || t == DType::kF64, ErrorKind::kTypeError, "dtype: expected float32 or float64, got ",
         std::string(pyb::str(static_cast<const pyb::handle&>(dt))));
   return t;
