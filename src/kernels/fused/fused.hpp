@@ -63,6 +63,11 @@ struct Params {
   // and Di = rowsum(dO ∘ O).
   const float* lse_eff = nullptr;
   const float* delta = nullptr;
+  // Query-side tiles packed once per (b, h, q block) t = (b * Hq + h) * num_q_blocks + qb:
+  // (scale Q)^T [D x Br], dO^T [Dv x Br], scale Q [Br x pad16(D)], dO [Br x pad16(Dv)].
+  float *pk_qt = nullptr, *pk_dot = nullptr, *pk_qr = nullptr, *pk_dor = nullptr;
+
+  static int64_t pad16(int64_t x) { return (x + 15) / 16 * 16; }
 
   int64_t num_q_blocks() const { return (Lq + Br - 1) / Br; }
   int64_t num_k_blocks() const { return (Lk + Bc - 1) / Bc; }
@@ -77,6 +82,8 @@ struct Ops {
   void (*backward_kv_task)(const Params& p, int64_t task);
   // Backward pass 2 (dQ and dmask rows) of one (b, h, q block) task, same numbering as forward.
   void (*backward_q_task)(const Params& p, int64_t task);
+  // Fills the packed query-side tiles of one (b, h, q block) task.
+  void (*pack_q_task)(const Params& p, int64_t task);
 };
 
 // The implementation to use: SATTN_SIMD=avx512|avx2|portable forces one (error if the CPU lacks it),

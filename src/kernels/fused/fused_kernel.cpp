@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <hwy/aligned_allocator.h>
+
 #include "core/threads.hpp"
 #include "kernels/fused/fused.hpp"
 #include "kernels/kernel.hpp"
@@ -135,6 +137,20 @@ void fused_backward(const BackwardArgs& a) {
   });
   p.lse_eff = lse_eff.data();
   p.delta = delta.data();
+
+  // Query-side tiles, packed once (O(B·Hq·Lq·(D+Dv)) floats, like the inputs).
+  const int64_t nqt = p.B * p.Hq * p.num_q_blocks();
+  const size_t pk_n = static_cast<size_t>(nqt * p.Br * (p.D + p.Dv + Params::pad16(p.D) + Params::pad16(p.Dv)));
+  auto packed = hwy::AllocateAligned<float>(pk_n);  // tiles are loaded with aligned vector loads
+  check(packed != nullptr, ErrorKind::kOutOfMemory, "fused attention backward: cannot allocate ", pk_n * 4,
+        " bytes for the packed query tiles");
+  workspace_add(int64_t(pk_n * sizeof(float)));
+  Release release_packed{int64_t(pk_n * sizeof(float))};
+  p.pk_qt = packed.get();
+  p.pk_dot = p.pk_qt + nqt * p.D * p.Br;
+  p.pk_qr = p.pk_dot + nqt * p.Dv * p.Br;
+  p.pk_dor = p.pk_qr + nqt * p.Br * Params::pad16(p.D);
+  run_tasks(nqt, threads, [&](int64_t t) { o.pack_q_task(p, t); });
 
   // Pass 1: dK, dV (one task per key block).
   run_tasks(p.B * p.Hkv * p.num_k_blocks(), threads, [&](int64_t t) { o.backward_kv_task(p, t); });

@@ -374,15 +374,14 @@ struct BwdTile {
 };
 
 bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t kb, int64_t nk,
-                 bool pack_q, Rows* kr_out, Rows* vr_out) {
+                 Rows* kr_out, Rows* vr_out) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d)), Br = p.Br, nvec = Br / N, hk = h / p.group;
   const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, w.bias, w.pad);
   if (tm.skip) return false;
-  if (pack_q) {
-    PackTransposed(p.q, b, h, i0, nq, p.D, Br, p.scale, w.QT);
-    PackTransposed(p.dout, b, h, i0, nq, p.Dv, Br, 1.f, w.dOT);
-  }
+  const int64_t t = (b * p.Hq + h) * p.num_q_blocks() + i0 / Br;
+  w.QT = p.pk_qt + t * p.D * Br;
+  w.dOT = p.pk_dot + t * p.Dv * Br;
   const Rows kr = rows_of(p.k, b, hk, kb, nk, p.D, w.kbuf);
   const Rows vr = rows_of(p.v, b, hk, kb, nk, p.Dv, w.vbuf);
   if (kr_out) *kr_out = kr;
@@ -427,12 +426,10 @@ bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, 
 }
 
 struct BwdScratch {
-  Scratch s_qt, s_dot, s_st, s_dpt, s_pdt, s_bias, s_kbuf, s_vbuf;
+  Scratch s_st, s_dpt, s_pdt, s_bias, s_kbuf, s_vbuf;
   BwdTile w{};
   uint8_t pad[1024];
   explicit BwdScratch(const Params& p) {
-    w.QT = s_qt.alloc(p.D * p.Br);
-    w.dOT = s_dot.alloc(p.Dv * p.Br);
     w.ST = s_st.alloc(p.Bc * p.Br);
     w.dPT = s_dpt.alloc(p.Bc * p.Br);
     w.PdT = s_pdt.alloc(p.Bc * p.Br);
@@ -449,8 +446,8 @@ void BackwardKVTask(const Params& p, int64_t task) {
   const int64_t nkb = p.num_k_blocks(), nqb = p.num_q_blocks(), Br = p.Br, Bc = p.Bc;
   const int64_t bhk = task / nkb, kbi = task % nkb, b = bhk / p.Hkv, hk = bhk % p.Hkv;
   const int64_t kb = kbi * Bc, nk = std::min(Bc, p.Lk - kb);
-  const int64_t Dp = (p.D + N - 1) / N * N, Dvp = (p.Dv + N - 1) / N * N;
-  Scratch s_dk, s_dv, s_qr, s_dor;
+  const int64_t Dp = Params::pad16(p.D), Dvp = Params::pad16(p.Dv);
+  Scratch s_dk, s_dv;
   float* dK = s_dk.alloc(Bc * Dp);
   float* dV = s_dv.alloc(Bc * Dvp);
   std::memset(dK, 0, sizeof(float) * size_t(Bc * Dp));
@@ -458,8 +455,6 @@ void BackwardKVTask(const Params& p, int64_t task) {
   const bool live = !p.key_len || kb < p.key_len[b];
   if (live) {
     BwdScratch sc(p);
-    float* Qr = s_qr.alloc(Br * Dp);
-    float* dOr = s_dor.alloc(Br * Dvp);
     const int64_t nk_eff = p.key_len ? std::min(nk, p.key_len[b] - kb) : nk;
     for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
       // Query blocks that can see key kb: causal needs i >= kb - offset.
@@ -467,9 +462,10 @@ void BackwardKVTask(const Params& p, int64_t task) {
       if (p.causal) qb0 = std::max<int64_t>(0, (kb - p.causal_offset) / Br);
       for (int64_t qb = qb0; qb < nqb; ++qb) {
         const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
-        if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk_eff, true, nullptr, nullptr)) continue;
-        PackRows(p.dout, b, h, i0, nq, p.Dv, Dvp, Br, 1.f, dOr);
-        PackRows(p.q, b, h, i0, nq, p.D, Dp, Br, p.scale, Qr);
+        if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk_eff, nullptr, nullptr)) continue;
+        const int64_t t = (b * p.Hq + h) * nqb + qb;
+        const float* Qr = p.pk_qr + t * Br * Dp;
+        const float* dOr = p.pk_dor + t * Br * Dvp;
         Gemm<true>(sc.w.PdT, Br, 1, dOr, Dvp, dV, Dvp, nk_eff, Dvp / N, Br);  // dV += P'^T dO
         Gemm<true>(sc.w.ST, Br, 1, Qr, Dp, dK, Dp, nk_eff, Dp / N, Br);      // dK += dS^T (scale Q)
       }
@@ -499,14 +495,10 @@ void BackwardQTask(const Params& p, int64_t task) {
   Scratch s_dqt;
   float* dQT = s_dqt.alloc(p.D * Br);
   std::memset(dQT, 0, sizeof(float) * size_t(p.D * Br));
-  if (kend > 0) {
-    PackTransposed(p.q, b, h, i0, nq, p.D, Br, p.scale, sc.w.QT);
-    PackTransposed(p.dout, b, h, i0, nq, p.Dv, Br, 1.f, sc.w.dOT);
-  }
   for (int64_t kb = 0; kb < kend; kb += Bc) {
     const int64_t nk = std::min(Bc, kend - kb);
     Rows kr{};
-    if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk, false, &kr, nullptr)) continue;
+    if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk, &kr, nullptr)) continue;
     Gemm<true>(kr.ptr, 1, kr.stride, sc.w.ST, Br, dQT, Br, p.D, nvec, nk);  // dQ^T += K^T dS^T
     if (p.dmask) {
       float* dm = p.dmask + (p.dmask_bcast_b ? 0 : b * p.dm_sb) + (p.dmask_bcast_h ? 0 : h * p.dm_sh);
@@ -518,6 +510,17 @@ void BackwardQTask(const Params& p, int64_t task) {
   for (int64_t ii = 0; ii < nq; ++ii)
     for (int64_t x = 0; x < p.D; ++x)
       store_elem(p.dq.data, p.dq.dtype, base + ii * p.dq.sl + x * p.dq.sd, dQT[x * Br + ii] * p.scale);
+}
+
+void PackQTask(const Params& p, int64_t task) {
+  const int64_t nqb = p.num_q_blocks(), Br = p.Br;
+  const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq;
+  const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
+  const int64_t Dp = Params::pad16(p.D), Dvp = Params::pad16(p.Dv);
+  PackTransposed(p.q, b, h, i0, nq, p.D, Br, p.scale, p.pk_qt + task * p.D * Br);
+  PackTransposed(p.dout, b, h, i0, nq, p.Dv, Br, 1.f, p.pk_dot + task * p.Dv * Br);
+  PackRows(p.q, b, h, i0, nq, p.D, Dp, Br, p.scale, p.pk_qr + task * Br * Dp);
+  PackRows(p.dout, b, h, i0, nq, p.Dv, Dvp, Br, 1.f, p.pk_dor + task * Br * Dvp);
 }
 
 const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
@@ -543,15 +546,15 @@ const std::vector<Entry>& entries() {
   static const std::vector<Entry> e = [] {
     std::vector<Entry> v;
 #if HWY_TARGETS & HWY_AVX3
-    v.push_back({HWY_AVX3, {"avx512", &N_AVX3::ForwardTask, &N_AVX3::BackwardKVTask, &N_AVX3::BackwardQTask}});
+    v.push_back({HWY_AVX3, {"avx512", &N_AVX3::ForwardTask, &N_AVX3::BackwardKVTask, &N_AVX3::BackwardQTask, &N_AVX3::PackQTask}});
 #endif
 #if HWY_TARGETS & HWY_AVX2
-    v.push_back({HWY_AVX2, {"avx2", &N_AVX2::ForwardTask, &N_AVX2::BackwardKVTask, &N_AVX2::BackwardQTask}});
+    v.push_back({HWY_AVX2, {"avx2", &N_AVX2::ForwardTask, &N_AVX2::BackwardKVTask, &N_AVX2::BackwardQTask, &N_AVX2::PackQTask}});
 #endif
 #if HWY_TARGETS & HWY_EMU128
-    v.push_back({HWY_EMU128, {"portable", &N_EMU128::ForwardTask, &N_EMU128::BackwardKVTask, &N_EMU128::BackwardQTask}});
+    v.push_back({HWY_EMU128, {"portable", &N_EMU128::ForwardTask, &N_EMU128::BackwardKVTask, &N_EMU128::BackwardQTask, &N_EMU128::PackQTask}});
 #elif HWY_TARGETS & HWY_SCALAR
-    v.push_back({HWY_SCALAR, {"portable", &N_SCALAR::ForwardTask, &N_SCALAR::BackwardKVTask, &N_SCALAR::BackwardQTask}});
+    v.push_back({HWY_SCALAR, {"portable", &N_SCALAR::ForwardTask, &N_SCALAR::BackwardKVTask, &N_SCALAR::BackwardQTask, &N_SCALAR::PackQTask}});
 #endif
     return v;
   }();
