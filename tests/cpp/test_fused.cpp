@@ -13,6 +13,7 @@
 
 #include "kernels/fused/fused.hpp"
 #include "sattn/attention.hpp"
+#include "sattn/merge.hpp"
 
 namespace {
 
@@ -306,6 +307,74 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
     sattn::scaled_dot_product_attention(q, k, v, o, {out.view(), {}, {}});
     EXPECT_TRUE(bitwise_equal(out, ref.out)) << sattn::to_string(dt);
   }
+}
+
+}  // namespace
+
+namespace {
+
+TEST(FusedDecode, SplitKeysMatchReference) {
+  using sattn::Causal;
+  std::vector<Case> cs;
+  const int64_t shapes[][4] = {{1, 1100, 64, 64}, {5, 1537, 33, 20}, {16, 2048, 128, 128}, {3, 1030, 7, 9}};
+  int n = 0;
+  for (const auto& s : shapes)
+    for (int variant = 0; variant < 3; ++variant, ++n) {
+      Case c;
+      c.B = 2, c.Hq = 4, c.Hkv = variant == 2 ? 1 : 2, c.Lq = s[0], c.Lk = s[1], c.D = s[2], c.Dv = s[3];
+      c.causal = variant == 1 ? Causal::kBottomRight : Causal::kNone;
+      c.mask = n % 3, c.mask_shape = n % 4, c.padding = (n + 1) % 3, c.dropout = variant == 2 ? 0.2 : 0.0;
+      c.strided = variant == 0;
+      cs.push_back(c);
+    }
+  uint32_t seed = 100;
+  for (const Case& c : cs) {
+    SCOPED_TRACE(c.name());
+    const Problem pb = make_problem(c, ++seed);
+    const FwdResult ref = run_forward(pb, "reference", 2);
+    const FwdResult got = run_forward(pb, "fused", 2);
+    EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
+    EXPECT_LE(rel_err(got.lse, ref.lse), 2e-5);
+    const FwdResult one = run_forward(pb, "fused", 1), three = run_forward(pb, "fused", 3);
+    EXPECT_TRUE(bitwise_equal(one.out, got.out) && bitwise_equal(three.out, got.out));
+    EXPECT_TRUE(bitwise_equal(one.lse, got.lse) && bitwise_equal(three.lse, got.lse));
+  }
+}
+
+// Attention over keys [0, a) and [a, Lk) merged equals attention over all keys.
+TEST(MergePartials, MatchesAttentionOverTheUnion) {
+  Case c;
+  c.B = 2, c.Hq = 3, c.Hkv = 3, c.Lq = 9, c.Lk = 50, c.D = 16, c.Dv = 12;
+  const Problem pb = make_problem(c, 11);
+  const FwdResult full = run_forward(pb, "fused", 1);
+  std::vector<Tensor> outs, lses;
+  for (auto [j0, j1] : {std::pair<int64_t, int64_t>{0, 20}, {20, 50}}) {
+    auto slice = [&](const TensorView& t) {
+      TensorView s = t;
+      s.data = static_cast<float*>(t.data) + j0 * t.strides[2];
+      s.shape[2] = j1 - j0;
+      return s;
+    };
+    sattn::AttentionOptions o;
+    o.kernel = "fused";
+    Tensor out(DType::kF32, {c.B, c.Hq, c.Lq, c.Dv}), lse(DType::kF32, {c.B, c.Hq, c.Lq});
+    sattn::scaled_dot_product_attention(pb.q.view, slice(pb.k.view), slice(pb.v.view), o, {out.view(), lse.view(), {}});
+    outs.push_back(out), lses.push_back(lse);
+  }
+  // A third partial with no allowed key is ignored.
+  Tensor empty_out(DType::kF32, {c.B, c.Hq, c.Lq, c.Dv}), empty_lse(DType::kF32, {c.B, c.Hq, c.Lq});
+  for (int64_t x = 0; x < empty_lse.numel(); ++x) empty_lse.data<float>()[x] = -std::numeric_limits<float>::infinity();
+  for (int64_t x = 0; x < empty_out.numel(); ++x) empty_out.data<float>()[x] = 123.f;
+  outs.push_back(empty_out), lses.push_back(empty_lse);
+  std::vector<TensorView> ov(outs.begin(), outs.end()), lv(lses.begin(), lses.end());
+  const auto merged = sattn::merge_attention_partials(ov, lv);
+  EXPECT_LE(rel_err(merged.out, full.out), 2e-6);
+  EXPECT_LE(rel_err(merged.lse, full.lse), 2e-6);
+  // All partials empty: (0, -inf).
+  const auto none = sattn::merge_attention_partials({empty_out.view()}, {empty_lse.view()});
+  EXPECT_EQ(max_abs(none.out), 0.0);
+  EXPECT_EQ(none.lse.data<float>()[0], -std::numeric_limits<float>::infinity());
+  EXPECT_THROW(sattn::merge_attention_partials({empty_out.view()}, {}), sattn::Error);
 }
 
 }  // namespace

@@ -48,6 +48,13 @@ struct Params {
   // Tiles: Br queries (multiple of 16) x Bc keys.
   int64_t Br = 64, Bc = 64;
 
+  // Decode: keys split into chunks of kv_chunk (a multiple of Bc; 0 = no split) whose partial results
+  // part_o [B·Hq·Lq, nchunks, Dv] and part_lse [B·Hq·Lq, nchunks] are merged in chunk order.
+  int64_t kv_chunk = 0;
+  float* part_o = nullptr;
+  float* part_lse = nullptr;
+  int64_t num_kv_chunks() const { return kv_chunk > 0 ? (Lk + kv_chunk - 1) / kv_chunk : 1; }
+
   // Forward outputs.
   OutView4 out;  // [B, Hq, Lq, Dv]
   OutView4 lse;  // [B, Hq, Lq] (sd unused); data == nullptr when not wanted

@@ -1,5 +1,6 @@
 // The fused kernel's registry entry and drivers: eligibility, parameters, the task split over threads.
 // The tile loops themselves are in fused_simd.cpp (one copy per SIMD target).
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <exception>
@@ -59,7 +60,8 @@ Params make_params(const AttentionProblem& pr, const TensorView& q, const Tensor
   p.key_len = m.key_lengths.empty() ? nullptr : m.key_lengths.data();
   p.dropout_p = pr.dropout_p, p.seed = pr.seed;
   static const int64_t br = env_tile("SATTN_FUSED_BR", 64), bc = env_tile("SATTN_FUSED_BC", 64);
-  p.Br = br, p.Bc = bc;
+  p.Br = pr.len_q <= 16 ? 16 : br;  // few queries: the narrowest tile (a row's result does not depend on Br)
+  p.Bc = bc;
   return p;
 }
 
@@ -93,11 +95,59 @@ bool fused_supports(const AttentionProblem& p, std::string* why) {
   return true;
 }
 
+// Decode (few queries, many keys): the keys are split into chunks of this many keys (rounded up to whole key
+// tiles) — a function of the problem only, never of the thread count — and the partials merged in chunk order.
+constexpr int64_t kDecodeMaxQueries = 16, kDecodeChunk = 512;
+
+void decode_forward(const ForwardArgs& a, Params& p, const Ops& o) {
+  p.kv_chunk = (kDecodeChunk + p.Bc - 1) / p.Bc * p.Bc;
+  const int64_t C = p.num_kv_chunks(), rows = p.B * p.Hq * p.Lq;
+  std::vector<float> part_o(static_cast<size_t>(rows * C * p.Dv)), part_lse(static_cast<size_t>(rows * C));
+  workspace_add(int64_t((part_o.size() + part_lse.size()) * sizeof(float)));
+  struct Release {
+    int64_t bytes;
+    ~Release() { workspace_add(-bytes); }
+  } release{int64_t((part_o.size() + part_lse.size()) * sizeof(float))};
+  p.part_o = part_o.data(), p.part_lse = part_lse.data();
+  run_tasks(p.B * p.Hq * p.num_q_blocks() * C, a.num_threads, [&](int64_t t) { o.forward_task(p, t); });
+  // lse = log sum_c exp(lse_c), out = sum_c exp(lse_c - lse) out_c (empty chunks have lse_c = -inf).
+  run_tasks(p.B * p.Hq, a.num_threads, [&](int64_t bh) {
+    std::vector<float> acc(static_cast<size_t>(p.Dv));
+    for (int64_t i = 0; i < p.Lq; ++i) {
+      const int64_t row = bh * p.Lq + i;
+      const float* ls = part_lse.data() + row * C;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < C; ++c) m = std::max(m, ls[c]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      float s = 0.f;
+      if (m != -std::numeric_limits<float>::infinity()) {
+        for (int64_t c = 0; c < C; ++c) s += std::exp(ls[c] - m);
+        for (int64_t c = 0; c < C; ++c) {
+          const float w = std::exp(ls[c] - m) / s;
+          if (w == 0.f) continue;
+          const float* po = part_o.data() + (row * C + c) * p.Dv;
+          for (int64_t x = 0; x < p.Dv; ++x) acc[size_t(x)] += w * po[x];
+        }
+      }
+      const int64_t b = bh / p.Hq, h = bh % p.Hq;
+      for (int64_t x = 0; x < p.Dv; ++x) {
+        const int64_t idx[4] = {b, h, i, x};
+        a.outputs.out.set(idx, acc[size_t(x)]);
+      }
+      if (a.outputs.lse.data) {
+        const int64_t idx[3] = {b, h, i};
+        a.outputs.lse.set(idx, m == -std::numeric_limits<float>::infinity() ? -HUGE_VAL : double(m + std::log(s)));
+      }
+    }
+  });
+}
+
 void fused_forward(const ForwardArgs& a) {
   Params p = make_params(a.problem, a.q, a.k, a.v, a.masks);
   p.out = out_view4(a.outputs.out);
   if (a.outputs.lse.data) p.lse = out_view4(a.outputs.lse);
   const Ops& o = ops();
+  if (p.Lq <= kDecodeMaxQueries && p.Lk >= 2 * kDecodeChunk) return decode_forward(a, p, o);
   const int64_t n = p.B * p.Hq * p.num_q_blocks();
   // Causal: the last query blocks are the most expensive; start them first (order does not change results).
   const bool reverse = p.causal;

@@ -280,10 +280,14 @@ void ForwardTask(const Params& p, int64_t task) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
   const int64_t nqb = p.num_q_blocks(), Br = p.Br, Bc = p.Bc, D = p.D, Dv = p.Dv, nvec = Br / N;
+  // Split keys (decode): task = ((b * Hq + h) * nqb + qb) * nchunks + chunk, keys [chunk·kv_chunk, +kv_chunk).
+  const int64_t nchunks = p.num_kv_chunks(), chunk = task % nchunks;
+  task /= nchunks;
   const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
   const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
 
-  int64_t kend = p.Lk;
+  int64_t kend = p.Lk, kbeg = 0;
+  if (p.kv_chunk > 0) kbeg = chunk * p.kv_chunk, kend = std::min(kend, kbeg + p.kv_chunk);
   if (p.key_len) kend = std::min(kend, p.key_len[b]);
   if (p.causal) kend = std::min(kend, i0 + nq - 1 + p.causal_offset + 1);
 
@@ -303,11 +307,11 @@ void ForwardTask(const Params& p, int64_t task) {
   std::fill(M, M + Br, kNegInf);
   std::fill(L, L + Br, 0.f);
   std::memset(OT, 0, sizeof(float) * size_t(Dv * Br));
-  if (kend > 0) PackTransposed(p.q, b, h, i0, nq, D, Br, p.scale, QT);
+  if (kend > kbeg) PackTransposed(p.q, b, h, i0, nq, D, Br, p.scale, QT);
 
   const VF ninf = hn::Set(d, kNegInf), zero = hn::Zero(d);
   const float keep_scale = p.dropout_p > 0 ? float(1.0 / (1.0 - p.dropout_p)) : 1.f;
-  for (int64_t kb = 0; kb < kend; kb += Bc) {
+  for (int64_t kb = kbeg; kb < kend; kb += Bc) {
     const int64_t nk = std::min(Bc, kend - kb);
     const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, bias, pad);
     if (tm.skip) continue;
@@ -349,6 +353,17 @@ void ForwardTask(const Params& p, int64_t task) {
   }
 
   // out = O / l; lse = m + log l; rows with no allowed key: out 0, lse -inf.
+  if (p.kv_chunk > 0) {  // partial results [row][chunk][Dv] and [row][chunk], merged by the driver
+    for (int64_t ii = 0; ii < nq; ++ii) {
+      const int64_t row = (b * p.Hq + h) * p.Lq + i0 + ii;
+      const bool empty = !(L[ii] > 0.f);
+      const float inv = empty ? 0.f : 1.f / L[ii];
+      float* po = p.part_o + (row * nchunks + chunk) * Dv;
+      for (int64_t dd = 0; dd < Dv; ++dd) po[dd] = OT[dd * Br + ii] * inv;
+      p.part_lse[row * nchunks + chunk] = empty ? kNegInf : M[ii] + std::log(L[ii]);
+    }
+    return;
+  }
   const int64_t obase = b * p.out.sb + h * p.out.sh + i0 * p.out.sl;
   for (int64_t ii = 0; ii < nq; ++ii) {
     const bool empty = !(L[ii] > 0.f);
