@@ -294,7 +294,9 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
   Case c;
   c.Hq = 2, c.Hkv = 2, c.Lq = 77, c.Lk = 90, c.D = 32, c.Dv = 32, c.causal = sattn::Causal::kTopLeft;
   const Problem pb = make_problem(c, 5);
+  for (const std::string& simd : sattn::fused::available_simd())
   for (DType dt : {DType::kBF16, DType::kF16}) {
+    setenv("SATTN_SIMD", simd.c_str(), 1);
     const Tensor q = Tensor::from_view(pb.q.view).to(dt), k = Tensor::from_view(pb.k.view).to(dt),
                  v = Tensor::from_view(pb.v.view).to(dt);
     Problem up = pb;
@@ -305,7 +307,8 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
     o.kernel = "fused";
     Tensor out(DType::kF32, {c.B, c.Hq, c.Lq, c.Dv});
     sattn::scaled_dot_product_attention(q, k, v, o, {out.view(), {}, {}});
-    EXPECT_TRUE(bitwise_equal(out, ref.out)) << sattn::to_string(dt);
+    EXPECT_TRUE(bitwise_equal(out, ref.out)) << sattn::to_string(dt) << " " << simd;
+    unsetenv("SATTN_SIMD");
   }
 }
 

@@ -172,6 +172,30 @@ void Gemm(const float* A, int64_t sam, int64_t sak, const float* B, int64_t ldb,
 
 // ---- shared tile helpers -----------------------------------------------------------------------------------
 
+// Rows of K or V as f32: in place for f32 with unit last stride; bf16/f16 with unit last stride converted
+// with vector loads (per tile, so that half-precision inputs cost about what f32 costs); else element-wise.
+Rows RowsOf(const View4& t, int64_t b, int64_t h, int64_t j0, int64_t n, int64_t width, float* buf) {
+  if (t.sd != 1 || (t.dtype != DType::kBF16 && t.dtype != DType::kF16)) return rows_of(t, b, h, j0, n, width, buf);
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  const int64_t base = b * t.sb + h * t.sh + j0 * t.sl;
+  for (int64_t j = 0; j < n; ++j) {
+    float* dst = buf + j * width;
+    int64_t x = 0;
+    if (t.dtype == DType::kBF16) {
+      const hn::Rebind<hwy::bfloat16_t, DF> dh;
+      const auto* src = static_cast<const hwy::bfloat16_t*>(t.data) + base + j * t.sl;
+      for (; x + N <= width; x += N) hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, src + x)), d, dst + x);
+    } else {
+      const hn::Rebind<hwy::float16_t, DF> dh;
+      const auto* src = static_cast<const hwy::float16_t*>(t.data) + base + j * t.sl;
+      for (; x + N <= width; x += N) hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, src + x)), d, dst + x);
+    }
+    for (; x < width; ++x) dst[x] = load_elem(t.data, t.dtype, base + j * t.sl + x);
+  }
+  return {buf, width};
+}
+
 // Q^T [D x Br] of query rows [i0, i0 + nq), multiplied by `mul`; lanes past nq are 0.
 void PackTransposed(const View4& t, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t width, int64_t Br,
                     float mul, float* out) {
@@ -315,7 +339,7 @@ void ForwardTask(const Params& p, int64_t task) {
     const int64_t nk = std::min(Bc, kend - kb);
     const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, bias, pad);
     if (tm.skip) continue;
-    const Rows kr = rows_of(p.k, b, hk, kb, nk, D, kbuf);
+    const Rows kr = RowsOf(p.k, b, hk, kb, nk, D, kbuf);
     Gemm<false>(kr.ptr, kr.stride, 1, QT, Br, ST, Br, nk, nvec, D);  // S^T = K (scale Q)^T
     if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, bias, pad, ST);
 
@@ -348,7 +372,7 @@ void ForwardTask(const Params& p, int64_t task) {
                                  : 0.f;
       P = PT;
     }
-    const Rows vr = rows_of(p.v, b, hk, kb, nk, Dv, vbuf);
+    const Rows vr = RowsOf(p.v, b, hk, kb, nk, Dv, vbuf);
     Gemm<true>(vr.ptr, 1, vr.stride, P, Br, OT, Br, Dv, nvec, nk);  // O^T += V^T P^T
   }
 
@@ -397,8 +421,8 @@ bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, 
   const int64_t t = (b * p.Hq + h) * p.num_q_blocks() + i0 / Br;
   w.QT = p.pk_qt + t * p.D * Br;
   w.dOT = p.pk_dot + t * p.Dv * Br;
-  const Rows kr = rows_of(p.k, b, hk, kb, nk, p.D, w.kbuf);
-  const Rows vr = rows_of(p.v, b, hk, kb, nk, p.Dv, w.vbuf);
+  const Rows kr = RowsOf(p.k, b, hk, kb, nk, p.D, w.kbuf);
+  const Rows vr = RowsOf(p.v, b, hk, kb, nk, p.Dv, w.vbuf);
   if (kr_out) *kr_out = kr;
   if (vr_out) *vr_out = vr;
   Gemm<false>(kr.ptr, kr.stride, 1, w.QT, Br, w.ST, Br, nk, nvec, p.D);
