@@ -92,7 +92,7 @@ std::vector<std::string> parse_words(const std::string& s) {
 struct BenchConfig {
   std::string dims = "64", lens = "1024,4096", masks = "full,causal", passes = "fwd,bwd", threads = "1,2";
   std::string dtype = "f32", kernel = "fused", clock = "wall";
-  int64_t batch = 1, heads = 8, sgemm_n = 2048;
+  int64_t batch = 1, heads = 8, sgemm_n = 2048, lq = 0;
   int reps = 5;
   bool all = false, json = false;
 };
@@ -125,8 +125,9 @@ void run_bench(const BenchConfig& cfg_in) {
       for (const int64_t L : lens) {
         std::mt19937 rng(42);
         std::normal_distribution<float> nd(0.f, 1.f);
-        const Shape shape = {cfg.batch, cfg.heads, L, D};
-        Tensor q(DType::kF32, shape), k(DType::kF32, shape), v(DType::kF32, shape), dout(DType::kF32, shape);
+        const int64_t Lq = cfg.lq > 0 ? cfg.lq : L;
+        const Shape shape = {cfg.batch, cfg.heads, Lq, D}, kshape = {cfg.batch, cfg.heads, L, D};
+        Tensor q(DType::kF32, shape), k(DType::kF32, kshape), v(DType::kF32, kshape), dout(DType::kF32, shape);
         for (Tensor* x : {&q, &k, &v, &dout})
           for (int64_t i = 0; i < x->numel(); ++i) x->data<float>()[i] = nd(rng);
         Tensor qd = q, kd = k, vd = v;
@@ -136,11 +137,11 @@ void run_bench(const BenchConfig& cfg_in) {
             check(mask == "full" || mask == "causal", ErrorKind::kInvalidArgument, "--masks: expected full/causal");
             check(pass == "fwd" || pass == "bwd", ErrorKind::kInvalidArgument, "--passes: expected fwd/bwd");
             AttentionOptions o;
-            o.causal = mask == "causal" ? Causal::kTopLeft : Causal::kNone;
+            o.causal = mask == "causal" ? (Lq == L ? Causal::kTopLeft : Causal::kBottomRight) : Causal::kNone;
             o.num_threads = int(t);
             o.kernel = cfg.kernel;
-            Tensor out(DType::kF32, shape), lse(DType::kF32, {cfg.batch, cfg.heads, L});
-            Tensor dq(DType::kF32, shape), dk(DType::kF32, shape), dv(DType::kF32, shape);
+            Tensor out(DType::kF32, shape), lse(DType::kF32, {cfg.batch, cfg.heads, Lq});
+            Tensor dq(DType::kF32, shape), dk(DType::kF32, kshape), dv(DType::kF32, kshape);
             KernelInfo info;
             auto fwd = [&] { scaled_dot_product_attention(qd, kd, vd, o, {out.view(), lse.view(), {}}, &info); };
             fwd();
@@ -154,7 +155,7 @@ void run_bench(const BenchConfig& cfg_in) {
                                                       &info);
               });
             }
-            double flops = 4.0 * cfg.batch * cfg.heads * double(L) * L * D;
+            double flops = 4.0 * cfg.batch * cfg.heads * double(Lq) * L * D;
             if (mask == "causal") flops /= 2;
             if (pass == "bwd") flops *= 2.5;
             const double gf = flops / (ms * 1e6);
@@ -164,7 +165,7 @@ void run_bench(const BenchConfig& cfg_in) {
               std::printf("  %-4lld %6lld %-6s %-4s %10.2f %9.1f %7.1f%% %10.2f %s\n", (long long)D, (long long)L,
                           mask.c_str(), pass.c_str(), ms, gf, pct, ws, info.kernel.c_str());
             std::fflush(stdout);
-            rows.push_back({{"kind", "attention"}, {"threads", t}, {"B", cfg.batch}, {"H", cfg.heads}, {"L", L},
+            rows.push_back({{"kind", "attention"}, {"threads", t}, {"B", cfg.batch}, {"H", cfg.heads}, {"Lq", Lq}, {"L", L},
                             {"D", D}, {"mask", mask}, {"pass", pass}, {"dtype", cfg.dtype}, {"median_ms", ms},
                             {"gflops", gf}, {"pct_sgemm", pct}, {"workspace_peak_bytes", fused::workspace_peak_bytes()},
                             {"kernel", info.kernel}, {"simd", fused::ops().name}});
@@ -186,6 +187,8 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--threads", cfg.threads, "thread counts, comma separated")->capture_default_str();
   cmd->add_option("--dtype", cfg.dtype, "f32, bf16 or f16 inputs")->capture_default_str();
   cmd->add_option("--kernel", cfg.kernel, "kernel to force (fused, reference, auto)")->capture_default_str();
+  cmd->add_option("--lq", cfg.lq, "query length (0 = L; e.g. 1 for decode, keys L; causal is then bottom-right)")
+      ->capture_default_str();
   cmd->add_option("--batch", cfg.batch, "B")->capture_default_str();
   cmd->add_option("--heads", cfg.heads, "H")->capture_default_str();
   cmd->add_option("--reps", cfg.reps, "timed repetitions (median reported)")->capture_default_str();
