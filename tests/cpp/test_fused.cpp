@@ -319,7 +319,8 @@ namespace {
 TEST(FusedDecode, SplitKeysMatchReference) {
   using sattn::Causal;
   std::vector<Case> cs;
-  const int64_t shapes[][4] = {{1, 1100, 64, 64}, {5, 1537, 33, 20}, {16, 2048, 128, 128}, {3, 1030, 7, 9}};
+  const int64_t shapes[][4] = {{1, 1100, 64, 64}, {5, 1537, 33, 20}, {16, 2048, 128, 128}, {3, 1030, 7, 9},
+                               {2, 300, 17, 40},  {4, 64, 16, 16}};
   int n = 0;
   for (const auto& s : shapes)
     for (int variant = 0; variant < 3; ++variant, ++n) {
@@ -332,15 +333,19 @@ TEST(FusedDecode, SplitKeysMatchReference) {
     }
   uint32_t seed = 100;
   for (const Case& c : cs) {
-    SCOPED_TRACE(c.name());
     const Problem pb = make_problem(c, ++seed);
     const FwdResult ref = run_forward(pb, "reference", 2);
+    for (const std::string& simd : sattn::fused::available_simd()) {
+    SCOPED_TRACE(c.name() + " " + simd);
+    setenv("SATTN_SIMD", simd.c_str(), 1);
     const FwdResult got = run_forward(pb, "fused", 2);
     EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
     EXPECT_LE(rel_err(got.lse, ref.lse), 2e-5);
     const FwdResult one = run_forward(pb, "fused", 1), three = run_forward(pb, "fused", 3);
     EXPECT_TRUE(bitwise_equal(one.out, got.out) && bitwise_equal(three.out, got.out));
     EXPECT_TRUE(bitwise_equal(one.lse, got.lse) && bitwise_equal(three.lse, got.lse));
+    unsetenv("SATTN_SIMD");
+    }
   }
 }
 

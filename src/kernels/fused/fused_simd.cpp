@@ -110,6 +110,7 @@ constexpr int kMR = 6, kNV = 2;  // 12 of 16 ymm accumulators
 #endif
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kDecodeRows = 4;  // Lq up to this uses the keys-in-lanes decode kernel
 
 // C[MR x NV·lanes] (+)= sum_k A(m, k) · B[k, :];  A(m, k) = A[m·sam + k·sak].
 template <int MR, int NV, bool kAcc>
@@ -300,6 +301,130 @@ void ApplyTileMask(const Params& p, const TileMask& t, int64_t i0, int64_t kb, i
 
 // ---- forward ---------------------------------------------------------------------------------------------
 
+// out = O / l; lse = m + log l; rows with no allowed key: out 0, lse -inf. In decode mode (kv_chunk > 0) the
+// results are partials [row][chunk][Dv] and [row][chunk], merged by the driver.
+template <typename GetO>
+void FinishRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t chunk, const float* M,
+                const float* L, GetO&& o) {
+  const int64_t Dv = p.Dv, nchunks = p.num_kv_chunks();
+  for (int64_t ii = 0; ii < nq; ++ii) {
+    const bool empty = !(L[ii] > 0.f);
+    const float inv = empty ? 0.f : 1.f / L[ii];
+    const float lse = empty ? kNegInf : M[ii] + std::log(L[ii]);
+    if (p.kv_chunk > 0) {
+      const int64_t row = (b * p.Hq + h) * p.Lq + i0 + ii;
+      float* po = p.part_o + (row * nchunks + chunk) * Dv;
+      for (int64_t dd = 0; dd < Dv; ++dd) po[dd] = o(ii, dd) * inv;
+      p.part_lse[row * nchunks + chunk] = lse;
+      continue;
+    }
+    const int64_t obase = b * p.out.sb + h * p.out.sh + (i0 + ii) * p.out.sl;
+    for (int64_t dd = 0; dd < Dv; ++dd) store_elem(p.out.data, p.out.dtype, obase + dd * p.out.sd, o(ii, dd) * inv);
+    if (p.lse.data) store_elem(p.lse.data, p.lse.dtype, b * p.lse.sb + h * p.lse.sh + (i0 + ii) * p.lse.sl, lse);
+  }
+}
+
+// Few queries (decode): keys in the lanes instead of queries, so that no lane is wasted when Lq = 1.
+// Scores are dot products over D (vector FMAs + one lane reduction per key and query), the softmax runs over
+// lanes of keys, and O[i, :] += p_ij V[j, :] uses vectors over Dv. Same masks, dropout and results layout.
+template <int NQ>
+void DecodeRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t kbeg, int64_t kend, int64_t chunk) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  const int64_t Bc = p.Bc, D = p.D, Dv = p.Dv, hk = h / p.group, Br = p.Br;
+  const int64_t Dp = Params::pad16(D), Dvp = Params::pad16(Dv), Dfull = D / N * N, Dvfull = Dv / N * N;
+  Scratch s_q, s_o, s_s, s_bias, s_kbuf, s_vbuf;
+  float* Q = s_q.alloc(NQ * Dp);    // scale·q rows, zero padded
+  float* O = s_o.alloc(NQ * Dvp);
+  float* S = s_s.alloc(NQ * Bc);   // scores, then probabilities, of one key tile
+  float* bias = p.mask != MaskKind::kNone ? s_bias.alloc(Bc * Br) : nullptr;
+  float* kbuf = s_kbuf.alloc(Bc * D);
+  float* vbuf = s_vbuf.alloc(Bc * Dv);
+  uint8_t pad[1024];
+  float M[NQ], L[NQ];
+  std::memset(Q, 0, sizeof(float) * size_t(NQ * Dp));
+  std::memset(O, 0, sizeof(float) * size_t(NQ * Dvp));
+  for (int ii = 0; ii < NQ; ++ii) {
+    M[ii] = kNegInf, L[ii] = 0.f;
+    const int64_t base = b * p.q.sb + h * p.q.sh + (i0 + ii) * p.q.sl;
+    for (int64_t x = 0; x < D; ++x) Q[ii * Dp + x] = load_elem(p.q.data, p.q.dtype, base + x * p.q.sd) * p.scale;
+  }
+  const float keep_scale = p.dropout_p > 0 ? float(1.0 / (1.0 - p.dropout_p)) : 1.f;
+  for (int64_t kb = kbeg; kb < kend; kb += Bc) {
+    const int64_t nk = std::min(Bc, kend - kb);
+    const TileMask tm = PrepareTileMask(p, b, h, i0, NQ, kb, nk, bias, pad);
+    if (tm.skip) continue;
+    const Rows kr = RowsOf(p.k, b, hk, kb, nk, D, kbuf);
+    for (int64_t jj = 0; jj < nk; ++jj) {  // S[ii, jj] = (scale q_ii) · k_jj
+      const float* krow = kr.ptr + jj * kr.stride;
+      VF acc[NQ];
+      for (int ii = 0; ii < NQ; ++ii) acc[ii] = hn::Zero(d);
+      for (int64_t x = 0; x < Dfull; x += N) {
+        const VF kv = hn::LoadU(d, krow + x);
+        for (int ii = 0; ii < NQ; ++ii) acc[ii] = hn::MulAdd(kv, hn::Load(d, Q + ii * Dp + x), acc[ii]);
+      }
+      for (int ii = 0; ii < NQ; ++ii) {
+        float sdot = hn::GetLane(hn::SumOfLanes(d, acc[ii]));
+        for (int64_t x = Dfull; x < D; ++x) sdot += krow[x] * Q[ii * Dp + x];
+        S[ii * Bc + jj] = sdot;
+      }
+    }
+    if (tm.has_bias || tm.has_pad || tm.causal_partial)
+      for (int ii = 0; ii < NQ; ++ii)
+        for (int64_t jj = 0; jj < nk; ++jj) {
+          float& x = S[ii * Bc + jj];
+          if (tm.has_pad && pad[jj]) x = kNegInf;
+          else if (tm.causal_partial && kb + jj > i0 + ii + p.causal_offset) x = kNegInf;
+          else if (tm.has_bias) x += bias[jj * Br + ii];
+        }
+    for (int ii = 0; ii < NQ; ++ii) {  // online softmax of row ii over the tile's keys
+      float* srow = S + ii * Bc;
+      float mx = kNegInf;
+      for (int64_t jj = 0; jj < nk; ++jj) mx = std::max(mx, srow[jj]);
+      const float m_new = std::max(M[ii], mx);
+      const float m_use = m_new == kNegInf ? 0.f : m_new;
+      const float alpha = std::exp(M[ii] - m_use);
+      const VF vm = hn::Set(d, m_use);
+      VF vsum = hn::Zero(d);
+      int64_t jj = 0;
+      for (; jj + N <= nk; jj += N) {
+        const VF e = hn::Exp(d, hn::Sub(hn::LoadU(d, srow + jj), vm));
+        vsum = hn::Add(vsum, e);
+        hn::StoreU(e, d, srow + jj);
+      }
+      float sum = hn::GetLane(hn::SumOfLanes(d, vsum));
+      for (; jj < nk; ++jj) {
+        srow[jj] = srow[jj] == kNegInf ? 0.f : std::exp(srow[jj] - m_use);
+        sum += srow[jj];
+      }
+      L[ii] = L[ii] * alpha + sum;
+      M[ii] = m_new;
+      if (alpha != 1.f)
+        for (int64_t x = 0; x < Dv; ++x) O[ii * Dvp + x] *= alpha;
+      if (p.dropout_p > 0)
+        for (int64_t j = 0; j < nk; ++j)
+          if (!dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(h), uint32_t(i0 + ii), uint32_t(kb + j)))
+            srow[j] = 0.f;
+          else
+            srow[j] *= keep_scale;
+    }
+    const Rows vr = RowsOf(p.v, b, hk, kb, nk, Dv, vbuf);
+    for (int64_t x = 0; x < Dvfull; x += N) {  // O[ii, x:x+N] += sum_j P[ii, j] V[j, x:x+N]
+      VF acc[NQ];
+      for (int ii = 0; ii < NQ; ++ii) acc[ii] = hn::Load(d, O + ii * Dvp + x);
+      for (int64_t jj = 0; jj < nk; ++jj) {
+        const VF vv = hn::LoadU(d, vr.ptr + jj * vr.stride + x);
+        for (int ii = 0; ii < NQ; ++ii) acc[ii] = hn::MulAdd(hn::Set(d, S[ii * Bc + jj]), vv, acc[ii]);
+      }
+      for (int ii = 0; ii < NQ; ++ii) hn::Store(acc[ii], d, O + ii * Dvp + x);
+    }
+    for (int64_t x = Dvfull; x < Dv; ++x)
+      for (int64_t jj = 0; jj < nk; ++jj)
+        for (int ii = 0; ii < NQ; ++ii) O[ii * Dvp + x] += S[ii * Bc + jj] * vr.ptr[jj * vr.stride + x];
+  }
+  FinishRows(p, b, h, i0, NQ, chunk, M, L, [&](int64_t ii, int64_t dd) { return O[ii * Dvp + dd]; });
+}
+
 void ForwardTask(const Params& p, int64_t task) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
@@ -314,6 +439,14 @@ void ForwardTask(const Params& p, int64_t task) {
   if (p.kv_chunk > 0) kbeg = chunk * p.kv_chunk, kend = std::min(kend, kbeg + p.kv_chunk);
   if (p.key_len) kend = std::min(kend, p.key_len[b]);
   if (p.causal) kend = std::min(kend, i0 + nq - 1 + p.causal_offset + 1);
+  if (p.Lq <= kDecodeRows) {  // keys in lanes (Lq = 1..4)
+    switch (nq) {
+      case 1: return DecodeRows<1>(p, b, h, i0, kbeg, kend, chunk);
+      case 2: return DecodeRows<2>(p, b, h, i0, kbeg, kend, chunk);
+      case 3: return DecodeRows<3>(p, b, h, i0, kbeg, kend, chunk);
+      default: return DecodeRows<4>(p, b, h, i0, kbeg, kend, chunk);
+    }
+  }
 
   Scratch s_qt, s_st, s_ot, s_ml, s_bias, s_kbuf, s_vbuf, s_pt;
   float* QT = s_qt.alloc(D * Br);
@@ -376,28 +509,7 @@ void ForwardTask(const Params& p, int64_t task) {
     Gemm<true>(vr.ptr, 1, vr.stride, P, Br, OT, Br, Dv, nvec, nk);  // O^T += V^T P^T
   }
 
-  // out = O / l; lse = m + log l; rows with no allowed key: out 0, lse -inf.
-  if (p.kv_chunk > 0) {  // partial results [row][chunk][Dv] and [row][chunk], merged by the driver
-    for (int64_t ii = 0; ii < nq; ++ii) {
-      const int64_t row = (b * p.Hq + h) * p.Lq + i0 + ii;
-      const bool empty = !(L[ii] > 0.f);
-      const float inv = empty ? 0.f : 1.f / L[ii];
-      float* po = p.part_o + (row * nchunks + chunk) * Dv;
-      for (int64_t dd = 0; dd < Dv; ++dd) po[dd] = OT[dd * Br + ii] * inv;
-      p.part_lse[row * nchunks + chunk] = empty ? kNegInf : M[ii] + std::log(L[ii]);
-    }
-    return;
-  }
-  const int64_t obase = b * p.out.sb + h * p.out.sh + i0 * p.out.sl;
-  for (int64_t ii = 0; ii < nq; ++ii) {
-    const bool empty = !(L[ii] > 0.f);
-    const float inv = empty ? 0.f : 1.f / L[ii];
-    for (int64_t dd = 0; dd < Dv; ++dd)
-      store_elem(p.out.data, p.out.dtype, obase + ii * p.out.sl + dd * p.out.sd, OT[dd * Br + ii] * inv);
-    if (p.lse.data)
-      store_elem(p.lse.data, p.lse.dtype, b * p.lse.sb + h * p.lse.sh + (i0 + ii) * p.lse.sl,
-                 empty ? kNegInf : M[ii] + std::log(L[ii]));
-  }
+  FinishRows(p, b, h, i0, nq, chunk, M, L, [&](int64_t ii, int64_t dd) { return OT[dd * Br + ii]; });
 }
 
 // ---- backward --------------------------------------------------------------------------------------------
