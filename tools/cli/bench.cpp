@@ -54,6 +54,7 @@ double median_ms(int reps, F&& f) {
 
 // SGEMM GFLOP/s (N x N x N, 2·N³ flops), or 0 without BLAS.
 double sgemm_gflops(int threads, int64_t n, int reps) {
+  if (n <= 0) return 0.0;  // --sgemm-n 0: skip
 #ifdef SATTN_HAVE_CBLAS
   if (openblas_set_num_threads) openblas_set_num_threads(threads);
   std::vector<float> a(size_t(n * n)), b(size_t(n * n)), c(size_t(n * n));
@@ -127,7 +128,9 @@ void run_bench(const BenchConfig& cfg_in) {
         std::normal_distribution<float> nd(0.f, 1.f);
         const int64_t Lq = cfg.lq > 0 ? cfg.lq : L;
         const Shape shape = {cfg.batch, cfg.heads, Lq, D}, kshape = {cfg.batch, cfg.heads, L, D};
-        Tensor q(DType::kF32, shape), k(DType::kF32, kshape), v(DType::kF32, kshape), dout(DType::kF32, shape);
+        const bool any_bwd = std::find(passes.begin(), passes.end(), "bwd") != passes.end();
+        Tensor q(DType::kF32, shape), k(DType::kF32, kshape), v(DType::kF32, kshape), dout;
+        if (any_bwd) dout = Tensor(DType::kF32, shape);
         for (Tensor* x : {&q, &k, &v, &dout})
           for (int64_t i = 0; i < x->numel(); ++i) x->data<float>()[i] = nd(rng);
         Tensor qd = q, kd = k, vd = v;
@@ -141,7 +144,8 @@ void run_bench(const BenchConfig& cfg_in) {
             o.num_threads = int(t);
             o.kernel = cfg.kernel;
             Tensor out(DType::kF32, shape), lse(DType::kF32, {cfg.batch, cfg.heads, Lq});
-            Tensor dq(DType::kF32, shape), dk(DType::kF32, kshape), dv(DType::kF32, kshape);
+            Tensor dq, dk, dv;  // only for the backward (keeps the forward's resident memory honest)
+            if (pass == "bwd") dq = Tensor(DType::kF32, shape), dk = Tensor(DType::kF32, kshape), dv = Tensor(DType::kF32, kshape);
             KernelInfo info;
             auto fwd = [&] { scaled_dot_product_attention(qd, kd, vd, o, {out.view(), lse.view(), {}}, &info); };
             fwd();
@@ -192,7 +196,7 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--batch", cfg.batch, "B")->capture_default_str();
   cmd->add_option("--heads", cfg.heads, "H")->capture_default_str();
   cmd->add_option("--reps", cfg.reps, "timed repetitions (median reported)")->capture_default_str();
-  cmd->add_option("--sgemm-n", cfg.sgemm_n, "SGEMM size")->capture_default_str();
+  cmd->add_option("--sgemm-n", cfg.sgemm_n, "SGEMM size (0: skip SGEMM)")->capture_default_str();
   cmd->add_option("--clock", cfg.clock,
                   "wall, or thread (CPU time of the calling thread; forces 1 thread; for tuning on a busy machine)")
       ->capture_default_str();
