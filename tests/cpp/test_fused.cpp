@@ -308,6 +308,13 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
     Tensor out(DType::kF32, {c.B, c.Hq, c.Lq, c.Dv});
     sattn::scaled_dot_product_attention(q, k, v, o, {out.view(), {}, {}});
     EXPECT_TRUE(bitwise_equal(out, ref.out)) << sattn::to_string(dt) << " " << simd;
+    // Backward with half-precision q/k/v equals the backward on the up-cast inputs.
+    const BwdResult gref = run_backward(up, ref, "fused", 1);
+    Tensor dq(DType::kF32, q.shape()), dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
+    sattn::scaled_dot_product_attention_backward(pb.dout.view, q, k, v, ref.out, ref.lse, o,
+                                                 {dq.view(), dk.view(), dv.view(), {}});
+    EXPECT_TRUE(bitwise_equal(dq, gref.dq) && bitwise_equal(dk, gref.dk) && bitwise_equal(dv, gref.dv))
+        << sattn::to_string(dt) << " " << simd;
     unsetenv("SATTN_SIMD");
   }
 }
