@@ -89,7 +89,7 @@ pyb::object varlen(const pyb::array& q, const pyb::array& k, const pyb::array& v
       flash_attn_varlen(qv, kv, vv, cq, ck, max_q, max_k, options(causal, scale), ov, lv);
     }
     if (return_lse) return pyb::make_tuple(out, lse);
-    return std::move(out);
+    return out;
   } catch (const Error& e) {
     rethrow(e);
   }

@@ -239,7 +239,9 @@ TEST_P(FusedSweep, ForwardAndBackwardMatchReference) {
     EXPECT_LE(rel_err(gget.dq, gref.dq), 1e-4);
     EXPECT_LE(rel_err(gget.dk, gref.dk), 1e-4);
     EXPECT_LE(rel_err(gget.dv, gref.dv), 1e-4);
-    if (c.mask == 2) EXPECT_LE(rel_err(gget.dmask, gref.dmask.to(DType::kF64)), 1e-4);
+    if (c.mask == 2) {
+      EXPECT_LE(rel_err(gget.dmask, gref.dmask.to(DType::kF64)), 1e-4);
+    }
   }
 }
 

@@ -401,12 +401,13 @@ void DecodeRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t kbeg,
       M[ii] = m_new;
       if (alpha != 1.f)
         for (int64_t x = 0; x < Dv; ++x) O[ii * Dvp + x] *= alpha;
-      if (p.dropout_p > 0)
-        for (int64_t j = 0; j < nk; ++j)
-          if (!dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(h), uint32_t(i0 + ii), uint32_t(kb + j)))
-            srow[j] = 0.f;
-          else
-            srow[j] *= keep_scale;
+      if (p.dropout_p > 0) {
+        for (int64_t j = 0; j < nk; ++j) {
+          const bool keep =
+              dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(h), uint32_t(i0 + ii), uint32_t(kb + j));
+          srow[j] = keep ? srow[j] * keep_scale : 0.f;
+        }
+      }
     }
     const Rows vr = RowsOf(p.v, b, hk, kb, nk, Dv, vbuf);
     for (int64_t x = 0; x < Dvfull; x += N) {  // O[ii, x:x+N] += sum_j P[ii, j] V[j, x:x+N]
