@@ -72,3 +72,21 @@ def test_varlen_bad_offsets_raise_value_error():
     q = np.zeros((6, 2, 8), np.float32)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         sattn.flash_attn_varlen(q, q, q, np.array([0, 4, 5], np.int32), np.array([0, 4, 6], np.int32), 6, 6)
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_varlen_half_inputs_match_upcast(dtype_name):
+    if dtype_name == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        dt = ml_dtypes.bfloat16
+    else:
+        dt = np.float16
+    rng = np.random.default_rng(2)
+    lens = [5, 33]
+    q, k, v = (packed(rng, lens, 2, 16).astype(dt) for _ in range(3))
+    cu = np.cumsum([0] + lens).astype(np.int32)
+    out = sattn.flash_attn_varlen(q, k, v, cu, cu, 33, 33, causal=True)
+    ref = sattn.flash_attn_varlen(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), cu, cu, 33, 33,
+                                  causal=True)
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, ref)
