@@ -93,7 +93,7 @@ std::vector<std::string> parse_words(const std::string& s) {
 struct BenchConfig {
   std::string dims = "64", lens = "1024,4096", masks = "full,causal", passes = "fwd,bwd", threads = "1,2";
   std::string dtype = "f32", kernel = "fused", clock = "wall";
-  int64_t batch = 1, heads = 8, sgemm_n = 2048, lq = 0;
+  int64_t batch = 1, heads = 8, sgemm_n = 2048, lq = 0, kv_heads = 0;
   int reps = 5;
   bool all = false, json = false;
 };
@@ -127,12 +127,14 @@ void run_bench(const BenchConfig& cfg_in) {
         std::mt19937 rng(42);
         std::normal_distribution<float> nd(0.f, 1.f);
         const int64_t Lq = cfg.lq > 0 ? cfg.lq : L;
-        const Shape shape = {cfg.batch, cfg.heads, Lq, D}, kshape = {cfg.batch, cfg.heads, L, D};
+        const int64_t hkv = cfg.kv_heads > 0 ? cfg.kv_heads : cfg.heads;
+        const Shape shape = {cfg.batch, cfg.heads, Lq, D}, kshape = {cfg.batch, hkv, L, D};
         const bool any_bwd = std::find(passes.begin(), passes.end(), "bwd") != passes.end();
         Tensor q(DType::kF32, shape), k(DType::kF32, kshape), v(DType::kF32, kshape), dout;
         if (any_bwd) dout = Tensor(DType::kF32, shape);
         for (Tensor* x : {&q, &k, &v, &dout})
-          for (int64_t i = 0; i < x->numel(); ++i) x->data<float>()[i] = nd(rng);
+          if (x->data())
+            for (int64_t i = 0; i < x->numel(); ++i) x->data<float>()[i] = nd(rng);
         Tensor qd = q, kd = k, vd = v;
         if (dt != DType::kF32) qd = q.to(dt), kd = k.to(dt), vd = v.to(dt);
         for (const auto& mask : masks)
@@ -194,6 +196,7 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--lq", cfg.lq, "query length (0 = L; e.g. 1 for decode, keys L; causal is then bottom-right)")
       ->capture_default_str();
   cmd->add_option("--batch", cfg.batch, "B")->capture_default_str();
+  cmd->add_option("--kv-heads", cfg.kv_heads, "key/value heads (GQA/MQA; 0 = --heads)")->capture_default_str();
   cmd->add_option("--heads", cfg.heads, "H")->capture_default_str();
   cmd->add_option("--reps", cfg.reps, "timed repetitions (median reported)")->capture_default_str();
   cmd->add_option("--sgemm-n", cfg.sgemm_n, "SGEMM size (0: skip SGEMM)")->capture_default_str();

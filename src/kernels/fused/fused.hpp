@@ -51,6 +51,9 @@ struct Params {
   // Decode: keys split into chunks of kv_chunk (a multiple of Bc; 0 = no split) whose partial results
   // part_o [B·Hq·Lq, nchunks, Dv] and part_lse [B·Hq·Lq, nchunks] are merged in chunk order.
   int64_t kv_chunk = 0;
+  // GQA decode (group > 1, group·Lq <= 4): one forward task per (b, kv head, chunk) computes the rows of all the
+  // group's query heads together, so K/V are read once per group. Results equal the per-head computation.
+  bool decode_group = false;
   float* part_o = nullptr;
   float* part_lse = nullptr;
   int64_t num_kv_chunks() const { return kv_chunk > 0 ? (Lk + kv_chunk - 1) / kv_chunk : 1; }
@@ -83,7 +86,8 @@ struct Params {
 // One SIMD implementation of the tile loops.
 struct Ops {
   const char* name;
-  // Forward of one (b, h, q block) task: task = (b * Hq + h) * num_q_blocks + qb.
+  // Forward of one (b, h, q block[, key chunk]) task: task = ((b * Hq + h) * num_q_blocks + qb) * chunks + c
+  // (with decode_group: (b * Hkv + hk) * chunks + c).
   void (*forward_task)(const Params& p, int64_t task);
   // Backward pass 1 (dK, dV) of one (b, hkv, k block) task: task = (b * Hkv + hk) * num_k_blocks + kb.
   void (*backward_kv_task)(const Params& p, int64_t task);

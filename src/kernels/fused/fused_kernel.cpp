@@ -109,7 +109,8 @@ void decode_forward(const ForwardArgs& a, Params& p, const Ops& o) {
     ~Release() { workspace_add(-bytes); }
   } release{int64_t((part_o.size() + part_lse.size()) * sizeof(float))};
   p.part_o = part_o.data(), p.part_lse = part_lse.data();
-  run_tasks(p.B * p.Hq * p.num_q_blocks() * C, a.num_threads, [&](int64_t t) { o.forward_task(p, t); });
+  const int64_t n = (p.decode_group ? p.B * p.Hkv : p.B * p.Hq * p.num_q_blocks()) * C;
+  run_tasks(n, a.num_threads, [&](int64_t t) { o.forward_task(p, t); });
   // lse = log sum_c exp(lse_c), out = sum_c exp(lse_c - lse) out_c (empty chunks have lse_c = -inf).
   run_tasks(p.B * p.Hq, a.num_threads, [&](int64_t bh) {
     std::vector<float> acc(static_cast<size_t>(p.Dv));
@@ -147,7 +148,12 @@ void fused_forward(const ForwardArgs& a) {
   p.out = out_view4(a.outputs.out);
   if (a.outputs.lse.data) p.lse = out_view4(a.outputs.lse);
   const Ops& o = ops();
+  p.decode_group = p.group > 1 && p.group * p.Lq <= 4;
   if (p.Lq <= kDecodeMaxQueries && p.Lk >= 2 * kDecodeChunk) return decode_forward(a, p, o);
+  if (p.decode_group) {
+    run_tasks(p.B * p.Hkv, a.num_threads, [&](int64_t t) { o.forward_task(p, t); });
+    return;
+  }
   const int64_t n = p.B * p.Hq * p.num_q_blocks();
   // Causal: the last query blocks are the most expensive; start them first (order does not change results).
   const bool reverse = p.causal;

@@ -327,33 +327,42 @@ void FinishRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, i
 // Few queries (decode): keys in the lanes instead of queries, so that no lane is wasted when Lq = 1.
 // Scores are dot products over D (vector FMAs + one lane reduction per key and query), the softmax runs over
 // lanes of keys, and O[i, :] += p_ij V[j, :] uses vectors over Dv. Same masks, dropout and results layout.
+// Rows r < NQ are queries (rh[r], ri[r]) of one kv head hk: several queries of one head, or (GQA) the same
+// queries of every head of the group, so that K and V are read once for all of them.
 template <int NQ>
-void DecodeRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t kbeg, int64_t kend, int64_t chunk) {
+void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const int64_t* ri, int64_t kbeg,
+                int64_t kend, int64_t chunk) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
-  const int64_t Bc = p.Bc, D = p.D, Dv = p.Dv, hk = h / p.group, Br = p.Br;
+  const int64_t Bc = p.Bc, D = p.D, Dv = p.Dv, Br = p.Br;
   const int64_t Dp = Params::pad16(D), Dvp = Params::pad16(Dv), Dfull = D / N * N, Dvfull = Dv / N * N;
   Scratch s_q, s_o, s_s, s_bias, s_kbuf, s_vbuf;
   float* Q = s_q.alloc(NQ * Dp);    // scale·q rows, zero padded
   float* O = s_o.alloc(NQ * Dvp);
   float* S = s_s.alloc(NQ * Bc);   // scores, then probabilities, of one key tile
-  float* bias = p.mask != MaskKind::kNone ? s_bias.alloc(Bc * Br) : nullptr;
+  float* bias = p.mask != MaskKind::kNone ? s_bias.alloc(NQ * Bc * Br) : nullptr;
   float* kbuf = s_kbuf.alloc(Bc * D);
   float* vbuf = s_vbuf.alloc(Bc * Dv);
   uint8_t pad[1024];
   float M[NQ], L[NQ];
+  TileMask tm[NQ];
   std::memset(Q, 0, sizeof(float) * size_t(NQ * Dp));
   std::memset(O, 0, sizeof(float) * size_t(NQ * Dvp));
   for (int ii = 0; ii < NQ; ++ii) {
     M[ii] = kNegInf, L[ii] = 0.f;
-    const int64_t base = b * p.q.sb + h * p.q.sh + (i0 + ii) * p.q.sl;
+    const int64_t base = b * p.q.sb + rh[ii] * p.q.sh + ri[ii] * p.q.sl;
     for (int64_t x = 0; x < D; ++x) Q[ii * Dp + x] = load_elem(p.q.data, p.q.dtype, base + x * p.q.sd) * p.scale;
   }
   const float keep_scale = p.dropout_p > 0 ? float(1.0 / (1.0 - p.dropout_p)) : 1.f;
   for (int64_t kb = kbeg; kb < kend; kb += Bc) {
     const int64_t nk = std::min(Bc, kend - kb);
-    const TileMask tm = PrepareTileMask(p, b, h, i0, NQ, kb, nk, bias, pad);
-    if (tm.skip) continue;
+    bool live = false, masked = false;
+    for (int ii = 0; ii < NQ; ++ii) {
+      tm[ii] = PrepareTileMask(p, b, rh[ii], ri[ii], 1, kb, nk, bias ? bias + ii * Bc * Br : nullptr, pad);
+      live |= !tm[ii].skip;
+      masked |= tm[ii].skip || tm[ii].has_bias || tm[ii].has_pad || tm[ii].causal_partial;
+    }
+    if (!live) continue;
     const Rows kr = RowsOf(p.k, b, hk, kb, nk, D, kbuf);
     for (int64_t jj = 0; jj < nk; ++jj) {  // S[ii, jj] = (scale q_ii) · k_jj
       const float* krow = kr.ptr + jj * kr.stride;
@@ -369,13 +378,14 @@ void DecodeRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t kbeg,
         S[ii * Bc + jj] = sdot;
       }
     }
-    if (tm.has_bias || tm.has_pad || tm.causal_partial)
+    if (masked)
       for (int ii = 0; ii < NQ; ++ii)
         for (int64_t jj = 0; jj < nk; ++jj) {
+          const TileMask& t = tm[ii];
           float& x = S[ii * Bc + jj];
-          if (tm.has_pad && pad[jj]) x = kNegInf;
-          else if (tm.causal_partial && kb + jj > i0 + ii + p.causal_offset) x = kNegInf;
-          else if (tm.has_bias) x += bias[jj * Br + ii];
+          if (t.skip || (t.has_pad && pad[jj])) x = kNegInf;
+          else if (t.causal_partial && kb + jj > ri[ii] + p.causal_offset) x = kNegInf;
+          else if (t.has_bias) x += bias[ii * Bc * Br + jj * Br];
         }
     for (int ii = 0; ii < NQ; ++ii) {  // online softmax of row ii over the tile's keys
       float* srow = S + ii * Bc;
@@ -404,7 +414,7 @@ void DecodeRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t kbeg,
       if (p.dropout_p > 0) {
         for (int64_t j = 0; j < nk; ++j) {
           const bool keep =
-              dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(h), uint32_t(i0 + ii), uint32_t(kb + j));
+              dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(rh[ii]), uint32_t(ri[ii]), uint32_t(kb + j));
           srow[j] = keep ? srow[j] * keep_scale : 0.f;
         }
       }
@@ -423,7 +433,8 @@ void DecodeRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t kbeg,
       for (int64_t jj = 0; jj < nk; ++jj)
         for (int ii = 0; ii < NQ; ++ii) O[ii * Dvp + x] += S[ii * Bc + jj] * vr.ptr[jj * vr.stride + x];
   }
-  FinishRows(p, b, h, i0, NQ, chunk, M, L, [&](int64_t ii, int64_t dd) { return O[ii * Dvp + dd]; });
+  for (int ii = 0; ii < NQ; ++ii)
+    FinishRows(p, b, rh[ii], ri[ii], 1, chunk, M + ii, L + ii, [&](int64_t, int64_t dd) { return O[ii * Dvp + dd]; });
 }
 
 void ForwardTask(const Params& p, int64_t task) {
@@ -433,6 +444,20 @@ void ForwardTask(const Params& p, int64_t task) {
   // Split keys (decode): task = ((b * Hq + h) * nqb + qb) * nchunks + chunk, keys [chunk·kv_chunk, +kv_chunk).
   const int64_t nchunks = p.num_kv_chunks(), chunk = task % nchunks;
   task /= nchunks;
+  if (p.decode_group) {  // GQA decode: task = (b * Hkv + hk) * nchunks + chunk, rows = group heads x Lq queries
+    const int64_t b = task / p.Hkv, hk = task % p.Hkv, nr = p.group * p.Lq;
+    int64_t kend = p.Lk, kbeg = 0;
+    if (p.kv_chunk > 0) kbeg = chunk * p.kv_chunk, kend = std::min(kend, kbeg + p.kv_chunk);
+    if (p.key_len) kend = std::min(kend, p.key_len[b]);
+    if (p.causal) kend = std::min(kend, p.Lq - 1 + p.causal_offset + 1);
+    int64_t rh[kDecodeRows], ri[kDecodeRows];
+    for (int64_t r = 0; r < nr; ++r) rh[r] = hk * p.group + r / p.Lq, ri[r] = r % p.Lq;
+    switch (nr) {
+      case 2: return DecodeRows<2>(p, b, hk, rh, ri, kbeg, kend, chunk);
+      case 3: return DecodeRows<3>(p, b, hk, rh, ri, kbeg, kend, chunk);
+      default: return DecodeRows<4>(p, b, hk, rh, ri, kbeg, kend, chunk);
+    }
+  }
   const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
   const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
 
@@ -441,11 +466,13 @@ void ForwardTask(const Params& p, int64_t task) {
   if (p.key_len) kend = std::min(kend, p.key_len[b]);
   if (p.causal) kend = std::min(kend, i0 + nq - 1 + p.causal_offset + 1);
   if (p.Lq <= kDecodeRows) {  // keys in lanes (Lq = 1..4)
+    int64_t rh[kDecodeRows], ri[kDecodeRows];
+    for (int64_t r = 0; r < nq; ++r) rh[r] = h, ri[r] = i0 + r;
     switch (nq) {
-      case 1: return DecodeRows<1>(p, b, h, i0, kbeg, kend, chunk);
-      case 2: return DecodeRows<2>(p, b, h, i0, kbeg, kend, chunk);
-      case 3: return DecodeRows<3>(p, b, h, i0, kbeg, kend, chunk);
-      default: return DecodeRows<4>(p, b, h, i0, kbeg, kend, chunk);
+      case 1: return DecodeRows<1>(p, b, hk, rh, ri, kbeg, kend, chunk);
+      case 2: return DecodeRows<2>(p, b, hk, rh, ri, kbeg, kend, chunk);
+      case 3: return DecodeRows<3>(p, b, hk, rh, ri, kbeg, kend, chunk);
+      default: return DecodeRows<4>(p, b, hk, rh, ri, kbeg, kend, chunk);
     }
   }
 
