@@ -7,4 +7,5 @@ void bind_core(pybind11::module_& m);       // bind_core.cpp: errors, dtypes, ke
 void bind_attention(pybind11::module_& m);  // bind_attention.cpp: scaled_dot_product_attention & co.
 void bind_nn(pybind11::module_& m);         // bind_nn.cpp: MultiheadAttention, safetensors
 void bind_tools(pybind11::module_& m);      // bind_tools.cpp: diagnose
+void bind_fused(pybind11::module_& m);      // bind_fused.cpp: flash_attn_varlen (+ backward)
 }  // namespace sattn::py

@@ -6,4 +6,5 @@ PYBIND11_MODULE(_core, m) {
   sattn::py::bind_attention(m);
   sattn::py::bind_nn(m);
   sattn::py::bind_tools(m);
+  sattn::py::bind_fused(m);
 }

@@ -8,6 +8,7 @@ namespace sattn {
 const std::vector<KernelEntry>& registered_kernels() {
   // Fastest first; the reference (supports everything) is always last.
   static const std::vector<KernelEntry> kernels = {
+      fused_kernel(),
       reference_kernel(),
   };
   return kernels;

@@ -486,6 +486,7 @@ TEST(ReferenceThreads, ConcurrentCallersGetTheirOwnResults) {
 TEST(ReferenceMemory, RefusesOverTheLimitNamingTheSize) {
   Tensor q(DType::kF32, {1, 2, 1000, 8}), k(DType::kF32, {1, 2, 1000, 8});
   AttentionOptions o;
+  o.kernel = "reference";          // the limit guards the materialising kernel
   o.memory_limit_bytes = 4 << 20;  // 4 MiB; the scores need 2 * 1000 * 1000 * 5 bytes
   try {
     sattn::attention(q, k, k, o);
@@ -505,9 +506,11 @@ TEST(ReferenceMemory, DefaultLimitRefusesAnAbsurdProblemWithoutAllocating) {
   // 2^21 x 2^21 scores (17 TiB in f32) from 8 MiB inputs: refused, not killed.
   const int64_t L = int64_t(1) << 21;
   Tensor q(DType::kF32, {1, 1, L, 1});
+  sattn::AttentionOptions ref;
+  ref.kernel = "reference";  // the limit guards the materialising kernel; the fused one needs no L x L buffer
   for (bool weights : {false, true}) {
     try {
-      sattn::attention(q, q, q, {}, false, weights);
+      sattn::attention(q, q, q, weights ? sattn::AttentionOptions{} : ref, false, weights);
       FAIL() << "expected kOutOfMemory";
     } catch (const sattn::Error& e) {
       EXPECT_EQ(e.kind(), sattn::ErrorKind::kOutOfMemory);
@@ -518,7 +521,7 @@ TEST(ReferenceMemory, DefaultLimitRefusesAnAbsurdProblemWithoutAllocating) {
   Tensor out(DType::kF32, {1, 1, L, 1}), lse(DType::kF32, {1, 1, L}), g1(DType::kF32, {1, 1, L, 1}),
       g2(DType::kF32, {1, 1, L, 1}), g3(DType::kF32, {1, 1, L, 1});
   try {
-    sattn::scaled_dot_product_attention_backward(out, q, q, q, out, lse, {}, {g1, g2, g3, {}});
+    sattn::scaled_dot_product_attention_backward(out, q, q, q, out, lse, ref, {g1, g2, g3, {}});
     FAIL() << "expected kOutOfMemory";
   } catch (const sattn::Error& e) {
     EXPECT_EQ(e.kind(), sattn::ErrorKind::kOutOfMemory);

@@ -199,11 +199,14 @@ TEST(ReferenceErrors, Options) {
 
 TEST(ReferenceErrors, StrictModeRefusesTheReferenceFallback) {
   Inputs in;
-  const sattn::AttentionOutputs outs{in.out, {}, {}};
+  // Attention weights are only produced by the materialising reference, so asking for them needs the fall-back.
+  const sattn::AttentionOutputs outs{in.out, {}, in.weights};
   AttentionOptions strict;
   strict.strict = true;
   expect_error([&] { forward(in.q, in.k, in.v, strict, outs); }, ErrorKind::kUnsupported,
                {"strict", "B=2 Hq=4 Hkv=2 Lq=5 Lk=6 D=8 Dv=3"}, "strict option");
+  // Without weights a fast kernel is eligible, so strict mode has nothing to refuse.
+  EXPECT_NO_THROW(forward(in.q, in.k, in.v, strict, {in.out, in.lse, {}}));
   {
     ScopedEnv env("SATTN_STRICT", "1");
     expect_error([&] { forward(in.q, in.k, in.v, {}, outs); }, ErrorKind::kUnsupported, {"strict", "SATTN_STRICT"},

@@ -249,7 +249,7 @@ TEST(Profile, MeasuresTimeAndMemoryPerPoint) {
     run_profile(o);
     FAIL() << "expected an error for an unknown kernel";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("available: reference"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("available: "), std::string::npos) << e.what();
   }
 }
 

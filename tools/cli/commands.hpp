@@ -12,4 +12,5 @@ void add_viz_command(CLI::App& app);      // viz.cpp
 void add_doctor_command(CLI::App& app);   // doctor.cpp
 void add_profile_command(CLI::App& app);  // profile.cpp
 void add_report_command(CLI::App& app);   // report.cpp
+void add_bench_command(CLI::App& app);    // bench.cpp
 }  // namespace sattn::cli

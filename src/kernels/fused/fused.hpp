@@ -1,0 +1,111 @@
+// The fused (FlashAttention-style) CPU kernel: shared plain-data parameters between the dispatching code
+// (fused_kernel.cpp) and the per-ISA tile loops (fused_simd.cpp, compiled once per SIMD target by Highway).
+//
+// Layout idea (see docs/fused.md): inside a tile, QUERIES live in the SIMD lanes. Scores are computed as
+// S^T[key, query] = K · (scale·Q)^T, so the online softmax of a query is a lane-wise (vertical) operation, and
+// K and V are read in their natural row-major layout with scalar broadcasts — no packing of K/V for f32 inputs
+// with a unit last stride, any head dimension D without padding.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "sattn/problem.hpp"
+#include "sattn/tensor.hpp"
+
+namespace sattn::fused {
+
+// A strided 4-D view [b, h, i, d] as raw pointer + element strides.
+struct View4 {
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+  int64_t sb = 0, sh = 0, sl = 0, sd = 0;
+};
+struct OutView4 {
+  void* data = nullptr;
+  DType dtype = DType::kF32;
+  int64_t sb = 0, sh = 0, sl = 0, sd = 0;
+};
+
+struct Params {
+  int64_t B = 0, Hq = 0, Hkv = 0, Lq = 0, Lk = 0, D = 0, Dv = 0, group = 1;
+  View4 q, k, v;
+  float scale = 1.f;
+  // Causal: key j allowed for query i iff j <= i + causal_offset (when causal).
+  bool causal = false;
+  int64_t causal_offset = 0;
+  // attn_mask as 4-D strides (0 where broadcast); kind none/bool/additive.
+  MaskKind mask = MaskKind::kNone;
+  View4 mask_view;  // [b, h, i, j] with sd = stride of j
+  // Key padding: bool (true = padding) or lengths.
+  const uint8_t* kp = nullptr;
+  int64_t kp_sb = 0, kp_sk = 0;
+  const int64_t* key_len = nullptr;  // [B] or nullptr
+  // Dropout.
+  double dropout_p = 0.0;
+  uint64_t seed = 0;
+  // Tiles: Br queries (multiple of 16) x Bc keys.
+  int64_t Br = 64, Bc = 64;
+
+  // Decode: keys split into chunks of kv_chunk (a multiple of Bc; 0 = no split) whose partial results
+  // part_o [B·Hq·Lq, nchunks, Dv] and part_lse [B·Hq·Lq, nchunks] are merged in chunk order.
+  int64_t kv_chunk = 0;
+  // GQA decode (group > 1, group·Lq <= 4): one forward task per (b, kv head, chunk) computes the rows of all the
+  // group's query heads together, so K/V are read once per group. Results equal the per-head computation.
+  bool decode_group = false;
+  float* part_o = nullptr;
+  float* part_lse = nullptr;
+  int64_t num_kv_chunks() const { return kv_chunk > 0 ? (Lk + kv_chunk - 1) / kv_chunk : 1; }
+
+  // Forward outputs.
+  OutView4 out;  // [B, Hq, Lq, Dv]
+  OutView4 lse;  // [B, Hq, Lq] (sd unused); data == nullptr when not wanted
+
+  // Backward inputs/outputs.
+  View4 dout, o;             // [B, Hq, Lq, Dv]
+  View4 lse_in;              // [B, Hq, Lq]
+  OutView4 dq, dk, dv;       // same shapes as q, k, v
+  float* dmask = nullptr;    // dense f32 buffer of the mask's own shape viewed as 4-D with strides below
+  int64_t dm_sb = 0, dm_sh = 0, dm_sl = 0, dm_sj = 0;
+  bool dmask_bcast_b = false, dmask_bcast_h = false;
+  // Backward scratch shared by the passes (allocated by the driver): per (b, h, i) lse (+inf for empty rows)
+  // and Di = rowsum(dO ∘ O).
+  const float* lse_eff = nullptr;
+  const float* delta = nullptr;
+  // Query-side tiles packed once per (b, h, q block) t = (b * Hq + h) * num_q_blocks + qb:
+  // (scale Q)^T [D x Br], dO^T [Dv x Br], scale Q [Br x pad16(D)], dO [Br x pad16(Dv)].
+  float *pk_qt = nullptr, *pk_dot = nullptr, *pk_qr = nullptr, *pk_dor = nullptr;
+
+  static int64_t pad16(int64_t x) { return (x + 15) / 16 * 16; }
+
+  int64_t num_q_blocks() const { return (Lq + Br - 1) / Br; }
+  int64_t num_k_blocks() const { return (Lk + Bc - 1) / Bc; }
+};
+
+// One SIMD implementation of the tile loops.
+struct Ops {
+  const char* name;
+  // Forward of one (b, h, q block[, key chunk]) task: task = ((b * Hq + h) * num_q_blocks + qb) * chunks + c
+  // (with decode_group: (b * Hkv + hk) * chunks + c).
+  void (*forward_task)(const Params& p, int64_t task);
+  // Backward pass 1 (dK, dV) of one (b, hkv, k block) task: task = (b * Hkv + hk) * num_k_blocks + kb.
+  void (*backward_kv_task)(const Params& p, int64_t task);
+  // Backward pass 2 (dQ and dmask rows) of one (b, h, q block) task, same numbering as forward.
+  void (*backward_q_task)(const Params& p, int64_t task);
+  // Fills the packed query-side tiles of one (b, h, q block) task.
+  void (*pack_q_task)(const Params& p, int64_t task);
+};
+
+// The implementation to use: SATTN_SIMD=avx512|avx2|portable forces one (error if the CPU lacks it),
+// otherwise the best the CPU supports.
+const Ops& ops();
+const Ops& ops_named(const std::string& name);  // throws sattn::Error for an unknown/unsupported name
+std::vector<std::string> available_simd();       // best first
+
+// Workspace accounting (bytes currently held by fused kernels and the high-water mark since the last reset).
+void workspace_add(int64_t bytes);
+int64_t workspace_peak_bytes();
+void workspace_reset_peak();
+
+}  // namespace sattn::fused

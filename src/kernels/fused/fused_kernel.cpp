@@ -1,0 +1,262 @@
+// The fused kernel's registry entry and drivers: eligibility, parameters, the task split over threads.
+// The tile loops themselves are in fused_simd.cpp (one copy per SIMD target).
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <exception>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <hwy/aligned_allocator.h>
+
+#include "core/threads.hpp"
+#include "kernels/fused/fused.hpp"
+#include "kernels/kernel.hpp"
+
+namespace sattn {
+namespace fused {
+namespace {
+
+int64_t env_tile(const char* name, int64_t fallback) {
+  const char* env = std::getenv(name);
+  if (!env || !*env) return fallback;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  check(end && *end == '\0' && v >= 16 && v <= 1024 && v % 16 == 0, ErrorKind::kInvalidArgument, name,
+        ": expected a multiple of 16 in [16, 1024], got '", env, "'");
+  return v;
+}
+
+View4 view4(const TensorView& t) {
+  View4 v;
+  v.data = t.data;
+  v.dtype = t.dtype;
+  if (t.dim() == 4) {
+    v.sb = t.strides[0], v.sh = t.strides[1], v.sl = t.strides[2], v.sd = t.strides[3];
+  } else if (t.dim() == 3) {  // lse [B, H, L]
+    v.sb = t.strides[0], v.sh = t.strides[1], v.sl = t.strides[2];
+  }
+  return v;
+}
+OutView4 out_view4(const TensorView& t) {
+  const View4 v = view4(t);
+  return {t.data, t.dtype, v.sb, v.sh, v.sl, v.sd};
+}
+
+Params make_params(const AttentionProblem& pr, const TensorView& q, const TensorView& k, const TensorView& v,
+                   const MaskData& m) {
+  Params p;
+  p.B = pr.batch, p.Hq = pr.heads_q, p.Hkv = pr.heads_kv, p.Lq = pr.len_q, p.Lk = pr.len_k;
+  p.D = pr.head_dim, p.Dv = pr.head_dim_v, p.group = pr.group_size();
+  p.q = view4(q), p.k = view4(k), p.v = view4(v);
+  p.scale = float(pr.scale);
+  p.causal = pr.causal != Causal::kNone;
+  p.causal_offset = pr.causal == Causal::kBottomRight ? pr.len_k - pr.len_q : 0;
+  p.mask = pr.mask;
+  if (pr.mask != MaskKind::kNone) p.mask_view = view4(m.attn_mask);
+  p.kp = m.key_padding, p.kp_sb = m.kp_stride_b, p.kp_sk = m.kp_stride_k;
+  p.key_len = m.key_lengths.empty() ? nullptr : m.key_lengths.data();
+  p.dropout_p = pr.dropout_p, p.seed = pr.seed;
+  static const int64_t br = env_tile("SATTN_FUSED_BR", 64), bc = env_tile("SATTN_FUSED_BC", 64);
+  p.Br = pr.len_q <= 16 ? 16 : br;  // few queries: the narrowest tile (a row's result does not depend on Br)
+  p.Bc = bc;
+  return p;
+}
+
+// Runs f(task) for every task on up to `threads` threads; rethrows the first exception on the caller.
+template <typename F>
+void run_tasks(int64_t n, int threads, F&& f) {
+  std::exception_ptr error;
+  std::mutex mu;
+  parallel_for(n, threads, [&](int64_t t) {
+    try {
+      f(t);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!error) error = std::current_exception();
+    }
+  });
+  if (error) std::rethrow_exception(error);
+}
+
+bool fused_supports(const AttentionProblem& p, std::string* why) {
+  auto no = [&](const char* reason) {
+    if (why) *why = reason;
+    return false;
+  };
+  if (p.dtype_q == DType::kF64)
+    return no("float64 inputs: the fused kernel computes in float32 (the reference accumulates in float64)");
+  if (p.dtype_q != DType::kF32 && p.dtype_q != DType::kBF16 && p.dtype_q != DType::kF16)
+    return no("unsupported input dtype");
+  if (p.need_weights)
+    return no("attention weights requested: the fused kernel never materialises the [B, Hq, Lq, Lk] weights");
+  return true;
+}
+
+// Decode (few queries, many keys): the keys are split into chunks of this many keys (rounded up to whole key
+// tiles) — a function of the problem only, never of the thread count — and the partials merged in chunk order.
+constexpr int64_t kDecodeMaxQueries = 16, kDecodeChunk = 512;
+
+void decode_forward(const ForwardArgs& a, Params& p, const Ops& o) {
+  p.kv_chunk = (kDecodeChunk + p.Bc - 1) / p.Bc * p.Bc;
+  const int64_t C = p.num_kv_chunks(), rows = p.B * p.Hq * p.Lq;
+  std::vector<float> part_o(static_cast<size_t>(rows * C * p.Dv)), part_lse(static_cast<size_t>(rows * C));
+  workspace_add(int64_t((part_o.size() + part_lse.size()) * sizeof(float)));
+  struct Release {
+    int64_t bytes;
+    ~Release() { workspace_add(-bytes); }
+  } release{int64_t((part_o.size() + part_lse.size()) * sizeof(float))};
+  p.part_o = part_o.data(), p.part_lse = part_lse.data();
+  const int64_t n = (p.decode_group ? p.B * p.Hkv : p.B * p.Hq * p.num_q_blocks()) * C;
+  run_tasks(n, a.num_threads, [&](int64_t t) { o.forward_task(p, t); });
+  // lse = log sum_c exp(lse_c), out = sum_c exp(lse_c - lse) out_c (empty chunks have lse_c = -inf).
+  run_tasks(p.B * p.Hq, a.num_threads, [&](int64_t bh) {
+    std::vector<float> acc(static_cast<size_t>(p.Dv));
+    for (int64_t i = 0; i < p.Lq; ++i) {
+      const int64_t row = bh * p.Lq + i;
+      const float* ls = part_lse.data() + row * C;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < C; ++c) m = std::max(m, ls[c]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      float s = 0.f;
+      if (m != -std::numeric_limits<float>::infinity()) {
+        for (int64_t c = 0; c < C; ++c) s += std::exp(ls[c] - m);
+        for (int64_t c = 0; c < C; ++c) {
+          const float w = std::exp(ls[c] - m) / s;
+          if (w == 0.f) continue;
+          const float* po = part_o.data() + (row * C + c) * p.Dv;
+          for (int64_t x = 0; x < p.Dv; ++x) acc[size_t(x)] += w * po[x];
+        }
+      }
+      const int64_t b = bh / p.Hq, h = bh % p.Hq;
+      for (int64_t x = 0; x < p.Dv; ++x) {
+        const int64_t idx[4] = {b, h, i, x};
+        a.outputs.out.set(idx, acc[size_t(x)]);
+      }
+      if (a.outputs.lse.data) {
+        const int64_t idx[3] = {b, h, i};
+        a.outputs.lse.set(idx, m == -std::numeric_limits<float>::infinity() ? -HUGE_VAL : double(m + std::log(s)));
+      }
+    }
+  });
+}
+
+void fused_forward(const ForwardArgs& a) {
+  Params p = make_params(a.problem, a.q, a.k, a.v, a.masks);
+  p.out = out_view4(a.outputs.out);
+  if (a.outputs.lse.data) p.lse = out_view4(a.outputs.lse);
+  const Ops& o = ops();
+  p.decode_group = p.group > 1 && p.group * p.Lq <= 4;
+  if (p.Lq <= kDecodeMaxQueries && p.Lk >= 2 * kDecodeChunk) return decode_forward(a, p, o);
+  if (p.decode_group) {
+    run_tasks(p.B * p.Hkv, a.num_threads, [&](int64_t t) { o.forward_task(p, t); });
+    return;
+  }
+  const int64_t n = p.B * p.Hq * p.num_q_blocks();
+  // Causal: the last query blocks are the most expensive; start them first (order does not change results).
+  const bool reverse = p.causal;
+  run_tasks(n, a.num_threads, [&](int64_t t) { o.forward_task(p, reverse ? n - 1 - t : t); });
+}
+
+void fused_backward(const BackwardArgs& a) {
+  const AttentionProblem& pr = a.problem;
+  Params p = make_params(pr, a.q, a.k, a.v, a.masks);
+  p.dout = view4(a.dout), p.o = view4(a.out), p.lse_in = view4(a.lse);
+  p.dq = out_view4(a.grads.dq), p.dk = out_view4(a.grads.dk), p.dv = out_view4(a.grads.dv);
+  const Ops& o = ops();
+  const int threads = a.num_threads;
+
+  // Row statistics: lse (+inf for rows without any allowed key, so that P = exp(s - lse) = 0) and
+  // Di = rowsum(dO ∘ O).
+  const int64_t rows = p.B * p.Hq * p.Lq;
+  std::vector<float> lse_eff(static_cast<size_t>(rows)), delta(static_cast<size_t>(rows));
+  workspace_add(int64_t(2 * rows * sizeof(float)));
+  struct Release {
+    int64_t bytes;
+    ~Release() { workspace_add(-bytes); }
+  } release{int64_t(2 * rows * sizeof(float))};
+  run_tasks(p.B * p.Hq, threads, [&](int64_t bh) {
+    const int64_t b = bh / p.Hq, h = bh % p.Hq;
+    for (int64_t i = 0; i < p.Lq; ++i) {
+      const int64_t idx3[3] = {b, h, i};
+      const double l = a.lse.get(idx3);
+      lse_eff[size_t(bh * p.Lq + i)] = l == -HUGE_VAL ? std::numeric_limits<float>::infinity() : float(l);
+      float s = 0.f;
+      for (int64_t x = 0; x < p.Dv; ++x) {
+        const int64_t idx[4] = {b, h, i, x};
+        s += float(a.dout.get(idx)) * float(a.out.get(idx));
+      }
+      delta[size_t(bh * p.Lq + i)] = s;
+    }
+  });
+  p.lse_eff = lse_eff.data();
+  p.delta = delta.data();
+
+  // Query-side tiles, packed once (O(B·Hq·Lq·(D+Dv)) floats, like the inputs).
+  const int64_t nqt = p.B * p.Hq * p.num_q_blocks();
+  const size_t pk_n = static_cast<size_t>(nqt * p.Br * (p.D + p.Dv + Params::pad16(p.D) + Params::pad16(p.Dv)));
+  auto packed = hwy::AllocateAligned<float>(pk_n);  // tiles are loaded with aligned vector loads
+  check(packed != nullptr, ErrorKind::kOutOfMemory, "fused attention backward: cannot allocate ", pk_n * 4,
+        " bytes for the packed query tiles");
+  workspace_add(int64_t(pk_n * sizeof(float)));
+  Release release_packed{int64_t(pk_n * sizeof(float))};
+  p.pk_qt = packed.get();
+  p.pk_dot = p.pk_qt + nqt * p.D * p.Br;
+  p.pk_qr = p.pk_dot + nqt * p.Dv * p.Br;
+  p.pk_dor = p.pk_qr + nqt * p.Br * Params::pad16(p.D);
+  run_tasks(nqt, threads, [&](int64_t t) { o.pack_q_task(p, t); });
+
+  // Pass 1: dK, dV (one task per key block).
+  run_tasks(p.B * p.Hkv * p.num_k_blocks(), threads, [&](int64_t t) { o.backward_kv_task(p, t); });
+
+  // Pass 2: dQ (and dmask). Tasks that add into the same dmask elements (mask broadcast over batch, heads or
+  // queries) form one group run in a fixed order.
+  std::vector<float> dmask;
+  const int64_t nqb = p.num_q_blocks();
+  if (!pr.need_dmask) {
+    run_tasks(p.B * p.Hq * nqb, threads, [&](int64_t t) { o.backward_q_task(p, t); });
+    return;
+  }
+  const Shape& ms = pr.mask_shape;
+  dmask.assign(size_t(numel(ms)), 0.f);
+  Shape st4(4, 0);
+  {
+    const Shape cs = contiguous_strides(ms);
+    const int64_t off = 4 - int64_t(ms.size());
+    for (int64_t x = 0; x < int64_t(ms.size()); ++x) st4[off + x] = ms[x] == 1 ? 0 : cs[x];
+  }
+  p.dmask = dmask.data();
+  p.dm_sb = st4[0], p.dm_sh = st4[1], p.dm_sl = st4[2], p.dm_sj = st4[3];
+  const bool share_b = p.dm_sb == 0 && p.B > 1, share_h = p.dm_sh == 0 && p.Hq > 1, share_q = p.dm_sl == 0 && nqb > 1;
+  const int64_t gb = share_b ? 1 : p.B, gh = share_h ? 1 : p.Hq, gq = share_q ? 1 : nqb;
+  const int64_t inner_b = share_b ? p.B : 1, inner_h = share_h ? p.Hq : 1, inner_q = share_q ? nqb : 1;
+  run_tasks(gb * gh * gq, threads, [&](int64_t g) {
+    const int64_t bg = g / (gh * gq), hg = (g / gq) % gh, qg = g % gq;
+    for (int64_t bi = 0; bi < inner_b; ++bi)
+      for (int64_t hi = 0; hi < inner_h; ++hi)
+        for (int64_t qi = 0; qi < inner_q; ++qi) {
+          const int64_t b = share_b ? bi : bg, h = share_h ? hi : hg, qb = share_q ? qi : qg;
+          o.backward_q_task(p, (b * p.Hq + h) * nqb + qb);
+        }
+  });
+  // Store the reduced gradient in the mask's own shape.
+  std::vector<int64_t> idx(ms.size(), 0);
+  for (int64_t lin = 0; lin < int64_t(dmask.size()); ++lin) {
+    a.grads.dmask.set(idx.data(), double(dmask[size_t(lin)]));
+    for (size_t x = idx.size(); x-- > 0;) {
+      if (++idx[x] < ms[x]) break;
+      idx[x] = 0;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fused
+
+KernelEntry fused_kernel() {
+  return {"fused", fused::fused_supports, fused::fused_forward, fused::fused_backward};
+}
+
+}  // namespace sattn

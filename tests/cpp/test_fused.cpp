@@ -1,0 +1,401 @@
+// The fused kernel against the reference (fp64 accumulation) over awkward shapes and every option, for every
+// SIMD implementation the CPU supports (including the portable one), and bitwise determinism across threads.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <algorithm>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/fused/fused.hpp"
+#include "sattn/attention.hpp"
+#include "sattn/merge.hpp"
+
+namespace {
+
+using sattn::DType;
+using sattn::Shape;
+using sattn::Tensor;
+using sattn::TensorView;
+
+struct Case {
+  int64_t B = 1, Hq = 1, Hkv = 1, Lq = 1, Lk = 1, D = 8, Dv = 8;
+  int mask = 0;        // 0 none, 1 bool, 2 additive
+  int mask_shape = 0;  // 0 [B,Hq,Lq,Lk], 1 [Lq,Lk], 2 [B,1,1,Lk], 3 [Hq,Lq,1]
+  int padding = 0;     // 0 none, 1 bool, 2 lengths
+  sattn::Causal causal = sattn::Causal::kNone;
+  double dropout = 0.0;
+  bool strided = false;  // q/k/v as [B, L, H, D] memory viewed as [B, H, L, D]
+  std::string name() const {
+    return sattn::detail::concat("B", B, " H", Hq, "/", Hkv, " L", Lq, "x", Lk, " D", D, "/", Dv, " mask", mask, ":",
+                                 mask_shape, " pad", padding, " causal=", sattn::to_string(causal), " drop", dropout,
+                                 strided ? " strided" : "");
+  }
+};
+
+// A [B, H, L, D] float view; when strided, backed by [B, L, H, D] memory.
+struct Input {
+  Tensor storage;
+  TensorView view;
+};
+
+Input random_input(std::mt19937& rng, int64_t B, int64_t H, int64_t L, int64_t D, bool strided, float amp = 1.f) {
+  std::normal_distribution<float> nd(0.f, amp);
+  Input in;
+  if (strided) {
+    in.storage = Tensor(DType::kF32, {B, L, H, D});
+    in.view = TensorView(in.storage.data(), DType::kF32, {B, H, L, D}, {L * H * D, D, H * D, 1});
+  } else {
+    in.storage = Tensor(DType::kF32, {B, H, L, D});
+    in.view = in.storage.view();
+  }
+  float* p = in.storage.data<float>();
+  for (int64_t x = 0; x < in.storage.numel(); ++x) p[x] = nd(rng);
+  return in;
+}
+
+struct Problem {
+  Case c;
+  Input q, k, v, dout;
+  Tensor mask, kpm, lengths;
+  sattn::AttentionOptions opt;
+};
+
+Problem make_problem(const Case& c, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Problem pb;
+  pb.c = c;
+  pb.q = random_input(rng, c.B, c.Hq, c.Lq, c.D, c.strided, 1.5f);
+  pb.k = random_input(rng, c.B, c.Hkv, c.Lk, c.D, c.strided, 1.5f);
+  pb.v = random_input(rng, c.B, c.Hkv, c.Lk, c.Dv, c.strided);
+  pb.dout = random_input(rng, c.B, c.Hq, c.Lq, c.Dv, false);
+  if (c.mask) {
+    Shape s;
+    switch (c.mask_shape) {
+      case 0: s = {c.B, c.Hq, c.Lq, c.Lk}; break;
+      case 1: s = {c.Lq, c.Lk}; break;
+      case 2: s = {c.B, 1, 1, c.Lk}; break;
+      default: s = {c.Hq, c.Lq, 1}; break;
+    }
+    pb.mask = Tensor(c.mask == 1 ? DType::kBool : DType::kF32, s);
+    std::uniform_real_distribution<float> u(0.f, 1.f);
+    const int64_t n = pb.mask.numel(), last = s.back();
+    for (int64_t x = 0; x < n; ++x) {
+      const bool first_row = x < last;  // make the first mask row fully masked (an empty row when 2-D/4-D)
+      const bool masked = (first_row && c.mask_shape <= 1) || u(rng) < 0.2f;
+      if (c.mask == 1) pb.mask.data<uint8_t>()[x] = masked ? 0 : 1;
+      else pb.mask.data<float>()[x] = masked ? -std::numeric_limits<float>::infinity() : 2.f * (u(rng) - 0.5f);
+    }
+    pb.opt.attn_mask = pb.mask.view();
+  }
+  if (c.padding == 1) {
+    pb.kpm = Tensor(DType::kBool, {c.B, c.Lk});
+    std::uniform_real_distribution<float> u(0.f, 1.f);
+    for (int64_t x = 0; x < pb.kpm.numel(); ++x) pb.kpm.data<uint8_t>()[x] = u(rng) < 0.3f;
+    if (c.Lk > 70)  // a whole key tile of padding in batch 0
+      for (int64_t j = 0; j < 64 && j < c.Lk; ++j) pb.kpm.data<uint8_t>()[j] = 1;
+    pb.opt.key_padding_mask = pb.kpm.view();
+  } else if (c.padding == 2) {
+    pb.lengths = Tensor(DType::kI64, {c.B});
+    for (int64_t b = 0; b < c.B; ++b) pb.lengths.data<int64_t>()[b] = b == 1 ? 0 : std::max<int64_t>(1, c.Lk - 5 - 37 * b);
+    pb.opt.key_lengths = pb.lengths.view();
+  }
+  pb.opt.causal = c.causal;
+  pb.opt.dropout_p = c.dropout;
+  pb.opt.seed = 1234 + seed;
+  return pb;
+}
+
+double max_abs(const Tensor& t) {
+  double m = 0;
+  const auto v = t.view();
+  for (int64_t x = 0; x < t.numel(); ++x) {
+    const double a = std::fabs(v.dtype == DType::kF64 ? t.data<double>()[x] : t.data<float>()[x]);
+    if (std::isfinite(a)) m = std::max(m, a);
+  }
+  return m;
+}
+
+// ‖got − ref‖∞ / max(1, ‖ref‖∞); -inf must match -inf exactly.
+double rel_err(const Tensor& got, const Tensor& ref) {
+  EXPECT_EQ(got.numel(), ref.numel());
+  const Tensor g = got.to(DType::kF64), r = ref.to(DType::kF64);
+  double e = 0;
+  for (int64_t x = 0; x < g.numel(); ++x) {
+    const double a = g.data<double>()[x], b = r.data<double>()[x];
+    if (std::isinf(b) || std::isinf(a)) {
+      if (a != b) return std::numeric_limits<double>::infinity();
+      continue;
+    }
+    if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<double>::infinity();
+    e = std::max(e, std::fabs(a - b));
+  }
+  return e / std::max(1.0, max_abs(r));
+}
+
+struct FwdResult {
+  Tensor out, lse;
+  std::string kernel;
+};
+
+FwdResult run_forward(const Problem& pb, const std::string& kernel, int threads) {
+  sattn::AttentionOptions o = pb.opt;
+  o.kernel = kernel;
+  o.num_threads = threads;
+  o.accumulate_fp64 = kernel == "reference";
+  const DType dt = kernel == "reference" ? DType::kF64 : DType::kF32;
+  FwdResult r;
+  r.out = Tensor(dt, {pb.c.B, pb.c.Hq, pb.c.Lq, pb.c.Dv});
+  r.lse = Tensor(dt, {pb.c.B, pb.c.Hq, pb.c.Lq});
+  sattn::KernelInfo info;
+  sattn::scaled_dot_product_attention(pb.q.view, pb.k.view, pb.v.view, o, {r.out.view(), r.lse.view(), {}}, &info);
+  r.kernel = info.kernel;
+  return r;
+}
+
+struct BwdResult {
+  Tensor dq, dk, dv, dmask;
+};
+
+BwdResult run_backward(const Problem& pb, const FwdResult& fwd, const std::string& kernel, int threads) {
+  sattn::AttentionOptions o = pb.opt;
+  o.kernel = kernel;
+  o.num_threads = threads;
+  o.accumulate_fp64 = kernel == "reference";
+  const DType dt = kernel == "reference" ? DType::kF64 : DType::kF32;
+  BwdResult r;
+  r.dq = Tensor(dt, pb.q.view.shape);
+  r.dk = Tensor(dt, pb.k.view.shape);
+  r.dv = Tensor(dt, pb.v.view.shape);
+  sattn::AttentionGrads g{r.dq.view(), r.dk.view(), r.dv.view(), {}};
+  if (pb.c.mask == 2) {
+    r.dmask = Tensor(DType::kF32, pb.mask.shape());
+    g.dmask = r.dmask.view();
+  }
+  sattn::scaled_dot_product_attention_backward(pb.dout.view, pb.q.view, pb.k.view, pb.v.view, fwd.out.view(),
+                                               fwd.lse.view(), o, g);
+  return r;
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
+}
+
+std::vector<Case> sweep() {
+  using sattn::Causal;
+  std::vector<Case> cs;
+  // Shapes around the 64x64 tile, odd D/Dv, Lq != Lk, GQA/MQA.
+  const int64_t shapes[][7] = {
+      {1, 1, 1, 1, 1, 8, 8},       {1, 2, 2, 7, 129, 16, 24},  {2, 4, 2, 65, 63, 17, 9},   {1, 2, 1, 64, 64, 64, 64},
+      {1, 3, 1, 129, 130, 80, 80}, {2, 2, 2, 63, 200, 5, 33},  {1, 1, 1, 200, 65, 128, 128}, {3, 2, 1, 33, 47, 1, 3},
+  };
+  const Causal causals[] = {Causal::kNone, Causal::kTopLeft, Causal::kBottomRight};
+  int n = 0;
+  for (const auto& s : shapes) {
+    for (int variant = 0; variant < 6; ++variant, ++n) {
+      Case c;
+      c.B = s[0], c.Hq = s[1], c.Hkv = s[2], c.Lq = s[3], c.Lk = s[4], c.D = s[5], c.Dv = s[6];
+      c.causal = causals[(n + variant) % 3];
+      c.mask = variant % 3;
+      c.mask_shape = (n / 3) % 4;
+      c.padding = (n / 2) % 3;
+      c.strided = variant == 4 || variant == 1;
+      c.dropout = variant == 5 ? 0.3 : 0.0;
+      cs.push_back(c);
+    }
+  }
+  return cs;
+}
+
+class FusedSweep : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    const auto avail = sattn::fused::available_simd();
+    if (std::find(avail.begin(), avail.end(), GetParam()) == avail.end())
+      GTEST_SKIP() << "this CPU has no " << GetParam();
+    setenv("SATTN_SIMD", GetParam().c_str(), 1);
+  }
+  void TearDown() override { unsetenv("SATTN_SIMD"); }
+};
+
+TEST_P(FusedSweep, ForwardAndBackwardMatchReference) {
+  uint32_t seed = 0;
+  for (const Case& c : sweep()) {
+    SCOPED_TRACE(c.name());
+    const Problem pb = make_problem(c, ++seed);
+    const FwdResult ref = run_forward(pb, "reference", 1);
+    const FwdResult got = run_forward(pb, "fused", 2);
+    ASSERT_EQ(got.kernel, "fused");
+    EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
+    EXPECT_LE(rel_err(got.lse, ref.lse), 2e-5);
+    // Backward from the reference's own out/lse (as float32) so that both start from the same statistics.
+    FwdResult ref32{ref.out.to(DType::kF32), ref.lse.to(DType::kF32), ""};
+    const BwdResult gref = run_backward(pb, ref, "reference", 1);
+    const BwdResult gget = run_backward(pb, ref32, "fused", 2);
+    EXPECT_LE(rel_err(gget.dq, gref.dq), 1e-4);
+    EXPECT_LE(rel_err(gget.dk, gref.dk), 1e-4);
+    EXPECT_LE(rel_err(gget.dv, gref.dv), 1e-4);
+    if (c.mask == 2) {
+      EXPECT_LE(rel_err(gget.dmask, gref.dmask.to(DType::kF64)), 1e-4);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Simd, FusedSweep, ::testing::Values("avx512", "avx2", "portable"),
+                         [](const auto& info) { return info.param; });
+
+TEST(Fused, ChosenAutomaticallyAndExplainsWeights) {
+  Case c;
+  c.Lq = c.Lk = 5;
+  const Problem pb = make_problem(c, 7);
+  EXPECT_EQ(run_forward(pb, "", 1).kernel, "fused");
+  auto r = sattn::attention(pb.q.view, pb.k.view, pb.v.view, {}, true, true);
+  EXPECT_EQ(r.info.kernel, "reference");
+  ASSERT_FALSE(r.info.rejected.empty());
+  EXPECT_EQ(r.info.rejected[0].first, "fused");
+  EXPECT_NE(r.info.rejected[0].second.find("weights"), std::string::npos);
+}
+
+TEST(Fused, BitwiseIdenticalForAnyThreadCount) {
+  Case c;
+  c.B = 2, c.Hq = 4, c.Hkv = 2, c.Lq = 150, c.Lk = 170, c.D = 40, c.Dv = 24;
+  c.mask = 2, c.mask_shape = 1, c.causal = sattn::Causal::kBottomRight, c.dropout = 0.1;
+  const Problem pb = make_problem(c, 99);
+  const FwdResult f1 = run_forward(pb, "fused", 1);
+  const BwdResult b1 = run_backward(pb, f1, "fused", 1);
+  for (int t : {2, 3}) {
+    const FwdResult ft = run_forward(pb, "fused", t);
+    EXPECT_TRUE(bitwise_equal(f1.out, ft.out)) << t;
+    EXPECT_TRUE(bitwise_equal(f1.lse, ft.lse)) << t;
+    const BwdResult bt = run_backward(pb, f1, "fused", t);
+    EXPECT_TRUE(bitwise_equal(b1.dq, bt.dq)) << t;
+    EXPECT_TRUE(bitwise_equal(b1.dk, bt.dk)) << t;
+    EXPECT_TRUE(bitwise_equal(b1.dv, bt.dv)) << t;
+    EXPECT_TRUE(bitwise_equal(b1.dmask, bt.dmask)) << t;
+  }
+}
+
+TEST(Fused, FullyMaskedRowsGiveZeroAndMinusInf) {
+  Case c;
+  c.Lq = 70, c.Lk = 3, c.D = 8, c.Dv = 8, c.causal = sattn::Causal::kBottomRight;  // rows i < Lq - Lk see nothing
+  const Problem pb = make_problem(c, 3);
+  const FwdResult got = run_forward(pb, "fused", 1);
+  for (int64_t i = 0; i < c.Lq - c.Lk; ++i) {
+    EXPECT_EQ(got.lse.data<float>()[i], -std::numeric_limits<float>::infinity());
+    for (int64_t x = 0; x < c.Dv; ++x) EXPECT_EQ(got.out.data<float>()[i * c.Dv + x], 0.f);
+  }
+  const BwdResult g = run_backward(pb, got, "fused", 1);
+  for (int64_t x = 0; x < (c.Lq - c.Lk) * c.D; ++x) EXPECT_EQ(g.dq.data<float>()[x], 0.f);
+}
+
+TEST(Fused, HalfPrecisionInputsMatchUpcast) {
+  Case c;
+  c.Hq = 2, c.Hkv = 2, c.Lq = 77, c.Lk = 90, c.D = 32, c.Dv = 32, c.causal = sattn::Causal::kTopLeft;
+  const Problem pb = make_problem(c, 5);
+  for (const std::string& simd : sattn::fused::available_simd())
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    setenv("SATTN_SIMD", simd.c_str(), 1);
+    const Tensor q = Tensor::from_view(pb.q.view).to(dt), k = Tensor::from_view(pb.k.view).to(dt),
+                 v = Tensor::from_view(pb.v.view).to(dt);
+    Problem up = pb;
+    const Tensor qf = q.to(DType::kF32), kf = k.to(DType::kF32), vf = v.to(DType::kF32);
+    up.q.view = qf.view(), up.k.view = kf.view(), up.v.view = vf.view();
+    const FwdResult ref = run_forward(up, "fused", 1);
+    sattn::AttentionOptions o = pb.opt;
+    o.kernel = "fused";
+    Tensor out(DType::kF32, {c.B, c.Hq, c.Lq, c.Dv});
+    sattn::scaled_dot_product_attention(q, k, v, o, {out.view(), {}, {}});
+    EXPECT_TRUE(bitwise_equal(out, ref.out)) << sattn::to_string(dt) << " " << simd;
+    // Backward with half-precision q/k/v equals the backward on the up-cast inputs.
+    const BwdResult gref = run_backward(up, ref, "fused", 1);
+    Tensor dq(DType::kF32, q.shape()), dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
+    sattn::scaled_dot_product_attention_backward(pb.dout.view, q, k, v, ref.out, ref.lse, o,
+                                                 {dq.view(), dk.view(), dv.view(), {}});
+    EXPECT_TRUE(bitwise_equal(dq, gref.dq) && bitwise_equal(dk, gref.dk) && bitwise_equal(dv, gref.dv))
+        << sattn::to_string(dt) << " " << simd;
+    unsetenv("SATTN_SIMD");
+  }
+}
+
+}  // namespace
+
+namespace {
+
+TEST(FusedDecode, SplitKeysMatchReference) {
+  using sattn::Causal;
+  std::vector<Case> cs;
+  const int64_t shapes[][4] = {{1, 1100, 64, 64}, {5, 1537, 33, 20}, {16, 2048, 128, 128}, {3, 1030, 7, 9},
+                               {2, 300, 17, 40},  {4, 64, 16, 16}};
+  int n = 0;
+  for (const auto& s : shapes)
+    for (int variant = 0; variant < 3; ++variant, ++n) {
+      Case c;
+      c.B = 2, c.Hq = 4, c.Hkv = variant == 2 ? 1 : 2, c.Lq = s[0], c.Lk = s[1], c.D = s[2], c.Dv = s[3];
+      c.causal = variant == 1 ? Causal::kBottomRight : Causal::kNone;
+      c.mask = n % 3, c.mask_shape = n % 4, c.padding = (n + 1) % 3, c.dropout = variant == 2 ? 0.2 : 0.0;
+      c.strided = variant == 0;
+      cs.push_back(c);
+    }
+  uint32_t seed = 100;
+  for (const Case& c : cs) {
+    const Problem pb = make_problem(c, ++seed);
+    const FwdResult ref = run_forward(pb, "reference", 2);
+    for (const std::string& simd : sattn::fused::available_simd()) {
+    SCOPED_TRACE(c.name() + " " + simd);
+    setenv("SATTN_SIMD", simd.c_str(), 1);
+    const FwdResult got = run_forward(pb, "fused", 2);
+    EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
+    EXPECT_LE(rel_err(got.lse, ref.lse), 2e-5);
+    const FwdResult one = run_forward(pb, "fused", 1), three = run_forward(pb, "fused", 3);
+    EXPECT_TRUE(bitwise_equal(one.out, got.out) && bitwise_equal(three.out, got.out));
+    EXPECT_TRUE(bitwise_equal(one.lse, got.lse) && bitwise_equal(three.lse, got.lse));
+    unsetenv("SATTN_SIMD");
+    }
+  }
+}
+
+// Attention over keys [0, a) and [a, Lk) merged equals attention over all keys.
+TEST(MergePartials, MatchesAttentionOverTheUnion) {
+  Case c;
+  c.B = 2, c.Hq = 3, c.Hkv = 3, c.Lq = 9, c.Lk = 50, c.D = 16, c.Dv = 12;
+  const Problem pb = make_problem(c, 11);
+  const FwdResult full = run_forward(pb, "fused", 1);
+  std::vector<Tensor> outs, lses;
+  for (auto [j0, j1] : {std::pair<int64_t, int64_t>{0, 20}, {20, 50}}) {
+    auto slice = [&](const TensorView& t) {
+      TensorView s = t;
+      s.data = static_cast<float*>(t.data) + j0 * t.strides[2];
+      s.shape[2] = j1 - j0;
+      return s;
+    };
+    sattn::AttentionOptions o;
+    o.kernel = "fused";
+    Tensor out(DType::kF32, {c.B, c.Hq, c.Lq, c.Dv}), lse(DType::kF32, {c.B, c.Hq, c.Lq});
+    sattn::scaled_dot_product_attention(pb.q.view, slice(pb.k.view), slice(pb.v.view), o, {out.view(), lse.view(), {}});
+    outs.push_back(out), lses.push_back(lse);
+  }
+  // A third partial with no allowed key is ignored.
+  Tensor empty_out(DType::kF32, {c.B, c.Hq, c.Lq, c.Dv}), empty_lse(DType::kF32, {c.B, c.Hq, c.Lq});
+  for (int64_t x = 0; x < empty_lse.numel(); ++x) empty_lse.data<float>()[x] = -std::numeric_limits<float>::infinity();
+  for (int64_t x = 0; x < empty_out.numel(); ++x) empty_out.data<float>()[x] = 123.f;
+  outs.push_back(empty_out), lses.push_back(empty_lse);
+  std::vector<TensorView> ov(outs.begin(), outs.end()), lv(lses.begin(), lses.end());
+  const auto merged = sattn::merge_attention_partials(ov, lv);
+  EXPECT_LE(rel_err(merged.out, full.out), 2e-6);
+  EXPECT_LE(rel_err(merged.lse, full.lse), 2e-6);
+  // All partials empty: (0, -inf).
+  const auto none = sattn::merge_attention_partials({empty_out.view()}, {empty_lse.view()});
+  EXPECT_EQ(max_abs(none.out), 0.0);
+  EXPECT_EQ(none.lse.data<float>()[0], -std::numeric_limits<float>::infinity());
+  EXPECT_THROW(sattn::merge_attention_partials({empty_out.view()}, {}), sattn::Error);
+}
+
+}  // namespace
+
+// The shared oracle sweep (independent fp64 implementation, pairwise-covering configurations) on the fused kernel.
+#include "oracle.hpp"
+SATTN_ORACLE_SWEEP(FusedOracleF32, "fused", sattn::DType::kF32);

@@ -1,0 +1,92 @@
+"""sattn.flash_attn_varlen against a float64 numpy transcription (per sequence, bottom-right causal) and torch
+autograd for the backward."""
+import numpy as np
+import pytest
+
+import sattn
+
+
+def ref_attention(q, k, v, causal, scale):
+    # q [Lq, H, D], k/v [Lk, H, D] (same H) -> out [Lq, H, Dv], lse [H, Lq]; float64.
+    Lq, Lk = q.shape[0], k.shape[0]
+    s = np.einsum("ihd,jhd->hij", q, k) * scale
+    if causal:
+        allowed = np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + Lk - Lq
+        s = np.where(allowed[None], s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    l = e.sum(-1, keepdims=True)
+    p = np.where(l > 0, e / np.where(l > 0, l, 1), 0.0)
+    lse = np.where(l[..., 0] > 0, (m + np.log(np.where(l > 0, l, 1)))[..., 0], -np.inf)
+    return np.einsum("hij,jhd->ihd", p, v), lse
+
+
+def packed(rng, lens, H, D):
+    return rng.standard_normal((sum(lens), H, D)).astype(np.float32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_forward_matches_numpy(causal):
+    rng = np.random.default_rng(0)
+    lq, lk = [3, 17, 1, 40], [5, 17, 9, 33]
+    H, D, Dv = 2, 16, 8
+    q, k, v = packed(rng, lq, H, D), packed(rng, lk, H, D), packed(rng, lk, H, Dv)
+    cq = np.cumsum([0] + lq).astype(np.int32)
+    ck = np.cumsum([0] + lk).astype(np.int64)
+    out, lse = sattn.flash_attn_varlen(q, k, v, cq, ck, max(lq), max(lk), causal=causal, return_lse=True)
+    assert out.shape == (sum(lq), H, Dv) and lse.shape == (H, sum(lq))
+    for s in range(len(lq)):
+        qs, ks, vs = q[cq[s]:cq[s + 1]], k[ck[s]:ck[s + 1]], v[ck[s]:ck[s + 1]]
+        ro, rl = ref_attention(qs.astype(np.float64), ks.astype(np.float64), vs.astype(np.float64), causal,
+                               1 / np.sqrt(D))
+        np.testing.assert_allclose(out[cq[s]:cq[s + 1]], ro, atol=2e-5)
+        np.testing.assert_allclose(lse[:, cq[s]:cq[s + 1]], rl, atol=2e-5)
+
+
+def test_varlen_backward_matches_torch():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    lq, lk = [7, 20], [7, 30]
+    H, D = 2, 8
+    q, k, v = packed(rng, lq, H, D), packed(rng, lk, H, D), packed(rng, lk, H, D)
+    dout = packed(rng, lq, H, D)
+    cq, ck = np.cumsum([0] + lq), np.cumsum([0] + lk)
+    out, lse = sattn.flash_attn_varlen(q, k, v, cq, ck, 20, 30, causal=True, return_lse=True)
+    dq, dk, dv = sattn.flash_attn_varlen_backward(dout, q, k, v, out, lse, cq, ck, 20, 30, causal=True)
+    for s in range(2):
+        tq, tk, tv = (torch.tensor(x[c[s]:c[s + 1]], dtype=torch.float64, requires_grad=True)
+                      for x, c in ((q, cq), (k, ck), (v, ck)))
+        sc = torch.einsum("ihd,jhd->hij", tq, tk) / np.sqrt(D)
+        Lq, Lk = lq[s], lk[s]
+        allowed = torch.arange(Lk)[None, :] <= torch.arange(Lq)[:, None] + Lk - Lq
+        sc = sc.masked_fill(~allowed[None], float("-inf"))
+        o = torch.einsum("hij,jhd->ihd", torch.softmax(sc, -1), tv)
+        o.backward(torch.tensor(dout[cq[s]:cq[s + 1]], dtype=torch.float64))
+        np.testing.assert_allclose(dq[cq[s]:cq[s + 1]], tq.grad.numpy(), atol=1e-4)
+        np.testing.assert_allclose(dk[ck[s]:ck[s + 1]], tk.grad.numpy(), atol=1e-4)
+        np.testing.assert_allclose(dv[ck[s]:ck[s + 1]], tv.grad.numpy(), atol=1e-4)
+
+
+def test_varlen_bad_offsets_raise_value_error():
+    q = np.zeros((6, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        sattn.flash_attn_varlen(q, q, q, np.array([0, 4, 5], np.int32), np.array([0, 4, 6], np.int32), 6, 6)
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_varlen_half_inputs_match_upcast(dtype_name):
+    if dtype_name == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        dt = ml_dtypes.bfloat16
+    else:
+        dt = np.float16
+    rng = np.random.default_rng(2)
+    lens = [5, 33]
+    q, k, v = (packed(rng, lens, 2, 16).astype(dt) for _ in range(3))
+    cu = np.cumsum([0] + lens).astype(np.int32)
+    out = sattn.flash_attn_varlen(q, k, v, cu, cu, 33, 33, causal=True)
+    ref = sattn.flash_attn_varlen(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), cu, cu, 33, 33,
+                                  causal=True)
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, ref)

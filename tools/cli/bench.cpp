@@ -1,0 +1,211 @@
+// `sattn bench`: times exact attention (forward and backward) against OpenBLAS SGEMM measured in the same run.
+//
+// GFLOP/s: forward 4·B·H·Lq·Lk·D (half of it for causal), backward 2.5x the forward. "% sgemm" divides by the
+// cblas_sgemm rate (N=2048, same thread count) measured in the same process just before. Benchmarks are only
+// meaningful on an idle machine.
+#include <algorithm>
+#include <chrono>
+#include <ctime>
+#include <cstdio>
+#include <iostream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.hpp"
+#include "kernels/fused/fused.hpp"
+#include "sattn/attention.hpp"
+
+#ifdef SATTN_HAVE_CBLAS
+#include <cblas.h>
+extern "C" void openblas_set_num_threads(int) __attribute__((weak));
+#endif
+
+namespace sattn::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+bool g_thread_clock = false;  // --clock thread: CPU time of the calling thread (1-thread runs on a busy machine)
+
+double now_ms() {
+  if (g_thread_clock) {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return double(ts.tv_sec) * 1e3 + double(ts.tv_nsec) * 1e-6;
+  }
+  return std::chrono::duration<double, std::milli>(Clock::now().time_since_epoch()).count();
+}
+
+template <typename F>
+double median_ms(int reps, F&& f) {
+  f();  // warm-up
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    const double t0 = now_ms();
+    f();
+    t.push_back(now_ms() - t0);
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// SGEMM GFLOP/s (N x N x N, 2·N³ flops), or 0 without BLAS.
+double sgemm_gflops(int threads, int64_t n, int reps) {
+  if (n <= 0) return 0.0;  // --sgemm-n 0: skip
+#ifdef SATTN_HAVE_CBLAS
+  if (openblas_set_num_threads) openblas_set_num_threads(threads);
+  std::vector<float> a(size_t(n * n)), b(size_t(n * n)), c(size_t(n * n));
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (auto& x : a) x = u(rng);
+  for (auto& x : b) x = u(rng);
+  const double ms = median_ms(reps, [&] {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(n), int(n), int(n), 1.f, a.data(), int(n), b.data(),
+                int(n), 0.f, c.data(), int(n));
+  });
+  return 2.0 * double(n) * n * n / (ms * 1e6);
+#else
+  (void)threads, (void)n, (void)reps;
+  return 0.0;
+#endif
+}
+
+std::vector<int64_t> parse_list(const std::string& s) {
+  std::vector<int64_t> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) v.push_back(std::stoll(item));
+  return v;
+}
+std::vector<std::string> parse_words(const std::string& s) {
+  std::vector<std::string> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) v.push_back(item);
+  return v;
+}
+
+struct BenchConfig {
+  std::string dims = "64", lens = "1024,4096", masks = "full,causal", passes = "fwd,bwd", threads = "1,2";
+  std::string dtype = "f32", kernel = "fused", clock = "wall";
+  int64_t batch = 1, heads = 8, sgemm_n = 2048, lq = 0, kv_heads = 0;
+  int reps = 5;
+  bool all = false, json = false;
+};
+
+void run_bench(const BenchConfig& cfg_in) {
+  BenchConfig cfg = cfg_in;
+  check(cfg.clock == "wall" || cfg.clock == "thread", ErrorKind::kInvalidArgument, "--clock: expected wall or thread, got '",
+        cfg.clock, "'");
+  g_thread_clock = cfg.clock == "thread";
+  if (g_thread_clock) cfg.threads = "1";
+  if (cfg.all) cfg.dims = "64,128", cfg.lens = "512,1024,4096,16384";
+  const auto dims = parse_list(cfg.dims), lens = parse_list(cfg.lens), threads = parse_list(cfg.threads);
+  const auto masks = parse_words(cfg.masks), passes = parse_words(cfg.passes);
+  check(cfg.dtype == "f32" || cfg.dtype == "bf16" || cfg.dtype == "f16", ErrorKind::kInvalidArgument,
+        "--dtype: expected f32, bf16 or f16, got '", cfg.dtype, "'");
+  const DType dt = cfg.dtype == "f32" ? DType::kF32 : cfg.dtype == "bf16" ? DType::kBF16 : DType::kF16;
+  nlohmann::json rows = nlohmann::json::array();
+  const bool tty = !cfg.json;
+  for (const int64_t t : threads) {
+    const double sg = sgemm_gflops(int(t), cfg.sgemm_n, cfg.reps);
+    if (tty)
+      std::printf("threads=%lld  sgemm N=%lld: %.1f GFLOP/s  simd=%s\n", (long long)t, (long long)cfg.sgemm_n, sg,
+                  fused::ops().name);
+    nlohmann::json srow = {{"kind", "sgemm"}, {"threads", t}, {"n", cfg.sgemm_n}, {"gflops", sg}};
+    rows.push_back(srow);
+    if (tty)
+      std::printf("  %-4s %6s %-6s %-3s %10s %9s %8s %10s %s\n", "D", "L", "mask", "pass", "median_ms", "GFLOP/s",
+                  "%sgemm", "ws_MiB", "kernel");
+    for (const int64_t D : dims)
+      for (const int64_t L : lens) {
+        std::mt19937 rng(42);
+        std::normal_distribution<float> nd(0.f, 1.f);
+        const int64_t Lq = cfg.lq > 0 ? cfg.lq : L;
+        const int64_t hkv = cfg.kv_heads > 0 ? cfg.kv_heads : cfg.heads;
+        const Shape shape = {cfg.batch, cfg.heads, Lq, D}, kshape = {cfg.batch, hkv, L, D};
+        const bool any_bwd = std::find(passes.begin(), passes.end(), "bwd") != passes.end();
+        Tensor q(DType::kF32, shape), k(DType::kF32, kshape), v(DType::kF32, kshape), dout;
+        if (any_bwd) dout = Tensor(DType::kF32, shape);
+        for (Tensor* x : {&q, &k, &v, &dout})
+          if (x->data())
+            for (int64_t i = 0; i < x->numel(); ++i) x->data<float>()[i] = nd(rng);
+        Tensor qd = q, kd = k, vd = v;
+        if (dt != DType::kF32) qd = q.to(dt), kd = k.to(dt), vd = v.to(dt);
+        for (const auto& mask : masks)
+          for (const auto& pass : passes) {
+            check(mask == "full" || mask == "causal", ErrorKind::kInvalidArgument, "--masks: expected full/causal");
+            check(pass == "fwd" || pass == "bwd", ErrorKind::kInvalidArgument, "--passes: expected fwd/bwd");
+            AttentionOptions o;
+            o.causal = mask == "causal" ? (Lq == L ? Causal::kTopLeft : Causal::kBottomRight) : Causal::kNone;
+            o.num_threads = int(t);
+            o.kernel = cfg.kernel;
+            Tensor out(DType::kF32, shape), lse(DType::kF32, {cfg.batch, cfg.heads, Lq});
+            Tensor dq, dk, dv;  // only for the backward (keeps the forward's resident memory honest)
+            if (pass == "bwd") dq = Tensor(DType::kF32, shape), dk = Tensor(DType::kF32, kshape), dv = Tensor(DType::kF32, kshape);
+            KernelInfo info;
+            auto fwd = [&] { scaled_dot_product_attention(qd, kd, vd, o, {out.view(), lse.view(), {}}, &info); };
+            fwd();
+            fused::workspace_reset_peak();
+            double ms;
+            if (pass == "fwd") {
+              ms = median_ms(cfg.reps, fwd);
+            } else {
+              ms = median_ms(cfg.reps, [&] {
+                scaled_dot_product_attention_backward(dout, qd, kd, vd, out, lse, o, {dq.view(), dk.view(), dv.view(), {}},
+                                                      &info);
+              });
+            }
+            double flops = 4.0 * cfg.batch * cfg.heads * double(Lq) * L * D;
+            if (mask == "causal") flops /= 2;
+            if (pass == "bwd") flops *= 2.5;
+            const double gf = flops / (ms * 1e6);
+            const double ws = double(fused::workspace_peak_bytes()) / (1 << 20);
+            const double pct = sg > 0 ? 100.0 * gf / sg : 0.0;
+            if (tty)
+              std::printf("  %-4lld %6lld %-6s %-4s %10.2f %9.1f %7.1f%% %10.2f %s\n", (long long)D, (long long)L,
+                          mask.c_str(), pass.c_str(), ms, gf, pct, ws, info.kernel.c_str());
+            std::fflush(stdout);
+            rows.push_back({{"kind", "attention"}, {"threads", t}, {"B", cfg.batch}, {"H", cfg.heads}, {"Lq", Lq}, {"L", L},
+                            {"D", D}, {"mask", mask}, {"pass", pass}, {"dtype", cfg.dtype}, {"median_ms", ms},
+                            {"gflops", gf}, {"pct_sgemm", pct}, {"workspace_peak_bytes", fused::workspace_peak_bytes()},
+                            {"kernel", info.kernel}, {"simd", fused::ops().name}});
+          }
+      }
+  }
+  if (cfg.json) std::cout << rows.dump(1) << "\n";
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("bench", "Benchmark exact attention against SGEMM measured in the same run");
+  static BenchConfig cfg;
+  cmd->add_option("--dims", cfg.dims, "head dims, comma separated")->capture_default_str();
+  cmd->add_option("--lens", cfg.lens, "sequence lengths (Lq = Lk), comma separated")->capture_default_str();
+  cmd->add_option("--masks", cfg.masks, "full,causal")->capture_default_str();
+  cmd->add_option("--passes", cfg.passes, "fwd,bwd")->capture_default_str();
+  cmd->add_option("--threads", cfg.threads, "thread counts, comma separated")->capture_default_str();
+  cmd->add_option("--dtype", cfg.dtype, "f32, bf16 or f16 inputs")->capture_default_str();
+  cmd->add_option("--kernel", cfg.kernel, "kernel to force (fused, reference, auto)")->capture_default_str();
+  cmd->add_option("--lq", cfg.lq, "query length (0 = L; e.g. 1 for decode, keys L; causal is then bottom-right)")
+      ->capture_default_str();
+  cmd->add_option("--batch", cfg.batch, "B")->capture_default_str();
+  cmd->add_option("--kv-heads", cfg.kv_heads, "key/value heads (GQA/MQA; 0 = --heads)")->capture_default_str();
+  cmd->add_option("--heads", cfg.heads, "H")->capture_default_str();
+  cmd->add_option("--reps", cfg.reps, "timed repetitions (median reported)")->capture_default_str();
+  cmd->add_option("--sgemm-n", cfg.sgemm_n, "SGEMM size (0: skip SGEMM)")->capture_default_str();
+  cmd->add_option("--clock", cfg.clock,
+                  "wall, or thread (CPU time of the calling thread; forces 1 thread; for tuning on a busy machine)")
+      ->capture_default_str();
+  cmd->add_flag("--all", cfg.all, "the full sweep: D in {64,128}, L in {512,1024,4096,16384}");
+  cmd->add_flag("--json", cfg.json, "print JSON rows instead of a table");
+  cmd->callback([] { run_bench(cfg); });
+}
+
+}  // namespace sattn::cli
