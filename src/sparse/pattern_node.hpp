@@ -15,6 +15,9 @@ struct Pattern::Node {
   virtual int precedence() const { return 0; }
   virtual bool head_dependent() const { return false; }
   virtual void check_lengths(int64_t /*len_q*/, int64_t /*len_k*/) const {}
+  // WindowAttention2D (possibly inside a union/intersection): its grid width and window, for the relative-position
+  // bias table.
+  virtual bool window2d(int64_t& /*width*/, int64_t& /*window*/) const { return false; }
   virtual bool allowed(int64_t h, int64_t i, int64_t j, int64_t len_q, int64_t len_k) const = 0;
   // Key ranges (identity key order, sorted, disjoint, each at most `block` long) for the queries [q0, q1) in
   // identity order, head h. Exact where cheap; a partial range may only be listed if it can hold allowed pairs.

@@ -150,12 +150,22 @@ int64_t BlockMask::partial_pairs(int64_t s) const {
 }
 
 void BlockMask::validate() const {
-  auto bad = [](const std::string& what) { fail(ErrorKind::kInternal, "BlockMask: ", what); };
+  auto bad = [](const std::string& what) {
+    fail(ErrorKind::kInvalidArgument, "block_mask: inconsistent structure (", what, ")");
+  };
   if (q_block_start.empty() || q_block_start.front() != 0 || q_block_start.back() != len_q) bad("query blocks");
   for (size_t i = 0; i + 1 < q_block_start.size(); ++i)
     if (q_block_start[i] >= q_block_start[i + 1]) bad("empty or unsorted query block");
   if (!q_perm.empty() && int64_t(q_perm.size()) != len_q) bad("q_perm size");
   if (!k_perm.empty() && int64_t(k_perm.size()) != len_k) bad("k_perm size");
+  for (const auto* perm : {&q_perm, &k_perm}) {
+    if (perm->empty()) continue;
+    std::vector<uint8_t> seen(perm->size(), 0);
+    for (int32_t x : *perm) {
+      if (x < 0 || size_t(x) >= perm->size() || seen[size_t(x)]) bad("q_perm/k_perm is not a permutation");
+      seen[size_t(x)] = 1;
+    }
+  }
   if (heads < 1 || int64_t(row_ptr.size()) != heads * num_q_blocks() + 1) bad("row_ptr size");
   if (row_ptr.back() != int64_t(ranges.size())) bad("row_ptr end");
   for (size_t r = 0; r + 1 < row_ptr.size(); ++r) {
@@ -357,6 +367,7 @@ struct GlobalTokensNode final : Pattern::Node {
     return s + "], " + base.repr() + alignment_suffix(al) + ")";
   }
   bool head_dependent() const override { return base.head_dependent(); }
+  bool window2d(int64_t& w, int64_t& win) const override { return base.node().window2d(w, win); }
   void check_lengths(int64_t lq, int64_t lk) const override { base.node().check_lengths(lq, lk); }
   bool is_global(int64_t pos) const { return std::binary_search(indices.begin(), indices.end(), pos); }
   bool allowed(int64_t h, int64_t i, int64_t j, int64_t lq, int64_t lk) const override {
@@ -607,6 +618,11 @@ struct WindowAttention2DNode final : Pattern::Node {
   void check_lengths(int64_t lq, int64_t lk) const override {
     check_grid("WindowAttention2D", height, width, lq, lk);
   }
+  bool window2d(int64_t& w, int64_t& win_) const override {
+    w = width;
+    win_ = win;
+    return true;
+  }
   int64_t group(int64_t x) const { return shift == 0 ? x / win : (x < shift ? 0 : (x - shift) / win + 1); }
   // Group boundaries along an axis of length n: [0, s), [s, s+w), ..., [n-w+s, n).
   std::vector<int64_t> bounds(int64_t n) const {
@@ -671,6 +687,9 @@ struct CombineNode final : Pattern::Node {
     return ls + (op == '|' ? " | " : " & ") + rs;
   }
   bool head_dependent() const override { return a.head_dependent() || b.head_dependent(); }
+  bool window2d(int64_t& w, int64_t& win) const override {
+    return a.node().window2d(w, win) || b.node().window2d(w, win);
+  }
   void check_lengths(int64_t lq, int64_t lk) const override {
     a.node().check_lengths(lq, lk);
     b.node().check_lengths(lq, lk);

@@ -1,0 +1,60 @@
+// Sparse attention: a Pattern (patterns.hpp) run by the block-sparse engine (sparse_engine.hpp) — only the
+// tiles the pattern's block mask lists are computed; forward and backward.
+//
+// Shapes: q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] (any strides; f32, f64, bf16, f16; computed in
+// fp32), out [B, Hq, Lq, Dv], lse [B, Hq, Lq]. Query head h reads kv head h / (Hq / Hkv).
+// Key padding (bool [B, Lk], True = padding, or lengths [B]) is intersected with the pattern.
+// A row with no allowed key has out = 0, lse = -inf and zero gradients.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "sattn/patterns.hpp"
+#include "sattn/sparse_engine.hpp"
+#include "sattn/tensor.hpp"
+
+namespace sattn::sparse {
+
+// Score modifications of the pattern API, applied to s = scale * q·k in this order:
+//   s = softcap > 0 ? softcap * tanh(s / softcap) : s
+//   s += -alibi_slopes[h] * |a - j|          (a = i + Lk - Lq, the aligned query position)
+//   s += bias[h or 0, i, j]                  (additive bias table; gradient in SparseGrads::dbias)
+//   s += rel_pos_bias[(dr + w - 1)(2w - 1) + (dc + w - 1), h]   (WindowAttention2D only; d = query - key
+//        coordinates; pairs farther apart than the window get no bias; gradient in SparseGrads::drel_pos_bias)
+struct SparseOptions : EngineOptions {
+  bool enable_gqa = true;           // false: Hq must equal Hkv (PyTorch's default)
+  int64_t block = 64;               // query block / key range size of the pattern's block mask
+  std::vector<float> alibi_slopes;  // empty, or one slope per query head
+  double softcap = 0.0;             // 0 = off
+  TensorView bias;                  // float32/float64 [Lq, Lk] or [Hb, Lq, Lk], Hb in {1, Hq}
+  TensorView rel_pos_bias;          // float32/float64 [(2w-1)^2, Hq] (w = the WindowAttention2D window)
+};
+
+struct SparseGrads {
+  TensorView dq, dk, dv;        // required, shapes of q, k, v
+  TensorView dbias;             // optional: shape of options.bias (float32/float64)
+  TensorView drel_pos_bias;     // optional: shape of options.rel_pos_bias
+};
+
+// Geometric ALiBi slopes for `heads` heads: 2^(-8 (h + 1) / heads) (Press et al., for a power-of-two count).
+std::vector<float> alibi_slopes(int64_t heads);
+
+void sparse_attention(const TensorView& q, const TensorView& k, const TensorView& v, const Pattern& pattern,
+                      const SparseOptions& options, const TensorView& out, const TensorView& lse = {});
+
+void sparse_attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
+                               const TensorView& out, const TensorView& lse, const Pattern& pattern,
+                               const SparseOptions& options, const SparseGrads& grads);
+
+// The same on an explicit block mask (e.g. from block_mask_from_dense); pairs inside partial ranges are
+// checked against `dense_mask` (bool [Lq, Lk] or [H, Lq, Lk], True = may attend) when given, else allowed.
+void block_sparse_attention(const TensorView& q, const TensorView& k, const TensorView& v, const BlockMask& mask,
+                            const TensorView& dense_mask, const SparseOptions& options, const TensorView& out,
+                            const TensorView& lse = {});
+void block_sparse_attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                                     const TensorView& v, const TensorView& out, const TensorView& lse,
+                                     const BlockMask& mask, const TensorView& dense_mask, const SparseOptions& options,
+                                     const SparseGrads& grads);
+
+}  // namespace sattn::sparse
