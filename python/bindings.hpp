@@ -6,4 +6,5 @@ namespace sattn::py {
 void bind_core(pybind11::module_& m);       // bind_core.cpp: errors, dtypes, kernels, threads, version
 void bind_attention(pybind11::module_& m);  // bind_attention.cpp: scaled_dot_product_attention & co.
 void bind_nn(pybind11::module_& m);         // bind_nn.cpp: MultiheadAttention, safetensors
+void bind_sparse(pybind11::module_& m);     // bind_sparse.cpp: sparse patterns, sparse_attention & co.
 }  // namespace sattn::py

@@ -5,4 +5,5 @@ PYBIND11_MODULE(_core, m) {
   sattn::py::bind_core(m);
   sattn::py::bind_attention(m);
   sattn::py::bind_nn(m);
+  sattn::py::bind_sparse(m);
 }
