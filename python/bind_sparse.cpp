@@ -132,7 +132,7 @@ pybind11::tuple sparse_attention_backward_py(
   const DType odt = qv.dtype == DType::kF64 ? DType::kF64 : DType::kF32;
   pybind11::array dq = sparse_np::new_array(odt, qv.shape), dk = sparse_np::new_array(odt, kv.shape),
                   dv = sparse_np::new_array(odt, vv.shape);
-  sparse::SparseGrads g{sparse_np::out_view(dq), sparse_np::out_view(dk), sparse_np::out_view(dv), {}, {}};
+  sparse::SparseGrads g{sparse_np::out_view(dq), sparse_np::out_view(dk), sparse_np::out_view(dv), {}, {}, {}};
   pybind11::dict extra;
   pybind11::array dbias, drel;
   if (c.o.bias.data) {

@@ -138,6 +138,36 @@ class Full : public Pattern {
   Full();
 };
 
+// ---- Content-adaptive patterns (the selection depends on q and k; routing gets no gradient) --------------------
+// They run through sparse_attention (sparse.hpp), alone or intersected with a fixed pattern (`TopK(16) & F`,
+// which restricts the candidates to F's allowed pairs). allowed()/block_mask()/dense_mask() throw for them; the
+// selection the kernel made is returned as indices instead (see selection_mask in sparse.hpp).
+
+// Each query keeps its k largest scores (ties to the lower key index); softmax over those.
+class TopK : public Pattern {
+ public:
+  explicit TopK(int64_t k);
+};
+// Per query block (aligned positions a = i + Lk - Lq, blocks of `block`) and query head: block score =
+// mean(q of the block)·mean(valid k of the key block); key blocks with no allowed pair are not candidates; `local`
+// always chooses the query's own block (counting toward k_blocks); `causal`: key blocks after the query block are
+// not candidates and the diagonal block is causal inside (j <= a). Ties to the lower block index.
+class BlockTopK : public Pattern {
+ public:
+  BlockTopK(int64_t block, int64_t k_blocks, bool local = true, bool causal = false);
+};
+// weights relu(s)^power (s = scale q·k) over the allowed keys; normalize "none", "sum" (divide by the row sum,
+// 0 for an all-zero row) or "length" (divide by the number of allowed keys).
+class ReLUAttention : public Pattern {
+ public:
+  explicit ReLUAttention(double power = 2.0, const std::string& normalize = "none");
+};
+// w = softmax(logits); weights w1 softmax(s) + w2 relu(s)^2 (AST, CVPR 2024); the backward returns d(logits).
+class MixedAttention : public Pattern {
+ public:
+  explicit MixedAttention(double logit_softmax = 0.0, double logit_relu = 0.0);
+};
+
 // FlexAttention's create_block_mask: a dense bool mask (True = may attend) [Lq, Lk] or [H, Lq, Lk] (H = 1 or
 // the number of query heads) to a block mask with query blocks of block_q and key ranges of block_k.
 BlockMask block_mask_from_dense(const TensorView& mask, int64_t block_q = 64, int64_t block_k = 64);

@@ -35,17 +35,30 @@ struct SparseGrads {
   TensorView dq, dk, dv;        // required, shapes of q, k, v
   TensorView dbias;             // optional: shape of options.bias (float32/float64)
   TensorView drel_pos_bias;     // optional: shape of options.rel_pos_bias
+  TensorView dlogits;           // optional, MixedAttention: float [2], the gradient of its logits
 };
 
 // Geometric ALiBi slopes for `heads` heads: 2^(-8 (h + 1) / heads) (Press et al., for a power-of-two count).
 std::vector<float> alibi_slopes(int64_t heads);
 
+// indices (optional, int64; content-adaptive patterns only): the selection the kernel made —
+//   TopK(k): [B, Hq, Lq, k] key indices, ascending, -1 where fewer than k keys are allowed;
+//   BlockTopK: [B, Hq, num_query_blocks, k_blocks] key-block indices, ascending, -1 fill.
+// For ReLUAttention, lse (if given) receives log of the row normaliser; for MixedAttention, the softmax part's lse.
 void sparse_attention(const TensorView& q, const TensorView& k, const TensorView& v, const Pattern& pattern,
-                      const SparseOptions& options, const TensorView& out, const TensorView& lse = {});
+                      const SparseOptions& options, const TensorView& out, const TensorView& lse = {},
+                      const TensorView& indices = {});
 
+// indices: the forward's selection (TopK/BlockTopK); recomputed from q and k when absent.
 void sparse_attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
                                const TensorView& out, const TensorView& lse, const Pattern& pattern,
-                               const SparseOptions& options, const SparseGrads& grads);
+                               const SparseOptions& options, const SparseGrads& grads,
+                               const TensorView& indices = {});
+
+// Shape of the `indices` output for `pattern` ({} when it selects nothing).
+Shape selection_shape(const Pattern& pattern, int64_t batch, int64_t heads_q, int64_t len_q, int64_t len_k);
+// Dense bool mask [B, Hq, Lq, Lk] (True = selected) of a selection returned in `indices`.
+Tensor selection_mask(const Pattern& pattern, const TensorView& indices, int64_t len_q, int64_t len_k);
 
 // The same on an explicit block mask (e.g. from block_mask_from_dense); pairs inside partial ranges are
 // checked against `dense_mask` (bool [Lq, Lk] or [H, Lq, Lk], True = may attend) when given, else allowed.

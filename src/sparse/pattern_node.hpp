@@ -14,6 +14,9 @@ struct Pattern::Node {
   // 0 for a leaf pattern; 1 for '&'; 2 for '|' (Python precedence: & binds tighter than |).
   virtual int precedence() const { return 0; }
   virtual bool head_dependent() const { return false; }
+  // Content-adaptive nodes (TopK, BlockTopK, ReLUAttention, MixedAttention) and whether a tree contains one.
+  virtual bool adaptive() const { return false; }
+  virtual bool contains_adaptive() const { return adaptive(); }
   virtual void check_lengths(int64_t /*len_q*/, int64_t /*len_k*/) const {}
   // WindowAttention2D (possibly inside a union/intersection): its grid width and window, for the relative-position
   // bias table.
@@ -30,6 +33,23 @@ struct Pattern::Node {
   // The kernel's block mask. The default: identity layout, query blocks of `block`, ranges from ranges_for.
   virtual BlockMask block_mask(int64_t len_q, int64_t len_k, int64_t heads, int64_t block) const;
 };
+
+// Content-adaptive patterns (see patterns.hpp); run by src/sparse/adaptive.cpp.
+struct AdaptiveNode final : Pattern::Node {
+  enum Kind { kTopK, kBlockTopK, kReLU, kMixed } kind = kTopK;
+  int64_t k = 0, block = 0, k_blocks = 0;
+  bool local = true, causal = false;
+  double power = 2.0;
+  int normalize = 0;  // 0 none, 1 sum, 2 length
+  double logit_softmax = 0.0, logit_relu = 0.0;
+  std::string repr() const override;
+  bool adaptive() const override { return true; }
+  bool allowed(int64_t, int64_t, int64_t, int64_t, int64_t) const override;
+};
+
+// Splits `p` into its content-adaptive node (or null) and its fixed part (undefined Pattern if none); throws when
+// an adaptive pattern is combined other than by a top-level '&' with a fixed pattern.
+void split_adaptive(const Pattern& p, const AdaptiveNode*& adaptive, Pattern& fixed);
 
 namespace detail {
 // Appends [lo, hi) split into pieces of at most `block` keys (nothing when lo >= hi).

@@ -186,10 +186,15 @@ const Pattern::Node& Pattern::node() const {
 }
 
 bool Pattern::allowed(int64_t, int64_t h, int64_t i, int64_t j, int64_t len_q, int64_t len_k) const {
+  check(!node().contains_adaptive(), ErrorKind::kInvalidArgument, "pattern ", repr(),
+        ": a content-adaptive pattern has no fixed element predicate");
   return node().allowed(h, i, j, len_q, len_k);
 }
 
 void Pattern::check_lengths(int64_t len_q, int64_t len_k) const {
+  check(!node().contains_adaptive(), ErrorKind::kInvalidArgument, "pattern ", repr(),
+        ": a content-adaptive pattern has no fixed mask (run it through sparse_attention and use the returned "
+        "indices)");
   check_len32(len_q, "Lq");
   check_len32(len_k, "Lk");
   node().check_lengths(len_q, len_k);
@@ -367,6 +372,7 @@ struct GlobalTokensNode final : Pattern::Node {
     return s + "], " + base.repr() + alignment_suffix(al) + ")";
   }
   bool head_dependent() const override { return base.head_dependent(); }
+  bool contains_adaptive() const override { return base.node().contains_adaptive(); }
   bool window2d(int64_t& w, int64_t& win) const override { return base.node().window2d(w, win); }
   void check_lengths(int64_t lq, int64_t lk) const override { base.node().check_lengths(lq, lk); }
   bool is_global(int64_t pos) const { return std::binary_search(indices.begin(), indices.end(), pos); }
@@ -690,6 +696,7 @@ struct CombineNode final : Pattern::Node {
   bool window2d(int64_t& w, int64_t& win) const override {
     return a.node().window2d(w, win) || b.node().window2d(w, win);
   }
+  bool contains_adaptive() const override { return a.node().contains_adaptive() || b.node().contains_adaptive(); }
   void check_lengths(int64_t lq, int64_t lk) const override {
     a.node().check_lengths(lq, lk);
     b.node().check_lengths(lq, lk);
@@ -743,6 +750,8 @@ std::vector<int64_t> sorted_unique(std::vector<int64_t> v) {
 GlobalTokens::GlobalTokens(std::vector<int64_t> indices, const Pattern& base, Alignment alignment)
     : Pattern(std::make_shared<GlobalTokensNode>(sorted_unique(std::move(indices)), base, alignment)) {
   check(base.defined(), ErrorKind::kInvalidArgument, "GlobalTokens: expected a base pattern");
+  check(!base.node().contains_adaptive(), ErrorKind::kInvalidArgument,
+        "GlobalTokens: the base must be a fixed pattern, got ", base.repr());
 }
 
 BigBird::BigBird(int64_t block, int64_t window_blocks, int64_t global_blocks, int64_t random_blocks, uint64_t seed,
@@ -815,6 +824,38 @@ BlockMask block_mask_from_dense(const TensorView& mask, int64_t block_q, int64_t
           if (count > 0) out.push_back({int32_t(k0), int32_t(k1), uint8_t(count == (q1 - q0) * (k1 - k0))});
         }
       });
+}
+
+}  // namespace sattn::sparse
+
+namespace sattn::sparse {
+
+void split_adaptive(const Pattern& p, const AdaptiveNode*& adaptive, Pattern& fixed) {
+  adaptive = nullptr;
+  fixed = Pattern();
+  const Pattern::Node& n = p.node();
+  if (!n.contains_adaptive()) {
+    fixed = p;
+    return;
+  }
+  if (const auto* a = dynamic_cast<const AdaptiveNode*>(&n)) {
+    adaptive = a;
+    return;
+  }
+  if (const auto* c = dynamic_cast<const CombineNode*>(&n); c && c->op == '&') {
+    const bool la = c->a.node().contains_adaptive(), lb = c->b.node().contains_adaptive();
+    const Pattern& ad = la ? c->a : c->b;
+    if (la != lb) {
+      if (const auto* a = dynamic_cast<const AdaptiveNode*>(&ad.node())) {
+        adaptive = a;
+        fixed = la ? c->b : c->a;
+        return;
+      }
+    }
+  }
+  fail(ErrorKind::kInvalidArgument, "pattern ", p.repr(),
+       ": a content-adaptive pattern (TopK, BlockTopK, ReLUAttention, MixedAttention) can only be used alone or "
+       "intersected with fixed patterns ('adaptive & fixed')");
 }
 
 }  // namespace sattn::sparse

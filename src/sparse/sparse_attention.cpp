@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "sattn/error.hpp"
+#include "sparse/adaptive.hpp"
 #include "sparse/pattern_node.hpp"
 
 namespace sattn::sparse {
@@ -195,8 +196,18 @@ std::vector<float> alibi_slopes(int64_t heads) {
 }
 
 void sparse_attention(const TensorView& q, const TensorView& k, const TensorView& v, const Pattern& pattern,
-                      const SparseOptions& o, const TensorView& out, const TensorView& lse) {
+                      const SparseOptions& o, const TensorView& out, const TensorView& lse, const TensorView& indices) {
   check_qk(q, k);
+  const AdaptiveNode* adaptive = nullptr;
+  Pattern fixed;
+  split_adaptive(pattern, adaptive, fixed);
+  if (adaptive) {
+    if (fixed.defined()) fixed.check_lengths(q.shape[2], k.shape[2]);
+    adaptive_forward(*adaptive, fixed, q, k, v, o, out, lse, indices);
+    return;
+  }
+  check(!indices.data, ErrorKind::kInvalidArgument, "indices: only content-adaptive patterns (TopK, BlockTopK) "
+        "return a selection, got ", pattern.repr());
   const BlockMask bm = pattern.block_mask(q.shape[2], k.shape[2], q.shape[1], o.block);
   std::vector<float> bias_storage, rel_storage;
   const BuiltinMod mod = make_mod(q, k, &pattern, o, bias_storage, rel_storage);
@@ -206,10 +217,73 @@ void sparse_attention(const TensorView& q, const TensorView& k, const TensorView
 
 void sparse_attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
                                const TensorView& out, const TensorView& lse, const Pattern& pattern,
-                               const SparseOptions& o, const SparseGrads& g) {
+                               const SparseOptions& o, const SparseGrads& g, const TensorView& indices) {
   check_qk(q, k);
+  const AdaptiveNode* adaptive = nullptr;
+  Pattern fixed;
+  split_adaptive(pattern, adaptive, fixed);
+  if (adaptive) {
+    if (fixed.defined()) fixed.check_lengths(q.shape[2], k.shape[2]);
+    adaptive_backward(*adaptive, fixed, dout, q, k, v, out, lse, o, g, indices);
+    return;
+  }
+  check(!g.dlogits.data, ErrorKind::kInvalidArgument, "dlogits: only MixedAttention has logits");
   const BlockMask bm = pattern.block_mask(q.shape[2], k.shape[2], q.shape[1], o.block);
   backward_with(dout, q, k, v, out, lse, bm, PatternMask{&pattern.node(), q.shape[2], k.shape[2]}, &pattern, o, g);
+}
+
+Shape selection_shape(const Pattern& pattern, int64_t batch, int64_t heads_q, int64_t len_q, int64_t len_k) {
+  const AdaptiveNode* adaptive = nullptr;
+  Pattern fixed;
+  split_adaptive(pattern, adaptive, fixed);
+  if (!adaptive) return {};
+  return adaptive_indices_shape(*adaptive, batch, heads_q, len_q, len_k);
+}
+
+Tensor selection_mask(const Pattern& pattern, const TensorView& indices, int64_t len_q, int64_t len_k) {
+  const AdaptiveNode* a = nullptr;
+  Pattern fixed;
+  split_adaptive(pattern, a, fixed);
+  check(a && (a->kind == AdaptiveNode::kTopK || a->kind == AdaptiveNode::kBlockTopK), ErrorKind::kInvalidArgument,
+        "selection_mask: expected a TopK or BlockTopK pattern, got ", pattern.repr());
+  check(indices.dtype == DType::kI64 && indices.dim() == 4, ErrorKind::kInvalidArgument,
+        "indices: expected a 4-D int64 array, got ", to_string(indices.dtype), " ", shape_to_string(indices.shape));
+  const int64_t B = indices.shape[0], H = indices.shape[1];
+  check(indices.shape == adaptive_indices_shape(*a, B, H, len_q, len_k), ErrorKind::kInvalidArgument,
+        "indices: expected shape ", shape_to_string(adaptive_indices_shape(*a, B, H, len_q, len_k)), ", got ",
+        shape_to_string(indices.shape));
+  Tensor m(DType::kBool, {B, H, len_q, len_k});
+  auto* d = m.data<uint8_t>();
+  auto at = [&](int64_t b, int64_t h, int64_t x, int64_t y) {
+    return static_cast<const int64_t*>(indices.data)[b * indices.strides[0] + h * indices.strides[1] +
+                                                     x * indices.strides[2] + y * indices.strides[3]];
+  };
+  const int64_t off = len_k - len_q;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      if (a->kind == AdaptiveNode::kTopK) {
+        for (int64_t i = 0; i < len_q; ++i)
+          for (int64_t x = 0; x < a->k; ++x)
+            if (const int64_t j = at(b, h, i, x); j >= 0 && j < len_k) d[((b * H + h) * len_q + i) * len_k + j] = 1;
+        continue;
+      }
+      // BlockTopK: the chosen key blocks of each aligned query block, intersected with the fixed pattern and causality.
+      const int64_t blk = a->block;
+      int64_t qb = 0;
+      for (int64_t i = 0; i < len_q; ++i) {
+        if (i > 0 && ((i + off) % blk + blk) % blk == 0) ++qb;
+        for (int64_t x = 0; x < a->k_blocks; ++x) {
+          const int64_t kb = at(b, h, qb, x);
+          if (kb < 0) continue;
+          for (int64_t j = kb * blk; j < std::min(len_k, (kb + 1) * blk); ++j) {
+            const bool ok = (!a->causal || j <= i + off) &&
+                            (!fixed.defined() || fixed.node().allowed(fixed.head_dependent() ? h : 0, i, j, len_q, len_k));
+            if (ok) d[((b * H + h) * len_q + i) * len_k + j] = 1;
+          }
+        }
+      }
+    }
+  return m;
 }
 
 void block_sparse_attention(const TensorView& q, const TensorView& k, const TensorView& v, const BlockMask& mask,

@@ -16,7 +16,8 @@ namespace sattn::sparse {
 namespace {
 
 struct Value {
-  enum Kind { kInt, kFloat, kStr, kBool, kList, kPattern } kind = kInt;
+  enum Kind { kInt, kFloat, kStr, kBool, kList, kTuple, kPattern } kind = kInt;
+  std::vector<double> tuple;
   int64_t i = 0;
   double f = 0;
   std::string s;
@@ -192,6 +193,29 @@ class Parser {
       }
       return v;
     }
+    // A tuple of numbers, e.g. logits=(0.5, -1)?
+    if (c == '(') {
+      size_t look = i_ + 1;
+      while (look < t_.size() && std::isspace(static_cast<unsigned char>(t_[look]))) ++look;
+      if (look < t_.size() && (std::isdigit(static_cast<unsigned char>(t_[look])) || t_[look] == '-' ||
+                               t_[look] == '+' || t_[look] == '.')) {
+        ++i_;
+        v.kind = Value::kTuple;
+        while (true) {
+          Value x = value();
+          if (x.kind != Value::kInt && x.kind != Value::kFloat) error("expected a number in the tuple", x.pos);
+          v.tuple.push_back(x.kind == Value::kInt ? double(x.i) : x.f);
+          if (peek(',')) {
+            ++i_;
+            if (peek(')')) break;
+            continue;
+          }
+          break;
+        }
+        expect(')');
+        return v;
+      }
+    }
     // True / False or a nested pattern.
     const size_t s = i_;
     if (std::isalpha(static_cast<unsigned char>(c)) || c == '(' || c == '_') {
@@ -252,6 +276,19 @@ class Parser {
       error(sattn::detail::concat("argument '", k, "': expected True or False"), it->second.pos);
     return it->second.i != 0;
   }
+  double get_double(const std::map<std::string, Value>& a, const char* k, double dflt) const {
+    auto it = a.find(k);
+    if (it == a.end()) return dflt;
+    if (it->second.kind == Value::kInt) return double(it->second.i);
+    if (it->second.kind != Value::kFloat) error(sattn::detail::concat("argument '", k, "': expected a number"), it->second.pos);
+    return it->second.f;
+  }
+  std::string get_str(const std::map<std::string, Value>& a, const char* k, const std::string& dflt) const {
+    auto it = a.find(k);
+    if (it == a.end()) return dflt;
+    if (it->second.kind != Value::kStr) error(sattn::detail::concat("argument '", k, "': expected a string"), it->second.pos);
+    return it->second.s;
+  }
   Alignment get_alignment(const std::map<std::string, Value>& a) const {
     auto it = a.find("alignment");
     if (it == a.end()) return Alignment::kBottomRight;
@@ -311,6 +348,31 @@ class Parser {
         return WindowAttention2D(get_int(a, "height", 0), get_int(a, "width", 0), get_int(a, "window", 0),
                                  get_int(a, "shift", 0));
       }
+      if (name == "TopK") {
+        auto a = bind(name, pos, {{"k", true}}, positional, keywords);
+        return TopK(get_int(a, "k", 1));
+      }
+      if (name == "BlockTopK") {
+        auto a = bind(name, pos, {{"block", true}, {"k_blocks", true}, {"local", false}, {"causal", false}}, positional,
+                      keywords);
+        return BlockTopK(get_int(a, "block", 1), get_int(a, "k_blocks", 1), get_bool(a, "local", true),
+                         get_bool(a, "causal", false));
+      }
+      if (name == "ReLUAttention") {
+        auto a = bind(name, pos, {{"power", false}, {"normalize", false}}, positional, keywords);
+        return ReLUAttention(get_double(a, "power", 2.0), get_str(a, "normalize", "none"));
+      }
+      if (name == "MixedAttention") {
+        auto a = bind(name, pos, {{"logits", false}}, positional, keywords);
+        double l1 = 0.0, l2 = 0.0;
+        if (auto it = a.find("logits"); it != a.end()) {
+          if (it->second.kind != Value::kTuple || it->second.tuple.size() != 2)
+            error("argument 'logits': expected a pair of numbers (a1, a2)", it->second.pos);
+          l1 = it->second.tuple[0];
+          l2 = it->second.tuple[1];
+        }
+        return MixedAttention(l1, l2);
+      }
       if (name == "Full") {
         bind(name, pos, {}, positional, keywords);
         return Full();
@@ -321,7 +383,7 @@ class Parser {
     }
     error(sattn::detail::concat("unknown pattern '", name,
                          "' (expected SlidingWindow, Dilated, BlockLocal, GlobalTokens, BigBird, Neighborhood2D, "
-                         "WindowAttention2D or Full)"),
+                         "WindowAttention2D, Full, TopK, BlockTopK, ReLUAttention or MixedAttention)"),
           pos);
   }
 };

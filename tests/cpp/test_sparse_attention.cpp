@@ -142,7 +142,7 @@ void run_case(const Case& c) {
   EXPECT_LE(rel_err(lse, rlse), 2e-5);
   Tensor dq(DType::kF32, q.shape()), dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
   Tensor dbias(DType::kF32, bias.shape()), drel(DType::kF32, c.rel_pos ? rel.shape() : Shape{1});
-  SparseGrads g{dq.view(), dk.view(), dv.view(), {}, {}};
+  SparseGrads g{dq.view(), dk.view(), dv.view(), {}, {}, {}};
   if (c.bias) g.dbias = dbias.view();
   if (c.rel_pos) g.drel_pos_bias = drel.view();
   sparse_attention_backward(dout, q, k, v, out, lse, p, so, g);
@@ -223,7 +223,7 @@ TEST(SparseAttention, SoftCapMatchesFormula) {
   Tensor out(DType::kF32, {1, 1, L, D}), lse(DType::kF32, {1, 1, L});
   sparse_attention(q, k, v, p, so, out, lse);
   Tensor dq(DType::kF32, q.shape()), dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
-  sparse_attention_backward(dout, q, k, v, out, lse, p, so, {dq.view(), dk.view(), dv.view(), {}, {}});
+  sparse_attention_backward(dout, q, k, v, out, lse, p, so, {dq.view(), dk.view(), dv.view(), {}, {}, {}});
   // fp64: s = cap tanh(scale q·k / cap); P = softmax; dS = P (dP - rowsum(P dP)) * (1 - tanh^2).
   Tensor ro(DType::kF64, out.shape()), rdq(DType::kF64, q.shape()), rdk(DType::kF64, k.shape()), rdv(DType::kF64, v.shape());
   auto Q = [&](int64_t i, int64_t d) { return double(q.data<float>()[i * D + d]); };
@@ -292,7 +292,7 @@ TEST(SparseAttention, BlockMaskFromDenseMatchesReference) {
   EXPECT_LE(rel_err(out, rout), 2e-5);
   EXPECT_LE(rel_err(lse, rlse), 2e-5);
   Tensor dq(DType::kF32, q.shape()), dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
-  block_sparse_attention_backward(dout, q, k, v, out, lse, bm, dm, so, {dq.view(), dk.view(), dv.view(), {}, {}});
+  block_sparse_attention_backward(dout, q, k, v, out, lse, bm, dm, so, {dq.view(), dk.view(), dv.view(), {}, {}, {}});
   EXPECT_LE(rel_err(dq, rdq), 1e-4);
   EXPECT_LE(rel_err(dk, rdk), 1e-4);
   EXPECT_LE(rel_err(dv, rdv), 1e-4);
@@ -345,7 +345,7 @@ TEST(SparseAttention, DeterministicAcrossThreadCounts) {
     dqs[t] = Tensor(DType::kF32, q.shape());
     dks[t] = Tensor(DType::kF32, k.shape());
     dvs[t] = Tensor(DType::kF32, v.shape());
-    sparse_attention_backward(dout, q, k, v, outs[t], lse, p, so, {dqs[t].view(), dks[t].view(), dvs[t].view(), {}, {}});
+    sparse_attention_backward(dout, q, k, v, outs[t], lse, p, so, {dqs[t].view(), dks[t].view(), dvs[t].view(), {}, {}, {}});
   }
   EXPECT_EQ(std::memcmp(outs[0].data(), outs[1].data(), outs[0].nbytes()), 0);
   EXPECT_EQ(std::memcmp(dqs[0].data(), dqs[1].data(), dqs[0].nbytes()), 0);
