@@ -96,7 +96,7 @@ CallOptions make_options(std::optional<double> scale, bool enable_gqa, const std
 pybind11::object sparse_attention_py(const pybind11::array& q, const pybind11::array& k, const pybind11::array& v,
                                      const sparse::Pattern& pattern, std::optional<double> scale, bool enable_gqa,
                                      const std::optional<pybind11::array>& key_padding_mask, bool return_lse,
-                                     int64_t block, const std::optional<std::vector<float>>& alibi_slopes,
+                                     bool return_indices, int64_t block, const std::optional<std::vector<float>>& alibi_slopes,
                                      double softcap, const std::optional<pybind11::array>& bias,
                                      const std::optional<pybind11::array>& rel_pos_bias, int num_threads) {
   const TensorView qv = sparse_np::view_of(q, "query"), kv = sparse_np::view_of(k, "key"),
@@ -110,11 +110,22 @@ pybind11::object sparse_attention_py(const pybind11::array& q, const pybind11::a
   pybind11::array out = sparse_np::new_array(odt, {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]});
   pybind11::array lse = sparse_np::new_array(odt, {qv.shape[0], qv.shape[1], qv.shape[2]});
   const TensorView ov = sparse_np::out_view(out), lv = sparse_np::out_view(lse);
+  pybind11::array idx;
+  TensorView iv;
+  if (return_indices) {
+    const Shape is = sparse::selection_shape(pattern, qv.shape[0], qv.shape[1], qv.shape[2], kv.dim() == 4 ? kv.shape[2] : 0);
+    check(!is.empty(), ErrorKind::kInvalidArgument, "return_indices: only TopK and BlockTopK patterns return a "
+          "selection, got ", pattern.repr());
+    idx = pybind11::array_t<int64_t>(std::vector<pybind11::ssize_t>(is.begin(), is.end()));
+    iv = sparse_np::view_of(idx, "indices");
+  }
   {
     pybind11::gil_scoped_release nogil;
-    sparse::sparse_attention(qv, kv, vv, pattern, c.o, ov, lv);
+    sparse::sparse_attention(qv, kv, vv, pattern, c.o, ov, lv, iv);
   }
+  if (return_lse && return_indices) return pybind11::make_tuple(out, lse, idx);
   if (return_lse) return pybind11::make_tuple(out, lse);
+  if (return_indices) return pybind11::make_tuple(out, idx);
   return out;
 }
 
@@ -123,7 +134,7 @@ pybind11::tuple sparse_attention_backward_py(
     const pybind11::array& out, const pybind11::array& lse, const sparse::Pattern& pattern, std::optional<double> scale,
     bool enable_gqa, const std::optional<pybind11::array>& key_padding_mask, int64_t block,
     const std::optional<std::vector<float>>& alibi_slopes, double softcap, const std::optional<pybind11::array>& bias,
-    const std::optional<pybind11::array>& rel_pos_bias, int num_threads) {
+    const std::optional<pybind11::array>& rel_pos_bias, int num_threads, const std::optional<pybind11::array>& indices) {
   const TensorView qv = sparse_np::view_of(q, "query"), kv = sparse_np::view_of(k, "key"),
                    vv = sparse_np::view_of(v, "value"), dov = sparse_np::view_of(dout, "dout"),
                    outv = sparse_np::view_of(out, "out"), lsev = sparse_np::view_of(lse, "lse");
@@ -145,9 +156,17 @@ pybind11::tuple sparse_attention_backward_py(
     g.drel_pos_bias = sparse_np::out_view(drel);
     extra["rel_pos_bias"] = drel;
   }
+  pybind11::array dlogits;
+  if (sparse::has_logits(pattern)) {
+    dlogits = sparse_np::new_array(DType::kF32, {2});
+    g.dlogits = sparse_np::out_view(dlogits);
+    extra["logits"] = dlogits;
+  }
+  TensorView iv;
+  if (indices) iv = sparse_np::view_of(*indices, "indices");
   {
     pybind11::gil_scoped_release nogil;
-    sparse::sparse_attention_backward(dov, qv, kv, vv, outv, lsev, pattern, c.o, g);
+    sparse::sparse_attention_backward(dov, qv, kv, vv, outv, lsev, pattern, c.o, g, iv);
   }
   return pybind11::make_tuple(dq, dk, dv, extra);
 }
@@ -255,6 +274,20 @@ void bind_sparse(pybind11::module_& m) {
   pybind11::class_<sparse::WindowAttention2D, Pattern>(m, "WindowAttention2D")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t>(), "height"_a, "width"_a, "window"_a, "shift"_a = 0);
   pybind11::class_<sparse::Full, Pattern>(m, "Full").def(pybind11::init<>());
+  pybind11::class_<sparse::TopK, Pattern>(m, "TopK").def(pybind11::init<int64_t>(), "k"_a);
+  pybind11::class_<sparse::BlockTopK, Pattern>(m, "BlockTopK")
+      .def(pybind11::init<int64_t, int64_t, bool, bool>(), "block"_a, "k_blocks"_a, "local"_a = true, "causal"_a = false);
+  pybind11::class_<sparse::ReLUAttention, Pattern>(m, "ReLUAttention")
+      .def(pybind11::init<double, const std::string&>(), "power"_a = 2.0, "normalize"_a = "none");
+  pybind11::class_<sparse::MixedAttention, Pattern>(m, "MixedAttention")
+      .def(pybind11::init([](std::pair<double, double> logits) { return sparse::MixedAttention(logits.first, logits.second); }),
+           "logits"_a = std::pair<double, double>(0.0, 0.0));
+  m.def("selection_mask",
+        [](const Pattern& p, const pybind11::array& indices, int64_t lq, int64_t lk) {
+          return to_numpy(sparse::selection_mask(p, sparse_np::view_of(indices, "indices"), lq, lk));
+        },
+        "pattern"_a, "indices"_a, "len_q"_a, "len_k"_a,
+        "Bool [B, Hq, Lq, Lk] mask of the selection returned by sparse_attention(..., return_indices=True).");
 
   m.def("parse_pattern", &Pattern::parse, "spec"_a, "Parse a pattern spec (the Python constructor syntax).");
   m.def("alibi_slopes", &sparse::alibi_slopes, "heads"_a);
@@ -267,7 +300,7 @@ void bind_sparse(pybind11::module_& m) {
 
   m.def("sparse_attention", &sparse_attention_py, "query"_a, "key"_a, "value"_a, "pattern"_a,
         "scale"_a = pybind11::none(), "enable_gqa"_a = false, pybind11::kw_only(),
-        "key_padding_mask"_a = pybind11::none(), "return_lse"_a = false, "block"_a = 64,
+        "key_padding_mask"_a = pybind11::none(), "return_lse"_a = false, "return_indices"_a = false, "block"_a = 64,
         "alibi_slopes"_a = pybind11::none(), "softcap"_a = 0.0, "bias"_a = pybind11::none(),
         "rel_pos_bias"_a = pybind11::none(), "num_threads"_a = 0,
         "Sparse attention of q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] under `pattern`; "
@@ -276,8 +309,9 @@ void bind_sparse(pybind11::module_& m) {
         "lse"_a, "pattern"_a, "scale"_a = pybind11::none(), "enable_gqa"_a = false, pybind11::kw_only(),
         "key_padding_mask"_a = pybind11::none(), "block"_a = 64, "alibi_slopes"_a = pybind11::none(),
         "softcap"_a = 0.0, "bias"_a = pybind11::none(), "rel_pos_bias"_a = pybind11::none(), "num_threads"_a = 0,
+        "indices"_a = pybind11::none(),
         "Backward of sparse_attention: returns (dq, dk, dv, grads) with grads a dict of parameter gradients "
-        "('bias', 'rel_pos_bias') for the options given.");
+        "('bias', 'rel_pos_bias', 'logits' for MixedAttention) for the options given.");
 }
 
 }  // namespace sattn::py

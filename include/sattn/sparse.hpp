@@ -57,6 +57,8 @@ void sparse_attention_backward(const TensorView& dout, const TensorView& q, cons
 
 // Shape of the `indices` output for `pattern` ({} when it selects nothing).
 Shape selection_shape(const Pattern& pattern, int64_t batch, int64_t heads_q, int64_t len_q, int64_t len_k);
+// Whether `pattern` has parameters with a gradient of their own (MixedAttention's logits -> SparseGrads::dlogits).
+bool has_logits(const Pattern& pattern);
 // Dense bool mask [B, Hq, Lq, Lk] (True = selected) of a selection returned in `indices`.
 Tensor selection_mask(const Pattern& pattern, const TensorView& indices, int64_t len_q, int64_t len_k);
 

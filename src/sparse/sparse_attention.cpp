@@ -240,6 +240,13 @@ Shape selection_shape(const Pattern& pattern, int64_t batch, int64_t heads_q, in
   return adaptive_indices_shape(*adaptive, batch, heads_q, len_q, len_k);
 }
 
+bool has_logits(const Pattern& pattern) {
+  const AdaptiveNode* a = nullptr;
+  Pattern fixed;
+  split_adaptive(pattern, a, fixed);
+  return a && a->kind == AdaptiveNode::kMixed;
+}
+
 Tensor selection_mask(const Pattern& pattern, const TensorView& indices, int64_t len_q, int64_t len_k) {
   const AdaptiveNode* a = nullptr;
   Pattern fixed;

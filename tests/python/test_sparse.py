@@ -151,3 +151,42 @@ def test_block_mask_from_dense():
             tile = m[q0:q1, k0:k0 + 16]
             want = None if not tile.any() else int(tile.all())
             assert listed.get(k0) == want
+
+
+def test_adaptive_patterns_from_python():
+    rng = np.random.default_rng(4)
+    B, H, L, D = 1, 2, 48, 8
+    q, k, v, dout = (rng.standard_normal((B, H, L, D)).astype(np.float32) for _ in range(4))
+    p = sattn.TopK(6) & sattn.SlidingWindow(12, 12)
+    assert repr(p) == "TopK(6) & SlidingWindow(12, 12)"
+    out, lse, idx = sattn.sparse_attention(q, k, v, p, return_lse=True, return_indices=True)
+    assert idx.shape == (B, H, L, 6) and idx.dtype == np.int64
+    sel = sattn.selection_mask(p, idx, L, L)
+    # A valid top-k of the fp64 scores within the window.
+    s = (q.astype(np.float64) @ k.astype(np.float64).transpose(0, 1, 3, 2)) / np.sqrt(D)
+    win = sattn.SlidingWindow(12, 12).dense_mask(L)[0]
+    for h in range(H):
+        for i in range(L):
+            chosen = s[0, h, i][sel[0, h, i]]
+            others = s[0, h, i][win[i] & ~sel[0, h, i]]
+            assert len(chosen) == min(6, win[i].sum())
+            assert others.size == 0 or chosen.min() >= others.max() - 1e-5
+    r_out, _, r_dq, r_dk, r_dv, _ = reference(q, k, v, sel, dout)
+    assert rel(out, r_out) <= 2e-5
+    dq, dk, dv, extra = sattn.sparse_attention_backward(dout, q, k, v, out, lse, p, indices=idx)
+    assert rel(dq, r_dq) <= 1e-4 and rel(dk, r_dk) <= 1e-4 and rel(dv, r_dv) <= 1e-4
+
+    m = sattn.MixedAttention(logits=(0.2, -0.1))
+    assert repr(m) == "MixedAttention(logits=(0.2, -0.1))"
+    out, lse = sattn.sparse_attention(q, k, v, m, return_lse=True)
+    _, _, _, extra = sattn.sparse_attention_backward(dout, q, k, v, out, lse, m)
+    assert extra["logits"].shape == (2,)
+    # ReLU attention, normalize='sum', against the formula.
+    r = sattn.ReLUAttention(power=2, normalize="sum")
+    out = sattn.sparse_attention(q, k, v, r)
+    w = np.maximum(s, 0) ** 2
+    z = w.sum(-1, keepdims=True)
+    want = np.where(z > 0, w / np.where(z > 0, z, 1), 0) @ v.astype(np.float64)
+    assert rel(out, want) <= 2e-5
+    with pytest.raises(ValueError):
+        sattn.sparse_attention(q, k, v, r, return_indices=True)
