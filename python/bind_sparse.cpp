@@ -9,6 +9,7 @@
 
 #include "bindings.hpp"
 #include "sattn/error.hpp"
+#include "sattn/linear.hpp"
 #include "sattn/sparse.hpp"
 
 namespace sattn::py {
@@ -188,6 +189,20 @@ pybind11::array_t<T> vec_array(const std::vector<T>& v) {
   return a;
 }
 
+sparse::LinearOptions linear_options(const std::string& feature_map, std::optional<int64_t> num_features, bool causal,
+                                     uint64_t seed, bool enable_gqa, int num_threads) {
+  sparse::LinearOptions o;
+  o.feature_map = feature_map;
+  o.num_features = num_features.value_or(0);
+  check(o.num_features >= 0 && (!num_features || *num_features > 0), ErrorKind::kInvalidArgument,
+        "num_features: expected a positive integer or None, got ", o.num_features);
+  o.causal = causal;
+  o.seed = seed;
+  o.enable_gqa = enable_gqa;
+  o.num_threads = num_threads;
+  return o;
+}
+
 }  // namespace
 
 void bind_sparse(pybind11::module_& m) {
@@ -298,6 +313,53 @@ void bind_sparse(pybind11::module_& m) {
         "mask"_a, "block"_a = 64, "block_k"_a = pybind11::none(),
         "FlexAttention's create_block_mask: bool [Lq, Lk] or [H, Lq, Lk] (True = may attend) -> BlockMask.");
 
+  m.def("linear_attention",
+        [](const pybind11::array& q, const pybind11::array& k, const pybind11::array& v, const std::string& feature_map,
+           std::optional<int64_t> num_features, bool causal, uint64_t seed, bool enable_gqa, int num_threads) {
+          const TensorView qv = sparse_np::view_of(q, "query"), kv = sparse_np::view_of(k, "key"),
+                           vv = sparse_np::view_of(v, "value");
+          const auto o = linear_options(feature_map, num_features, causal, seed, enable_gqa, num_threads);
+          check(qv.dim() == 4 && vv.dim() == 4, ErrorKind::kInvalidArgument, "query/value: expected 4-D arrays");
+          pybind11::array out = sparse_np::new_array(qv.dtype == DType::kF64 ? DType::kF64 : DType::kF32,
+                                                     {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]});
+          const TensorView ov = sparse_np::out_view(out);
+          {
+            pybind11::gil_scoped_release nogil;
+            sparse::linear_attention(qv, kv, vv, o, ov);
+          }
+          return out;
+        },
+        "query"_a, "key"_a, "value"_a, "feature_map"_a = "elu", "num_features"_a = pybind11::none(),
+        "causal"_a = false, "seed"_a = 0, "enable_gqa"_a = true, "num_threads"_a = 0,
+        "Linear attention phi(Q)(phi(K)^T V) / phi(Q)(phi(K)^T 1) with phi = elu+1 or FAVOR+ ('favor+').");
+  m.def("linear_attention_backward",
+        [](const pybind11::array& dout, const pybind11::array& q, const pybind11::array& k, const pybind11::array& v,
+           const std::string& feature_map, std::optional<int64_t> num_features, bool causal, uint64_t seed,
+           bool enable_gqa, int num_threads) {
+          const TensorView qv = sparse_np::view_of(q, "query"), kv = sparse_np::view_of(k, "key"),
+                           vv = sparse_np::view_of(v, "value"), dov = sparse_np::view_of(dout, "dout");
+          const auto o = linear_options(feature_map, num_features, causal, seed, enable_gqa, num_threads);
+          const DType odt = qv.dtype == DType::kF64 ? DType::kF64 : DType::kF32;
+          pybind11::array dq = sparse_np::new_array(odt, qv.shape), dk = sparse_np::new_array(odt, kv.shape),
+                          dv = sparse_np::new_array(odt, vv.shape);
+          const TensorView a = sparse_np::out_view(dq), b = sparse_np::out_view(dk), c = sparse_np::out_view(dv);
+          {
+            pybind11::gil_scoped_release nogil;
+            sparse::linear_attention_backward(dov, qv, kv, vv, o, a, b, c);
+          }
+          return pybind11::make_tuple(dq, dk, dv);
+        },
+        "dout"_a, "query"_a, "key"_a, "value"_a, "feature_map"_a = "elu", "num_features"_a = pybind11::none(),
+        "causal"_a = false, "seed"_a = 0, "enable_gqa"_a = true, "num_threads"_a = 0,
+        "Backward of linear_attention: (dq, dk, dv).");
+  m.def("favor_projection",
+        [](int64_t d, int64_t m_, uint64_t seed) {
+          const Tensor w = sparse::favor_projection(d, m_, seed);
+          pybind11::array_t<double> a({pybind11::ssize_t(m_), pybind11::ssize_t(d)});
+          std::memcpy(a.mutable_data(), w.data(), w.nbytes());
+          return a;
+        },
+        "head_dim"_a, "num_features"_a, "seed"_a = 0, "The FAVOR+ projection omega [m, D] used by linear_attention.");
   m.def("sparse_attention", &sparse_attention_py, "query"_a, "key"_a, "value"_a, "pattern"_a,
         "scale"_a = pybind11::none(), "enable_gqa"_a = false, pybind11::kw_only(),
         "key_padding_mask"_a = pybind11::none(), "return_lse"_a = false, "return_indices"_a = false, "block"_a = 64,

@@ -190,3 +190,32 @@ def test_adaptive_patterns_from_python():
     assert rel(out, want) <= 2e-5
     with pytest.raises(ValueError):
         sattn.sparse_attention(q, k, v, r, return_indices=True)
+
+
+@pytest.mark.parametrize("feature_map,causal", [("elu", False), ("elu", True), ("favor+", False), ("favor+", True)])
+def test_linear_attention(feature_map, causal):
+    rng = np.random.default_rng(5)
+    B, H, L, D = 1, 2, 70, 8
+    sd = 0.5 if feature_map == "favor+" else 1.0
+    q, k = (rng.standard_normal((B, H, L, D)) * sd for _ in range(2))
+    v, dout = (rng.standard_normal((B, H, L, D)) for _ in range(2))
+    q, k, v, dout = (x.astype(np.float32) for x in (q, k, v, dout))
+    out = sattn.linear_attention(q, k, v, feature_map=feature_map, causal=causal, seed=3)
+
+    def phi(x):
+        x = x.astype(np.float64)
+        if feature_map == "elu":
+            return np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))
+        w = sattn.favor_projection(D, int(np.floor(D * np.log(D))), 3)
+        xs = x * D ** -0.25
+        return np.exp(xs @ w.T - (xs ** 2).sum(-1, keepdims=True) / 2) / np.sqrt(w.shape[0])
+
+    a = phi(q) @ phi(k).transpose(0, 1, 3, 2)
+    if causal:
+        a = np.tril(a)
+    want = (a @ v.astype(np.float64)) / a.sum(-1, keepdims=True)
+    assert rel(out, want) <= 2e-5
+    dq, dk, dv = sattn.linear_attention_backward(dout, q, k, v, feature_map=feature_map, causal=causal, seed=3)
+    # dv is linear: (a / rowsum)^T dout.
+    assert rel(dv, (a / a.sum(-1, keepdims=True)).transpose(0, 1, 3, 2) @ dout.astype(np.float64)) <= 1e-4
+    assert dq.shape == q.shape and dk.shape == k.shape
