@@ -388,3 +388,34 @@ TEST(SparseAttention, BadInputsGiveClearErrors) {
   bm.ranges[0].end = 99;
   EXPECT_NE(msg([&] { block_sparse_attention(q, k, v, bm, {}, so, out); }).find("block_mask"), std::string::npos);
 }
+
+// float64 / bfloat16 inputs and strided (non-contiguous) views are packed per tile; the result equals the fp32
+// kernel on the converted, contiguous inputs (bf16: up to its own rounding of the output).
+TEST(SparseAttention, DtypesAndStridedViews) {
+  const int64_t B = 1, H = 2, L = 70, D = 16;
+  const Tensor q = randn({B, H, L, D}, 1), k = randn({B, H, L, D}, 2), v = randn({B, H, L, D}, 3);
+  const Pattern p = Dilated(3, 2) | SlidingWindow(4, 0);
+  SparseOptions so;
+  Tensor out(DType::kF32, {B, H, L, D});
+  sparse_attention(q, k, v, p, so, out);
+  // float64 inputs and output.
+  const Tensor q64 = q.to(DType::kF64), k64 = k.to(DType::kF64), v64 = v.to(DType::kF64);
+  Tensor out64(DType::kF64, {B, H, L, D});
+  sparse_attention(q64, k64, v64, p, so, out64);
+  EXPECT_LE(rel_err(out64, out), 1e-6);
+  // A strided view: q stored as [B, L, H, D] and viewed as [B, H, L, D].
+  Tensor qt(DType::kF32, {B, L, H, D});
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < L; ++i)
+      for (int64_t d = 0; d < D; ++d) qt.data<float>()[(i * H + h) * D + d] = q.data<float>()[(h * L + i) * D + d];
+  const TensorView qv(qt.data(), DType::kF32, {B, H, L, D}, {L * H * D, D, H * D, 1});
+  Tensor out_s(DType::kF32, {B, H, L, D});
+  sparse_attention(qv, k, v, p, so, out_s);
+  EXPECT_EQ(std::memcmp(out_s.data(), out.data(), out.nbytes()), 0);
+  // bfloat16 inputs: equal to the fp32 kernel on the bf16-rounded inputs.
+  const Tensor qb = q.to(DType::kBF16), kb = k.to(DType::kBF16), vb = v.to(DType::kBF16);
+  Tensor out_b(DType::kF32, {B, H, L, D}), out_r(DType::kF32, {B, H, L, D});
+  sparse_attention(qb, kb, vb, p, so, out_b);
+  sparse_attention(qb.to(DType::kF32), kb.to(DType::kF32), vb.to(DType::kF32), p, so, out_r);
+  EXPECT_EQ(std::memcmp(out_b.data(), out_r.data(), out_b.nbytes()), 0);
+}
