@@ -167,8 +167,8 @@ void topk_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView&
   const BlockMask bm = fixed_block_mask(fixed, lq, lk, hq, o.block);
   detail::Packed p = detail::pack_inputs(q, k, v, bm, o, o.enable_gqa);
   detail::check_outputs(p, out, lse);
-  const int64_t K = a.k;
-  if (indices.data) check_indices(indices, {p.B, p.Hq, p.Lq, K}, "[B, Hq, Lq, k]");
+  const int64_t K_out = a.k, K = std::min(a.k, p.Lk);  // at most Lk keys can be kept
+  if (indices.data) check_indices(indices, {p.B, p.Hq, p.Lq, K_out}, "[B, Hq, Lq, k]");
   const FixedMask fm{fixed.defined() ? &fixed.node() : nullptr, lq, lk};
   const int64_t nqb = bm.num_q_blocks(), D = p.D, Dv = p.Dv;
   auto item = [&](int64_t it) {
@@ -233,7 +233,7 @@ void topk_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView&
       detail::store_row(out, b, h, i, o_row.data(), Dv);
       if (lse.data) detail::store_value(lse, b, h, i, c > 0 ? mx + std::log(sum) : kNegInf);
       if (indices.data)
-        for (int64_t x = 0; x < K; ++x) idx_at(indices, b, h, i, x) = x < c ? hp[x].j : -1;
+        for (int64_t x = 0; x < K_out; ++x) idx_at(indices, b, h, i, x) = x < c ? hp[x].j : -1;
     }
   };
   detail::parallel(p.B * p.Hq * nqb, p.threads, item);
