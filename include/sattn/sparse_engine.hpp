@@ -8,6 +8,9 @@
 // writer (forward: per query block; backward: dK/dV per key block, dQ per query block, in separate passes) and
 // the work split does not depend on the thread count.
 //
+// MaskMod: bool operator()(b, h, i, j) (original indices); optionally
+//   bool interval(b, h, i, kp0, kp1, int64_t& lo, int64_t& hi) const: the allowed layout key positions of row i in
+//   [kp0, kp1) are exactly [lo, hi) ∩ [kp0, kp1) (return false to fall back to the per-pair predicate).
 // ScoreMod concept (see NoScoreMod):
 //   bool identity() const;                                   // true: skip the score_mod entirely
 //   float operator()(float s, int64_t b, int64_t h, int64_t i, int64_t j) const;
@@ -175,6 +178,15 @@ void mod_and_mask(float* s, float* raw, int64_t m, int64_t n, const Segment* seg
       for (int64_t r = 0; r < m; ++r) {
         const int64_t i = bm.q_index(q0 + r);
         float* sr = s + r * n + g.col - g.begin;
+        // Fast path: a mask_mod that can state the row's allowed layout positions as an interval [lo, hi).
+        if constexpr (requires(int64_t x) { mask_mod.interval(b, h, i, x, x, x, x); }) {
+          int64_t lo = 0, hi = 0;
+          if (mask_mod.interval(b, h, i, g.begin, g.end, lo, hi)) {
+            for (int32_t kp = g.begin; kp < g.end; ++kp)
+              if (kp < lo || kp >= hi) sr[kp] = kNegInf;
+            continue;
+          }
+        }
         for (int32_t kp = g.begin; kp < g.end; ++kp)
           if (!mask_mod(b, h, i, int64_t(bm.k_index(kp)))) sr[kp] = kNegInf;
       }

@@ -21,6 +21,13 @@ struct Pattern::Node {
   // WindowAttention2D (possibly inside a union/intersection): its grid width and window, for the relative-position
   // bias table.
   virtual bool window2d(int64_t& /*width*/, int64_t& /*window*/) const { return false; }
+  // Fast path of the kernel's mask inside partial ranges: when the allowed keys of query i (original index) among
+  // the layout key positions [kp0, kp1) of one range piece of THIS pattern's own block mask are exactly
+  // [lo, hi) ∩ [kp0, kp1), set lo/hi and return true (false: the kernel evaluates allowed() per pair).
+  virtual bool layout_interval(int64_t /*h*/, int64_t /*i*/, int64_t /*kp0*/, int64_t /*kp1*/, int64_t /*len_q*/,
+                               int64_t /*len_k*/, int64_t& /*lo*/, int64_t& /*hi*/) const {
+    return false;
+  }
   virtual bool allowed(int64_t h, int64_t i, int64_t j, int64_t len_q, int64_t len_k) const = 0;
   // Key ranges (identity key order, sorted, disjoint, each at most `block` long) for the queries [q0, q1) in
   // identity order, head h. Exact where cheap; a partial range may only be listed if it can hold allowed pairs.

@@ -237,6 +237,13 @@ struct SlidingWindowNode final : Pattern::Node {
     const int64_t a = i + align_offset(al, lq, lk);
     return (left < 0 || j >= a - left) && (right < 0 || j <= a + right);
   }
+  bool layout_interval(int64_t, int64_t i, int64_t, int64_t, int64_t lq, int64_t lk, int64_t& lo,
+                       int64_t& hi) const override {
+    const int64_t a = i + align_offset(al, lq, lk);
+    lo = left < 0 ? 0 : a - left;
+    hi = right < 0 ? lk : a + right + 1;
+    return true;
+  }
   // Allowed keys of aligned query a: [lo(a), hi(a)] (inclusive, clipped), both non-decreasing in a.
   int64_t lo(int64_t a) const { return left < 0 ? 0 : std::max<int64_t>(0, a - left); }
   int64_t hi(int64_t a, int64_t lk) const { return right < 0 ? lk - 1 : std::min(lk - 1, a + right); }
@@ -268,6 +275,16 @@ struct DilatedNode final : Pattern::Node {
   bool allowed(int64_t, int64_t i, int64_t j, int64_t lq, int64_t lk) const override {
     const int64_t diff = i + align_offset(al, lq, lk) - j;
     return std::abs(diff) <= window * dilation && floor_mod(diff, dilation) == 0;
+  }
+  // In the residue layout (see block_mask): residue r's keys sit at [kstart(r), kstart(r) + count(r)).
+  bool layout_interval(int64_t, int64_t i, int64_t, int64_t, int64_t lq, int64_t lk, int64_t& lo,
+                       int64_t& hi) const override {
+    const int64_t d = dilation, a = i + align_offset(al, lq, lk), r = floor_mod(a, d), c = floor_div(a, d);
+    const int64_t start = r * (lk / d) + std::min(r, lk % d), count = lk / d + (r < lk % d ? 1 : 0);
+    lo = start + std::max<int64_t>(0, c - window);
+    hi = start + std::min(count, c + window + 1);
+    if (hi < lo) hi = lo;
+    return true;
   }
   void key_hull(int64_t, int64_t q0, int64_t q1, int64_t lq, int64_t lk, int64_t& k0, int64_t& k1) const override {
     const int64_t off = align_offset(al, lq, lk);
@@ -556,6 +573,31 @@ struct Neighborhood2DNode final : Pattern::Node {
   }
   bool allowed(int64_t, int64_t i, int64_t j, int64_t, int64_t) const override {
     return axis_allows(i / width, j / width, height) && axis_allows(i % width, j % width, width);
+  }
+  // In the sub-grid layout (see block_mask) every range piece lies inside one key row of one sub-grid.
+  bool layout_interval(int64_t, int64_t i, int64_t kp0, int64_t, int64_t, int64_t, int64_t& lo,
+                       int64_t& hi) const override {
+    const int64_t d = dilation;
+    int64_t base = 0, dr = 0, dc = 0, nr = 0, nc = 0;
+    for (dr = 0; dr < d; ++dr) {
+      for (dc = 0; dc < d; ++dc) {
+        nr = sub_len(height, dr);
+        nc = sub_len(width, dc);
+        if (kp0 < base + nr * nc) break;
+        base += nr * nc;
+      }
+      if (dc < d) break;
+    }
+    const int64_t kr = (kp0 - base) / nc, r = i / width, c = i % width;
+    lo = hi = kp0;
+    if (r % d != dr || c % d != dc) return true;  // another sub-grid: nothing allowed
+    int64_t rs, re, cs, ce;
+    window(r / d, nr, rs, re);
+    if (kr < rs || kr > re) return true;
+    window(c / d, nc, cs, ce);
+    lo = base + kr * nc + cs;
+    hi = base + kr * nc + ce + 1;
+    return true;
   }
   void key_hull(int64_t, int64_t q0, int64_t q1, int64_t, int64_t lk, int64_t& k0, int64_t& k1) const override {
     const int64_t reach = kernel * dilation;

@@ -59,6 +59,9 @@ struct PatternMask {
   const Pattern::Node* node;
   int64_t lq, lk;
   bool operator()(int64_t, int64_t h, int64_t i, int64_t j) const { return node->allowed(h, i, j, lq, lk); }
+  bool interval(int64_t, int64_t h, int64_t i, int64_t kp0, int64_t kp1, int64_t& lo, int64_t& hi) const {
+    return node->layout_interval(h, i, kp0, kp1, lq, lk, lo, hi);
+  }
 };
 
 struct DenseMask {
