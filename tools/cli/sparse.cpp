@@ -3,6 +3,7 @@
 // the same engine and OpenBLAS SGEMM when available).
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
@@ -24,7 +25,14 @@ namespace sattn::cli {
 
 namespace {
 
+bool g_thread_clock = false;  // --clock thread: CPU time of the calling thread (meaningful with --threads 1 only)
+
 double now_s() {
+  if (g_thread_clock) {
+    timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+  }
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
@@ -123,6 +131,7 @@ void add_sparse_command(CLI::App& app) {
     static int64_t B = 1, H = 8, D = 64;
     static int reps = 3;
     static bool backward = false, dense = false;
+    static std::string clock_kind = "wall";
     cmd->add_option("--pattern", patterns,
                     "pattern specs (2-D patterns fix L), or linear:elu / linear:favor+ [/causal]")->required();
     cmd->add_option("--L", lengths, "sequence lengths (ignored for 2-D patterns)");
@@ -132,8 +141,16 @@ void add_sparse_command(CLI::App& app) {
     cmd->add_option("--D", D, "head dim");
     cmd->add_option("--reps", reps, "repetitions (median)");
     cmd->add_flag("--backward", backward, "also time the backward");
+    cmd->add_option("--clock", clock_kind,
+                    "wall, or thread (CPU time of the calling thread: less sensitive to other load; 1 thread only, "
+                    "run with OPENBLAS_NUM_THREADS=1 for the SGEMM column)")
+        ->check(CLI::IsMember({"wall", "thread"}));
     cmd->add_flag("--dense", dense, "also time dense attention (Full()) through the same engine at each L");
     cmd->callback([] {
+      g_thread_clock = clock_kind == "thread";
+      check(!g_thread_clock || (threads.size() == 1 && threads[0] == 1), ErrorKind::kInvalidArgument,
+            "--clock thread: only with --threads 1");
+      std::printf("# tiles: %s, clock: %s\n", sparse::tiles::isa(), clock_kind.c_str());
       std::printf("%-44s %7s %3s %10s %10s %9s %9s %10s %8s\n", "pattern", "L", "thr", "fwd_ms", "bwd_ms",
                   "GF/s_all", "GF/s_cmp", "cmp/all", "sgemm");
       for (int th : threads) {
