@@ -8,4 +8,5 @@ void bind_attention(pybind11::module_& m);  // bind_attention.cpp: scaled_dot_pr
 void bind_nn(pybind11::module_& m);         // bind_nn.cpp: MultiheadAttention, safetensors
 void bind_tools(pybind11::module_& m);      // bind_tools.cpp: diagnose
 void bind_fused(pybind11::module_& m);      // bind_fused.cpp: flash_attn_varlen (+ backward)
+void bind_sparse(pybind11::module_& m);     // bind_sparse.cpp: sparse patterns, sparse_attention & co.
 }  // namespace sattn::py

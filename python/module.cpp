@@ -7,4 +7,5 @@ PYBIND11_MODULE(_core, m) {
   sattn::py::bind_nn(m);
   sattn::py::bind_tools(m);
   sattn::py::bind_fused(m);
+  sattn::py::bind_sparse(m);
 }

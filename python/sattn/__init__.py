@@ -7,3 +7,4 @@ from ._attention import (scaled_dot_product_attention, scaled_dot_product_attent
 from ._core import MultiheadAttention, read_safetensors, write_safetensors  # noqa: F401,E402  (bind_nn.cpp)
 from ._core import diagnose  # noqa: F401  (bind_tools.cpp)
 from ._core import flash_attn_varlen, flash_attn_varlen_backward  # noqa: F401,E402  (fused area)
+from ._core import *  # noqa: F401,F403

@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   sattn::cli::add_demo_command(app);
   sattn::cli::add_attn_command(app);
   sattn::cli::add_bench_command(app);
+  sattn::cli::add_sparse_command(app);
   sattn::cli::add_version_command(app);
   sattn::cli::add_viz_command(app);
   sattn::cli::add_doctor_command(app);

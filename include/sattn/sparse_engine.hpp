@@ -1,0 +1,406 @@
+// The block-sparse attention engine (FlexAttention's semantics on a CPU, no JIT): a BlockMask says which
+// (query block, key range) tiles to visit; mask_mod(b, h, i, j) -> bool is evaluated only inside partial ranges;
+// score_mod transforms each computed score. Both are C++ callables inlined into the tile loop.
+//
+// Shapes: q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] (any strides, f32/f64/bf16/f16),
+// out [B, Hq, Lq, Dv], lse [B, Hq, Lq] (optional). Query head h reads kv head h / (Hq / Hkv).
+// Rows with no allowed key: out = 0, lse = -inf, zero gradients. Deterministic: every output element has one
+// writer (forward: per query block; backward: dK/dV per key block, dQ per query block, in separate passes) and
+// the work split does not depend on the thread count.
+//
+// MaskMod: bool operator()(b, h, i, j) (original indices); optionally
+//   bool interval(b, h, i, kp0, kp1, int64_t& lo, int64_t& hi) const: the allowed layout key positions of row i in
+//   [kp0, kp1) are exactly [lo, hi) ∩ [kp0, kp1) (return false to fall back to the per-pair predicate).
+// ScoreMod concept (see NoScoreMod):
+//   bool identity() const;                                   // true: skip the score_mod entirely
+//   float operator()(float s, int64_t b, int64_t h, int64_t i, int64_t j) const;
+//   float backward(float s, float ds, int64_t b, int64_t h, int64_t i, int64_t j, float* param_grad) const;
+//       // d(loss)/d(s) given d(loss)/d(score_mod(s)); adds parameter gradients into param_grad
+//   int64_t num_params() const;                              // size of param_grad (0: none)
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "sattn/patterns.hpp"
+#include "sattn/sparse_tiles.hpp"
+#include "sattn/tensor.hpp"
+
+namespace sattn::sparse {
+
+struct NoScoreMod {
+  bool identity() const { return true; }
+  float operator()(float s, int64_t, int64_t, int64_t, int64_t) const { return s; }
+  float backward(float, float ds, int64_t, int64_t, int64_t, int64_t, float*) const { return ds; }
+  int64_t num_params() const { return 0; }
+};
+
+struct AllowAll {
+  bool operator()(int64_t, int64_t, int64_t, int64_t) const { return true; }
+};
+
+// Options of the engine and of the pattern API.
+struct EngineOptions {
+  std::optional<double> scale;  // default 1/sqrt(D)
+  TensorView key_padding_mask;  // bool [B, Lk], True = padding
+  TensorView key_lengths;       // int32/int64 [B]: keys j >= key_lengths[b] are padding
+  int num_threads = 0;          // 0 = SATTN_NUM_THREADS or the hardware's
+};
+
+namespace detail {
+
+// Inputs validated and packed once: fp32, contiguous, in the block mask's layout order.
+struct Packed {
+  int64_t B = 0, Hq = 0, Hkv = 0, Lq = 0, Lk = 0, D = 0, Dv = 0, group = 1;
+  float scale = 1.0f;
+  int threads = 1;
+  std::vector<float> q, k, v;                 // [B, Hq, Lq, D], [B, Hkv, Lk, D], [B, Hkv, Lk, Dv]
+  std::vector<uint8_t> key_valid;             // [B, Lk] layout order (empty: no padding)
+  std::vector<int32_t> key_invalid_prefix;    // [B, Lk + 1] prefix counts of padding keys
+  std::vector<float> dout, lse, delta;        // backward only: [B, Hq, Lq, Dv], [B, Hq, Lq], [B, Hq, Lq]
+  int64_t invalid_in(int64_t b, int64_t lo, int64_t hi) const {
+    if (key_invalid_prefix.empty()) return 0;
+    const int32_t* p = &key_invalid_prefix[size_t(b * (Lk + 1))];
+    return p[hi] - p[lo];
+  }
+};
+
+// Validates q/k/v/mask/options (and out/lse shapes) and packs q, k, v and the key padding.
+Packed pack_inputs(const TensorView& q, const TensorView& k, const TensorView& v, const BlockMask& mask,
+                   const EngineOptions& options, bool enable_gqa);
+// Backward extras: validates and packs dout, lse (layout order) and delta = rowsum(dout * out).
+void pack_backward(Packed& p, const BlockMask& mask, const TensorView& dout, const TensorView& out,
+                   const TensorView& lse);
+void check_outputs(const Packed& p, const TensorView& out, const TensorView& lse);
+void check_grads(const Packed& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                 const TensorView& dq, const TensorView& dk, const TensorView& dv);
+// Stores n floats into row (b, h, i, :) of a 4-D float view (any float dtype / strides); or one value of a 3-D view.
+void store_row(const TensorView& t, int64_t b, int64_t h, int64_t i, const float* src, int64_t n);
+void store_value(const TensorView& t, int64_t b, int64_t h, int64_t i, float value);
+// Runs fn(ctx, item) for item in [0, n) on up to `threads` threads (OpenMP, no oversubscription).
+void run_parallel(int64_t n, int threads, void* ctx, void (*fn)(void*, int64_t));
+
+template <typename F>
+void parallel(int64_t n, int threads, F& f) {
+  run_parallel(n, threads, &f, [](void* c, int64_t i) { (*static_cast<F*>(c))(i); });
+}
+
+constexpr int64_t kChunk = 64;  // keys per computed chunk
+
+// A chunk of keys assembled from consecutive key ranges of one query block.
+struct Segment {
+  int32_t begin, end, col;  // layout key positions [begin, end), first column in the chunk
+  bool full;
+};
+
+// Per-thread scratch of one query block.
+struct Scratch {
+  std::vector<float> s, p2, kt, vt, kc, vc, acc, mx, sum, dq;
+  void ensure(int64_t m, int64_t D, int64_t Dv) {
+    const size_t tile = size_t(m * kChunk);
+    if (s.size() < tile) s.resize(tile), p2.resize(tile);
+    kt.resize(size_t(D * kChunk)), vt.resize(size_t(Dv * kChunk));
+    kc.resize(size_t(kChunk * D)), vc.resize(size_t(kChunk * Dv));
+    acc.resize(size_t(m * std::max(D, Dv))), mx.resize(size_t(m)), sum.resize(size_t(m)), dq.resize(size_t(m * D));
+  }
+};
+
+// Walks the key ranges [r0, r1) of a query block in chunks of at most kChunk keys: calls
+// f(segments, n) with the chunk's segments (consecutive ranges are packed together).
+template <typename F>
+void for_each_chunk(const KeyRange* ranges, int64_t count, F&& f) {
+  Segment segs[kChunk];
+  int64_t nseg = 0, n = 0;
+  for (int64_t r = 0; r < count; ++r) {
+    int32_t b = ranges[r].begin;
+    while (b < ranges[r].end) {
+      const int32_t e = int32_t(std::min<int64_t>(ranges[r].end, b + (kChunk - n)));
+      segs[nseg++] = {b, e, int32_t(n), ranges[r].full != 0};
+      n += e - b;
+      b = e;
+      if (n == kChunk) {
+        f(segs, nseg, n);
+        nseg = 0;
+        n = 0;
+      }
+    }
+  }
+  if (n > 0) f(segs, nseg, n);
+}
+
+// Gathers a chunk's K rows transposed into kt [D x n] and (if needed) V rows into vc [n x Dv]; returns the V
+// pointer and its row stride.
+inline const float* gather_chunk(const Segment* segs, int64_t nseg, int64_t n, const float* kbase,
+                                 const float* vbase, int64_t D, int64_t Dv, Scratch& sc, bool need_kc,
+                                 const float** kptr, bool need_vt) {
+  for (int64_t x = 0; x < nseg; ++x)
+    tiles::transpose_rows(kbase + int64_t(segs[x].begin) * D, D, segs[x].end - segs[x].begin, D,
+                          sc.kt.data() + segs[x].col, n);
+  if (need_vt)
+    for (int64_t x = 0; x < nseg; ++x)
+      tiles::transpose_rows(vbase + int64_t(segs[x].begin) * Dv, Dv, segs[x].end - segs[x].begin, Dv,
+                            sc.vt.data() + segs[x].col, n);
+  if (nseg == 1) {
+    if (kptr) *kptr = kbase + int64_t(segs[0].begin) * D;
+    return vbase + int64_t(segs[0].begin) * Dv;
+  }
+  for (int64_t x = 0; x < nseg; ++x) {
+    const int64_t len = segs[x].end - segs[x].begin;
+    std::copy_n(vbase + int64_t(segs[x].begin) * Dv, len * Dv, sc.vc.data() + int64_t(segs[x].col) * Dv);
+    if (need_kc) std::copy_n(kbase + int64_t(segs[x].begin) * D, len * D, sc.kc.data() + int64_t(segs[x].col) * D);
+  }
+  if (kptr) *kptr = sc.kc.data();
+  return sc.vc.data();
+}
+
+// Applies score_mod to the raw scores (keeping them in raw) and the masks (mask_mod on partial segments,
+// key padding) to a chunk's score tile s [m x n]; masked entries become -inf.
+template <typename MaskMod, typename ScoreMod>
+void mod_and_mask(float* s, float* raw, int64_t m, int64_t n, const Segment* segs, int64_t nseg, const BlockMask& bm,
+                  int64_t q0, int64_t b, int64_t h, const Packed& p, MaskMod& mask_mod, const ScoreMod& score_mod) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  if (!score_mod.identity()) {
+    if (raw) std::copy_n(s, m * n, raw);
+    for (int64_t x = 0; x < nseg; ++x)
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t i = bm.q_index(q0 + r);
+        float* sr = s + r * n + segs[x].col - segs[x].begin;
+        for (int32_t kp = segs[x].begin; kp < segs[x].end; ++kp) sr[kp] = score_mod(sr[kp], b, h, i, bm.k_index(kp));
+      }
+  }
+  for (int64_t x = 0; x < nseg; ++x) {
+    const Segment& g = segs[x];
+    if (!g.full)
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t i = bm.q_index(q0 + r);
+        float* sr = s + r * n + g.col - g.begin;
+        // Fast path: a mask_mod that can state the row's allowed layout positions as an interval [lo, hi).
+        if constexpr (requires(int64_t x) { mask_mod.interval(b, h, i, x, x, x, x); }) {
+          int64_t lo = 0, hi = 0;
+          if (mask_mod.interval(b, h, i, g.begin, g.end, lo, hi)) {
+            for (int32_t kp = g.begin; kp < g.end; ++kp)
+              if (kp < lo || kp >= hi) sr[kp] = kNegInf;
+            continue;
+          }
+        }
+        for (int32_t kp = g.begin; kp < g.end; ++kp)
+          if (!mask_mod(b, h, i, int64_t(bm.k_index(kp)))) sr[kp] = kNegInf;
+      }
+    if (p.invalid_in(b, g.begin, g.end) > 0) {
+      const uint8_t* valid = &p.key_valid[size_t(b * p.Lk)];
+      for (int32_t kp = g.begin; kp < g.end; ++kp)
+        if (!valid[kp])
+          for (int64_t r = 0; r < m; ++r) s[r * n + g.col + (kp - g.begin)] = kNegInf;
+    }
+  }
+}
+
+}  // namespace detail
+
+// Forward. mask_mod: bool(b, h, i, j) on original indices, consulted only in partial ranges. out/lse: see top.
+template <typename MaskMod, typename ScoreMod = NoScoreMod>
+void block_sparse_attention(const TensorView& q, const TensorView& k, const TensorView& v, const BlockMask& bm,
+                            MaskMod mask_mod, const ScoreMod& score_mod, const EngineOptions& options,
+                            const TensorView& out, const TensorView& lse = {}, bool enable_gqa = true) {
+  using namespace detail;
+  const Packed p = pack_inputs(q, k, v, bm, options, enable_gqa);
+  check_outputs(p, out, lse);
+  const int64_t nqb = bm.num_q_blocks(), D = p.D, Dv = p.Dv;
+  auto item = [&](int64_t it) {
+    const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
+    const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
+    thread_local Scratch sc;
+    sc.ensure(m, D, Dv);
+    const float* qt = &p.q[size_t(((b * p.Hq + h) * p.Lq + q0) * D)];
+    const float* kbase = &p.k[size_t((b * p.Hkv + hk) * p.Lk * D)];
+    const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
+    std::fill_n(sc.acc.data(), m * Dv, 0.0f);
+    std::fill_n(sc.mx.data(), m, -std::numeric_limits<float>::infinity());
+    std::fill_n(sc.sum.data(), m, 0.0f);
+    const int64_t row = bm.slot(h) * nqb + qb;
+    for_each_chunk(&bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
+                   [&](const Segment* segs, int64_t nseg, int64_t n) {
+                     if (!p.key_invalid_prefix.empty()) {  // skip chunks that are all padding
+                       int64_t inv = 0;
+                       for (int64_t x = 0; x < nseg; ++x) inv += p.invalid_in(b, segs[x].begin, segs[x].end);
+                       if (inv == n) return;
+                     }
+                     const float* vp = gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, false, nullptr, false);
+                     const int64_t ldv = Dv;
+                     tiles::qk(qt, m, D, sc.kt.data(), n, n, p.scale, sc.s.data());
+                     mod_and_mask(sc.s.data(), nullptr, m, n, segs, nseg, bm, q0, b, h, p, mask_mod, score_mod);
+                     tiles::softmax_update(sc.s.data(), m, n, sc.mx.data(), sc.sum.data(), sc.acc.data(), Dv);
+                     tiles::pv(sc.s.data(), m, n, vp, ldv, Dv, 1.0f, sc.acc.data());
+                   });
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t i = bm.q_index(q0 + r);
+      float* ar = sc.acc.data() + r * Dv;
+      const bool empty = sc.sum[r] == 0.0f;
+      const float inv = empty ? 0.0f : 1.0f / sc.sum[r];
+      for (int64_t c = 0; c < Dv; ++c) ar[c] *= inv;
+      store_row(out, b, h, i, ar, Dv);
+      if (lse.data)
+        store_value(lse, b, h, i, empty ? -std::numeric_limits<float>::infinity() : sc.mx[r] + std::log(sc.sum[r]));
+    }
+  };
+  parallel(p.B * p.Hq * nqb, p.threads, item);
+}
+
+// Backward from the saved out and lse: dq, dk, dv (same shapes as q, k, v; any float dtype) and, when the score
+// mod has parameters, their gradient added into param_grad[0 .. score_mod.num_params()).
+template <typename MaskMod, typename ScoreMod = NoScoreMod>
+void block_sparse_attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                                     const TensorView& v, const TensorView& out, const TensorView& lse,
+                                     const BlockMask& bm, MaskMod mask_mod, const ScoreMod& score_mod,
+                                     const EngineOptions& options, const TensorView& dq, const TensorView& dk,
+                                     const TensorView& dv, float* param_grad = nullptr, bool enable_gqa = true) {
+  using namespace detail;
+  Packed p = pack_inputs(q, k, v, bm, options, enable_gqa);
+  check_grads(p, q, k, v, dq, dk, dv);
+  pack_backward(p, bm, dout, out, lse);
+  const int64_t nqb = bm.num_q_blocks(), D = p.D, Dv = p.Dv;
+  const int64_t nparams = score_mod.num_params();
+
+  // dQ pass (and score-mod parameter gradients): one item per (b, h, query block).
+  const int64_t n_items = p.B * p.Hq * nqb;
+  // Parameter gradients: a fixed number of item groups, each with its own buffer, reduced in order.
+  // (At most 16 groups, and at most 2^26 floats of buffers; the split depends only on the sizes.)
+  const int64_t n_groups =
+      nparams > 0 ? std::max<int64_t>(1, std::min<int64_t>({n_items, 16, (int64_t(1) << 26) / nparams})) : 0;
+  std::vector<float> gbuf(size_t(n_groups * nparams), 0.0f);
+  auto dq_item = [&](int64_t it, float* g) {
+    const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
+    const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
+    thread_local Scratch sc;
+    sc.ensure(m, D, Dv);
+    const size_t qrow = size_t((b * p.Hq + h) * p.Lq + q0);
+    const float* qt = &p.q[qrow * D];
+    const float* dot = &p.dout[qrow * Dv];
+    const float* lse_t = &p.lse[qrow];
+    const float* delta = &p.delta[qrow];
+    const float* kbase = &p.k[size_t((b * p.Hkv + hk) * p.Lk * D)];
+    const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
+    std::fill_n(sc.dq.data(), m * D, 0.0f);
+    const int64_t row = bm.slot(h) * nqb + qb;
+    std::vector<float> raw;
+    if (!score_mod.identity()) raw.resize(size_t(m * kChunk));
+    for_each_chunk(&bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
+                   [&](const Segment* segs, int64_t nseg, int64_t n) {
+                     const float* kp = nullptr;
+                     gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, true, &kp, true);
+                     float* s = sc.s.data();
+                     float* dp = sc.p2.data();
+                     tiles::qk(qt, m, D, sc.kt.data(), n, n, p.scale, s);
+                     mod_and_mask(s, raw.empty() ? nullptr : raw.data(), m, n, segs, nseg, bm, q0, b, h, p, mask_mod,
+                                  score_mod);
+                     tiles::probabilities(s, m, n, lse_t);
+                     tiles::qk(dot, m, Dv, sc.vt.data(), n, n, 1.0f, dp);
+                     tiles::softmax_backward(s, dp, m, n, delta);
+                     if (!score_mod.identity())
+                       for (int64_t x = 0; x < nseg; ++x)
+                         for (int64_t r = 0; r < m; ++r) {
+                           const int64_t i = bm.q_index(q0 + r);
+                           for (int32_t c = segs[x].col; c < segs[x].col + (segs[x].end - segs[x].begin); ++c) {
+                             float& d = dp[r * n + c];
+                             if (s[r * n + c] == 0.0f) {
+                               d = 0.0f;
+                               continue;
+                             }
+                             d = score_mod.backward(raw[size_t(r * n + c)], d, b, h, i,
+                                                    bm.k_index(segs[x].begin + (c - segs[x].col)), g);
+                           }
+                         }
+                     tiles::pv(dp, m, n, kp, D, D, p.scale, sc.dq.data());
+                   });
+    for (int64_t r = 0; r < m; ++r) store_row(dq, b, h, bm.q_index(q0 + r), sc.dq.data() + r * D, D);
+  };
+  if (n_groups == 0) {
+    auto f = [&](int64_t it) { dq_item(it, nullptr); };
+    parallel(n_items, p.threads, f);
+  } else {
+    auto f = [&](int64_t gi) {
+      const int64_t lo = gi * n_items / n_groups, hi = (gi + 1) * n_items / n_groups;
+      for (int64_t it = lo; it < hi; ++it) dq_item(it, &gbuf[size_t(gi * nparams)]);
+    };
+    parallel(n_groups, p.threads, f);
+    if (param_grad)
+      for (int64_t gi = 0; gi < n_groups; ++gi)
+        for (int64_t x = 0; x < nparams; ++x) param_grad[x] += gbuf[size_t(gi * nparams + x)];
+  }
+
+  // dK/dV pass: one item per (b, kv head, key block of kChunk layout positions); entries transposed from the
+  // block mask: for each head slot and key block, the (query block, key sub-range) pairs that touch it.
+  struct Entry {
+    int32_t qb, begin, end;
+    bool full;
+  };
+  const int64_t nkb = (p.Lk + kChunk - 1) / kChunk;
+  std::vector<std::vector<Entry>> tr(size_t(bm.heads * nkb));
+  for (int64_t s = 0; s < bm.heads; ++s)
+    for (int64_t qb = 0; qb < nqb; ++qb)
+      for (int64_t r = bm.row_ptr[s * nqb + qb]; r < bm.row_ptr[s * nqb + qb + 1]; ++r) {
+        const KeyRange& kr = bm.ranges[size_t(r)];
+        for (int64_t kb = kr.begin / kChunk; kb * kChunk < kr.end; ++kb)
+          tr[size_t(s * nkb + kb)].push_back({int32_t(qb), int32_t(std::max<int64_t>(kr.begin, kb * kChunk)),
+                                              int32_t(std::min<int64_t>(kr.end, (kb + 1) * kChunk)), kr.full != 0});
+      }
+  int64_t max_m = 0;
+  for (int64_t x = 0; x < nqb; ++x) max_m = std::max<int64_t>(max_m, bm.q_block_start[x + 1] - bm.q_block_start[x]);
+  auto kv_item = [&](int64_t it) {
+    const int64_t kb = it % nkb, bhk = it / nkb, b = bhk / p.Hkv, hk = bhk % p.Hkv;
+    const int64_t k0 = kb * kChunk, nk = std::min(p.Lk, k0 + kChunk) - k0;
+    thread_local Scratch sc;
+    thread_local std::vector<float> dkacc, dvacc, raw;
+    sc.ensure(max_m, D, Dv);
+    dkacc.assign(size_t(nk * D), 0.0f);
+    dvacc.assign(size_t(nk * Dv), 0.0f);
+    raw.resize(size_t(max_m * kChunk));
+    const float* kbase = &p.k[size_t(((b * p.Hkv + hk) * p.Lk + k0) * D)];
+    const float* vbase = &p.v[size_t(((b * p.Hkv + hk) * p.Lk + k0) * Dv)];
+    tiles::transpose_rows(kbase, D, nk, D, sc.kt.data(), nk);
+    tiles::transpose_rows(vbase, Dv, nk, Dv, sc.vt.data(), nk);
+    for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
+      for (const Entry& e : tr[size_t(bm.slot(h) * nkb + kb)]) {
+        const int64_t q0 = bm.q_block_start[e.qb], m = bm.q_block_start[e.qb + 1] - q0;
+        const int64_t n = e.end - e.begin, c0 = e.begin - k0;
+        if (p.invalid_in(b, e.begin, e.end) == n) continue;
+        const size_t qrow = size_t((b * p.Hq + h) * p.Lq + q0);
+        const float* qt = &p.q[qrow * D];
+        const float* dot = &p.dout[qrow * Dv];
+        float* s = sc.s.data();
+        float* dp = sc.p2.data();
+        tiles::qk(qt, m, D, sc.kt.data() + c0, nk, n, p.scale, s);
+        Segment seg{e.begin, e.end, 0, e.full};
+        mod_and_mask(s, score_mod.identity() ? nullptr : raw.data(), m, n, &seg, 1, bm, q0, b, h, p, mask_mod,
+                     score_mod);
+        tiles::probabilities(s, m, n, &p.lse[qrow]);
+        tiles::atx(s, m, n, dot, Dv, Dv, 1.0f, dvacc.data() + c0 * Dv);
+        tiles::qk(dot, m, Dv, sc.vt.data() + c0, nk, n, 1.0f, dp);
+        tiles::softmax_backward(s, dp, m, n, &p.delta[qrow]);
+        if (!score_mod.identity())
+          for (int64_t r = 0; r < m; ++r) {
+            const int64_t i = bm.q_index(q0 + r);
+            for (int64_t c = 0; c < n; ++c) {
+              float& d = dp[r * n + c];
+              d = s[r * n + c] == 0.0f ? 0.0f
+                                       : score_mod.backward(raw[size_t(r * n + c)], d, b, h, i,
+                                                            bm.k_index(e.begin + c), nullptr);
+            }
+          }
+        tiles::atx(dp, m, n, qt, D, D, p.scale, dkacc.data() + c0 * D);
+      }
+    }
+    for (int64_t c = 0; c < nk; ++c) {
+      const int64_t j = bm.k_index(k0 + c);
+      store_row(dk, b, hk, j, dkacc.data() + c * D, D);
+      store_row(dv, b, hk, j, dvacc.data() + c * Dv, Dv);
+    }
+  };
+  parallel(p.B * p.Hkv * nkb, p.threads, kv_item);
+}
+
+}  // namespace sattn::sparse

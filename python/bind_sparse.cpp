@@ -1,0 +1,335 @@
+// Python bindings of the sparse area: pattern classes, sparse_attention(_backward), block_mask_from_dense.
+//
+// numpy <-> TensorView: bind_common.hpp (sparse_np below only adapts it to arrays the caller keeps alive).
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+
+#include "bind_common.hpp"
+#include "bindings.hpp"
+#include "sattn/error.hpp"
+#include "sattn/linear.hpp"
+#include "sattn/sparse.hpp"
+
+namespace sattn::py {
+namespace {
+
+namespace sparse_np {
+
+// A view of a numpy array without a copy (bind_common's conversion; layouts that would need a copy are refused
+// here because the caller keeps only `a` alive).
+TensorView view_of(const pybind11::array& a, const char* name) {
+  ArrayKeeper keeper;
+  const TensorView t = sattn::py::view_of(a, name, keeper);
+  check(keeper.arrays.back().ptr() == a.ptr(), ErrorKind::kInvalidArgument, name,
+        ": negative or unaligned strides are not supported (pass a contiguous copy)");
+  return t;
+}
+
+pybind11::array new_array(DType dt, const Shape& shape) {
+  std::vector<pybind11::ssize_t> s(shape.begin(), shape.end());
+  if (dt == DType::kF64) return pybind11::array_t<double>(s);
+  return pybind11::array_t<float>(s);
+}
+
+TensorView out_view(pybind11::array& a) { return view_of(a, "output"); }
+
+}  // namespace sparse_np
+
+sparse::Alignment parse_alignment(const std::string& s) {
+  if (s == "bottom_right" || s == "bottom-right") return sparse::Alignment::kBottomRight;
+  if (s == "top_left" || s == "top-left") return sparse::Alignment::kTopLeft;
+  fail(ErrorKind::kInvalidArgument, "alignment: expected 'bottom_right' or 'top_left', got '", s, "'");
+}
+
+// Keeps numpy arrays alive and fills SparseOptions.
+struct CallOptions {
+  std::vector<pybind11::array> keep;
+  sparse::SparseOptions o;
+};
+
+CallOptions make_options(std::optional<double> scale, bool enable_gqa, const std::optional<pybind11::array>& kpm,
+                         int64_t block, const std::optional<std::vector<float>>& alibi, double softcap,
+                         const std::optional<pybind11::array>& bias, const std::optional<pybind11::array>& rel_pos_bias,
+                         int num_threads) {
+  CallOptions c;
+  c.o.scale = scale;
+  c.o.enable_gqa = enable_gqa;
+  c.o.block = block;
+  c.o.num_threads = num_threads;
+  c.o.softcap = softcap;
+  if (alibi) c.o.alibi_slopes = *alibi;
+  if (kpm) {
+    c.keep.push_back(*kpm);
+    c.o.key_padding_mask = sparse_np::view_of(*kpm, "key_padding_mask");
+  }
+  if (bias) {
+    c.keep.push_back(*bias);
+    c.o.bias = sparse_np::view_of(*bias, "bias");
+  }
+  if (rel_pos_bias) {
+    c.keep.push_back(*rel_pos_bias);
+    c.o.rel_pos_bias = sparse_np::view_of(*rel_pos_bias, "rel_pos_bias");
+  }
+  return c;
+}
+
+pybind11::object sparse_attention_py(const pybind11::array& q, const pybind11::array& k, const pybind11::array& v,
+                                     const sparse::Pattern& pattern, std::optional<double> scale, bool enable_gqa,
+                                     const std::optional<pybind11::array>& key_padding_mask, bool return_lse,
+                                     bool return_indices, int64_t block, const std::optional<std::vector<float>>& alibi_slopes,
+                                     double softcap, const std::optional<pybind11::array>& bias,
+                                     const std::optional<pybind11::array>& rel_pos_bias, int num_threads) {
+  const TensorView qv = sparse_np::view_of(q, "query"), kv = sparse_np::view_of(k, "key"),
+                   vv = sparse_np::view_of(v, "value");
+  check(qv.dim() == 4 && vv.dim() == 4, ErrorKind::kInvalidArgument,
+        "query/value: expected 4-D arrays [B, H, L, D], got query ", shape_to_string(qv.shape), " and value ",
+        shape_to_string(vv.shape));
+  CallOptions c = make_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias,
+                               num_threads);
+  const DType odt = qv.dtype == DType::kF64 ? DType::kF64 : DType::kF32;
+  pybind11::array out = sparse_np::new_array(odt, {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]});
+  pybind11::array lse = sparse_np::new_array(odt, {qv.shape[0], qv.shape[1], qv.shape[2]});
+  const TensorView ov = sparse_np::out_view(out), lv = sparse_np::out_view(lse);
+  pybind11::array idx;
+  TensorView iv;
+  if (return_indices) {
+    const Shape is = sparse::selection_shape(pattern, qv.shape[0], qv.shape[1], qv.shape[2], kv.dim() == 4 ? kv.shape[2] : 0);
+    check(!is.empty(), ErrorKind::kInvalidArgument, "return_indices: only TopK and BlockTopK patterns return a "
+          "selection, got ", pattern.repr());
+    idx = pybind11::array_t<int64_t>(std::vector<pybind11::ssize_t>(is.begin(), is.end()));
+    iv = sparse_np::view_of(idx, "indices");
+  }
+  {
+    pybind11::gil_scoped_release nogil;
+    sparse::sparse_attention(qv, kv, vv, pattern, c.o, ov, lv, iv);
+  }
+  if (return_lse && return_indices) return pybind11::make_tuple(out, lse, idx);
+  if (return_lse) return pybind11::make_tuple(out, lse);
+  if (return_indices) return pybind11::make_tuple(out, idx);
+  return out;
+}
+
+pybind11::tuple sparse_attention_backward_py(
+    const pybind11::array& dout, const pybind11::array& q, const pybind11::array& k, const pybind11::array& v,
+    const pybind11::array& out, const pybind11::array& lse, const sparse::Pattern& pattern, std::optional<double> scale,
+    bool enable_gqa, const std::optional<pybind11::array>& key_padding_mask, int64_t block,
+    const std::optional<std::vector<float>>& alibi_slopes, double softcap, const std::optional<pybind11::array>& bias,
+    const std::optional<pybind11::array>& rel_pos_bias, int num_threads, const std::optional<pybind11::array>& indices) {
+  const TensorView qv = sparse_np::view_of(q, "query"), kv = sparse_np::view_of(k, "key"),
+                   vv = sparse_np::view_of(v, "value"), dov = sparse_np::view_of(dout, "dout"),
+                   outv = sparse_np::view_of(out, "out"), lsev = sparse_np::view_of(lse, "lse");
+  CallOptions c = make_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias,
+                               num_threads);
+  const DType odt = qv.dtype == DType::kF64 ? DType::kF64 : DType::kF32;
+  pybind11::array dq = sparse_np::new_array(odt, qv.shape), dk = sparse_np::new_array(odt, kv.shape),
+                  dv = sparse_np::new_array(odt, vv.shape);
+  sparse::SparseGrads g{sparse_np::out_view(dq), sparse_np::out_view(dk), sparse_np::out_view(dv), {}, {}, {}};
+  pybind11::dict extra;
+  pybind11::array dbias, drel;
+  if (c.o.bias.data) {
+    dbias = sparse_np::new_array(DType::kF32, c.o.bias.shape);
+    g.dbias = sparse_np::out_view(dbias);
+    extra["bias"] = dbias;
+  }
+  if (c.o.rel_pos_bias.data) {
+    drel = sparse_np::new_array(DType::kF32, c.o.rel_pos_bias.shape);
+    g.drel_pos_bias = sparse_np::out_view(drel);
+    extra["rel_pos_bias"] = drel;
+  }
+  pybind11::array dlogits;
+  if (sparse::has_logits(pattern)) {
+    dlogits = sparse_np::new_array(DType::kF32, {2});
+    g.dlogits = sparse_np::out_view(dlogits);
+    extra["logits"] = dlogits;
+  }
+  TensorView iv;
+  if (indices) iv = sparse_np::view_of(*indices, "indices");
+  {
+    pybind11::gil_scoped_release nogil;
+    sparse::sparse_attention_backward(dov, qv, kv, vv, outv, lsev, pattern, c.o, g, iv);
+  }
+  return pybind11::make_tuple(dq, dk, dv, extra);
+}
+
+template <typename T>
+pybind11::array_t<T> vec_array(const std::vector<T>& v) {
+  pybind11::array_t<T> a(pybind11::ssize_t(v.size()));
+  std::copy(v.begin(), v.end(), a.mutable_data());
+  return a;
+}
+
+sparse::LinearOptions linear_options(const std::string& feature_map, std::optional<int64_t> num_features, bool causal,
+                                     uint64_t seed, bool enable_gqa, int num_threads) {
+  sparse::LinearOptions o;
+  o.feature_map = feature_map;
+  o.num_features = num_features.value_or(0);
+  check(o.num_features >= 0 && (!num_features || *num_features > 0), ErrorKind::kInvalidArgument,
+        "num_features: expected a positive integer or None, got ", o.num_features);
+  o.causal = causal;
+  o.seed = seed;
+  o.enable_gqa = enable_gqa;
+  o.num_threads = num_threads;
+  return o;
+}
+
+}  // namespace
+
+void bind_sparse(pybind11::module_& m) {
+  using namespace pybind11::literals;
+  using sparse::Pattern;
+  pybind11::class_<sparse::BlockMask>(m, "BlockMask", "Work list of the block-sparse kernel (see docs/sparse.md).")
+      .def_readonly("len_q", &sparse::BlockMask::len_q)
+      .def_readonly("len_k", &sparse::BlockMask::len_k)
+      .def_readonly("heads", &sparse::BlockMask::heads)
+      .def_property_readonly("num_q_blocks", &sparse::BlockMask::num_q_blocks)
+      .def_property_readonly("q_perm", [](const sparse::BlockMask& b) { return vec_array(b.q_perm); })
+      .def_property_readonly("k_perm", [](const sparse::BlockMask& b) { return vec_array(b.k_perm); })
+      .def_property_readonly("q_block_start", [](const sparse::BlockMask& b) { return vec_array(b.q_block_start); })
+      .def_property_readonly("row_ptr", [](const sparse::BlockMask& b) { return vec_array(b.row_ptr); })
+      .def_property_readonly("ranges",
+                             [](const sparse::BlockMask& b) {
+                               pybind11::array_t<int32_t> a({pybind11::ssize_t(b.ranges.size()), pybind11::ssize_t(3)});
+                               auto r = a.mutable_unchecked<2>();
+                               for (size_t x = 0; x < b.ranges.size(); ++x) {
+                                 r(x, 0) = b.ranges[x].begin;
+                                 r(x, 1) = b.ranges[x].end;
+                                 r(x, 2) = b.ranges[x].full;
+                               }
+                               return a;
+                             })
+      .def("computed_pairs", &sparse::BlockMask::computed_pairs, "head_slot"_a = 0)
+      .def("partial_pairs", &sparse::BlockMask::partial_pairs, "head_slot"_a = 0);
+
+  pybind11::class_<Pattern>(m, "Pattern", "A sparse attention pattern; combine with | and &.")
+      .def_static("parse", &Pattern::parse, "spec"_a, "Parse a pattern spec such as 'SlidingWindow(256, 256)'.")
+      .def("__repr__", &Pattern::repr)
+      .def("__or__", [](const Pattern& a, const Pattern& b) { return a | b; })
+      .def("__and__", [](const Pattern& a, const Pattern& b) { return a & b; })
+      .def("__eq__", [](const Pattern& a, const Pattern& b) { return a == b; })
+      .def("__hash__", [](const Pattern& a) { return std::hash<std::string>{}(a.repr()); })
+      .def("allowed", [](const Pattern& p, int64_t h, int64_t i, int64_t j, int64_t lq, int64_t lk) {
+             return p.allowed(0, h, i, j, lq, lk);
+           }, "h"_a, "i"_a, "j"_a, "len_q"_a, "len_k"_a)
+      .def("dense_mask", [](const Pattern& p, int64_t lq, std::optional<int64_t> lk, int64_t heads) {
+             return to_numpy(p.dense_mask(lq, lk.value_or(lq), heads));
+           }, "len_q"_a, "len_k"_a = pybind11::none(), "heads"_a = 1,
+           "Bool mask (True = may attend) [heads or 1, Lq, Lk].")
+      .def("block_mask", &Pattern::block_mask, "len_q"_a, "len_k"_a, "heads"_a = 1, "block"_a = 64)
+      .def_property_readonly("head_dependent", &Pattern::head_dependent);
+
+  pybind11::class_<sparse::SlidingWindow, Pattern>(m, "SlidingWindow")
+      .def(pybind11::init([](int64_t l, int64_t r, const std::string& al) {
+             return sparse::SlidingWindow(l, r, parse_alignment(al));
+           }), "left"_a, "right"_a, "alignment"_a = "bottom_right");
+  pybind11::class_<sparse::Dilated, Pattern>(m, "Dilated")
+      .def(pybind11::init([](int64_t w, int64_t d, const std::string& al) {
+             return sparse::Dilated(w, d, parse_alignment(al));
+           }), "window"_a, "dilation"_a, "alignment"_a = "bottom_right");
+  pybind11::class_<sparse::BlockLocal, Pattern>(m, "BlockLocal")
+      .def(pybind11::init([](int64_t b, const std::string& al) { return sparse::BlockLocal(b, parse_alignment(al)); }),
+           "block"_a, "alignment"_a = "bottom_right");
+  pybind11::class_<sparse::GlobalTokens, Pattern>(m, "GlobalTokens")
+      .def(pybind11::init([](std::vector<int64_t> idx, const Pattern& base, const std::string& al) {
+             return sparse::GlobalTokens(std::move(idx), base, parse_alignment(al));
+           }), "indices"_a, "base"_a, "alignment"_a = "bottom_right");
+  pybind11::class_<sparse::BigBird, Pattern>(m, "BigBird")
+      .def(pybind11::init([](int64_t b, int64_t w, int64_t g, int64_t r, uint64_t seed, const std::string& al) {
+             return sparse::BigBird(b, w, g, r, seed, parse_alignment(al));
+           }), "block"_a, "window_blocks"_a, "global_blocks"_a, "random_blocks"_a, "seed"_a = 0,
+           "alignment"_a = "bottom_right");
+  pybind11::class_<sparse::Neighborhood2D, Pattern>(m, "Neighborhood2D")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, bool>(), "height"_a, "width"_a, "kernel"_a,
+           "dilation"_a = 1, "causal"_a = false);
+  pybind11::class_<sparse::WindowAttention2D, Pattern>(m, "WindowAttention2D")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t>(), "height"_a, "width"_a, "window"_a, "shift"_a = 0);
+  pybind11::class_<sparse::Full, Pattern>(m, "Full").def(pybind11::init<>());
+  pybind11::class_<sparse::TopK, Pattern>(m, "TopK").def(pybind11::init<int64_t>(), "k"_a);
+  pybind11::class_<sparse::BlockTopK, Pattern>(m, "BlockTopK")
+      .def(pybind11::init<int64_t, int64_t, bool, bool>(), "block"_a, "k_blocks"_a, "local"_a = true, "causal"_a = false);
+  pybind11::class_<sparse::ReLUAttention, Pattern>(m, "ReLUAttention")
+      .def(pybind11::init<double, const std::string&>(), "power"_a = 2.0, "normalize"_a = "none");
+  pybind11::class_<sparse::MixedAttention, Pattern>(m, "MixedAttention")
+      .def(pybind11::init([](std::pair<double, double> logits) { return sparse::MixedAttention(logits.first, logits.second); }),
+           "logits"_a = std::pair<double, double>(0.0, 0.0));
+  m.def("selection_mask",
+        [](const Pattern& p, const pybind11::array& indices, int64_t lq, int64_t lk) {
+          return to_numpy(sparse::selection_mask(p, sparse_np::view_of(indices, "indices"), lq, lk));
+        },
+        "pattern"_a, "indices"_a, "len_q"_a, "len_k"_a,
+        "Bool [B, Hq, Lq, Lk] mask of the selection returned by sparse_attention(..., return_indices=True).");
+
+  m.def("parse_pattern", &Pattern::parse, "spec"_a, "Parse a pattern spec (the Python constructor syntax).");
+  m.def("alibi_slopes", &sparse::alibi_slopes, "heads"_a);
+  m.def("block_mask_from_dense",
+        [](const pybind11::array& mask, int64_t block, std::optional<int64_t> block_k) {
+          return sparse::block_mask_from_dense(sparse_np::view_of(mask, "mask"), block, block_k.value_or(block));
+        },
+        "mask"_a, "block"_a = 64, "block_k"_a = pybind11::none(),
+        "FlexAttention's create_block_mask: bool [Lq, Lk] or [H, Lq, Lk] (True = may attend) -> BlockMask.");
+
+  m.def("linear_attention",
+        [](const pybind11::array& q, const pybind11::array& k, const pybind11::array& v, const std::string& feature_map,
+           std::optional<int64_t> num_features, bool causal, uint64_t seed, bool enable_gqa, int num_threads) {
+          const TensorView qv = sparse_np::view_of(q, "query"), kv = sparse_np::view_of(k, "key"),
+                           vv = sparse_np::view_of(v, "value");
+          const auto o = linear_options(feature_map, num_features, causal, seed, enable_gqa, num_threads);
+          check(qv.dim() == 4 && vv.dim() == 4, ErrorKind::kInvalidArgument, "query/value: expected 4-D arrays");
+          pybind11::array out = sparse_np::new_array(qv.dtype == DType::kF64 ? DType::kF64 : DType::kF32,
+                                                     {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]});
+          const TensorView ov = sparse_np::out_view(out);
+          {
+            pybind11::gil_scoped_release nogil;
+            sparse::linear_attention(qv, kv, vv, o, ov);
+          }
+          return out;
+        },
+        "query"_a, "key"_a, "value"_a, "feature_map"_a = "elu", "num_features"_a = pybind11::none(),
+        "causal"_a = false, "seed"_a = 0, "enable_gqa"_a = true, "num_threads"_a = 0,
+        "Linear attention phi(Q)(phi(K)^T V) / phi(Q)(phi(K)^T 1) with phi = elu+1 or FAVOR+ ('favor+').");
+  m.def("linear_attention_backward",
+        [](const pybind11::array& dout, const pybind11::array& q, const pybind11::array& k, const pybind11::array& v,
+           const std::string& feature_map, std::optional<int64_t> num_features, bool causal, uint64_t seed,
+           bool enable_gqa, int num_threads) {
+          const TensorView qv = sparse_np::view_of(q, "query"), kv = sparse_np::view_of(k, "key"),
+                           vv = sparse_np::view_of(v, "value"), dov = sparse_np::view_of(dout, "dout");
+          const auto o = linear_options(feature_map, num_features, causal, seed, enable_gqa, num_threads);
+          const DType odt = qv.dtype == DType::kF64 ? DType::kF64 : DType::kF32;
+          pybind11::array dq = sparse_np::new_array(odt, qv.shape), dk = sparse_np::new_array(odt, kv.shape),
+                          dv = sparse_np::new_array(odt, vv.shape);
+          const TensorView a = sparse_np::out_view(dq), b = sparse_np::out_view(dk), c = sparse_np::out_view(dv);
+          {
+            pybind11::gil_scoped_release nogil;
+            sparse::linear_attention_backward(dov, qv, kv, vv, o, a, b, c);
+          }
+          return pybind11::make_tuple(dq, dk, dv);
+        },
+        "dout"_a, "query"_a, "key"_a, "value"_a, "feature_map"_a = "elu", "num_features"_a = pybind11::none(),
+        "causal"_a = false, "seed"_a = 0, "enable_gqa"_a = true, "num_threads"_a = 0,
+        "Backward of linear_attention: (dq, dk, dv).");
+  m.def("favor_projection",
+        [](int64_t d, int64_t m_, uint64_t seed) {
+          const Tensor w = sparse::favor_projection(d, m_, seed);
+          pybind11::array_t<double> a({pybind11::ssize_t(m_), pybind11::ssize_t(d)});
+          std::memcpy(a.mutable_data(), w.data(), w.nbytes());
+          return a;
+        },
+        "head_dim"_a, "num_features"_a, "seed"_a = 0, "The FAVOR+ projection omega [m, D] used by linear_attention.");
+  m.def("sparse_attention", &sparse_attention_py, "query"_a, "key"_a, "value"_a, "pattern"_a,
+        "scale"_a = pybind11::none(), "enable_gqa"_a = false, pybind11::kw_only(),
+        "key_padding_mask"_a = pybind11::none(), "return_lse"_a = false, "return_indices"_a = false, "block"_a = 64,
+        "alibi_slopes"_a = pybind11::none(), "softcap"_a = 0.0, "bias"_a = pybind11::none(),
+        "rel_pos_bias"_a = pybind11::none(), "num_threads"_a = 0,
+        "Sparse attention of q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] under `pattern`; "
+        "returns out [B, Hq, Lq, Dv] (and lse [B, Hq, Lq] with return_lse=True).");
+  m.def("sparse_attention_backward", &sparse_attention_backward_py, "dout"_a, "query"_a, "key"_a, "value"_a, "out"_a,
+        "lse"_a, "pattern"_a, "scale"_a = pybind11::none(), "enable_gqa"_a = false, pybind11::kw_only(),
+        "key_padding_mask"_a = pybind11::none(), "block"_a = 64, "alibi_slopes"_a = pybind11::none(),
+        "softcap"_a = 0.0, "bias"_a = pybind11::none(), "rel_pos_bias"_a = pybind11::none(), "num_threads"_a = 0,
+        "indices"_a = pybind11::none(),
+        "Backward of sparse_attention: returns (dq, dk, dv, grads) with grads a dict of parameter gradients "
+        "('bias', 'rel_pos_bias', 'logits' for MixedAttention) for the options given.");
+}
+
+}  // namespace sattn::py

@@ -1,0 +1,763 @@
+// Content-adaptive attention: TopK, BlockTopK, ReLUAttention, MixedAttention (see patterns.hpp / sparse.hpp).
+#include "sparse/adaptive.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+
+#include "sattn/error.hpp"
+
+namespace sattn::sparse {
+
+// ---- nodes --------------------------------------------------------------------------------------------------
+
+std::string AdaptiveNode::repr() const {
+  switch (kind) {
+    case kTopK: return sattn::detail::concat("TopK(", k, ")");
+    case kBlockTopK: {
+      std::string s = sattn::detail::concat("BlockTopK(", block, ", ", k_blocks);
+      if (!local) s += ", local=False";
+      if (causal) s += ", causal=True";
+      return s + ")";
+    }
+    case kReLU: {
+      std::string s = "ReLUAttention(";
+      bool any = false;
+      if (power != 2.0) {
+        s += sattn::detail::concat("power=", format_double(power));
+        any = true;
+      }
+      if (normalize != 0) s += std::string(any ? ", " : "") + "normalize='" + (normalize == 1 ? "sum" : "length") + "'";
+      return s + ")";
+    }
+    case kMixed:
+      if (logit_softmax == 0.0 && logit_relu == 0.0) return "MixedAttention()";
+      return "MixedAttention(logits=(" + format_double(logit_softmax) + ", " + format_double(logit_relu) + "))";
+  }
+  return "?";
+}
+
+bool AdaptiveNode::allowed(int64_t, int64_t, int64_t, int64_t, int64_t) const {
+  fail(ErrorKind::kInvalidArgument, "pattern ", repr(), ": a content-adaptive pattern has no fixed element predicate");
+}
+
+std::string format_double(double x) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", x);
+  std::string s = buf;
+  // Shortest representation that reads back exactly.
+  for (int prec = 1; prec <= 17; ++prec) {
+    std::snprintf(buf, sizeof buf, "%.*g", prec, x);
+    if (std::strtod(buf, nullptr) == x) {
+      s = buf;
+      break;
+    }
+  }
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
+
+namespace {
+std::shared_ptr<AdaptiveNode> make_node(AdaptiveNode::Kind kind) {
+  auto n = std::make_shared<AdaptiveNode>();
+  n->kind = kind;
+  return n;
+}
+std::shared_ptr<AdaptiveNode> topk_node(int64_t k) {
+  check(k >= 1, ErrorKind::kInvalidArgument, "TopK: expected k >= 1, got ", k);
+  auto n = make_node(AdaptiveNode::kTopK);
+  n->k = k;
+  return n;
+}
+std::shared_ptr<AdaptiveNode> blocktopk_node(int64_t block, int64_t k_blocks, bool local, bool causal) {
+  check(block >= 1, ErrorKind::kInvalidArgument, "BlockTopK: expected block >= 1, got ", block);
+  check(k_blocks >= 1, ErrorKind::kInvalidArgument, "BlockTopK: expected k_blocks >= 1, got ", k_blocks);
+  auto n = make_node(AdaptiveNode::kBlockTopK);
+  n->block = block;
+  n->k_blocks = k_blocks;
+  n->local = local;
+  n->causal = causal;
+  return n;
+}
+std::shared_ptr<AdaptiveNode> relu_node(double power, const std::string& normalize) {
+  check(std::isfinite(power) && power >= 1.0, ErrorKind::kInvalidArgument,
+        "ReLUAttention: expected power >= 1, got ", power);
+  check(normalize == "none" || normalize == "sum" || normalize == "length", ErrorKind::kInvalidArgument,
+        "ReLUAttention: expected normalize 'none', 'sum' or 'length', got '", normalize, "'");
+  auto n = make_node(AdaptiveNode::kReLU);
+  n->power = power;
+  n->normalize = normalize == "none" ? 0 : normalize == "sum" ? 1 : 2;
+  return n;
+}
+std::shared_ptr<AdaptiveNode> mixed_node(double a1, double a2) {
+  check(std::isfinite(a1) && std::isfinite(a2), ErrorKind::kInvalidArgument,
+        "MixedAttention: expected finite logits, got (", a1, ", ", a2, ")");
+  auto n = make_node(AdaptiveNode::kMixed);
+  n->logit_softmax = a1;
+  n->logit_relu = a2;
+  return n;
+}
+}  // namespace
+
+TopK::TopK(int64_t k) : Pattern(topk_node(k)) {}
+BlockTopK::BlockTopK(int64_t block, int64_t k_blocks, bool local, bool causal)
+    : Pattern(blocktopk_node(block, k_blocks, local, causal)) {}
+ReLUAttention::ReLUAttention(double power, const std::string& normalize) : Pattern(relu_node(power, normalize)) {}
+MixedAttention::MixedAttention(double a1, double a2) : Pattern(mixed_node(a1, a2)) {}
+
+// ---- helpers --------------------------------------------------------------------------------------------------
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct FixedMask {
+  const Pattern::Node* node;  // null: everything allowed
+  int64_t lq, lk;
+  bool operator()(int64_t, int64_t h, int64_t i, int64_t j) const {
+    return node == nullptr || node->allowed(h, i, j, lq, lk);
+  }
+};
+
+TensorView slice_batch(const TensorView& t, int64_t b) {
+  if (!t.data) return t;
+  TensorView s = t;
+  s.data = static_cast<char*>(t.data) + b * t.strides[0] * int64_t(dtype_size(t.dtype));
+  s.shape[0] = 1;
+  return s;
+}
+
+void check_indices(const TensorView& t, const Shape& shape, const char* what) {
+  check(t.dtype == DType::kI64, ErrorKind::kTypeError, "indices: expected int64, got ", to_string(t.dtype));
+  check(t.shape == shape && t.strides.size() == shape.size(), ErrorKind::kInvalidArgument, "indices: expected ", what,
+        " ", shape_to_string(shape), ", got ", shape_to_string(t.shape));
+}
+
+int64_t& idx_at(const TensorView& t, int64_t a, int64_t b, int64_t c, int64_t d) {
+  return static_cast<int64_t*>(t.data)[a * t.strides[0] + b * t.strides[1] + c * t.strides[2] + d * t.strides[3]];
+}
+
+void require_no_mods(const SparseOptions& o, const char* what) {
+  check(o.alibi_slopes.empty() && o.softcap == 0.0 && !o.bias.data && !o.rel_pos_bias.data,
+        ErrorKind::kInvalidArgument, what, ": score mods (alibi_slopes, softcap, bias, rel_pos_bias) are not supported "
+        "with content-adaptive patterns");
+}
+
+BlockMask fixed_block_mask(const Pattern& fixed, int64_t lq, int64_t lk, int64_t hq, int64_t block) {
+  return fixed.defined() ? fixed.block_mask(lq, lk, hq, block) : Full().block_mask(lq, lk, hq, block);
+}
+
+// ---- TopK ------------------------------------------------------------------------------------------------------
+
+struct Cand {
+  float s;
+  int32_t j;   // original key index
+  int32_t kp;  // layout position
+};
+// "a is better than b": higher score, ties to the lower key index. As a heap comparator the top is the worst kept.
+inline bool better(const Cand& a, const Cand& b) { return a.s > b.s || (a.s == b.s && a.j < b.j); }
+
+void topk_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& q, const TensorView& k,
+                  const TensorView& v, const SparseOptions& o, const TensorView& out, const TensorView& lse,
+                  const TensorView& indices) {
+  const int64_t lq = q.shape[2], lk = k.shape[2], hq = q.shape[1];
+  const BlockMask bm = fixed_block_mask(fixed, lq, lk, hq, o.block);
+  detail::Packed p = detail::pack_inputs(q, k, v, bm, o, o.enable_gqa);
+  detail::check_outputs(p, out, lse);
+  const int64_t K_out = a.k, K = std::min(a.k, p.Lk);  // at most Lk keys can be kept
+  if (indices.data) check_indices(indices, {p.B, p.Hq, p.Lq, K_out}, "[B, Hq, Lq, k]");
+  const FixedMask fm{fixed.defined() ? &fixed.node() : nullptr, lq, lk};
+  const int64_t nqb = bm.num_q_blocks(), D = p.D, Dv = p.Dv;
+  auto item = [&](int64_t it) {
+    const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
+    const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
+    thread_local detail::Scratch sc;
+    thread_local std::vector<Cand> heap;
+    thread_local std::vector<int64_t> cnt;
+    sc.ensure(m, D, Dv);
+    heap.resize(size_t(m * K));
+    cnt.assign(size_t(m), 0);
+    const float* qt = &p.q[size_t(((b * p.Hq + h) * p.Lq + q0) * D)];
+    const float* kbase = &p.k[size_t((b * p.Hkv + hk) * p.Lk * D)];
+    const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
+    const int64_t row = bm.slot(h) * nqb + qb;
+    // Scoring pass: streaming top-k per row (a heap whose top is the worst kept; a score enters only if it
+    // beats it), never materialising the row.
+    detail::for_each_chunk(&bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
+                           [&](const detail::Segment* segs, int64_t nseg, int64_t n) {
+                             detail::gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, false, nullptr, false);
+                             tiles::qk(qt, m, D, sc.kt.data(), n, n, p.scale, sc.s.data());
+                             detail::mod_and_mask(sc.s.data(), nullptr, m, n, segs, nseg, bm, q0, b, h, p, fm,
+                                                  NoScoreMod{});
+                             for (int64_t r = 0; r < m; ++r) {
+                               Cand* hp = &heap[size_t(r * K)];
+                               int64_t& c = cnt[size_t(r)];
+                               for (int64_t x = 0; x < nseg; ++x)
+                                 for (int32_t kp = segs[x].begin; kp < segs[x].end; ++kp) {
+                                   const float s = sc.s[size_t(r * n + segs[x].col + (kp - segs[x].begin))];
+                                   if (s == kNegInf) continue;
+                                   const Cand cd{s, bm.k_index(kp), kp};
+                                   if (c < K) {
+                                     hp[c++] = cd;
+                                     std::push_heap(hp, hp + c, better);
+                                   } else if (better(cd, hp[0])) {
+                                     std::pop_heap(hp, hp + K, better);
+                                     hp[K - 1] = cd;
+                                     std::push_heap(hp, hp + K, better);
+                                   }
+                                 }
+                             }
+                           });
+    // Softmax and PV over the k kept keys: O(k * Dv) per row.
+    std::vector<float> o_row(static_cast<size_t>(Dv));
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t i = bm.q_index(q0 + r);
+      Cand* hp = &heap[size_t(r * K)];
+      const int64_t c = cnt[size_t(r)];
+      std::sort(hp, hp + c, [](const Cand& x, const Cand& y) { return x.j < y.j; });
+      std::fill(o_row.begin(), o_row.end(), 0.0f);
+      float mx = kNegInf;
+      for (int64_t x = 0; x < c; ++x) mx = std::max(mx, hp[x].s);
+      float sum = 0.0f;
+      for (int64_t x = 0; x < c; ++x) {
+        const float w = std::exp(hp[x].s - mx);
+        sum += w;
+        const float* vr = vbase + int64_t(hp[x].kp) * Dv;
+        for (int64_t d = 0; d < Dv; ++d) o_row[size_t(d)] += w * vr[d];
+      }
+      const float inv = c > 0 ? 1.0f / sum : 0.0f;
+      for (auto& x : o_row) x *= inv;
+      detail::store_row(out, b, h, i, o_row.data(), Dv);
+      if (lse.data) detail::store_value(lse, b, h, i, c > 0 ? mx + std::log(sum) : kNegInf);
+      if (indices.data)
+        for (int64_t x = 0; x < K_out; ++x) idx_at(indices, b, h, i, x) = x < c ? hp[x].j : -1;
+    }
+  };
+  detail::parallel(p.B * p.Hq * nqb, p.threads, item);
+}
+
+void topk_backward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& dout, const TensorView& q,
+                   const TensorView& k, const TensorView& v, const TensorView& lse, const SparseOptions& o,
+                   const SparseGrads& g, const TensorView& indices_in) {
+  const int64_t B = q.shape[0], hq = q.shape[1], lq = q.shape[2], lk = k.shape[2], K = a.k;
+  // The selection: the given indices, or recomputed (deterministically) by the forward pass.
+  Tensor idx_t, out_t, lse_t;
+  TensorView indices = indices_in;
+  if (!indices.data) {
+    idx_t = Tensor(DType::kI64, {B, hq, lq, K});
+    out_t = Tensor(DType::kF32, {B, hq, lq, v.shape[3]});
+    lse_t = Tensor(DType::kF32, {B, hq, lq});
+    topk_forward(a, fixed, q, k, v, o, out_t, lse_t, idx_t);
+    indices = idx_t.view();
+  }
+  const BlockMask ident = Full().block_mask(lq, lk, 1, o.block);  // identity layout for packing
+  detail::Packed p = detail::pack_inputs(q, k, v, ident, o, o.enable_gqa);
+  detail::check_grads(p, q, k, v, g.dq, g.dk, g.dv);
+  check_indices(indices, {p.B, p.Hq, p.Lq, K}, "[B, Hq, Lq, k]");
+  check(dout.shape == Shape{p.B, p.Hq, p.Lq, p.Dv}, ErrorKind::kInvalidArgument, "dout: expected shape ",
+        shape_to_string({p.B, p.Hq, p.Lq, p.Dv}), ", got ", shape_to_string(dout.shape));
+  check(lse.data && lse.shape == Shape{p.B, p.Hq, p.Lq}, ErrorKind::kInvalidArgument, "lse: expected shape ",
+        shape_to_string({p.B, p.Hq, p.Lq}));
+  detail::pack_backward(p, ident, dout, dout, lse);  // packs dout and lse (delta unused here)
+  const int64_t D = p.D, Dv = p.Dv;
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t h = 0; h < p.Hq; ++h)
+      for (int64_t i = 0; i < p.Lq; ++i)
+        for (int64_t x = 0; x < K; ++x) {
+          const int64_t j = idx_at(indices, b, h, i, x);
+          check(j >= -1 && j < p.Lk, ErrorKind::kInvalidArgument, "indices: key index ", j, " out of range [-1, ",
+                p.Lk, ")");
+        }
+  // One item per (b, kv head): owns dK/dV of that head and dQ of its query heads (deterministic).
+  auto item = [&](int64_t it) {
+    const int64_t b = it / p.Hkv, hk = it % p.Hkv;
+    std::vector<float> dk(static_cast<size_t>(p.Lk * D), 0.0f), dv(static_cast<size_t>(p.Lk * Dv), 0.0f), dq(static_cast<size_t>(D)), pr(static_cast<size_t>(K)),
+        dp(static_cast<size_t>(K));
+    const float* kb = &p.k[size_t((b * p.Hkv + hk) * p.Lk * D)];
+    const float* vb = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
+    for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h)
+      for (int64_t i = 0; i < p.Lq; ++i) {
+        const size_t row = size_t((b * p.Hq + h) * p.Lq + i);
+        const float* qi = &p.q[row * D];
+        const float* doi = &p.dout[row * Dv];
+        const float l = p.lse[row];
+        std::fill(dq.begin(), dq.end(), 0.0f);
+        float delta = 0.0f;
+        for (int64_t x = 0; x < K; ++x) {
+          const int64_t j = idx_at(indices, b, h, i, x);
+          pr[size_t(x)] = dp[size_t(x)] = 0.0f;
+          if (j < 0 || l == kNegInf) continue;
+          float s = 0.0f, d2 = 0.0f;
+          for (int64_t d = 0; d < D; ++d) s += qi[d] * kb[j * D + d];
+          for (int64_t d = 0; d < Dv; ++d) d2 += doi[d] * vb[j * Dv + d];
+          pr[size_t(x)] = std::exp(p.scale * s - l);
+          dp[size_t(x)] = d2;
+          delta += pr[size_t(x)] * d2;
+        }
+        for (int64_t x = 0; x < K; ++x) {
+          const int64_t j = idx_at(indices, b, h, i, x);
+          if (j < 0 || pr[size_t(x)] == 0.0f) continue;
+          const float ds = pr[size_t(x)] * (dp[size_t(x)] - delta) * p.scale;
+          for (int64_t d = 0; d < D; ++d) {
+            dq[size_t(d)] += ds * kb[j * D + d];
+            dk[size_t(j * D + d)] += ds * qi[d];
+          }
+          for (int64_t d = 0; d < Dv; ++d) dv[size_t(j * Dv + d)] += pr[size_t(x)] * doi[d];
+        }
+        detail::store_row(g.dq, b, h, i, dq.data(), D);
+      }
+    for (int64_t j = 0; j < p.Lk; ++j) {
+      detail::store_row(g.dk, b, hk, j, &dk[size_t(j * D)], D);
+      detail::store_row(g.dv, b, hk, j, &dv[size_t(j * Dv)], Dv);
+    }
+  };
+  detail::parallel(p.B * p.Hkv, p.threads, item);
+}
+
+// ---- BlockTopK -------------------------------------------------------------------------------------------------
+
+struct BlockSelection {
+  BlockMask mask;              // heads = Hq, identity layout, query blocks = aligned blocks
+  std::vector<int64_t> chosen;  // [Hq, nqb, k_blocks], -1 fill
+};
+
+std::vector<int32_t> aligned_bounds(int64_t lq, int64_t off, int64_t block) {
+  std::vector<int32_t> bounds;
+  for (int64_t i = 1; i <= lq; ++i)
+    if (i == lq || ((i + off) % block + block) % block == 0) bounds.push_back(int32_t(i));
+  return bounds;
+}
+
+int64_t floor_div(int64_t x, int64_t y) { return x >= 0 ? x / y : -((-x + y - 1) / y); }
+
+// Selection for batch entry b (q, k: 4-D views of that entry, [1, H, L, D]); `given` (optional) = [Hq, nqb, kb].
+BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const detail::Packed& p, int64_t b,
+                            const int64_t* given) {
+  const int64_t lq = p.Lq, lk = p.Lk, off = lk - lq, blk = a.block, nkb = (lk + blk - 1) / blk, D = p.D;
+  const std::vector<int32_t> bounds = aligned_bounds(lq, off, blk);
+  const int64_t nqb = int64_t(bounds.size()), KB = a.k_blocks;
+  BlockSelection sel;
+  sel.chosen.assign(size_t(p.Hq * nqb * KB), -1);
+  // Key-block means over valid keys, per kv head.
+  std::vector<double> kmean(static_cast<size_t>(p.Hkv * nkb * D), 0.0);
+  std::vector<int64_t> kvalid(static_cast<size_t>(nkb), 0);
+  for (int64_t j = 0; j < lk; ++j)
+    if (p.key_valid.empty() || p.key_valid[size_t(b * lk + j)]) kvalid[size_t(j / blk)]++;
+  for (int64_t hk = 0; hk < p.Hkv; ++hk)
+    for (int64_t j = 0; j < lk; ++j) {
+      if (!(p.key_valid.empty() || p.key_valid[size_t(b * lk + j)])) continue;
+      const float* kr = &p.k[size_t(((b * p.Hkv + hk) * lk + j) * D)];
+      double* km = &kmean[size_t((hk * nkb + j / blk) * D)];
+      for (int64_t d = 0; d < D; ++d) km[d] += kr[d];
+    }
+  for (int64_t hk = 0; hk < p.Hkv; ++hk)
+    for (int64_t kb = 0; kb < nkb; ++kb)
+      for (int64_t d = 0; d < D; ++d)
+        if (kvalid[size_t(kb)] > 0) kmean[size_t((hk * nkb + kb) * D + d)] /= double(kvalid[size_t(kb)]);
+  const std::vector<int32_t> qbounds = [&] {
+    std::vector<int32_t> x = {0};
+    x.insert(x.end(), bounds.begin(), bounds.end());
+    return x;
+  }();
+  sel.mask = detail::build_identity_layout(
+      lq, lk, p.Hq, bounds, [&](int64_t h, int64_t q0, int64_t q1, std::vector<KeyRange>& out) {
+        const int64_t qb = std::lower_bound(qbounds.begin(), qbounds.end(), int32_t(q0)) - qbounds.begin();
+        const int64_t t = floor_div(q0 + off, blk), hk = h / p.group;
+        int64_t* ch = &sel.chosen[size_t((h * nqb + qb) * KB)];
+        std::vector<int64_t> picks;
+        if (given) {
+          for (int64_t x = 0; x < KB; ++x) {
+            const int64_t kb = given[(h * nqb + qb) * KB + x];
+            check(kb >= -1 && kb < nkb, ErrorKind::kInvalidArgument, "indices: key block ", kb, " out of range");
+            if (kb >= 0) picks.push_back(kb);
+          }
+        } else {
+          // Candidates: key blocks with a valid key, allowed by the fixed pattern, not after the query block if causal.
+          std::vector<uint8_t> cand(static_cast<size_t>(nkb), 0);
+          if (fixed.defined()) {
+            std::vector<KeyRange> fr;
+            fixed.node().ranges_for(fixed.head_dependent() ? h : 0, q0, q1, lq, lk, blk, fr);
+            for (const auto& r : fr)
+              for (int64_t kb = r.begin / blk; kb * blk < r.end; ++kb) cand[size_t(kb)] = 1;
+          } else {
+            std::fill(cand.begin(), cand.end(), 1);
+          }
+          for (int64_t kb = 0; kb < nkb; ++kb)
+            if (kvalid[size_t(kb)] == 0 || (a.causal && kb > t)) cand[size_t(kb)] = 0;
+          std::vector<double> qm(static_cast<size_t>(D), 0.0);
+          for (int64_t i = q0; i < q1; ++i) {
+            const float* qr = &p.q[size_t(((b * p.Hq + h) * lq + i) * D)];
+            for (int64_t d = 0; d < D; ++d) qm[size_t(d)] += qr[d];
+          }
+          for (auto& x : qm) x /= double(q1 - q0);
+          std::vector<std::pair<double, int64_t>> scored;
+          for (int64_t kb = 0; kb < nkb; ++kb) {
+            if (!cand[size_t(kb)]) continue;
+            if (a.local && kb == t) {
+              picks.push_back(kb);
+              continue;
+            }
+            const double* km = &kmean[size_t((hk * nkb + kb) * D)];
+            double s = 0;
+            for (int64_t d = 0; d < D; ++d) s += qm[size_t(d)] * km[d];
+            scored.emplace_back(-s, kb);  // ascending: highest score first, ties to the lower block
+          }
+          std::sort(scored.begin(), scored.end());
+          for (const auto& [ns, kb] : scored) {
+            if (int64_t(picks.size()) >= KB) break;
+            picks.push_back(kb);
+          }
+        }
+        std::sort(picks.begin(), picks.end());
+        for (size_t x = 0; x < picks.size(); ++x) ch[x] = picks[x];
+        for (int64_t kb : picks)
+          detail::emit_range(out, kb * blk, std::min(lk, (kb + 1) * blk), !fixed.defined() && !(a.causal && kb == t),
+                             blk);
+      });
+  return sel;
+}
+
+struct BlockTopKMask {
+  const Pattern::Node* fixed;
+  bool causal;
+  int64_t lq, lk;
+  bool operator()(int64_t, int64_t h, int64_t i, int64_t j) const {
+    return (!causal || j <= i + lk - lq) && (fixed == nullptr || fixed->allowed(h, i, j, lq, lk));
+  }
+};
+
+SparseOptions batch_options(const SparseOptions& o, int64_t b) {
+  SparseOptions s = o;
+  if (o.key_padding_mask.data) s.key_padding_mask = slice_batch(o.key_padding_mask, b);
+  if (o.key_lengths.data) s.key_lengths = slice_batch(o.key_lengths, b);
+  return s;
+}
+
+int64_t blocktopk_nqb(const AdaptiveNode& a, int64_t lq, int64_t lk) {
+  return int64_t(aligned_bounds(lq, lk - lq, a.block).size());
+}
+
+void blocktopk_run(const AdaptiveNode& a, const Pattern& fixed, const TensorView& q, const TensorView& k,
+                   const TensorView& v, const SparseOptions& o, const TensorView& indices, bool indices_given,
+                   const std::function<void(int64_t, const BlockMask&, const SparseOptions&)>& run) {
+  const int64_t lq = q.shape[2], lk = k.shape[2];
+  const BlockMask ident = Full().block_mask(lq, lk, 1, o.block);
+  const detail::Packed p = detail::pack_inputs(q, k, v, ident, o, o.enable_gqa);
+  const int64_t nqb = blocktopk_nqb(a, lq, lk), KB = a.k_blocks;
+  if (indices.data) check_indices(indices, {p.B, p.Hq, nqb, KB}, "[B, Hq, num_query_blocks, k_blocks]");
+  for (int64_t b = 0; b < p.B; ++b) {
+    std::vector<int64_t> given;
+    if (indices_given) {
+      given.resize(size_t(p.Hq * nqb * KB));
+      for (int64_t h = 0; h < p.Hq; ++h)
+        for (int64_t x = 0; x < nqb; ++x)
+          for (int64_t y = 0; y < KB; ++y) given[size_t((h * nqb + x) * KB + y)] = idx_at(indices, b, h, x, y);
+    }
+    const BlockSelection sel = block_select(a, fixed, p, b, indices_given ? given.data() : nullptr);
+    if (indices.data && !indices_given)
+      for (int64_t h = 0; h < p.Hq; ++h)
+        for (int64_t x = 0; x < nqb; ++x)
+          for (int64_t y = 0; y < KB; ++y) idx_at(indices, b, h, x, y) = sel.chosen[size_t((h * nqb + x) * KB + y)];
+    run(b, sel.mask, batch_options(o, b));
+  }
+}
+
+// ---- ReLU attention ------------------------------------------------------------------------------------------------
+
+inline float relu_pow(float s, double power) {
+  if (!(s > 0.0f)) return 0.0f;
+  return power == 2.0 ? s * s : power == 1.0 ? s : float(std::pow(double(s), power));
+}
+inline float relu_pow_grad(float s, double power) {  // d/ds relu(s)^power
+  if (!(s > 0.0f)) return 0.0f;
+  return power == 2.0 ? 2.0f * s : power == 1.0 ? 1.0f : float(power * std::pow(double(s), power - 1.0));
+}
+
+// out (fp32, [B, Hq, Lq, Dv] dense) of ReLU attention; also the per-row normaliser Z ([B, Hq, Lq]; 1 for "none").
+void relu_forward(double power, int normalize, const Pattern& fixed, const TensorView& q, const TensorView& k,
+                  const TensorView& v, const SparseOptions& o, std::vector<float>& out, std::vector<float>& z) {
+  const int64_t lq = q.shape[2], lk = k.shape[2], hq = q.shape[1];
+  const BlockMask bm = fixed_block_mask(fixed, lq, lk, hq, o.block);
+  const detail::Packed p = detail::pack_inputs(q, k, v, bm, o, o.enable_gqa);
+  const FixedMask fm{fixed.defined() ? &fixed.node() : nullptr, lq, lk};
+  const int64_t nqb = bm.num_q_blocks(), D = p.D, Dv = p.Dv;
+  out.assign(size_t(p.B * p.Hq * p.Lq * Dv), 0.0f);
+  z.assign(size_t(p.B * p.Hq * p.Lq), 1.0f);
+  auto item = [&](int64_t it) {
+    const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
+    const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
+    thread_local detail::Scratch sc;
+    sc.ensure(m, D, Dv);
+    const float* qt = &p.q[size_t(((b * p.Hq + h) * p.Lq + q0) * D)];
+    const float* kbase = &p.k[size_t((b * p.Hkv + hk) * p.Lk * D)];
+    const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
+    std::fill_n(sc.acc.data(), m * Dv, 0.0f);
+    std::fill_n(sc.sum.data(), m, 0.0f);
+    std::vector<int64_t> count(static_cast<size_t>(m), 0);
+    const int64_t row = bm.slot(h) * nqb + qb;
+    detail::for_each_chunk(&bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
+                           [&](const detail::Segment* segs, int64_t nseg, int64_t n) {
+                             const float* vp =
+                                 detail::gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, false, nullptr, false);
+                             float* s = sc.s.data();
+                             tiles::qk(qt, m, D, sc.kt.data(), n, n, p.scale, s);
+                             detail::mod_and_mask(s, nullptr, m, n, segs, nseg, bm, q0, b, h, p, fm, NoScoreMod{});
+                             for (int64_t r = 0; r < m; ++r)
+                               for (int64_t c = 0; c < n; ++c) {
+                                 float& x = s[r * n + c];
+                                 count[size_t(r)] += x != kNegInf;
+                                 x = relu_pow(x, power);
+                                 sc.sum[r] += x;
+                               }
+                             tiles::pv(s, m, n, vp, Dv, Dv, 1.0f, sc.acc.data());
+                           });
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t i = bm.q_index(q0 + r);
+      const size_t orow = size_t((b * p.Hq + h) * p.Lq + i);
+      float zr = 1.0f;
+      if (normalize == 1) zr = sc.sum[r];
+      if (normalize == 2) zr = float(count[size_t(r)]);
+      z[orow] = zr;
+      const float inv = normalize == 0 ? 1.0f : (zr > 0.0f ? 1.0f / zr : 0.0f);
+      for (int64_t d = 0; d < Dv; ++d) out[orow * Dv + d] = sc.acc[size_t(r * Dv + d)] * inv;
+    }
+  };
+  detail::parallel(p.B * p.Hq * nqb, p.threads, item);
+}
+
+// Adds the gradients of ReLU attention (given its out and Z) into dq/dk/dv (fp32 dense buffers).
+void relu_backward(double power, int normalize, const Pattern& fixed, const TensorView& q, const TensorView& k,
+                   const TensorView& v, const std::vector<float>& dout, const std::vector<float>& out,
+                   const std::vector<float>& z, const SparseOptions& o, std::vector<float>& dq, std::vector<float>& dk,
+                   std::vector<float>& dv) {
+  const int64_t lq = q.shape[2], lk = k.shape[2], hq = q.shape[1];
+  const BlockMask bm = fixed_block_mask(fixed, lq, lk, hq, o.block);
+  const detail::Packed p = detail::pack_inputs(q, k, v, bm, o, o.enable_gqa);
+  const FixedMask fm{fixed.defined() ? &fixed.node() : nullptr, lq, lk};
+  const int64_t nqb = bm.num_q_blocks(), D = p.D, Dv = p.Dv;
+  // One item per (b, kv head): serial over its query heads and blocks; owns dK/dV rows of that head.
+  auto item = [&](int64_t it) {
+    const int64_t b = it / p.Hkv, hk = it % p.Hkv;
+    detail::Scratch sc;
+    std::vector<float> dkl(static_cast<size_t>(p.Lk * D), 0.0f), dvl(static_cast<size_t>(p.Lk * Dv), 0.0f);
+    const float* kbase = &p.k[size_t((b * p.Hkv + hk) * p.Lk * D)];
+    const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
+    for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h)
+      for (int64_t qb = 0; qb < nqb; ++qb) {
+        const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
+        sc.ensure(m, D, Dv);
+        const float* qt = &p.q[size_t(((b * p.Hq + h) * p.Lq + q0) * D)];
+        // Per row: dO_i / Z_i (in layout order), delta_i = dO_i·out_i / Z_i for "sum".
+        std::vector<float> gz(static_cast<size_t>(m * Dv)), delta(static_cast<size_t>(m), 0.0f), dqt(static_cast<size_t>(m * D), 0.0f);
+        for (int64_t r = 0; r < m; ++r) {
+          const size_t orow = size_t((b * p.Hq + h) * p.Lq + bm.q_index(q0 + r));
+          const float zr = z[orow], inv = normalize == 0 ? 1.0f : (zr > 0.0f ? 1.0f / zr : 0.0f);
+          for (int64_t d = 0; d < Dv; ++d) {
+            gz[size_t(r * Dv + d)] = dout[orow * Dv + d] * inv;
+            if (normalize == 1) delta[size_t(r)] += dout[orow * Dv + d] * out[orow * Dv + d] * inv;
+          }
+        }
+        const int64_t row = bm.slot(h) * nqb + qb;
+        detail::for_each_chunk(
+            &bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
+            [&](const detail::Segment* segs, int64_t nseg, int64_t n) {
+              const float* kp = nullptr;
+              detail::gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, true, &kp, true);
+              float* s = sc.s.data();
+              float* dw = sc.p2.data();
+              tiles::qk(qt, m, D, sc.kt.data(), n, n, p.scale, s);
+              detail::mod_and_mask(s, nullptr, m, n, segs, nseg, bm, q0, b, h, p, fm, NoScoreMod{});
+              tiles::qk(gz.data(), m, Dv, sc.vt.data(), n, n, 1.0f, dw);  // dO·v_j / Z
+              std::vector<float> w(static_cast<size_t>(m * n));
+              for (int64_t r = 0; r < m; ++r)
+                for (int64_t c = 0; c < n; ++c) {
+                  const float x = s[r * n + c];
+                  w[size_t(r * n + c)] = relu_pow(x, power);
+                  // d out / d w_ij = (v_j - out_i) / Z ("sum"), v_j / Z otherwise; ds = dw * relu^power'(s).
+                  dw[r * n + c] = (dw[r * n + c] - delta[size_t(r)]) * relu_pow_grad(x, power) * p.scale;
+                }
+              tiles::pv(dw, m, n, kp, D, D, 1.0f, dqt.data());
+              // dK, dV rows of this chunk (layout positions of the segments).
+              for (int64_t x = 0; x < nseg; ++x) {
+                const int64_t len = segs[x].end - segs[x].begin;
+                std::vector<float> ds_seg(static_cast<size_t>(m * len)), w_seg(static_cast<size_t>(m * len));
+                for (int64_t r = 0; r < m; ++r)
+                  for (int64_t c = 0; c < len; ++c) {
+                    ds_seg[size_t(r * len + c)] = dw[r * n + segs[x].col + c];
+                    w_seg[size_t(r * len + c)] = w[size_t(r * n + segs[x].col + c)];
+                  }
+                tiles::atx(ds_seg.data(), m, len, qt, D, D, 1.0f, &dkl[size_t(int64_t(segs[x].begin) * D)]);
+                tiles::atx(w_seg.data(), m, len, gz.data(), Dv, Dv, 1.0f, &dvl[size_t(int64_t(segs[x].begin) * Dv)]);
+              }
+            });
+        for (int64_t r = 0; r < m; ++r) {
+          const size_t orow = size_t((b * p.Hq + h) * p.Lq + bm.q_index(q0 + r));
+          for (int64_t d = 0; d < D; ++d) dq[orow * D + d] += dqt[size_t(r * D + d)];
+        }
+      }
+    for (int64_t x = 0; x < p.Lk; ++x) {
+      const size_t krow = size_t((b * p.Hkv + hk) * p.Lk + bm.k_index(x));
+      for (int64_t d = 0; d < D; ++d) dk[krow * D + d] += dkl[size_t(x * D + d)];
+      for (int64_t d = 0; d < Dv; ++d) dv[krow * Dv + d] += dvl[size_t(x * Dv + d)];
+    }
+  };
+  detail::parallel(p.B * p.Hkv, p.threads, item);
+}
+
+std::vector<float> dense4(const TensorView& t) {
+  const BlockMask ident = Full().block_mask(t.shape[2], t.shape[2], 1, 64);
+  detail::Packed p = detail::pack_inputs(t, t, t, ident, {}, true);
+  return p.q;
+}
+
+void store4(const TensorView& t, const std::vector<float>& x) {
+  const int64_t B = t.shape[0], H = t.shape[1], L = t.shape[2], D = t.shape[3];
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < L; ++i) detail::store_row(t, b, h, i, &x[size_t(((b * H + h) * L + i) * D)], D);
+}
+
+void mixed_weights(const AdaptiveNode& a, double& w1, double& w2) {
+  const double m = std::max(a.logit_softmax, a.logit_relu);
+  const double e1 = std::exp(a.logit_softmax - m), e2 = std::exp(a.logit_relu - m);
+  w1 = e1 / (e1 + e2);
+  w2 = e2 / (e1 + e2);
+}
+
+}  // namespace
+
+// ---- entry points ------------------------------------------------------------------------------------------------
+
+void adaptive_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& q, const TensorView& k,
+                      const TensorView& v, const SparseOptions& o, const TensorView& out, const TensorView& lse,
+                      const TensorView& indices) {
+  require_no_mods(o, a.repr().c_str());
+  switch (a.kind) {
+    case AdaptiveNode::kTopK: topk_forward(a, fixed, q, k, v, o, out, lse, indices); return;
+    case AdaptiveNode::kBlockTopK: {
+      blocktopk_run(a, fixed, q, k, v, o, indices, false,
+                    [&](int64_t b, const BlockMask& bm, const SparseOptions& ob) {
+                      block_sparse_attention(slice_batch(q, b), slice_batch(k, b), slice_batch(v, b), bm,
+                                             BlockTopKMask{fixed.defined() ? &fixed.node() : nullptr, a.causal,
+                                                           q.shape[2], k.shape[2]},
+                                             NoScoreMod{}, ob, slice_batch(out, b), slice_batch(lse, b), ob.enable_gqa);
+                    });
+      return;
+    }
+    case AdaptiveNode::kReLU:
+    case AdaptiveNode::kMixed: {
+      check(!indices.data, ErrorKind::kInvalidArgument, "return_indices: ", a.repr(), " selects no keys");
+      std::vector<float> o_relu, z;
+      const bool mixed = a.kind == AdaptiveNode::kMixed;
+      relu_forward(mixed ? 2.0 : a.power, mixed ? 0 : a.normalize, fixed, q, k, v, o, o_relu, z);
+      if (!mixed) {
+        check(out.data && out.dim() == 4 && out.shape == Shape({q.shape[0], q.shape[1], q.shape[2], v.shape[3]}),
+              ErrorKind::kInvalidArgument, "out: expected shape ",
+              shape_to_string({q.shape[0], q.shape[1], q.shape[2], v.shape[3]}), ", got ", shape_to_string(out.shape));
+        store4(out, o_relu);
+        if (lse.data) {  // no softmax: report log(Z) (log of the row sum; -inf for an empty row)
+          for (int64_t b = 0; b < q.shape[0]; ++b)
+            for (int64_t h = 0; h < q.shape[1]; ++h)
+              for (int64_t i = 0; i < q.shape[2]; ++i)
+                detail::store_value(lse, b, h, i, std::log(z[size_t((b * q.shape[1] + h) * q.shape[2] + i)]));
+        }
+        return;
+      }
+      double w1, w2;
+      mixed_weights(a, w1, w2);
+      const BlockMask bm = fixed_block_mask(fixed, q.shape[2], k.shape[2], q.shape[1], o.block);
+      block_sparse_attention(q, k, v, bm, FixedMask{fixed.defined() ? &fixed.node() : nullptr, q.shape[2], k.shape[2]},
+                             NoScoreMod{}, o, out, lse, o.enable_gqa);
+      std::vector<float> o_soft = dense4(out);
+      for (size_t x = 0; x < o_soft.size(); ++x) o_soft[x] = float(w1 * o_soft[x] + w2 * o_relu[x]);
+      store4(out, o_soft);
+      return;
+    }
+  }
+}
+
+void adaptive_backward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& dout, const TensorView& q,
+                       const TensorView& k, const TensorView& v, const TensorView& out, const TensorView& lse,
+                       const SparseOptions& o, const SparseGrads& g, const TensorView& indices) {
+  require_no_mods(o, a.repr().c_str());
+  switch (a.kind) {
+    case AdaptiveNode::kTopK: topk_backward(a, fixed, dout, q, k, v, lse, o, g, indices); return;
+    case AdaptiveNode::kBlockTopK:
+      blocktopk_run(a, fixed, q, k, v, o, indices, indices.data != nullptr,
+                    [&](int64_t b, const BlockMask& bm, const SparseOptions& ob) {
+                      block_sparse_attention_backward(
+                          slice_batch(dout, b), slice_batch(q, b), slice_batch(k, b), slice_batch(v, b),
+                          slice_batch(out, b), slice_batch(lse, b), bm,
+                          BlockTopKMask{fixed.defined() ? &fixed.node() : nullptr, a.causal, q.shape[2], k.shape[2]},
+                          NoScoreMod{}, ob, slice_batch(g.dq, b), slice_batch(g.dk, b), slice_batch(g.dv, b), nullptr,
+                          ob.enable_gqa);
+                    });
+      return;
+    case AdaptiveNode::kReLU:
+    case AdaptiveNode::kMixed: {
+      const bool mixed = a.kind == AdaptiveNode::kMixed;
+      const BlockMask ident = Full().block_mask(q.shape[2], k.shape[2], 1, o.block);
+      detail::Packed p = detail::pack_inputs(q, k, v, ident, o, o.enable_gqa);
+      detail::check_grads(p, q, k, v, g.dq, g.dk, g.dv);
+      check(dout.data && dout.shape == Shape({p.B, p.Hq, p.Lq, p.Dv}), ErrorKind::kInvalidArgument,
+            "dout: expected shape ", shape_to_string({p.B, p.Hq, p.Lq, p.Dv}));
+      std::vector<float> dq(p.q.size(), 0.0f), dk(p.k.size(), 0.0f), dv(p.v.size(), 0.0f);
+      const std::vector<float> d_out = dense4(dout);
+      std::vector<float> o_relu, z;
+      relu_forward(mixed ? 2.0 : a.power, mixed ? 0 : a.normalize, fixed, q, k, v, o, o_relu, z);
+      if (!mixed) {
+        relu_backward(a.power, a.normalize, fixed, q, k, v, d_out, o_relu, z, o, dq, dk, dv);
+      } else {
+        double w1, w2;
+        mixed_weights(a, w1, w2);
+        // Recompute the softmax part (out and lse) and d(logits) = w ⊙ (g - w·g), g_c = sum(dout * out_c).
+        const BlockMask bm = fixed_block_mask(fixed, q.shape[2], k.shape[2], q.shape[1], o.block);
+        const FixedMask fm{fixed.defined() ? &fixed.node() : nullptr, q.shape[2], k.shape[2]};
+        Tensor o_soft(DType::kF32, {p.B, p.Hq, p.Lq, p.Dv}), lse_soft(DType::kF32, {p.B, p.Hq, p.Lq});
+        block_sparse_attention(q, k, v, bm, fm, NoScoreMod{}, o, o_soft, lse_soft, o.enable_gqa);
+        double g1 = 0, g2 = 0;
+        for (size_t x = 0; x < d_out.size(); ++x) {
+          g1 += double(d_out[x]) * o_soft.data<float>()[x];
+          g2 += double(d_out[x]) * o_relu[x];
+        }
+        if (g.dlogits.data) {
+          check(g.dlogits.numel() == 2 && g.dlogits.dim() == 1, ErrorKind::kInvalidArgument,
+                "dlogits: expected shape [2], got ", shape_to_string(g.dlogits.shape));
+          const double wg = w1 * g1 + w2 * g2;
+          const int64_t i0[1] = {0}, i1[1] = {1};
+          g.dlogits.set(i0, w1 * (g1 - wg));
+          g.dlogits.set(i1, w2 * (g2 - wg));
+        }
+        std::vector<float> d1(d_out.size()), d2(d_out.size());
+        for (size_t x = 0; x < d_out.size(); ++x) {
+          d1[x] = float(w1 * d_out[x]);
+          d2[x] = float(w2 * d_out[x]);
+        }
+        Tensor d1t(DType::kF32, {p.B, p.Hq, p.Lq, p.Dv});
+        std::copy(d1.begin(), d1.end(), d1t.data<float>());
+        Tensor sq(DType::kF32, q.shape), sk(DType::kF32, k.shape), sv(DType::kF32, v.shape);
+        block_sparse_attention_backward(d1t, q, k, v, o_soft, lse_soft, bm, fm, NoScoreMod{}, o, sq, sk, sv, nullptr,
+                                        o.enable_gqa);
+        relu_backward(2.0, 0, fixed, q, k, v, d2, o_relu, z, o, dq, dk, dv);
+        for (size_t x = 0; x < dq.size(); ++x) dq[x] += sq.data<float>()[x];
+        for (size_t x = 0; x < dk.size(); ++x) dk[x] += sk.data<float>()[x];
+        for (size_t x = 0; x < dv.size(); ++x) dv[x] += sv.data<float>()[x];
+      }
+      store4(g.dq, dq);
+      store4(g.dk, dk);
+      store4(g.dv, dv);
+      return;
+    }
+  }
+}
+
+Shape adaptive_indices_shape(const AdaptiveNode& a, int64_t B, int64_t hq, int64_t lq, int64_t lk) {
+  if (a.kind == AdaptiveNode::kTopK) return {B, hq, lq, a.k};
+  if (a.kind == AdaptiveNode::kBlockTopK) return {B, hq, blocktopk_nqb(a, lq, lk), a.k_blocks};
+  return {};
+}
+
+}  // namespace sattn::sparse

@@ -1,0 +1,233 @@
+// Non-template parts of the block-sparse engine: validation, packing into fp32 layout order, stores, threads.
+#include <cmath>
+#include <cstring>
+
+#include "core/threads.hpp"
+#include "sattn/error.hpp"
+#include "sattn/sparse_engine.hpp"
+
+namespace sattn::sparse::detail {
+
+namespace {
+
+void check_input(const TensorView& t, const char* name, const char* layout) {
+  check(t.data != nullptr, ErrorKind::kInvalidArgument, name, ": required");
+  check(t.dim() == 4, ErrorKind::kInvalidArgument, name, ": expected a 4-D tensor ", layout, ", got shape ",
+        shape_to_string(t.shape));
+  check(t.strides.size() == 4, ErrorKind::kInvalidArgument, name, ": expected 4 strides, got ", t.strides.size());
+  check(is_floating(t.dtype), ErrorKind::kTypeError, name, ": expected float32, float64, bfloat16 or float16, got ",
+        to_string(t.dtype));
+  for (int d = 0; d < 4; ++d) {
+    check(t.shape[d] > 0, ErrorKind::kInvalidArgument, name, ": zero-size dimension in shape ",
+          shape_to_string(t.shape), " (expected ", layout, ")");
+    check(t.strides[d] >= 0, ErrorKind::kInvalidArgument, name, ": negative strides are not supported");
+  }
+}
+
+inline float load(const void* base, DType dt, int64_t off) {
+  switch (dt) {
+    case DType::kF32: return static_cast<const float*>(base)[off];
+    case DType::kF64: return float(static_cast<const double*>(base)[off]);
+    case DType::kBF16: return bf16_to_float(static_cast<const uint16_t*>(base)[off]);
+    case DType::kF16: return fp16_to_float(static_cast<const uint16_t*>(base)[off]);
+    default: return 0.0f;
+  }
+}
+
+// out[(b, h, pos, :)] = t[b, h, perm[pos], :] in fp32.
+void pack4(const TensorView& t, const std::vector<int32_t>& perm, std::vector<float>& out) {
+  const int64_t B = t.shape[0], H = t.shape[1], L = t.shape[2], D = t.shape[3];
+  out.resize(size_t(B * H * L * D));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t pos = 0; pos < L; ++pos) {
+        const int64_t src = b * t.strides[0] + h * t.strides[1] + int64_t(perm.empty() ? pos : perm[pos]) * t.strides[2];
+        float* dst = &out[size_t(((b * H + h) * L + pos) * D)];
+        if (t.dtype == DType::kF32) {
+          const float* s = static_cast<const float*>(t.data) + src;
+          if (t.strides[3] == 1) std::memcpy(dst, s, size_t(D) * sizeof(float));
+          else
+            for (int64_t d = 0; d < D; ++d) dst[d] = s[d * t.strides[3]];
+        } else {
+          for (int64_t d = 0; d < D; ++d) dst[d] = load(t.data, t.dtype, src + d * t.strides[3]);
+        }
+      }
+}
+
+void check_output_view(const TensorView& t, const char* name, const Shape& expected) {
+  check(t.shape == expected, ErrorKind::kInvalidArgument, name, ": expected shape ", shape_to_string(expected), ", got ",
+        shape_to_string(t.shape));
+  check(t.strides.size() == t.shape.size(), ErrorKind::kInvalidArgument, name, ": strides do not match the shape");
+  check(is_floating(t.dtype), ErrorKind::kTypeError, name, ": expected a float tensor, got ", to_string(t.dtype));
+  for (size_t d = 0; d < t.shape.size(); ++d)
+    check(t.strides[d] > 0 || t.shape[d] == 1, ErrorKind::kInvalidArgument, name,
+          ": an output may not broadcast (stride 0 on dimension ", d, ")");
+}
+
+}  // namespace
+
+Packed pack_inputs(const TensorView& q, const TensorView& k, const TensorView& v, const BlockMask& mask,
+                   const EngineOptions& o, bool enable_gqa) {
+  check_input(q, "query", "[B, Hq, Lq, D]");
+  check_input(k, "key", "[B, Hkv, Lk, D]");
+  check_input(v, "value", "[B, Hkv, Lk, Dv]");
+  check(k.dtype == q.dtype && v.dtype == q.dtype, ErrorKind::kTypeError, "key/value: expected the dtype of query (",
+        to_string(q.dtype), "), got key ", to_string(k.dtype), " and value ", to_string(v.dtype));
+  Packed p;
+  p.B = q.shape[0];
+  p.Hq = q.shape[1];
+  p.Lq = q.shape[2];
+  p.D = q.shape[3];
+  p.Hkv = k.shape[1];
+  p.Lk = k.shape[2];
+  p.Dv = v.shape[3];
+  check(k.shape[0] == p.B && v.shape[0] == p.B, ErrorKind::kInvalidArgument, "key/value: expected batch size ", p.B,
+        " (from query), got key ", shape_to_string(k.shape), " and value ", shape_to_string(v.shape));
+  check(k.shape[3] == p.D, ErrorKind::kInvalidArgument, "key: expected head dim D = ", p.D, " (from query), got ",
+        shape_to_string(k.shape));
+  check(v.shape[1] == p.Hkv && v.shape[2] == p.Lk, ErrorKind::kInvalidArgument,
+        "value: expected [B, Hkv, Lk, Dv] with Hkv = ", p.Hkv, " and Lk = ", p.Lk, ", got ", shape_to_string(v.shape));
+  check(p.Hq % p.Hkv == 0, ErrorKind::kInvalidArgument, "key: query heads Hq = ", p.Hq,
+        " must be a multiple of key/value heads Hkv = ", p.Hkv);
+  check(enable_gqa || p.Hq == p.Hkv, ErrorKind::kInvalidArgument, "key: Hq = ", p.Hq, " differs from Hkv = ", p.Hkv,
+        "; pass enable_gqa=True for grouped-query attention");
+  p.group = p.Hq / p.Hkv;
+  check(mask.len_q == p.Lq && mask.len_k == p.Lk, ErrorKind::kInvalidArgument, "block_mask: built for Lq = ",
+        mask.len_q, ", Lk = ", mask.len_k, ", but the inputs have Lq = ", p.Lq, ", Lk = ", p.Lk);
+  check(mask.heads == 1 || mask.heads == p.Hq, ErrorKind::kInvalidArgument, "block_mask: has ", mask.heads,
+        " heads, expected 1 or Hq = ", p.Hq);
+  mask.validate();
+  const double scale = o.scale ? *o.scale : 1.0 / std::sqrt(double(p.D));
+  check(std::isfinite(scale), ErrorKind::kInvalidArgument, "scale: expected a finite number, got ", scale);
+  p.scale = float(scale);
+  p.threads = resolve_num_threads(o.num_threads);
+
+  // Key padding in layout order.
+  const bool has_kpm = o.key_padding_mask.data != nullptr, has_len = o.key_lengths.data != nullptr;
+  check(!(has_kpm && has_len), ErrorKind::kInvalidArgument,
+        "key_padding_mask/key_lengths: give one or the other, not both");
+  if (has_kpm || has_len) {
+    p.key_valid.assign(size_t(p.B * p.Lk), 1);
+    if (has_kpm) {
+      const TensorView& m = o.key_padding_mask;
+      check(m.dtype == DType::kBool, ErrorKind::kTypeError, "key_padding_mask: expected bool (True = padding), got ",
+            to_string(m.dtype));
+      check(m.shape == Shape{p.B, p.Lk} && m.strides.size() == 2, ErrorKind::kInvalidArgument,
+            "key_padding_mask: expected shape [B, Lk] = ", shape_to_string({p.B, p.Lk}), ", got ",
+            shape_to_string(m.shape));
+      const auto* d = static_cast<const uint8_t*>(m.data);
+      for (int64_t b = 0; b < p.B; ++b)
+        for (int64_t x = 0; x < p.Lk; ++x)
+          p.key_valid[size_t(b * p.Lk + x)] = d[b * m.strides[0] + mask.k_index(x) * m.strides[1]] ? 0 : 1;
+    } else {
+      const TensorView& m = o.key_lengths;
+      check(m.dtype == DType::kI32 || m.dtype == DType::kI64, ErrorKind::kTypeError,
+            "key_lengths: expected int32 or int64, got ", to_string(m.dtype));
+      check(m.shape == Shape{p.B} && m.strides.size() == 1, ErrorKind::kInvalidArgument,
+            "key_lengths: expected shape [B] = [", p.B, "], got ", shape_to_string(m.shape));
+      for (int64_t b = 0; b < p.B; ++b) {
+        const int64_t len = m.dtype == DType::kI32 ? static_cast<const int32_t*>(m.data)[b * m.strides[0]]
+                                                   : static_cast<const int64_t*>(m.data)[b * m.strides[0]];
+        check(len >= 0 && len <= p.Lk, ErrorKind::kInvalidArgument, "key_lengths[", b, "]: expected a length in [0, Lk = ",
+              p.Lk, "], got ", len);
+        for (int64_t x = 0; x < p.Lk; ++x) p.key_valid[size_t(b * p.Lk + x)] = mask.k_index(x) < len ? 1 : 0;
+      }
+    }
+    p.key_invalid_prefix.assign(size_t(p.B * (p.Lk + 1)), 0);
+    for (int64_t b = 0; b < p.B; ++b) {
+      int32_t* pre = &p.key_invalid_prefix[size_t(b * (p.Lk + 1))];
+      for (int64_t x = 0; x < p.Lk; ++x) pre[x + 1] = pre[x] + (p.key_valid[size_t(b * p.Lk + x)] ? 0 : 1);
+    }
+  }
+  pack4(q, mask.q_perm, p.q);
+  pack4(k, mask.k_perm, p.k);
+  pack4(v, mask.k_perm, p.v);
+  return p;
+}
+
+void check_outputs(const Packed& p, const TensorView& out, const TensorView& lse) {
+  check(out.data != nullptr, ErrorKind::kInvalidArgument, "out: required");
+  check_output_view(out, "out", {p.B, p.Hq, p.Lq, p.Dv});
+  if (lse.data) check_output_view(lse, "lse", {p.B, p.Hq, p.Lq});
+}
+
+void check_grads(const Packed&, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& dq,
+                 const TensorView& dk, const TensorView& dv) {
+  check(dq.data && dk.data && dv.data, ErrorKind::kInvalidArgument, "dq/dk/dv: all three are required");
+  check_output_view(dq, "dq", q.shape);
+  check_output_view(dk, "dk", k.shape);
+  check_output_view(dv, "dv", v.shape);
+}
+
+void pack_backward(Packed& p, const BlockMask& mask, const TensorView& dout, const TensorView& out,
+                   const TensorView& lse) {
+  check_input(dout, "dout", "[B, Hq, Lq, Dv]");
+  check_input(out, "out", "[B, Hq, Lq, Dv]");
+  const Shape os = {p.B, p.Hq, p.Lq, p.Dv};
+  check(dout.shape == os, ErrorKind::kInvalidArgument, "dout: expected shape ", shape_to_string(os), ", got ",
+        shape_to_string(dout.shape));
+  check(out.shape == os, ErrorKind::kInvalidArgument, "out: expected shape ", shape_to_string(os), ", got ",
+        shape_to_string(out.shape));
+  check(lse.data != nullptr, ErrorKind::kInvalidArgument, "lse: the forward log-sum-exp is required for the backward");
+  check(lse.shape == Shape{p.B, p.Hq, p.Lq} && lse.strides.size() == 3, ErrorKind::kInvalidArgument,
+        "lse: expected shape ", shape_to_string({p.B, p.Hq, p.Lq}), ", got ", shape_to_string(lse.shape));
+  check(is_floating(lse.dtype), ErrorKind::kTypeError, "lse: expected a float tensor, got ", to_string(lse.dtype));
+  pack4(dout, mask.q_perm, p.dout);
+  std::vector<float> o;
+  pack4(out, mask.q_perm, o);
+  p.lse.resize(size_t(p.B * p.Hq * p.Lq));
+  p.delta.resize(p.lse.size());
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t h = 0; h < p.Hq; ++h)
+      for (int64_t pos = 0; pos < p.Lq; ++pos) {
+        const size_t r = size_t((b * p.Hq + h) * p.Lq + pos);
+        p.lse[r] = load(lse.data, lse.dtype, b * lse.strides[0] + h * lse.strides[1] + mask.q_index(pos) * lse.strides[2]);
+        double acc = 0;  // delta_i = dO_i · O_i
+        for (int64_t c = 0; c < p.Dv; ++c) acc += double(p.dout[r * p.Dv + c]) * o[r * p.Dv + c];
+        p.delta[r] = float(acc);
+      }
+}
+
+void store_row(const TensorView& t, int64_t b, int64_t h, int64_t i, const float* src, int64_t n) {
+  const int64_t off = b * t.strides[0] + h * t.strides[1] + i * t.strides[2], st = t.strides[3];
+  switch (t.dtype) {
+    case DType::kF32: {
+      float* d = static_cast<float*>(t.data) + off;
+      for (int64_t c = 0; c < n; ++c) d[c * st] = src[c];
+      break;
+    }
+    case DType::kF64: {
+      double* d = static_cast<double*>(t.data) + off;
+      for (int64_t c = 0; c < n; ++c) d[c * st] = src[c];
+      break;
+    }
+    case DType::kBF16: {
+      uint16_t* d = static_cast<uint16_t*>(t.data) + off;
+      for (int64_t c = 0; c < n; ++c) d[c * st] = float_to_bf16(src[c]);
+      break;
+    }
+    case DType::kF16: {
+      uint16_t* d = static_cast<uint16_t*>(t.data) + off;
+      for (int64_t c = 0; c < n; ++c) d[c * st] = float_to_fp16(src[c]);
+      break;
+    }
+    default: fail(ErrorKind::kInternal, "store_row: dtype");
+  }
+}
+
+void store_value(const TensorView& t, int64_t b, int64_t h, int64_t i, float value) {
+  const int64_t off = b * t.strides[0] + h * t.strides[1] + i * t.strides[2];
+  switch (t.dtype) {
+    case DType::kF32: static_cast<float*>(t.data)[off] = value; break;
+    case DType::kF64: static_cast<double*>(t.data)[off] = value; break;
+    case DType::kBF16: static_cast<uint16_t*>(t.data)[off] = float_to_bf16(value); break;
+    case DType::kF16: static_cast<uint16_t*>(t.data)[off] = float_to_fp16(value); break;
+    default: fail(ErrorKind::kInternal, "store_value: dtype");
+  }
+}
+
+void run_parallel(int64_t n, int threads, void* ctx, void (*fn)(void*, int64_t)) {
+  parallel_for(n, threads, [&](int64_t i) { fn(ctx, i); });
+}
+
+}  // namespace sattn::sparse::detail

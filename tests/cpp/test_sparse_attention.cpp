@@ -1,0 +1,421 @@
+// The block-sparse engine against the library's reference (kernel="reference", accumulate_fp64) with the
+// pattern's dense mask: forward <= 2e-5, backward <= 1e-4, relative to max(1, |ref|_inf), fp32 inputs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+
+#include "sattn/attention.hpp"
+#include "sattn/error.hpp"
+#include "sattn/sparse.hpp"
+
+using namespace sattn;
+using namespace sattn::sparse;
+
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+Tensor randn(Shape shape, uint64_t seed, double sd = 1.0) {
+  Tensor t(DType::kF32, std::move(shape));
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> n(0.0f, float(sd));
+  for (int64_t x = 0; x < t.numel(); ++x) t.data<float>()[x] = n(g);
+  return t;
+}
+
+double max_abs(const Tensor& t) {
+  double m = 0;
+  for (int64_t x = 0; x < t.numel(); ++x) {
+    const double a = t.dtype() == DType::kF64 ? t.data<double>()[x] : t.data<float>()[x];
+    if (std::isfinite(a)) m = std::max(m, std::abs(a));
+  }
+  return m;
+}
+
+// |got - ref|_inf / max(1, |ref|_inf); -inf entries must agree exactly.
+double rel_err(const Tensor& got, const Tensor& ref) {
+  EXPECT_EQ(got.numel(), ref.numel());
+  double e = 0;
+  for (int64_t x = 0; x < got.numel(); ++x) {
+    const double a = got.dtype() == DType::kF64 ? got.data<double>()[x] : got.data<float>()[x];
+    const double b = ref.dtype() == DType::kF64 ? ref.data<double>()[x] : ref.data<float>()[x];
+    if (std::isinf(a) || std::isinf(b)) {
+      if (a != b) return kInf;
+      continue;
+    }
+    if (std::isnan(a) || std::isnan(b)) return kInf;
+    e = std::max(e, std::abs(a - b));
+  }
+  return e / std::max(1.0, max_abs(ref));
+}
+
+struct Case {
+  std::string spec;
+  int64_t B, Hq, Hkv, Lq, Lk, D, Dv;
+  int64_t block = 64;
+  int padding = 0;  // 0 none, 1 lengths, 2 bool mask
+  bool alibi = false, bias = false, rel_pos = false;
+};
+
+struct Result {
+  Tensor out, lse, dq, dk, dv, dbias, drel;
+};
+
+// Additive float mask for the reference: 0 / -inf from the pattern, plus the score-mod biases.
+Tensor reference_mask(const Case& c, const Pattern& p, const Tensor& bias, const Tensor& rel, int64_t win,
+                      int64_t width) {
+  const Tensor dm = p.dense_mask(c.Lq, c.Lk, c.Hq);
+  Tensor m(DType::kF64, {c.Hq, c.Lq, c.Lk});
+  const std::vector<float> slopes = alibi_slopes(c.Hq);
+  for (int64_t h = 0; h < c.Hq; ++h)
+    for (int64_t i = 0; i < c.Lq; ++i)
+      for (int64_t j = 0; j < c.Lk; ++j) {
+        const int64_t hs = dm.size(0) == 1 ? 0 : h;
+        double v = dm.data<uint8_t>()[(hs * c.Lq + i) * c.Lk + j] ? 0.0 : -kInf;
+        if (c.alibi) v -= slopes[h] * std::abs(double(i + c.Lk - c.Lq - j));
+        if (c.bias) v += bias.data<float>()[((bias.size(0) == 1 ? 0 : h) * c.Lq + i) * c.Lk + j];
+        if (c.rel_pos) {
+          const int64_t dr = i / width - j / width, dc = i % width - j % width;
+          if (std::abs(dr) < win && std::abs(dc) < win)
+            v += rel.data<float>()[((dr + win - 1) * (2 * win - 1) + dc + win - 1) * c.Hq + h];
+        }
+        m.data<double>()[(h * c.Lq + i) * c.Lk + j] = v;
+      }
+  return m;
+}
+
+void run_case(const Case& c) {
+  SCOPED_TRACE(c.spec + " B=" + std::to_string(c.B) + " Hq=" + std::to_string(c.Hq) + " Hkv=" + std::to_string(c.Hkv) +
+               " Lq=" + std::to_string(c.Lq) + " Lk=" + std::to_string(c.Lk) + " D=" + std::to_string(c.D) +
+               " Dv=" + std::to_string(c.Dv) + " block=" + std::to_string(c.block) + " pad=" + std::to_string(c.padding));
+  const Pattern p = Pattern::parse(c.spec);
+  const uint64_t seed = std::hash<std::string>{}(c.spec) ^ uint64_t(c.Lq * 131 + c.Lk);
+  const Tensor q = randn({c.B, c.Hq, c.Lq, c.D}, seed + 1), k = randn({c.B, c.Hkv, c.Lk, c.D}, seed + 2),
+               v = randn({c.B, c.Hkv, c.Lk, c.Dv}, seed + 3), dout = randn({c.B, c.Hq, c.Lq, c.Dv}, seed + 4);
+  SparseOptions so;
+  so.block = c.block;
+  so.num_threads = 2;
+  AttentionOptions ro;
+  ro.kernel = "reference";
+  ro.accumulate_fp64 = true;
+  Tensor lengths(DType::kI64, {c.B}), kpm(DType::kBool, {c.B, c.Lk});
+  if (c.padding == 1) {
+    for (int64_t b = 0; b < c.B; ++b) lengths.data<int64_t>()[b] = std::max<int64_t>(0, c.Lk - 3 - 7 * b);
+    so.key_lengths = ro.key_lengths = lengths.view();
+  } else if (c.padding == 2) {
+    std::mt19937 g(7);
+    for (int64_t x = 0; x < kpm.numel(); ++x) kpm.data<uint8_t>()[x] = (g() % 4) == 0;
+    so.key_padding_mask = ro.key_padding_mask = kpm.view();
+  }
+  if (c.alibi) so.alibi_slopes = alibi_slopes(c.Hq);
+  const Tensor bias = randn({c.Hq, c.Lq, c.Lk}, seed + 5, 0.5);
+  if (c.bias) so.bias = bias.view();
+  int64_t width = 0, win = 0;
+  Tensor rel;
+  if (c.rel_pos) {
+    ASSERT_TRUE(p.node_ptr() != nullptr);
+    // WindowAttention2D(height, width, window, ...): geometry from the spec.
+    int64_t height = 0;
+    ASSERT_EQ(std::sscanf(c.spec.c_str(), "WindowAttention2D(%ld, %ld, %ld", &height, &width, &win), 3);
+    rel = randn({(2 * win - 1) * (2 * win - 1), c.Hq}, seed + 6, 0.5);
+    so.rel_pos_bias = rel.view();
+  }
+  const Tensor mask = reference_mask(c, p, bias, rel, win, width);
+  ro.attn_mask = mask.view();
+
+  // Reference (fp64 accumulation).
+  Tensor rout(DType::kF64, {c.B, c.Hq, c.Lq, c.Dv}), rlse(DType::kF64, {c.B, c.Hq, c.Lq});
+  scaled_dot_product_attention(q, k, v, ro, {rout.view(), rlse.view(), {}});
+  Tensor rdq(DType::kF64, q.shape()), rdk(DType::kF64, k.shape()), rdv(DType::kF64, v.shape()),
+      rdm(DType::kF64, mask.shape());
+  scaled_dot_product_attention_backward(dout, q, k, v, rout, rlse, ro, {rdq.view(), rdk.view(), rdv.view(), rdm.view()});
+
+  // Sparse.
+  Tensor out(DType::kF32, rout.shape()), lse(DType::kF32, rlse.shape());
+  sparse_attention(q, k, v, p, so, out, lse);
+  EXPECT_LE(rel_err(out, rout), 2e-5);
+  EXPECT_LE(rel_err(lse, rlse), 2e-5);
+  Tensor dq(DType::kF32, q.shape()), dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
+  Tensor dbias(DType::kF32, bias.shape()), drel(DType::kF32, c.rel_pos ? rel.shape() : Shape{1});
+  SparseGrads g{dq.view(), dk.view(), dv.view(), {}, {}, {}};
+  if (c.bias) g.dbias = dbias.view();
+  if (c.rel_pos) g.drel_pos_bias = drel.view();
+  sparse_attention_backward(dout, q, k, v, out, lse, p, so, g);
+  EXPECT_LE(rel_err(dq, rdq), 1e-4);
+  EXPECT_LE(rel_err(dk, rdk), 1e-4);
+  EXPECT_LE(rel_err(dv, rdv), 1e-4);
+  if (c.bias) {
+    EXPECT_LE(rel_err(dbias, rdm), 1e-4);
+  }
+  if (c.rel_pos) {
+    Tensor want(DType::kF64, rel.shape());
+    for (int64_t h = 0; h < c.Hq; ++h)
+      for (int64_t i = 0; i < c.Lq; ++i)
+        for (int64_t j = 0; j < c.Lk; ++j) {
+          const int64_t dr = i / width - j / width, dc = i % width - j % width;
+          if (std::abs(dr) < win && std::abs(dc) < win)
+            want.data<double>()[((dr + win - 1) * (2 * win - 1) + dc + win - 1) * c.Hq + h] +=
+                rdm.data<double>()[(h * c.Lq + i) * c.Lk + j];
+        }
+    EXPECT_LE(rel_err(drel, want), 1e-4);
+  }
+}
+
+}  // namespace
+
+TEST(SparseAttention, FixedPatternsMatchReference) {
+  const std::vector<Case> cases = {
+      {"SlidingWindow(5, 3)", 2, 4, 2, 67, 67, 16, 24},
+      {"SlidingWindow(-1, 0)", 1, 2, 1, 65, 130, 32, 32},
+      {"SlidingWindow(20, 20, alignment='top_left')", 1, 2, 2, 130, 65, 8, 8},
+      {"SlidingWindow(2, 0)", 1, 3, 3, 100, 40, 16, 16},  // Lq > Lk: leading rows see no key
+      {"SlidingWindow(30, 30)", 2, 2, 2, 129, 129, 64, 64, 16, 1},
+      {"Dilated(4, 3)", 1, 2, 2, 129, 129, 16, 16},
+      {"Dilated(2, 2)", 2, 4, 1, 70, 100, 16, 8, 64, 2},
+      {"BlockLocal(16)", 1, 2, 2, 100, 100, 16, 16},
+      {"BlockLocal(7, alignment='top_left')", 1, 2, 1, 33, 64, 16, 16},
+      {"GlobalTokens([0, 5, 64], SlidingWindow(4, 4))", 1, 2, 2, 129, 129, 16, 16},
+      {"BigBird(16, 3, 1, 2, seed=7)", 1, 4, 2, 150, 150, 16, 16},
+      {"BigBird(8, 3, 1, 1, seed=3)", 2, 2, 2, 63, 90, 8, 16, 16, 1},
+      {"Neighborhood2D(12, 13, 5, dilation=2)", 1, 2, 2, 156, 156, 16, 16},
+      {"Neighborhood2D(11, 9, 3, causal=True)", 1, 2, 1, 99, 99, 16, 16},
+      {"Neighborhood2D(16, 16, 7)", 1, 1, 1, 256, 256, 32, 32},
+      {"WindowAttention2D(16, 16, 8)", 1, 2, 2, 256, 256, 16, 16},
+      {"WindowAttention2D(12, 8, 4, shift=2)", 1, 2, 2, 96, 96, 16, 16},
+      {"SlidingWindow(8, 0) | Dilated(3, 5)", 1, 2, 2, 120, 120, 16, 16},
+      {"SlidingWindow(-1, 0) & BlockLocal(32)", 1, 2, 2, 100, 100, 16, 16},
+      {"Full()", 2, 2, 1, 1, 77, 16, 16},
+      {"Full()", 1, 2, 2, 65, 64, 80, 24, 64, 2},
+  };
+  for (const Case& c : cases) run_case(c);
+}
+
+TEST(SparseAttention, ScoreModsMatchReference) {
+  Case alibi{"SlidingWindow(16, 0)", 1, 4, 2, 90, 100, 16, 16};
+  alibi.alibi = true;
+  run_case(alibi);
+  Case bias{"Dilated(3, 2) | SlidingWindow(4, 4)", 1, 2, 2, 70, 70, 16, 16};
+  bias.bias = true;
+  run_case(bias);
+  Case rel{"WindowAttention2D(12, 8, 4, shift=2)", 1, 2, 2, 96, 96, 16, 16};
+  rel.rel_pos = true;
+  run_case(rel);
+  Case rel2{"WindowAttention2D(8, 8, 4)", 2, 3, 1, 64, 64, 8, 8, 16, 1};
+  rel2.rel_pos = true;
+  rel2.alibi = true;
+  run_case(rel2);
+}
+
+// Soft-capping is not expressible as a mask, so the reference here is the formula in fp64.
+TEST(SparseAttention, SoftCapMatchesFormula) {
+  const int64_t L = 70, D = 16;
+  const double cap = 2.0, scale = 1.0 / std::sqrt(double(D));
+  const Tensor q = randn({1, 1, L, D}, 1, 2.0), k = randn({1, 1, L, D}, 2, 2.0), v = randn({1, 1, L, D}, 3),
+               dout = randn({1, 1, L, D}, 4);
+  const Pattern p = SlidingWindow(10, 5);
+  SparseOptions so;
+  so.softcap = cap;
+  Tensor out(DType::kF32, {1, 1, L, D}), lse(DType::kF32, {1, 1, L});
+  sparse_attention(q, k, v, p, so, out, lse);
+  Tensor dq(DType::kF32, q.shape()), dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
+  sparse_attention_backward(dout, q, k, v, out, lse, p, so, {dq.view(), dk.view(), dv.view(), {}, {}, {}});
+  // fp64: s = cap tanh(scale q·k / cap); P = softmax; dS = P (dP - rowsum(P dP)) * (1 - tanh^2).
+  Tensor ro(DType::kF64, out.shape()), rdq(DType::kF64, q.shape()), rdk(DType::kF64, k.shape()), rdv(DType::kF64, v.shape());
+  auto Q = [&](int64_t i, int64_t d) { return double(q.data<float>()[i * D + d]); };
+  auto K = [&](int64_t i, int64_t d) { return double(k.data<float>()[i * D + d]); };
+  auto V = [&](int64_t i, int64_t d) { return double(v.data<float>()[i * D + d]); };
+  auto G = [&](int64_t i, int64_t d) { return double(dout.data<float>()[i * D + d]); };
+  for (int64_t i = 0; i < L; ++i) {
+    std::vector<double> s(L, -INFINITY), t(L, 0), P(L, 0), dP(L, 0);
+    double mx = -INFINITY;
+    for (int64_t j = 0; j < L; ++j) {
+      if (!p.allowed(0, 0, i, j, L, L)) continue;
+      double dot = 0;
+      for (int64_t d = 0; d < D; ++d) dot += Q(i, d) * K(j, d);
+      t[j] = std::tanh(scale * dot / cap);
+      s[j] = cap * t[j];
+      mx = std::max(mx, s[j]);
+    }
+    double sum = 0;
+    for (int64_t j = 0; j < L; ++j) sum += std::isinf(s[j]) ? 0 : std::exp(s[j] - mx);
+    double rowdot = 0;
+    for (int64_t j = 0; j < L; ++j) {
+      P[j] = std::isinf(s[j]) ? 0 : std::exp(s[j] - mx) / sum;
+      for (int64_t d = 0; d < D; ++d) {
+        ro.data<double>()[i * D + d] += P[j] * V(j, d);
+        dP[j] += G(i, d) * V(j, d);
+        rdv.data<double>()[j * D + d] += P[j] * G(i, d);
+      }
+      rowdot += P[j] * dP[j];
+    }
+    for (int64_t j = 0; j < L; ++j) {
+      const double ds = P[j] * (dP[j] - rowdot) * (1 - t[j] * t[j]) * scale;
+      for (int64_t d = 0; d < D; ++d) {
+        rdq.data<double>()[i * D + d] += ds * K(j, d);
+        rdk.data<double>()[j * D + d] += ds * Q(i, d);
+      }
+    }
+  }
+  EXPECT_LE(rel_err(out, ro), 2e-5);
+  EXPECT_LE(rel_err(dq, rdq), 1e-4);
+  EXPECT_LE(rel_err(dk, rdk), 1e-4);
+  EXPECT_LE(rel_err(dv, rdv), 1e-4);
+}
+
+TEST(SparseAttention, BlockMaskFromDenseMatchesReference) {
+  const int64_t B = 2, H = 2, Lq = 77, Lk = 91, D = 16;
+  Tensor dm(DType::kBool, {H, Lq, Lk});
+  std::mt19937 g(3);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < Lq; ++i)
+      for (int64_t j = 0; j < Lk; ++j)
+        dm.data<uint8_t>()[(h * Lq + i) * Lk + j] = i % 11 != 3 && (std::abs(i - j) < 9 || g() % 5 == 0);
+  const Tensor q = randn({B, H, Lq, D}, 1), k = randn({B, H, Lk, D}, 2), v = randn({B, H, Lk, D}, 3),
+               dout = randn({B, H, Lq, D}, 4);
+  const BlockMask bm = block_mask_from_dense(dm, 16, 16);
+  AttentionOptions ro;
+  ro.kernel = "reference";
+  ro.accumulate_fp64 = true;
+  ro.attn_mask = dm.view();
+  Tensor rout(DType::kF64, {B, H, Lq, D}), rlse(DType::kF64, {B, H, Lq});
+  scaled_dot_product_attention(q, k, v, ro, {rout.view(), rlse.view(), {}});
+  Tensor rdq(DType::kF64, q.shape()), rdk(DType::kF64, k.shape()), rdv(DType::kF64, v.shape());
+  scaled_dot_product_attention_backward(dout, q, k, v, rout, rlse, ro, {rdq.view(), rdk.view(), rdv.view(), {}});
+  Tensor out(DType::kF32, rout.shape()), lse(DType::kF32, rlse.shape());
+  SparseOptions so;
+  block_sparse_attention(q, k, v, bm, dm, so, out, lse);
+  EXPECT_LE(rel_err(out, rout), 2e-5);
+  EXPECT_LE(rel_err(lse, rlse), 2e-5);
+  Tensor dq(DType::kF32, q.shape()), dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
+  block_sparse_attention_backward(dout, q, k, v, out, lse, bm, dm, so, {dq.view(), dk.view(), dv.view(), {}, {}, {}});
+  EXPECT_LE(rel_err(dq, rdq), 1e-4);
+  EXPECT_LE(rel_err(dk, rdk), 1e-4);
+  EXPECT_LE(rel_err(dv, rdv), 1e-4);
+}
+
+// User callables: FlexAttention-style mask_mod and score_mod inlined by the template engine.
+TEST(SparseAttention, TemplateEngineWithCallables) {
+  const int64_t L = 100, D = 16;
+  const Tensor q = randn({1, 2, L, D}, 1), k = randn({1, 2, L, D}, 2), v = randn({1, 2, L, D}, 3);
+  const Pattern win = SlidingWindow(-1, 0);
+  const BlockMask bm = win.block_mask(L, L, 2, 32);
+  // Causal with the even keys only; score + 0.1 * h.
+  auto mask_mod = [](int64_t, int64_t, int64_t i, int64_t j) { return j <= i && j % 2 == 0; };
+  struct HeadBias {
+    bool identity() const { return false; }
+    float operator()(float s, int64_t, int64_t h, int64_t, int64_t) const { return s + 0.1f * float(h); }
+    float backward(float, float ds, int64_t, int64_t, int64_t, int64_t, float*) const { return ds; }
+    int64_t num_params() const { return 0; }
+  };
+  // The block mask's full ranges claim all pairs allowed, but this mask_mod drops odd keys: use a block mask
+  // whose ranges are all partial, as FlexAttention would for a mask it cannot prove full.
+  BlockMask partial = bm;
+  for (auto& r : partial.ranges) r.full = 0;
+  Tensor out(DType::kF32, {1, 2, L, D});
+  block_sparse_attention(q, k, v, partial, mask_mod, HeadBias{}, {}, out);
+  Tensor dm(DType::kBool, {L, L});
+  for (int64_t i = 0; i < L; ++i)
+    for (int64_t j = 0; j < L; ++j) dm.data<uint8_t>()[i * L + j] = mask_mod(0, 0, i, j);
+  AttentionOptions ro;
+  ro.kernel = "reference";
+  ro.accumulate_fp64 = true;
+  ro.attn_mask = dm.view();
+  Tensor rout(DType::kF64, {1, 2, L, D});
+  scaled_dot_product_attention(q, k, v, ro, {rout.view(), {}, {}});  // a per-head constant does not change softmax
+  EXPECT_LE(rel_err(out, rout), 2e-5);
+}
+
+TEST(SparseAttention, DeterministicAcrossThreadCounts) {
+  const Pattern p = Pattern::parse("Neighborhood2D(16, 12, 5) | GlobalTokens([3], SlidingWindow(2, 2))");
+  const int64_t L = 192, D = 16;
+  const Tensor q = randn({2, 4, L, D}, 1), k = randn({2, 2, L, D}, 2), v = randn({2, 2, L, D}, 3),
+               dout = randn({2, 4, L, D}, 4);
+  Tensor outs[2], dqs[2], dks[2], dvs[2];
+  for (int t = 0; t < 2; ++t) {
+    SparseOptions so;
+    so.num_threads = t + 1;
+    outs[t] = Tensor(DType::kF32, {2, 4, L, D});
+    Tensor lse(DType::kF32, {2, 4, L});
+    sparse_attention(q, k, v, p, so, outs[t], lse);
+    dqs[t] = Tensor(DType::kF32, q.shape());
+    dks[t] = Tensor(DType::kF32, k.shape());
+    dvs[t] = Tensor(DType::kF32, v.shape());
+    sparse_attention_backward(dout, q, k, v, outs[t], lse, p, so, {dqs[t].view(), dks[t].view(), dvs[t].view(), {}, {}, {}});
+  }
+  EXPECT_EQ(std::memcmp(outs[0].data(), outs[1].data(), outs[0].nbytes()), 0);
+  EXPECT_EQ(std::memcmp(dqs[0].data(), dqs[1].data(), dqs[0].nbytes()), 0);
+  EXPECT_EQ(std::memcmp(dks[0].data(), dks[1].data(), dks[0].nbytes()), 0);
+  EXPECT_EQ(std::memcmp(dvs[0].data(), dvs[1].data(), dvs[0].nbytes()), 0);
+}
+
+TEST(SparseAttention, BadInputsGiveClearErrors) {
+  const Tensor q = randn({1, 2, 16, 8}, 1), k = randn({1, 2, 16, 8}, 2), v = randn({1, 2, 16, 8}, 3);
+  Tensor out(DType::kF32, {1, 2, 16, 8});
+  SparseOptions so;
+  auto msg = [&](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  EXPECT_NE(msg([&] { sparse_attention(q, k, v, Neighborhood2D(4, 5, 3), so, out); }).find("height * width"),
+            std::string::npos);
+  const Tensor k3 = randn({1, 1, 16, 8}, 2);
+  so.enable_gqa = false;
+  EXPECT_NE(msg([&] { sparse_attention(q, k3, k3, SlidingWindow(1, 1), so, out); }).find("enable_gqa"),
+            std::string::npos);
+  so.enable_gqa = true;
+  Tensor bad_out(DType::kF32, {1, 2, 15, 8});
+  EXPECT_NE(msg([&] { sparse_attention(q, k, v, SlidingWindow(1, 1), so, bad_out); }).find("out: expected shape"),
+            std::string::npos);
+  so.alibi_slopes = {1.0f};
+  EXPECT_NE(msg([&] { sparse_attention(q, k, v, SlidingWindow(1, 1), so, out); }).find("alibi_slopes"),
+            std::string::npos);
+  so.alibi_slopes.clear();
+  Tensor rel(DType::kF32, {9, 2});
+  so.rel_pos_bias = rel.view();
+  EXPECT_NE(msg([&] { sparse_attention(q, k, v, SlidingWindow(1, 1), so, out); }).find("WindowAttention2D"),
+            std::string::npos);
+  so.rel_pos_bias = {};
+  BlockMask bm = SlidingWindow(1, 1).block_mask(16, 16);
+  bm.ranges[0].end = 99;
+  EXPECT_NE(msg([&] { block_sparse_attention(q, k, v, bm, {}, so, out); }).find("block_mask"), std::string::npos);
+}
+
+// float64 / bfloat16 inputs and strided (non-contiguous) views are packed per tile; the result equals the fp32
+// kernel on the converted, contiguous inputs (bf16: up to its own rounding of the output).
+TEST(SparseAttention, DtypesAndStridedViews) {
+  const int64_t B = 1, H = 2, L = 70, D = 16;
+  const Tensor q = randn({B, H, L, D}, 1), k = randn({B, H, L, D}, 2), v = randn({B, H, L, D}, 3);
+  const Pattern p = Dilated(3, 2) | SlidingWindow(4, 0);
+  SparseOptions so;
+  Tensor out(DType::kF32, {B, H, L, D});
+  sparse_attention(q, k, v, p, so, out);
+  // float64 inputs and output.
+  const Tensor q64 = q.to(DType::kF64), k64 = k.to(DType::kF64), v64 = v.to(DType::kF64);
+  Tensor out64(DType::kF64, {B, H, L, D});
+  sparse_attention(q64, k64, v64, p, so, out64);
+  EXPECT_LE(rel_err(out64, out), 1e-6);
+  // A strided view: q stored as [B, L, H, D] and viewed as [B, H, L, D].
+  Tensor qt(DType::kF32, {B, L, H, D});
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < L; ++i)
+      for (int64_t d = 0; d < D; ++d) qt.data<float>()[(i * H + h) * D + d] = q.data<float>()[(h * L + i) * D + d];
+  const TensorView qv(qt.data(), DType::kF32, {B, H, L, D}, {L * H * D, D, H * D, 1});
+  Tensor out_s(DType::kF32, {B, H, L, D});
+  sparse_attention(qv, k, v, p, so, out_s);
+  EXPECT_EQ(std::memcmp(out_s.data(), out.data(), out.nbytes()), 0);
+  // bfloat16 inputs: equal to the fp32 kernel on the bf16-rounded inputs.
+  const Tensor qb = q.to(DType::kBF16), kb = k.to(DType::kBF16), vb = v.to(DType::kBF16);
+  Tensor out_b(DType::kF32, {B, H, L, D}), out_r(DType::kF32, {B, H, L, D});
+  sparse_attention(qb, kb, vb, p, so, out_b);
+  sparse_attention(qb.to(DType::kF32), kb.to(DType::kF32), vb.to(DType::kF32), p, so, out_r);
+  EXPECT_EQ(std::memcmp(out_b.data(), out_r.data(), out_b.nbytes()), 0);
+}

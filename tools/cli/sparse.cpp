@@ -1,0 +1,227 @@
+// `sattn sparse`: sparse attention on .npy files with a pattern spec; `sattn sparse-bench`: timings of the sparse
+// kernels (median of repetitions, GFLOP/s on allowed and on computed scores, beside dense attention run through
+// the same engine and OpenBLAS SGEMM when available).
+#include <algorithm>
+#include <chrono>
+#include <ctime>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cli/commands.hpp"
+#include "sattn/error.hpp"
+#include "sattn/io.hpp"
+#include "sattn/linear.hpp"
+#include "sattn/sparse.hpp"
+
+#ifdef SATTN_HAVE_CBLAS
+#include <cblas.h>
+#endif
+
+namespace sattn::cli {
+
+namespace {
+
+bool g_thread_clock = false;  // --clock thread: CPU time of the calling thread (meaningful with --threads 1 only)
+
+double now_s() {
+  if (g_thread_clock) {
+    timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+template <typename F>
+double median_time(int reps, F&& f) {
+  f();  // warm-up
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    const double t0 = now_s();
+    f();
+    t.push_back(now_s() - t0);
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+Tensor randn(Shape s, uint64_t seed) {
+  Tensor t(DType::kF32, std::move(s));
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  for (int64_t x = 0; x < t.numel(); ++x) t.data<float>()[x] = n(g);
+  return t;
+}
+
+// Allowed pairs per head slot 0 of a fixed pattern: full ranges count whole; partial ranges are checked.
+double allowed_pairs(const sparse::Pattern& p, const sparse::BlockMask& m, int64_t lq, int64_t lk) {
+  double n = 0;
+  const int64_t nqb = m.num_q_blocks();
+  for (int64_t qb = 0; qb < nqb; ++qb)
+    for (int64_t r = m.row_ptr[qb]; r < m.row_ptr[qb + 1]; ++r) {
+      const auto& kr = m.ranges[size_t(r)];
+      if (kr.full) {
+        n += double(m.q_block_start[qb + 1] - m.q_block_start[qb]) * (kr.end - kr.begin);
+        continue;
+      }
+      for (int64_t qp = m.q_block_start[qb]; qp < m.q_block_start[qb + 1]; ++qp)
+        for (int64_t kp = kr.begin; kp < kr.end; ++kp) n += p.allowed(0, 0, m.q_index(qp), m.k_index(kp), lq, lk);
+    }
+  return n;
+}
+
+double sgemm_gflops(int threads) {
+#ifdef SATTN_HAVE_CBLAS
+  (void)threads;
+  const int n = 2048;
+  std::vector<float> a(size_t(n) * n, 1.0f), b(size_t(n) * n, 0.5f), c(size_t(n) * n);
+  const double t = median_time(3, [&] {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+  });
+  return 2.0 * n * n * double(n) / t / 1e9;
+#else
+  (void)threads;
+  return 0.0;
+#endif
+}
+
+}  // namespace
+
+void add_sparse_command(CLI::App& app) {
+  {
+    auto* cmd = app.add_subcommand("sparse", "Sparse attention of .npy inputs under a pattern spec");
+    static std::string q, k, v, out, lse, pattern, indices;
+    static double scale = 0;
+    static bool gqa = true;
+    cmd->add_option("--q", q, "query .npy [B, Hq, Lq, D]")->required();
+    cmd->add_option("--k", k, "key .npy [B, Hkv, Lk, D]")->required();
+    cmd->add_option("--v", v, "value .npy [B, Hkv, Lk, Dv]")->required();
+    cmd->add_option("--pattern", pattern, "pattern spec, e.g. \"SlidingWindow(256, 256)\" (see docs/sparse.md)")
+        ->required();
+    cmd->add_option("--scale", scale, "softmax scale (default 1/sqrt(D))");
+    cmd->add_option("--out", out, "output .npy [B, Hq, Lq, Dv]")->required();
+    cmd->add_option("--lse", lse, "log-sum-exp output .npy [B, Hq, Lq]");
+    cmd->add_option("--indices", indices, "selected key (block) indices .npy (TopK / BlockTopK)");
+    cmd->callback([] {
+      const sparse::Pattern p = sparse::Pattern::parse(pattern);
+      const Tensor tq = read_npy(q), tk = read_npy(k), tv = read_npy(v);
+      sparse::SparseOptions o;
+      if (scale != 0) o.scale = scale;
+      o.enable_gqa = gqa;
+      check(tq.dim() == 4 && tv.dim() == 4, ErrorKind::kInvalidArgument, "--q/--v: expected 4-D arrays");
+      Tensor to(tq.dtype() == DType::kF64 ? DType::kF64 : DType::kF32, {tq.size(0), tq.size(1), tq.size(2), tv.size(3)});
+      Tensor tl(to.dtype(), {tq.size(0), tq.size(1), tq.size(2)});
+      Tensor ti;
+      if (!indices.empty()) ti = Tensor(DType::kI64, sparse::selection_shape(p, tq.size(0), tq.size(1), tq.size(2), tk.size(2)));
+      sparse::sparse_attention(tq, tk, tv, p, o, to, tl, indices.empty() ? TensorView{} : ti.view());
+      write_npy(out, to);
+      if (!lse.empty()) write_npy(lse, tl);
+      if (!indices.empty()) write_npy(indices, ti);
+    });
+  }
+  {
+    auto* cmd = app.add_subcommand("sparse-bench", "Time sparse / linear attention (a program, not a test)");
+    static std::vector<std::string> patterns;
+    static std::vector<int64_t> lengths = {4096};
+    static std::vector<int> threads = {1};
+    static int64_t B = 1, H = 8, D = 64;
+    static int reps = 3;
+    static bool backward = false, dense = false;
+    static std::string clock_kind = "wall";
+    cmd->add_option("--pattern", patterns,
+                    "pattern specs (2-D patterns fix L), or linear:elu / linear:favor+ [/causal]")->required();
+    cmd->add_option("--L", lengths, "sequence lengths (ignored for 2-D patterns)");
+    cmd->add_option("--threads", threads, "thread counts");
+    cmd->add_option("--B", B, "batch");
+    cmd->add_option("--H", H, "heads");
+    cmd->add_option("--D", D, "head dim");
+    cmd->add_option("--reps", reps, "repetitions (median)");
+    cmd->add_flag("--backward", backward, "also time the backward");
+    cmd->add_option("--clock", clock_kind,
+                    "wall, or thread (CPU time of the calling thread: less sensitive to other load; 1 thread only, "
+                    "run with OPENBLAS_NUM_THREADS=1 for the SGEMM column)")
+        ->check(CLI::IsMember({"wall", "thread"}));
+    cmd->add_flag("--dense", dense, "also time dense attention (Full()) through the same engine at each L");
+    cmd->callback([] {
+      g_thread_clock = clock_kind == "thread";
+      check(!g_thread_clock || (threads.size() == 1 && threads[0] == 1), ErrorKind::kInvalidArgument,
+            "--clock thread: only with --threads 1");
+      std::printf("# tiles: %s, clock: %s\n", sparse::tiles::isa(), clock_kind.c_str());
+      std::printf("%-44s %7s %3s %10s %10s %9s %9s %10s %8s\n", "pattern", "L", "thr", "fwd_ms", "bwd_ms",
+                  "GF/s_all", "GF/s_cmp", "cmp/all", "sgemm");
+      for (int th : threads) {
+        const double peak = sgemm_gflops(th);
+        for (const std::string& spec : patterns) {
+          const bool linear = spec.rfind("linear:", 0) == 0;
+          sparse::Pattern p;
+          if (!linear) p = sparse::Pattern::parse(spec);
+          std::vector<int64_t> ls = lengths;
+          for (int64_t& L : ls) {
+            // 2-D patterns: their grid fixes L.
+            if (!linear && spec.find("2D(") != std::string::npos) {
+              int64_t hh = 0, ww = 0;
+              std::sscanf(spec.c_str() + spec.find("2D(") + 3, "%ld, %ld", &hh, &ww);
+              L = hh * ww;
+            }
+          }
+          std::sort(ls.begin(), ls.end());
+          ls.erase(std::unique(ls.begin(), ls.end()), ls.end());
+          for (int64_t L : ls) {
+            const Tensor q = randn({B, H, L, D}, 1), k = randn({B, H, L, D}, 2), v = randn({B, H, L, D}, 3),
+                         g = randn({B, H, L, D}, 4);
+            Tensor out(DType::kF32, {B, H, L, D}), lse(DType::kF32, {B, H, L}), dq(DType::kF32, q.shape()),
+                dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
+            double tf = 0, tb = 0, allowed = 0, computed = 0;
+            if (linear) {
+              sparse::LinearOptions lo;
+              lo.feature_map = spec.find("favor") != std::string::npos ? "favor+" : "elu";
+              lo.causal = spec.find("causal") != std::string::npos;
+              lo.num_threads = th;
+              tf = median_time(reps, [&] { sparse::linear_attention(q, k, v, lo, out); });
+              if (backward) tb = median_time(reps, [&] { sparse::linear_attention_backward(g, q, k, v, lo, dq, dk, dv); });
+            } else {
+              sparse::SparseOptions o;
+              o.num_threads = th;
+              tf = median_time(reps, [&] { sparse::sparse_attention(q, k, v, p, o, out, lse); });
+              if (backward)
+                tb = median_time(reps, [&] {
+                  sparse::sparse_attention_backward(g, q, k, v, out, lse, p, o, {dq.view(), dk.view(), dv.view(), {}, {}, {}});
+                });
+              if (p.node_ptr() && !sparse::has_logits(p) && sparse::selection_shape(p, 1, 1, L, L).empty()) {
+                try {
+                  const sparse::BlockMask m = p.block_mask(L, L, H, 64);
+                  allowed = allowed_pairs(p, m, L, L) * B * H;
+                  computed = double(m.computed_pairs(0)) * B * H;
+                } catch (const Error&) {
+                }
+              }
+            }
+            const double fl_all = 4.0 * D * allowed, fl_cmp = 4.0 * D * computed;
+            std::printf("%-44s %7ld %3d %10.3f %10.3f %9.2f %9.2f %10.3f %8.1f\n", spec.c_str(), long(L), th, tf * 1e3,
+                        tb * 1e3, allowed > 0 ? fl_all / tf / 1e9 : 0.0, computed > 0 ? fl_cmp / tf / 1e9 : 0.0,
+                        allowed > 0 ? computed / allowed : 0.0, peak);
+            std::fflush(stdout);
+          }
+        }
+        if (dense)
+          for (int64_t L : lengths) {
+            const Tensor q = randn({B, H, L, D}, 1);
+            Tensor out(DType::kF32, {B, H, L, D}), lse(DType::kF32, {B, H, L});
+            sparse::SparseOptions o;
+            o.num_threads = th;
+            const double tf = median_time(reps, [&] { sparse::sparse_attention(q, q, q, sparse::Full(), o, out, lse); });
+            const double pairs = double(L) * L * B * H;
+            std::printf("%-44s %7ld %3d %10.3f %10.3f %9.2f %9.2f %10.3f %8.1f\n", "dense (Full() in the sparse engine)",
+                        long(L), th, tf * 1e3, 0.0, 4.0 * D * pairs / tf / 1e9, 4.0 * D * pairs / tf / 1e9, 1.0, peak);
+            std::fflush(stdout);
+          }
+      }
+    });
+  }
+}
+
+}  // namespace sattn::cli
