@@ -10,8 +10,12 @@ def rgb_to_y(img_u8):
     return 16.0 + a[..., 0] * 65.481 + a[..., 1] * 128.553 + a[..., 2] * 24.966
 
 
-def psnr_y(sr_u8, hr_u8, border):
+def psnr_y(sr_u8, hr_u8, border, round_y=False):
+    """BasicSR protocol (round_y=False). round_y=True rounds Y to integers first, as MATLAB's rgb2ycbcr on uint8
+    does (the protocol behind the published bicubic tables)."""
     y1, y2 = rgb_to_y(sr_u8), rgb_to_y(hr_u8)
+    if round_y:
+        y1, y2 = np.floor(y1 + 0.5), np.floor(y2 + 0.5)
     if border:
         y1, y2 = y1[border:-border, border:-border], y2[border:-border, border:-border]
     mse = np.mean((y1 - y2) ** 2)
