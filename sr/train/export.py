@@ -64,7 +64,8 @@ def read_safetensors(path):
 def architecture(cfg, step):
     """The description the C++ side builds the model from (see sr/README.md for the op-by-op semantics)."""
     return dict(
-        format="sattn-sr-v1", scale=cfg["scale"], dim=cfg["dim"], heads=cfg["heads"],
+        format="sattn-sr-v1", scale=cfg["scale"], dim=cfg["dim"], heads=cfg["heads"], mlp_ratio=cfg["mlp_ratio"],
+        router_norm=False, threshold=cfg["threshold"], keep_ratio=cfg["keep_ratio"],
         head_dim=cfg["dim"] // cfg["heads"], mlp_hidden=int(cfg["dim"] * cfg["mlp_ratio"]),
         groups=cfg["groups"], shifted="odd block index inside each group (1, 3, ...), shift = window // 2",
         pad_multiple=max(max(g) for g in cfg["groups"]), pad_mode="reflect (bottom/right), output cropped",
@@ -74,10 +75,27 @@ def architecture(cfg, step):
         training_step=step)
 
 
+def fold_router_norm(sd):
+    """Fold each block's inference-time BatchNorm1d(1) on the router logit into the router linear:
+    z = gamma * (w.f + b - mean) / sqrt(var + eps) + beta  ->  w' = k w, b' = k (b - mean) + beta, k = gamma/sqrt(var+eps).
+    Input/Output: {name: float64 np.ndarray}; the router_norm.* entries are removed."""
+    out = dict(sd)
+    for key in [k for k in sd if k.endswith(".router_norm.weight")]:
+        pre = key[: -len("router_norm.weight")]
+        k = sd[key] / np.sqrt(sd[pre + "router_norm.running_var"] + 1e-5)    # BatchNorm1d eps 1e-5
+        out[pre + "router.weight"] = sd[pre + "router.weight"] * k[:, None]
+        out[pre + "router.bias"] = k * (sd[pre + "router.bias"] - sd[pre + "router_norm.running_mean"]) \
+            + sd[pre + "router_norm.bias"]
+        for suffix in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+            out.pop(pre + "router_norm." + suffix, None)
+    return out
+
+
 def export(ckpt_path, out_prefix):
     import torch
     ck = torch.load(ckpt_path, map_location="cpu")
-    tensors = {k: v.detach().float().numpy() for k, v in ck["model"].items()}
+    sd = fold_router_norm({k: v.detach().double().numpy() for k, v in ck["model"].items()})
+    tensors = {k: v.astype(np.float32) for k, v in sd.items()}
     arch = architecture(ck["config"], ck.get("step", -1))
     write_safetensors(out_prefix + ".safetensors", tensors,
                       dict(format="pt", sattn_sr_config=json.dumps(arch), step=str(ck.get("step", -1))))

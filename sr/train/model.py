@@ -8,7 +8,8 @@ Layout (x: LR image [B, 3, H, W] in [0, 1]; H, W are reflect-padded to a multipl
 Block (channels-last tokens [B, H, W, C]):
   x = x + conv1x1(gelu(dwconv3x3(x)))                 (cheap path: every pixel)
   shifted blocks: x = roll(x, (-ws/2, -ws/2)); windows of ws x ws tokens, row-major windows, row-major tokens
-  gate g_w = sigmoid(router([mean_w(x), std_w(x)]))  (one score per window, std = population std)
+  gate g_w = sigmoid(router([mean_w(x), std_w(x)]))  (one score per window, std = population std; router =
+                                                      linear 2C -> 1 then BatchNorm1d(1), folded at export)
   routed windows (all in dense mode; g_w > threshold in sparse mode):
       t = x_w + proj(attention(LN1(x_w)))             (heads h, head dim C/h, mask for shifted windows)
       t = t + fc2(gelu(fc1(LN2(t))))
@@ -61,7 +62,7 @@ def shift_mask(h, w, ws, device=None):
 
 
 class WindowBlock(nn.Module):
-    def __init__(self, dim, heads, ws, shift, mlp_ratio):
+    def __init__(self, dim, heads, ws, shift, mlp_ratio, router_norm=True):
         super().__init__()
         self.dim, self.heads, self.ws, self.shift = dim, heads, ws, shift
         self.dw = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
@@ -74,8 +75,12 @@ class WindowBlock(nn.Module):
         hidden = int(dim * mlp_ratio)
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
-        nn.init.zeros_(self.router.weight)
-        nn.init.constant_(self.router.bias, 0.5)   # start with every window routed (g = 0.62)
+        # BatchNorm on the router logit: in training the logits of a batch are standardised, so the gates always
+        # spread over windows (no collapse of all gates to 0 or 1); at inference it is a fixed affine map that
+        # export.py folds into router.weight / router.bias.
+        self.router_norm = nn.BatchNorm1d(1) if router_norm else nn.Identity()
+        if router_norm:
+            nn.init.constant_(self.router_norm.weight, 2.0)
         self.threshold = 0.5
         self._mask_cache = {}
 
@@ -89,7 +94,7 @@ class WindowBlock(nn.Module):
         """xw [N, L, C] -> [N] router logits from the window's per-channel mean and population std."""
         mean = xw.mean(dim=1)
         std = (xw - mean[:, None, :]).pow(2).mean(dim=1).add(1e-6).sqrt()   # eps 1e-6 inside the sqrt
-        return self.router(torch.cat([mean, std], dim=-1))[:, 0]
+        return self.router_norm(self.router(torch.cat([mean, std], dim=-1)))[:, 0]
 
     def branch(self, xw, mask):
         """Attention + MLP on windows xw [n, L, C]; mask [n, L, L] or None. Returns t - xw."""
@@ -139,10 +144,11 @@ class WindowBlock(nn.Module):
 
 
 class Group(nn.Module):
-    def __init__(self, dim, heads, windows, mlp_ratio):
+    def __init__(self, dim, heads, windows, mlp_ratio, router_norm=True):
         super().__init__()
         self.blocks = nn.ModuleList(
-            [WindowBlock(dim, heads, ws, shift=(i % 2 == 1), mlp_ratio=mlp_ratio) for i, ws in enumerate(windows)])
+            [WindowBlock(dim, heads, ws, shift=(i % 2 == 1), mlp_ratio=mlp_ratio, router_norm=router_norm)
+             for i, ws in enumerate(windows)])
         self.dw = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
         self.pw = nn.Conv2d(dim, dim, 1)
 
@@ -160,7 +166,9 @@ class SattnSR(nn.Module):
         dim, s = cfg["dim"], cfg["scale"]
         self.scale = s
         self.head = nn.Conv2d(3, dim, 3, padding=1)
-        self.groups = nn.ModuleList([Group(dim, cfg["heads"], ws, cfg["mlp_ratio"]) for ws in cfg["groups"]])
+        # router_norm=False: the exported form, BatchNorm folded into the router linear (export.py)
+        self.groups = nn.ModuleList([Group(dim, cfg["heads"], ws, cfg["mlp_ratio"], cfg.get("router_norm", True))
+                                     for ws in cfg["groups"]])
         self.body_tail = nn.Conv2d(dim, dim, 3, padding=1)
         self.up = nn.Conv2d(dim, 3 * s * s, 3, padding=1)
         for m in self.modules():
