@@ -1,0 +1,208 @@
+"""Train SattnSR on T91 + BSD200 (CPU, resumable, seeded).
+
+  python3 sr/train/train.py --scale 2 --steps 12000 --resume auto
+The cosine schedule length is --steps (fix it up front; a resumed run continues the same schedule). A checkpoint
+(model + Adam state + step + RNG states + config) is written atomically to <ckpt-dir>/x<s>_last.pt every
+--save-minutes and at the end; --resume auto picks it up. --stop-after N ends this run after N more steps.
+"""
+import argparse
+import math
+import os
+import random
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import imgio  # noqa: E402
+import imresize as R  # noqa: E402
+import model as MD  # noqa: E402
+import evaluate as EV  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def load_train_set(root, scale, log):
+    """[(hr_u8, lr_u8)] for every image in root/T91 and root/BSD200, LR made once with the MATLAB bicubic."""
+    data, t0 = [], time.time()
+    for sub in ("T91", "BSD200"):
+        for p in imgio.list_images(os.path.join(root, sub)):
+            hr = R.mod_crop(imgio.read_image(p), scale)
+            data.append((hr, R.downscale(hr, scale)))
+    log("loaded %d training images in %.1f s" % (len(data), time.time() - t0))
+    return data
+
+
+def sample_batch(data, rng, batch, patch, scale):
+    """Random LR crops of patch x patch (+ aligned HR), random h/v flip and 90-degree rotation."""
+    lrs, hrs = [], []
+    for _ in range(batch):
+        hr, lr = data[rng.integers(len(data))]
+        h, w = lr.shape[:2]
+        i, j = rng.integers(h - patch + 1), rng.integers(w - patch + 1)
+        l = lr[i:i + patch, j:j + patch]
+        g = hr[i * scale:(i + patch) * scale, j * scale:(j + patch) * scale]
+        if rng.random() < 0.5:
+            l, g = l[:, ::-1], g[:, ::-1]
+        if rng.random() < 0.5:
+            l, g = l[::-1], g[::-1]
+        if rng.random() < 0.5:
+            l, g = l.transpose(1, 0, 2), g.transpose(1, 0, 2)
+        lrs.append(np.ascontiguousarray(l))
+        hrs.append(np.ascontiguousarray(g))
+    f = lambda a: torch.from_numpy(np.stack(a)).permute(0, 3, 1, 2).float().div_(255.0)
+    return f(lrs), f(hrs)
+
+
+def lr_at(step, total, base, warmup, floor):
+    if step < warmup:
+        return base * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return floor + 0.5 * (base - floor) * (1.0 + math.cos(math.pi * min(1.0, t)))
+
+
+def sparsity_loss(stats, keep_ratio):
+    """Hinge on the mean gate above keep_ratio + a push of every gate towards 0 or 1 (g(1-g))."""
+    g = torch.cat([s[0] for s in stats])
+    return F.relu(g.mean() - keep_ratio) + 0.5 * (g * (1 - g)).mean(), float(g.mean()), \
+        float(torch.cat([s[1].float() for s in stats]).mean())
+
+
+def save_atomic(obj, path):
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scale", type=int, default=2, choices=(2, 4))
+    ap.add_argument("--steps", type=int, required=True, help="total schedule length (fixed across resumes)")
+    ap.add_argument("--resume", default=None, help="checkpoint path, or 'auto' for <ckpt-dir>/x<s>_last.pt")
+    ap.add_argument("--init", default=None, help="initialise weights from another checkpoint (e.g. x2 for x4)")
+    ap.add_argument("--stop-after", type=int, default=None, help="stop this run after N steps")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--patch", type=int, default=32, help="LR patch size")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr-floor", type=float, default=1e-5)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--dense-prob", type=float, default=0.5, help="probability of a dense (soft-gate) step")
+    ap.add_argument("--sparsity-weight", type=float, default=0.02)
+    ap.add_argument("--dim", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--data", default=os.path.join(REPO, "..", "shared", "data", "sr"))
+    ap.add_argument("--ckpt-dir", default=os.path.join(REPO, "sr", "checkpoints"))
+    ap.add_argument("--save-minutes", type=float, default=10.0)
+    ap.add_argument("--val-every", type=int, default=300)
+    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--log", default=None, help="log file (default <ckpt-dir>/x<s>_train.log)")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    os.makedirs(a.ckpt_dir, exist_ok=True)
+    log_path = a.log or os.path.join(a.ckpt_dir, "x%d_train.log" % a.scale)
+    logf = open(log_path, "a")
+
+    def log(msg):
+        line = time.strftime("%Y-%m-%d %H:%M:%S ") + msg
+        print(line, flush=True)
+        logf.write(line + "\n")
+        logf.flush()
+
+    ckpt_path = os.path.join(a.ckpt_dir, "x%d_last.pt" % a.scale)
+    resume = ckpt_path if a.resume == "auto" else a.resume
+    if resume and not os.path.exists(resume):
+        if a.resume != "auto":
+            sys.exit("train.py: --resume %s does not exist" % resume)
+        resume = None
+    ck = torch.load(resume, map_location="cpu") if resume else None
+
+    cfg = ck["config"] if ck else MD.default_config(a.scale)
+    if not ck and a.dim:
+        cfg["dim"] = a.dim
+    torch.manual_seed(a.seed)
+    model = MD.SattnSR(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=a.lr, betas=(0.9, 0.99))
+    rng = np.random.default_rng(a.seed)
+    step = 0
+    hp = dict(vars(a))
+    if ck:
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        step = ck["step"]
+        rng.bit_generator.state = ck["rng_numpy"]
+        torch.set_rng_state(ck["rng_torch"])
+        random.setstate(ck["rng_python"])
+        hp = ck["hparams"]                      # the schedule is fixed by the first run
+        if a.steps != hp["steps"]:
+            log("note: --steps %d ignored, the checkpoint's schedule has %d steps" % (a.steps, hp["steps"]))
+        log("resumed %s at step %d" % (resume, step))
+    elif a.init:
+        src = torch.load(a.init, map_location="cpu")["model"]
+        own = model.state_dict()
+        ok = {k: v for k, v in src.items() if k in own and own[k].shape == v.shape}
+        model.load_state_dict(ok, strict=False)
+        log("initialised %d/%d tensors from %s" % (len(ok), len(own), a.init))
+    log("config %s params %d hparams %s" % (cfg, MD.param_count(model), hp))
+
+    data = load_train_set(os.path.join(a.data, "train"), a.scale, log)
+    val = EV.load_pairs(os.path.join(a.data, "test", "Set5"), a.scale)
+
+    def checkpoint():
+        save_atomic(dict(model=model.state_dict(), optimizer=opt.state_dict(), step=step, config=cfg,
+                         hparams=hp, rng_numpy=rng.bit_generator.state, rng_torch=torch.get_rng_state(),
+                         rng_python=random.getstate()), ckpt_path)
+        log("checkpoint step %d -> %s" % (step, ckpt_path))
+
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
+
+    total, end = hp["steps"], hp["steps"]
+    if a.stop_after is not None:
+        end = min(end, step + a.stop_after)
+    last_save, t_log, acc = time.time(), time.time(), []
+    model.train()
+    while step < end and not stop["flag"]:
+        lr_now = lr_at(step, total, hp["lr"], hp["warmup"], hp["lr_floor"])
+        for gp in opt.param_groups:
+            gp["lr"] = lr_now
+        x, y = sample_batch(data, rng, hp["batch"], hp["patch"], a.scale)
+        mode = "dense" if rng.random() < hp["dense_prob"] else "sparse"
+        stats = []
+        out = model(x, mode=mode, stats=stats)
+        l1 = F.l1_loss(out, y)
+        sl, gmean, kept = sparsity_loss(stats, cfg["keep_ratio"])
+        loss = l1 + hp["sparsity_weight"] * sl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        acc.append((float(l1), gmean, kept, mode == "dense"))
+        if step % a.log_every == 0 or step == end:
+            dt = (time.time() - t_log) / len(acc)
+            log("step %d lr %.2e l1 %.5f gate_mean %.3f kept %.3f (%.2f s/step)" % (
+                step, lr_now, np.mean([q[0] for q in acc]), np.mean([q[1] for q in acc]),
+                np.mean([q[2] for q in acc if not q[3]] or [float("nan")]), dt))
+            acc, t_log = [], time.time()
+        if step % a.val_every == 0 or step == end:
+            model.eval()
+            rd, rs = EV.evaluate(val, a.scale, "dense", model), EV.evaluate(val, a.scale, "sparse", model)
+            model.train()
+            log("val step %d Set5 x%d PSNR dense %.3f sparse %.3f (windows routed %.3f)" % (
+                step, a.scale, rd["psnr"], rs["psnr"], rs["kept_fraction"]))
+            t_log = time.time()
+        if time.time() - last_save > a.save_minutes * 60:
+            checkpoint()
+            last_save = time.time()
+    checkpoint()
+    log("stopped at step %d of %d" % (step, total))
+
+
+if __name__ == "__main__":
+    main()
