@@ -8,4 +8,5 @@ namespace sattn::cli {
 void add_version_command(CLI::App& app);  // version.cpp
 void add_demo_command(CLI::App& app);     // demo.cpp
 void add_attn_command(CLI::App& app);     // attn.cpp
+void add_sr_command(CLI::App& app);       // sr.cpp
 }  // namespace sattn::cli

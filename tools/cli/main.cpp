@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   app.set_help_all_flag("--help-all", "Show the help of every subcommand");
   sattn::cli::add_demo_command(app);
   sattn::cli::add_attn_command(app);
+  sattn::cli::add_sr_command(app);
   sattn::cli::add_version_command(app);
   try {
     app.parse(argc, argv);
