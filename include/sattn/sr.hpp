@@ -66,9 +66,10 @@ struct UpscaleOptions {
   AttentionMode mode = AttentionMode::kSparse;
   int num_threads = 0;  // 0 = SATTN_NUM_THREADS or all cores
   // Tiling (LR pixels): 0 = whole image at once. Tiles of tile x tile with `overlap` extra context on each side
-  // (clipped at the image border); only each tile's centre is kept.
+  // (clipped at the image border, its origin aligned down to the window grid); only each tile's centre is kept.
+  // overlap -1 = the model's receptive radius (receptive_radius()): then tiled == untiled, bit for bit.
   int64_t tile = 0;
-  int64_t overlap = 32;
+  int64_t overlap = -1;
   // Routing fed from outside (parity with PyTorch): one byte per window, blocks in order, windows in partition
   // order (as the PyTorch `stats` list); sparse mode only, untiled only. Empty = decide here.
   const std::vector<uint8_t>* routing_in = nullptr;
@@ -104,6 +105,9 @@ class SrModel {
   const SrConfig& config() const { return config_; }
   int scale() const { return config_.scale; }
   int64_t num_parameters() const;
+  // Pixels (LR) beyond which an input pixel cannot influence an output pixel: sum over blocks of (window - 1)
+  // plus one per 3x3 convolution (70 for the default configuration).
+  int64_t receptive_radius() const;
 
   // x: f32 [3, h, w] RGB in [0, 1] (h, w > pad_multiple / 2... the reflect pad needs h, w > pad amount).
   // Returns the unclamped model output f32 [3, s*h, s*w] (the PyTorch model's forward), untiled.

@@ -136,6 +136,17 @@ SrModel SrModel::load(const std::string& path) {
   return m;
 }
 
+int64_t SrModel::receptive_radius() const {
+  // every 3x3 convolution widens the dependency by 1 px, every window block by ws - 1 (a token depends on the
+  // whole window: attention and the router's mean/std): head, per block dw, per group dw, body tail, up
+  int64_t r = 3;
+  for (const auto& g : config_.groups) {
+    r += 1;
+    for (int ws : g) r += 1 + (ws - 1);
+  }
+  return r;
+}
+
 int64_t SrModel::num_parameters() const {
   int64_t n = 0;
   for (const auto& [k, t] : weights_) n += t.numel();
@@ -456,12 +467,13 @@ Image SrModel::upscale(const Image& lr, const UpscaleOptions& options, UpscaleSt
   }
   check(options.tile >= 16, ErrorKind::kInvalidArgument, "upscale: tile must be >= 16 LR pixels (or 0 = untiled), given ",
         options.tile);
-  check(options.overlap >= 0, ErrorKind::kInvalidArgument, "upscale: overlap must be >= 0, given ", options.overlap);
+  check(options.overlap >= -1, ErrorKind::kInvalidArgument, "upscale: overlap must be >= 0 (or -1 = auto), given ",
+        options.overlap);
   check(!options.routing_in && !options.routing_out && !options.gates_out, ErrorKind::kInvalidArgument,
         "upscale: routing input/output needs an untiled run (tile 0)");
-  const int64_t T = options.tile, O = options.overlap;
+  const int64_t T = options.tile, O = options.overlap < 0 ? receptive_radius() : options.overlap;
   const int64_t ty = (h + T - 1) / T, tx = (w + T - 1) / T, total = ty * tx;
-  const int64_t min_ctx = std::max<int64_t>(2 * config_.pad_multiple, 32);
+  const int64_t pm = config_.pad_multiple, min_ctx = std::max<int64_t>(2 * pm, 32);
   Image out(h * s, w * s, 3);
   int64_t done = 0;
   for (int64_t iy = 0; iy < ty; ++iy)
@@ -478,6 +490,10 @@ Image SrModel::upscale(const Image& lr, const UpscaleOptions& options, UpscaleSt
         cx1 = std::min(w, std::max(cx1, cx0 + min_ctx));
         cx0 = std::max<int64_t>(0, std::min(cx0, cx1 - min_ctx));
       }
+      // align the context origin to the window grid of the whole image (pad_multiple is a multiple of every
+      // window size), so that the tile's windows are the image's windows
+      cy0 -= cy0 % pm;
+      cx0 -= cx0 % pm;
       Image crop(cy1 - cy0, cx1 - cx0, 3);
       for (int64_t i = cy0; i < cy1; ++i)
         std::memcpy(&crop.data[size_t((i - cy0) * crop.width * 3)], &lr.data[size_t((i * w + cx0) * 3)],

@@ -174,16 +174,31 @@ def test_sparse_routing_agreement(setup):
 
 
 def test_tiled_matches_untiled(setup):
-    big = test_image(96, 80, 2)
+    """Tiles with the default overlap (the receptive radius R) reproduce the untiled output exactly, except in
+    bands near the top/bottom image edges: the model's shifted windows wrap around (cyclic roll), and the router's
+    mean/std of a wrapped window mixes the image's first rows with its last ones (sr/train/model.py behaves the
+    same), so those bands depend on the opposite edge, which a tile does not see. The seam between the two tiles
+    lies inside the checked band."""
+    if setup["weights"] == TRAINED:
+        pytest.skip("tiling checked on the random model only (speed)")
+    h, w, tile = 200, 20, 100
+    big = test_image(h, w, 2)
     inp = os.path.join(setup["tmp"], "big.png")
     sr_png.write_png(inp, big)
     outs = []
-    for tile in ("0", "32"):
-        out = os.path.join(setup["tmp"], f"tile{tile}.png")
-        r = subprocess.run([CLI, "sr", "upscale", inp, out, "--scale", "2", "--attention", "dense", "--weights",
-                            setup["weights"], "--tile", tile, "--overlap", "48"], capture_output=True, text=True)
+    for t in ("0", str(tile)):
+        out = os.path.join(setup["tmp"], f"tile{t}.png")
+        r = subprocess.run([CLI, "sr", "upscale", inp, out, "--scale", "2", "--attention", "sparse", "--weights",
+                            setup["weights"], "--tile", t, "--threads", "2"], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
-        outs.append(sr_png.read_png(out))
-    d = np.abs(outs[0].astype(int) - outs[1].astype(int))
-    assert d.max() <= 1, f"tiled (32 px, overlap 48) vs untiled: max 8-bit difference {d.max()}, " \
-                         f"{(d > 1).mean():.2%} of values over 1"
+        assert (" 2 tile(s)" if t != "0" else " 1 tile(s)") in r.stderr, r.stderr
+        outs.append(sr_png.read_png(out).astype(int))
+    windows = [ws for g in MD.default_config(2)["groups"] for ws in g]
+    radius = sum(ws - 1 for ws in windows) + len(windows) + 3 + 3  # + dw per block, group tails, head/tail/up
+    hp = h + (-h) % max(windows)
+    lo, hi = radius + max(windows) // 2, hp - max(windows) // 2 - radius  # LR rows free of the wrap coupling
+    assert lo < tile < hi
+    d = np.abs(outs[0] - outs[1])
+    band = d[2 * lo:2 * hi]
+    assert band.max() == 0, f"tiled vs untiled differ inside LR rows [{lo}, {hi}) (max {band.max()})"
+    print(f"tiling: exact in LR rows [{lo}, {hi}); edge bands max 8-bit difference {d.max()}")

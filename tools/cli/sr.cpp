@@ -79,17 +79,23 @@ std::vector<uint8_t> read_routing(const std::string& path) {
 struct UpscaleArgs {
   std::string in, out, weights, attention = "sparse", float_out, routing_in, routing_out, gates_out;
   int scale = 2, threads = 0;
-  int64_t tile = 0, overlap = 32;
+  int64_t tile = -1, overlap = -1;
 };
+
+// --tile -1 (default): whole image up to 512x512 LR pixels, else tiles of 256.
+int64_t auto_tile(int64_t tile, const sr::Image& lr) {
+  if (tile >= 0) return tile;
+  return lr.height * lr.width <= 512 * 512 ? 0 : 256;
+}
 
 void run_upscale(const UpscaleArgs& a) {
   check_scale(a.scale);
   sr::UpscaleOptions opt;
   opt.mode = sr::parse_attention_mode(a.attention);
   opt.num_threads = a.threads;
-  opt.tile = a.tile;
-  opt.overlap = a.overlap;
   const sr::Image lr = sr::read_image(a.in);
+  opt.tile = auto_tile(a.tile, lr);
+  opt.overlap = a.overlap;
   const auto model = load_model(a.weights, a.scale, true);
   std::vector<uint8_t> rin, rout;
   std::vector<float> gout;
@@ -104,7 +110,7 @@ void run_upscale(const UpscaleArgs& a) {
   const auto t0 = Clock::now();
   sr::Image out;
   if (!a.float_out.empty()) {
-    check(a.tile <= 0, ErrorKind::kInvalidArgument, "--float-out needs an untiled run (--tile 0)");
+    check(opt.tile == 0, ErrorKind::kInvalidArgument, "--float-out needs an untiled run (--tile 0)");
     const Tensor f = model->forward(sr::image_to_tensor(lr), opt, &st);
     write_npy(a.float_out, f);
     out = sr::tensor_to_image(f);
@@ -131,7 +137,7 @@ void run_upscale(const UpscaleArgs& a) {
 struct EvalArgs {
   std::string data, weights, attention = "both";
   int scale = 2, threads = 0;
-  int64_t tile = 0, limit = 0;
+  int64_t tile = -1, limit = 0;
   bool json = false;
 };
 
@@ -189,7 +195,7 @@ void run_eval(const EvalArgs& a) {
         sr::UpscaleOptions opt;
         opt.mode = sr::parse_attention_mode(m);
         opt.num_threads = a.threads;
-        opt.tile = a.tile;
+        opt.tile = auto_tile(a.tile, lr);
         out = model->upscale(lr, opt, &st);
       }
       const double secs = seconds_since(t0);
@@ -240,8 +246,12 @@ void add_sr_command(CLI::App& app) {
   up->add_option("--attention", ua->attention, "dense (every window) or sparse (routed windows only)")
       ->capture_default_str();
   up->add_option("--threads", ua->threads, "threads (0 = SATTN_NUM_THREADS or all cores)");
-  up->add_option("--tile", ua->tile, "tile size in LR pixels (0 = whole image; >= 16)")->capture_default_str();
-  up->add_option("--overlap", ua->overlap, "context around each tile in LR pixels")->capture_default_str();
+  up->add_option("--tile", ua->tile,
+                 "tile size in LR pixels (>= 16; 0 = whole image; -1 = whole image up to 512x512, else 256)")
+      ->capture_default_str();
+  up->add_option("--overlap", ua->overlap,
+                 "context around each tile in LR pixels (-1 = the model's receptive radius: tiled == untiled)")
+      ->capture_default_str();
   up->add_option("--weights", ua->weights, "safetensors weights (default: embedded / sr/weights/)");
   up->add_option("--float-out", ua->float_out, "also write the unclamped float output [3, sH, sW] as .npy");
   up->add_option("--routing-in", ua->routing_in, ".npy of per-window routing decisions to use (sparse, untiled)");
@@ -268,7 +278,7 @@ void add_sr_command(CLI::App& app) {
   ev->add_option("--attention", ea->attention, "dense, sparse or both")->capture_default_str();
   ev->add_option("--weights", ea->weights, "safetensors weights (default: embedded / sr/weights/)");
   ev->add_option("--threads", ea->threads, "threads (0 = all)");
-  ev->add_option("--tile", ea->tile, "tile size (0 = whole image)");
+  ev->add_option("--tile", ea->tile, "tile size (0 = whole image; -1 = auto as in upscale)")->capture_default_str();
   ev->add_option("--limit", ea->limit, "evaluate only the first N images (sorted by name)");
   ev->add_flag("--json", ea->json, "print JSON (per image and mean) instead of the table");
   ev->callback([ea] {
