@@ -159,12 +159,13 @@ void run_eval(const EvalArgs& a) {
   if (a.limit > 0 && int64_t(files.size()) > a.limit) files.resize(size_t(a.limit));
   check(!files.empty(), ErrorKind::kIO, "--data: no PNG/JPEG images in '", a.data, "'");
   std::vector<std::string> modes{"bicubic"};
-  const auto model = load_model(a.weights, a.scale, a.attention != "both");
+  const bool bicubic_only = a.attention == "bicubic";
+  const auto model = bicubic_only ? std::nullopt : load_model(a.weights, a.scale, a.attention != "both");
   if (model) {
     if (a.attention == "both" || a.attention == "dense") modes.push_back("dense");
     if (a.attention == "both" || a.attention == "sparse") modes.push_back("sparse");
     if (a.attention != "both") sr::parse_attention_mode(a.attention);
-  } else {
+  } else if (!bicubic_only) {
     std::cerr << "sr eval: no model weights for x" << a.scale << " (embedded or " << source_tree_sr_weights(a.scale)
               << "): bicubic only\n";
   }
@@ -275,15 +276,18 @@ void add_sr_command(CLI::App& app) {
   auto* ev = sr->add_subcommand("eval", "BasicSR-protocol PSNR/SSIM (Y) of bicubic, model dense and sparse");
   ev->add_option("--scale", ea->scale, "2 or 4")->required();
   ev->add_option("--data", ea->data, "folder of HR images (PNG/JPEG)")->required();
-  ev->add_option("--attention", ea->attention, "dense, sparse or both")->capture_default_str();
+  ev->add_option("--attention", ea->attention, "dense, sparse, both (model modes next to bicubic) or bicubic (only)")
+      ->capture_default_str();
   ev->add_option("--weights", ea->weights, "safetensors weights (default: embedded / sr/weights/)");
   ev->add_option("--threads", ea->threads, "threads (0 = all)");
   ev->add_option("--tile", ea->tile, "tile size (0 = whole image; -1 = auto as in upscale)")->capture_default_str();
   ev->add_option("--limit", ea->limit, "evaluate only the first N images (sorted by name)");
   ev->add_flag("--json", ea->json, "print JSON (per image and mean) instead of the table");
   ev->callback([ea] {
-    check(ea->attention == "both" || ea->attention == "dense" || ea->attention == "sparse",
-          ErrorKind::kInvalidArgument, "--attention: expected dense, sparse or both, given '", ea->attention, "'");
+    check(ea->attention == "both" || ea->attention == "dense" || ea->attention == "sparse" ||
+              ea->attention == "bicubic",
+          ErrorKind::kInvalidArgument, "--attention: expected dense, sparse, both or bicubic, given '", ea->attention,
+          "'");
     run_eval(*ea);
   });
 }
