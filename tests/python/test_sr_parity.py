@@ -20,7 +20,7 @@ import sr_png
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.environ.get("SATTN_SR_TRAIN_DIR", os.path.join(REPO, "sr", "train"))
 CLI = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(sattn.__file__)))), "sattn")
-TRAINED = os.path.join(REPO, "sr", "weights", "sattn_sr_x2.safetensors")
+TRAINED = os.environ.get("SATTN_SR_TRAINED", os.path.join(REPO, "sr", "weights", "sattn_sr_x2.safetensors"))
 
 try:
     import torch
