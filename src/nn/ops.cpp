@@ -7,13 +7,20 @@
 
 namespace sattn::nn {
 
+// Hot loops are compiled for AVX-512 / AVX2+FMA / baseline and picked at load time (GCC function multi-versioning).
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+#define SATTN_CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+#else
+#define SATTN_CLONES
+#endif
+
 namespace {
 constexpr int64_t kRowBlock = 4;    // rows of A per micro-kernel step
 constexpr int64_t kColBlock = 64;   // output columns per step (accumulators stay in L1)
 }  // namespace
 
-void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W, int64_t N, float* C,
-              int64_t ldc) {
+SATTN_CLONES void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W, int64_t N, float* C,
+                           int64_t ldc) {
   for (int64_t n0 = 0; n0 < N; n0 += kColBlock) {
     const int64_t nb = std::min(kColBlock, N - n0);
     int64_t m = 0;
@@ -87,26 +94,31 @@ void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float
   });
 }
 
-void depthwise3x3_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* bias,
-                      float* out, int threads) {
-  parallel_for(H, threads, [&](int64_t y) {
-    for (int64_t x = 0; x < W; ++x) {
-      float* o = out + (y * W + x) * C;
-      for (int64_t c = 0; c < C; ++c) o[c] = bias ? bias[c] : 0.0f;
-      for (int64_t ky = 0; ky < 3; ++ky) {
-        const int64_t yy = y + ky - 1;
-        if (yy < 0 || yy >= H) continue;
-        for (int64_t kx = 0; kx < 3; ++kx) {
-          const int64_t xx = x + kx - 1;
-          if (xx < 0 || xx >= W) continue;
-          const float* i = in + (yy * W + xx) * C;
-          const float* w = Wd + (ky * 3 + kx) * C;
+namespace {
+SATTN_CLONES void depthwise_row(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* bias,
+                                float* out, int64_t y) {
+  for (int64_t x = 0; x < W; ++x) {
+    float* o = out + (y * W + x) * C;
+    for (int64_t c = 0; c < C; ++c) o[c] = bias ? bias[c] : 0.0f;
+    for (int64_t ky = 0; ky < 3; ++ky) {
+      const int64_t yy = y + ky - 1;
+      if (yy < 0 || yy >= H) continue;
+      for (int64_t kx = 0; kx < 3; ++kx) {
+        const int64_t xx = x + kx - 1;
+        if (xx < 0 || xx >= W) continue;
+        const float* i = in + (yy * W + xx) * C;
+        const float* w = Wd + (ky * 3 + kx) * C;
 #pragma omp simd
-          for (int64_t c = 0; c < C; ++c) o[c] += i[c] * w[c];
-        }
+        for (int64_t c = 0; c < C; ++c) o[c] += i[c] * w[c];
       }
     }
-  });
+  }
+}
+}  // namespace
+
+void depthwise3x3_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* bias,
+                      float* out, int threads) {
+  parallel_for(H, threads, [&](int64_t y) { depthwise_row(in, H, W, C, Wd, bias, out, y); });
 }
 
 void layer_norm(const float* x, int64_t M, int64_t C, const float* gamma, const float* beta, float eps, float* y) {
