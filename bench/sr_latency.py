@@ -53,7 +53,7 @@ def main():
                 r = subprocess.run([a.cli, "sr", "upscale", a.image, out, "--scale", str(cfg["scale"]), "--attention",
                                     mode, "--weights", a.weights, "--threads", str(t), "--tile", "0"],
                                    capture_output=True, text=True, check=True)
-                cpp.append(float(re.search(r", ([0-9.e+-]+) s$", r.stderr.strip()).group(1)))
+                cpp.append(float(re.search(r", ([0-9.e+-]+) s$", r.stderr.strip()).group(1)))  # model time only
             torch.set_num_threads(t)
             py = []
             with torch.no_grad():

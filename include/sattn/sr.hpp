@@ -103,6 +103,7 @@ class SrModel {
   static SrModel from_memory(const void* data, size_t size, const std::string& name);
 
   const SrConfig& config() const { return config_; }
+  const std::string& name() const { return name_; }  // the file (or "embedded:<file>") it was loaded from
   int scale() const { return config_.scale; }
   int64_t num_parameters() const;
   // Pixels (LR) beyond which an input pixel cannot influence an output pixel: sum over blocks of (window - 1)

@@ -131,7 +131,7 @@ void run_upscale(const UpscaleArgs& a) {
   }
   std::cerr << "sr upscale: " << lr.width << "x" << lr.height << " -> " << out.width << "x" << out.height << " x"
             << a.scale << " " << a.attention << ", " << st.tiles << " tile(s), windows routed " << st.windows_routed
-            << "/" << st.windows_total << ", " << secs << " s\n";
+            << "/" << st.windows_total << ", weights " << model->name() << ", " << secs << " s\n";
 }
 
 struct EvalArgs {
