@@ -99,6 +99,8 @@ SrConfig parse_config(const std::map<std::string, std::string>& meta, const std:
       maxws = std::max(maxws, ws);
     }
   }
+  check(c.route_threshold > 0 && c.route_threshold < 1, ErrorKind::kIO, "SR weights '", file,
+        "': route_threshold must be in (0, 1), given ", c.route_threshold);
   check(c.pad_multiple >= maxws && c.pad_multiple <= 256, ErrorKind::kIO, "SR weights '", file, "': pad_multiple ",
         c.pad_multiple, " must be >= the largest window ", maxws);
   for (const auto& g : c.groups)
@@ -211,7 +213,7 @@ namespace {
 
 struct BlockCtx {
   int64_t H, W, C, heads, hd, hid;
-  float ln_eps, std_eps;
+  float ln_eps, std_eps, threshold;
   int threads;
 };
 
@@ -267,7 +269,7 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
   });
   std::vector<int64_t> routed;
   for (int64_t n = 0; n < nW; ++n) {
-    bool r = dense ? true : (routing_in ? routing_in[n] != 0 : gate[size_t(n)] > 0.5f);
+    bool r = dense ? true : (routing_in ? routing_in[n] != 0 : gate[size_t(n)] > cx.threshold);
     if (routed_out) routed_out[n] = uint8_t(r);
     if (gates_out) gates_out[n] = gate[size_t(n)];
     if (r) routed.push_back(n);
@@ -389,7 +391,8 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
   std::vector<float> feat(size_t(H * W * C)), y(size_t(H * W * C)), t(size_t(H * W * C));
   nn::conv3x3_hwc(xp.data(), H, W, 3, P.head.data(), P.head_b.data(), C, feat.data(), threads);
   y = feat;
-  BlockCtx cx{H, W, C, c.heads, c.head_dim, c.mlp_hidden, float(c.layer_norm_eps), float(c.router_std_eps), threads};
+  BlockCtx cx{H, W, C, c.heads, c.head_dim, c.mlp_hidden, float(c.layer_norm_eps), float(c.router_std_eps),
+              float(c.route_threshold), threads};
   int64_t offset = 0, routed = 0;
   for (const GroupW& g : P.groups) {
     std::vector<float> y_in = y;
