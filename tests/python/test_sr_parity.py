@@ -69,11 +69,11 @@ def model_from_safetensors(path):
     return m.eval()
 
 
-def random_model(tmpdir, img):
+def random_model(tmpdir, img, scale=2):
     """Seeded random weights (perturbed, so biases are non-zero); router biases put the median logit of each
     block between two logits with a clear gap, so about half the windows route and none sits at 0.5."""
     torch.manual_seed(0)
-    cfg = dict(MD.default_config(2), router_norm=False)
+    cfg = dict(MD.default_config(scale), router_norm=False)
     m = MD.SattnSR(cfg).eval()
     with torch.no_grad():
         for n, p in m.named_parameters():
@@ -90,7 +90,7 @@ def random_model(tmpdir, img):
             mid = len(logit) // 2
             j = max(range(max(1, mid - 3), min(len(logit), mid + 4)), key=lambda k: logit[k] - logit[k - 1])
             b.router.bias.sub_(float((logit[j] + logit[j - 1]) / 2))
-    path = os.path.join(tmpdir, "random_x2.safetensors")
+    path = os.path.join(tmpdir, f"random_x{scale}.safetensors")
     sd = {k: v.detach().numpy().astype(np.float32) for k, v in m.state_dict().items()}
     arch = EX.architecture(cfg, 0)
     EX.write_safetensors(path, sd, dict(format="pt", sattn_sr_config=json.dumps(arch), step="0"))
@@ -202,3 +202,30 @@ def test_tiled_matches_untiled(setup):
     band = d[2 * lo:2 * hi]
     assert band.max() == 0, f"tiled vs untiled differ inside LR rows [{lo}, {hi}) (max {band.max()})"
     print(f"tiling: exact in LR rows [{lo}, {hi}); edge bands max 8-bit difference {d.max()}")
+
+
+def test_x4_dense_and_fed_sparse_parity(tmp_path):
+    """The x4 upsampler (48 output channels, 4x4 pixel shuffle) on a random x4 model."""
+    img = test_image(36, 40, 3)
+    path, m = random_model(str(tmp_path), img, scale=4)
+    inp = str(tmp_path / "in.png")
+    sr_png.write_png(inp, img)
+    s = dict(tmp=str(tmp_path), weights=path, inp=inp)
+    for mode in ("dense", "sparse"):
+        y, u8, kept, _ = torch_run(m, img, mode)
+        extra = []
+        if mode == "sparse":
+            np.save(str(tmp_path / "kept.npy"), kept)
+            extra = ["--routing-in", str(tmp_path / "kept.npy")]
+        out = str(tmp_path / f"{mode}.png")
+        fo = str(tmp_path / f"{mode}.npy")
+        r = subprocess.run([CLI, "sr", "upscale", inp, out, "--scale", "4", "--attention", mode, "--weights", path,
+                            "--float-out", fo, *extra], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        f = np.load(fo)
+        assert f.shape == y.shape == (3, 144, 160)
+        assert np.abs(f - y).max() <= FLOAT_TOL, f"x4 {mode}: max |C++ - torch| = {np.abs(f - y).max():.3g}"
+        check_u8(sr_png.read_png(out), u8)
+    r = subprocess.run([CLI, "sr", "upscale", inp, out, "--scale", "2", "--weights", path], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "x4" in r.stderr, r.stderr
