@@ -112,6 +112,7 @@ void run_upscale(const UpscaleArgs& a) {
   if (!a.float_out.empty()) {
     check(opt.tile == 0, ErrorKind::kInvalidArgument, "--float-out needs an untiled run (--tile 0)");
     const Tensor f = model->forward(sr::image_to_tensor(lr), opt, &st);
+    st.tiles = 1;
     write_npy(a.float_out, f);
     out = sr::tensor_to_image(f);
   } else {
