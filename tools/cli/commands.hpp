@@ -14,4 +14,5 @@ void add_profile_command(CLI::App& app);  // profile.cpp
 void add_report_command(CLI::App& app);   // report.cpp
 void add_bench_command(CLI::App& app);    // bench.cpp
 void add_sparse_command(CLI::App& app);   // sparse.cpp: sparse, sparse-bench
+void add_sr_command(CLI::App& app);       // sr.cpp
 }  // namespace sattn::cli

@@ -1,0 +1,132 @@
+// Super-resolution: image I/O, MATLAB-compatible bicubic resize, BasicSR metrics and the SattnSR model
+// (C++ inference of sr/train/model.py; op-by-op spec in sr/README.md).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "sattn/tensor.hpp"
+
+namespace sattn::sr {
+
+// 8-bit image, interleaved HWC, channels 1 or 3 (RGB).
+struct Image {
+  int64_t height = 0, width = 0, channels = 3;
+  std::vector<uint8_t> data;  // size height * width * channels
+  int source_channels = 0;    // channels stored in the file (1 gray, 2 gray+alpha, 3 RGB, 4 RGBA); 0 if made here
+
+  Image() = default;
+  Image(int64_t h, int64_t w, int64_t c) : height(h), width(w), channels(c), data(size_t(h * w * c), 0) {}
+  uint8_t& at(int64_t y, int64_t x, int64_t c) { return data[size_t((y * width + x) * channels + c)]; }
+  uint8_t at(int64_t y, int64_t x, int64_t c) const { return data[size_t((y * width + x) * channels + c)]; }
+};
+
+// Default limit on width * height checked from the file header before any pixel is decoded.
+inline constexpr int64_t kDefaultMaxPixels = int64_t(1) << 27;  // 134 M pixels (e.g. 16384 x 8192)
+
+// Reads a PNG or JPEG file as 8-bit RGB: gray (and gray+alpha) is replicated to RGB, alpha dropped,
+// 16-bit PNG reduced to 8 bit. Throws sattn::Error(kIO) naming the file and the problem: missing/unreadable,
+// unsupported format (anything but PNG/JPEG), corrupt or truncated data, width*height over `max_pixels`.
+Image read_image(const std::string& path, int64_t max_pixels = kDefaultMaxPixels);
+// Same, from bytes in memory; `name` is used in error messages.
+Image decode_image(const void* data, size_t size, const std::string& name, int64_t max_pixels = kDefaultMaxPixels);
+
+// Writes an 8-bit PNG (1 or 3 channels). Throws sattn::Error(kIO) when the file cannot be written.
+void write_png(const std::string& path, const Image& image);
+
+// MATLAB imresize(img, scale, 'bicubic') on doubles, exactly as sr/train/imresize.py: output index x (1-based)
+// samples u = x/scale + 0.5(1 - 1/scale); Keys cubic a = -0.5, widened by 1/scale when shrinking
+// (antialiasing); weights normalised; symmetric padding; height first, then width; one rounding to uint8
+// (half away from zero, saturated). Output size ceil(h*scale) x ceil(w*scale) unless out_h/out_w > 0.
+Image imresize(const Image& image, double scale, int64_t out_h = 0, int64_t out_w = 0);
+// Same on a float64 plane [h, w] (row-major); returns the unrounded result.
+std::vector<double> imresize_plane(const std::vector<double>& plane, int64_t h, int64_t w, double scale,
+                                   int64_t out_h, int64_t out_w);
+// HR cropped to a multiple of s, as BasicSR's mod_crop.
+Image mod_crop(const Image& image, int s);
+// LR = imresize(HR, 1/s); HR must be a multiple of s (throws kInvalidArgument otherwise).
+Image downscale(const Image& hr, int s);
+Image upscale_bicubic(const Image& lr, int s);
+
+// BasicSR metrics on the unrounded float Y channel (BT.601: 16 + 65.481R + 128.553G + 24.966B on [0,1] RGB),
+// `border` pixels cropped at each side. Images must be RGB of equal size. PSNR is +inf for identical images.
+double psnr_y(const Image& a, const Image& b, int border);
+// SSIM: 11x11 Gaussian (sigma 1.5), valid region only, C1 = (0.01*255)^2, C2 = (0.03*255)^2, mean over the map.
+double ssim_y(const Image& a, const Image& b, int border);
+
+enum class AttentionMode { kDense, kSparse };
+AttentionMode parse_attention_mode(const std::string& text);  // "dense" | "sparse"
+const char* to_string(AttentionMode mode);
+
+struct UpscaleOptions {
+  AttentionMode mode = AttentionMode::kSparse;
+  int num_threads = 0;  // 0 = SATTN_NUM_THREADS or all cores
+  // Tiling (LR pixels): 0 = whole image at once. Tiles of tile x tile with `overlap` extra context on each side
+  // (clipped at the image border, its origin aligned down to the window grid); only each tile's centre is kept.
+  // overlap -1 = the model's receptive radius (receptive_radius()): then tiled == untiled, bit for bit.
+  int64_t tile = 0;
+  int64_t overlap = -1;
+  // Routing fed from outside (parity with PyTorch): one byte per window, blocks in order, windows in partition
+  // order (as the PyTorch `stats` list); sparse mode only, untiled only. Empty = decide here.
+  const std::vector<uint8_t>* routing_in = nullptr;
+  // If set: receives the routing decisions (same layout; untiled only) — 1 = routed.
+  std::vector<uint8_t>* routing_out = nullptr;
+  // If set: receives the router gates g (same layout as routing_out; untiled only).
+  std::vector<float>* gates_out = nullptr;
+  // Called after each tile with (tiles done, tiles total).
+  std::function<void(int64_t, int64_t)> progress;
+};
+
+struct UpscaleStats {
+  int64_t windows_total = 0, windows_routed = 0;
+  int64_t tiles = 0;
+};
+
+// Architecture (from the weights' "sattn_sr_config" metadata; see sr/train/export.py).
+struct SrConfig {
+  int scale = 2, dim = 0, heads = 0, head_dim = 0, mlp_hidden = 0, pad_multiple = 16;
+  std::vector<std::vector<int>> groups;  // window size of each block, per group
+  double layer_norm_eps = 1e-5, router_std_eps = 1e-6, route_threshold = 0.5;
+  int64_t training_step = -1;
+  int64_t num_blocks() const;
+};
+
+class SrModel {
+ public:
+  // Loads weights + architecture from a safetensors file (as written by sr/train/export.py). Validates the
+  // config and every tensor's shape; throws sattn::Error(kIO) naming the file and the problem.
+  static SrModel load(const std::string& path);
+  static SrModel from_memory(const void* data, size_t size, const std::string& name);
+
+  const SrConfig& config() const { return config_; }
+  const std::string& name() const { return name_; }  // the file (or "embedded:<file>") it was loaded from
+  int scale() const { return config_.scale; }
+  int64_t num_parameters() const;
+  // Pixels (LR) beyond which an input pixel cannot influence an output pixel: sum over blocks of (window - 1)
+  // plus one per 3x3 convolution (70 for the default configuration).
+  int64_t receptive_radius() const;
+
+  // x: f32 [3, h, w] RGB in [0, 1] (h, w > pad_multiple / 2... the reflect pad needs h, w > pad amount).
+  // Returns the unclamped model output f32 [3, s*h, s*w] (the PyTorch model's forward), untiled.
+  Tensor forward(const Tensor& x, const UpscaleOptions& options, UpscaleStats* stats = nullptr) const;
+  // uint8 RGB in, uint8 RGB out (clamp to [0, 1], floor(255 v + 0.5)); tiled when options.tile > 0.
+  Image upscale(const Image& lr, const UpscaleOptions& options, UpscaleStats* stats = nullptr) const;
+
+ private:
+  SrConfig config_;
+  std::map<std::string, Tensor> weights_;  // f32, PyTorch state_dict names
+  std::string name_;
+  struct Prepared;                         // re-laid-out weights
+  std::shared_ptr<const Prepared> prepared_;
+  void prepare();
+};
+
+// Float [3, h, w] in [0, 1] from an 8-bit RGB image, and back (clamp, floor(255 v + 0.5)).
+Tensor image_to_tensor(const Image& image);
+Image tensor_to_image(const Tensor& chw);
+
+}  // namespace sattn::sr

@@ -1,0 +1,518 @@
+// SattnSR inference (sr/train/model.py; op-by-op spec in sr/README.md), channels-last float32.
+// The window attention goes through sattn::scaled_dot_product_attention.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <nlohmann/json.hpp>
+
+#include "core/threads.hpp"
+#include "nn/ops.hpp"
+#include "sattn/attention.hpp"
+#include "sattn/error.hpp"
+#include "sattn/safetensors.hpp"
+#include "sattn/sr.hpp"
+
+namespace sattn::sr {
+
+AttentionMode parse_attention_mode(const std::string& text) {
+  if (text == "dense") return AttentionMode::kDense;
+  if (text == "sparse") return AttentionMode::kSparse;
+  fail(ErrorKind::kInvalidArgument, "attention: expected 'dense' or 'sparse', given '", text, "'");
+}
+const char* to_string(AttentionMode mode) { return mode == AttentionMode::kDense ? "dense" : "sparse"; }
+
+int64_t SrConfig::num_blocks() const {
+  int64_t n = 0;
+  for (const auto& g : groups) n += int64_t(g.size());
+  return n;
+}
+
+namespace {
+
+struct BlockW {
+  int ws = 8;
+  bool shifted = false;
+  std::vector<float> dw, dw_b, pw, pw_b, router_w;  // dw [9][C], pw [C][C] (in-major)
+  float router_b = 0;
+  std::vector<float> n1_w, n1_b, qkv, qkv_b, proj, proj_b, n2_w, n2_b, fc1, fc1_b, fc2, fc2_b;
+};
+struct GroupW {
+  std::vector<BlockW> blocks;
+  std::vector<float> dw, dw_b, pw, pw_b;
+};
+
+}  // namespace
+
+struct SrModel::Prepared {
+  std::vector<float> head, head_b, body_tail, body_tail_b, up, up_b;
+  std::vector<GroupW> groups;
+};
+
+namespace {
+
+const Tensor& get_w(const std::map<std::string, Tensor>& w, const std::string& name, const Shape& shape,
+                    const std::string& file) {
+  auto it = w.find(name);
+  check(it != w.end(), ErrorKind::kIO, "SR weights '", file, "': missing tensor '", name, "'");
+  check(it->second.shape() == shape, ErrorKind::kIO, "SR weights '", file, "': tensor '", name, "' has shape ",
+        shape_to_string(it->second.shape()), ", expected ", shape_to_string(shape));
+  return it->second;
+}
+std::vector<float> vec(const Tensor& t) { return std::vector<float>(t.data<float>(), t.data<float>() + t.numel()); }
+
+SrConfig parse_config(const std::map<std::string, std::string>& meta, const std::string& file) {
+  auto it = meta.find("sattn_sr_config");
+  check(it != meta.end(), ErrorKind::kIO, "SR weights '", file,
+        "': no 'sattn_sr_config' in the safetensors metadata (export with sr/train/export.py)");
+  SrConfig c;
+  try {
+    const auto j = nlohmann::json::parse(it->second);
+    check(j.value("format", std::string()) == "sattn-sr-v1", ErrorKind::kIO, "SR weights '", file,
+          "': config format must be 'sattn-sr-v1', given '", j.value("format", std::string()), "'");
+    c.scale = j.at("scale").get<int>();
+    c.dim = j.at("dim").get<int>();
+    c.heads = j.at("heads").get<int>();
+    c.head_dim = j.at("head_dim").get<int>();
+    c.mlp_hidden = j.at("mlp_hidden").get<int>();
+    c.groups = j.at("groups").get<std::vector<std::vector<int>>>();
+    c.pad_multiple = j.at("pad_multiple").get<int>();
+    c.layer_norm_eps = j.value("layer_norm_eps", 1e-5);
+    c.router_std_eps = j.value("router_std_eps", 1e-6);
+    c.route_threshold = j.value("route_threshold", 0.5);
+    c.training_step = j.value("training_step", int64_t(-1));
+  } catch (const nlohmann::json::exception& e) {
+    fail(ErrorKind::kIO, "SR weights '", file, "': bad sattn_sr_config JSON (", e.what(), ")");
+  }
+  check(c.scale >= 1 && c.scale <= 8, ErrorKind::kIO, "SR weights '", file, "': scale must be 1..8, given ", c.scale);
+  check(c.dim > 0 && c.dim <= 1024 && c.heads > 0 && c.head_dim * c.heads == c.dim, ErrorKind::kIO, "SR weights '",
+        file, "': dim ", c.dim, " must equal heads ", c.heads, " x head_dim ", c.head_dim);
+  check(c.mlp_hidden > 0 && c.mlp_hidden <= 8192, ErrorKind::kIO, "SR weights '", file, "': bad mlp_hidden ",
+        c.mlp_hidden);
+  check(!c.groups.empty(), ErrorKind::kIO, "SR weights '", file, "': no groups");
+  int maxws = 0;
+  for (const auto& g : c.groups) {
+    check(!g.empty(), ErrorKind::kIO, "SR weights '", file, "': empty group");
+    for (int ws : g) {
+      check(ws >= 2 && ws <= 64 && ws % 2 == 0, ErrorKind::kIO, "SR weights '", file,
+            "': window sizes must be even, 2..64, given ", ws);
+      maxws = std::max(maxws, ws);
+    }
+  }
+  check(c.route_threshold > 0 && c.route_threshold < 1, ErrorKind::kIO, "SR weights '", file,
+        "': route_threshold must be in (0, 1), given ", c.route_threshold);
+  check(c.pad_multiple >= maxws && c.pad_multiple <= 256, ErrorKind::kIO, "SR weights '", file, "': pad_multiple ",
+        c.pad_multiple, " must be >= the largest window ", maxws);
+  for (const auto& g : c.groups)
+    for (int ws : g)
+      check(c.pad_multiple % ws == 0, ErrorKind::kIO, "SR weights '", file, "': pad_multiple ", c.pad_multiple,
+            " is not a multiple of window ", ws);
+  return c;
+}
+
+}  // namespace
+
+static void build_model(SafetensorsFile f, const std::string& name, SrConfig* cfg_out,
+                        std::map<std::string, Tensor>* w_out) {
+  *cfg_out = parse_config(f.metadata, name);
+  for (auto& [k, t] : f.tensors) {
+    check(t.dtype() == DType::kF32, ErrorKind::kIO, "SR weights '", name, "': tensor '", k,
+          "' must be F32, given ", to_string(t.dtype()));
+  }
+  *w_out = std::move(f.tensors);
+}
+
+SrModel SrModel::from_memory(const void* data, size_t size, const std::string& name) {
+  SrModel m;
+  build_model(parse_safetensors(data, size, name), name, &m.config_, &m.weights_);
+  m.name_ = name;
+  m.prepare();
+  return m;
+}
+
+SrModel SrModel::load(const std::string& path) {
+  SrModel m;
+  build_model(read_safetensors(path), path, &m.config_, &m.weights_);
+  m.name_ = path;
+  m.prepare();
+  return m;
+}
+
+int64_t SrModel::receptive_radius() const {
+  // every 3x3 convolution widens the dependency by 1 px, every window block by ws - 1 (a token depends on the
+  // whole window: attention and the router's mean/std): head, per block dw, per group dw, body tail, up
+  int64_t r = 3;
+  for (const auto& g : config_.groups) {
+    r += 1;
+    for (int ws : g) r += 1 + (ws - 1);
+  }
+  return r;
+}
+
+int64_t SrModel::num_parameters() const {
+  int64_t n = 0;
+  for (const auto& [k, t] : weights_) n += t.numel();
+  return n;
+}
+
+void SrModel::prepare() {
+  const SrConfig& c = config_;
+  const int64_t C = c.dim, s2 = int64_t(c.scale) * c.scale, hid = c.mlp_hidden;
+  auto P = std::make_shared<Prepared>();
+  auto W = [&](const std::string& n, const Shape& s) -> const Tensor& { return get_w(weights_, n, s, name_); };
+  P->head = nn::conv3x3_weight_hwc(W("head.weight", {C, 3, 3, 3}).data<float>(), C, 3);
+  P->head_b = vec(W("head.bias", {C}));
+  P->body_tail = nn::conv3x3_weight_hwc(W("body_tail.weight", {C, C, 3, 3}).data<float>(), C, C);
+  P->body_tail_b = vec(W("body_tail.bias", {C}));
+  P->up = nn::conv3x3_weight_hwc(W("up.weight", {3 * s2, C, 3, 3}).data<float>(), 3 * s2, C);
+  P->up_b = vec(W("up.bias", {3 * s2}));
+  size_t expected = 6;
+  for (size_t g = 0; g < c.groups.size(); ++g) {
+    GroupW gw;
+    const std::string gp = "groups." + std::to_string(g) + ".";
+    gw.dw = nn::depthwise_weight_hwc(W(gp + "dw.weight", {C, 1, 3, 3}).data<float>(), C);
+    gw.dw_b = vec(W(gp + "dw.bias", {C}));
+    gw.pw = nn::transpose_weight(W(gp + "pw.weight", {C, C, 1, 1}).data<float>(), C, C);
+    gw.pw_b = vec(W(gp + "pw.bias", {C}));
+    expected += 4;
+    for (size_t b = 0; b < c.groups[g].size(); ++b) {
+      BlockW bw;
+      const std::string bp = gp + "blocks." + std::to_string(b) + ".";
+      bw.ws = c.groups[g][b];
+      bw.shifted = b % 2 == 1;
+      bw.dw = nn::depthwise_weight_hwc(W(bp + "dw.weight", {C, 1, 3, 3}).data<float>(), C);
+      bw.dw_b = vec(W(bp + "dw.bias", {C}));
+      bw.pw = nn::transpose_weight(W(bp + "pw.weight", {C, C, 1, 1}).data<float>(), C, C);
+      bw.pw_b = vec(W(bp + "pw.bias", {C}));
+      bw.router_w = vec(W(bp + "router.weight", {1, 2 * C}));
+      bw.router_b = W(bp + "router.bias", {1}).data<float>()[0];
+      bw.n1_w = vec(W(bp + "norm1.weight", {C}));
+      bw.n1_b = vec(W(bp + "norm1.bias", {C}));
+      bw.qkv = nn::transpose_weight(W(bp + "qkv.weight", {3 * C, C}).data<float>(), 3 * C, C);
+      bw.qkv_b = vec(W(bp + "qkv.bias", {3 * C}));
+      bw.proj = nn::transpose_weight(W(bp + "proj.weight", {C, C}).data<float>(), C, C);
+      bw.proj_b = vec(W(bp + "proj.bias", {C}));
+      bw.n2_w = vec(W(bp + "norm2.weight", {C}));
+      bw.n2_b = vec(W(bp + "norm2.bias", {C}));
+      bw.fc1 = nn::transpose_weight(W(bp + "fc1.weight", {hid, C}).data<float>(), hid, C);
+      bw.fc1_b = vec(W(bp + "fc1.bias", {hid}));
+      bw.fc2 = nn::transpose_weight(W(bp + "fc2.weight", {C, hid}).data<float>(), C, hid);
+      bw.fc2_b = vec(W(bp + "fc2.bias", {C}));
+      expected += 18;
+      gw.blocks.push_back(std::move(bw));
+    }
+    P->groups.push_back(std::move(gw));
+  }
+  check(weights_.size() == expected, ErrorKind::kIO, "SR weights '", name_, "': ", weights_.size(),
+        " tensors, expected ", expected, " for this architecture (unknown extra tensors?)");
+  prepared_ = std::move(P);
+}
+
+// ---- forward -----------------------------------------------------------------------------------------------
+namespace {
+
+struct BlockCtx {
+  int64_t H, W, C, heads, hd, hid;
+  float ln_eps, std_eps, threshold;
+  int threads;
+};
+
+// Swin region label of a (rolled) position along one axis: 0, 1 or 2.
+inline int region(int64_t p, int64_t n, int64_t ws, int64_t s) { return p < n - ws ? 0 : (p < n - s ? 1 : 2); }
+
+// One window block, in place on y [H, W, C]. `decide` fills routed[] for the block's windows (nW of them).
+void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const uint8_t* routing_in,
+               uint8_t* routed_out, float* gates_out, int64_t* n_routed) {
+  const int64_t H = cx.H, W = cx.W, C = cx.C, HW = H * W;
+  // 1. cheap path: y += pw(gelu(dw(y)))
+  {
+    std::vector<float> t(size_t(HW * C)), u(size_t(HW * C));
+    nn::depthwise3x3_hwc(y, H, W, C, b.dw.data(), b.dw_b.data(), t.data(), cx.threads);
+    constexpr int64_t kBlock = 256;
+    parallel_for((HW + kBlock - 1) / kBlock, cx.threads, [&](int64_t blk) {
+      const int64_t m0 = blk * kBlock, m1 = std::min(HW, m0 + kBlock);
+      nn::gelu_inplace(t.data() + m0 * C, (m1 - m0) * C);
+      // y += pw(t): accumulate straight into y after the bias
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t c = 0; c < C; ++c) y[m * C + c] += b.pw_b[size_t(c)];
+      nn::gemm_acc(t.data() + m0 * C, C, m1 - m0, C, b.pw.data(), C, y + m0 * C, C);
+    });
+    (void)u;
+  }
+  const int64_t ws = b.ws, s = b.shifted ? ws / 2 : 0, L = ws * ws;
+  const int64_t nwy = H / ws, nwx = W / ws, nW = nwy * nwx;
+  // pixel offset (in y) of token l of window n, after the cyclic roll by (-s, -s)
+  auto pix = [&](int64_t n, int64_t l) {
+    const int64_t wy = n / nwx, wx = n % nwx, ly = l / ws, lx = l % ws;
+    const int64_t py = (wy * ws + ly + s) % H, px = (wx * ws + lx + s) % W;
+    return (py * W + px) * C;
+  };
+  // 2-5. router: per window mean / population std over tokens, per channel
+  std::vector<float> gate(static_cast<size_t>(nW));
+  parallel_for(nW, cx.threads, [&](int64_t n) {
+    std::vector<float> mean(size_t(C), 0.0f), var(size_t(C), 0.0f);
+    for (int64_t l = 0; l < L; ++l) {
+      const float* p = y + pix(n, l);
+      for (int64_t c = 0; c < C; ++c) mean[size_t(c)] += p[c];
+    }
+    for (int64_t c = 0; c < C; ++c) mean[size_t(c)] /= float(L);
+    for (int64_t l = 0; l < L; ++l) {
+      const float* p = y + pix(n, l);
+      for (int64_t c = 0; c < C; ++c) var[size_t(c)] += (p[c] - mean[size_t(c)]) * (p[c] - mean[size_t(c)]);
+    }
+    float logit = b.router_b;
+    for (int64_t c = 0; c < C; ++c) {
+      const float sd = std::sqrt(var[size_t(c)] / float(L) + cx.std_eps);
+      logit += b.router_w[size_t(c)] * mean[size_t(c)] + b.router_w[size_t(C + c)] * sd;
+    }
+    gate[size_t(n)] = 1.0f / (1.0f + std::exp(-logit));
+  });
+  std::vector<int64_t> routed;
+  for (int64_t n = 0; n < nW; ++n) {
+    bool r = dense ? true : (routing_in ? routing_in[n] != 0 : gate[size_t(n)] > cx.threshold);
+    if (routed_out) routed_out[n] = uint8_t(r);
+    if (gates_out) gates_out[n] = gate[size_t(n)];
+    if (r) routed.push_back(n);
+  }
+  *n_routed += int64_t(routed.size());
+  // Swin mask: a window needs one iff it touches the last window row/column of a shifted block.
+  auto needs_mask = [&](int64_t n) { return s > 0 && (n / nwx == nwy - 1 || n % nwx == nwx - 1); };
+  // 6. routed windows, in chunks of ~4096 tokens (each chunk serial inside; chunks in parallel)
+  const int64_t per_chunk = std::max<int64_t>(1, 4096 / L);
+  const int64_t nchunks = (int64_t(routed.size()) + per_chunk - 1) / per_chunk;
+  const int64_t hd = cx.hd, heads = cx.heads, hid = cx.hid;
+  parallel_for(nchunks, cx.threads, [&](int64_t ch) {
+    const int64_t i0 = ch * per_chunk, i1 = std::min<int64_t>(int64_t(routed.size()), i0 + per_chunk);
+    const int64_t nw = i1 - i0, M = nw * L;
+    std::vector<float> xw(size_t(M * C)), a(size_t(M * C)), qkv(size_t(M * 3 * C)), o(size_t(M * C)),
+        t(size_t(M * C)), h(size_t(M * hid));
+    for (int64_t i = 0; i < nw; ++i)
+      for (int64_t l = 0; l < L; ++l)
+        std::memcpy(&xw[size_t((i * L + l) * C)], y + pix(routed[size_t(i0 + i)], l), size_t(C) * sizeof(float));
+    nn::layer_norm(xw.data(), M, C, b.n1_w.data(), b.n1_b.data(), cx.ln_eps, a.data());
+    nn::linear(a.data(), M, C, b.qkv.data(), b.qkv_b.data(), 3 * C, qkv.data(), 1);
+    // attention: windows without a mask in one call, masked windows in another
+    std::vector<int64_t> plain, masked;
+    for (int64_t i = 0; i < nw; ++i) (needs_mask(routed[size_t(i0 + i)]) ? masked : plain).push_back(i);
+    auto attend = [&](const std::vector<int64_t>& list, bool with_mask) {
+      if (list.empty()) return;
+      const int64_t nb = int64_t(list.size());
+      // windows of `list` are runs in the chunk; gather q/k/v into contiguous buffers when not contiguous
+      std::vector<float> qb(size_t(nb * L * 3 * C)), ob(size_t(nb * L * C));
+      for (int64_t j = 0; j < nb; ++j)
+        std::memcpy(&qb[size_t(j * L * 3 * C)], &qkv[size_t(list[size_t(j)] * L * 3 * C)],
+                    size_t(L * 3 * C) * sizeof(float));
+      // qkv channel index = which*C + head*hd + d, token-major: q [nb, heads, L, hd] strided
+      const Shape shape{nb, heads, L, hd}, strides{L * 3 * C, hd, 3 * C, 1};
+      TensorView q(qb.data(), DType::kF32, shape, strides), k(qb.data() + C, DType::kF32, shape, strides),
+          v(qb.data() + 2 * C, DType::kF32, shape, strides);
+      TensorView out(ob.data(), DType::kF32, shape, Shape{L * C, hd, C, 1});
+      AttentionOptions opt;
+      opt.num_threads = 1;
+      std::vector<uint8_t> mask;
+      if (with_mask) {
+        mask.resize(size_t(nb * L * L));
+        std::vector<int> lab(static_cast<size_t>(L));
+        for (int64_t j = 0; j < nb; ++j) {
+          const int64_t n = routed[size_t(i0 + list[size_t(j)])], wy = n / nwx, wx = n % nwx;
+          for (int64_t l = 0; l < L; ++l)
+            lab[size_t(l)] = 3 * region(wy * ws + l / ws, H, ws, s) + region(wx * ws + l % ws, W, ws, s);
+          uint8_t* m = &mask[size_t(j * L * L)];
+          for (int64_t qi = 0; qi < L; ++qi)
+            for (int64_t kj = 0; kj < L; ++kj) m[qi * L + kj] = lab[size_t(qi)] == lab[size_t(kj)];
+        }
+        opt.attn_mask = TensorView(mask.data(), DType::kBool, Shape{nb, 1, L, L});
+      }
+      scaled_dot_product_attention(q, k, v, opt, AttentionOutputs{out, {}, {}});
+      for (int64_t j = 0; j < nb; ++j)
+        std::memcpy(&o[size_t(list[size_t(j)] * L * C)], &ob[size_t(j * L * C)], size_t(L * C) * sizeof(float));
+    };
+    attend(plain, false);
+    attend(masked, true);
+    // t = xw + proj(o); t += fc2(gelu(fc1(LN2(t))))
+    nn::linear(o.data(), M, C, b.proj.data(), b.proj_b.data(), C, t.data(), 1);
+    for (int64_t i = 0; i < M * C; ++i) t[size_t(i)] += xw[size_t(i)];
+    nn::layer_norm(t.data(), M, C, b.n2_w.data(), b.n2_b.data(), cx.ln_eps, a.data());
+    nn::linear(a.data(), M, C, b.fc1.data(), b.fc1_b.data(), hid, h.data(), 1);
+    nn::gelu_inplace(h.data(), M * hid);
+    nn::linear(h.data(), M, hid, b.fc2.data(), b.fc2_b.data(), C, o.data(), 1);
+    // xw += g * (t + mlp - xw), scattered back to the (un-rolled) pixels
+    for (int64_t i = 0; i < nw; ++i) {
+      const int64_t n = routed[size_t(i0 + i)];
+      const float g = gate[size_t(n)];
+      for (int64_t l = 0; l < L; ++l) {
+        float* p = y + pix(n, l);
+        const size_t base = size_t((i * L + l) * C);
+        for (int64_t c = 0; c < C; ++c) {
+          const float tt = t[base + size_t(c)] + o[base + size_t(c)];
+          p[c] = xw[base + size_t(c)] + g * (tt - xw[base + size_t(c)]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleStats* stats) const {
+  const SrConfig& c = config_;
+  const Prepared& P = *prepared_;
+  check(x.dtype() == DType::kF32 && x.dim() == 3 && x.size(0) == 3, ErrorKind::kInvalidArgument,
+        "SrModel::forward: x must be f32 [3, h, w], given ", to_string(x.dtype()), " ", shape_to_string(x.shape()));
+  const int64_t h = x.size(1), w = x.size(2), pm = c.pad_multiple;
+  const int64_t ph = (pm - h % pm) % pm, pw = (pm - w % pm) % pm;
+  check(h > ph && w > pw && h > 0 && w > 0, ErrorKind::kInvalidArgument, "SrModel::forward: image ", w, "x", h,
+        " too small for the reflect padding to a multiple of ", pm, " (each side must exceed its padding; ",
+        "at least ", pm / 2 + 1, " px always works)");
+  const int64_t H = h + ph, W = w + pw, C = c.dim, s = c.scale, s2 = s * s;
+  const int threads = resolve_num_threads(options.num_threads);
+  const bool dense = options.mode == AttentionMode::kDense;
+  // routing bookkeeping
+  int64_t total_windows = 0;
+  for (const auto& g : c.groups)
+    for (int ws : g) total_windows += (H / ws) * (W / ws);
+  if (options.routing_in) {
+    check(!dense, ErrorKind::kInvalidArgument, "routing decisions fed from outside need --attention sparse");
+    check(int64_t(options.routing_in->size()) == total_windows, ErrorKind::kInvalidArgument,
+          "routing decisions: expected ", total_windows, " values (windows of all blocks for a ", W, "x", H,
+          " padded input), given ", options.routing_in->size());
+  }
+  if (options.routing_out) options.routing_out->assign(size_t(total_windows), 0);
+  if (options.gates_out) options.gates_out->assign(size_t(total_windows), 0.0f);
+  // 1. reflect pad (bottom/right, edge not repeated), HWC
+  std::vector<float> xp(size_t(H * W * 3));
+  const float* xs = x.data<float>();
+  for (int64_t i = 0; i < H; ++i)
+    for (int64_t j = 0; j < W; ++j) {
+      const int64_t si = i < h ? i : 2 * (h - 1) - i, sj = j < w ? j : 2 * (w - 1) - j;
+      for (int64_t ch = 0; ch < 3; ++ch) xp[size_t((i * W + j) * 3 + ch)] = xs[(ch * h + si) * w + sj];
+    }
+  // 2. head
+  std::vector<float> feat(size_t(H * W * C)), y(size_t(H * W * C)), t(size_t(H * W * C));
+  nn::conv3x3_hwc(xp.data(), H, W, 3, P.head.data(), P.head_b.data(), C, feat.data(), threads);
+  y = feat;
+  BlockCtx cx{H, W, C, c.heads, c.head_dim, c.mlp_hidden, float(c.layer_norm_eps), float(c.router_std_eps),
+              float(c.route_threshold), threads};
+  int64_t offset = 0, routed = 0;
+  for (const GroupW& g : P.groups) {
+    std::vector<float> y_in = y;
+    for (const BlockW& b : g.blocks) {
+      const int64_t nW = (H / b.ws) * (W / b.ws);
+      run_block(b, cx, y.data(), dense, options.routing_in ? options.routing_in->data() + offset : nullptr,
+                options.routing_out ? options.routing_out->data() + offset : nullptr,
+                options.gates_out ? options.gates_out->data() + offset : nullptr, &routed);
+      offset += nW;
+    }
+    // group tail: y = y_in + pw(dw(y))
+    nn::depthwise3x3_hwc(y.data(), H, W, C, g.dw.data(), g.dw_b.data(), t.data(), threads);
+    nn::linear(t.data(), H * W, C, g.pw.data(), g.pw_b.data(), C, y.data(), threads);
+    for (size_t i = 0; i < y.size(); ++i) y[i] += y_in[i];
+  }
+  // 4. body tail + feat
+  nn::conv3x3_hwc(y.data(), H, W, C, P.body_tail.data(), P.body_tail_b.data(), C, t.data(), threads);
+  for (size_t i = 0; i < t.size(); ++i) t[i] += feat[i];
+  // 5. up conv + nearest residual, pixel shuffle, crop
+  std::vector<float> u(size_t(H * W * 3 * s2));
+  nn::conv3x3_hwc(t.data(), H, W, C, P.up.data(), P.up_b.data(), 3 * s2, u.data(), threads);
+  Tensor out(DType::kF32, {3, h * s, w * s});
+  float* o = out.data<float>();
+  for (int64_t ch = 0; ch < 3; ++ch)
+    for (int64_t i = 0; i < h; ++i)
+      for (int64_t j = 0; j < w; ++j) {
+        const float* up = &u[size_t((i * W + j) * 3 * s2 + ch * s2)];
+        const float res = xp[size_t((i * W + j) * 3 + ch)];
+        for (int64_t a = 0; a < s; ++a)
+          for (int64_t bb = 0; bb < s; ++bb) o[(ch * h * s + i * s + a) * w * s + j * s + bb] = up[a * s + bb] + res;
+      }
+  if (stats) {
+    stats->windows_total += total_windows;
+    stats->windows_routed += routed;
+  }
+  return out;
+}
+
+Tensor image_to_tensor(const Image& image) {
+  check(image.channels == 3, ErrorKind::kInvalidArgument, "image_to_tensor: RGB expected, given ", image.channels,
+        " channels");
+  Tensor t(DType::kF32, {3, image.height, image.width});
+  float* p = t.data<float>();
+  const int64_t n = image.height * image.width;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < 3; ++c) p[c * n + i] = float(image.data[size_t(i * 3 + c)]) / 255.0f;
+  return t;
+}
+
+static uint8_t to_u8(float v) {
+  const double d = double(std::min(1.0f, std::max(0.0f, v)));  // clamp (NaN -> 0 via max)
+  return uint8_t(std::floor(d * 255.0 + 0.5));
+}
+
+Image tensor_to_image(const Tensor& chw) {
+  check(chw.dtype() == DType::kF32 && chw.dim() == 3 && chw.size(0) == 3, ErrorKind::kInvalidArgument,
+        "tensor_to_image: f32 [3, h, w] expected, given ", shape_to_string(chw.shape()));
+  const int64_t h = chw.size(1), w = chw.size(2), n = h * w;
+  Image im(h, w, 3);
+  const float* p = chw.data<float>();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < 3; ++c) im.data[size_t(i * 3 + c)] = to_u8(p[c * n + i]);
+  return im;
+}
+
+Image SrModel::upscale(const Image& lr, const UpscaleOptions& options, UpscaleStats* stats) const {
+  check(lr.channels == 3, ErrorKind::kInvalidArgument, "upscale: RGB image expected, given ", lr.channels,
+        " channels");
+  const int64_t h = lr.height, w = lr.width, s = config_.scale;
+  if (options.tile <= 0 || (options.tile >= h && options.tile >= w)) {
+    Image out = tensor_to_image(forward(image_to_tensor(lr), options, stats));
+    if (stats) stats->tiles += 1;
+    if (options.progress) options.progress(1, 1);
+    return out;
+  }
+  check(options.tile >= 16, ErrorKind::kInvalidArgument, "upscale: tile must be >= 16 LR pixels (or 0 = untiled), given ",
+        options.tile);
+  check(options.overlap >= -1, ErrorKind::kInvalidArgument, "upscale: overlap must be >= 0 (or -1 = auto), given ",
+        options.overlap);
+  check(!options.routing_in && !options.routing_out && !options.gates_out, ErrorKind::kInvalidArgument,
+        "upscale: routing input/output needs an untiled run (tile 0)");
+  const int64_t T = options.tile, O = options.overlap < 0 ? receptive_radius() : options.overlap;
+  const int64_t ty = (h + T - 1) / T, tx = (w + T - 1) / T, total = ty * tx;
+  const int64_t pm = config_.pad_multiple, min_ctx = std::max<int64_t>(2 * pm, 32);
+  Image out(h * s, w * s, 3);
+  int64_t done = 0;
+  for (int64_t iy = 0; iy < ty; ++iy)
+    for (int64_t ix = 0; ix < tx; ++ix) {
+      const int64_t y0 = iy * T, y1 = std::min(h, y0 + T), x0 = ix * T, x1 = std::min(w, x0 + T);
+      // context: overlap on each side, clipped, and at least min_ctx wide where the image allows
+      int64_t cy0 = std::max<int64_t>(0, y0 - O), cy1 = std::min(h, y1 + O);
+      int64_t cx0 = std::max<int64_t>(0, x0 - O), cx1 = std::min(w, x1 + O);
+      if (cy1 - cy0 < std::min(h, min_ctx)) {
+        cy1 = std::min(h, std::max(cy1, cy0 + min_ctx));
+        cy0 = std::max<int64_t>(0, std::min(cy0, cy1 - min_ctx));
+      }
+      if (cx1 - cx0 < std::min(w, min_ctx)) {
+        cx1 = std::min(w, std::max(cx1, cx0 + min_ctx));
+        cx0 = std::max<int64_t>(0, std::min(cx0, cx1 - min_ctx));
+      }
+      // align the context origin to the window grid of the whole image (pad_multiple is a multiple of every
+      // window size), so that the tile's windows are the image's windows
+      cy0 -= cy0 % pm;
+      cx0 -= cx0 % pm;
+      Image crop(cy1 - cy0, cx1 - cx0, 3);
+      for (int64_t i = cy0; i < cy1; ++i)
+        std::memcpy(&crop.data[size_t((i - cy0) * crop.width * 3)], &lr.data[size_t((i * w + cx0) * 3)],
+                    size_t(crop.width * 3));
+      const Tensor r = forward(image_to_tensor(crop), options, stats);
+      const float* p = r.data<float>();
+      const int64_t rh = crop.height * s, rw = crop.width * s, rn = rh * rw;
+      for (int64_t i = y0 * s; i < y1 * s; ++i)
+        for (int64_t j = x0 * s; j < x1 * s; ++j)
+          for (int64_t ch = 0; ch < 3; ++ch)
+            out.data[size_t((i * w * s + j) * 3 + ch)] =
+                to_u8(p[ch * rn + (i - cy0 * s) * rw + (j - cx0 * s)]);
+      if (stats) stats->tiles += 1;
+      if (options.progress) options.progress(++done, total);
+    }
+  return out;
+}
+
+}  // namespace sattn::sr

@@ -1,0 +1,415 @@
+// SR: image I/O (valid, truncated, garbage, huge headers), bicubic and metric invariants, the channels-last
+// building blocks against plain loops, and SattnSR model invariants on a tiny random model.
+#include <gtest/gtest.h>
+#include <stb/stb_image_write.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+
+#include "nn/ops.hpp"
+#include "sattn/safetensors.hpp"
+#include "sattn/sr.hpp"
+
+namespace {
+
+using sattn::ErrorKind;
+using sattn::sr::Image;
+
+std::string temp_path(const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() / ("sattn_sr_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  return (dir / name).string();
+}
+
+std::string read_bytes(const std::string& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+void write_bytes(const std::string& p, const std::string& b) {
+  std::ofstream f(p, std::ios::binary);
+  f << b;
+}
+
+Image random_image(int64_t h, int64_t w, int64_t c, unsigned seed) {
+  std::mt19937 rng(seed);
+  Image im(h, w, c);
+  for (auto& v : im.data) v = uint8_t(rng() % 256);
+  return im;
+}
+
+// Expects read_image(path) to throw kIO whose message names the file and contains `needle`.
+void expect_io_error(const std::string& path, const std::string& needle, int64_t max_pixels = 0) {
+  try {
+    if (max_pixels > 0)
+      sattn::sr::read_image(path, max_pixels);
+    else
+      sattn::sr::read_image(path);
+    ADD_FAILURE() << "no error for " << path << " (expected: " << needle << ")";
+  } catch (const sattn::Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kIO) << e.what();
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(SrImageIO, PngRoundTripRgbAndGray) {
+  const Image rgb = random_image(13, 17, 3, 1);
+  const std::string p = temp_path("rgb.png");
+  sattn::sr::write_png(p, rgb);
+  const Image back = sattn::sr::read_image(p);
+  EXPECT_EQ(back.height, 13);
+  EXPECT_EQ(back.width, 17);
+  EXPECT_EQ(back.source_channels, 3);
+  EXPECT_EQ(back.data, rgb.data);
+
+  const Image gray = random_image(9, 5, 1, 2);
+  const std::string g = temp_path("gray.png");
+  sattn::sr::write_png(g, gray);
+  const Image gb = sattn::sr::read_image(g);
+  ASSERT_EQ(gb.channels, 3);
+  EXPECT_EQ(gb.source_channels, 1);
+  for (int64_t y = 0; y < 9; ++y)
+    for (int64_t x = 0; x < 5; ++x)
+      for (int c = 0; c < 3; ++c) EXPECT_EQ(gb.at(y, x, c), gray.at(y, x, 0));  // gray replicated to RGB
+}
+
+TEST(SrImageIO, JpegDecodesAndTruncationIsAnError) {
+  Image im(32, 40, 3);
+  for (int64_t y = 0; y < 32; ++y)
+    for (int64_t x = 0; x < 40; ++x)
+      for (int c = 0; c < 3; ++c) im.at(y, x, c) = uint8_t(4 * x + 2 * y + 30 * c);
+  const std::string p = temp_path("a.jpg");
+  ASSERT_TRUE(stbi_write_jpg(p.c_str(), 40, 32, 3, im.data.data(), 95));
+  const Image back = sattn::sr::read_image(p);
+  ASSERT_EQ(back.height, 32);
+  ASSERT_EQ(back.width, 40);
+  double err = 0;
+  for (size_t i = 0; i < im.data.size(); ++i) err = std::max(err, std::fabs(double(im.data[i]) - back.data[i]));
+  EXPECT_LT(err, 24);  // lossy, but the same picture
+  const std::string bytes = read_bytes(p);
+  for (double frac : {0.3, 0.7, 0.95}) {
+    const std::string t = temp_path("trunc.jpg");
+    write_bytes(t, bytes.substr(0, size_t(double(bytes.size()) * frac)));
+    expect_io_error(t, "truncated");
+  }
+}
+
+TEST(SrImageIO, TruncatedGarbageEmptyMissing) {
+  const std::string p = temp_path("v.png");
+  sattn::sr::write_png(p, random_image(40, 50, 3, 3));
+  const std::string bytes = read_bytes(p);
+  for (size_t n : {size_t(10), size_t(40), bytes.size() / 2, bytes.size() - 13}) {
+    const std::string t = temp_path("trunc.png");
+    write_bytes(t, bytes.substr(0, n));
+    expect_io_error(t, "PNG");
+  }
+  const std::string g = temp_path("garbage.png");
+  write_bytes(g, std::string(1000, '\x42'));
+  expect_io_error(g, "unsupported format");
+  const std::string gif = temp_path("x.gif");
+  write_bytes(gif, std::string("GIF89a") + std::string(100, '\0'));
+  expect_io_error(gif, "unsupported format");
+  const std::string e = temp_path("empty.png");
+  write_bytes(e, "");
+  expect_io_error(e, "empty");
+  expect_io_error(temp_path("does_not_exist.png"), "cannot open");
+  expect_io_error(std::filesystem::temp_directory_path().string(), "");  // a directory
+}
+
+TEST(SrImageIO, HugeHeaderRejectedBeforeDecoding) {
+  // PNG signature + an IHDR claiming 200000 x 300000 pixels (no data behind it)
+  std::string png("\x89PNG\r\n\x1a\n", 8);
+  auto be32 = [](uint32_t v) {
+    return std::string{char(v >> 24), char((v >> 16) & 255), char((v >> 8) & 255), char(v & 255)};
+  };
+  png += be32(13) + "IHDR" + be32(200000) + be32(300000) + std::string("\x08\x02\x00\x00\x00", 5) + be32(0);
+  png += std::string(64, '\0');
+  const std::string p = temp_path("huge.png");
+  write_bytes(p, png);
+  try {
+    sattn::sr::read_image(p);
+    ADD_FAILURE() << "no error";
+  } catch (const sattn::Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kIO);
+    const std::string m = e.what();
+    // stb itself refuses > 2^24 per side; either way the message names the file
+    EXPECT_NE(m.find(p), std::string::npos) << m;
+  }
+  // a valid image over a small limit
+  const std::string v = temp_path("v2.png");
+  sattn::sr::write_png(v, random_image(30, 30, 3, 4));
+  expect_io_error(v, "over the limit", 899);
+  EXPECT_NO_THROW(sattn::sr::read_image(v, 900));
+}
+
+TEST(SrImageIO, WriteErrors) {
+  EXPECT_THROW(sattn::sr::write_png("/nonexistent_dir_sattn/x.png", random_image(4, 4, 3, 5)), sattn::Error);
+  Image bad(4, 4, 2);
+  EXPECT_THROW(sattn::sr::write_png(temp_path("bad.png"), bad), sattn::Error);
+}
+
+TEST(SrResize, ConstantStaysConstantAndScaleOneIsIdentity) {
+  Image c(23, 17, 3);
+  for (auto& v : c.data) v = 77;
+  for (double s : {0.5, 0.25, 1.0 / 3, 2.0, 4.0, 3.0}) {
+    const Image r = sattn::sr::imresize(c, s);
+    EXPECT_EQ(r.height, int64_t(std::ceil(23 * s - 1e-9)));
+    EXPECT_EQ(r.width, int64_t(std::ceil(17 * s - 1e-9)));
+    for (auto v : r.data) ASSERT_EQ(v, 77) << "scale " << s;
+  }
+  const Image im = random_image(11, 9, 3, 6);
+  EXPECT_EQ(sattn::sr::imresize(im, 1.0).data, im.data);
+  EXPECT_THROW(sattn::sr::downscale(random_image(11, 9, 3, 7), 2), sattn::Error);
+  EXPECT_THROW(sattn::sr::imresize(im, 0.0), sattn::Error);
+  EXPECT_THROW(sattn::sr::imresize(Image(0, 0, 3), 2.0), sattn::Error);
+}
+
+TEST(SrResize, LinearRampIsReproducedInTheInterior) {
+  // the cubic kernel reproduces linear functions exactly (away from the symmetric-padding border)
+  std::vector<double> ramp(40 * 40);
+  for (int y = 0; y < 40; ++y)
+    for (int x = 0; x < 40; ++x) ramp[size_t(y * 40 + x)] = 3.0 * x + 2.0 * y;
+  const auto up = sattn::sr::imresize_plane(ramp, 40, 40, 2.0, 80, 80);
+  for (int y = 8; y < 72; ++y)
+    for (int x = 8; x < 72; ++x) {
+      // output pixel x (0-based) samples input coordinate (x + 1)/2 + 0.25 (1-based) -> 0-based: x/2 - 0.25
+      const double ex = 3.0 * (x / 2.0 - 0.25) + 2.0 * (y / 2.0 - 0.25);
+      ASSERT_NEAR(up[size_t(y * 80 + x)], ex, 1e-9);
+    }
+}
+
+TEST(SrMetrics, KnownValues) {
+  const Image a = random_image(20, 24, 3, 8);
+  EXPECT_TRUE(std::isinf(sattn::sr::psnr_y(a, a, 2)));
+  EXPECT_NEAR(sattn::sr::ssim_y(a, a, 2), 1.0, 1e-12);
+  Image b = a;
+  for (auto& v : b.data) v = uint8_t(std::min(255, v + 1));
+  Image a2 = a;
+  for (auto& v : a2.data) v = uint8_t(std::min(254, int(v)));  // so that +1 never saturates
+  for (size_t i = 0; i < b.data.size(); ++i) b.data[i] = uint8_t(a2.data[i] + 1);
+  const double dy = (65.481 + 128.553 + 24.966) / 255.0;  // Y step of +1 on every channel
+  EXPECT_NEAR(sattn::sr::psnr_y(a2, b, 3), 20 * std::log10(255.0 / dy), 1e-9);
+  EXPECT_LT(sattn::sr::ssim_y(a2, random_image(20, 24, 3, 9), 2), 0.5);
+  EXPECT_THROW(sattn::sr::psnr_y(a, random_image(20, 25, 3, 1), 2), sattn::Error);
+  EXPECT_THROW(sattn::sr::ssim_y(a, a, 6), sattn::Error);  // 8 x 12 left: smaller than the 11 x 11 window
+}
+
+// ---- building blocks vs plain loops ----------------------------------------------------------------------
+std::vector<float> randv(size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.f, 1.f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+TEST(SrOps, Conv3x3AndDepthwiseMatchPlainLoops) {
+  for (auto [H, W, Ci, Co] : {std::tuple{5, 7, 3, 9}, std::tuple{1, 1, 2, 2}, std::tuple{6, 9, 40, 67}}) {
+    const auto in = randv(size_t(H * W * Ci), 1), w = randv(size_t(Co * Ci * 9), 2), b = randv(size_t(Co), 3);
+    const auto w9 = sattn::nn::conv3x3_weight_hwc(w.data(), Co, Ci);
+    std::vector<float> out(size_t(H * W * Co));
+    sattn::nn::conv3x3_hwc(in.data(), H, W, Ci, w9.data(), b.data(), Co, out.data(), 2);
+    for (int y = 0; y < H; ++y)
+      for (int x = 0; x < W; ++x)
+        for (int o = 0; o < Co; ++o) {
+          double s = b[size_t(o)];
+          for (int i = 0; i < Ci; ++i)
+            for (int ky = 0; ky < 3; ++ky)
+              for (int kx = 0; kx < 3; ++kx) {
+                const int yy = y + ky - 1, xx = x + kx - 1;
+                if (yy < 0 || yy >= H || xx < 0 || xx >= W) continue;
+                s += double(w[size_t(((o * Ci + i) * 3 + ky) * 3 + kx)]) * in[size_t((yy * W + xx) * Ci + i)];
+              }
+          ASSERT_NEAR(out[size_t((y * W + x) * Co + o)], s, 1e-4 * (1 + std::fabs(s)));
+        }
+    // depthwise on the first Ci channels
+    const auto wd = sattn::nn::depthwise_weight_hwc(w.data(), Ci);
+    std::vector<float> od(size_t(H * W * Ci));
+    sattn::nn::depthwise3x3_hwc(in.data(), H, W, Ci, wd.data(), b.data(), od.data(), 2);
+    for (int y = 0; y < H; ++y)
+      for (int x = 0; x < W; ++x)
+        for (int c = 0; c < Ci; ++c) {
+          double s = b[size_t(c)];
+          for (int ky = 0; ky < 3; ++ky)
+            for (int kx = 0; kx < 3; ++kx) {
+              const int yy = y + ky - 1, xx = x + kx - 1;
+              if (yy < 0 || yy >= H || xx < 0 || xx >= W) continue;
+              s += double(w[size_t(c * 9 + ky * 3 + kx)]) * in[size_t((yy * W + xx) * Ci + c)];
+            }
+          ASSERT_NEAR(od[size_t((y * W + x) * Ci + c)], s, 1e-4 * (1 + std::fabs(s)));
+        }
+  }
+}
+
+TEST(SrOps, LinearLayerNormGelu) {
+  const int M = 13, K = 7, N = 70;
+  const auto x = randv(size_t(M * K), 4), w = randv(size_t(N * K), 5), b = randv(size_t(N), 6);
+  const auto wt = sattn::nn::transpose_weight(w.data(), N, K);
+  std::vector<float> y(size_t(M * N));
+  sattn::nn::linear(x.data(), M, K, wt.data(), b.data(), N, y.data(), 2);
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) {
+      double s = b[size_t(n)];
+      for (int k = 0; k < K; ++k) s += double(x[size_t(m * K + k)]) * w[size_t(n * K + k)];
+      ASSERT_NEAR(y[size_t(m * N + n)], s, 1e-5 * (1 + std::fabs(s)));
+    }
+  std::vector<float> g(size_t(K), 1.5f), be(size_t(K), -0.25f), ln(size_t(M * K));
+  sattn::nn::layer_norm(x.data(), M, K, g.data(), be.data(), 1e-5f, ln.data());
+  for (int m = 0; m < M; ++m) {
+    double mean = 0, var = 0;
+    for (int k = 0; k < K; ++k) mean += x[size_t(m * K + k)] / double(K);
+    for (int k = 0; k < K; ++k) var += std::pow(x[size_t(m * K + k)] - mean, 2) / K;
+    for (int k = 0; k < K; ++k)
+      ASSERT_NEAR(ln[size_t(m * K + k)], (x[size_t(m * K + k)] - mean) / std::sqrt(var + 1e-5) * 1.5 - 0.25, 1e-5);
+  }
+  std::vector<float> v;
+  for (int i = -4000; i <= 4000; ++i) v.push_back(float(i) * 0.0025f);  // [-10, 10]
+  v.push_back(-1e30f), v.push_back(1e30f), v.push_back(0.f);
+  auto ref = v;
+  sattn::nn::gelu_inplace(v.data(), int64_t(v.size()));
+  EXPECT_LE(std::fabs(v[v.size() - 3]), 0.0f) << "gelu(-1e30) must be -0 or 0";
+  for (size_t i = 0; i < v.size(); ++i) {
+    const double x = ref[i], e = 0.5 * x * (1 + std::erf(x / std::sqrt(2.0)));
+    // erf within 4.2e-7 (+ float rounding): |error| <= 0.5 |x| 5e-7 + 1 ulp
+    ASSERT_NEAR(v[i], e, 0.5 * std::fabs(x) * 5e-7 + 1e-7 + 1.2e-7 * std::fabs(e)) << "x = " << x;
+  }
+}
+
+// ---- tiny model ------------------------------------------------------------------------------------------
+std::string tiny_model(const std::string& name, bool drop_tensor = false, bool bad_shape = false) {
+  const int C = 4, hid = 8, s = 2;
+  std::map<std::string, sattn::Tensor> t;
+  unsigned seed = 10;
+  auto add = [&](const std::string& n, sattn::Shape shape, float scale) {
+    sattn::Tensor x(sattn::DType::kF32, shape);
+    const auto v = randv(size_t(x.numel()), seed++);
+    for (int64_t i = 0; i < x.numel(); ++i) x.data<float>()[i] = scale * v[size_t(i)];
+    t[n] = x;
+  };
+  add("head.weight", {C, 3, 3, 3}, 0.3f), add("head.bias", {C}, 0.1f);
+  add("body_tail.weight", {C, C, 3, 3}, 0.2f), add("body_tail.bias", {C}, 0.1f);
+  add("up.weight", {3 * s * s, C, 3, 3}, 0.1f), add("up.bias", {3 * s * s}, 0.05f);
+  for (int g = 0; g < 2; ++g) {
+    const std::string gp = "groups." + std::to_string(g) + ".";
+    add(gp + "dw.weight", {C, 1, 3, 3}, 0.3f), add(gp + "dw.bias", {C}, 0.1f);
+    add(gp + "pw.weight", {C, C, 1, 1}, 0.3f), add(gp + "pw.bias", {C}, 0.1f);
+    for (int b = 0; b < 2; ++b) {
+      const std::string p = gp + "blocks." + std::to_string(b) + ".";
+      add(p + "dw.weight", {C, 1, 3, 3}, 0.3f), add(p + "dw.bias", {C}, 0.1f);
+      add(p + "pw.weight", {C, C, 1, 1}, 0.3f), add(p + "pw.bias", {C}, 0.1f);
+      add(p + "router.weight", {1, 2 * C}, 1.0f), add(p + "router.bias", {1}, 0.3f);
+      add(p + "norm1.weight", {C}, 0.2f), add(p + "norm1.bias", {C}, 0.1f);
+      add(p + "qkv.weight", {3 * C, C}, 0.5f), add(p + "qkv.bias", {3 * C}, 0.1f);
+      add(p + "proj.weight", {C, C}, 0.3f), add(p + "proj.bias", {C}, 0.1f);
+      add(p + "norm2.weight", {C}, 0.2f), add(p + "norm2.bias", {C}, 0.1f);
+      add(p + "fc1.weight", {hid, C}, 0.3f), add(p + "fc1.bias", {hid}, 0.1f);
+      add(p + "fc2.weight", {C, hid}, 0.3f), add(p + "fc2.bias", {C}, 0.1f);
+    }
+  }
+  if (drop_tensor) t.erase("groups.1.blocks.1.fc2.bias");
+  if (bad_shape) add("up.bias", {5}, 0.1f);
+  std::map<std::string, sattn::TensorView> views;
+  for (auto& [k, v] : t) views[k] = v.view();
+  const std::string cfg =
+      R"({"format": "sattn-sr-v1", "scale": 2, "dim": 4, "heads": 2, "head_dim": 2, "mlp_hidden": 8,)"
+      R"( "groups": [[4, 4], [8, 8]], "pad_multiple": 8, "layer_norm_eps": 1e-5, "router_std_eps": 1e-6,)"
+      R"( "route_threshold": 0.5, "training_step": 3})";
+  const std::string p = temp_path(name);
+  sattn::write_safetensors(p, views, {{"sattn_sr_config", cfg}});
+  return p;
+}
+
+TEST(SrModel, LoadErrorsNameTheProblem) {
+  auto expect = [](const std::string& p, const std::string& needle) {
+    try {
+      sattn::sr::SrModel::load(p);
+      ADD_FAILURE() << "no error, expected " << needle;
+    } catch (const sattn::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect(tiny_model("m1.safetensors", true), "groups.1.blocks.1.fc2.bias");
+  expect(tiny_model("m2.safetensors", false, true), "up.bias");
+  std::map<std::string, sattn::TensorView> none;
+  const std::string p = temp_path("nocfg.safetensors");
+  sattn::write_safetensors(p, none, {});
+  expect(p, "sattn_sr_config");
+  const auto m = sattn::sr::SrModel::load(tiny_model("ok.safetensors"));
+  EXPECT_EQ(m.scale(), 2);
+  EXPECT_EQ(m.config().training_step, 3);
+  EXPECT_EQ(m.receptive_radius(), 3 + 2 + (4 + 4 + 8 + 8));
+}
+
+TEST(SrModel, SparseAllRoutedEqualsDenseThreadsBitwiseAndRouting) {
+  const auto m = sattn::sr::SrModel::load(tiny_model("ok2.safetensors"));
+  const Image lr = random_image(13, 21, 3, 20);  // padded to 16 x 24
+  const sattn::Tensor x = sattn::sr::image_to_tensor(lr);
+  sattn::sr::UpscaleOptions dense;
+  dense.mode = sattn::sr::AttentionMode::kDense;
+  dense.num_threads = 1;
+  const sattn::Tensor yd = m.forward(x, dense);
+  ASSERT_EQ(yd.shape(), (sattn::Shape{3, 26, 42}));
+  dense.num_threads = 2;
+  const sattn::Tensor yd2 = m.forward(x, dense);
+  EXPECT_EQ(0, std::memcmp(yd.data(), yd2.data(), yd.nbytes())) << "thread count changed the result";
+
+  sattn::sr::UpscaleOptions sp;
+  sp.mode = sattn::sr::AttentionMode::kSparse;
+  std::vector<uint8_t> routing;
+  std::vector<float> gates;
+  sp.routing_out = &routing;
+  sp.gates_out = &gates;
+  sattn::sr::UpscaleStats st;
+  const sattn::Tensor ys = m.forward(x, sp, &st);
+  const int64_t windows = 2 * (4 * 6) + 2 * (2 * 3);
+  ASSERT_EQ(int64_t(routing.size()), windows);
+  EXPECT_EQ(st.windows_total, windows);
+  int64_t routed = 0;
+  for (size_t i = 0; i < routing.size(); ++i) {
+    EXPECT_EQ(routing[i], gates[i] > 0.5f);
+    routed += routing[i];
+  }
+  EXPECT_EQ(routed, st.windows_routed);
+  EXPECT_GT(routed, 0);
+  EXPECT_LT(routed, windows) << "pick weights that route some windows only";
+  // feeding "route everything" to sparse mode is dense mode
+  std::vector<uint8_t> all(size_t(windows), 1);
+  sp.routing_in = &all;
+  sp.routing_out = nullptr;
+  sp.gates_out = nullptr;
+  const sattn::Tensor ya = m.forward(x, sp);
+  EXPECT_EQ(0, std::memcmp(yd.data(), ya.data(), yd.nbytes()));
+  // feeding its own decisions reproduces the sparse output
+  sp.routing_in = &routing;
+  const sattn::Tensor yr = m.forward(x, sp);
+  EXPECT_EQ(0, std::memcmp(ys.data(), yr.data(), ys.nbytes()));
+  std::vector<uint8_t> wrong(3, 1);
+  sp.routing_in = &wrong;
+  EXPECT_THROW(m.forward(x, sp), sattn::Error);
+  // too small for the reflect padding
+  EXPECT_THROW(m.forward(sattn::sr::image_to_tensor(random_image(3, 21, 3, 1)), dense), sattn::Error);
+}
+
+TEST(SrModel, TilesMatchUntiledAwayFromTheWrapBands) {
+  const auto m = sattn::sr::SrModel::load(tiny_model("ok3.safetensors"));
+  const int64_t h = 120, w = 9;
+  const Image lr = random_image(h, w, 3, 30);
+  sattn::sr::UpscaleOptions o;
+  sattn::sr::UpscaleStats s1, s2;
+  const Image full = m.upscale(lr, o, &s1);
+  o.tile = 40;
+  const Image tiled = m.upscale(lr, o, &s2);
+  EXPECT_EQ(s1.tiles, 1);
+  EXPECT_EQ(s2.tiles, 3);
+  const int64_t r = m.receptive_radius() + 4, hp = h;  // 120 is a multiple of 8
+  for (int64_t y = 2 * r; y < 2 * (hp - 4 - r); ++y)
+    for (int64_t x = 0; x < 2 * w; ++x)
+      for (int c = 0; c < 3; ++c) ASSERT_EQ(full.at(y, x, c), tiled.at(y, x, c)) << y << "," << x;
+}
+
+}  // namespace

@@ -1,0 +1,296 @@
+// `sattn sr upscale|downscale|eval`: super-resolution with the SattnSR model, MATLAB bicubic, BasicSR metrics.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <optional>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.hpp"
+#include "cli/sr_weights.hpp"
+#include "sattn/error.hpp"
+#include "sattn/io.hpp"
+#include "sattn/sr.hpp"
+
+namespace sattn::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// --weights FILE, else the embedded weights, else the source tree's sr/weights/ file.
+std::optional<sr::SrModel> load_model(const std::string& weights, int scale, bool required) {
+  std::optional<sr::SrModel> m;
+  if (!weights.empty()) {
+    m = sr::SrModel::load(weights);
+  } else if (auto e = embedded_sr_weights(scale); e.data) {
+    m = sr::SrModel::from_memory(e.data, e.size, std::string("embedded:") + e.origin);
+  } else if (const std::string f = source_tree_sr_weights(scale); fs::exists(f)) {
+    m = sr::SrModel::load(f);
+  } else {
+    check(!required, ErrorKind::kIO, "sr: no weights for x", scale, ": none embedded at build time and '", f,
+          "' does not exist (train and export them, see sr/README.md, or pass --weights FILE)");
+    return std::nullopt;
+  }
+  check(m->scale() == scale, ErrorKind::kInvalidArgument, "sr: --scale ", scale, " but the weights are for x",
+        m->scale());
+  return m;
+}
+
+void check_scale(int s) {
+  check(s == 2 || s == 3 || s == 4, ErrorKind::kInvalidArgument, "--scale: expected 2, 3 or 4, given ", s);
+}
+
+std::function<void(int64_t, int64_t)> progress_bar(const char* what) {
+  if (!isatty(STDERR_FILENO)) return {};
+  return [what](int64_t done, int64_t total) {
+    const int width = 30, filled = int(width * done / std::max<int64_t>(total, 1));
+    std::fprintf(stderr, "\r%s [%s%s] %lld/%lld", what, std::string(size_t(filled), '#').c_str(),
+                 std::string(size_t(width - filled), '.').c_str(), (long long)done, (long long)total);
+    if (done == total) std::fprintf(stderr, "\n");
+    std::fflush(stderr);
+  };
+}
+
+std::vector<uint8_t> read_routing(const std::string& path) {
+  const Tensor t = read_npy(path);
+  std::vector<uint8_t> r(size_t(t.numel()));
+  const TensorView v = t.view();
+  std::vector<int64_t> idx(size_t(t.dim()), 0);
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    // flat C-order walk (the file's own dims are irrelevant: one value per window, blocks in order)
+    int64_t rem = i;
+    for (int64_t d = t.dim() - 1; d >= 0; --d) {
+      idx[size_t(d)] = rem % t.size(d);
+      rem /= t.size(d);
+    }
+    r[size_t(i)] = v.get(idx.data()) != 0.0;
+  }
+  return r;
+}
+
+struct UpscaleArgs {
+  std::string in, out, weights, attention = "sparse", float_out, routing_in, routing_out, gates_out;
+  int scale = 2, threads = 0;
+  int64_t tile = -1, overlap = -1;
+};
+
+// --tile -1 (default): whole image up to 512x512 LR pixels, else tiles of 256.
+int64_t auto_tile(int64_t tile, const sr::Image& lr) {
+  if (tile >= 0) return tile;
+  return lr.height * lr.width <= 512 * 512 ? 0 : 256;
+}
+
+void run_upscale(const UpscaleArgs& a) {
+  check_scale(a.scale);
+  sr::UpscaleOptions opt;
+  opt.mode = sr::parse_attention_mode(a.attention);
+  opt.num_threads = a.threads;
+  const sr::Image lr = sr::read_image(a.in);
+  opt.tile = auto_tile(a.tile, lr);
+  opt.overlap = a.overlap;
+  const auto model = load_model(a.weights, a.scale, true);
+  std::vector<uint8_t> rin, rout;
+  std::vector<float> gout;
+  if (!a.routing_in.empty()) {
+    rin = read_routing(a.routing_in);
+    opt.routing_in = &rin;
+  }
+  if (!a.routing_out.empty()) opt.routing_out = &rout;
+  if (!a.gates_out.empty()) opt.gates_out = &gout;
+  opt.progress = progress_bar("upscale");
+  sr::UpscaleStats st;
+  const auto t0 = Clock::now();
+  sr::Image out;
+  if (!a.float_out.empty()) {
+    check(opt.tile == 0, ErrorKind::kInvalidArgument, "--float-out needs an untiled run (--tile 0)");
+    const Tensor f = model->forward(sr::image_to_tensor(lr), opt, &st);
+    st.tiles = 1;
+    write_npy(a.float_out, f);
+    out = sr::tensor_to_image(f);
+  } else {
+    out = model->upscale(lr, opt, &st);
+  }
+  const double secs = seconds_since(t0);
+  sr::write_png(a.out, out);
+  if (!a.routing_out.empty()) {
+    Tensor t(DType::kU8, {int64_t(rout.size())});
+    std::copy(rout.begin(), rout.end(), t.data<uint8_t>());
+    write_npy(a.routing_out, t);
+  }
+  if (!a.gates_out.empty()) {
+    Tensor t(DType::kF32, {int64_t(gout.size())});
+    std::copy(gout.begin(), gout.end(), t.data<float>());
+    write_npy(a.gates_out, t);
+  }
+  std::cerr << "sr upscale: " << lr.width << "x" << lr.height << " -> " << out.width << "x" << out.height << " x"
+            << a.scale << " " << a.attention << ", " << st.tiles << " tile(s), windows routed " << st.windows_routed
+            << "/" << st.windows_total << ", weights " << model->name() << ", " << secs << " s\n";
+}
+
+struct EvalArgs {
+  std::string data, weights, attention = "both";
+  int scale = 2, threads = 0;
+  int64_t tile = -1, limit = 0;
+  bool json = false;
+};
+
+struct ModeResult {
+  double psnr = 0, ssim = 0, seconds = 0;
+  int64_t windows_total = 0, windows_routed = 0;
+};
+
+void run_eval(const EvalArgs& a) {
+  check_scale(a.scale);
+  check(fs::is_directory(a.data), ErrorKind::kIO, "--data: '", a.data, "' is not a directory");
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(a.data)) {
+    std::string ext = e.path().extension().string();
+    std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+    if (e.is_regular_file() && (ext == ".png" || ext == ".jpg" || ext == ".jpeg")) files.push_back(e.path());
+  }
+  std::sort(files.begin(), files.end());
+  if (a.limit > 0 && int64_t(files.size()) > a.limit) files.resize(size_t(a.limit));
+  check(!files.empty(), ErrorKind::kIO, "--data: no PNG/JPEG images in '", a.data, "'");
+  std::vector<std::string> modes{"bicubic"};
+  const bool bicubic_only = a.attention == "bicubic";
+  const auto model = bicubic_only ? std::nullopt : load_model(a.weights, a.scale, a.attention != "both");
+  if (model) {
+    if (a.attention == "both" || a.attention == "dense") modes.push_back("dense");
+    if (a.attention == "both" || a.attention == "sparse") modes.push_back("sparse");
+    if (a.attention != "both") sr::parse_attention_mode(a.attention);
+  } else if (!bicubic_only) {
+    std::cerr << "sr eval: no model weights for x" << a.scale << " (embedded or " << source_tree_sr_weights(a.scale)
+              << "): bicubic only\n";
+  }
+  nlohmann::json js;
+  js["scale"] = a.scale;
+  js["data"] = a.data;
+  js["protocol"] = "BasicSR: HR mod-crop, MATLAB bicubic LR, Y (BT.601, unrounded), border = scale";
+  if (model) js["weights_training_step"] = model->config().training_step;
+  std::map<std::string, ModeResult> mean;
+  if (!a.json) {
+    std::printf("%-16s", "image");
+    for (const auto& m : modes) std::printf(" | %-7s PSNR    SSIM    time", m.c_str());
+    std::printf("\n");
+  }
+  for (const auto& f : files) {
+    const sr::Image hr = sr::mod_crop(sr::read_image(f.string()), a.scale);
+    const sr::Image lr = sr::downscale(hr, a.scale);
+    nlohmann::json row;
+    row["name"] = f.filename().string();
+    if (!a.json) std::printf("%-16s", f.filename().string().c_str());
+    for (const auto& m : modes) {
+      const auto t0 = Clock::now();
+      sr::UpscaleStats st;
+      sr::Image out;
+      if (m == "bicubic") {
+        out = sr::upscale_bicubic(lr, a.scale);
+      } else {
+        sr::UpscaleOptions opt;
+        opt.mode = sr::parse_attention_mode(m);
+        opt.num_threads = a.threads;
+        opt.tile = auto_tile(a.tile, lr);
+        out = model->upscale(lr, opt, &st);
+      }
+      const double secs = seconds_since(t0);
+      const double p = sr::psnr_y(out, hr, a.scale), s = sr::ssim_y(out, hr, a.scale);
+      auto& r = mean[m];
+      r.psnr += p / double(files.size());
+      r.ssim += s / double(files.size());
+      r.seconds += secs;
+      r.windows_total += st.windows_total;
+      r.windows_routed += st.windows_routed;
+      row[m] = {{"psnr", p}, {"ssim", s}, {"seconds", secs}};
+      if (m != "bicubic")
+        row[m]["routed_fraction"] = st.windows_total ? double(st.windows_routed) / double(st.windows_total) : 0.0;
+      if (!a.json) std::printf(" | %-7s %7.3f %7.4f %6.2fs", "", p, s, secs);
+    }
+    if (!a.json) std::printf("\n"), std::fflush(stdout);
+    js["images"].push_back(row);
+  }
+  if (!a.json) std::printf("%-16s", "mean");
+  for (const auto& m : modes) {
+    const auto& r = mean[m];
+    js["mean"][m] = {{"psnr", r.psnr}, {"ssim", r.ssim}, {"seconds", r.seconds}};
+    if (m != "bicubic")
+      js["mean"][m]["routed_fraction"] = r.windows_total ? double(r.windows_routed) / double(r.windows_total) : 0.0;
+    if (!a.json) std::printf(" | %-7s %7.3f %7.4f %6.2fs", "", r.psnr, r.ssim, r.seconds);
+  }
+  if (a.json) {
+    std::cout << js.dump(1) << "\n";
+  } else {
+    std::printf("\n");
+    if (mean.count("sparse") && mean["sparse"].windows_total)
+      std::printf("sparse: %.1f%% of windows routed to attention\n",
+                  100.0 * double(mean["sparse"].windows_routed) / double(mean["sparse"].windows_total));
+  }
+}
+
+}  // namespace
+
+void add_sr_command(CLI::App& app) {
+  auto* sr = app.add_subcommand("sr", "Super-resolution: SattnSR model, MATLAB bicubic, BasicSR evaluation");
+  sr->require_subcommand(1);
+
+  auto ua = std::make_shared<UpscaleArgs>();
+  auto* up = sr->add_subcommand("upscale", "Upscale a PNG/JPEG image with the SattnSR model, write a PNG");
+  up->add_option("IN", ua->in, "input image (PNG or JPEG; gray is replicated to RGB)")->required();
+  up->add_option("OUT", ua->out, "output PNG")->required();
+  up->add_option("--scale", ua->scale, "2 or 4 (must match the weights)")->required();
+  up->add_option("--attention", ua->attention, "dense (every window) or sparse (routed windows only)")
+      ->capture_default_str();
+  up->add_option("--threads", ua->threads, "threads (0 = SATTN_NUM_THREADS or all cores)");
+  up->add_option("--tile", ua->tile,
+                 "tile size in LR pixels (>= 16; 0 = whole image; -1 = whole image up to 512x512, else 256)")
+      ->capture_default_str();
+  up->add_option("--overlap", ua->overlap,
+                 "context around each tile in LR pixels (-1 = the model's receptive radius: tiled == untiled)")
+      ->capture_default_str();
+  up->add_option("--weights", ua->weights, "safetensors weights (default: embedded / sr/weights/)");
+  up->add_option("--float-out", ua->float_out, "also write the unclamped float output [3, sH, sW] as .npy");
+  up->add_option("--routing-in", ua->routing_in, ".npy of per-window routing decisions to use (sparse, untiled)");
+  up->add_option("--routing-out", ua->routing_out, "write the per-window routing decisions (.npy, uint8)");
+  up->add_option("--gates-out", ua->gates_out, "write the per-window router gates (.npy, float32)");
+  up->callback([ua] { run_upscale(*ua); });
+
+  auto da = std::make_shared<std::tuple<std::string, std::string, int>>("", "", 2);
+  auto* down = sr->add_subcommand("downscale", "MATLAB-compatible bicubic downscale (imresize 1/s), HR mod-cropped");
+  down->add_option("IN", std::get<0>(*da), "input image")->required();
+  down->add_option("OUT", std::get<1>(*da), "output PNG")->required();
+  down->add_option("--scale", std::get<2>(*da), "integer factor >= 1")->required();
+  down->callback([da] {
+    const int s = std::get<2>(*da);
+    check(s >= 1 && s <= 16, ErrorKind::kInvalidArgument, "--scale: expected 1..16, given ", s);
+    const sr::Image hr = sr::mod_crop(sr::read_image(std::get<0>(*da)), s);
+    sr::write_png(std::get<1>(*da), sr::downscale(hr, s));
+  });
+
+  auto ea = std::make_shared<EvalArgs>();
+  auto* ev = sr->add_subcommand("eval", "BasicSR-protocol PSNR/SSIM (Y) of bicubic, model dense and sparse");
+  ev->add_option("--scale", ea->scale, "2 or 4")->required();
+  ev->add_option("--data", ea->data, "folder of HR images (PNG/JPEG)")->required();
+  ev->add_option("--attention", ea->attention, "dense, sparse, both (model modes next to bicubic) or bicubic (only)")
+      ->capture_default_str();
+  ev->add_option("--weights", ea->weights, "safetensors weights (default: embedded / sr/weights/)");
+  ev->add_option("--threads", ea->threads, "threads (0 = all)");
+  ev->add_option("--tile", ea->tile, "tile size (0 = whole image; -1 = auto as in upscale)")->capture_default_str();
+  ev->add_option("--limit", ea->limit, "evaluate only the first N images (sorted by name)");
+  ev->add_flag("--json", ea->json, "print JSON (per image and mean) instead of the table");
+  ev->callback([ea] {
+    check(ea->attention == "both" || ea->attention == "dense" || ea->attention == "sparse" ||
+              ea->attention == "bicubic",
+          ErrorKind::kInvalidArgument, "--attention: expected dense, sparse, both or bicubic, given '", ea->attention,
+          "'");
+    run_eval(*ea);
+  });
+}
+
+}  // namespace sattn::cli
