@@ -1,4 +1,5 @@
 // Non-template parts of the block-sparse engine: validation, packing into fp32 layout order, stores, threads.
+#include "sattn/attention.hpp"
 #include <cmath>
 #include <cstring>
 
@@ -68,27 +69,16 @@ void check_output_view(const TensorView& t, const char* name, const Shape& expec
 
 Packed pack_inputs(const TensorView& q, const TensorView& k, const TensorView& v, const BlockMask& mask,
                    const EngineOptions& o, bool enable_gqa) {
-  check_input(q, "query", "[B, Hq, Lq, D]");
-  check_input(k, "key", "[B, Hkv, Lk, D]");
-  check_input(v, "value", "[B, Hkv, Lk, Dv]");
-  check(k.dtype == q.dtype && v.dtype == q.dtype, ErrorKind::kTypeError, "key/value: expected the dtype of query (",
-        to_string(q.dtype), "), got key ", to_string(k.dtype), " and value ", to_string(v.dtype));
+  // q/k/v shapes, dtypes and strides are validated once, by the dense API's boundary.
+  const AttentionProblem ap = describe_attention(q, k, v, AttentionOptions{});
   Packed p;
-  p.B = q.shape[0];
-  p.Hq = q.shape[1];
-  p.Lq = q.shape[2];
-  p.D = q.shape[3];
-  p.Hkv = k.shape[1];
-  p.Lk = k.shape[2];
-  p.Dv = v.shape[3];
-  check(k.shape[0] == p.B && v.shape[0] == p.B, ErrorKind::kInvalidArgument, "key/value: expected batch size ", p.B,
-        " (from query), got key ", shape_to_string(k.shape), " and value ", shape_to_string(v.shape));
-  check(k.shape[3] == p.D, ErrorKind::kInvalidArgument, "key: expected head dim D = ", p.D, " (from query), got ",
-        shape_to_string(k.shape));
-  check(v.shape[1] == p.Hkv && v.shape[2] == p.Lk, ErrorKind::kInvalidArgument,
-        "value: expected [B, Hkv, Lk, Dv] with Hkv = ", p.Hkv, " and Lk = ", p.Lk, ", got ", shape_to_string(v.shape));
-  check(p.Hq % p.Hkv == 0, ErrorKind::kInvalidArgument, "key: query heads Hq = ", p.Hq,
-        " must be a multiple of key/value heads Hkv = ", p.Hkv);
+  p.B = ap.batch;
+  p.Hq = ap.heads_q;
+  p.Lq = ap.len_q;
+  p.D = ap.head_dim;
+  p.Hkv = ap.heads_kv;
+  p.Lk = ap.len_k;
+  p.Dv = ap.head_dim_v;
   check(enable_gqa || p.Hq == p.Hkv, ErrorKind::kInvalidArgument, "key: Hq = ", p.Hq, " differs from Hkv = ", p.Hkv,
         "; pass enable_gqa=True for grouped-query attention");
   p.group = p.Hq / p.Hkv;

@@ -1,5 +1,6 @@
 // Linear attention with elu+1 and FAVOR+ feature maps, non-causal and causal (chunked prefix sums), forward and
 // backward (see include/sattn/linear.hpp).
+#include "sattn/attention.hpp"
 #include "sattn/linear.hpp"
 
 #include <algorithm>
@@ -72,20 +73,16 @@ struct Problem {
 };
 
 Problem describe(const TensorView& q, const TensorView& k, const TensorView& v, const LinearOptions& o) {
-  check4(q, "query", "[B, Hq, Lq, D]");
-  check4(k, "key", "[B, Hkv, Lk, D]");
-  check4(v, "value", "[B, Hkv, Lk, Dv]");
+  // q/k/v shapes, dtypes and strides are validated once, by the dense API's boundary.
+  const AttentionProblem ap = describe_attention(q, k, v, AttentionOptions{});
   Problem p{};
-  p.B = q.shape[0];
-  p.Hq = q.shape[1];
-  p.Lq = q.shape[2];
-  p.D = q.shape[3];
-  p.Hkv = k.shape[1];
-  p.Lk = k.shape[2];
-  p.Dv = v.shape[3];
-  check(k.shape[0] == p.B && v.shape[0] == p.B && k.shape[3] == p.D && v.shape[1] == p.Hkv && v.shape[2] == p.Lk,
-        ErrorKind::kInvalidArgument, "key/value: shapes ", shape_to_string(k.shape), " and ", shape_to_string(v.shape),
-        " do not match query ", shape_to_string(q.shape), " ([B, Hkv, Lk, D] and [B, Hkv, Lk, Dv])");
+  p.B = ap.batch;
+  p.Hq = ap.heads_q;
+  p.Lq = ap.len_q;
+  p.D = ap.head_dim;
+  p.Hkv = ap.heads_kv;
+  p.Lk = ap.len_k;
+  p.Dv = ap.head_dim_v;
   check(p.Hq % p.Hkv == 0 && (o.enable_gqa || p.Hq == p.Hkv), ErrorKind::kInvalidArgument, "key: Hq = ", p.Hq,
         " must equal Hkv = ", p.Hkv, " (or be a multiple of it with enable_gqa)");
   p.group = p.Hq / p.Hkv;
