@@ -4,6 +4,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -14,6 +16,7 @@
 #include "oracle.hpp"
 #include "sattn/attention.hpp"
 #include "sattn/io.hpp"
+#include "sattn/sr.hpp"
 
 namespace fs = std::filesystem;
 using sattn::DType;
@@ -192,17 +195,68 @@ TEST_F(Cli, AttnBadInputsExit2WithAMessage) {
 }
 
 TEST_F(Cli, DemoChecksAgainstTheReference) {
-  CliRun r = run("demo --len 48 --heads 2 --dim 16 --repeat 1 --causal bottom-right");
+  CliRun r = run("demo --attention --len 48 --heads 2 --dim 16 --repeat 1 --causal bottom-right");
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("kernel:"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("max error:"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("PASS"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find(" ms"), std::string::npos) << r.out;
   // An impossible tolerance makes the check fail: exit 1.
-  r = run("demo --len 48 --heads 2 --dim 16 --repeat 1 --tol 1e-15");
+  r = run("demo --attention --len 48 --heads 2 --dim 16 --repeat 1 --tol 1e-15");
   EXPECT_EQ(r.code, 1) << r.out << r.err;
   EXPECT_NE(r.out.find("FAIL"), std::string::npos) << r.out;
-  r = run("demo --heads 3 --kv-heads 2 --len 8");
+  r = run("demo --attention --heads 3 --kv-heads 2 --len 8");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("multiple"), std::string::npos) << r.err;
+}
+
+// The default demo: x2 SR of the generated scene. The PNG must hold the four panels side by side, and its panels
+// must agree with each other: LR = MATLAB downscale of the HR panel, panel 1 = LR nearest-upscaled, panel 2 =
+// bicubic of LR, and the printed bicubic PSNR = psnr_y(panel 2, HR panel).
+TEST_F(Cli, DemoUpscalesTheGeneratedScene) {
+  const std::string png = path("demo.png");
+  CliRun r = run("demo --size 128 --repeat 1 --threads 2 --out " + png);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  if (r.out.find("no x2 SR weights") != std::string::npos) {
+    EXPECT_NE(r.out.find("PASS"), std::string::npos) << "the fallback must run the attention demo: " << r.out;
+    GTEST_SKIP() << "built without SR weights: the attention demo ran instead";
+  }
+  for (const char* needle : {"PSNR (Y):", "bicubic", "model dense", "model sparse", "routed", "faster", "wrote:"})
+    EXPECT_NE(r.out.find(needle), std::string::npos) << needle << " missing in:\n" << r.out;
+  const sattn::sr::Image im = sattn::sr::read_image(png);
+  const int64_t s = 128, gap = 8, band = 7 + 2 * gap;  // label band: one line of scale-1 text
+  ASSERT_EQ(im.width, 4 * s + 5 * gap);
+  ASSERT_EQ(im.height, band + s + gap);
+  auto panel = [&](int i) {
+    sattn::sr::Image p(s, s, 3);
+    for (int64_t y = 0; y < s; ++y)
+      for (int64_t x = 0; x < s; ++x)
+        for (int64_t c = 0; c < 3; ++c) p.at(y, x, c) = im.at(band + y, gap + i * (s + gap) + x, c);
+    return p;
+  };
+  const sattn::sr::Image hr = panel(3), lr = sattn::sr::downscale(hr, 2);
+  const sattn::sr::Image nearest = panel(0), bicubic = panel(1), model = panel(2);
+  int64_t nearest_bad = 0;
+  for (int64_t y = 0; y < s; ++y)
+    for (int64_t x = 0; x < s; ++x)
+      for (int64_t c = 0; c < 3; ++c) nearest_bad += nearest.at(y, x, c) != lr.at(y / 2, x / 2, c);
+  EXPECT_EQ(nearest_bad, 0);
+  EXPECT_EQ(bicubic.data, sattn::sr::upscale_bicubic(lr, 2).data);
+  // The scene has flat and textured parts: neither panel is constant, and the model differs from bicubic.
+  EXPECT_GT(*std::max_element(hr.data.begin(), hr.data.end()) - *std::min_element(hr.data.begin(), hr.data.end()),
+            150);
+  EXPECT_NE(model.data, bicubic.data);
+  const double bic_psnr = sattn::sr::psnr_y(bicubic, hr, 2);
+  char expect[64];
+  std::snprintf(expect, sizeof expect, "bicubic %.2f dB", bic_psnr);
+  EXPECT_NE(r.out.find(expect), std::string::npos) << expect << " not in:\n" << r.out;
+  std::snprintf(expect, sizeof expect, "model sparse %.2f dB", sattn::sr::psnr_y(model, hr, 2));
+  EXPECT_NE(r.out.find(expect), std::string::npos) << expect << " not in:\n" << r.out;
+  // Bad demo options: exit 2 with a message naming the option.
+  r = run("demo --len 48");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--attention"), std::string::npos) << r.err;
+  r = run("demo --size 127");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--size"), std::string::npos) << r.err;
 }
