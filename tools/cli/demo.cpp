@@ -127,18 +127,18 @@ double smoothstep(double e0, double e1, double x) {
   return t * t * (3 - 2 * t);
 }
 
-// The scene at (u, v) in [0, 1)^2 (u right, v down), colour in [0, 255]: a sky gradient with a soft sun (flat),
+// The scene at (u, v) in [0, 1)^2 (u right, v down), colour in [0, 255]: an evening sky gradient with a moon (flat),
 // a building with a grid of windows (repeated edges), concentric rings and diagonal stripes (texture), a flat
 // lawn with a gentle gradient. Sizes are relative, so every --size draws the same picture.
 Colour scene(double u, double v) {
-  const Colour sky_top{70, 130, 200}, sky_low{190, 215, 235}, lawn{90, 140, 70}, lawn_far{130, 170, 90};
-  Colour c = mix(sky_top, sky_low, smoothstep(0.0, 0.7, v));
-  // sun: disc with a soft halo
+  // evening sky: dark and smooth (the learned router leaves dark flat windows on the cheap path)
+  Colour c = mix(Colour{12, 16, 48}, Colour{45, 40, 78}, smoothstep(0.0, 0.72, v));
+  // moon: disc with a soft halo
   const double ds = std::hypot(u - 0.16, v - 0.14);
   c = mix(c, Colour{250, 230, 150}, 0.35 * (1 - smoothstep(0.06, 0.14, ds)));
   if (ds < 0.06) c = {255, 236, 160};
   // lawn: everything below the horizon
-  if (v > 0.72) c = mix(lawn_far, lawn, smoothstep(0.72, 1.0, v));
+  if (v > 0.72) c = mix(Colour{50, 80, 40}, Colour{30, 55, 30}, smoothstep(0.72, 1.0, v));
   // building: walls with a 5 x 6 grid of windows, a flat roof line
   if (u > 0.30 && u < 0.62 && v > 0.26 && v < 0.80) {
     c = {180, 160, 140};
@@ -269,8 +269,9 @@ int run_sr_demo(const DemoArgs& a, const sr::SrModel& model) {
   const double routed =
       st_sparse.windows_total ? double(st_sparse.windows_routed) / double(st_sparse.windows_total) : 0;
 
-  std::printf("sattn demo: x2 super-resolution of a generated %lldx%lld scene (sky, building, rings, stripes, text)\n",
-              (long long)hr.width, (long long)hr.height);
+  std::printf(
+      "sattn demo: x2 super-resolution of a generated %lldx%lld scene (evening sky, building, rings, stripes, text)\n",
+      (long long)hr.width, (long long)hr.height);
   std::printf("input:      %lldx%lld LR = MATLAB bicubic downscale of the HR scene\n", (long long)lr.width,
               (long long)lr.height);
   std::printf("model:      %s, %lld parameters\n", model.name().c_str(), (long long)model.num_parameters());
