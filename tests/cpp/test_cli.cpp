@@ -256,6 +256,10 @@ TEST_F(Cli, DemoUpscalesTheGeneratedScene) {
   r = run("demo --len 48");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("--attention"), std::string::npos) << r.err;
+  r = run("demo --size 64 --repeat 1 --out " + path("no_such_dir/x.png"));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--out"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out.find("PSNR"), std::string::npos) << "must fail before the work: " << r.out;
   r = run("demo --size 127");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("--size"), std::string::npos) << r.err;

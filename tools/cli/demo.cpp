@@ -6,9 +6,11 @@
 // `sattn demo --attention`: attention on generated inputs with the registry's chosen kernel, checked against the
 // reference in float64, with timing. Exit 0 when the check passes, 1 when it fails, 2 on bad options.
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <optional>
@@ -238,6 +240,10 @@ int run_sr_demo(const DemoArgs& a, const sr::SrModel& model) {
   const int s = 2;
   check(model.scale() == s, ErrorKind::kInvalidArgument, "demo: --weights: expected x2 weights, given x", model.scale(),
         " ('", model.name(), "')");
+  // Fail before the work if --out cannot be written (append mode: an existing file is left as it is until the end).
+  std::FILE* probe = std::fopen(a.out.c_str(), "ab");
+  check(probe != nullptr, ErrorKind::kIO, "demo: --out: cannot open '", a.out, "' for writing: ", std::strerror(errno));
+  std::fclose(probe);
   const sr::Image hr = draw_scene(a.size);
   const sr::Image lr = sr::downscale(hr, s);
   const sr::Image bic = sr::upscale_bicubic(lr, s);
