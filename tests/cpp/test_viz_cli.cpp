@@ -4,6 +4,8 @@
 #include <filesystem>
 
 #include "sattn/io.hpp"
+#include "sattn/mha.hpp"
+#include "sattn/safetensors.hpp"
 #include "tools_test_util.hpp"
 
 using namespace sattn;
@@ -151,6 +153,49 @@ TEST(VizCli, AdaptivePatternDrawsTheSelectedKeys) {
   ASSERT_EQ(r.code, 0) << r.err;
   expect_picture(dir + "/btk/selected_1_1.png", 300);
   expect_picture(dir + "/btk/head_1_1.png", 300);
+}
+
+TEST(VizCli, MultiheadAttentionPerHeadWeights) {
+  ASSERT_TRUE(have_binary());
+  const std::string dir = temp_dir("viz_mha");
+  const nn::MultiheadAttention mha(8, 2, 0.0, true, false, false, std::nullopt, 6, false, DType::kF32, 5);
+  std::map<std::string, TensorView> tensors;
+  const auto sd = mha.state_dict();
+  for (const auto& [name, t] : sd) tensors[name] = t.view();
+  write_safetensors(dir + "/mha.safetensors", tensors);
+  write_npy(dir + "/x.npy", randn({10, 2, 8}, 11));  // [L, N, E]
+  write_npy(dir + "/kv.npy", randn({7, 2, 8}, 12));  // [S, N, E]
+  write_npy(dir + "/v.npy", randn({7, 2, 6}, 13));   // [S, N, vdim]
+  RunResult r = run_sattn("viz --mha mha.safetensors --embed-dim 8 --num-heads 2 --x x.npy --key kv.npy "
+                          "--value v.npy --out m", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (int b = 0; b < 2; ++b)
+    for (int h = 0; h < 2; ++h) {
+      const std::string p = dir + "/m/head_" + std::to_string(b) + "_" + std::to_string(h) + ".png";
+      expect_picture(p, 300);
+      EXPECT_GT(decode_png_file(p).distinct_colours(), 10) << p;
+    }
+  EXPECT_NE(decode_png_file(dir + "/m/head_0_0.png").rgb, decode_png_file(dir + "/m/head_0_1.png").rgb);
+  expect_picture(dir + "/m/heads.png", 2 * 160);
+  expect_picture(dir + "/m/query_5.png", 100);
+  // Self-attention on unbatched input [L, E].
+  write_npy(dir + "/x2.npy", randn({9, 8}, 14));
+  const nn::MultiheadAttention self(8, 2, 0.0, true, false, false, std::nullopt, std::nullopt, false, DType::kF32, 6);
+  std::map<std::string, TensorView> t2;
+  const auto sd2 = self.state_dict();
+  for (const auto& [name, t] : sd2) t2[name] = t.view();
+  write_safetensors(dir + "/self.safetensors", t2);
+  r = run_sattn("viz --mha self.safetensors --embed-dim 8 --num-heads 2 --x x2.npy --out s", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_picture(dir + "/s/head_0_1.png", 300);
+  // Bad usage: missing sizes, a wrong embed_dim (shape mismatch named), masks with --mha.
+  r = run_sattn("viz --mha self.safetensors --x x2.npy --out s", dir);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--embed-dim"), std::string::npos) << r.err;
+  r = run_sattn("viz --mha self.safetensors --embed-dim 4 --num-heads 2 --x x2.npy --out s", dir);
+  EXPECT_EQ(r.code, 2);
+  r = run_sattn("viz --mha self.safetensors --embed-dim 8 --num-heads 2 --x x2.npy --causal top-left --out s", dir);
+  EXPECT_EQ(r.code, 2);
 }
 
 TEST(ProfileCli, CsvTableAndPlots) {

@@ -9,7 +9,9 @@
 #include "cli/tool_inputs.hpp"
 #include "sattn/error.hpp"
 #include "sattn/io.hpp"
+#include "sattn/mha.hpp"
 #include "sattn/patterns.hpp"
+#include "sattn/safetensors.hpp"
 #include "sattn/sparse.hpp"
 #include "sattn/viz.hpp"
 
@@ -18,6 +20,9 @@ namespace {
 
 struct VizArgs {
   std::string q, k, out, pattern, image, cmap = "viridis";
+  std::string mha, x, key, value;  // --mha weights.safetensors on --x [--key --value]
+  int64_t embed_dim = 0, num_heads = 0;
+  bool batch_first = false;
   MaskArgs masks;
   std::vector<int64_t> queries;
   int columns = 0, side = 0;
@@ -149,33 +154,76 @@ PatternPictures pattern_pictures(const std::string& spec, const Tensor& q, const
   return out;
 }
 
+// MultiheadAttention's per-head weights (need_weights, average_attn_weights=false) as maps [N, H, L, S].
+viz::AttentionMaps mha_maps(const VizArgs& a) {
+  check(a.q.empty() && a.k.empty() && !a.example && a.pattern.empty(), ErrorKind::kInvalidArgument,
+        "--mha: draws the module's own weights; --q/--k/--example/--pattern do not apply");
+  check(a.masks.mask.empty() && a.masks.key_padding.empty() && a.masks.lengths.empty() &&
+            (a.masks.causal.empty() || a.masks.causal == "none") && !a.masks.has_scale,
+        ErrorKind::kInvalidArgument, "--mha: --mask/--key-padding/--lengths/--causal/--scale are not supported with "
+        "--mha (torch MHA's mask polarity differs from sattn's)");
+  check(!a.x.empty(), ErrorKind::kInvalidArgument, "--x: required with --mha (the query input .npy)");
+  check(a.embed_dim > 0 && a.num_heads > 0, ErrorKind::kInvalidArgument,
+        "--embed-dim/--num-heads: both required with --mha, got ", a.embed_dim, " and ", a.num_heads);
+  check(a.value.empty() || !a.key.empty(), ErrorKind::kInvalidArgument, "--value: needs --key");
+  const Tensor x = read_npy(a.x);
+  const Tensor key = a.key.empty() ? x : read_npy(a.key);
+  const Tensor value = a.value.empty() ? key : read_npy(a.value);
+  const SafetensorsFile st = read_safetensors(a.mha);
+  check(key.dim() >= 1 && value.dim() >= 1, ErrorKind::kInvalidArgument, "--key/--value: expected [S, N, dim]");
+  nn::MultiheadAttention mha(a.embed_dim, a.num_heads, 0.0, st.tensors.count("in_proj_bias") > 0,
+                             st.tensors.count("bias_k") > 0, false, key.size(-1), value.size(-1), a.batch_first,
+                             x.dtype() == DType::kF64 ? DType::kF64 : DType::kF32);
+  mha.load_state_dict(st.tensors);
+  mha.eval();
+  const Tensor xf = x.dtype() == DType::kF64 || x.dtype() == DType::kF32 ? x : x.to(DType::kF32);
+  const Tensor kf = key.dtype() == xf.dtype() ? key : key.to(xf.dtype());
+  const Tensor vf = value.dtype() == xf.dtype() ? value : value.to(xf.dtype());
+  const auto [out, w] = mha.forward(xf, kf, vf, {}, true, {}, false);
+  check(w.has_value(), ErrorKind::kInternal, "--mha: the module returned no weights");
+  // [N, H, L, S] per head, or [H, L, S] for unbatched input.
+  const Tensor wt = w->dim() == 3 ? w->reshape({1, w->size(0), w->size(1), w->size(2)}) : *w;
+  viz::AttentionMaps maps{wt.size(0), wt.size(1), wt.size(2), wt.size(3), {}};
+  for (int64_t b = 0; b < maps.batch; ++b)
+    for (int64_t h = 0; h < maps.heads; ++h) {
+      viz::Matrix mm(maps.len_q, maps.len_k);
+      for (int64_t i = 0; i < maps.len_q; ++i)
+        for (int64_t j = 0; j < maps.len_k; ++j) mm.at(i, j) = wt.view().get({b, h, i, j});
+      maps.maps.push_back(std::move(mm));
+    }
+  return maps;
+}
+
 void run_viz(const VizArgs& a) {
   // Hooks for work that lands on other branches; refuse clearly instead of drawing something misleading.
   check(a.image.empty(), ErrorKind::kUnsupported, "--image '", a.image,
         "': attention maps of the super-resolution model are not yet available in this build");
-  // TODO(nn): `--mha weights.safetensors --x x.npy` once include/sattn/mha.hpp lands: project x with the
-  // module's in_proj weights to q/k [B, H, L, D] and reuse everything below (torch MHA mask polarity!).
-  check(a.example || (!a.q.empty() && !a.k.empty()), ErrorKind::kInvalidArgument,
-        "--q and --k: both are required (or --example)");
-  check(!a.example || (a.q.empty() && a.k.empty()), ErrorKind::kInvalidArgument,
-        "--example: replaces --q/--k, give one or the other");
-  Tensor q, k;
-  if (a.example) {
-    const viz::ExampleInputs ex = viz::example_inputs(1, 4, 48, 32, 7);
-    q = ex.q, k = ex.k;
-  } else {
-    q = read_npy(a.q), k = read_npy(a.k);
-  }
-  LoadedMasks m = load_masks(a.masks);
   viz::HeatmapStyle style;
   style.cmap = viz::parse_colormap(a.cmap);
   if (a.has_vmax) style.vmax = a.vmax;
   PatternPictures pp;
-  if (!a.pattern.empty()) {
-    pp = pattern_pictures(a.pattern, q, k, m, a, style);
-    m.options.attn_mask = pp.attn_mask.view();
+  viz::AttentionMaps maps;
+  if (!a.mha.empty()) {
+    maps = mha_maps(a);
+  } else {
+    check(a.example || (!a.q.empty() && !a.k.empty()), ErrorKind::kInvalidArgument,
+          "--q and --k: both are required (or --example)");
+    check(!a.example || (a.q.empty() && a.k.empty()), ErrorKind::kInvalidArgument,
+          "--example: replaces --q/--k, give one or the other");
+    Tensor q, k;
+    if (a.example) {
+      const viz::ExampleInputs ex = viz::example_inputs(1, 4, 48, 32, 7);
+      q = ex.q, k = ex.k;
+    } else {
+      q = read_npy(a.q), k = read_npy(a.k);
+    }
+    LoadedMasks m = load_masks(a.masks);
+    if (!a.pattern.empty()) {
+      pp = pattern_pictures(a.pattern, q, k, m, a, style);
+      m.options.attn_mask = pp.attn_mask.view();
+    }
+    maps = viz::attention_maps(q, k, m.options);
   }
-  const viz::AttentionMaps maps = viz::attention_maps(q, k, m.options);
   std::filesystem::create_directories(a.out);
 
   std::vector<std::string> written;
@@ -242,6 +290,15 @@ void add_viz_command(CLI::App& app) {
   add_mask_options(cmd, a->masks, true);
   cmd->add_option("--pattern", a->pattern, "sparse/adaptive pattern SPEC (docs/sparse.md syntax, e.g. \"SlidingWindow(4, 0)\", "
                                         "\"TopK(8)\"): draw it and the maps computed under it");
+  cmd->add_option("--mha", a->mha, "a torch.nn.MultiheadAttention state_dict (.safetensors): draw its per-head "
+                                   "weights on --x [--key --value]")->check(CLI::ExistingFile);
+  cmd->add_option("--x", a->x, "with --mha: query input .npy [L, N, E] ([N, L, E] with --batch-first; or [L, E])")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--key", a->key, "with --mha: key input .npy (default --x)")->check(CLI::ExistingFile);
+  cmd->add_option("--value", a->value, "with --mha: value input .npy (default --key)")->check(CLI::ExistingFile);
+  cmd->add_option("--embed-dim", a->embed_dim, "with --mha: embed_dim E");
+  cmd->add_option("--num-heads", a->num_heads, "with --mha: num_heads H");
+  cmd->add_flag("--batch-first", a->batch_first, "with --mha: inputs are [N, L, E]");
   cmd->add_option("--image", a->image, "an image through the SR model (not yet available in this build)");
   cmd->add_option("--query", a->queries, "query index for a focus view (repeatable; default Lq/2)");
   cmd->add_option("--cmap", a->cmap, "colour map")->check(CLI::IsMember({"viridis", "magma", "gray"}));
