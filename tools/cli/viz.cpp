@@ -207,7 +207,7 @@ void run_viz(const VizArgs& a) {
     maps = mha_maps(a);
   } else {
     check(a.example || (!a.q.empty() && !a.k.empty()), ErrorKind::kInvalidArgument,
-          "--q and --k: both are required (or --example)");
+          "--q and --k: both are required (or --example, or --mha)");
     check(!a.example || (a.q.empty() && a.k.empty()), ErrorKind::kInvalidArgument,
           "--example: replaces --q/--k, give one or the other");
     Tensor q, k;
