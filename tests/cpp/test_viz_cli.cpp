@@ -4,6 +4,8 @@
 #include <filesystem>
 
 #include "sattn/io.hpp"
+#include "sattn/mha.hpp"
+#include "sattn/safetensors.hpp"
 #include "tools_test_util.hpp"
 
 using namespace sattn;
@@ -58,9 +60,21 @@ TEST(VizCli, BadUsageExitsTwo) {
   write_qkv(dir, 1, 1, 6, 4);
   RunResult r = run_sattn("viz --q q.npy --k k.npy", dir);  // no --out
   EXPECT_EQ(r.code, 2);
-  r = run_sattn("viz --q q.npy --k k.npy --pattern local:4 --out o", dir);
+  r = run_sattn("viz --q q.npy --k k.npy --pattern 'SlidingWindow(2,, 0)' --out o", dir);  // bad spec
   EXPECT_EQ(r.code, 2);
-  EXPECT_NE(r.err.find("not yet available"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("pattern spec"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("at position 16"), std::string::npos) << r.err;
+  r = run_sattn("viz --q q.npy --k k.npy --pattern 'Spiral(3)' --out o", dir);  // unknown pattern
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("position"), std::string::npos) << r.err;
+  r = run_sattn("viz --q q.npy --k k.npy --pattern 'Neighborhood2D(3, 3, 3)' --out o", dir);  // 9 != L = 6
+  EXPECT_EQ(r.code, 2);
+  r = run_sattn("viz --q q.npy --k k.npy --pattern 'ReLUAttention()' --out o", dir);  // weights are no softmax
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("TopK"), std::string::npos) << r.err;
+  r = run_sattn("viz --q q.npy --k k.npy --pattern 'TopK(2)' --causal top-left --out o", dir);
+  EXPECT_EQ(r.code, 2);  // the selection would not see the causal mask
+  EXPECT_NE(r.err.find("--causal"), std::string::npos) << r.err;
   r = run_sattn("viz --q q.npy --k k.npy --query 6 --out o", dir);
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("--query"), std::string::npos) << r.err;
@@ -70,6 +84,118 @@ TEST(VizCli, BadUsageExitsTwo) {
   r = run_sattn("viz --q q.npy --k k3.npy --out o", dir);
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("key"), std::string::npos) << r.err;
+}
+
+namespace {
+int64_t grey_pixels(const Decoded& d) {
+  int64_t n = 0;
+  for (size_t p = 0; p + 2 < d.rgb.size(); p += 3) n += d.rgb[p] == 200 && d.rgb[p + 1] == 200 && d.rgb[p + 2] == 200;
+  return n;
+}
+void expect_picture(const std::string& path, int min_side) {
+  const Decoded d = decode_png_file(path);
+  ASSERT_TRUE(d.ok) << path;
+  EXPECT_GT(d.width, min_side) << path;
+  EXPECT_GT(d.height, min_side) << path;
+  EXPECT_TRUE(d.non_constant()) << path;
+}
+}  // namespace
+
+TEST(VizCli, FixedPatternDrawsThePatternAndMapsUnderIt) {
+  ASSERT_TRUE(have_binary());
+  const std::string dir = temp_dir("viz_pattern");
+  write_qkv(dir, 1, 2, 24, 8);
+  RunResult r = run_sattn("viz --q q.npy --k k.npy --out dense", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = run_sattn("viz --q q.npy --k k.npy --pattern 'SlidingWindow(3, 0)' --out sw", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_picture(dir + "/sw/pattern.png", 300);
+  EXPECT_FALSE(fs::exists(dir + "/sw/pattern_h0.png"));  // the pattern does not depend on the head
+  EXPECT_NE(r.out.find("pattern.png"), std::string::npos);
+  // Outside the window the keys are masked (grey); the dense run of the same inputs has no grey cell.
+  const Decoded pat = decode_png_file(dir + "/sw/pattern.png");
+  const Decoded dense = decode_png_file(dir + "/dense/head_0_1.png");
+  const Decoded sw = decode_png_file(dir + "/sw/head_0_1.png");
+  ASSERT_TRUE(pat.ok && dense.ok && sw.ok);
+  EXPECT_GT(grey_pixels(pat), 300 * 300 / 2);  // 24*24 cells, 90 of them allowed
+  EXPECT_GT(grey_pixels(sw), 300 * 300 / 2);
+  EXPECT_LT(grey_pixels(dense), 300 * 300 / 20);
+  EXPECT_GT(sw.distinct_colours(), 10);
+  expect_picture(dir + "/sw/heads.png", 160);
+  // A head-dependent pattern (BigBird's random blocks) is drawn per head, intersected with the CLI's masks.
+  r = run_sattn("viz --q q.npy --k k.npy --pattern 'BigBird(4, 1, 1, 1, seed=3)' --causal bottom-right --out bb", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_picture(dir + "/bb/pattern_h0.png", 300);
+  expect_picture(dir + "/bb/pattern_h1.png", 300);
+  EXPECT_FALSE(fs::exists(dir + "/bb/pattern.png"));
+  expect_picture(dir + "/bb/head_0_0.png", 300);
+  // Different random blocks per head: the two pattern pictures differ.
+  EXPECT_NE(decode_png_file(dir + "/bb/pattern_h0.png").rgb, decode_png_file(dir + "/bb/pattern_h1.png").rgb);
+}
+
+TEST(VizCli, AdaptivePatternDrawsTheSelectedKeys) {
+  ASSERT_TRUE(have_binary());
+  const std::string dir = temp_dir("viz_topk");
+  write_qkv(dir, 2, 2, 16, 8);
+  RunResult r = run_sattn("viz --q q.npy --k k.npy --pattern 'TopK(3)' --out tk", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (int b = 0; b < 2; ++b)
+    for (int h = 0; h < 2; ++h) {
+      const std::string sel = dir + "/tk/selected_" + std::to_string(b) + "_" + std::to_string(h) + ".png";
+      expect_picture(sel, 300);
+      EXPECT_GT(grey_pixels(decode_png_file(sel)), 300 * 300 / 2);  // 3 of 16 keys per query
+      expect_picture(dir + "/tk/head_" + std::to_string(b) + "_" + std::to_string(h) + ".png", 300);
+    }
+  expect_picture(dir + "/tk/selected.png", 2 * 160);
+  // Selections differ between heads (different q, k).
+  EXPECT_NE(decode_png_file(dir + "/tk/selected_0_0.png").rgb, decode_png_file(dir + "/tk/selected_0_1.png").rgb);
+  r = run_sattn("viz --q q.npy --k k.npy --pattern 'BlockTopK(4, 2, causal=True)' --out btk", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_picture(dir + "/btk/selected_1_1.png", 300);
+  expect_picture(dir + "/btk/head_1_1.png", 300);
+}
+
+TEST(VizCli, MultiheadAttentionPerHeadWeights) {
+  ASSERT_TRUE(have_binary());
+  const std::string dir = temp_dir("viz_mha");
+  const nn::MultiheadAttention mha(8, 2, 0.0, true, false, false, std::nullopt, 6, false, DType::kF32, 5);
+  std::map<std::string, TensorView> tensors;
+  const auto sd = mha.state_dict();
+  for (const auto& [name, t] : sd) tensors[name] = t.view();
+  write_safetensors(dir + "/mha.safetensors", tensors);
+  write_npy(dir + "/x.npy", randn({10, 2, 8}, 11));  // [L, N, E]
+  write_npy(dir + "/kv.npy", randn({7, 2, 8}, 12));  // [S, N, E]
+  write_npy(dir + "/v.npy", randn({7, 2, 6}, 13));   // [S, N, vdim]
+  RunResult r = run_sattn("viz --mha mha.safetensors --embed-dim 8 --num-heads 2 --x x.npy --key kv.npy "
+                          "--value v.npy --out m", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (int b = 0; b < 2; ++b)
+    for (int h = 0; h < 2; ++h) {
+      const std::string p = dir + "/m/head_" + std::to_string(b) + "_" + std::to_string(h) + ".png";
+      expect_picture(p, 300);
+      EXPECT_GT(decode_png_file(p).distinct_colours(), 10) << p;
+    }
+  EXPECT_NE(decode_png_file(dir + "/m/head_0_0.png").rgb, decode_png_file(dir + "/m/head_0_1.png").rgb);
+  expect_picture(dir + "/m/heads.png", 2 * 160);
+  expect_picture(dir + "/m/query_5.png", 100);
+  // Self-attention on unbatched input [L, E].
+  write_npy(dir + "/x2.npy", randn({9, 8}, 14));
+  const nn::MultiheadAttention self(8, 2, 0.0, true, false, false, std::nullopt, std::nullopt, false, DType::kF32, 6);
+  std::map<std::string, TensorView> t2;
+  const auto sd2 = self.state_dict();
+  for (const auto& [name, t] : sd2) t2[name] = t.view();
+  write_safetensors(dir + "/self.safetensors", t2);
+  r = run_sattn("viz --mha self.safetensors --embed-dim 8 --num-heads 2 --x x2.npy --out s", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_picture(dir + "/s/head_0_1.png", 300);
+  // Bad usage: missing sizes, a wrong embed_dim (shape mismatch named), masks with --mha.
+  r = run_sattn("viz --mha self.safetensors --x x2.npy --out s", dir);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--embed-dim"), std::string::npos) << r.err;
+  r = run_sattn("viz --mha self.safetensors --embed-dim 4 --num-heads 2 --x x2.npy --out s", dir);
+  EXPECT_EQ(r.code, 2);
+  r = run_sattn("viz --mha self.safetensors --embed-dim 8 --num-heads 2 --x x2.npy --causal top-left --out s", dir);
+  EXPECT_EQ(r.code, 2);
 }
 
 TEST(ProfileCli, CsvTableAndPlots) {
