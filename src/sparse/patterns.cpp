@@ -16,6 +16,20 @@ namespace {
 int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 int64_t floor_mod(int64_t a, int64_t b) { return a - floor_div(a, b) * b; }
 
+// Ends of the query blocks: at most `block` queries each, and a block also ends wherever the aligned query index
+// i + off crosses a multiple of the pattern's block `blk`, so that every visited tile is full.
+std::vector<int32_t> block_aligned_bounds(int64_t lq, int64_t off, int64_t blk, int64_t block) {
+  std::vector<int32_t> bounds;
+  int64_t start = 0;
+  for (int64_t i = 1; i <= lq; ++i)
+    if (i == lq || floor_mod(i + off, blk) == 0 || i - start == block) {
+      bounds.push_back(int32_t(i));
+      start = i;
+    }
+  if (lq == 0) bounds.push_back(0);
+  return bounds;
+}
+
 int64_t align_offset(Alignment al, int64_t len_q, int64_t len_k) {
   return al == Alignment::kTopLeft ? 0 : len_k - len_q;
 }
@@ -361,14 +375,7 @@ struct BlockLocalNode final : Pattern::Node {
   // Query blocks end where the pattern's blocks end, so every visited tile is full.
   BlockMask block_mask(int64_t lq, int64_t lk, int64_t, int64_t block) const override {
     const int64_t off = align_offset(al, lq, lk);
-    std::vector<int32_t> bounds;
-    int64_t start = 0;
-    for (int64_t i = 1; i <= lq; ++i)
-      if (i == lq || floor_mod(i + off, blk) == 0 || i - start == block) {
-        bounds.push_back(int32_t(i));
-        start = i;
-      }
-    if (lq == 0) bounds.push_back(0);
+    const std::vector<int32_t> bounds = block_aligned_bounds(lq, off, blk, block);
     return detail::build_identity_layout(lq, lk, 1, bounds,
                                          [&](int64_t s, int64_t q0, int64_t q1, std::vector<KeyRange>& out) {
                                            ranges_for(s, q0, q1, lq, lk, block, out);
@@ -517,14 +524,7 @@ struct BigBirdNode final : Pattern::Node {
   }
   BlockMask block_mask(int64_t lq, int64_t lk, int64_t heads, int64_t block) const override {
     const int64_t off = align_offset(al, lq, lk);
-    std::vector<int32_t> bounds;
-    int64_t start = 0;
-    for (int64_t i = 1; i <= lq; ++i)
-      if (i == lq || floor_mod(i + off, blk) == 0 || i - start == block) {
-        bounds.push_back(int32_t(i));
-        start = i;
-      }
-    if (lq == 0) bounds.push_back(0);
+    const std::vector<int32_t> bounds = block_aligned_bounds(lq, off, blk, block);
     const int64_t slots = head_dependent() ? heads : 1;
     return detail::build_identity_layout(lq, lk, slots, bounds,
                                          [&](int64_t s, int64_t q0, int64_t q1, std::vector<KeyRange>& out) {

@@ -13,13 +13,7 @@ N_BACKWARD = 80
 TOL = {np.dtype(np.float32): 1e-4, np.dtype(np.float64): 1e-9}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The sweeps' problems are tiny: on a loaded 2-core machine OpenMP threads only add waiting. Thread-count
-    independence is tested in test_core.py."""
-    sattn.set_num_threads(1)
-    yield
-    sattn.set_num_threads(None)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def torch_manual_attention_grads(q, k, v, dout, kw, keep=None):
