@@ -38,6 +38,16 @@ def load_train_set(root, scale, log):
     return data
 
 
+def drop_small(data, patch, log):
+    """Images whose LR side is below the patch cannot give a crop (some T91 images at x4): leave them out."""
+    kept = [d for d in data if min(d[1].shape[:2]) >= patch]
+    if len(kept) < len(data):
+        log("left out %d images with an LR side < %d" % (len(data) - len(kept), patch))
+    if not kept:
+        raise SystemExit("no training image has an LR side >= --patch %d" % patch)
+    return kept
+
+
 def sample_batch(data, rng, batch, patch, scale):
     """Random LR crops of patch x patch (+ aligned HR), random h/v flip and 90-degree rotation."""
     lrs, hrs = [], []
@@ -150,7 +160,7 @@ def main():
         log("initialised %d/%d tensors from %s" % (len(ok), len(own), a.init))
     log("config %s params %d hparams %s" % (cfg, MD.param_count(model), hp))
 
-    data = load_train_set(os.path.join(a.data, "train"), a.scale, log)
+    data = drop_small(load_train_set(os.path.join(a.data, "train"), a.scale, log), hp["patch"], log)
     val = EV.load_pairs(os.path.join(a.data, "test", "Set5"), a.scale)
 
     def checkpoint():
