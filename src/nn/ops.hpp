@@ -14,6 +14,12 @@ namespace sattn::nn {
 void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W, int64_t N, float* C,
               int64_t ldc);
 
+// C[m, :] += sum_s A_s[m, :K[s]] · W_s for m < M, W = [W_0; W_1; ...] stacked ([sum K, N] row-major), A_s row
+// stride lda (rows may overlap), C row stride ldc; nseg <= 16. Each C element is one FMA chain in a fixed order
+// (segments, then k ascending) whatever its position: results do not depend on how rows are batched.
+void gemm_acc_segments(int nseg, const float* const* A, const int64_t* K, int64_t lda, int64_t M, const float* W,
+                       int64_t N, float* C, int64_t ldc);
+
 // y[m, :] = bias + x[m, :] · W; x [M, K] contiguous, W [K, N] (= PyTorch weight [N, K] transposed), y [M, N].
 // Rows split across `threads` in fixed blocks (bitwise identical for any thread count).
 void linear(const float* x, int64_t M, int64_t K, const float* W, const float* bias, int64_t N, float* y,
@@ -27,6 +33,16 @@ void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float
 // Depthwise 3x3 (groups = C), padding 1: in/out [H, W, C], Wd [9][C], bias [C]. out must not alias in.
 void depthwise3x3_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* bias,
                       float* out, int threads);
+
+// out = res + pw_b + act(depthwise3x3(in) + dw_b) · PW per pixel (act = GELU when `gelu`, else identity):
+// in/res/out [H, W, C], Wd [9][C], PW [C][C] (input-major); out may alias in and res.
+void dw_act_pw_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* dw_b, bool gelu,
+                   const float* PW, const float* pw_b, const float* res, float* out, int threads);
+
+// One output row y of a depthwise 3x3 on a zero-padded input [H+2, W+2, C] into out [W, C]; Wt [10][period]: the
+// 9 taps' weights then the bias, each tiled to `period` (a multiple of C and of 16).
+void depthwise_row_padded(const float* in, int64_t W, int64_t C, const float* Wt, int64_t period, float* out,
+                          int64_t y);
 
 // Layer norm over the last dim (biased variance, eps inside the sqrt), affine: x, y [M, C] (may alias).
 void layer_norm(const float* x, int64_t M, int64_t C, const float* gamma, const float* beta, float eps, float* y);

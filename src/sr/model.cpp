@@ -223,22 +223,9 @@ inline int region(int64_t p, int64_t n, int64_t ws, int64_t s) { return p < n - 
 // One window block, in place on y [H, W, C]. `decide` fills routed[] for the block's windows (nW of them).
 void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const uint8_t* routing_in,
                uint8_t* routed_out, float* gates_out, int64_t* n_routed) {
-  const int64_t H = cx.H, W = cx.W, C = cx.C, HW = H * W;
-  // 1. cheap path: y += pw(gelu(dw(y)))
-  {
-    std::vector<float> t(size_t(HW * C)), u(size_t(HW * C));
-    nn::depthwise3x3_hwc(y, H, W, C, b.dw.data(), b.dw_b.data(), t.data(), cx.threads);
-    constexpr int64_t kBlock = 256;
-    parallel_for((HW + kBlock - 1) / kBlock, cx.threads, [&](int64_t blk) {
-      const int64_t m0 = blk * kBlock, m1 = std::min(HW, m0 + kBlock);
-      nn::gelu_inplace(t.data() + m0 * C, (m1 - m0) * C);
-      // y += pw(t): accumulate straight into y after the bias
-      for (int64_t m = m0; m < m1; ++m)
-        for (int64_t c = 0; c < C; ++c) y[m * C + c] += b.pw_b[size_t(c)];
-      nn::gemm_acc(t.data() + m0 * C, C, m1 - m0, C, b.pw.data(), C, y + m0 * C, C);
-    });
-    (void)u;
-  }
+  const int64_t H = cx.H, W = cx.W, C = cx.C;
+  // 1. cheap path: y += pw(gelu(dw(y))), one fused pass per row
+  nn::dw_act_pw_hwc(y, H, W, C, b.dw.data(), b.dw_b.data(), true, b.pw.data(), b.pw_b.data(), y, y, cx.threads);
   const int64_t ws = b.ws, s = b.shifted ? ws / 2 : 0, L = ws * ws;
   const int64_t nwy = H / ws, nwx = W / ws, nW = nwy * nwx;
   // pixel offset (in y) of token l of window n, after the cyclic roll by (-s, -s)
@@ -277,15 +264,23 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
   *n_routed += int64_t(routed.size());
   // Swin mask: a window needs one iff it touches the last window row/column of a shifted block.
   auto needs_mask = [&](int64_t n) { return s > 0 && (n / nwx == nwy - 1 || n % nwx == nwx - 1); };
-  // 6. routed windows, in chunks of ~4096 tokens (each chunk serial inside; chunks in parallel)
-  const int64_t per_chunk = std::max<int64_t>(1, 4096 / L);
+  // 6. routed windows, in chunks of ~2048 tokens (each chunk serial inside; chunks in parallel). Results do not
+  // depend on the chunking: every GEMM row and every attention window is computed the same way wherever it sits.
+  const int64_t per_chunk = std::max<int64_t>(1, 2048 / L);
   const int64_t nchunks = (int64_t(routed.size()) + per_chunk - 1) / per_chunk;
   const int64_t hd = cx.hd, heads = cx.heads, hid = cx.hid;
   parallel_for(nchunks, cx.threads, [&](int64_t ch) {
     const int64_t i0 = ch * per_chunk, i1 = std::min<int64_t>(int64_t(routed.size()), i0 + per_chunk);
     const int64_t nw = i1 - i0, M = nw * L;
-    std::vector<float> xw(size_t(M * C)), a(size_t(M * C)), qkv(size_t(M * 3 * C)), o(size_t(M * C)),
-        t(size_t(M * C)), h(size_t(M * hid));
+    // per-thread scratch, reused across chunks and blocks
+    thread_local std::vector<float> xw, a, qkv, o, t, h, qb, ob;
+    thread_local std::vector<uint8_t> mask;
+    xw.resize(size_t(M * C));
+    a.resize(size_t(M * C));
+    qkv.resize(size_t(M * 3 * C));
+    o.resize(size_t(M * C));
+    t.resize(size_t(M * C));
+    h.resize(size_t(M * hid));
     for (int64_t i = 0; i < nw; ++i)
       for (int64_t l = 0; l < L; ++l)
         std::memcpy(&xw[size_t((i * L + l) * C)], y + pix(routed[size_t(i0 + i)], l), size_t(C) * sizeof(float));
@@ -297,19 +292,27 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
     auto attend = [&](const std::vector<int64_t>& list, bool with_mask) {
       if (list.empty()) return;
       const int64_t nb = int64_t(list.size());
-      // windows of `list` are runs in the chunk; gather q/k/v into contiguous buffers when not contiguous
-      std::vector<float> qb(size_t(nb * L * 3 * C)), ob(size_t(nb * L * C));
-      for (int64_t j = 0; j < nb; ++j)
-        std::memcpy(&qb[size_t(j * L * 3 * C)], &qkv[size_t(list[size_t(j)] * L * 3 * C)],
-                    size_t(L * 3 * C) * sizeof(float));
+      // a contiguous run of the chunk's windows is read/written in place, otherwise gathered
+      const bool run = list.back() - list.front() == nb - 1;
+      const float* qsrc = qkv.data() + list.front() * L * 3 * C;
+      float* odst = o.data() + list.front() * L * C;
+      if (!run) {
+        qb.resize(size_t(nb * L * 3 * C));
+        ob.resize(size_t(nb * L * C));
+        for (int64_t j = 0; j < nb; ++j)
+          std::memcpy(&qb[size_t(j * L * 3 * C)], &qkv[size_t(list[size_t(j)] * L * 3 * C)],
+                      size_t(L * 3 * C) * sizeof(float));
+        qsrc = qb.data();
+        odst = ob.data();
+      }
       // qkv channel index = which*C + head*hd + d, token-major: q [nb, heads, L, hd] strided
       const Shape shape{nb, heads, L, hd}, strides{L * 3 * C, hd, 3 * C, 1};
-      TensorView q(qb.data(), DType::kF32, shape, strides), k(qb.data() + C, DType::kF32, shape, strides),
-          v(qb.data() + 2 * C, DType::kF32, shape, strides);
-      TensorView out(ob.data(), DType::kF32, shape, Shape{L * C, hd, C, 1});
+      float* qp = const_cast<float*>(qsrc);
+      TensorView q(qp, DType::kF32, shape, strides), k(qp + C, DType::kF32, shape, strides),
+          v(qp + 2 * C, DType::kF32, shape, strides);
+      TensorView out(odst, DType::kF32, shape, Shape{L * C, hd, C, 1});
       AttentionOptions opt;
       opt.num_threads = 1;
-      std::vector<uint8_t> mask;
       if (with_mask) {
         mask.resize(size_t(nb * L * L));
         std::vector<int> lab(static_cast<size_t>(L));
@@ -324,18 +327,22 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
         opt.attn_mask = TensorView(mask.data(), DType::kBool, Shape{nb, 1, L, L});
       }
       scaled_dot_product_attention(q, k, v, opt, AttentionOutputs{out, {}, {}});
-      for (int64_t j = 0; j < nb; ++j)
-        std::memcpy(&o[size_t(list[size_t(j)] * L * C)], &ob[size_t(j * L * C)], size_t(L * C) * sizeof(float));
+      if (!run)
+        for (int64_t j = 0; j < nb; ++j)
+          std::memcpy(&o[size_t(list[size_t(j)] * L * C)], &ob[size_t(j * L * C)], size_t(L * C) * sizeof(float));
     };
     attend(plain, false);
     attend(masked, true);
-    // t = xw + proj(o); t += fc2(gelu(fc1(LN2(t))))
-    nn::linear(o.data(), M, C, b.proj.data(), b.proj_b.data(), C, t.data(), 1);
-    for (int64_t i = 0; i < M * C; ++i) t[size_t(i)] += xw[size_t(i)];
+    // t = xw + proj_b + o·Wproj; a = LN2(t); h = gelu(fc1(a)); o = t + fc2_b + h·Wfc2 (= t + mlp(t))
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = 0; c < C; ++c) t[size_t(m * C + c)] = xw[size_t(m * C + c)] + b.proj_b[size_t(c)];
+    nn::gemm_acc(o.data(), C, M, C, b.proj.data(), C, t.data(), C);
     nn::layer_norm(t.data(), M, C, b.n2_w.data(), b.n2_b.data(), cx.ln_eps, a.data());
     nn::linear(a.data(), M, C, b.fc1.data(), b.fc1_b.data(), hid, h.data(), 1);
     nn::gelu_inplace(h.data(), M * hid);
-    nn::linear(h.data(), M, hid, b.fc2.data(), b.fc2_b.data(), C, o.data(), 1);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = 0; c < C; ++c) o[size_t(m * C + c)] = t[size_t(m * C + c)] + b.fc2_b[size_t(c)];
+    nn::gemm_acc(h.data(), hid, M, hid, b.fc2.data(), C, o.data(), C);
     // xw += g * (t + mlp - xw), scattered back to the (un-rolled) pixels
     for (int64_t i = 0; i < nw; ++i) {
       const int64_t n = routed[size_t(i0 + i)];
@@ -343,10 +350,7 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
       for (int64_t l = 0; l < L; ++l) {
         float* p = y + pix(n, l);
         const size_t base = size_t((i * L + l) * C);
-        for (int64_t c = 0; c < C; ++c) {
-          const float tt = t[base + size_t(c)] + o[base + size_t(c)];
-          p[c] = xw[base + size_t(c)] + g * (tt - xw[base + size_t(c)]);
-        }
+        for (int64_t c = 0; c < C; ++c) p[c] = xw[base + size_t(c)] + g * (o[base + size_t(c)] - xw[base + size_t(c)]);
       }
     }
   });
@@ -404,9 +408,8 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
       offset += nW;
     }
     // group tail: y = y_in + pw(dw(y))
-    nn::depthwise3x3_hwc(y.data(), H, W, C, g.dw.data(), g.dw_b.data(), t.data(), threads);
-    nn::linear(t.data(), H * W, C, g.pw.data(), g.pw_b.data(), C, y.data(), threads);
-    for (size_t i = 0; i < y.size(); ++i) y[i] += y_in[i];
+    nn::dw_act_pw_hwc(y.data(), H, W, C, g.dw.data(), g.dw_b.data(), false, g.pw.data(), g.pw_b.data(), y_in.data(),
+                      y.data(), threads);
   }
   // 4. body tail + feat
   nn::conv3x3_hwc(y.data(), H, W, C, P.body_tail.data(), P.body_tail_b.data(), C, t.data(), threads);
