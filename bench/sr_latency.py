@@ -8,8 +8,8 @@ speed targets checked on those medians.
 Defaults: a 256x256 crop (top-left) of ../shared/data/sr/test/Set14/baboon.png, the committed x2 weights,
 threads 1 and 2, medians of 5. `--pause PID` sends SIGSTOP to those processes (e.g. a training job:
 `--pause $(pgrep -f sr/train/train.py)`) for the duration of the measurement and SIGCONT afterwards, also on
-Ctrl-C or an error. Timings are wall-clock ("wall") and CPU time ("cpu": the C++ child's user+sys from wait4,
-PyTorch's process_time); on a loaded machine only cpu at 1 thread is meaningful — the script prints the load
+Ctrl-C or an error. Timings are wall-clock ("wall") and CPU time ("cpu": process CPU time of all threads during the
+model run, as `sattn sr upscale` reports it; PyTorch's time.process_time around the forward); on a loaded machine only cpu at 1 thread is meaningful — the script prints the load
 average before and after, and flags a busy machine.
 """
 import argparse
@@ -112,10 +112,11 @@ def main():
             for mode in a.modes:
                 cw, cc, routed = [], [], ""
                 for _ in range(a.repeat):
-                    err, cpu = run_cli([a.cli, "sr", "upscale", inp, out, "--scale", str(cfg["scale"]), "--attention",
+                    err, _ = run_cli([a.cli, "sr", "upscale", inp, out, "--scale", str(cfg["scale"]), "--attention",
                                         mode, "--weights", a.weights, "--threads", str(t), "--tile", "0"])
-                    cw.append(float(re.search(r", ([0-9.e+-]+) s$", err.strip()).group(1)))  # model time only
-                    cc.append(cpu)
+                    mt = re.search(r"cpu ([0-9.e+-]+) s, ([0-9.e+-]+) s$", err.strip())  # model time only
+                    cw.append(float(mt.group(2)))
+                    cc.append(float(mt.group(1)))
                     mr = re.search(r"windows routed (\d+)/(\d+)", err)
                     routed = f"{mr.group(1)}/{mr.group(2)}" if mr else ""
                 pw, pc = [], []
@@ -142,6 +143,18 @@ def main():
                 os.remove(f)
         os.rmdir(tmp)
 
+    print(f"\nmedians of {a.repeat}, CPU time of the model run (all threads; on a loaded machine the honest measure "
+          "at 1 thread, it does not show 2-thread scaling)")
+    print("| threads | C++ dense | C++ sparse | PyTorch dense | PyTorch sparse | PyTorch/C++ dense | PyTorch/C++ "
+          "sparse | C++ dense/sparse |")
+    print("|---|---|---|---|---|---|---|---|")
+    byc = {(r["threads"], r["mode"]): r for r in rows}
+    for t in a.threads:
+        d, s = byc.get((t, "dense")), byc.get((t, "sparse"))
+        if d and s:
+            print(f"| {t} | {d['cpp_cpu']:.3f} s | {s['cpp_cpu']:.3f} s | {d['torch_cpu']:.3f} s | {s['torch_cpu']:.3f} s"
+                  f" | {d['torch_cpu'] / d['cpp_cpu']:.2f}x | {s['torch_cpu'] / s['cpp_cpu']:.2f}x | "
+                  f"{d['cpp_cpu'] / s['cpp_cpu']:.2f}x |")
     print(f"\nmedians of {a.repeat}, wall-clock model time (C++: as `sattn sr upscale` reports it, untiled)")
     print("| threads | C++ dense | C++ sparse | PyTorch dense | PyTorch sparse | PyTorch/C++ dense | PyTorch/C++ "
           "sparse | C++ dense/sparse |")

@@ -17,16 +17,26 @@ void linear(const float* x, int64_t M, int64_t K, const float* W, const float* b
     const int64_t m0 = b * kBlock, m1 = std::min(M, m0 + kBlock);
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t n = 0; n < N; ++n) y[m * N + n] = bias ? bias[n] : 0.0f;
-    gemm_acc(x + m0 * K, K, m1 - m0, K, W, N, y + m0 * N, N);
+    gemm_acc(x + m0 * K, K, m1 - m0, K, W, padded_cols(N), N, y + m0 * N, N);
   });
 }
 
 namespace {
-// Zero-padded copy [H+2, W+2, C] of in [H, W, C] (padding 1 of the 3x3 convolutions).
-std::vector<float> pad1(const float* in, int64_t H, int64_t W, int64_t C, int threads) {
-  std::vector<float> p(size_t((H + 2) * (W + 2) * C), 0.0f);
+// Zero-padded copy [H+2, W+2, C] of in [H, W, C] (padding 1 of the 3x3 convolutions), in a per-thread buffer
+// reused across calls (fresh multi-MB allocations cost page faults on every call): valid until the calling
+// thread's next pad1.
+const float* pad1(const float* in, int64_t H, int64_t W, int64_t C, int threads) {
+  thread_local std::vector<float> buf;
+  const int64_t rowp = (W + 2) * C;
+  buf.resize(size_t((H + 2) * rowp));
+  float* p = buf.data();
+  std::fill(p, p + rowp, 0.0f);
+  std::fill(p + (H + 1) * rowp, p + (H + 2) * rowp, 0.0f);
   parallel_for(H, threads, [&](int64_t y) {
-    std::memcpy(&p[size_t(((y + 1) * (W + 2) + 1) * C)], in + y * W * C, size_t(W * C) * sizeof(float));
+    float* r = p + (y + 1) * rowp;
+    std::fill(r, r + C, 0.0f);
+    std::memcpy(r + C, in + y * W * C, size_t(W * C) * sizeof(float));
+    std::fill(r + (W + 1) * C, r + rowp, 0.0f);
   });
   return p;
 }
@@ -48,48 +58,49 @@ void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float
                  int64_t Cout, float* out, int threads) {
   // On the padded input, the three taps of a kernel row are 3·Cin contiguous values starting at output pixel x:
   // one GEMM per output row with three K = 3·Cin segments (kernel rows), A rows overlapping (lda = Cin).
-  const std::vector<float> p = pad1(in, H, W, Cin, threads);
+  const float* p = pad1(in, H, W, Cin, threads);
   const int64_t rowp = (W + 2) * Cin;
   parallel_for(H, threads, [&](int64_t y) {
     float* o = out + y * W * Cout;
     for (int64_t x = 0; x < W; ++x)
       for (int64_t c = 0; c < Cout; ++c) o[x * Cout + c] = bias ? bias[c] : 0.0f;
-    const float* a[3] = {p.data() + y * rowp, p.data() + (y + 1) * rowp, p.data() + (y + 2) * rowp};
+    const float* a[3] = {p + y * rowp, p + (y + 1) * rowp, p + (y + 2) * rowp};
     const int64_t k[3] = {3 * Cin, 3 * Cin, 3 * Cin};
-    gemm_acc_segments(3, a, k, Cin, W, W9, Cout, o, Cout);
+    gemm_acc_segments(3, a, k, Cin, W, W9, padded_cols(Cout), Cout, o, Cout);
   });
 }
 
 void depthwise3x3_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* bias,
                       float* out, int threads) {
-  const std::vector<float> p = pad1(in, H, W, C, threads);
+  const float* p = pad1(in, H, W, C, threads);
   int64_t P = 0;
   const std::vector<float> wt = tile_depthwise(Wd, bias, C, &P);
-  parallel_for(H, threads, [&](int64_t y) { depthwise_row_padded(p.data(), W, C, wt.data(), P, out + y * W * C, y); });
+  parallel_for(H, threads, [&](int64_t y) { depthwise_row_padded(p, W, C, wt.data(), P, out + y * W * C, y); });
 }
 
 void dw_act_pw_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* dw_b, bool gelu,
                    const float* PW, const float* pw_b, const float* res, float* out, int threads) {
-  const std::vector<float> p = pad1(in, H, W, C, threads);
+  const float* p = pad1(in, H, W, C, threads);
   int64_t P = 0;
   const std::vector<float> wt = tile_depthwise(Wd, dw_b, C, &P);
   parallel_for(H, threads, [&](int64_t y) {
     thread_local std::vector<float> t;
     t.resize(size_t(W * C));
-    depthwise_row_padded(p.data(), W, C, wt.data(), P, t.data(), y);
+    depthwise_row_padded(p, W, C, wt.data(), P, t.data(), y);
     if (gelu) gelu_inplace(t.data(), W * C);
     float* o = out + y * W * C;
     const float* r = res + y * W * C;
     for (int64_t x = 0; x < W; ++x)
       for (int64_t c = 0; c < C; ++c) o[x * C + c] = r[x * C + c] + (pw_b ? pw_b[c] : 0.0f);
-    gemm_acc(t.data(), C, W, C, PW, C, o, C);
+    gemm_acc(t.data(), C, W, C, PW, padded_cols(C), C, o, C);
   });
 }
 std::vector<float> conv3x3_weight_hwc(const float* w, int64_t Cout, int64_t Cin) {
-  std::vector<float> r(size_t(9 * Cin * Cout));
+  const int64_t ld = padded_cols(Cout);
+  std::vector<float> r(size_t(9 * Cin * ld), 0.0f);
   for (int64_t o = 0; o < Cout; ++o)
     for (int64_t i = 0; i < Cin; ++i)
-      for (int64_t t = 0; t < 9; ++t) r[size_t((t * Cin + i) * Cout + o)] = w[(o * Cin + i) * 9 + t];
+      for (int64_t t = 0; t < 9; ++t) r[size_t((t * Cin + i) * ld + o)] = w[(o * Cin + i) * 9 + t];
   return r;
 }
 
@@ -101,9 +112,10 @@ std::vector<float> depthwise_weight_hwc(const float* w, int64_t C) {
 }
 
 std::vector<float> transpose_weight(const float* w, int64_t N, int64_t K) {
-  std::vector<float> r(size_t(K * N));
+  const int64_t ld = padded_cols(N);
+  std::vector<float> r(size_t(K * ld), 0.0f);
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k) r[size_t(k * N + n)] = w[n * K + k];
+    for (int64_t k = 0; k < K; ++k) r[size_t(k * ld + n)] = w[n * K + k];
   return r;
 }
 

@@ -37,10 +37,11 @@ constexpr int kMR = 4, kNV = 4;
 constexpr int kMR = 6, kNV = 2;  // 12 of 16 ymm accumulators
 #endif
 
-// C[MR rows, NV vectors] += sum_s A_s[m, :K_s] · W rows; the last vector masked to `rem` lanes when kMask.
-template <int MR, int NV, bool kMask>
+// C[MR rows, NV vectors] += sum_s A_s[m, :K_s] · W rows (row stride ldw); the last vector of C masked to `rem`
+// lanes when kMask, and its W loads too when kMaskW (else W rows are readable up to the full vector: padded).
+template <int MR, int NV, bool kMask, bool kMaskW>
 HWY_NOINLINE void Tile(int nseg, const float* const* A, const int64_t* K, int64_t lda, const float* HWY_RESTRICT W,
-                       int64_t N, size_t rem, float* HWY_RESTRICT C, int64_t ldc) {
+                       int64_t ldw, size_t rem, float* HWY_RESTRICT C, int64_t ldc) {
   const DF d;
   const size_t L = hn::Lanes(d);
   const auto mask = hn::FirstN(d, rem);
@@ -54,10 +55,10 @@ HWY_NOINLINE void Tile(int nseg, const float* const* A, const int64_t* K, int64_
   for (int s = 0; s < nseg; ++s) {
     const float* HWY_RESTRICT a = A[s];
     const int64_t Ks = K[s];
-    for (int64_t k = 0; k < Ks; ++k, w += N) {
+    for (int64_t k = 0; k < Ks; ++k, w += ldw) {
       VF b[NV];
       for (int v = 0; v < NV; ++v)
-        b[v] = (kMask && v == NV - 1) ? hn::MaskedLoad(mask, d, w + v * L) : hn::LoadU(d, w + v * L);
+        b[v] = (kMaskW && v == NV - 1) ? hn::MaskedLoad(mask, d, w + v * L) : hn::LoadU(d, w + v * L);
       for (int m = 0; m < MR; ++m) {
         const VF av = hn::Set(d, a[m * lda + k]);
         for (int v = 0; v < NV; ++v) acc[m][v] = hn::MulAdd(av, b[v], acc[m][v]);
@@ -74,17 +75,20 @@ HWY_NOINLINE void Tile(int nseg, const float* const* A, const int64_t* K, int64_
     }
 }
 
+// masked: 0 = none, 1 = C only, 2 = C and W
 template <int MR, int NV>
-HWY_INLINE void TileMask(bool masked, int nseg, const float* const* A, const int64_t* K, int64_t lda, const float* W,
+HWY_INLINE void TileMask(int masked, int nseg, const float* const* A, const int64_t* K, int64_t lda, const float* W,
                          int64_t N, size_t rem, float* C, int64_t ldc) {
-  if (masked)
-    Tile<MR, NV, true>(nseg, A, K, lda, W, N, rem, C, ldc);
+  if (masked == 2)
+    Tile<MR, NV, true, true>(nseg, A, K, lda, W, N, rem, C, ldc);
+  else if (masked == 1)
+    Tile<MR, NV, true, false>(nseg, A, K, lda, W, N, rem, C, ldc);
   else
-    Tile<MR, NV, false>(nseg, A, K, lda, W, N, rem, C, ldc);
+    Tile<MR, NV, false, false>(nseg, A, K, lda, W, N, rem, C, ldc);
 }
 
 template <int MR, int NV = kNV>
-HWY_INLINE void TileNV(int nv, bool masked, int nseg, const float* const* A, const int64_t* K, int64_t lda,
+HWY_INLINE void TileNV(int nv, int masked, int nseg, const float* const* A, const int64_t* K, int64_t lda,
                        const float* W, int64_t N, size_t rem, float* C, int64_t ldc) {
   if constexpr (NV >= 1) {
     if (nv == NV) return TileMask<MR, NV>(masked, nseg, A, K, lda, W, N, rem, C, ldc);
@@ -93,7 +97,7 @@ HWY_INLINE void TileNV(int nv, bool masked, int nseg, const float* const* A, con
 }
 
 template <int MR = kMR>
-HWY_INLINE void TileMR(int mr, int nv, bool masked, int nseg, const float* const* A, const int64_t* K, int64_t lda,
+HWY_INLINE void TileMR(int mr, int nv, int masked, int nseg, const float* const* A, const int64_t* K, int64_t lda,
                        const float* W, int64_t N, size_t rem, float* C, int64_t ldc) {
   if constexpr (MR >= 1) {
     if (mr == MR) return TileNV<MR>(nv, masked, nseg, A, K, lda, W, N, rem, C, ldc);
@@ -102,7 +106,7 @@ HWY_INLINE void TileMR(int mr, int nv, bool masked, int nseg, const float* const
 }
 
 void GemmSegments(int nseg, const float* const* A, const int64_t* K, int64_t lda, int64_t M, const float* W,
-                  int64_t N, float* C, int64_t ldc) {
+                  int64_t ldw, int64_t N, float* C, int64_t ldc) {
   const DF d;
   const int64_t L = int64_t(hn::Lanes(d)), panel = kNV * L;
   constexpr int kMaxSeg = 16;
@@ -114,7 +118,8 @@ void GemmSegments(int nseg, const float* const* A, const int64_t* K, int64_t lda
       const int64_t cols = std::min(panel, N - n0);
       const int nv = int((cols + L - 1) / L);
       const size_t rem = size_t(cols - (nv - 1) * L);
-      TileMR(mr, nv, rem != size_t(L), nseg, Am, K, lda, W + n0, N, rem, C + m0 * ldc + n0, ldc);
+      const int masked = rem == size_t(L) ? 0 : (n0 + nv * L <= ldw ? 1 : 2);
+      TileMR(mr, nv, masked, nseg, Am, K, lda, W + n0, ldw, rem, C + m0 * ldc + n0, ldc);
     }
   }
 }
@@ -224,15 +229,17 @@ HWY_EXPORT(LayerNormRows);
 HWY_EXPORT(GeluInplace);
 
 void gemm_acc_segments(int nseg, const float* const* A, const int64_t* K, int64_t lda, int64_t M, const float* W,
-                       int64_t N, float* C, int64_t ldc) {
+                       int64_t ldw, int64_t N, float* C, int64_t ldc) {
   check(nseg >= 1 && nseg <= 16, ErrorKind::kInternal, "gemm_acc_segments: nseg must be 1..16, given ", nseg);
   if (M <= 0 || N <= 0) return;
-  HWY_DYNAMIC_DISPATCH(GemmSegments)(nseg, A, K, lda, M, W, N, C, ldc);
+  check(ldw >= N, ErrorKind::kInternal, "gemm_acc_segments: ldw ", ldw, " < N ", N);
+  HWY_DYNAMIC_DISPATCH(GemmSegments)(nseg, A, K, lda, M, W, ldw, N, C, ldc);
 }
-void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W, int64_t N, float* C, int64_t ldc) {
+void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W, int64_t ldw, int64_t N, float* C,
+              int64_t ldc) {
   const float* a[1] = {A};
   const int64_t k[1] = {K};
-  gemm_acc_segments(1, a, k, lda, M, W, N, C, ldc);
+  gemm_acc_segments(1, a, k, lda, M, W, ldw, N, C, ldc);
 }
 void depthwise_row_padded(const float* in, int64_t W, int64_t C, const float* Wt, int64_t period, float* out,
                           int64_t y) {

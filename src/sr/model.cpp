@@ -336,13 +336,13 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
     // t = xw + proj_b + o·Wproj; a = LN2(t); h = gelu(fc1(a)); o = t + fc2_b + h·Wfc2 (= t + mlp(t))
     for (int64_t m = 0; m < M; ++m)
       for (int64_t c = 0; c < C; ++c) t[size_t(m * C + c)] = xw[size_t(m * C + c)] + b.proj_b[size_t(c)];
-    nn::gemm_acc(o.data(), C, M, C, b.proj.data(), C, t.data(), C);
+    nn::gemm_acc(o.data(), C, M, C, b.proj.data(), nn::padded_cols(C), C, t.data(), C);
     nn::layer_norm(t.data(), M, C, b.n2_w.data(), b.n2_b.data(), cx.ln_eps, a.data());
     nn::linear(a.data(), M, C, b.fc1.data(), b.fc1_b.data(), hid, h.data(), 1);
     nn::gelu_inplace(h.data(), M * hid);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t c = 0; c < C; ++c) o[size_t(m * C + c)] = t[size_t(m * C + c)] + b.fc2_b[size_t(c)];
-    nn::gemm_acc(h.data(), hid, M, hid, b.fc2.data(), C, o.data(), C);
+    nn::gemm_acc(h.data(), hid, M, hid, b.fc2.data(), nn::padded_cols(C), C, o.data(), C);
     // xw += g * (t + mlp - xw), scattered back to the (un-rolled) pixels
     for (int64_t i = 0; i < nw; ++i) {
       const int64_t n = routed[size_t(i0 + i)];
@@ -384,7 +384,13 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
   if (options.routing_out) options.routing_out->assign(size_t(total_windows), 0);
   if (options.gates_out) options.gates_out->assign(size_t(total_windows), 0.0f);
   // 1. reflect pad (bottom/right, edge not repeated), HWC
-  std::vector<float> xp(size_t(H * W * 3));
+  // full-map buffers, per thread and reused across calls (and tiles): fresh multi-MB allocations page-fault
+  struct Workspace {
+    std::vector<float> xp, feat, y, t, y_in, u;
+  };
+  thread_local Workspace ws;
+  std::vector<float>& xp = ws.xp;
+  xp.resize(size_t(H * W * 3));
   const float* xs = x.data<float>();
   for (int64_t i = 0; i < H; ++i)
     for (int64_t j = 0; j < W; ++j) {
@@ -392,14 +398,17 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
       for (int64_t ch = 0; ch < 3; ++ch) xp[size_t((i * W + j) * 3 + ch)] = xs[(ch * h + si) * w + sj];
     }
   // 2. head
-  std::vector<float> feat(size_t(H * W * C)), y(size_t(H * W * C)), t(size_t(H * W * C));
+  std::vector<float>&feat = ws.feat, &y = ws.y, &t = ws.t, &y_in = ws.y_in, &u = ws.u;
+  feat.resize(size_t(H * W * C));
+  y.resize(size_t(H * W * C));
+  t.resize(size_t(H * W * C));
   nn::conv3x3_hwc(xp.data(), H, W, 3, P.head.data(), P.head_b.data(), C, feat.data(), threads);
   y = feat;
   BlockCtx cx{H, W, C, c.heads, c.head_dim, c.mlp_hidden, float(c.layer_norm_eps), float(c.router_std_eps),
               float(c.route_threshold), threads};
   int64_t offset = 0, routed = 0;
   for (const GroupW& g : P.groups) {
-    std::vector<float> y_in = y;
+    y_in = y;
     for (const BlockW& b : g.blocks) {
       const int64_t nW = (H / b.ws) * (W / b.ws);
       run_block(b, cx, y.data(), dense, options.routing_in ? options.routing_in->data() + offset : nullptr,
@@ -415,7 +424,7 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
   nn::conv3x3_hwc(y.data(), H, W, C, P.body_tail.data(), P.body_tail_b.data(), C, t.data(), threads);
   for (size_t i = 0; i < t.size(); ++i) t[i] += feat[i];
   // 5. up conv + nearest residual, pixel shuffle, crop
-  std::vector<float> u(size_t(H * W * 3 * s2));
+  u.resize(size_t(H * W * 3 * s2));
   nn::conv3x3_hwc(t.data(), H, W, C, P.up.data(), P.up_b.data(), 3 * s2, u.data(), threads);
   Tensor out(DType::kF32, {3, h * s, w * s});
   float* o = out.data<float>();
