@@ -2,12 +2,41 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 
 #include "core/threads.hpp"
+#include "sattn/error.hpp"
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 namespace sattn::nn {
+
+Buffer::~Buffer() { std::free(p_); }
+
+float* Buffer::get(int64_t n) {
+  if (n <= cap_) return p_;
+  std::free(p_);
+  p_ = nullptr;
+  cap_ = 0;
+  constexpr size_t kHuge = size_t(2) << 20;
+  const size_t bytes = size_t(std::max<int64_t>(n, 1)) * sizeof(float);
+  if (bytes >= kHuge) {
+    const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+    p_ = static_cast<float*>(std::aligned_alloc(kHuge, rounded));
+#ifdef MADV_HUGEPAGE
+    if (p_) madvise(p_, rounded, MADV_HUGEPAGE);  // a hint: failure is harmless
+#endif
+  } else {
+    p_ = static_cast<float*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+  }
+  check(p_ != nullptr, ErrorKind::kOutOfMemory, "nn::Buffer: cannot allocate ", bytes, " bytes");
+  cap_ = n;
+  return p_;
+}
 
 void linear(const float* x, int64_t M, int64_t K, const float* W, const float* bias, int64_t N, float* y,
             int threads) {
@@ -26,10 +55,9 @@ namespace {
 // reused across calls (fresh multi-MB allocations cost page faults on every call): valid until the calling
 // thread's next pad1.
 const float* pad1(const float* in, int64_t H, int64_t W, int64_t C, int threads) {
-  thread_local std::vector<float> buf;
+  thread_local Buffer buf;
   const int64_t rowp = (W + 2) * C;
-  buf.resize(size_t((H + 2) * rowp));
-  float* p = buf.data();
+  float* p = buf.get((H + 2) * rowp);
   std::fill(p, p + rowp, 0.0f);
   std::fill(p + (H + 1) * rowp, p + (H + 2) * rowp, 0.0f);
   parallel_for(H, threads, [&](int64_t y) {

@@ -10,6 +10,22 @@
 
 namespace sattn::nn {
 
+// Float scratch that grows and never shrinks, contents unspecified after a grow; large buffers are 2 MiB-aligned
+// with transparent huge pages requested (first touch of a multi-MB map otherwise costs one page fault per 4 KiB).
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer();
+  float* get(int64_t n);  // room for n floats
+  float* data() const { return p_; }
+
+ private:
+  float* p_ = nullptr;
+  int64_t cap_ = 0;
+};
+
 // Row stride of the re-laid-out weights below ([K][padded_cols(N)], zeros past N): whole SIMD vectors of a
 // weight row can be loaded without masks.
 inline int64_t padded_cols(int64_t n) { return (n + 15) / 16 * 16; }

@@ -386,53 +386,49 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
   // 1. reflect pad (bottom/right, edge not repeated), HWC
   // full-map buffers, per thread and reused across calls (and tiles): fresh multi-MB allocations page-fault
   struct Workspace {
-    std::vector<float> xp, feat, y, t, y_in, u;
+    nn::Buffer xp, feat, y, t, y_in, u;
   };
   thread_local Workspace ws;
-  std::vector<float>& xp = ws.xp;
-  xp.resize(size_t(H * W * 3));
+  float* xp = ws.xp.get(H * W * 3);
   const float* xs = x.data<float>();
   for (int64_t i = 0; i < H; ++i)
     for (int64_t j = 0; j < W; ++j) {
       const int64_t si = i < h ? i : 2 * (h - 1) - i, sj = j < w ? j : 2 * (w - 1) - j;
-      for (int64_t ch = 0; ch < 3; ++ch) xp[size_t((i * W + j) * 3 + ch)] = xs[(ch * h + si) * w + sj];
+      for (int64_t ch = 0; ch < 3; ++ch) xp[(i * W + j) * 3 + ch] = xs[(ch * h + si) * w + sj];
     }
   // 2. head
-  std::vector<float>&feat = ws.feat, &y = ws.y, &t = ws.t, &y_in = ws.y_in, &u = ws.u;
-  feat.resize(size_t(H * W * C));
-  y.resize(size_t(H * W * C));
-  t.resize(size_t(H * W * C));
-  nn::conv3x3_hwc(xp.data(), H, W, 3, P.head.data(), P.head_b.data(), C, feat.data(), threads);
-  y = feat;
+  const int64_t HWC = H * W * C;
+  float *feat = ws.feat.get(HWC), *y = ws.y.get(HWC), *t = ws.t.get(HWC), *y_in = ws.y_in.get(HWC),
+        *u = ws.u.get(H * W * 3 * s2);
+  nn::conv3x3_hwc(xp, H, W, 3, P.head.data(), P.head_b.data(), C, feat, threads);
+  std::memcpy(y, feat, size_t(HWC) * sizeof(float));
   BlockCtx cx{H, W, C, c.heads, c.head_dim, c.mlp_hidden, float(c.layer_norm_eps), float(c.router_std_eps),
               float(c.route_threshold), threads};
   int64_t offset = 0, routed = 0;
   for (const GroupW& g : P.groups) {
-    y_in = y;
+    std::memcpy(y_in, y, size_t(HWC) * sizeof(float));
     for (const BlockW& b : g.blocks) {
       const int64_t nW = (H / b.ws) * (W / b.ws);
-      run_block(b, cx, y.data(), dense, options.routing_in ? options.routing_in->data() + offset : nullptr,
+      run_block(b, cx, y, dense, options.routing_in ? options.routing_in->data() + offset : nullptr,
                 options.routing_out ? options.routing_out->data() + offset : nullptr,
                 options.gates_out ? options.gates_out->data() + offset : nullptr, &routed);
       offset += nW;
     }
     // group tail: y = y_in + pw(dw(y))
-    nn::dw_act_pw_hwc(y.data(), H, W, C, g.dw.data(), g.dw_b.data(), false, g.pw.data(), g.pw_b.data(), y_in.data(),
-                      y.data(), threads);
+    nn::dw_act_pw_hwc(y, H, W, C, g.dw.data(), g.dw_b.data(), false, g.pw.data(), g.pw_b.data(), y_in, y, threads);
   }
   // 4. body tail + feat
-  nn::conv3x3_hwc(y.data(), H, W, C, P.body_tail.data(), P.body_tail_b.data(), C, t.data(), threads);
-  for (size_t i = 0; i < t.size(); ++i) t[i] += feat[i];
+  nn::conv3x3_hwc(y, H, W, C, P.body_tail.data(), P.body_tail_b.data(), C, t, threads);
+  for (int64_t i = 0; i < HWC; ++i) t[i] += feat[i];
   // 5. up conv + nearest residual, pixel shuffle, crop
-  u.resize(size_t(H * W * 3 * s2));
-  nn::conv3x3_hwc(t.data(), H, W, C, P.up.data(), P.up_b.data(), 3 * s2, u.data(), threads);
+  nn::conv3x3_hwc(t, H, W, C, P.up.data(), P.up_b.data(), 3 * s2, u, threads);
   Tensor out(DType::kF32, {3, h * s, w * s});
   float* o = out.data<float>();
   for (int64_t ch = 0; ch < 3; ++ch)
     for (int64_t i = 0; i < h; ++i)
       for (int64_t j = 0; j < w; ++j) {
-        const float* up = &u[size_t((i * W + j) * 3 * s2 + ch * s2)];
-        const float res = xp[size_t((i * W + j) * 3 + ch)];
+        const float* up = u + (i * W + j) * 3 * s2 + ch * s2;
+        const float res = xp[(i * W + j) * 3 + ch];
         for (int64_t a = 0; a < s; ++a)
           for (int64_t bb = 0; bb < s; ++bb) o[(ch * h * s + i * s + a) * w * s + j * s + bb] = up[a * s + bb] + res;
       }
