@@ -228,25 +228,31 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
   nn::dw_act_pw_hwc(y, H, W, C, b.dw.data(), b.dw_b.data(), true, b.pw.data(), b.pw_b.data(), y, y, cx.threads);
   const int64_t ws = b.ws, s = b.shifted ? ws / 2 : 0, L = ws * ws;
   const int64_t nwy = H / ws, nwx = W / ws, nW = nwy * nwx;
-  // pixel offset (in y) of token l of window n, after the cyclic roll by (-s, -s)
-  auto pix = [&](int64_t n, int64_t l) {
-    const int64_t wy = n / nwx, wx = n % nwx, ly = l / ws, lx = l % ws;
-    const int64_t py = (wy * ws + ly + s) % H, px = (wx * ws + lx + s) % W;
-    return (py * W + px) * C;
+  // f(l, pixel pointer) for the tokens l of window n in order: token (ly, lx) is pixel
+  // ((wy·ws + ly + s) mod H, (wx·ws + lx + s) mod W) of y, i.e. after the cyclic roll by (-s, -s)
+  auto for_each_token = [&](int64_t n, auto&& f) {
+    const int64_t wy = n / nwx, wx = n % nwx, px0 = wx * ws + s;
+    for (int64_t ly = 0; ly < ws; ++ly) {
+      float* row = y + ((wy * ws + ly + s) % H) * W * C;
+      for (int64_t lx = 0; lx < ws; ++lx) {
+        const int64_t px = px0 + lx < W ? px0 + lx : px0 + lx - W;
+        f(ly * ws + lx, row + px * C);
+      }
+    }
   };
   // 2-5. router: per window mean / population std over tokens, per channel
   std::vector<float> gate(static_cast<size_t>(nW));
   parallel_for(nW, cx.threads, [&](int64_t n) {
     std::vector<float> mean(size_t(C), 0.0f), var(size_t(C), 0.0f);
-    for (int64_t l = 0; l < L; ++l) {
-      const float* p = y + pix(n, l);
-      for (int64_t c = 0; c < C; ++c) mean[size_t(c)] += p[c];
-    }
-    for (int64_t c = 0; c < C; ++c) mean[size_t(c)] /= float(L);
-    for (int64_t l = 0; l < L; ++l) {
-      const float* p = y + pix(n, l);
-      for (int64_t c = 0; c < C; ++c) var[size_t(c)] += (p[c] - mean[size_t(c)]) * (p[c] - mean[size_t(c)]);
-    }
+    float* mp = mean.data();
+    float* vp = var.data();
+    for_each_token(n, [&](int64_t, const float* p) {
+      for (int64_t c = 0; c < C; ++c) mp[c] += p[c];
+    });
+    for (int64_t c = 0; c < C; ++c) mp[c] /= float(L);
+    for_each_token(n, [&](int64_t, const float* p) {
+      for (int64_t c = 0; c < C; ++c) vp[c] += (p[c] - mp[c]) * (p[c] - mp[c]);
+    });
     float logit = b.router_b;
     for (int64_t c = 0; c < C; ++c) {
       const float sd = std::sqrt(var[size_t(c)] / float(L) + cx.std_eps);
@@ -281,9 +287,12 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
     o.resize(size_t(M * C));
     t.resize(size_t(M * C));
     h.resize(size_t(M * hid));
-    for (int64_t i = 0; i < nw; ++i)
-      for (int64_t l = 0; l < L; ++l)
-        std::memcpy(&xw[size_t((i * L + l) * C)], y + pix(routed[size_t(i0 + i)], l), size_t(C) * sizeof(float));
+    for (int64_t i = 0; i < nw; ++i) {
+      float* dst = xw.data() + i * L * C;
+      for_each_token(routed[size_t(i0 + i)], [&](int64_t l, const float* p) {
+        for (int64_t c = 0; c < C; ++c) dst[l * C + c] = p[c];
+      });
+    }
     nn::layer_norm(xw.data(), M, C, b.n1_w.data(), b.n1_b.data(), cx.ln_eps, a.data());
     nn::linear(a.data(), M, C, b.qkv.data(), b.qkv_b.data(), 3 * C, qkv.data(), 1);
     // attention: windows without a mask in one call, masked windows in another
@@ -347,11 +356,11 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
     for (int64_t i = 0; i < nw; ++i) {
       const int64_t n = routed[size_t(i0 + i)];
       const float g = gate[size_t(n)];
-      for (int64_t l = 0; l < L; ++l) {
-        float* p = y + pix(n, l);
-        const size_t base = size_t((i * L + l) * C);
-        for (int64_t c = 0; c < C; ++c) p[c] = xw[base + size_t(c)] + g * (o[base + size_t(c)] - xw[base + size_t(c)]);
-      }
+      const float* xi = xw.data() + i * L * C;
+      const float* oi = o.data() + i * L * C;
+      for_each_token(n, [&](int64_t l, float* p) {
+        for (int64_t c = 0; c < C; ++c) p[c] = xi[l * C + c] + g * (oi[l * C + c] - xi[l * C + c]);
+      });
     }
   });
 }
