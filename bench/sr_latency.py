@@ -8,7 +8,9 @@ speed targets checked on those medians.
 Defaults: a 256x256 crop (top-left) of ../shared/data/sr/test/Set14/baboon.png, the committed x2 weights,
 threads 1 and 2, medians of 5. `--pause PID` sends SIGSTOP to those processes (e.g. a training job:
 `--pause $(pgrep -f sr/train/train.py)`) for the duration of the measurement and SIGCONT afterwards, also on
-Ctrl-C or an error. Timings are wall-clock ("wall") and CPU time ("cpu": process CPU time of all threads during the
+Ctrl-C or an error. C++: one `sattn sr upscale --repeat N` process per configuration (the
+model run N times in-process, medians as the CLI reports them); PyTorch: a warm-up forward, then N timed ones.
+Timings are wall-clock ("wall") and CPU time ("cpu": process CPU time of all threads during the
 model run, as `sattn sr upscale` reports it; PyTorch's time.process_time around the forward); on a loaded machine only cpu at 1 thread is meaningful — the script prints the load
 average before and after, and flags a busy machine.
 """
@@ -110,15 +112,14 @@ def main():
         for t in a.threads:
             torch.set_num_threads(t)
             for mode in a.modes:
-                cw, cc, routed = [], [], ""
-                for _ in range(a.repeat):
-                    err, _ = run_cli([a.cli, "sr", "upscale", inp, out, "--scale", str(cfg["scale"]), "--attention",
-                                        mode, "--weights", a.weights, "--threads", str(t), "--tile", "0"])
-                    mt = re.search(r"cpu ([0-9.e+-]+) s, ([0-9.e+-]+) s$", err.strip())  # model time only
-                    cw.append(float(mt.group(2)))
-                    cc.append(float(mt.group(1)))
-                    mr = re.search(r"windows routed (\d+)/(\d+)", err)
-                    routed = f"{mr.group(1)}/{mr.group(2)}" if mr else ""
+                # one process, the model run --repeat times (warm, like the PyTorch loop below): medians
+                err, _ = run_cli([a.cli, "sr", "upscale", inp, out, "--scale", str(cfg["scale"]), "--attention", mode,
+                                  "--weights", a.weights, "--threads", str(t), "--tile", "0", "--repeat",
+                                  str(a.repeat)])
+                mt = re.search(r"cpu ([0-9.e+-]+) s, ([0-9.e+-]+) s$", err.strip())  # model time only
+                cw, cc = [float(mt.group(2))], [float(mt.group(1))]
+                mr = re.search(r"windows routed (\d+)/(\d+)", err)
+                routed = f"{mr.group(1)}/{mr.group(2)}" if mr else ""
                 pw, pc = [], []
                 if not a.no_torch:
                     with torch.no_grad():

@@ -395,7 +395,7 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
   // 1. reflect pad (bottom/right, edge not repeated), HWC
   // full-map buffers, per thread and reused across calls (and tiles): fresh multi-MB allocations page-fault
   struct Workspace {
-    nn::Buffer xp, feat, y, t, y_in, u;
+    nn::Buffer xp, feat, y, y_in, u;
   };
   thread_local Workspace ws;
   float* xp = ws.xp.get(H * W * 3);
@@ -407,8 +407,7 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
     }
   // 2. head
   const int64_t HWC = H * W * C;
-  float *feat = ws.feat.get(HWC), *y = ws.y.get(HWC), *t = ws.t.get(HWC), *y_in = ws.y_in.get(HWC),
-        *u = ws.u.get(H * W * 3 * s2);
+  float *feat = ws.feat.get(HWC), *y = ws.y.get(HWC), *y_in = ws.y_in.get(HWC);
   nn::conv3x3_hwc(xp, H, W, 3, P.head.data(), P.head_b.data(), C, feat, threads);
   std::memcpy(y, feat, size_t(HWC) * sizeof(float));
   BlockCtx cx{H, W, C, c.heads, c.head_dim, c.mlp_hidden, float(c.layer_norm_eps), float(c.router_std_eps),
@@ -427,8 +426,11 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
     nn::dw_act_pw_hwc(y, H, W, C, g.dw.data(), g.dw_b.data(), false, g.pw.data(), g.pw_b.data(), y_in, y, threads);
   }
   // 4. body tail + feat
+  // (buffers reused: t = the body tail's output in y_in, then the up conv's output u in y when it fits)
+  float* t = y_in;
   nn::conv3x3_hwc(y, H, W, C, P.body_tail.data(), P.body_tail_b.data(), C, t, threads);
   for (int64_t i = 0; i < HWC; ++i) t[i] += feat[i];
+  float* u = 3 * s2 <= C ? y : ws.u.get(H * W * 3 * s2);
   // 5. up conv + nearest residual, pixel shuffle, crop
   nn::conv3x3_hwc(t, H, W, C, P.up.data(), P.up_b.data(), 3 * s2, u, threads);
   Tensor out(DType::kF32, {3, h * s, w * s});
