@@ -409,12 +409,17 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
   const int64_t HWC = H * W * C;
   float *feat = ws.feat.get(HWC), *y = ws.y.get(HWC), *y_in = ws.y_in.get(HWC);
   nn::conv3x3_hwc(xp, H, W, 3, P.head.data(), P.head_b.data(), C, feat, threads);
-  std::memcpy(y, feat, size_t(HWC) * sizeof(float));
+  // element-wise passes over the full map, in parallel blocks
+  constexpr int64_t kEw = 1 << 16;
+  auto ew = [&](auto&& f) {
+    parallel_for((HWC + kEw - 1) / kEw, threads, [&](int64_t blk) { f(blk * kEw, std::min(HWC, (blk + 1) * kEw)); });
+  };
+  ew([&](int64_t i0, int64_t i1) { std::memcpy(y + i0, feat + i0, size_t(i1 - i0) * sizeof(float)); });
   BlockCtx cx{H, W, C, c.heads, c.head_dim, c.mlp_hidden, float(c.layer_norm_eps), float(c.router_std_eps),
               float(c.route_threshold), threads};
   int64_t offset = 0, routed = 0;
   for (const GroupW& g : P.groups) {
-    std::memcpy(y_in, y, size_t(HWC) * sizeof(float));
+    ew([&](int64_t i0, int64_t i1) { std::memcpy(y_in + i0, y + i0, size_t(i1 - i0) * sizeof(float)); });
     for (const BlockW& b : g.blocks) {
       const int64_t nW = (H / b.ws) * (W / b.ws);
       run_block(b, cx, y, dense, options.routing_in ? options.routing_in->data() + offset : nullptr,
@@ -429,20 +434,23 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
   // (buffers reused: t = the body tail's output in y_in, then the up conv's output u in y when it fits)
   float* t = y_in;
   nn::conv3x3_hwc(y, H, W, C, P.body_tail.data(), P.body_tail_b.data(), C, t, threads);
-  for (int64_t i = 0; i < HWC; ++i) t[i] += feat[i];
+  ew([&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) t[i] += feat[i];
+  });
   float* u = 3 * s2 <= C ? y : ws.u.get(H * W * 3 * s2);
   // 5. up conv + nearest residual, pixel shuffle, crop
   nn::conv3x3_hwc(t, H, W, C, P.up.data(), P.up_b.data(), 3 * s2, u, threads);
   Tensor out(DType::kF32, {3, h * s, w * s});
   float* o = out.data<float>();
-  for (int64_t ch = 0; ch < 3; ++ch)
-    for (int64_t i = 0; i < h; ++i)
-      for (int64_t j = 0; j < w; ++j) {
-        const float* up = u + (i * W + j) * 3 * s2 + ch * s2;
-        const float res = xp[(i * W + j) * 3 + ch];
-        for (int64_t a = 0; a < s; ++a)
-          for (int64_t bb = 0; bb < s; ++bb) o[(ch * h * s + i * s + a) * w * s + j * s + bb] = up[a * s + bb] + res;
-      }
+  parallel_for(3 * h, threads, [&](int64_t row) {
+    const int64_t ch = row / h, i = row % h;
+    for (int64_t j = 0; j < w; ++j) {
+      const float* up = u + (i * W + j) * 3 * s2 + ch * s2;
+      const float res = xp[(i * W + j) * 3 + ch];
+      for (int64_t a = 0; a < s; ++a)
+        for (int64_t bb = 0; bb < s; ++bb) o[(ch * h * s + i * s + a) * w * s + j * s + bb] = up[a * s + bb] + res;
+    }
+  });
   if (stats) {
     stats->windows_total += total_windows;
     stats->windows_routed += routed;
@@ -450,39 +458,49 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
   return out;
 }
 
-Tensor image_to_tensor(const Image& image) {
+namespace {
+Tensor image_to_tensor_mt(const Image& image, int threads) {
   check(image.channels == 3, ErrorKind::kInvalidArgument, "image_to_tensor: RGB expected, given ", image.channels,
         " channels");
   Tensor t(DType::kF32, {3, image.height, image.width});
   float* p = t.data<float>();
-  const int64_t n = image.height * image.width;
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t c = 0; c < 3; ++c) p[c * n + i] = float(image.data[size_t(i * 3 + c)]) / 255.0f;
+  const int64_t n = image.height * image.width, w = image.width;
+  parallel_for(image.height, threads, [&](int64_t y) {
+    for (int64_t i = y * w; i < (y + 1) * w; ++i)
+      for (int64_t c = 0; c < 3; ++c) p[c * n + i] = float(image.data[size_t(i * 3 + c)]) / 255.0f;
+  });
   return t;
 }
 
-static uint8_t to_u8(float v) {
+uint8_t to_u8(float v) {
   const double d = double(std::min(1.0f, std::max(0.0f, v)));  // clamp (NaN -> 0 via max)
   return uint8_t(std::floor(d * 255.0 + 0.5));
 }
 
-Image tensor_to_image(const Tensor& chw) {
+Image tensor_to_image_mt(const Tensor& chw, int threads) {
   check(chw.dtype() == DType::kF32 && chw.dim() == 3 && chw.size(0) == 3, ErrorKind::kInvalidArgument,
         "tensor_to_image: f32 [3, h, w] expected, given ", shape_to_string(chw.shape()));
   const int64_t h = chw.size(1), w = chw.size(2), n = h * w;
   Image im(h, w, 3);
   const float* p = chw.data<float>();
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t c = 0; c < 3; ++c) im.data[size_t(i * 3 + c)] = to_u8(p[c * n + i]);
+  parallel_for(h, threads, [&](int64_t y) {
+    for (int64_t i = y * w; i < (y + 1) * w; ++i)
+      for (int64_t c = 0; c < 3; ++c) im.data[size_t(i * 3 + c)] = to_u8(p[c * n + i]);
+  });
   return im;
 }
+}  // namespace
+
+Tensor image_to_tensor(const Image& image) { return image_to_tensor_mt(image, 1); }
+Image tensor_to_image(const Tensor& chw) { return tensor_to_image_mt(chw, 1); }
 
 Image SrModel::upscale(const Image& lr, const UpscaleOptions& options, UpscaleStats* stats) const {
   check(lr.channels == 3, ErrorKind::kInvalidArgument, "upscale: RGB image expected, given ", lr.channels,
         " channels");
   const int64_t h = lr.height, w = lr.width, s = config_.scale;
   if (options.tile <= 0 || (options.tile >= h && options.tile >= w)) {
-    Image out = tensor_to_image(forward(image_to_tensor(lr), options, stats));
+    const int threads = resolve_num_threads(options.num_threads);
+    Image out = tensor_to_image_mt(forward(image_to_tensor_mt(lr, threads), options, stats), threads);
     if (stats) stats->tiles += 1;
     if (options.progress) options.progress(1, 1);
     return out;
@@ -494,6 +512,7 @@ Image SrModel::upscale(const Image& lr, const UpscaleOptions& options, UpscaleSt
   check(!options.routing_in && !options.routing_out && !options.gates_out, ErrorKind::kInvalidArgument,
         "upscale: routing input/output needs an untiled run (tile 0)");
   const int64_t T = options.tile, O = options.overlap < 0 ? receptive_radius() : options.overlap;
+  const int threads = resolve_num_threads(options.num_threads);
   const int64_t ty = (h + T - 1) / T, tx = (w + T - 1) / T, total = ty * tx;
   const int64_t pm = config_.pad_multiple, min_ctx = std::max<int64_t>(2 * pm, 32);
   Image out(h * s, w * s, 3);
@@ -520,14 +539,16 @@ Image SrModel::upscale(const Image& lr, const UpscaleOptions& options, UpscaleSt
       for (int64_t i = cy0; i < cy1; ++i)
         std::memcpy(&crop.data[size_t((i - cy0) * crop.width * 3)], &lr.data[size_t((i * w + cx0) * 3)],
                     size_t(crop.width * 3));
-      const Tensor r = forward(image_to_tensor(crop), options, stats);
+      const Tensor r = forward(image_to_tensor_mt(crop, threads), options, stats);
       const float* p = r.data<float>();
       const int64_t rh = crop.height * s, rw = crop.width * s, rn = rh * rw;
-      for (int64_t i = y0 * s; i < y1 * s; ++i)
+      parallel_for((y1 - y0) * s, threads, [&](int64_t row) {
+        const int64_t i = y0 * s + row;
         for (int64_t j = x0 * s; j < x1 * s; ++j)
           for (int64_t ch = 0; ch < 3; ++ch)
             out.data[size_t((i * w * s + j) * 3 + ch)] =
                 to_u8(p[ch * rn + (i - cy0 * s) * rw + (j - cx0 * s)]);
+      });
       if (stats) stats->tiles += 1;
       if (options.progress) options.progress(++done, total);
     }
