@@ -75,6 +75,63 @@ HWY_NOINLINE void Tile(int nseg, const float* const* A, const int64_t* K, int64_
     }
 }
 
+#if HWY_TARGET != HWY_SCALAR
+// As Tile, for a panel of NVF full vectors + one half vector (columns = (NVF + 1/2)·lanes, e.g. 40 = 16 + 16 + 8
+// on AVX-512): no masks, and on CPUs that split 512-bit FMAs (AMD Zen 4) the half vector costs half a full one.
+// Same per-element FMA chain as Tile.
+template <int MR, int NVF>
+HWY_NOINLINE void TileHalf(int nseg, const float* const* A, const int64_t* K, int64_t lda,
+                           const float* HWY_RESTRICT W, int64_t ldw, float* HWY_RESTRICT C, int64_t ldc) {
+  const DF d;
+  const hn::Half<DF> dh;
+  using VH = hn::Vec<decltype(dh)>;
+  const size_t L = hn::Lanes(d);
+  VF acc[MR][NVF > 0 ? NVF : 1];
+  VH acch[MR];
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < NVF; ++v) acc[m][v] = hn::LoadU(d, C + m * ldc + v * L);
+    acch[m] = hn::LoadU(dh, C + m * ldc + NVF * L);
+  }
+  const float* w = W;
+  for (int s = 0; s < nseg; ++s) {
+    const float* HWY_RESTRICT a = A[s];
+    const int64_t Ks = K[s];
+    for (int64_t k = 0; k < Ks; ++k, w += ldw) {
+      VF b[NVF > 0 ? NVF : 1];
+      for (int v = 0; v < NVF; ++v) b[v] = hn::LoadU(d, w + v * L);
+      const VH bh = hn::LoadU(dh, w + NVF * L);
+      for (int m = 0; m < MR; ++m) {
+        const VF av = hn::Set(d, a[m * lda + k]);
+        for (int v = 0; v < NVF; ++v) acc[m][v] = hn::MulAdd(av, b[v], acc[m][v]);
+        acch[m] = hn::MulAdd(hn::LowerHalf(dh, av), bh, acch[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < NVF; ++v) hn::StoreU(acc[m][v], d, C + m * ldc + v * L);
+    hn::StoreU(acch[m], dh, C + m * ldc + NVF * L);
+  }
+}
+
+template <int MR, int NVF = kNV - 1>
+HWY_INLINE void TileHalfNV(int nvf, int nseg, const float* const* A, const int64_t* K, int64_t lda, const float* W,
+                           int64_t ldw, float* C, int64_t ldc) {
+  if constexpr (NVF >= 0) {
+    if (nvf == NVF) return TileHalf<MR, NVF>(nseg, A, K, lda, W, ldw, C, ldc);
+    TileHalfNV<MR, NVF - 1>(nvf, nseg, A, K, lda, W, ldw, C, ldc);
+  }
+}
+
+template <int MR = kMR>
+HWY_INLINE void TileHalfMR(int mr, int nvf, int nseg, const float* const* A, const int64_t* K, int64_t lda,
+                           const float* W, int64_t ldw, float* C, int64_t ldc) {
+  if constexpr (MR >= 1) {
+    if (mr == MR) return TileHalfNV<MR>(nvf, nseg, A, K, lda, W, ldw, C, ldc);
+    TileHalfMR<MR - 1>(mr, nvf, nseg, A, K, lda, W, ldw, C, ldc);
+  }
+}
+#endif
+
 // masked: 0 = none, 1 = C only, 2 = C and W
 template <int MR, int NV>
 HWY_INLINE void TileMask(int masked, int nseg, const float* const* A, const int64_t* K, int64_t lda, const float* W,
@@ -118,6 +175,12 @@ void GemmSegments(int nseg, const float* const* A, const int64_t* K, int64_t lda
       const int64_t cols = std::min(panel, N - n0);
       const int nv = int((cols + L - 1) / L);
       const size_t rem = size_t(cols - (nv - 1) * L);
+#if HWY_TARGET != HWY_SCALAR
+      if (L >= 2 && rem == size_t(L / 2)) {
+        TileHalfMR(mr, nv - 1, nseg, Am, K, lda, W + n0, ldw, C + m0 * ldc + n0, ldc);
+        continue;
+      }
+#endif
       const int masked = rem == size_t(L) ? 0 : (n0 + nv * L <= ldw ? 1 : 2);
       TileMR(mr, nv, masked, nseg, Am, K, lda, W + n0, ldw, rem, C + m0 * ldc + n0, ldc);
     }
