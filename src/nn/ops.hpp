@@ -36,8 +36,9 @@ void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W,
               int64_t ldc);
 
 // C[m, :] += sum_s A_s[m, :K[s]] · W_s for m < M, W = [W_0; W_1; ...] stacked ([sum K, N] row-major), A_s row
-// stride lda (rows may overlap), W row stride ldw >= N, C row stride ldc; nseg <= 16. Each C element is one FMA chain in a fixed order
-// (segments, then k ascending) whatever its position: results do not depend on how rows are batched.
+// stride lda (rows may overlap), W row stride ldw >= N, C row stride ldc; nseg <= 16. Each C element is one FMA
+// chain in a fixed order (segments, then k ascending) whatever its position: results do not depend on how rows
+// are batched.
 void gemm_acc_segments(int nseg, const float* const* A, const int64_t* K, int64_t lda, int64_t M, const float* W,
                        int64_t ldw, int64_t N, float* C, int64_t ldc);
 
@@ -46,8 +47,9 @@ void gemm_acc_segments(int nseg, const float* const* A, const int64_t* K, int64_
 void linear(const float* x, int64_t M, int64_t K, const float* W, const float* bias, int64_t N, float* y,
             int threads);
 
-// 3x3 convolution, padding 1 (zeros), stride 1, HWC: in [H, W, Cin], W9 [9 taps (ky*3+kx)][Cin][padded_cols(Cout)],
-// bias [Cout] (may be null), out [H, W, Cout] (overwritten). PyTorch Conv2d semantics (cross-correlation).
+// 3x3 convolution, padding 1 (zeros), stride 1, HWC: in [H, W, Cin], W9 [9 taps (ky*3+kx)][Cin][padded_cols(Cout)]
+// (conv3x3_weight_hwc), bias [Cout] (may be null), out [H, W, Cout] (overwritten; may alias in: the input is
+// copied to a padded buffer first). PyTorch Conv2d semantics (cross-correlation).
 void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float* W9, const float* bias,
                  int64_t Cout, float* out, int threads);
 

@@ -285,8 +285,9 @@ TEST(SrOps, GemmSegmentsAwkwardShapesAndRowIndependence) {
   // (lda < K) as the 3x3 convolution uses them, two segments, W row stride N (masked loads) or padded (garbage
   // past N that must not leak into C); then every row recomputed alone must be bitwise equal to the batched
   // result (what makes tiles == untiled and 1 == 2 threads).
-  for (auto [M, N, K0, K1, lda] : {std::tuple{1, 1, 1, 0, 1}, std::tuple{7, 17, 5, 3, 5}, std::tuple{13, 40, 40, 40, 40},
-                                   std::tuple{6, 130, 9, 9, 3}, std::tuple{11, 64, 12, 20, 4}}) {
+  for (auto [M, N, K0, K1, lda] : {std::tuple{1, 1, 1, 0, 1}, std::tuple{7, 17, 5, 3, 5},
+                                   std::tuple{13, 40, 40, 40, 40}, std::tuple{6, 130, 9, 9, 3},
+                                   std::tuple{11, 64, 12, 20, 4}, std::tuple{8, 120, 40, 0, 40}}) {
     for (const int64_t ldw : {int64_t(N), sattn::nn::padded_cols(N)}) {
       const int64_t K = K0 + K1, rows = (M - 1) * lda + std::max(K0, K1);
       const auto A0 = randv(size_t(rows), 7), A1 = randv(size_t(rows), 8), W = randv(size_t(K * ldw), 9),

@@ -145,7 +145,8 @@ void run_upscale(const UpscaleArgs& a) {
   }
   std::cerr << "sr upscale: " << lr.width << "x" << lr.height << " -> " << out.width << "x" << out.height << " x"
             << a.scale << " " << a.attention << ", " << st.tiles << " tile(s), windows routed " << st.windows_routed
-            << "/" << st.windows_total << ", weights " << model->name() << (a.repeat > 1 ? ", median of " + std::to_string(a.repeat) + " runs" : "")
+            << "/" << st.windows_total << ", weights " << model->name()
+            << (a.repeat > 1 ? ", median of " + std::to_string(a.repeat) + " runs" : "")
             << ", cpu " << cpu_secs << " s, " << secs << " s\n";
 }
 
