@@ -105,6 +105,8 @@ def main():
         for pid in a.pause:
             os.kill(pid, signal.SIGSTOP)
             paused.append(pid)
+        if a.pause:
+            time.sleep(2)
         load0 = os.getloadavg()
         print(f"image {a.image} crop {img.shape[1]}x{img.shape[0]} -> x{cfg['scale']}, weights {a.weights}, "
               f"torch {torch.__version__}, cores {os.cpu_count()}, load average {load0[0]:.2f} "
@@ -169,17 +171,20 @@ def main():
         print(f"| {t} | {d['cpp_wall']:.3f} s | {s['cpp_wall']:.3f} s | {d['torch_wall']:.3f} s | "
               f"{s['torch_wall']:.3f} s | {d['torch_wall'] / d['cpp_wall']:.2f}x | {s['torch_wall'] / s['cpp_wall']:.2f}x"
               f" | {d['cpp_wall'] / s['cpp_wall']:.2f}x |")
-        checks += [(f"C++ >= 2x PyTorch, dense, {t} thread(s)", d["torch_wall"] / d["cpp_wall"] >= 2),
-                   (f"C++ >= 2x PyTorch, sparse, {t} thread(s)", s["torch_wall"] / s["cpp_wall"] >= 2),
-                   (f"sparse >= 1.5x faster than dense (C++), {t} thread(s)", d["cpp_wall"] / s["cpp_wall"] >= 1.5)]
+        if not a.no_torch:
+            checks += [(f"C++ >= 2x PyTorch, dense, {t} thread(s)", d["torch_wall"] / d["cpp_wall"] >= 2),
+                       (f"C++ >= 2x PyTorch, sparse, {t} thread(s)", s["torch_wall"] / s["cpp_wall"] >= 2)]
+        checks.append((f"sparse >= 1.5x faster than dense (C++), {t} thread(s)", d["cpp_wall"] / s["cpp_wall"] >= 1.5))
         if t == 2 and a.crop == 256 and cfg["scale"] == 2:
             checks.append(("256x256 -> 512x512 in <= 1 s on 2 threads (sparse, the default)", s["cpp_wall"] <= 1.0))
             checks.append(("256x256 -> 512x512 in <= 1 s on 2 threads (dense)", d["cpp_wall"] <= 1.0))
     print("\ntargets (issue 5):")
     for name, ok in checks:
         print(f"  [{'PASS' if ok else 'FAIL'}] {name}")
-    busy = max(load0[0], load1[0]) > 0.5 + len(a.pause) * 0
-    print(f"load average before {load0[0]:.2f}, after {load1[0]:.2f}"
+    # the 1-minute load average before the run should be near 0 on an idle machine (paused jobs leave the run
+    # queue, but the average decays over a minute); during the run it includes this benchmark itself
+    busy = load0[0] > 1.0
+    print(f"1-min load average before {load0[0]:.2f}, after {load1[0]:.2f}"
           + ("  -- NOT an idle machine: wall-clock numbers are indicative only" if busy else ""))
     if a.json:
         with open(a.json, "w") as f:
