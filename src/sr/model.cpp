@@ -270,9 +270,9 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
   *n_routed += int64_t(routed.size());
   // Swin mask: a window needs one iff it touches the last window row/column of a shifted block.
   auto needs_mask = [&](int64_t n) { return s > 0 && (n / nwx == nwy - 1 || n % nwx == nwx - 1); };
-  // 6. routed windows, in chunks of ~2048 tokens (each chunk serial inside; chunks in parallel). Results do not
+  // 6. routed windows, in chunks of ~1024 tokens (each chunk serial inside; chunks in parallel). Results do not
   // depend on the chunking: every GEMM row and every attention window is computed the same way wherever it sits.
-  const int64_t per_chunk = std::max<int64_t>(1, 2048 / L);
+  const int64_t per_chunk = std::max<int64_t>(1, 1024 / L);
   const int64_t nchunks = (int64_t(routed.size()) + per_chunk - 1) / per_chunk;
   const int64_t hd = cx.hd, heads = cx.heads, hid = cx.hid;
   parallel_for(nchunks, cx.threads, [&](int64_t ch) {
