@@ -10,23 +10,62 @@
 
 namespace sattn::nn {
 
-// C[m, :] += A[m, :] · W for m < M: A [M, K] (row stride lda), W [K, N] row-major, C [M, N] (row stride ldc).
-void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W, int64_t N, float* C,
+// Float scratch that grows and never shrinks, contents unspecified after a grow; large buffers are 2 MiB-aligned
+// with transparent huge pages requested (first touch of a multi-MB map otherwise costs one page fault per 4 KiB).
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer();
+  float* get(int64_t n);  // room for n floats
+  float* data() const { return p_; }
+
+ private:
+  float* p_ = nullptr;
+  int64_t cap_ = 0;
+};
+
+// Row stride of the re-laid-out weights below ([K][padded_cols(N)], zeros past N): whole SIMD vectors of a
+// weight row can be loaded without masks.
+inline int64_t padded_cols(int64_t n) { return (n + 15) / 16 * 16; }
+
+// C[m, :] += A[m, :] · W for m < M: A [M, K] (row stride lda), W [K, N] (row stride ldw >= N), C [M, N] (row
+// stride ldc). Fastest with ldw >= padded_cols(N) (readable padding).
+void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W, int64_t ldw, int64_t N, float* C,
               int64_t ldc);
 
-// y[m, :] = bias + x[m, :] · W; x [M, K] contiguous, W [K, N] (= PyTorch weight [N, K] transposed), y [M, N].
+// C[m, :] += sum_s A_s[m, :K[s]] · W_s for m < M, W = [W_0; W_1; ...] stacked ([sum K, N] row-major), A_s row
+// stride lda (rows may overlap), W row stride ldw >= N, C row stride ldc; nseg <= 16. Each C element is one FMA
+// chain in a fixed order (segments, then k ascending) whatever its position: results do not depend on how rows
+// are batched.
+void gemm_acc_segments(int nseg, const float* const* A, const int64_t* K, int64_t lda, int64_t M, const float* W,
+                       int64_t ldw, int64_t N, float* C, int64_t ldc);
+
+// y[m, :] = bias + x[m, :] · W; x [M, K] contiguous, W [K][padded_cols(N)] (transpose_weight), y [M, N].
 // Rows split across `threads` in fixed blocks (bitwise identical for any thread count).
 void linear(const float* x, int64_t M, int64_t K, const float* W, const float* bias, int64_t N, float* y,
             int threads);
 
-// 3x3 convolution, padding 1 (zeros), stride 1, HWC: in [H, W, Cin], W9 [9 taps (ky*3+kx)][Cin][Cout],
-// bias [Cout] (may be null), out [H, W, Cout] (overwritten). PyTorch Conv2d semantics (cross-correlation).
+// 3x3 convolution, padding 1 (zeros), stride 1, HWC: in [H, W, Cin], W9 [9 taps (ky*3+kx)][Cin][padded_cols(Cout)]
+// (conv3x3_weight_hwc), bias [Cout] (may be null), out [H, W, Cout] (overwritten; may alias in: the input is
+// copied to a padded buffer first). PyTorch Conv2d semantics (cross-correlation).
 void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float* W9, const float* bias,
                  int64_t Cout, float* out, int threads);
 
 // Depthwise 3x3 (groups = C), padding 1: in/out [H, W, C], Wd [9][C], bias [C]. out must not alias in.
 void depthwise3x3_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* bias,
                       float* out, int threads);
+
+// out = res + pw_b + act(depthwise3x3(in) + dw_b) · PW per pixel (act = GELU when `gelu`, else identity):
+// in/res/out [H, W, C], Wd [9][C], PW [C][padded_cols(C)] (transpose_weight); out may alias in and res.
+void dw_act_pw_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* dw_b, bool gelu,
+                   const float* PW, const float* pw_b, const float* res, float* out, int threads);
+
+// One output row y of a depthwise 3x3 on a zero-padded input [H+2, W+2, C] into out [W, C]; Wt [10][period]: the
+// 9 taps' weights then the bias, each tiled to `period` (a multiple of C and of 16).
+void depthwise_row_padded(const float* in, int64_t W, int64_t C, const float* Wt, int64_t period, float* out,
+                          int64_t y);
 
 // Layer norm over the last dim (biased variance, eps inside the sqrt), affine: x, y [M, C] (may alias).
 void layer_norm(const float* x, int64_t M, int64_t C, const float* gamma, const float* beta, float eps, float* y);
@@ -35,8 +74,9 @@ void layer_norm(const float* x, int64_t M, int64_t C, const float* gamma, const 
 // within 4.2e-7 of the true erf (PyTorch's erff is within ~1e-7).
 void gelu_inplace(float* x, int64_t n);
 
-// Re-layouts: PyTorch conv weight [Cout, Cin, 3, 3] -> [9][Cin][Cout]; depthwise [C, 1, 3, 3] -> [9][C];
-// linear / 1x1 conv [N, K(,1,1)] -> [K][N].
+// Re-layouts: PyTorch conv weight [Cout, Cin, 3, 3] -> [9][Cin][padded_cols(Cout)]; depthwise [C, 1, 3, 3] ->
+// [9][C]; linear / 1x1 conv [N, K(,1,1)] -> [K][padded_cols(N)] (the layouts linear / conv3x3_hwc /
+// dw_act_pw_hwc take).
 std::vector<float> conv3x3_weight_hwc(const float* w, int64_t Cout, int64_t Cin);
 std::vector<float> depthwise_weight_hwc(const float* w, int64_t C);
 std::vector<float> transpose_weight(const float* w, int64_t N, int64_t K);

@@ -223,43 +223,36 @@ inline int region(int64_t p, int64_t n, int64_t ws, int64_t s) { return p < n - 
 // One window block, in place on y [H, W, C]. `decide` fills routed[] for the block's windows (nW of them).
 void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const uint8_t* routing_in,
                uint8_t* routed_out, float* gates_out, int64_t* n_routed) {
-  const int64_t H = cx.H, W = cx.W, C = cx.C, HW = H * W;
-  // 1. cheap path: y += pw(gelu(dw(y)))
-  {
-    std::vector<float> t(size_t(HW * C)), u(size_t(HW * C));
-    nn::depthwise3x3_hwc(y, H, W, C, b.dw.data(), b.dw_b.data(), t.data(), cx.threads);
-    constexpr int64_t kBlock = 256;
-    parallel_for((HW + kBlock - 1) / kBlock, cx.threads, [&](int64_t blk) {
-      const int64_t m0 = blk * kBlock, m1 = std::min(HW, m0 + kBlock);
-      nn::gelu_inplace(t.data() + m0 * C, (m1 - m0) * C);
-      // y += pw(t): accumulate straight into y after the bias
-      for (int64_t m = m0; m < m1; ++m)
-        for (int64_t c = 0; c < C; ++c) y[m * C + c] += b.pw_b[size_t(c)];
-      nn::gemm_acc(t.data() + m0 * C, C, m1 - m0, C, b.pw.data(), C, y + m0 * C, C);
-    });
-    (void)u;
-  }
+  const int64_t H = cx.H, W = cx.W, C = cx.C;
+  // 1. cheap path: y += pw(gelu(dw(y))), one fused pass per row
+  nn::dw_act_pw_hwc(y, H, W, C, b.dw.data(), b.dw_b.data(), true, b.pw.data(), b.pw_b.data(), y, y, cx.threads);
   const int64_t ws = b.ws, s = b.shifted ? ws / 2 : 0, L = ws * ws;
   const int64_t nwy = H / ws, nwx = W / ws, nW = nwy * nwx;
-  // pixel offset (in y) of token l of window n, after the cyclic roll by (-s, -s)
-  auto pix = [&](int64_t n, int64_t l) {
-    const int64_t wy = n / nwx, wx = n % nwx, ly = l / ws, lx = l % ws;
-    const int64_t py = (wy * ws + ly + s) % H, px = (wx * ws + lx + s) % W;
-    return (py * W + px) * C;
+  // f(l, pixel pointer) for the tokens l of window n in order: token (ly, lx) is pixel
+  // ((wy·ws + ly + s) mod H, (wx·ws + lx + s) mod W) of y, i.e. after the cyclic roll by (-s, -s)
+  auto for_each_token = [&](int64_t n, auto&& f) {
+    const int64_t wy = n / nwx, wx = n % nwx, px0 = wx * ws + s;
+    for (int64_t ly = 0; ly < ws; ++ly) {
+      float* row = y + ((wy * ws + ly + s) % H) * W * C;
+      for (int64_t lx = 0; lx < ws; ++lx) {
+        const int64_t px = px0 + lx < W ? px0 + lx : px0 + lx - W;
+        f(ly * ws + lx, row + px * C);
+      }
+    }
   };
   // 2-5. router: per window mean / population std over tokens, per channel
   std::vector<float> gate(static_cast<size_t>(nW));
   parallel_for(nW, cx.threads, [&](int64_t n) {
     std::vector<float> mean(size_t(C), 0.0f), var(size_t(C), 0.0f);
-    for (int64_t l = 0; l < L; ++l) {
-      const float* p = y + pix(n, l);
-      for (int64_t c = 0; c < C; ++c) mean[size_t(c)] += p[c];
-    }
-    for (int64_t c = 0; c < C; ++c) mean[size_t(c)] /= float(L);
-    for (int64_t l = 0; l < L; ++l) {
-      const float* p = y + pix(n, l);
-      for (int64_t c = 0; c < C; ++c) var[size_t(c)] += (p[c] - mean[size_t(c)]) * (p[c] - mean[size_t(c)]);
-    }
+    float* mp = mean.data();
+    float* vp = var.data();
+    for_each_token(n, [&](int64_t, const float* p) {
+      for (int64_t c = 0; c < C; ++c) mp[c] += p[c];
+    });
+    for (int64_t c = 0; c < C; ++c) mp[c] /= float(L);
+    for_each_token(n, [&](int64_t, const float* p) {
+      for (int64_t c = 0; c < C; ++c) vp[c] += (p[c] - mp[c]) * (p[c] - mp[c]);
+    });
     float logit = b.router_b;
     for (int64_t c = 0; c < C; ++c) {
       const float sd = std::sqrt(var[size_t(c)] / float(L) + cx.std_eps);
@@ -277,18 +270,29 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
   *n_routed += int64_t(routed.size());
   // Swin mask: a window needs one iff it touches the last window row/column of a shifted block.
   auto needs_mask = [&](int64_t n) { return s > 0 && (n / nwx == nwy - 1 || n % nwx == nwx - 1); };
-  // 6. routed windows, in chunks of ~4096 tokens (each chunk serial inside; chunks in parallel)
-  const int64_t per_chunk = std::max<int64_t>(1, 4096 / L);
+  // 6. routed windows, in chunks of ~1024 tokens (each chunk serial inside; chunks in parallel). Results do not
+  // depend on the chunking: every GEMM row and every attention window is computed the same way wherever it sits.
+  const int64_t per_chunk = std::max<int64_t>(1, 1024 / L);
   const int64_t nchunks = (int64_t(routed.size()) + per_chunk - 1) / per_chunk;
   const int64_t hd = cx.hd, heads = cx.heads, hid = cx.hid;
   parallel_for(nchunks, cx.threads, [&](int64_t ch) {
     const int64_t i0 = ch * per_chunk, i1 = std::min<int64_t>(int64_t(routed.size()), i0 + per_chunk);
     const int64_t nw = i1 - i0, M = nw * L;
-    std::vector<float> xw(size_t(M * C)), a(size_t(M * C)), qkv(size_t(M * 3 * C)), o(size_t(M * C)),
-        t(size_t(M * C)), h(size_t(M * hid));
-    for (int64_t i = 0; i < nw; ++i)
-      for (int64_t l = 0; l < L; ++l)
-        std::memcpy(&xw[size_t((i * L + l) * C)], y + pix(routed[size_t(i0 + i)], l), size_t(C) * sizeof(float));
+    // per-thread scratch, reused across chunks and blocks
+    thread_local std::vector<float> xw, a, qkv, o, t, h, qb, ob;
+    thread_local std::vector<uint8_t> mask;
+    xw.resize(size_t(M * C));
+    a.resize(size_t(M * C));
+    qkv.resize(size_t(M * 3 * C));
+    o.resize(size_t(M * C));
+    t.resize(size_t(M * C));
+    h.resize(size_t(M * hid));
+    for (int64_t i = 0; i < nw; ++i) {
+      float* dst = xw.data() + i * L * C;
+      for_each_token(routed[size_t(i0 + i)], [&](int64_t l, const float* p) {
+        for (int64_t c = 0; c < C; ++c) dst[l * C + c] = p[c];
+      });
+    }
     nn::layer_norm(xw.data(), M, C, b.n1_w.data(), b.n1_b.data(), cx.ln_eps, a.data());
     nn::linear(a.data(), M, C, b.qkv.data(), b.qkv_b.data(), 3 * C, qkv.data(), 1);
     // attention: windows without a mask in one call, masked windows in another
@@ -297,19 +301,27 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
     auto attend = [&](const std::vector<int64_t>& list, bool with_mask) {
       if (list.empty()) return;
       const int64_t nb = int64_t(list.size());
-      // windows of `list` are runs in the chunk; gather q/k/v into contiguous buffers when not contiguous
-      std::vector<float> qb(size_t(nb * L * 3 * C)), ob(size_t(nb * L * C));
-      for (int64_t j = 0; j < nb; ++j)
-        std::memcpy(&qb[size_t(j * L * 3 * C)], &qkv[size_t(list[size_t(j)] * L * 3 * C)],
-                    size_t(L * 3 * C) * sizeof(float));
+      // a contiguous run of the chunk's windows is read/written in place, otherwise gathered
+      const bool run = list.back() - list.front() == nb - 1;
+      const float* qsrc = qkv.data() + list.front() * L * 3 * C;
+      float* odst = o.data() + list.front() * L * C;
+      if (!run) {
+        qb.resize(size_t(nb * L * 3 * C));
+        ob.resize(size_t(nb * L * C));
+        for (int64_t j = 0; j < nb; ++j)
+          std::memcpy(&qb[size_t(j * L * 3 * C)], &qkv[size_t(list[size_t(j)] * L * 3 * C)],
+                      size_t(L * 3 * C) * sizeof(float));
+        qsrc = qb.data();
+        odst = ob.data();
+      }
       // qkv channel index = which*C + head*hd + d, token-major: q [nb, heads, L, hd] strided
       const Shape shape{nb, heads, L, hd}, strides{L * 3 * C, hd, 3 * C, 1};
-      TensorView q(qb.data(), DType::kF32, shape, strides), k(qb.data() + C, DType::kF32, shape, strides),
-          v(qb.data() + 2 * C, DType::kF32, shape, strides);
-      TensorView out(ob.data(), DType::kF32, shape, Shape{L * C, hd, C, 1});
+      float* qp = const_cast<float*>(qsrc);
+      TensorView q(qp, DType::kF32, shape, strides), k(qp + C, DType::kF32, shape, strides),
+          v(qp + 2 * C, DType::kF32, shape, strides);
+      TensorView out(odst, DType::kF32, shape, Shape{L * C, hd, C, 1});
       AttentionOptions opt;
       opt.num_threads = 1;
-      std::vector<uint8_t> mask;
       if (with_mask) {
         mask.resize(size_t(nb * L * L));
         std::vector<int> lab(static_cast<size_t>(L));
@@ -324,30 +336,31 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
         opt.attn_mask = TensorView(mask.data(), DType::kBool, Shape{nb, 1, L, L});
       }
       scaled_dot_product_attention(q, k, v, opt, AttentionOutputs{out, {}, {}});
-      for (int64_t j = 0; j < nb; ++j)
-        std::memcpy(&o[size_t(list[size_t(j)] * L * C)], &ob[size_t(j * L * C)], size_t(L * C) * sizeof(float));
+      if (!run)
+        for (int64_t j = 0; j < nb; ++j)
+          std::memcpy(&o[size_t(list[size_t(j)] * L * C)], &ob[size_t(j * L * C)], size_t(L * C) * sizeof(float));
     };
     attend(plain, false);
     attend(masked, true);
-    // t = xw + proj(o); t += fc2(gelu(fc1(LN2(t))))
-    nn::linear(o.data(), M, C, b.proj.data(), b.proj_b.data(), C, t.data(), 1);
-    for (int64_t i = 0; i < M * C; ++i) t[size_t(i)] += xw[size_t(i)];
+    // t = xw + proj_b + o·Wproj; a = LN2(t); h = gelu(fc1(a)); o = t + fc2_b + h·Wfc2 (= t + mlp(t))
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = 0; c < C; ++c) t[size_t(m * C + c)] = xw[size_t(m * C + c)] + b.proj_b[size_t(c)];
+    nn::gemm_acc(o.data(), C, M, C, b.proj.data(), nn::padded_cols(C), C, t.data(), C);
     nn::layer_norm(t.data(), M, C, b.n2_w.data(), b.n2_b.data(), cx.ln_eps, a.data());
     nn::linear(a.data(), M, C, b.fc1.data(), b.fc1_b.data(), hid, h.data(), 1);
     nn::gelu_inplace(h.data(), M * hid);
-    nn::linear(h.data(), M, hid, b.fc2.data(), b.fc2_b.data(), C, o.data(), 1);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = 0; c < C; ++c) o[size_t(m * C + c)] = t[size_t(m * C + c)] + b.fc2_b[size_t(c)];
+    nn::gemm_acc(h.data(), hid, M, hid, b.fc2.data(), nn::padded_cols(C), C, o.data(), C);
     // xw += g * (t + mlp - xw), scattered back to the (un-rolled) pixels
     for (int64_t i = 0; i < nw; ++i) {
       const int64_t n = routed[size_t(i0 + i)];
       const float g = gate[size_t(n)];
-      for (int64_t l = 0; l < L; ++l) {
-        float* p = y + pix(n, l);
-        const size_t base = size_t((i * L + l) * C);
-        for (int64_t c = 0; c < C; ++c) {
-          const float tt = t[base + size_t(c)] + o[base + size_t(c)];
-          p[c] = xw[base + size_t(c)] + g * (tt - xw[base + size_t(c)]);
-        }
-      }
+      const float* xi = xw.data() + i * L * C;
+      const float* oi = o.data() + i * L * C;
+      for_each_token(n, [&](int64_t l, float* p) {
+        for (int64_t c = 0; c < C; ++c) p[c] = xi[l * C + c] + g * (oi[l * C + c] - xi[l * C + c]);
+      });
     }
   });
 }
@@ -380,50 +393,64 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
   if (options.routing_out) options.routing_out->assign(size_t(total_windows), 0);
   if (options.gates_out) options.gates_out->assign(size_t(total_windows), 0.0f);
   // 1. reflect pad (bottom/right, edge not repeated), HWC
-  std::vector<float> xp(size_t(H * W * 3));
+  // full-map buffers, per thread and reused across calls (and tiles): fresh multi-MB allocations page-fault
+  struct Workspace {
+    nn::Buffer xp, feat, y, y_in, u;
+  };
+  thread_local Workspace ws;
+  float* xp = ws.xp.get(H * W * 3);
   const float* xs = x.data<float>();
   for (int64_t i = 0; i < H; ++i)
     for (int64_t j = 0; j < W; ++j) {
       const int64_t si = i < h ? i : 2 * (h - 1) - i, sj = j < w ? j : 2 * (w - 1) - j;
-      for (int64_t ch = 0; ch < 3; ++ch) xp[size_t((i * W + j) * 3 + ch)] = xs[(ch * h + si) * w + sj];
+      for (int64_t ch = 0; ch < 3; ++ch) xp[(i * W + j) * 3 + ch] = xs[(ch * h + si) * w + sj];
     }
   // 2. head
-  std::vector<float> feat(size_t(H * W * C)), y(size_t(H * W * C)), t(size_t(H * W * C));
-  nn::conv3x3_hwc(xp.data(), H, W, 3, P.head.data(), P.head_b.data(), C, feat.data(), threads);
-  y = feat;
+  const int64_t HWC = H * W * C;
+  float *feat = ws.feat.get(HWC), *y = ws.y.get(HWC), *y_in = ws.y_in.get(HWC);
+  nn::conv3x3_hwc(xp, H, W, 3, P.head.data(), P.head_b.data(), C, feat, threads);
+  // element-wise passes over the full map, in parallel blocks
+  constexpr int64_t kEw = 1 << 16;
+  auto ew = [&](auto&& f) {
+    parallel_for((HWC + kEw - 1) / kEw, threads, [&](int64_t blk) { f(blk * kEw, std::min(HWC, (blk + 1) * kEw)); });
+  };
+  ew([&](int64_t i0, int64_t i1) { std::memcpy(y + i0, feat + i0, size_t(i1 - i0) * sizeof(float)); });
   BlockCtx cx{H, W, C, c.heads, c.head_dim, c.mlp_hidden, float(c.layer_norm_eps), float(c.router_std_eps),
               float(c.route_threshold), threads};
   int64_t offset = 0, routed = 0;
   for (const GroupW& g : P.groups) {
-    std::vector<float> y_in = y;
+    ew([&](int64_t i0, int64_t i1) { std::memcpy(y_in + i0, y + i0, size_t(i1 - i0) * sizeof(float)); });
     for (const BlockW& b : g.blocks) {
       const int64_t nW = (H / b.ws) * (W / b.ws);
-      run_block(b, cx, y.data(), dense, options.routing_in ? options.routing_in->data() + offset : nullptr,
+      run_block(b, cx, y, dense, options.routing_in ? options.routing_in->data() + offset : nullptr,
                 options.routing_out ? options.routing_out->data() + offset : nullptr,
                 options.gates_out ? options.gates_out->data() + offset : nullptr, &routed);
       offset += nW;
     }
     // group tail: y = y_in + pw(dw(y))
-    nn::depthwise3x3_hwc(y.data(), H, W, C, g.dw.data(), g.dw_b.data(), t.data(), threads);
-    nn::linear(t.data(), H * W, C, g.pw.data(), g.pw_b.data(), C, y.data(), threads);
-    for (size_t i = 0; i < y.size(); ++i) y[i] += y_in[i];
+    nn::dw_act_pw_hwc(y, H, W, C, g.dw.data(), g.dw_b.data(), false, g.pw.data(), g.pw_b.data(), y_in, y, threads);
   }
   // 4. body tail + feat
-  nn::conv3x3_hwc(y.data(), H, W, C, P.body_tail.data(), P.body_tail_b.data(), C, t.data(), threads);
-  for (size_t i = 0; i < t.size(); ++i) t[i] += feat[i];
+  // (buffers reused: t = the body tail's output in y_in, then the up conv's output u in y when it fits)
+  float* t = y_in;
+  nn::conv3x3_hwc(y, H, W, C, P.body_tail.data(), P.body_tail_b.data(), C, t, threads);
+  ew([&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) t[i] += feat[i];
+  });
+  float* u = 3 * s2 <= C ? y : ws.u.get(H * W * 3 * s2);
   // 5. up conv + nearest residual, pixel shuffle, crop
-  std::vector<float> u(size_t(H * W * 3 * s2));
-  nn::conv3x3_hwc(t.data(), H, W, C, P.up.data(), P.up_b.data(), 3 * s2, u.data(), threads);
+  nn::conv3x3_hwc(t, H, W, C, P.up.data(), P.up_b.data(), 3 * s2, u, threads);
   Tensor out(DType::kF32, {3, h * s, w * s});
   float* o = out.data<float>();
-  for (int64_t ch = 0; ch < 3; ++ch)
-    for (int64_t i = 0; i < h; ++i)
-      for (int64_t j = 0; j < w; ++j) {
-        const float* up = &u[size_t((i * W + j) * 3 * s2 + ch * s2)];
-        const float res = xp[size_t((i * W + j) * 3 + ch)];
-        for (int64_t a = 0; a < s; ++a)
-          for (int64_t bb = 0; bb < s; ++bb) o[(ch * h * s + i * s + a) * w * s + j * s + bb] = up[a * s + bb] + res;
-      }
+  parallel_for(3 * h, threads, [&](int64_t row) {
+    const int64_t ch = row / h, i = row % h;
+    for (int64_t j = 0; j < w; ++j) {
+      const float* up = u + (i * W + j) * 3 * s2 + ch * s2;
+      const float res = xp[(i * W + j) * 3 + ch];
+      for (int64_t a = 0; a < s; ++a)
+        for (int64_t bb = 0; bb < s; ++bb) o[(ch * h * s + i * s + a) * w * s + j * s + bb] = up[a * s + bb] + res;
+    }
+  });
   if (stats) {
     stats->windows_total += total_windows;
     stats->windows_routed += routed;
@@ -431,39 +458,49 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
   return out;
 }
 
-Tensor image_to_tensor(const Image& image) {
+namespace {
+Tensor image_to_tensor_mt(const Image& image, int threads) {
   check(image.channels == 3, ErrorKind::kInvalidArgument, "image_to_tensor: RGB expected, given ", image.channels,
         " channels");
   Tensor t(DType::kF32, {3, image.height, image.width});
   float* p = t.data<float>();
-  const int64_t n = image.height * image.width;
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t c = 0; c < 3; ++c) p[c * n + i] = float(image.data[size_t(i * 3 + c)]) / 255.0f;
+  const int64_t n = image.height * image.width, w = image.width;
+  parallel_for(image.height, threads, [&](int64_t y) {
+    for (int64_t i = y * w; i < (y + 1) * w; ++i)
+      for (int64_t c = 0; c < 3; ++c) p[c * n + i] = float(image.data[size_t(i * 3 + c)]) / 255.0f;
+  });
   return t;
 }
 
-static uint8_t to_u8(float v) {
+uint8_t to_u8(float v) {
   const double d = double(std::min(1.0f, std::max(0.0f, v)));  // clamp (NaN -> 0 via max)
   return uint8_t(std::floor(d * 255.0 + 0.5));
 }
 
-Image tensor_to_image(const Tensor& chw) {
+Image tensor_to_image_mt(const Tensor& chw, int threads) {
   check(chw.dtype() == DType::kF32 && chw.dim() == 3 && chw.size(0) == 3, ErrorKind::kInvalidArgument,
         "tensor_to_image: f32 [3, h, w] expected, given ", shape_to_string(chw.shape()));
   const int64_t h = chw.size(1), w = chw.size(2), n = h * w;
   Image im(h, w, 3);
   const float* p = chw.data<float>();
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t c = 0; c < 3; ++c) im.data[size_t(i * 3 + c)] = to_u8(p[c * n + i]);
+  parallel_for(h, threads, [&](int64_t y) {
+    for (int64_t i = y * w; i < (y + 1) * w; ++i)
+      for (int64_t c = 0; c < 3; ++c) im.data[size_t(i * 3 + c)] = to_u8(p[c * n + i]);
+  });
   return im;
 }
+}  // namespace
+
+Tensor image_to_tensor(const Image& image) { return image_to_tensor_mt(image, 1); }
+Image tensor_to_image(const Tensor& chw) { return tensor_to_image_mt(chw, 1); }
 
 Image SrModel::upscale(const Image& lr, const UpscaleOptions& options, UpscaleStats* stats) const {
   check(lr.channels == 3, ErrorKind::kInvalidArgument, "upscale: RGB image expected, given ", lr.channels,
         " channels");
   const int64_t h = lr.height, w = lr.width, s = config_.scale;
   if (options.tile <= 0 || (options.tile >= h && options.tile >= w)) {
-    Image out = tensor_to_image(forward(image_to_tensor(lr), options, stats));
+    const int threads = resolve_num_threads(options.num_threads);
+    Image out = tensor_to_image_mt(forward(image_to_tensor_mt(lr, threads), options, stats), threads);
     if (stats) stats->tiles += 1;
     if (options.progress) options.progress(1, 1);
     return out;
@@ -475,6 +512,7 @@ Image SrModel::upscale(const Image& lr, const UpscaleOptions& options, UpscaleSt
   check(!options.routing_in && !options.routing_out && !options.gates_out, ErrorKind::kInvalidArgument,
         "upscale: routing input/output needs an untiled run (tile 0)");
   const int64_t T = options.tile, O = options.overlap < 0 ? receptive_radius() : options.overlap;
+  const int threads = resolve_num_threads(options.num_threads);
   const int64_t ty = (h + T - 1) / T, tx = (w + T - 1) / T, total = ty * tx;
   const int64_t pm = config_.pad_multiple, min_ctx = std::max<int64_t>(2 * pm, 32);
   Image out(h * s, w * s, 3);
@@ -501,14 +539,16 @@ Image SrModel::upscale(const Image& lr, const UpscaleOptions& options, UpscaleSt
       for (int64_t i = cy0; i < cy1; ++i)
         std::memcpy(&crop.data[size_t((i - cy0) * crop.width * 3)], &lr.data[size_t((i * w + cx0) * 3)],
                     size_t(crop.width * 3));
-      const Tensor r = forward(image_to_tensor(crop), options, stats);
+      const Tensor r = forward(image_to_tensor_mt(crop, threads), options, stats);
       const float* p = r.data<float>();
       const int64_t rh = crop.height * s, rw = crop.width * s, rn = rh * rw;
-      for (int64_t i = y0 * s; i < y1 * s; ++i)
+      parallel_for((y1 - y0) * s, threads, [&](int64_t row) {
+        const int64_t i = y0 * s + row;
         for (int64_t j = x0 * s; j < x1 * s; ++j)
           for (int64_t ch = 0; ch < 3; ++ch)
             out.data[size_t((i * w * s + j) * 3 + ch)] =
                 to_u8(p[ch * rn + (i - cy0 * s) * rw + (j - cx0 * s)]);
+      });
       if (stats) stats->tiles += 1;
       if (options.progress) options.progress(++done, total);
     }

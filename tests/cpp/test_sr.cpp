@@ -280,6 +280,76 @@ TEST(SrOps, LinearLayerNormGelu) {
   }
 }
 
+TEST(SrOps, GemmSegmentsAwkwardShapesAndRowIndependence) {
+  // C += sum_s A_s · W_s over shapes around the register tiles (rows 1..13, columns 1..130), overlapping A rows
+  // (lda < K) as the 3x3 convolution uses them, two segments, W row stride N (masked loads) or padded (garbage
+  // past N that must not leak into C); then every row recomputed alone must be bitwise equal to the batched
+  // result (what makes tiles == untiled and 1 == 2 threads).
+  for (auto [M, N, K0, K1, lda] : {std::tuple{1, 1, 1, 0, 1}, std::tuple{7, 17, 5, 3, 5},
+                                   std::tuple{13, 40, 40, 40, 40}, std::tuple{6, 130, 9, 9, 3},
+                                   std::tuple{11, 64, 12, 20, 4}, std::tuple{8, 120, 40, 0, 40}}) {
+    for (const int64_t ldw : {int64_t(N), sattn::nn::padded_cols(N)}) {
+      const int64_t K = K0 + K1, rows = (M - 1) * lda + std::max(K0, K1);
+      const auto A0 = randv(size_t(rows), 7), A1 = randv(size_t(rows), 8), W = randv(size_t(K * ldw), 9),
+                 C0 = randv(size_t(M * (N + 3)), 10);
+      const float* a[2] = {A0.data(), A1.data()};
+      const int64_t ks[2] = {K0, K1};
+      auto C = C0;
+      sattn::nn::gemm_acc_segments(K1 > 0 ? 2 : 1, a, ks, lda, M, W.data(), ldw, N, C.data(), N + 3);
+      for (int m = 0; m < M; ++m) {
+        for (int n = 0; n < N + 3; ++n) {
+          const size_t i = size_t(m * (N + 3) + n);
+          if (n >= N) {
+            ASSERT_EQ(C[i], C0[i]) << "wrote past N";
+            continue;
+          }
+          double s = C0[i];
+          for (int k = 0; k < K0; ++k) s += double(A0[size_t(m * lda + k)]) * W[size_t(k * ldw + n)];
+          for (int k = 0; k < K1; ++k) s += double(A1[size_t(m * lda + k)]) * W[size_t((K0 + k) * ldw + n)];
+          ASSERT_NEAR(C[i], s, 1e-5 * (1 + std::fabs(s))) << M << "x" << N << " m " << m << " n " << n;
+        }
+        auto row = std::vector<float>(C0.begin() + m * (N + 3), C0.begin() + (m + 1) * (N + 3));
+        const float* am[2] = {A0.data() + m * lda, A1.data() + m * lda};
+        sattn::nn::gemm_acc_segments(K1 > 0 ? 2 : 1, am, ks, lda, 1, W.data(), ldw, N, row.data(), N + 3);
+        ASSERT_EQ(0, std::memcmp(row.data(), &C[size_t(m * (N + 3))], size_t(N) * sizeof(float))) << "row " << m;
+      }
+    }
+  }
+}
+
+TEST(SrOps, DepthwiseGeluPointwiseMatchesPlainLoops) {
+  // out = res + pw_b + act(dw(in) + dw_b) · PW, in place on `in` (the model's cheap path) and with act = identity
+  for (auto [H, W, C] : {std::tuple{5, 7, 3}, std::tuple{1, 1, 2}, std::tuple{4, 9, 40}}) {
+    const auto in = randv(size_t(H * W * C), 11), res = randv(size_t(H * W * C), 12), wd = randv(size_t(9 * C), 13),
+               bd = randv(size_t(C), 14), pw = randv(size_t(C * C), 15), bp = randv(size_t(C), 16);
+    for (bool gelu : {true, false}) {
+      std::vector<float> out = in;  // aliasing in and out
+      const auto pwt = sattn::nn::transpose_weight(pw.data(), C, C);  // pw as PyTorch's [out, in]
+      sattn::nn::dw_act_pw_hwc(out.data(), H, W, C, wd.data(), bd.data(), gelu, pwt.data(), bp.data(), res.data(),
+                               out.data(), 2);
+      for (int y = 0; y < H; ++y)
+        for (int x = 0; x < W; ++x) {
+          std::vector<double> t(static_cast<size_t>(C));
+          for (int c = 0; c < C; ++c) {
+            double s = bd[size_t(c)];
+            for (int ky = 0; ky < 3; ++ky)
+              for (int kx = 0; kx < 3; ++kx) {
+                const int yy = y + ky - 1, xx = x + kx - 1;
+                if (yy < 0 || yy >= H || xx < 0 || xx >= W) continue;
+                s += double(wd[size_t((ky * 3 + kx) * C + c)]) * in[size_t((yy * W + xx) * C + c)];
+              }
+            t[size_t(c)] = gelu ? 0.5 * s * (1 + std::erf(s / std::sqrt(2.0))) : s;
+          }
+          for (int o = 0; o < C; ++o) {
+            double s = double(res[size_t((y * W + x) * C + o)]) + bp[size_t(o)];
+            for (int c = 0; c < C; ++c) s += t[size_t(c)] * pw[size_t(o * C + c)];
+            ASSERT_NEAR(out[size_t((y * W + x) * C + o)], s, 1e-4 * (1 + std::fabs(s)));
+          }
+        }
+    }
+  }
+}
+
 // ---- tiny model ------------------------------------------------------------------------------------------
 std::string tiny_model(const std::string& name, bool drop_tensor = false, bool bad_shape = false) {
   const int C = 4, hid = 8, s = 2;

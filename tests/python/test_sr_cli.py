@@ -119,3 +119,23 @@ def test_bad_images_give_clear_errors(tmp_path):
     assert r.returncode == 2 and "nope.st" in r.stderr
     r = run("upscale", good, str(tmp_path / "o.png"), "--scale", "2", "--attention", "fast", ok=False)
     assert r.returncode == 2 and "attention" in r.stderr
+
+
+def test_upscale_repeat_reports_median_and_same_output(tmp_path):
+    """`sr upscale --repeat N` (benchmarking) runs the model N times in one process: same PNG as one run, the summary
+    says it, and the model's CPU and wall seconds are reported; --repeat 0 is refused."""
+    weights = os.path.join(REPO, "sr", "weights", "sattn_sr_x2.safetensors")
+    if not os.path.exists(weights):
+        pytest.skip("sr/weights/sattn_sr_x2.safetensors missing")
+    inp = str(tmp_path / "in.png")
+    sr_png.write_png(inp, synth(40, 36, 7))
+    outs = []
+    for rep in ("1", "3"):
+        out = str(tmp_path / f"o{rep}.png")
+        r = run("upscale", inp, out, "--scale", "2", "--weights", weights, "--threads", "2", "--repeat", rep)
+        assert ("median of 3 runs" in r.stderr) == (rep == "3"), r.stderr
+        assert ", cpu " in r.stderr, r.stderr
+        outs.append(sr_png.read_png(out))
+    assert np.array_equal(outs[0], outs[1])
+    r = run("upscale", inp, str(tmp_path / "o.png"), "--scale", "2", "--weights", weights, "--repeat", "0", ok=False)
+    assert r.returncode == 2 and "--repeat" in r.stderr

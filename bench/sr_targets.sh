@@ -1,0 +1,11 @@
+#!/bin/sh
+# The issue-5 SR speed-target table on THIS machine (run it idle): C++ `sattn sr upscale` vs the same weights in
+# PyTorch (sr/train/model.py), 1 and 2 threads, dense and sparse, medians of 5, 256x256 crop of Set14 baboon -> x2,
+# PASS/FAIL per target. Pauses any running SR training (SIGSTOP, SIGCONT afterwards). ~1-3 minutes.
+#   bench/sr_targets.sh [extra sr_latency.py options, e.g. --json out.json]
+set -e
+cd "$(dirname "$0")/.."
+[ -f build/CMakeCache.txt ] || cmake --preset release
+cmake --build build -j2 --target sattn_cli
+# shellcheck disable=SC2046
+exec /usr/bin/python3 bench/sr_latency.py --threads 1 2 --repeat 5 --pause $(pgrep -f sr/train/train.py || true) "$@"

@@ -1,0 +1,316 @@
+// SIMD kernels of nn/ops (Highway, compiled per target — AVX-512, AVX2+FMA, portable — and picked at run time):
+// the register-blocked GEMM, the flat depthwise 3x3 row, layer norm and GELU.
+//
+// Determinism: every output element of the GEMM is one fused-multiply-add chain over k in a fixed order (segments
+// in order, k ascending), started from the value already in C, whatever its row/column position, the tile shape
+// or the thread count — so results do not depend on how rows are batched (tiled == untiled, 1 == 2 threads).
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "nn/simd_ops.cpp"
+#ifndef HWY_DISABLED_TARGETS
+#define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_SSE4)
+#endif
+#include <hwy/foreach_target.h>  // must come before highway.h
+
+#include <hwy/highway.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "nn/ops.hpp"
+#include "sattn/error.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace sattn::nn {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+// Register blocking: kMR rows of A (scalar broadcasts) x up to kNV vectors of columns.
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3_ZEN4
+constexpr int kMR = 6, kNV = 4;  // 24 of 32 zmm accumulators
+#elif HWY_TARGET == HWY_SCALAR || HWY_TARGET == HWY_EMU128
+constexpr int kMR = 4, kNV = 4;
+#else
+constexpr int kMR = 6, kNV = 2;  // 12 of 16 ymm accumulators
+#endif
+
+// C[MR rows, NV vectors] += sum_s A_s[m, :K_s] · W rows (row stride ldw); the last vector of C masked to `rem`
+// lanes when kMask, and its W loads too when kMaskW (else W rows are readable up to the full vector: padded).
+template <int MR, int NV, bool kMask, bool kMaskW>
+HWY_NOINLINE void Tile(int nseg, const float* const* A, const int64_t* K, int64_t lda, const float* HWY_RESTRICT W,
+                       int64_t ldw, size_t rem, float* HWY_RESTRICT C, int64_t ldc) {
+  const DF d;
+  const size_t L = hn::Lanes(d);
+  const auto mask = hn::FirstN(d, rem);
+  VF acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) {
+      const float* p = C + m * ldc + v * L;
+      acc[m][v] = (kMask && v == NV - 1) ? hn::MaskedLoad(mask, d, p) : hn::LoadU(d, p);
+    }
+  const float* w = W;
+  for (int s = 0; s < nseg; ++s) {
+    const float* HWY_RESTRICT a = A[s];
+    const int64_t Ks = K[s];
+    for (int64_t k = 0; k < Ks; ++k, w += ldw) {
+      VF b[NV];
+      for (int v = 0; v < NV; ++v)
+        b[v] = (kMaskW && v == NV - 1) ? hn::MaskedLoad(mask, d, w + v * L) : hn::LoadU(d, w + v * L);
+      for (int m = 0; m < MR; ++m) {
+        const VF av = hn::Set(d, a[m * lda + k]);
+        for (int v = 0; v < NV; ++v) acc[m][v] = hn::MulAdd(av, b[v], acc[m][v]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) {
+      float* p = C + m * ldc + v * L;
+      if (kMask && v == NV - 1)
+        hn::BlendedStore(acc[m][v], mask, d, p);
+      else
+        hn::StoreU(acc[m][v], d, p);
+    }
+}
+
+#if HWY_TARGET != HWY_SCALAR
+// As Tile, for a panel of NVF full vectors + one half vector (columns = (NVF + 1/2)·lanes, e.g. 40 = 16 + 16 + 8
+// on AVX-512): no masks, and on CPUs that split 512-bit FMAs (AMD Zen 4) the half vector costs half a full one.
+// Same per-element FMA chain as Tile.
+template <int MR, int NVF>
+HWY_NOINLINE void TileHalf(int nseg, const float* const* A, const int64_t* K, int64_t lda,
+                           const float* HWY_RESTRICT W, int64_t ldw, float* HWY_RESTRICT C, int64_t ldc) {
+  const DF d;
+  const hn::Half<DF> dh;
+  using VH = hn::Vec<decltype(dh)>;
+  const size_t L = hn::Lanes(d);
+  VF acc[MR][NVF > 0 ? NVF : 1];
+  VH acch[MR];
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < NVF; ++v) acc[m][v] = hn::LoadU(d, C + m * ldc + v * L);
+    acch[m] = hn::LoadU(dh, C + m * ldc + NVF * L);
+  }
+  const float* w = W;
+  for (int s = 0; s < nseg; ++s) {
+    const float* HWY_RESTRICT a = A[s];
+    const int64_t Ks = K[s];
+    for (int64_t k = 0; k < Ks; ++k, w += ldw) {
+      VF b[NVF > 0 ? NVF : 1];
+      for (int v = 0; v < NVF; ++v) b[v] = hn::LoadU(d, w + v * L);
+      const VH bh = hn::LoadU(dh, w + NVF * L);
+      for (int m = 0; m < MR; ++m) {
+        const VF av = hn::Set(d, a[m * lda + k]);
+        for (int v = 0; v < NVF; ++v) acc[m][v] = hn::MulAdd(av, b[v], acc[m][v]);
+        acch[m] = hn::MulAdd(hn::LowerHalf(dh, av), bh, acch[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < NVF; ++v) hn::StoreU(acc[m][v], d, C + m * ldc + v * L);
+    hn::StoreU(acch[m], dh, C + m * ldc + NVF * L);
+  }
+}
+
+template <int MR, int NVF = kNV - 1>
+HWY_INLINE void TileHalfNV(int nvf, int nseg, const float* const* A, const int64_t* K, int64_t lda, const float* W,
+                           int64_t ldw, float* C, int64_t ldc) {
+  if constexpr (NVF >= 0) {
+    if (nvf == NVF) return TileHalf<MR, NVF>(nseg, A, K, lda, W, ldw, C, ldc);
+    TileHalfNV<MR, NVF - 1>(nvf, nseg, A, K, lda, W, ldw, C, ldc);
+  }
+}
+
+template <int MR = kMR>
+HWY_INLINE void TileHalfMR(int mr, int nvf, int nseg, const float* const* A, const int64_t* K, int64_t lda,
+                           const float* W, int64_t ldw, float* C, int64_t ldc) {
+  if constexpr (MR >= 1) {
+    if (mr == MR) return TileHalfNV<MR>(nvf, nseg, A, K, lda, W, ldw, C, ldc);
+    TileHalfMR<MR - 1>(mr, nvf, nseg, A, K, lda, W, ldw, C, ldc);
+  }
+}
+#endif
+
+// masked: 0 = none, 1 = C only, 2 = C and W
+template <int MR, int NV>
+HWY_INLINE void TileMask(int masked, int nseg, const float* const* A, const int64_t* K, int64_t lda, const float* W,
+                         int64_t N, size_t rem, float* C, int64_t ldc) {
+  if (masked == 2)
+    Tile<MR, NV, true, true>(nseg, A, K, lda, W, N, rem, C, ldc);
+  else if (masked == 1)
+    Tile<MR, NV, true, false>(nseg, A, K, lda, W, N, rem, C, ldc);
+  else
+    Tile<MR, NV, false, false>(nseg, A, K, lda, W, N, rem, C, ldc);
+}
+
+template <int MR, int NV = kNV>
+HWY_INLINE void TileNV(int nv, int masked, int nseg, const float* const* A, const int64_t* K, int64_t lda,
+                       const float* W, int64_t N, size_t rem, float* C, int64_t ldc) {
+  if constexpr (NV >= 1) {
+    if (nv == NV) return TileMask<MR, NV>(masked, nseg, A, K, lda, W, N, rem, C, ldc);
+    TileNV<MR, NV - 1>(nv, masked, nseg, A, K, lda, W, N, rem, C, ldc);
+  }
+}
+
+template <int MR = kMR>
+HWY_INLINE void TileMR(int mr, int nv, int masked, int nseg, const float* const* A, const int64_t* K, int64_t lda,
+                       const float* W, int64_t N, size_t rem, float* C, int64_t ldc) {
+  if constexpr (MR >= 1) {
+    if (mr == MR) return TileNV<MR>(nv, masked, nseg, A, K, lda, W, N, rem, C, ldc);
+    TileMR<MR - 1>(mr, nv, masked, nseg, A, K, lda, W, N, rem, C, ldc);
+  }
+}
+
+void GemmSegments(int nseg, const float* const* A, const int64_t* K, int64_t lda, int64_t M, const float* W,
+                  int64_t ldw, int64_t N, float* C, int64_t ldc) {
+  const DF d;
+  const int64_t L = int64_t(hn::Lanes(d)), panel = kNV * L;
+  constexpr int kMaxSeg = 16;
+  const float* Am[kMaxSeg];
+  for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+    const int mr = int(std::min<int64_t>(kMR, M - m0));
+    for (int s = 0; s < nseg; ++s) Am[s] = A[s] + m0 * lda;
+    for (int64_t n0 = 0; n0 < N; n0 += panel) {
+      const int64_t cols = std::min(panel, N - n0);
+      const int nv = int((cols + L - 1) / L);
+      const size_t rem = size_t(cols - (nv - 1) * L);
+#if HWY_TARGET != HWY_SCALAR
+      if (L >= 2 && rem == size_t(L / 2)) {
+        TileHalfMR(mr, nv - 1, nseg, Am, K, lda, W + n0, ldw, C + m0 * ldc + n0, ldc);
+        continue;
+      }
+#endif
+      const int masked = rem == size_t(L) ? 0 : (n0 + nv * L <= ldw ? 1 : 2);
+      TileMR(mr, nv, masked, nseg, Am, K, lda, W + n0, ldw, rem, C + m0 * ldc + n0, ldc);
+    }
+  }
+}
+
+// One output row of a depthwise 3x3 on a zero-padded input [H+2, W+2, C]: out[x, c] = bias[c] +
+// sum_{ky,kx} in[y+ky, x+kx, c] · Wd[ky*3+kx][c]. Flat over the row's W·C values; the weights are tiled to a
+// period P (a multiple of both C and the lane count) in Wt [10][P] (9 taps, then the bias).
+void DepthwiseRow(const float* in, int64_t W, int64_t C, const float* Wt, int64_t P, float* out, int64_t y) {
+  const DF d;
+  const int64_t L = int64_t(hn::Lanes(d)), R = W * C, rowp = (W + 2) * C;
+  const float* r0 = in + y * rowp;
+  int64_t ph = 0;  // i mod P
+  for (int64_t i = 0; i < R; i += L) {
+    const size_t n = size_t(std::min(L, R - i));
+    const auto m = hn::FirstN(d, n);
+    VF acc = hn::LoadU(d, Wt + 9 * P + ph);
+    for (int ky = 0; ky < 3; ++ky) {
+      const float* rp = r0 + ky * rowp + i;
+      for (int kx = 0; kx < 3; ++kx) {
+        const VF x = n == size_t(L) ? hn::LoadU(d, rp + kx * C) : hn::MaskedLoad(m, d, rp + kx * C);
+        acc = hn::MulAdd(x, hn::LoadU(d, Wt + (ky * 3 + kx) * P + ph), acc);
+      }
+    }
+    if (n == size_t(L))
+      hn::StoreU(acc, d, out + i);
+    else
+      hn::BlendedStore(acc, m, d, out + i);
+    ph += L;
+    if (ph >= P) ph -= P;
+  }
+}
+
+// Layer norm of M rows of C values (biased variance, eps inside the sqrt), affine; x and y may alias.
+void LayerNormRows(const float* x, int64_t M, int64_t C, const float* gamma, const float* beta, float eps, float* y) {
+  const DF d;
+  const int64_t L = int64_t(hn::Lanes(d));
+  const float invC = 1.0f / float(C);
+  for (int64_t r = 0; r < M; ++r) {
+    const float* p = x + r * C;
+    VF s = hn::Zero(d);
+    for (int64_t c = 0; c < C; c += L) {
+      const auto m = hn::FirstN(d, size_t(std::min(L, C - c)));
+      s = hn::Add(s, hn::MaskedLoad(m, d, p + c));
+    }
+    const float mean = hn::GetLane(hn::SumOfLanes(d, s)) * invC;
+    const VF mv = hn::Set(d, mean);
+    VF q = hn::Zero(d);
+    for (int64_t c = 0; c < C; c += L) {
+      const auto m = hn::FirstN(d, size_t(std::min(L, C - c)));
+      const VF t = hn::IfThenElseZero(m, hn::Sub(hn::MaskedLoad(m, d, p + c), mv));
+      q = hn::MulAdd(t, t, q);
+    }
+    const float var = hn::GetLane(hn::SumOfLanes(d, q)) * invC;
+    const VF inv = hn::Set(d, 1.0f / std::sqrt(var + eps));
+    float* o = y + r * C;
+    for (int64_t c = 0; c < C; c += L) {
+      const auto m = hn::FirstN(d, size_t(std::min(L, C - c)));
+      const VF t = hn::Mul(hn::Sub(hn::MaskedLoad(m, d, p + c), mv), inv);
+      const VF v = hn::MulAdd(t, hn::MaskedLoad(m, d, gamma + c), hn::MaskedLoad(m, d, beta + c));
+      hn::BlendedStore(v, m, d, o + c);
+    }
+  }
+}
+
+// GELU 0.5 x (1 + erf(x / sqrt 2)), erf as z·P(z²)/Q(z²) on z clamped to [-4, 4] (the float32 rational
+// approximation of Eigen/XLA; |error| <= 4.2e-7), in place.
+void GeluInplace(float* x, int64_t n) {
+  const DF d;
+  const int64_t L = int64_t(hn::Lanes(d));
+  const VF kInvSqrt2 = hn::Set(d, 0.70710678118654752440f), four = hn::Set(d, 4.0f), one = hn::Set(d, 1.0f),
+           half = hn::Set(d, 0.5f);
+  for (int64_t i = 0; i < n; i += L) {
+    const size_t cnt = size_t(std::min(L, n - i));
+    const auto m = hn::FirstN(d, cnt);
+    const VF v = cnt == size_t(L) ? hn::LoadU(d, x + i) : hn::MaskedLoad(m, d, x + i);
+    const VF z = hn::Min(four, hn::Max(hn::Neg(four), hn::Mul(v, kInvSqrt2))), z2 = hn::Mul(z, z);
+    VF p = hn::Set(d, -2.72614225801306e-10f);
+    p = hn::MulAdd(p, z2, hn::Set(d, 2.77068142495902e-08f));
+    p = hn::MulAdd(p, z2, hn::Set(d, -2.10102402082508e-06f));
+    p = hn::MulAdd(p, z2, hn::Set(d, -5.69250639462346e-05f));
+    p = hn::MulAdd(p, z2, hn::Set(d, -7.34990630326855e-04f));
+    p = hn::MulAdd(p, z2, hn::Set(d, -2.95459980854025e-03f));
+    p = hn::MulAdd(p, z2, hn::Set(d, -1.60960333262415e-02f));
+    VF q = hn::Set(d, -1.45660718464996e-05f);
+    q = hn::MulAdd(q, z2, hn::Set(d, -2.13374055278905e-04f));
+    q = hn::MulAdd(q, z2, hn::Set(d, -1.68282697438203e-03f));
+    q = hn::MulAdd(q, z2, hn::Set(d, -7.37332916720468e-03f));
+    q = hn::MulAdd(q, z2, hn::Set(d, -1.42647390514189e-02f));
+    const VF erf = hn::Min(one, hn::Max(hn::Neg(one), hn::Div(hn::Mul(z, p), q)));  // keeps 1 + erf >= 0
+    const VF r = hn::Mul(hn::Mul(half, v), hn::Add(one, erf));
+    if (cnt == size_t(L))
+      hn::StoreU(r, d, x + i);
+    else
+      hn::BlendedStore(r, m, d, x + i);
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace sattn::nn
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace sattn::nn {
+HWY_EXPORT(GemmSegments);
+HWY_EXPORT(DepthwiseRow);
+HWY_EXPORT(LayerNormRows);
+HWY_EXPORT(GeluInplace);
+
+void gemm_acc_segments(int nseg, const float* const* A, const int64_t* K, int64_t lda, int64_t M, const float* W,
+                       int64_t ldw, int64_t N, float* C, int64_t ldc) {
+  check(nseg >= 1 && nseg <= 16, ErrorKind::kInternal, "gemm_acc_segments: nseg must be 1..16, given ", nseg);
+  if (M <= 0 || N <= 0) return;
+  check(ldw >= N, ErrorKind::kInternal, "gemm_acc_segments: ldw ", ldw, " < N ", N);
+  HWY_DYNAMIC_DISPATCH(GemmSegments)(nseg, A, K, lda, M, W, ldw, N, C, ldc);
+}
+void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W, int64_t ldw, int64_t N, float* C,
+              int64_t ldc) {
+  const float* a[1] = {A};
+  const int64_t k[1] = {K};
+  gemm_acc_segments(1, a, k, lda, M, W, ldw, N, C, ldc);
+}
+void depthwise_row_padded(const float* in, int64_t W, int64_t C, const float* Wt, int64_t period, float* out,
+                          int64_t y) {
+  HWY_DYNAMIC_DISPATCH(DepthwiseRow)(in, W, C, Wt, period, out, y);
+}
+void layer_norm(const float* x, int64_t M, int64_t C, const float* gamma, const float* beta, float eps, float* y) {
+  HWY_DYNAMIC_DISPATCH(LayerNormRows)(x, M, C, gamma, beta, eps, y);
+}
+void gelu_inplace(float* x, int64_t n) { HWY_DYNAMIC_DISPATCH(GeluInplace)(x, n); }
+}  // namespace sattn::nn
+#endif  // HWY_ONCE
