@@ -610,7 +610,7 @@ void relu_backward(double power, int normalize, const Pattern& fixed, const Tens
 std::vector<float> dense4(const TensorView& t) {
   const BlockMask ident = Full().block_mask(t.shape[2], t.shape[2], 1, 64);
   detail::Packed p = detail::pack_inputs(t, t, t, ident, {}, true);
-  return p.q;
+  return std::vector<float>(p.q.data(), p.q.data() + p.q.size());
 }
 
 void store4(const TensorView& t, const std::vector<float>& x) {

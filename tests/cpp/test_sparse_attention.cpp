@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -195,6 +196,26 @@ TEST(SparseAttention, FixedPatternsMatchReference) {
   for (const Case& c : cases) run_case(c);
 }
 
+// The backward's one-pass form (coloured query blocks) and two-pass form, each forced, against the reference.
+TEST(SparseAttention, BackwardFormsMatchReference) {
+  const std::vector<Case> cases = {
+      {"SlidingWindow(5, 3)", 2, 4, 2, 67, 67, 16, 24, 16},
+      {"Dilated(2, 2)", 2, 4, 1, 70, 100, 16, 8, 16, 2},
+      {"GlobalTokens([0, 5, 64], SlidingWindow(4, 4))", 1, 2, 2, 129, 129, 16, 16, 16},
+      {"BigBird(8, 3, 1, 1, seed=3)", 2, 2, 2, 63, 90, 8, 16, 16, 1},
+      {"Neighborhood2D(12, 13, 5, dilation=2)", 1, 2, 2, 156, 156, 16, 16},
+      {"Neighborhood2D(16, 16, 7)", 1, 2, 1, 256, 256, 32, 32},
+      {"WindowAttention2D(12, 8, 4, shift=2)", 1, 2, 2, 96, 96, 16, 16},
+      {"SlidingWindow(-1, 0) & BlockLocal(32)", 1, 2, 2, 100, 100, 16, 16, 16},
+  };
+  for (const char* form : {"one_pass", "two_pass"}) {
+    SCOPED_TRACE(form);
+    setenv("SATTN_SPARSE_BACKWARD", form, 1);
+    for (const Case& c : cases) run_case(c);
+  }
+  unsetenv("SATTN_SPARSE_BACKWARD");
+}
+
 TEST(SparseAttention, ScoreModsMatchReference) {
   Case alibi{"SlidingWindow(16, 0)", 1, 4, 2, 90, 100, 16, 16};
   alibi.alibi = true;
@@ -331,26 +352,36 @@ TEST(SparseAttention, TemplateEngineWithCallables) {
 }
 
 TEST(SparseAttention, DeterministicAcrossThreadCounts) {
-  const Pattern p = Pattern::parse("Neighborhood2D(16, 12, 5) | GlobalTokens([3], SlidingWindow(2, 2))");
-  const int64_t L = 192, D = 16;
-  const Tensor q = randn({2, 4, L, D}, 1), k = randn({2, 2, L, D}, 2), v = randn({2, 2, L, D}, 3),
-               dout = randn({2, 4, L, D}, 4);
-  Tensor outs[2], dqs[2], dks[2], dvs[2];
-  for (int t = 0; t < 2; ++t) {
-    SparseOptions so;
-    so.num_threads = t + 1;
-    outs[t] = Tensor(DType::kF32, {2, 4, L, D});
-    Tensor lse(DType::kF32, {2, 4, L});
-    sparse_attention(q, k, v, p, so, outs[t], lse);
-    dqs[t] = Tensor(DType::kF32, q.shape());
-    dks[t] = Tensor(DType::kF32, k.shape());
-    dvs[t] = Tensor(DType::kF32, v.shape());
-    sparse_attention_backward(dout, q, k, v, outs[t], lse, p, so, {dqs[t].view(), dks[t].view(), dvs[t].view(), {}, {}, {}});
+  // The second pattern runs the backward's one-pass form (forced), the first its two-pass form (global tokens).
+  for (const char* spec : {"Neighborhood2D(16, 12, 5) | GlobalTokens([3], SlidingWindow(2, 2))",
+                           "Neighborhood2D(16, 12, 5)"}) {
+    SCOPED_TRACE(spec);
+    const Pattern p = Pattern::parse(spec);
+    if (std::string(spec) == "Neighborhood2D(16, 12, 5)") setenv("SATTN_SPARSE_BACKWARD", "one_pass", 1);
+    const int64_t L = 192, D = 16;
+    const Tensor q = randn({2, 4, L, D}, 1), k = randn({2, 2, L, D}, 2), v = randn({2, 2, L, D}, 3),
+                 dout = randn({2, 4, L, D}, 4);
+    Tensor outs[3], dqs[3], dks[3], dvs[3];
+    for (int t = 0; t < 3; ++t) {
+      SparseOptions so;
+      so.num_threads = t + 1;
+      outs[t] = Tensor(DType::kF32, {2, 4, L, D});
+      Tensor lse(DType::kF32, {2, 4, L});
+      sparse_attention(q, k, v, p, so, outs[t], lse);
+      dqs[t] = Tensor(DType::kF32, q.shape());
+      dks[t] = Tensor(DType::kF32, k.shape());
+      dvs[t] = Tensor(DType::kF32, v.shape());
+      sparse_attention_backward(dout, q, k, v, outs[t], lse, p, so,
+                                {dqs[t].view(), dks[t].view(), dvs[t].view(), {}, {}, {}});
+    }
+    unsetenv("SATTN_SPARSE_BACKWARD");
+    for (int t = 1; t < 3; ++t) {
+      EXPECT_EQ(std::memcmp(outs[0].data(), outs[t].data(), outs[0].nbytes()), 0);
+      EXPECT_EQ(std::memcmp(dqs[0].data(), dqs[t].data(), dqs[0].nbytes()), 0);
+      EXPECT_EQ(std::memcmp(dks[0].data(), dks[t].data(), dks[0].nbytes()), 0);
+      EXPECT_EQ(std::memcmp(dvs[0].data(), dvs[t].data(), dvs[0].nbytes()), 0);
+    }
   }
-  EXPECT_EQ(std::memcmp(outs[0].data(), outs[1].data(), outs[0].nbytes()), 0);
-  EXPECT_EQ(std::memcmp(dqs[0].data(), dqs[1].data(), dqs[0].nbytes()), 0);
-  EXPECT_EQ(std::memcmp(dks[0].data(), dks[1].data(), dks[0].nbytes()), 0);
-  EXPECT_EQ(std::memcmp(dvs[0].data(), dvs[1].data(), dvs[0].nbytes()), 0);
 }
 
 TEST(SparseAttention, BadInputsGiveClearErrors) {
