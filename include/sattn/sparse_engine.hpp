@@ -161,27 +161,28 @@ void for_each_chunk(const KeyRange* ranges, int64_t count, F&& f) {
   if (n > 0) f(segs, nseg, n);
 }
 
-// Gathers a chunk's K rows transposed into kt [D x n] and (if needed) V rows into vc [n x Dv]; returns the V
-// pointer and its row stride.
+// Gathers a chunk's K rows transposed into kt [D x n] and (if need_vt) V rows transposed into vt [Dv x n]; returns
+// the chunk's V rows [n x Dv] (in place when the chunk is one range, else copied into vc) and, if kptr, its K rows.
+// Several ranges are first copied row by row (contiguous memcpy) and then transposed as one block.
 inline const float* gather_chunk(const Segment* segs, int64_t nseg, int64_t n, const float* kbase,
                                  const float* vbase, int64_t D, int64_t Dv, Scratch& sc, bool need_kc,
                                  const float** kptr, bool need_vt) {
-  for (int64_t x = 0; x < nseg; ++x)
-    tiles::transpose_rows(kbase + int64_t(segs[x].begin) * D, D, segs[x].end - segs[x].begin, D,
-                          sc.kt.data() + segs[x].col, n);
-  if (need_vt)
-    for (int64_t x = 0; x < nseg; ++x)
-      tiles::transpose_rows(vbase + int64_t(segs[x].begin) * Dv, Dv, segs[x].end - segs[x].begin, Dv,
-                            sc.vt.data() + segs[x].col, n);
+  (void)need_kc;
   if (nseg == 1) {
-    if (kptr) *kptr = kbase + int64_t(segs[0].begin) * D;
-    return vbase + int64_t(segs[0].begin) * Dv;
+    const float* kp = kbase + int64_t(segs[0].begin) * D;
+    const float* vp = vbase + int64_t(segs[0].begin) * Dv;
+    tiles::transpose_rows(kp, D, n, D, sc.kt.data(), n);
+    if (need_vt) tiles::transpose_rows(vp, Dv, n, Dv, sc.vt.data(), n);
+    if (kptr) *kptr = kp;
+    return vp;
   }
   for (int64_t x = 0; x < nseg; ++x) {
     const int64_t len = segs[x].end - segs[x].begin;
     std::copy_n(vbase + int64_t(segs[x].begin) * Dv, len * Dv, sc.vc.data() + int64_t(segs[x].col) * Dv);
-    if (need_kc) std::copy_n(kbase + int64_t(segs[x].begin) * D, len * D, sc.kc.data() + int64_t(segs[x].col) * D);
+    std::copy_n(kbase + int64_t(segs[x].begin) * D, len * D, sc.kc.data() + int64_t(segs[x].col) * D);
   }
+  tiles::transpose_rows(sc.kc.data(), D, n, D, sc.kt.data(), n);
+  if (need_vt) tiles::transpose_rows(sc.vc.data(), Dv, n, Dv, sc.vt.data(), n);
   if (kptr) *kptr = sc.kc.data();
   return sc.vc.data();
 }
