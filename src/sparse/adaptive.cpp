@@ -411,14 +411,21 @@ BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const d
               continue;
             }
             const double* km = &kmean[size_t((hk * nkb + kb) * D)];
-            double s = 0;
-            for (int64_t d = 0; d < D; ++d) s += qm[size_t(d)] * km[d];
+            double s4[4] = {0, 0, 0, 0};  // four independent sums (vectorisable; a fixed order, deterministic)
+            int64_t d = 0;
+            for (; d + 4 <= D; d += 4)
+              for (int u = 0; u < 4; ++u) s4[u] += qm[size_t(d + u)] * km[d + u];
+            for (; d < D; ++d) s4[0] += qm[size_t(d)] * km[d];
+            const double s = (s4[0] + s4[1]) + (s4[2] + s4[3]);
             scored.emplace_back(-s, kb);  // ascending: highest score first, ties to the lower block
           }
-          std::sort(scored.begin(), scored.end());
-          for (const auto& [ns, kb] : scored) {
-            if (int64_t(picks.size()) >= KB) break;
-            picks.push_back(kb);
+          // The best (KB - already picked) candidates: nth_element + sort of that prefix, O(nkb) per query block.
+          const int64_t need = KB - int64_t(picks.size());
+          if (need > 0 && !scored.empty()) {
+            const size_t cut = std::min(scored.size(), size_t(need));
+            std::nth_element(scored.begin(), scored.begin() + std::ptrdiff_t(cut - 1), scored.end());
+            std::sort(scored.begin(), scored.begin() + std::ptrdiff_t(cut));
+            for (size_t x = 0; x < cut; ++x) picks.push_back(scored[x].second);
           }
         }
         std::sort(picks.begin(), picks.end());
