@@ -2,6 +2,7 @@
 // pattern's dense mask: forward <= 2e-5, backward <= 1e-4, relative to max(1, |ref|_inf), fp32 inputs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -9,6 +10,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "sattn/attention.hpp"
 #include "sattn/error.hpp"
@@ -380,6 +382,52 @@ TEST(SparseAttention, DeterministicAcrossThreadCounts) {
       EXPECT_EQ(std::memcmp(dqs[0].data(), dqs[t].data(), dqs[0].nbytes()), 0);
       EXPECT_EQ(std::memcmp(dks[0].data(), dks[t].data(), dks[0].nbytes()), 0);
       EXPECT_EQ(std::memcmp(dvs[0].data(), dvs[t].data(), dvs[0].nbytes()), 0);
+    }
+  }
+}
+
+// Packed inputs of 4 MiB and more come from the huge-page block cache; a second call reuses the freed blocks.
+TEST(SparseAttention, LargeBuffersFromTheBlockCache) {
+  const int64_t L = 16384, D = 64;
+  const Pattern p = Pattern::parse("Dilated(3, 2)");  // residue layout: q/k/v are packed (permuted)
+  const Tensor q = randn({1, 1, L, D}, 1), k = randn({1, 1, L, D}, 2), v = randn({1, 1, L, D}, 3),
+               dout = randn({1, 1, L, D}, 4);
+  Tensor out[2], lse[2], dq[2], dk[2], dv[2];
+  for (int t = 0; t < 2; ++t) {
+    SparseOptions so;
+    out[t] = Tensor(DType::kF32, {1, 1, L, D});
+    lse[t] = Tensor(DType::kF32, {1, 1, L});
+    sparse_attention(q, k, v, p, so, out[t], lse[t]);
+    dq[t] = Tensor(DType::kF32, q.shape());
+    dk[t] = Tensor(DType::kF32, k.shape());
+    dv[t] = Tensor(DType::kF32, v.shape());
+    sparse_attention_backward(dout, q, k, v, out[t], lse[t], p, so, {dq[t].view(), dk[t].view(), dv[t].view(), {}, {}, {}});
+  }
+  EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), out[0].nbytes()), 0);
+  EXPECT_EQ(std::memcmp(dq[0].data(), dq[1].data(), dq[0].nbytes()), 0);
+  EXPECT_EQ(std::memcmp(dk[0].data(), dk[1].data(), dk[0].nbytes()), 0);
+  EXPECT_EQ(std::memcmp(dv[0].data(), dv[1].data(), dv[0].nbytes()), 0);
+  // A few rows against the formula: keys j with |i - j| <= 6 and (i - j) even.
+  const float *Q = q.data<float>(), *K = k.data<float>(), *V = v.data<float>(), *O = out[0].data<float>();
+  for (int64_t i : {int64_t(0), int64_t(1), int64_t(7777), L - 2, L - 1}) {
+    std::vector<double> w;
+    std::vector<int64_t> js;
+    double mx = -1e300;
+    for (int64_t j = std::max<int64_t>(0, i - 6); j <= std::min(L - 1, i + 6); j += 1) {
+      if ((i - j) % 2 != 0) continue;
+      double s = 0;
+      for (int64_t d = 0; d < D; ++d) s += double(Q[i * D + d]) * K[j * D + d];
+      s /= std::sqrt(double(D));
+      w.push_back(s);
+      js.push_back(j);
+      mx = std::max(mx, s);
+    }
+    double sum = 0;
+    for (double& x : w) sum += (x = std::exp(x - mx));
+    for (int64_t d = 0; d < D; ++d) {
+      double o = 0;
+      for (size_t x = 0; x < js.size(); ++x) o += w[x] / sum * V[js[x] * D + d];
+      EXPECT_NEAR(O[i * D + d], o, 2e-5) << "row " << i;
     }
   }
 }
