@@ -8,7 +8,8 @@
 //             default m = floor(D ln D). Stabilised by subtracting, per query row, the max of ω x̃ over the features
 //             and, for keys, one max over all keys and features (never per prefix); both cancel in the ratio.
 // causal: key j is used by query i iff j <= i (requires Lq == Lk); computed with chunked prefix sums.
-// Computed in float64 internally; deterministic; parallel over (batch, head).
+// fp32 matrix products (the sparse tile operations), float64 for the long sums; deterministic; parallel over
+// (batch, head).
 #pragma once
 
 #include <cstdint>

@@ -53,15 +53,55 @@ struct EngineOptions {
 
 namespace detail {
 
+// Large scratch arrays (packed inputs, key-gradient buffers): 2 MiB-aligned and, on Linux, advised as transparent
+// huge pages, so that a fresh 32 MiB buffer costs 16 page faults instead of 8192 (small sizes: plain malloc).
+void* huge_alloc(size_t bytes);
+void huge_free(void* p) noexcept;
+template <typename T>
+struct HugeAlloc {
+  using value_type = T;
+  HugeAlloc() = default;
+  template <typename U>
+  HugeAlloc(const HugeAlloc<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(huge_alloc(n * sizeof(T))); }
+  void deallocate(T* p, size_t) noexcept { huge_free(p); }
+  template <typename U>
+  bool operator==(const HugeAlloc<U>&) const { return true; }
+};
+template <typename T>
+using HugeVector = std::vector<T, HugeAlloc<T>>;
+
+// A read-only fp32 array [B, H, L, D] in layout order: a view of the caller's tensor when that already is fp32,
+// contiguous and in layout order (no copy), else an owned packed copy.
+struct FloatBuf {
+  HugeVector<float> own;
+  const float* ptr = nullptr;
+  size_t n = 0;
+  FloatBuf() = default;
+  FloatBuf(FloatBuf&&) = default;  // the vector's storage moves with it: ptr stays valid
+  FloatBuf& operator=(FloatBuf&&) = default;
+  FloatBuf(const FloatBuf& o) : own(o.own), ptr(o.own.empty() ? o.ptr : own.data()), n(o.n) {}
+  FloatBuf& operator=(const FloatBuf& o) {
+    own = o.own;
+    ptr = o.own.empty() ? o.ptr : own.data();
+    n = o.n;
+    return *this;
+  }
+  const float& operator[](size_t i) const { return ptr[i]; }
+  const float* data() const { return ptr; }
+  size_t size() const { return n; }
+};
+
 // Inputs validated and packed once: fp32, contiguous, in the block mask's layout order.
 struct Packed {
   int64_t B = 0, Hq = 0, Hkv = 0, Lq = 0, Lk = 0, D = 0, Dv = 0, group = 1;
   float scale = 1.0f;
   int threads = 1;
-  std::vector<float> q, k, v;                 // [B, Hq, Lq, D], [B, Hkv, Lk, D], [B, Hkv, Lk, Dv]
+  FloatBuf q, k, v;                           // [B, Hq, Lq, D], [B, Hkv, Lk, D], [B, Hkv, Lk, Dv]
   std::vector<uint8_t> key_valid;             // [B, Lk] layout order (empty: no padding)
   std::vector<int32_t> key_invalid_prefix;    // [B, Lk + 1] prefix counts of padding keys
-  std::vector<float> dout, lse, delta;        // backward only: [B, Hq, Lq, Dv], [B, Hq, Lq], [B, Hq, Lq]
+  FloatBuf dout;                              // backward only: [B, Hq, Lq, Dv]
+  std::vector<float> lse, delta;              // backward only: [B, Hq, Lq], [B, Hq, Lq]
   int64_t invalid_in(int64_t b, int64_t lo, int64_t hi) const {
     if (key_invalid_prefix.empty()) return 0;
     const int32_t* p = &key_invalid_prefix[size_t(b * (Lk + 1))];
@@ -83,6 +123,13 @@ void store_row(const TensorView& t, int64_t b, int64_t h, int64_t i, const float
 void store_value(const TensorView& t, int64_t b, int64_t h, int64_t i, float value);
 // Runs fn(ctx, item) for item in [0, n) on up to `threads` threads (OpenMP, no oversubscription).
 void run_parallel(int64_t n, int threads, void* ctx, void (*fn)(void*, int64_t));
+
+// Colours the query blocks so that blocks of one colour read disjoint key positions (their key hulls, over every
+// head slot, do not overlap): colour c holds blocks[colour_start[c] .. colour_start[c+1]), ascending. Returns false
+// when that would take more than max(1, batch_heads · num_q_blocks / 8) colours (SATTN_SPARSE_BACKWARD=two_pass:
+// always false; =one_pass: no limit): then the backward runs its two-pass form. Depends only on the block mask and batch_heads (= B · Hkv).
+bool colour_query_blocks(const BlockMask& bm, int64_t batch_heads, std::vector<int64_t>& colour_start,
+                         std::vector<int32_t>& blocks);
 
 template <typename F>
 void parallel(int64_t n, int threads, F& f) {
@@ -132,27 +179,28 @@ void for_each_chunk(const KeyRange* ranges, int64_t count, F&& f) {
   if (n > 0) f(segs, nseg, n);
 }
 
-// Gathers a chunk's K rows transposed into kt [D x n] and (if needed) V rows into vc [n x Dv]; returns the V
-// pointer and its row stride.
+// Gathers a chunk's K rows transposed into kt [D x n] and (if need_vt) V rows transposed into vt [Dv x n]; returns
+// the chunk's V rows [n x Dv] (in place when the chunk is one range, else copied into vc) and, if kptr, its K rows.
+// Several ranges are first copied row by row (contiguous memcpy) and then transposed as one block.
 inline const float* gather_chunk(const Segment* segs, int64_t nseg, int64_t n, const float* kbase,
                                  const float* vbase, int64_t D, int64_t Dv, Scratch& sc, bool need_kc,
                                  const float** kptr, bool need_vt) {
-  for (int64_t x = 0; x < nseg; ++x)
-    tiles::transpose_rows(kbase + int64_t(segs[x].begin) * D, D, segs[x].end - segs[x].begin, D,
-                          sc.kt.data() + segs[x].col, n);
-  if (need_vt)
-    for (int64_t x = 0; x < nseg; ++x)
-      tiles::transpose_rows(vbase + int64_t(segs[x].begin) * Dv, Dv, segs[x].end - segs[x].begin, Dv,
-                            sc.vt.data() + segs[x].col, n);
+  (void)need_kc;
   if (nseg == 1) {
-    if (kptr) *kptr = kbase + int64_t(segs[0].begin) * D;
-    return vbase + int64_t(segs[0].begin) * Dv;
+    const float* kp = kbase + int64_t(segs[0].begin) * D;
+    const float* vp = vbase + int64_t(segs[0].begin) * Dv;
+    tiles::transpose_rows(kp, D, n, D, sc.kt.data(), n);
+    if (need_vt) tiles::transpose_rows(vp, Dv, n, Dv, sc.vt.data(), n);
+    if (kptr) *kptr = kp;
+    return vp;
   }
   for (int64_t x = 0; x < nseg; ++x) {
     const int64_t len = segs[x].end - segs[x].begin;
     std::copy_n(vbase + int64_t(segs[x].begin) * Dv, len * Dv, sc.vc.data() + int64_t(segs[x].col) * Dv);
-    if (need_kc) std::copy_n(kbase + int64_t(segs[x].begin) * D, len * D, sc.kc.data() + int64_t(segs[x].col) * D);
+    std::copy_n(kbase + int64_t(segs[x].begin) * D, len * D, sc.kc.data() + int64_t(segs[x].col) * D);
   }
+  tiles::transpose_rows(sc.kc.data(), D, n, D, sc.kt.data(), n);
+  if (need_vt) tiles::transpose_rows(sc.vc.data(), Dv, n, Dv, sc.vt.data(), n);
   if (kptr) *kptr = sc.kc.data();
   return sc.vc.data();
 }
@@ -264,6 +312,89 @@ void block_sparse_attention_backward(const TensorView& dout, const TensorView& q
   pack_backward(p, bm, dout, out, lse);
   const int64_t nqb = bm.num_q_blocks(), D = p.D, Dv = p.Dv;
   const int64_t nparams = score_mod.num_params();
+
+  // One-pass form (FlashAttention-2's five tile products instead of seven): when the query blocks can be coloured
+  // so that the blocks of a colour touch disjoint keys, one item per (b, kv head, query block) recomputes P and dS
+  // once and writes dQ of its rows and adds dK/dV into the (layout-order) key gradients; the colours run one after
+  // the other. Each key's gradient is summed in a fixed order (colour, then head, then chunk) with one writer at a
+  // time, so the result does not depend on the thread count.
+  std::vector<int64_t> colour_start;
+  std::vector<int32_t> colour_blocks;
+  if (score_mod.identity() && colour_query_blocks(bm, p.B * p.Hkv, colour_start, colour_blocks)) {
+    HugeVector<float> gk(size_t(p.B * p.Hkv * p.Lk * D), 0.0f), gv(size_t(p.B * p.Hkv * p.Lk * Dv), 0.0f);
+    int64_t c_lo = 0, c_n = 0;
+    auto item = [&](int64_t x) {
+      const int64_t qb = colour_blocks[size_t(c_lo + x % c_n)], bhk = x / c_n, b = bhk / p.Hkv, hk = bhk % p.Hkv;
+      const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
+      thread_local Scratch sc;
+      thread_local std::vector<float> dkc, dvc;
+      sc.ensure(m, D, Dv);
+      dkc.resize(size_t(kChunk * D));
+      dvc.resize(size_t(kChunk * Dv));
+      const size_t kv0 = size_t((b * p.Hkv + hk) * p.Lk);
+      const float* kbase = &p.k[kv0 * D];
+      const float* vbase = &p.v[kv0 * Dv];
+      float* gkb = &gk[kv0 * D];
+      float* gvb = &gv[kv0 * Dv];
+      for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
+        const size_t qrow = size_t((b * p.Hq + h) * p.Lq + q0);
+        const float* qt = &p.q[qrow * D];
+        const float* dot = &p.dout[qrow * Dv];
+        const float* lse_t = &p.lse[qrow];
+        const float* delta = &p.delta[qrow];
+        std::fill_n(sc.dq.data(), m * D, 0.0f);
+        const int64_t row = bm.slot(h) * nqb + qb;
+        for_each_chunk(&bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
+                       [&](const Segment* segs, int64_t nseg, int64_t n) {
+                         const float* kp = nullptr;
+                         gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, true, &kp, true);
+                         float* s = sc.s.data();
+                         float* dp = sc.p2.data();
+                         tiles::qk(qt, m, D, sc.kt.data(), n, n, p.scale, s);
+                         mod_and_mask(s, nullptr, m, n, segs, nseg, bm, q0, b, h, p, mask_mod, score_mod);
+                         tiles::probabilities(s, m, n, lse_t);
+                         tiles::qk(dot, m, Dv, sc.vt.data(), n, n, 1.0f, dp);
+                         tiles::softmax_backward(s, dp, m, n, delta);
+                         tiles::pv(dp, m, n, kp, D, D, p.scale, sc.dq.data());
+                         if (nseg == 1) {  // contiguous keys: accumulate in place
+                           tiles::atx(s, m, n, dot, Dv, Dv, 1.0f, gvb + int64_t(segs[0].begin) * Dv);
+                           tiles::atx(dp, m, n, qt, D, D, p.scale, gkb + int64_t(segs[0].begin) * D);
+                           return;
+                         }
+                         std::fill_n(dvc.data(), n * Dv, 0.0f);
+                         std::fill_n(dkc.data(), n * D, 0.0f);
+                         tiles::atx(s, m, n, dot, Dv, Dv, 1.0f, dvc.data());
+                         tiles::atx(dp, m, n, qt, D, D, p.scale, dkc.data());
+                         for (int64_t g = 0; g < nseg; ++g) {
+                           const int64_t len = segs[g].end - segs[g].begin;
+                           float* ov = gvb + int64_t(segs[g].begin) * Dv;
+                           const float* iv = dvc.data() + int64_t(segs[g].col) * Dv;
+                           for (int64_t e = 0; e < len * Dv; ++e) ov[e] += iv[e];
+                           float* ok = gkb + int64_t(segs[g].begin) * D;
+                           const float* ik = dkc.data() + int64_t(segs[g].col) * D;
+                           for (int64_t e = 0; e < len * D; ++e) ok[e] += ik[e];
+                         }
+                       });
+        for (int64_t r = 0; r < m; ++r) store_row(dq, b, h, bm.q_index(q0 + r), sc.dq.data() + r * D, D);
+      }
+    };
+    for (size_t c = 0; c + 1 < colour_start.size(); ++c) {
+      c_lo = colour_start[c];
+      c_n = colour_start[c + 1] - c_lo;
+      if (c_n > 0) parallel(p.B * p.Hkv * c_n, p.threads, item);
+    }
+    auto store = [&](int64_t bhk) {
+      const int64_t b = bhk / p.Hkv, hk = bhk % p.Hkv;
+      const size_t kv0 = size_t(bhk * p.Lk);
+      for (int64_t kp = 0; kp < p.Lk; ++kp) {
+        const int64_t j = bm.k_index(kp);
+        store_row(dk, b, hk, j, &gk[(kv0 + size_t(kp)) * size_t(D)], D);
+        store_row(dv, b, hk, j, &gv[(kv0 + size_t(kp)) * size_t(Dv)], Dv);
+      }
+    };
+    parallel(p.B * p.Hkv, p.threads, store);
+    return;
+  }
 
   // dQ pass (and score-mod parameter gradients): one item per (b, h, query block).
   const int64_t n_items = p.B * p.Hq * nqb;

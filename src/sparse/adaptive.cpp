@@ -157,7 +157,7 @@ struct Cand {
   int32_t j;   // original key index
   int32_t kp;  // layout position
 };
-// "a is better than b": higher score, ties to the lower key index. As a heap comparator the top is the worst kept.
+// "a is better than b": higher score, ties to the lower key index (a strict total order on distinct keys).
 inline bool better(const Cand& a, const Cand& b) { return a.s > b.s || (a.s == b.s && a.j < b.j); }
 
 void topk_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& q, const TensorView& k,
@@ -178,14 +178,18 @@ void topk_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView&
     thread_local std::vector<Cand> heap;
     thread_local std::vector<int64_t> cnt;
     sc.ensure(m, D, Dv);
-    heap.resize(size_t(m * K));
+    thread_local std::vector<float> thr_row;
+    heap.resize(size_t(m * 2 * K));
     cnt.assign(size_t(m), 0);
+    thr_row.assign(size_t(m), kNegInf);
     const float* qt = &p.q[size_t(((b * p.Hq + h) * p.Lq + q0) * D)];
     const float* kbase = &p.k[size_t((b * p.Hkv + hk) * p.Lk * D)];
     const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
     const int64_t row = bm.slot(h) * nqb + qb;
-    // Scoring pass: streaming top-k per row (a heap whose top is the worst kept; a score enters only if it
-    // beats it), never materialising the row.
+    // Scoring pass: streaming top-k per row, never materialising the row: scores at or above the row's threshold
+    // (the worst kept score; -inf until 2k candidates were seen) are appended to a 2k buffer; when it is full,
+    // nth_element keeps the best k (higher score, ties to the lower key index: a strict total order, so the result
+    // does not depend on when compactions happen) and raises the threshold.
     detail::for_each_chunk(&bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
                            [&](const detail::Segment* segs, int64_t nseg, int64_t n) {
                              detail::gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, false, nullptr, false);
@@ -193,29 +197,35 @@ void topk_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView&
                              detail::mod_and_mask(sc.s.data(), nullptr, m, n, segs, nseg, bm, q0, b, h, p, fm,
                                                   NoScoreMod{});
                              for (int64_t r = 0; r < m; ++r) {
-                               Cand* hp = &heap[size_t(r * K)];
+                               Cand* hp = &heap[size_t(r * 2 * K)];
                                int64_t& c = cnt[size_t(r)];
-                               for (int64_t x = 0; x < nseg; ++x)
+                               float& thr = thr_row[size_t(r)];
+                               for (int64_t x = 0; x < nseg; ++x) {
+                                 const float* srow = &sc.s[size_t(r * n + segs[x].col)] - segs[x].begin;
                                  for (int32_t kp = segs[x].begin; kp < segs[x].end; ++kp) {
-                                   const float s = sc.s[size_t(r * n + segs[x].col + (kp - segs[x].begin))];
-                                   if (s == kNegInf) continue;
-                                   const Cand cd{s, bm.k_index(kp), kp};
-                                   if (c < K) {
-                                     hp[c++] = cd;
-                                     std::push_heap(hp, hp + c, better);
-                                   } else if (better(cd, hp[0])) {
-                                     std::pop_heap(hp, hp + K, better);
-                                     hp[K - 1] = cd;
-                                     std::push_heap(hp, hp + K, better);
+                                   const float s = srow[kp];
+                                   if (s < thr || s == kNegInf) continue;  // one compare for most scores
+                                   hp[c++] = Cand{s, bm.k_index(kp), kp};
+                                   if (c == 2 * K) {  // keep the best K of the 2K, raise the threshold
+                                     std::nth_element(hp, hp + (K - 1), hp + 2 * K, better);
+                                     c = K;
+                                     thr = hp[K - 1].s;
                                    }
                                  }
+                               }
                              }
                            });
+    for (int64_t r = 0; r < m; ++r)
+      if (cnt[size_t(r)] > K) {
+        Cand* hp = &heap[size_t(r * 2 * K)];
+        std::nth_element(hp, hp + (K - 1), hp + cnt[size_t(r)], better);
+        cnt[size_t(r)] = K;
+      }
     // Softmax and PV over the k kept keys: O(k * Dv) per row.
     std::vector<float> o_row(static_cast<size_t>(Dv));
     for (int64_t r = 0; r < m; ++r) {
       const int64_t i = bm.q_index(q0 + r);
-      Cand* hp = &heap[size_t(r * K)];
+      Cand* hp = &heap[size_t(r * 2 * K)];
       const int64_t c = cnt[size_t(r)];
       std::sort(hp, hp + c, [](const Cand& x, const Cand& y) { return x.j < y.j; });
       std::fill(o_row.begin(), o_row.end(), 0.0f);
@@ -401,14 +411,21 @@ BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const d
               continue;
             }
             const double* km = &kmean[size_t((hk * nkb + kb) * D)];
-            double s = 0;
-            for (int64_t d = 0; d < D; ++d) s += qm[size_t(d)] * km[d];
+            double s4[4] = {0, 0, 0, 0};  // four independent sums (vectorisable; a fixed order, deterministic)
+            int64_t d = 0;
+            for (; d + 4 <= D; d += 4)
+              for (int u = 0; u < 4; ++u) s4[u] += qm[size_t(d + u)] * km[d + u];
+            for (; d < D; ++d) s4[0] += qm[size_t(d)] * km[d];
+            const double s = (s4[0] + s4[1]) + (s4[2] + s4[3]);
             scored.emplace_back(-s, kb);  // ascending: highest score first, ties to the lower block
           }
-          std::sort(scored.begin(), scored.end());
-          for (const auto& [ns, kb] : scored) {
-            if (int64_t(picks.size()) >= KB) break;
-            picks.push_back(kb);
+          // The best (KB - already picked) candidates: nth_element + sort of that prefix, O(nkb) per query block.
+          const int64_t need = KB - int64_t(picks.size());
+          if (need > 0 && !scored.empty()) {
+            const size_t cut = std::min(scored.size(), size_t(need));
+            std::nth_element(scored.begin(), scored.begin() + std::ptrdiff_t(cut - 1), scored.end());
+            std::sort(scored.begin(), scored.begin() + std::ptrdiff_t(cut));
+            for (size_t x = 0; x < cut; ++x) picks.push_back(scored[x].second);
           }
         }
         std::sort(picks.begin(), picks.end());
@@ -610,7 +627,7 @@ void relu_backward(double power, int normalize, const Pattern& fixed, const Tens
 std::vector<float> dense4(const TensorView& t) {
   const BlockMask ident = Full().block_mask(t.shape[2], t.shape[2], 1, 64);
   detail::Packed p = detail::pack_inputs(t, t, t, ident, {}, true);
-  return p.q;
+  return std::vector<float>(p.q.data(), p.q.data() + p.q.size());
 }
 
 void store4(const TensorView& t, const std::vector<float>& x) {

@@ -1,13 +1,108 @@
 // Non-template parts of the block-sparse engine: validation, packing into fp32 layout order, stores, threads.
 #include "sattn/attention.hpp"
+#include <algorithm>
+#include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <new>
+#include <unordered_map>
+#include <utility>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "core/threads.hpp"
 #include "sattn/error.hpp"
 #include "sattn/sparse_engine.hpp"
 
 namespace sattn::sparse::detail {
+
+namespace {
+
+constexpr size_t kHuge = size_t(2) << 20;
+
+// A small cache of freed large blocks (best fit, at most 8 blocks and SATTN_SPARSE_CACHE_MB MiB, default 1024;
+// 0 disables): repeated calls reuse their packing buffers instead of faulting in fresh pages every time.
+struct BlockCache {
+  std::mutex mu;
+  std::vector<std::pair<void*, size_t>> blocks;  // (pointer, size), oldest first
+  std::unordered_map<void*, size_t> sizes;       // every live or cached large block
+  size_t cached = 0;
+  size_t limit = [] {
+    const char* env = std::getenv("SATTN_SPARSE_CACHE_MB");
+    return (env ? size_t(std::strtoull(env, nullptr, 10)) : size_t(1024)) << 20;
+  }();
+};
+BlockCache& block_cache() {
+  static BlockCache* c = new BlockCache;  // never destroyed: blocks may be freed during static destruction
+  return *c;
+}
+
+}  // namespace
+
+void* huge_alloc(size_t bytes) {
+  if (bytes < 2 * kHuge) {
+    void* p = std::malloc(bytes > 0 ? bytes : 1);
+    if (!p) throw std::bad_alloc();
+    return p;
+  }
+  const size_t size = (bytes + kHuge - 1) / kHuge * kHuge;
+  BlockCache& c = block_cache();
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    size_t best = c.blocks.size();
+    for (size_t x = 0; x < c.blocks.size(); ++x)
+      if (c.blocks[x].second >= size && c.blocks[x].second <= 2 * size &&
+          (best == c.blocks.size() || c.blocks[x].second < c.blocks[best].second))
+        best = x;
+    if (best < c.blocks.size()) {
+      void* p = c.blocks[best].first;
+      c.cached -= c.blocks[best].second;
+      c.blocks.erase(c.blocks.begin() + std::ptrdiff_t(best));
+      return p;
+    }
+  }
+  void* p = std::aligned_alloc(kHuge, size);
+  if (!p) throw std::bad_alloc();
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  madvise(p, size, MADV_HUGEPAGE);  // a hint: ignored where transparent huge pages are off
+#endif
+  std::lock_guard<std::mutex> lock(c.mu);
+  c.sizes[p] = size;
+  return p;
+}
+
+void huge_free(void* p) noexcept {
+  if (!p) return;
+  BlockCache& c = block_cache();
+  std::vector<void*> release;
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    const auto it = c.sizes.find(p);
+    if (it == c.sizes.end()) {  // a small block
+      std::free(p);
+      return;
+    }
+    const size_t size = it->second;
+    if (size > c.limit) {
+      c.sizes.erase(it);
+      release.push_back(p);
+    } else {
+      c.blocks.emplace_back(p, size);
+      c.cached += size;
+      while (c.cached > c.limit || c.blocks.size() > 8) {  // evict the oldest
+        c.cached -= c.blocks.front().second;
+        c.sizes.erase(c.blocks.front().first);
+        release.push_back(c.blocks.front().first);
+        c.blocks.erase(c.blocks.begin());
+      }
+    }
+  }
+  for (void* q : release) std::free(q);
+}
+
 
 namespace {
 
@@ -35,10 +130,20 @@ inline float load(const void* base, DType dt, int64_t off) {
   }
 }
 
-// out[(b, h, pos, :)] = t[b, h, perm[pos], :] in fp32.
-void pack4(const TensorView& t, const std::vector<int32_t>& perm, std::vector<float>& out) {
+// out[(b, h, pos, :)] = t[b, h, perm[pos], :] in fp32: a view of t when it is fp32, contiguous and perm is the
+// identity (no copy: large inputs are not copied, and no fresh pages are touched), else a packed copy.
+void pack4(const TensorView& t, const std::vector<int32_t>& perm, FloatBuf& buf) {
   const int64_t B = t.shape[0], H = t.shape[1], L = t.shape[2], D = t.shape[3];
-  out.resize(size_t(B * H * L * D));
+  buf.n = size_t(B * H * L * D);
+  if (t.dtype == DType::kF32 && perm.empty() && t.strides[3] == 1 && (L == 1 || t.strides[2] == D) &&
+      (H == 1 || t.strides[1] == L * D) && (B == 1 || t.strides[0] == H * L * D)) {
+    buf.own.clear();
+    buf.ptr = static_cast<const float*>(t.data);
+    return;
+  }
+  HugeVector<float>& out = buf.own;
+  out.resize(buf.n);
+  buf.ptr = out.data();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t pos = 0; pos < L; ++pos) {
@@ -163,7 +268,7 @@ void pack_backward(Packed& p, const BlockMask& mask, const TensorView& dout, con
         "lse: expected shape ", shape_to_string({p.B, p.Hq, p.Lq}), ", got ", shape_to_string(lse.shape));
   check(is_floating(lse.dtype), ErrorKind::kTypeError, "lse: expected a float tensor, got ", to_string(lse.dtype));
   pack4(dout, mask.q_perm, p.dout);
-  std::vector<float> o;
+  FloatBuf o;
   pack4(out, mask.q_perm, o);
   p.lse.resize(size_t(p.B * p.Hq * p.Lq));
   p.delta.resize(p.lse.size());
@@ -218,6 +323,53 @@ void store_value(const TensorView& t, int64_t b, int64_t h, int64_t i, float val
 
 void run_parallel(int64_t n, int threads, void* ctx, void (*fn)(void*, int64_t)) {
   parallel_for(n, threads, [&](int64_t i) { fn(ctx, i); });
+}
+
+bool colour_query_blocks(const BlockMask& bm, int64_t batch_heads, std::vector<int64_t>& colour_start,
+                         std::vector<int32_t>& blocks) {
+  const int64_t nqb = bm.num_q_blocks();
+  // SATTN_SPARSE_BACKWARD=two_pass / one_pass forces a form (for tests and measurements).
+  const char* env = std::getenv("SATTN_SPARSE_BACKWARD");
+  if (env && std::strcmp(env, "two_pass") == 0) return false;
+  const bool force = env && std::strcmp(env, "one_pass") == 0;
+  // Key hull [lo, hi) of each query block over every head slot (empty blocks: lo = hi = 0).
+  std::vector<int64_t> lo(size_t(nqb), INT64_MAX), hi(size_t(nqb), 0);
+  for (int64_t s = 0; s < bm.heads; ++s)
+    for (int64_t qb = 0; qb < nqb; ++qb)
+      for (int64_t r = bm.row_ptr[s * nqb + qb]; r < bm.row_ptr[s * nqb + qb + 1]; ++r) {
+        lo[size_t(qb)] = std::min<int64_t>(lo[size_t(qb)], bm.ranges[size_t(r)].begin);
+        hi[size_t(qb)] = std::max<int64_t>(hi[size_t(qb)], bm.ranges[size_t(r)].end);
+      }
+  for (int64_t qb = 0; qb < nqb; ++qb)
+    if (lo[size_t(qb)] == INT64_MAX) lo[size_t(qb)] = hi[size_t(qb)] = 0;
+  std::vector<int32_t> order(static_cast<size_t>(nqb));
+  for (int64_t x = 0; x < nqb; ++x) order[size_t(x)] = int32_t(x);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return lo[size_t(a)] < lo[size_t(b)]; });
+  // First-fit on intervals sorted by their start: a colour takes a block iff every block it holds ends before the
+  // block's hull starts (optimal for interval graphs). Too many colours (fewer than 8 items per colour on average,
+  // e.g. global tokens whose keys every block reads): not worth it.
+  const int64_t max_colours = force ? INT64_MAX : std::max<int64_t>(1, batch_heads * nqb / 8);
+  std::vector<int64_t> colour_end;
+  std::vector<int32_t> colour(static_cast<size_t>(nqb), 0);
+  for (int32_t qb : order) {
+    if (hi[size_t(qb)] == lo[size_t(qb)]) continue;  // no keys: colour 0, reserves nothing
+    size_t c = 0;
+    while (c < colour_end.size() && colour_end[c] > lo[size_t(qb)]) ++c;
+    if (c == colour_end.size()) {
+      if (int64_t(c) >= max_colours) return false;
+      colour_end.push_back(0);
+    }
+    colour_end[c] = hi[size_t(qb)];
+    colour[size_t(qb)] = int32_t(c);
+  }
+  const size_t nc = std::max<size_t>(1, colour_end.size());
+  colour_start.assign(nc + 1, 0);
+  for (int64_t qb = 0; qb < nqb; ++qb) ++colour_start[size_t(colour[size_t(qb)]) + 1];
+  for (size_t c = 0; c < nc; ++c) colour_start[c + 1] += colour_start[c];
+  blocks.assign(size_t(nqb), 0);
+  std::vector<int64_t> fill(colour_start.begin(), colour_start.end() - 1);
+  for (int64_t qb = 0; qb < nqb; ++qb) blocks[size_t(fill[size_t(colour[size_t(qb)])]++)] = int32_t(qb);
+  return true;
 }
 
 }  // namespace sattn::sparse::detail

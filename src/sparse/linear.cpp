@@ -1,5 +1,6 @@
 // Linear attention with elu+1 and FAVOR+ feature maps, non-causal and causal (chunked prefix sums), forward and
-// backward (see include/sattn/linear.hpp).
+// backward (see include/sattn/linear.hpp). fp32 matrix products on the sparse tile operations; float64 for the long
+// sums (key/query states, denominators).
 #include "sattn/attention.hpp"
 #include "sattn/linear.hpp"
 
@@ -11,6 +12,7 @@
 #include "core/threads.hpp"
 #include "sattn/error.hpp"
 #include "sattn/random.hpp"
+#include "sattn/sparse_tiles.hpp"
 
 namespace sattn::sparse {
 
@@ -38,17 +40,21 @@ void store(const TensorView& t, int64_t off, double x) {
   }
 }
 
-// Rows [L, D] of head (b, h) of a 4-D view, as float64.
-std::vector<double> rows(const TensorView& t, int64_t b, int64_t h) {
+// Rows [L, D] of head (b, h) of a 4-D view, as float32 (contiguous).
+void rows(const TensorView& t, int64_t b, int64_t h, std::vector<float>& r) {
   const int64_t L = t.shape[2], D = t.shape[3];
-  std::vector<double> r(static_cast<size_t>(L * D));
+  r.resize(static_cast<size_t>(L * D));
+  const int64_t base = b * t.strides[0] + h * t.strides[1];
+  if (t.dtype == DType::kF32 && t.strides[3] == 1) {
+    for (int64_t i = 0; i < L; ++i)
+      std::copy_n(static_cast<const float*>(t.data) + base + i * t.strides[2], D, &r[size_t(i * D)]);
+    return;
+  }
   for (int64_t i = 0; i < L; ++i)
-    for (int64_t d = 0; d < D; ++d)
-      r[size_t(i * D + d)] = load(t, b * t.strides[0] + h * t.strides[1] + i * t.strides[2] + d * t.strides[3]);
-  return r;
+    for (int64_t d = 0; d < D; ++d) r[size_t(i * D + d)] = float(load(t, base + i * t.strides[2] + d * t.strides[3]));
 }
 
-void store_rows(const TensorView& t, int64_t b, int64_t h, const std::vector<double>& r) {
+void store_rows(const TensorView& t, int64_t b, int64_t h, const float* r) {
   const int64_t L = t.shape[2], D = t.shape[3];
   for (int64_t i = 0; i < L; ++i)
     for (int64_t d = 0; d < D; ++d)
@@ -69,7 +75,7 @@ struct Problem {
   int64_t B, Hq, Hkv, Lq, Lk, D, Dv, F, group;
   bool favor, causal;
   int threads;
-  std::vector<double> omega;  // [F, D] (favor+)
+  std::vector<float> omega, omega_t;  // [F, D] and [D, F] (favor+)
 };
 
 Problem describe(const TensorView& q, const TensorView& k, const TensorView& v, const LinearOptions& o) {
@@ -97,6 +103,9 @@ Problem describe(const TensorView& q, const TensorView& k, const TensorView& v, 
     p.F = o.num_features > 0 ? o.num_features : std::max<int64_t>(1, int64_t(std::floor(double(p.D) * std::log(double(p.D)))));
     const Tensor w = favor_projection(p.D, p.F, o.seed);
     p.omega.assign(w.data<double>(), w.data<double>() + w.numel());
+    p.omega_t.resize(p.omega.size());
+    for (int64_t r = 0; r < p.F; ++r)
+      for (int64_t d = 0; d < p.D; ++d) p.omega_t[size_t(d * p.F + r)] = p.omega[size_t(r * p.D + d)];
   } else {
     p.F = p.D;
   }
@@ -104,107 +113,249 @@ Problem describe(const TensorView& q, const TensorView& k, const TensorView& v, 
   return p;
 }
 
-// Feature rows φ [L, F] of x [L, D]. key_mode: one stabiliser for all rows (keys) instead of one per row (queries).
-std::vector<double> features(const Problem& p, const std::vector<double>& x, int64_t L, bool key_mode) {
-  const int64_t D = p.D, F = p.F;
-  std::vector<double> f(static_cast<size_t>(L * F));
-  if (!p.favor) {
-    for (int64_t x_ = 0; x_ < L * D; ++x_) f[size_t(x_)] = x[size_t(x_)] > 0 ? x[size_t(x_)] + 1.0 : std::exp(x[size_t(x_)]);
-    return f;
+// fp32 matrix products on the sparse engine's tile operations (sparse_tiles.hpp); sums over many rows are cut into
+// slabs whose fp32 partial products are added into float64 totals (fp64 only where long sums need it).
+constexpr int64_t kSlab = 256;
+
+// tot[n x d] (float64) += Aᵀ X over rows [0, m): A [m x n], X [m x d] (row strides n and d).
+void atx_accumulate(const float* a, int64_t m, int64_t n, const float* x, int64_t d, std::vector<float>& tmp,
+                    double* tot) {
+  tmp.resize(size_t(n * d));
+  for (int64_t r0 = 0; r0 < m; r0 += kSlab) {
+    const int64_t rows = std::min(kSlab, m - r0);
+    std::fill(tmp.begin(), tmp.end(), 0.0f);
+    tiles::atx(a + r0 * n, rows, n, x + r0 * d, d, d, 1.0f, tmp.data());
+    for (int64_t e = 0; e < n * d; ++e) tot[e] += tmp[size_t(e)];
   }
-  const double s = std::pow(double(D), -0.25), norm = 1.0 / std::sqrt(double(F));
+}
+
+// Column sums of A [m x n] into tot[n] (float64).
+void colsum_accumulate(const float* a, int64_t m, int64_t n, double* tot) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t r = 0; r < n; ++r) tot[r] += a[i * n + r];
+}
+
+// Feature rows φ [L, F] of x [L, D] (fp32). key_mode: one stabiliser for all rows (keys) instead of one per row.
+void features(const Problem& p, const float* x, int64_t L, bool key_mode, std::vector<float>& f) {
+  const int64_t D = p.D, F = p.F;
+  f.resize(static_cast<size_t>(L * F));
+  if (!p.favor) {
+    for (int64_t e = 0; e < L * D; ++e) f[size_t(e)] = x[e] > 0 ? x[e] + 1.0f : std::exp(x[e]);
+    return;
+  }
+  const float s = float(std::pow(double(D), -0.25));
+  const double norm_log = -0.5 * std::log(double(F));  // m^-1/2 folded into the exponent
+  // Projections ω x̃ [L, F] = (s·x)·ωᵀ.
+  tiles::qk(x, L, D, p.omega_t.data(), F, F, s, f.data());
   std::vector<double> half(static_cast<size_t>(L));
-  double gmax = -std::numeric_limits<double>::infinity();
   for (int64_t i = 0; i < L; ++i) {
     double sq = 0;
-    for (int64_t d = 0; d < D; ++d) sq += (x[size_t(i * D + d)] * s) * (x[size_t(i * D + d)] * s);
-    half[size_t(i)] = sq / 2;
-    for (int64_t r = 0; r < F; ++r) {
-      double pr = 0;
-      for (int64_t d = 0; d < D; ++d) pr += p.omega[size_t(r * D + d)] * x[size_t(i * D + d)] * s;
-      f[size_t(i * F + r)] = pr;
-      gmax = std::max(gmax, pr);
-    }
+    for (int64_t d = 0; d < D; ++d) sq += double(x[i * D + d]) * x[i * D + d];
+    half[size_t(i)] = sq * double(s) * double(s) / 2;
   }
+  float gmax = -std::numeric_limits<float>::infinity();
+  if (key_mode)
+    for (int64_t e = 0; e < L * F; ++e) gmax = std::max(gmax, f[size_t(e)]);
   for (int64_t i = 0; i < L; ++i) {
-    double c = gmax;
-    if (!key_mode) {
-      c = -std::numeric_limits<double>::infinity();
-      for (int64_t r = 0; r < F; ++r) c = std::max(c, f[size_t(i * F + r)]);
-    }
-    for (int64_t r = 0; r < F; ++r) f[size_t(i * F + r)] = norm * std::exp(f[size_t(i * F + r)] - half[size_t(i)] - c);
+    float* fi = &f[size_t(i * F)];
+    float c = gmax;
+    if (!key_mode) c = *std::max_element(fi, fi + F);
+    const float off = float(-half[size_t(i)] + norm_log);
+    for (int64_t r = 0; r < F; ++r) fi[r] = std::exp(fi[r] - c + off);
   }
-  return f;
 }
 
 // dx [L, D] from dφ [L, F] (the stabilisers are constants: the ratio does not depend on them).
-std::vector<double> features_backward(const Problem& p, const std::vector<double>& x, const std::vector<double>& f,
-                                      const std::vector<double>& df, int64_t L) {
+void features_backward(const Problem& p, const float* x, const float* f, std::vector<float>& df, int64_t L,
+                       std::vector<float>& dx) {
   const int64_t D = p.D, F = p.F;
-  std::vector<double> dx(static_cast<size_t>(L * D), 0.0);
+  dx.assign(static_cast<size_t>(L * D), 0.0f);
   if (!p.favor) {
-    for (int64_t x_ = 0; x_ < L * D; ++x_)
-      dx[size_t(x_)] = df[size_t(x_)] * (x[size_t(x_)] > 0 ? 1.0 : std::exp(x[size_t(x_)]));
-    return dx;
+    for (int64_t e = 0; e < L * D; ++e) dx[size_t(e)] = df[size_t(e)] * (x[e] > 0 ? 1.0f : f[e]);
+    return;
   }
   // φ_r = m^-1/2 exp(ω_r·x̃ - |x̃|²/2 - c): dx̃ = Σ_r t_r (ω_r - x̃), t = dφ ⊙ φ; dx = dx̃ · D^-1/4.
-  const double s = std::pow(double(D), -0.25);
+  const float s = float(std::pow(double(D), -0.25));
+  std::vector<float> tsum(static_cast<size_t>(L));
   for (int64_t i = 0; i < L; ++i) {
-    double tsum = 0;
+    double ts = 0;
     for (int64_t r = 0; r < F; ++r) {
-      const double t = df[size_t(i * F + r)] * f[size_t(i * F + r)];
-      tsum += t;
-      for (int64_t d = 0; d < D; ++d) dx[size_t(i * D + d)] += t * p.omega[size_t(r * D + d)];
+      df[size_t(i * F + r)] *= f[i * F + r];
+      ts += df[size_t(i * F + r)];
     }
-    for (int64_t d = 0; d < D; ++d) dx[size_t(i * D + d)] = (dx[size_t(i * D + d)] - tsum * x[size_t(i * D + d)] * s) * s;
+    tsum[size_t(i)] = float(ts);
   }
-  return dx;
+  tiles::pv(df.data(), L, F, p.omega.data(), D, D, s, dx.data());  // s · T·ω
+  for (int64_t i = 0; i < L; ++i)
+    for (int64_t d = 0; d < D; ++d) dx[size_t(i * D + d)] -= tsum[size_t(i)] * x[i * D + d] * s * s;
 }
 
-// Forward for one (b, h): out [Lq, Dv] and the denominators n [Lq].
-void forward_head(const Problem& p, const std::vector<double>& fq, const std::vector<double>& fk,
-                  const std::vector<double>& v, std::vector<double>& out, std::vector<double>& n) {
-  const int64_t F = p.F, Dv = p.Dv;
-  out.assign(size_t(p.Lq * Dv), 0.0);
-  n.assign(size_t(p.Lq), 0.0);
-  std::vector<double> S(static_cast<size_t>(F * Dv), 0.0), z(size_t(F), 0.0);
-  auto add_state = [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j)
-      for (int64_t r = 0; r < F; ++r) {
-        const double a = fk[size_t(j * F + r)];
-        z[size_t(r)] += a;
-        for (int64_t c = 0; c < Dv; ++c) S[size_t(r * Dv + c)] += a * v[size_t(j * Dv + c)];
-      }
+// Per-thread buffers of one head.
+struct Work {
+  std::vector<float> qx, kx, vx, gx, fq, fk, out, G, dfq, dfk, dv, dx, tmp, st, kt, a, e, s32, r32t;
+  std::vector<double> n, hh, S, z, R, rr;
+};
+
+// Lower-triangular causal mask inside a chunk: a[i][j] = 0 for j > i (i, j local).
+void causal_zero(float* a, int64_t m) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = i + 1; j < m; ++j) a[i * m + j] = 0.0f;
+}
+
+// Forward for one (b, h): w.out [Lq, Dv] (normalised) and the denominators w.n [Lq]; w.fq, w.fk, w.vx given.
+void forward_head(const Problem& p, Work& w) {
+  const int64_t F = p.F, Dv = p.Dv, Lq = p.Lq;
+  w.out.assign(size_t(Lq * Dv), 0.0f);
+  w.n.assign(size_t(Lq), 0.0);
+  w.S.assign(size_t(F * Dv), 0.0);
+  w.z.assign(size_t(F), 0.0);
+  w.s32.assign(size_t(F * Dv), 0.0f);
+  auto refresh = [&] {
+    for (int64_t e = 0; e < F * Dv; ++e) w.s32[size_t(e)] = float(w.S[size_t(e)]);
   };
-  auto read_state = [&](int64_t i) {
-    for (int64_t r = 0; r < F; ++r) {
-      const double a = fq[size_t(i * F + r)];
-      n[size_t(i)] += a * z[size_t(r)];
-      for (int64_t c = 0; c < Dv; ++c) out[size_t(i * Dv + c)] += a * S[size_t(r * Dv + c)];
+  auto read = [&](int64_t i0, int64_t i1) {  // rows [i0, i1) += φq·S, n += φq·z
+    tiles::pv(&w.fq[size_t(i0 * F)], i1 - i0, F, w.s32.data(), Dv, Dv, 1.0f, &w.out[size_t(i0 * Dv)]);
+    for (int64_t i = i0; i < i1; ++i) {
+      double t = 0;
+      for (int64_t r = 0; r < F; ++r) t += double(w.fq[size_t(i * F + r)]) * w.z[size_t(r)];
+      w.n[size_t(i)] += t;
     }
   };
   if (!p.causal) {
-    add_state(0, p.Lk);
-    for (int64_t i = 0; i < p.Lq; ++i) read_state(i);
+    atx_accumulate(w.fk.data(), p.Lk, F, w.vx.data(), Dv, w.tmp, w.S.data());
+    colsum_accumulate(w.fk.data(), p.Lk, F, w.z.data());
+    refresh();
+    read(0, Lq);
   } else {
-    for (int64_t c0 = 0; c0 < p.Lq; c0 += kChunk) {
-      const int64_t c1 = std::min(p.Lq, c0 + kChunk);
-      for (int64_t i = c0; i < c1; ++i) {
-        read_state(i);  // keys of earlier chunks
-        for (int64_t j = c0; j <= i; ++j) {  // this chunk, causal inside
-          double w = 0;
-          for (int64_t r = 0; r < F; ++r) w += fq[size_t(i * F + r)] * fk[size_t(j * F + r)];
-          n[size_t(i)] += w;
-          for (int64_t c = 0; c < Dv; ++c) out[size_t(i * Dv + c)] += w * v[size_t(j * Dv + c)];
-        }
+    w.kt.resize(size_t(F * kChunk));
+    w.a.resize(size_t(kChunk * kChunk));
+    for (int64_t c0 = 0; c0 < Lq; c0 += kChunk) {
+      const int64_t c1 = std::min(Lq, c0 + kChunk), mc = c1 - c0;
+      read(c0, c1);  // keys of earlier chunks
+      // This chunk, causal inside: A = φQc φKcᵀ (lower triangle), out += A Vc, n += rowsum(A).
+      tiles::transpose_rows(&w.fk[size_t(c0 * F)], F, mc, F, w.kt.data(), mc);
+      tiles::qk(&w.fq[size_t(c0 * F)], mc, F, w.kt.data(), mc, mc, 1.0f, w.a.data());
+      causal_zero(w.a.data(), mc);
+      for (int64_t i = 0; i < mc; ++i) {
+        double t = 0;
+        for (int64_t j = 0; j <= i; ++j) t += w.a[size_t(i * mc + j)];
+        w.n[size_t(c0 + i)] += t;
       }
-      add_state(c0, c1);
+      tiles::pv(w.a.data(), mc, mc, &w.vx[size_t(c0 * Dv)], Dv, Dv, 1.0f, &w.out[size_t(c0 * Dv)]);
+      atx_accumulate(&w.fk[size_t(c0 * F)], mc, F, &w.vx[size_t(c0 * Dv)], Dv, w.tmp, w.S.data());
+      colsum_accumulate(&w.fk[size_t(c0 * F)], mc, F, w.z.data());
+      refresh();
     }
   }
-  for (int64_t i = 0; i < p.Lq; ++i)
-    for (int64_t c = 0; c < Dv; ++c) out[size_t(i * Dv + c)] /= n[size_t(i)];
+  for (int64_t i = 0; i < Lq; ++i) {
+    const float inv = float(1.0 / w.n[size_t(i)]);
+    for (int64_t c = 0; c < Dv; ++c) w.out[size_t(i * Dv + c)] *= inv;
+  }
 }
 
+// Transpose of a float64 [n x d] matrix into float32 [d x n].
+void transpose_to_f32(const double* a, int64_t n, int64_t d, std::vector<float>& t) {
+  t.resize(size_t(n * d));
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < d; ++c) t[size_t(c * n + r)] = float(a[r * d + c]);
+}
+
+// Backward contributions of one query head h: dφq (returned in w.dfq) and, added into w.dfk / w.dv, its part of
+// dφk and dv. w.fq, w.fk, w.vx, w.gx given.
+void backward_head(const Problem& p, Work& w) {
+  const int64_t F = p.F, Dv = p.Dv, Lq = p.Lq, Lk = p.Lk;
+  forward_head(p, w);
+  // G_i = g_i / n_i, hh_i = g_i·out_i / n_i.
+  w.G.resize(size_t(Lq * Dv));
+  w.hh.assign(size_t(Lq), 0.0);
+  for (int64_t i = 0; i < Lq; ++i) {
+    const double inv = 1.0 / w.n[size_t(i)];
+    double t = 0;
+    for (int64_t c = 0; c < Dv; ++c) {
+      w.G[size_t(i * Dv + c)] = float(w.gx[size_t(i * Dv + c)] * inv);
+      t += double(w.gx[size_t(i * Dv + c)]) * w.out[size_t(i * Dv + c)];
+    }
+    w.hh[size_t(i)] = t * inv;
+  }
+  w.dfq.resize(size_t(Lq * F));
+  if (!p.causal) {
+    // dφQ = G Sᵀ - hh zᵀ (S, z: totals over all keys, left by forward_head).
+    transpose_to_f32(w.S.data(), F, Dv, w.st);
+    tiles::qk(w.G.data(), Lq, Dv, w.st.data(), F, F, 1.0f, w.dfq.data());
+    for (int64_t i = 0; i < Lq; ++i)
+      for (int64_t r = 0; r < F; ++r) w.dfq[size_t(i * F + r)] -= float(w.hh[size_t(i)] * w.z[size_t(r)]);
+    // R = φQᵀ G, rr = φQᵀ hh; dφK += V Rᵀ - 1 rrᵀ; dV += φK R.
+    w.R.assign(size_t(F * Dv), 0.0);
+    w.rr.assign(size_t(F), 0.0);
+    atx_accumulate(w.fq.data(), Lq, F, w.G.data(), Dv, w.tmp, w.R.data());
+    for (int64_t i = 0; i < Lq; ++i)
+      for (int64_t r = 0; r < F; ++r) w.rr[size_t(r)] += double(w.fq[size_t(i * F + r)]) * w.hh[size_t(i)];
+    transpose_to_f32(w.R.data(), F, Dv, w.r32t);
+    w.tmp.resize(size_t(std::max(Lk * F, F * Dv)));
+    tiles::qk(w.vx.data(), Lk, Dv, w.r32t.data(), F, F, 1.0f, w.tmp.data());
+    for (int64_t j = 0; j < Lk; ++j)
+      for (int64_t r = 0; r < F; ++r) w.dfk[size_t(j * F + r)] += w.tmp[size_t(j * F + r)] - float(w.rr[size_t(r)]);
+    std::vector<float> r32(size_t(F * Dv));
+    for (int64_t e = 0; e < F * Dv; ++e) r32[size_t(e)] = float(w.R[size_t(e)]);
+    tiles::pv(w.fk.data(), Lk, F, r32.data(), Dv, Dv, 1.0f, w.dv.data());
+    return;
+  }
+  // Causal. dφq_i = Σ_{j<=i} φk_j (v_j·G_i - hh_i): prefix states S, z of earlier chunks plus the chunk's own
+  // lower triangle E = Gc Vcᵀ - hh 1ᵀ.
+  w.kt.resize(size_t(std::max(F, Dv) * kChunk));
+  w.a.resize(size_t(kChunk * kChunk));
+  w.e.resize(size_t(kChunk * kChunk));
+  w.S.assign(size_t(F * Dv), 0.0);
+  w.z.assign(size_t(F), 0.0);
+  std::vector<float> tile(size_t(kChunk * std::max(F, Dv)));
+  for (int64_t c0 = 0; c0 < Lq; c0 += kChunk) {
+    const int64_t c1 = std::min(Lq, c0 + kChunk), mc = c1 - c0;
+    float* dq = &w.dfq[size_t(c0 * F)];
+    transpose_to_f32(w.S.data(), F, Dv, w.st);
+    tiles::qk(&w.G[size_t(c0 * Dv)], mc, Dv, w.st.data(), F, F, 1.0f, dq);
+    for (int64_t i = 0; i < mc; ++i)
+      for (int64_t r = 0; r < F; ++r) dq[i * F + r] -= float(w.hh[size_t(c0 + i)] * w.z[size_t(r)]);
+    tiles::transpose_rows(&w.vx[size_t(c0 * Dv)], Dv, mc, Dv, w.kt.data(), mc);
+    tiles::qk(&w.G[size_t(c0 * Dv)], mc, Dv, w.kt.data(), mc, mc, 1.0f, w.e.data());
+    for (int64_t i = 0; i < mc; ++i)
+      for (int64_t j = 0; j <= i; ++j) w.e[size_t(i * mc + j)] -= float(w.hh[size_t(c0 + i)]);
+    causal_zero(w.e.data(), mc);
+    tiles::pv(w.e.data(), mc, mc, &w.fk[size_t(c0 * F)], F, F, 1.0f, dq);
+    atx_accumulate(&w.fk[size_t(c0 * F)], mc, F, &w.vx[size_t(c0 * Dv)], Dv, w.tmp, w.S.data());
+    colsum_accumulate(&w.fk[size_t(c0 * F)], mc, F, w.z.data());
+  }
+  // dφk_j = Σ_{i>=j} φq_i (G_i·v_j - hh_i), dv_j = Σ_{i>=j} (φq_i·φk_j) G_i: suffix states R = Σ φq Gᵀ,
+  // rr = Σ φq hh of later chunks plus the chunk's own triangle (Eᵀ φQc and Wᵀ Gc with W = φQc φKcᵀ).
+  w.R.assign(size_t(F * Dv), 0.0);
+  w.rr.assign(size_t(F), 0.0);
+  std::vector<float> r32(size_t(F * Dv));
+  const int64_t last = ((Lk - 1) / kChunk) * kChunk;
+  for (int64_t c0 = last; c0 >= 0; c0 -= kChunk) {
+    const int64_t c1 = std::min(Lk, c0 + kChunk), mc = c1 - c0;
+    float* dk = &w.dfk[size_t(c0 * F)];
+    float* dvc = &w.dv[size_t(c0 * Dv)];
+    transpose_to_f32(w.R.data(), F, Dv, w.r32t);
+    for (int64_t e = 0; e < F * Dv; ++e) r32[size_t(e)] = float(w.R[size_t(e)]);
+    tiles::qk(&w.vx[size_t(c0 * Dv)], mc, Dv, w.r32t.data(), F, F, 1.0f, tile.data());
+    for (int64_t j = 0; j < mc; ++j)
+      for (int64_t r = 0; r < F; ++r) dk[j * F + r] += tile[size_t(j * F + r)] - float(w.rr[size_t(r)]);
+    tiles::pv(&w.fk[size_t(c0 * F)], mc, F, r32.data(), Dv, Dv, 1.0f, dvc);
+    // E (rows i, columns j, lower triangle) as in the dφq sweep.
+    tiles::transpose_rows(&w.vx[size_t(c0 * Dv)], Dv, mc, Dv, w.kt.data(), mc);
+    tiles::qk(&w.G[size_t(c0 * Dv)], mc, Dv, w.kt.data(), mc, mc, 1.0f, w.e.data());
+    for (int64_t i = 0; i < mc; ++i)
+      for (int64_t j = 0; j <= i; ++j) w.e[size_t(i * mc + j)] -= float(w.hh[size_t(c0 + i)]);
+    causal_zero(w.e.data(), mc);
+    tiles::atx(w.e.data(), mc, mc, &w.fq[size_t(c0 * F)], F, F, 1.0f, dk);
+    tiles::transpose_rows(&w.fk[size_t(c0 * F)], F, mc, F, w.kt.data(), mc);
+    tiles::qk(&w.fq[size_t(c0 * F)], mc, F, w.kt.data(), mc, mc, 1.0f, w.a.data());
+    causal_zero(w.a.data(), mc);
+    tiles::atx(w.a.data(), mc, mc, &w.G[size_t(c0 * Dv)], Dv, Dv, 1.0f, dvc);
+    atx_accumulate(&w.fq[size_t(c0 * F)], mc, F, &w.G[size_t(c0 * Dv)], Dv, w.tmp, w.R.data());
+    for (int64_t i = 0; i < mc; ++i)
+      for (int64_t r = 0; r < F; ++r) w.rr[size_t(r)] += double(w.fq[size_t((c0 + i) * F + r)]) * w.hh[size_t(c0 + i)];
+  }
+}
 }  // namespace
 
 Tensor favor_projection(int64_t D, int64_t m, uint64_t seed) {
@@ -256,11 +407,14 @@ void linear_attention(const TensorView& q, const TensorView& k, const TensorView
         shape_to_string(out.shape));
   parallel_for(p.B * p.Hq, p.threads, [&](int64_t bh) {
     const int64_t b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
-    const auto fq = features(p, rows(q, b, h), p.Lq, false);
-    const auto fk = features(p, rows(k, b, hk), p.Lk, true);
-    std::vector<double> o_, n;
-    forward_head(p, fq, fk, rows(v, b, hk), o_, n);
-    store_rows(out, b, h, o_);
+    thread_local Work w;
+    rows(q, b, h, w.qx);
+    rows(k, b, hk, w.kx);
+    rows(v, b, hk, w.vx);
+    features(p, w.qx.data(), p.Lq, false, w.fq);
+    features(p, w.kx.data(), p.Lk, true, w.fk);
+    forward_head(p, w);
+    store_rows(out, b, h, w.out.data());
   });
 }
 
@@ -277,104 +431,23 @@ void linear_attention_backward(const TensorView& dout, const TensorView& q, cons
   // One item per (b, kv head): owns dK/dV of the head and dQ of its query heads.
   parallel_for(p.B * p.Hkv, p.threads, [&](int64_t it) {
     const int64_t b = it / p.Hkv, hk = it % p.Hkv;
-    const auto kx = rows(k, b, hk), vv = rows(v, b, hk);
-    const auto fk = features(p, kx, p.Lk, true);
-    std::vector<double> dfk(static_cast<size_t>(p.Lk * F), 0.0), dvv(size_t(p.Lk * Dv), 0.0);
+    thread_local Work w;
+    rows(k, b, hk, w.kx);
+    rows(v, b, hk, w.vx);
+    features(p, w.kx.data(), p.Lk, true, w.fk);
+    w.dfk.assign(size_t(p.Lk * F), 0.0f);
+    w.dv.assign(size_t(p.Lk * Dv), 0.0f);
     for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
-      const auto qx = rows(q, b, h), g = rows(dout, b, h);
-      const auto fq = features(p, qx, p.Lq, false);
-      std::vector<double> out, n;
-      forward_head(p, fq, fk, vv, out, n);
-      // G_i = g_i / n_i, hh_i = g_i·out_i / n_i.
-      std::vector<double> G(static_cast<size_t>(p.Lq * Dv)), hh(size_t(p.Lq), 0.0);
-      for (int64_t i = 0; i < p.Lq; ++i)
-        for (int64_t c = 0; c < Dv; ++c) {
-          G[size_t(i * Dv + c)] = g[size_t(i * Dv + c)] / n[size_t(i)];
-          hh[size_t(i)] += g[size_t(i * Dv + c)] * out[size_t(i * Dv + c)] / n[size_t(i)];
-        }
-      std::vector<double> dfq(static_cast<size_t>(p.Lq * F), 0.0);
-      // dφq_i = Σ_{j allowed} φk_j (v_j·G_i - hh_i): prefix states S = Σ φk vᵀ, z = Σ φk (+ intra-chunk terms).
-      {
-        std::vector<double> S(static_cast<size_t>(F * Dv), 0.0), z(size_t(F), 0.0);
-        auto add = [&](int64_t j0, int64_t j1) {
-          for (int64_t j = j0; j < j1; ++j)
-            for (int64_t r = 0; r < F; ++r) {
-              z[size_t(r)] += fk[size_t(j * F + r)];
-              for (int64_t c = 0; c < Dv; ++c) S[size_t(r * Dv + c)] += fk[size_t(j * F + r)] * vv[size_t(j * Dv + c)];
-            }
-        };
-        auto read = [&](int64_t i) {
-          for (int64_t r = 0; r < F; ++r) {
-            double a = -z[size_t(r)] * hh[size_t(i)];
-            for (int64_t c = 0; c < Dv; ++c) a += S[size_t(r * Dv + c)] * G[size_t(i * Dv + c)];
-            dfq[size_t(i * F + r)] += a;
-          }
-        };
-        if (!p.causal) {
-          add(0, p.Lk);
-          for (int64_t i = 0; i < p.Lq; ++i) read(i);
-        } else {
-          for (int64_t c0 = 0; c0 < p.Lq; c0 += kChunk) {
-            const int64_t c1 = std::min(p.Lq, c0 + kChunk);
-            for (int64_t i = c0; i < c1; ++i) {
-              read(i);
-              for (int64_t j = c0; j <= i; ++j) {
-                double e = -hh[size_t(i)];
-                for (int64_t c = 0; c < Dv; ++c) e += vv[size_t(j * Dv + c)] * G[size_t(i * Dv + c)];
-                for (int64_t r = 0; r < F; ++r) dfq[size_t(i * F + r)] += e * fk[size_t(j * F + r)];
-              }
-            }
-            add(c0, c1);
-          }
-        }
-      }
-      // dφk_j = Σ_{i: j allowed} φq_i (G_i·v_j - hh_i), dv_j = Σ (φq_i·φk_j) G_i: suffix states R = Σ φq Gᵀ, rr = Σ φq hh.
-      {
-        std::vector<double> R(static_cast<size_t>(F * Dv), 0.0), rr(size_t(F), 0.0);
-        auto add = [&](int64_t i0, int64_t i1) {
-          for (int64_t i = i0; i < i1; ++i)
-            for (int64_t r = 0; r < F; ++r) {
-              rr[size_t(r)] += fq[size_t(i * F + r)] * hh[size_t(i)];
-              for (int64_t c = 0; c < Dv; ++c) R[size_t(r * Dv + c)] += fq[size_t(i * F + r)] * G[size_t(i * Dv + c)];
-            }
-        };
-        auto read = [&](int64_t j) {
-          for (int64_t r = 0; r < F; ++r) {
-            double a = -rr[size_t(r)];
-            for (int64_t c = 0; c < Dv; ++c) {
-              a += R[size_t(r * Dv + c)] * vv[size_t(j * Dv + c)];
-              dvv[size_t(j * Dv + c)] += R[size_t(r * Dv + c)] * fk[size_t(j * F + r)];
-            }
-            dfk[size_t(j * F + r)] += a;
-          }
-        };
-        if (!p.causal) {
-          add(0, p.Lq);
-          for (int64_t j = 0; j < p.Lk; ++j) read(j);
-        } else {
-          const int64_t last = ((p.Lk - 1) / kChunk) * kChunk;
-          for (int64_t c0 = last; c0 >= 0; c0 -= kChunk) {
-            const int64_t c1 = std::min(p.Lk, c0 + kChunk);
-            for (int64_t j = c0; j < c1; ++j) {
-              read(j);  // queries of later chunks
-              for (int64_t i = j; i < c1; ++i) {
-                double e = -hh[size_t(i)], w = 0;
-                for (int64_t c = 0; c < Dv; ++c) e += vv[size_t(j * Dv + c)] * G[size_t(i * Dv + c)];
-                for (int64_t r = 0; r < F; ++r) {
-                  dfk[size_t(j * F + r)] += e * fq[size_t(i * F + r)];
-                  w += fq[size_t(i * F + r)] * fk[size_t(j * F + r)];
-                }
-                for (int64_t c = 0; c < Dv; ++c) dvv[size_t(j * Dv + c)] += w * G[size_t(i * Dv + c)];
-              }
-            }
-            add(c0, c1);
-          }
-        }
-      }
-      store_rows(dq, b, h, features_backward(p, qx, fq, dfq, p.Lq));
+      rows(q, b, h, w.qx);
+      rows(dout, b, h, w.gx);
+      features(p, w.qx.data(), p.Lq, false, w.fq);
+      backward_head(p, w);
+      features_backward(p, w.qx.data(), w.fq.data(), w.dfq, p.Lq, w.dx);
+      store_rows(dq, b, h, w.dx.data());
     }
-    store_rows(dk, b, hk, features_backward(p, kx, fk, dfk, p.Lk));
-    store_rows(dv, b, hk, dvv);
+    features_backward(p, w.kx.data(), w.fk.data(), w.dfk, p.Lk, w.dx);
+    store_rows(dk, b, hk, w.dx.data());
+    store_rows(dv, b, hk, w.dv.data());
   });
 }
 

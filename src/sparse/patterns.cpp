@@ -200,15 +200,16 @@ const Pattern::Node& Pattern::node() const {
 }
 
 bool Pattern::allowed(int64_t, int64_t h, int64_t i, int64_t j, int64_t len_q, int64_t len_k) const {
-  check(!node().contains_adaptive(), ErrorKind::kInvalidArgument, "pattern ", repr(),
-        ": a content-adaptive pattern has no fixed element predicate");
+  if (node().contains_adaptive())  // (the message is built only on failure: this runs once per pair)
+    fail(ErrorKind::kInvalidArgument, "pattern ", repr(), ": a content-adaptive pattern has no fixed element predicate");
   return node().allowed(h, i, j, len_q, len_k);
 }
 
 void Pattern::check_lengths(int64_t len_q, int64_t len_k) const {
-  check(!node().contains_adaptive(), ErrorKind::kInvalidArgument, "pattern ", repr(),
-        ": a content-adaptive pattern has no fixed mask (run it through sparse_attention and use the returned "
-        "indices)");
+  if (node().contains_adaptive())
+    fail(ErrorKind::kInvalidArgument, "pattern ", repr(),
+         ": a content-adaptive pattern has no fixed mask (run it through sparse_attention and use the returned "
+         "indices)");
   check_len32(len_q, "Lq");
   check_len32(len_k, "Lk");
   node().check_lengths(len_q, len_k);
@@ -578,6 +579,17 @@ struct Neighborhood2DNode final : Pattern::Node {
   bool layout_interval(int64_t, int64_t i, int64_t kp0, int64_t, int64_t, int64_t, int64_t& lo,
                        int64_t& hi) const override {
     const int64_t d = dilation;
+    if (d == 1) {  // the common case, once per (query row, partial segment): 32-bit divisions only
+      const int32_t w = int32_t(width), kr = int32_t(kp0) / w, r = int32_t(i) / w, c = int32_t(i) - r * w;
+      int64_t rs, re, cs, ce;
+      window(r, height, rs, re);
+      lo = hi = kp0;
+      if (kr < rs || kr > re) return true;
+      window(c, width, cs, ce);
+      lo = int64_t(kr) * width + cs;
+      hi = int64_t(kr) * width + ce + 1;
+      return true;
+    }
     int64_t base = 0, dr = 0, dc = 0, nr = 0, nc = 0;
     for (dr = 0; dr < d; ++dr) {
       for (dc = 0; dc < d; ++dc) {

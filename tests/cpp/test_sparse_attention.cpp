@@ -2,12 +2,15 @@
 // pattern's dense mask: forward <= 2e-5, backward <= 1e-4, relative to max(1, |ref|_inf), fp32 inputs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "sattn/attention.hpp"
 #include "sattn/error.hpp"
@@ -195,6 +198,26 @@ TEST(SparseAttention, FixedPatternsMatchReference) {
   for (const Case& c : cases) run_case(c);
 }
 
+// The backward's one-pass form (coloured query blocks) and two-pass form, each forced, against the reference.
+TEST(SparseAttention, BackwardFormsMatchReference) {
+  const std::vector<Case> cases = {
+      {"SlidingWindow(5, 3)", 2, 4, 2, 67, 67, 16, 24, 16},
+      {"Dilated(2, 2)", 2, 4, 1, 70, 100, 16, 8, 16, 2},
+      {"GlobalTokens([0, 5, 64], SlidingWindow(4, 4))", 1, 2, 2, 129, 129, 16, 16, 16},
+      {"BigBird(8, 3, 1, 1, seed=3)", 2, 2, 2, 63, 90, 8, 16, 16, 1},
+      {"Neighborhood2D(12, 13, 5, dilation=2)", 1, 2, 2, 156, 156, 16, 16},
+      {"Neighborhood2D(16, 16, 7)", 1, 2, 1, 256, 256, 32, 32},
+      {"WindowAttention2D(12, 8, 4, shift=2)", 1, 2, 2, 96, 96, 16, 16},
+      {"SlidingWindow(-1, 0) & BlockLocal(32)", 1, 2, 2, 100, 100, 16, 16, 16},
+  };
+  for (const char* form : {"one_pass", "two_pass"}) {
+    SCOPED_TRACE(form);
+    setenv("SATTN_SPARSE_BACKWARD", form, 1);
+    for (const Case& c : cases) run_case(c);
+  }
+  unsetenv("SATTN_SPARSE_BACKWARD");
+}
+
 TEST(SparseAttention, ScoreModsMatchReference) {
   Case alibi{"SlidingWindow(16, 0)", 1, 4, 2, 90, 100, 16, 16};
   alibi.alibi = true;
@@ -331,26 +354,82 @@ TEST(SparseAttention, TemplateEngineWithCallables) {
 }
 
 TEST(SparseAttention, DeterministicAcrossThreadCounts) {
-  const Pattern p = Pattern::parse("Neighborhood2D(16, 12, 5) | GlobalTokens([3], SlidingWindow(2, 2))");
-  const int64_t L = 192, D = 16;
-  const Tensor q = randn({2, 4, L, D}, 1), k = randn({2, 2, L, D}, 2), v = randn({2, 2, L, D}, 3),
-               dout = randn({2, 4, L, D}, 4);
-  Tensor outs[2], dqs[2], dks[2], dvs[2];
+  // The second pattern runs the backward's one-pass form (forced), the first its two-pass form (global tokens).
+  for (const char* spec : {"Neighborhood2D(16, 12, 5) | GlobalTokens([3], SlidingWindow(2, 2))",
+                           "Neighborhood2D(16, 12, 5)"}) {
+    SCOPED_TRACE(spec);
+    const Pattern p = Pattern::parse(spec);
+    if (std::string(spec) == "Neighborhood2D(16, 12, 5)") setenv("SATTN_SPARSE_BACKWARD", "one_pass", 1);
+    const int64_t L = 192, D = 16;
+    const Tensor q = randn({2, 4, L, D}, 1), k = randn({2, 2, L, D}, 2), v = randn({2, 2, L, D}, 3),
+                 dout = randn({2, 4, L, D}, 4);
+    Tensor outs[3], dqs[3], dks[3], dvs[3];
+    for (int t = 0; t < 3; ++t) {
+      SparseOptions so;
+      so.num_threads = t + 1;
+      outs[t] = Tensor(DType::kF32, {2, 4, L, D});
+      Tensor lse(DType::kF32, {2, 4, L});
+      sparse_attention(q, k, v, p, so, outs[t], lse);
+      dqs[t] = Tensor(DType::kF32, q.shape());
+      dks[t] = Tensor(DType::kF32, k.shape());
+      dvs[t] = Tensor(DType::kF32, v.shape());
+      sparse_attention_backward(dout, q, k, v, outs[t], lse, p, so,
+                                {dqs[t].view(), dks[t].view(), dvs[t].view(), {}, {}, {}});
+    }
+    unsetenv("SATTN_SPARSE_BACKWARD");
+    for (int t = 1; t < 3; ++t) {
+      EXPECT_EQ(std::memcmp(outs[0].data(), outs[t].data(), outs[0].nbytes()), 0);
+      EXPECT_EQ(std::memcmp(dqs[0].data(), dqs[t].data(), dqs[0].nbytes()), 0);
+      EXPECT_EQ(std::memcmp(dks[0].data(), dks[t].data(), dks[0].nbytes()), 0);
+      EXPECT_EQ(std::memcmp(dvs[0].data(), dvs[t].data(), dvs[0].nbytes()), 0);
+    }
+  }
+}
+
+// Packed inputs of 4 MiB and more come from the huge-page block cache; a second call reuses the freed blocks.
+TEST(SparseAttention, LargeBuffersFromTheBlockCache) {
+  const int64_t L = 16384, D = 64;
+  const Pattern p = Pattern::parse("Dilated(3, 2)");  // residue layout: q/k/v are packed (permuted)
+  const Tensor q = randn({1, 1, L, D}, 1), k = randn({1, 1, L, D}, 2), v = randn({1, 1, L, D}, 3),
+               dout = randn({1, 1, L, D}, 4);
+  Tensor out[2], lse[2], dq[2], dk[2], dv[2];
   for (int t = 0; t < 2; ++t) {
     SparseOptions so;
-    so.num_threads = t + 1;
-    outs[t] = Tensor(DType::kF32, {2, 4, L, D});
-    Tensor lse(DType::kF32, {2, 4, L});
-    sparse_attention(q, k, v, p, so, outs[t], lse);
-    dqs[t] = Tensor(DType::kF32, q.shape());
-    dks[t] = Tensor(DType::kF32, k.shape());
-    dvs[t] = Tensor(DType::kF32, v.shape());
-    sparse_attention_backward(dout, q, k, v, outs[t], lse, p, so, {dqs[t].view(), dks[t].view(), dvs[t].view(), {}, {}, {}});
+    out[t] = Tensor(DType::kF32, {1, 1, L, D});
+    lse[t] = Tensor(DType::kF32, {1, 1, L});
+    sparse_attention(q, k, v, p, so, out[t], lse[t]);
+    dq[t] = Tensor(DType::kF32, q.shape());
+    dk[t] = Tensor(DType::kF32, k.shape());
+    dv[t] = Tensor(DType::kF32, v.shape());
+    sparse_attention_backward(dout, q, k, v, out[t], lse[t], p, so, {dq[t].view(), dk[t].view(), dv[t].view(), {}, {}, {}});
   }
-  EXPECT_EQ(std::memcmp(outs[0].data(), outs[1].data(), outs[0].nbytes()), 0);
-  EXPECT_EQ(std::memcmp(dqs[0].data(), dqs[1].data(), dqs[0].nbytes()), 0);
-  EXPECT_EQ(std::memcmp(dks[0].data(), dks[1].data(), dks[0].nbytes()), 0);
-  EXPECT_EQ(std::memcmp(dvs[0].data(), dvs[1].data(), dvs[0].nbytes()), 0);
+  EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), out[0].nbytes()), 0);
+  EXPECT_EQ(std::memcmp(dq[0].data(), dq[1].data(), dq[0].nbytes()), 0);
+  EXPECT_EQ(std::memcmp(dk[0].data(), dk[1].data(), dk[0].nbytes()), 0);
+  EXPECT_EQ(std::memcmp(dv[0].data(), dv[1].data(), dv[0].nbytes()), 0);
+  // A few rows against the formula: keys j with |i - j| <= 6 and (i - j) even.
+  const float *Q = q.data<float>(), *K = k.data<float>(), *V = v.data<float>(), *O = out[0].data<float>();
+  for (int64_t i : {int64_t(0), int64_t(1), int64_t(7777), L - 2, L - 1}) {
+    std::vector<double> w;
+    std::vector<int64_t> js;
+    double mx = -1e300;
+    for (int64_t j = std::max<int64_t>(0, i - 6); j <= std::min(L - 1, i + 6); j += 1) {
+      if ((i - j) % 2 != 0) continue;
+      double s = 0;
+      for (int64_t d = 0; d < D; ++d) s += double(Q[i * D + d]) * K[j * D + d];
+      s /= std::sqrt(double(D));
+      w.push_back(s);
+      js.push_back(j);
+      mx = std::max(mx, s);
+    }
+    double sum = 0;
+    for (double& x : w) sum += (x = std::exp(x - mx));
+    for (int64_t d = 0; d < D; ++d) {
+      double o = 0;
+      for (size_t x = 0; x < js.size(); ++x) o += w[x] / sum * V[js[x] * D + d];
+      EXPECT_NEAR(O[i * D + d], o, 2e-5) << "row " << i;
+    }
+  }
 }
 
 TEST(SparseAttention, BadInputsGiveClearErrors) {
