@@ -139,6 +139,8 @@ void add_report_command(CLI::App& app) {
   cmd->add_option("--L", a->o.lengths, "profile: sequence lengths")->delimiter(',')->capture_default_str();
   cmd->add_option("--heads", a->o.heads, "profile: head counts")->delimiter(',')->capture_default_str();
   cmd->add_option("--kernels", a->o.kernels, "profile: kernels (default: every registered one)")->delimiter(',');
+  cmd->add_option("--pattern", a->o.patterns, "profile: also a sparse pattern SPEC or linear:elu (repeatable, see "
+                                             "`sattn profile --help`)");
   cmd->add_option("--repeats", a->o.repeats, "profile: timed runs per point")->capture_default_str()->check(CLI::Range(1, 1000));
   cmd->add_flag("--no-profile", a->no_profile, "skip the profile section");
   cmd->callback([a] { run_report(*a); });
