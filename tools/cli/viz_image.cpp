@@ -112,6 +112,13 @@ void mark_query(viz::Image& img, int x, int y, int f) {
   for (int k = 0; k < 2; ++k) img.draw_rect(x * f - m + k, y * f - m + k, f + 2 * (m - k), f + 2 * (m - k), kQueryMark);
 }
 
+// "embedded:/a/b/w.safetensors" -> "embedded:w.safetensors" (the pictures should not show build paths)
+std::string short_name(const std::string& name) {
+  const size_t colon = name.find(':');
+  const std::string prefix = colon == std::string::npos ? "" : name.substr(0, colon + 1);
+  return prefix + fs::path(colon == std::string::npos ? name : name.substr(colon + 1)).filename().string();
+}
+
 std::string fixed(double v, int digits = 2) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.*f", digits, v);
@@ -280,7 +287,7 @@ void run_viz_image(const VizImageArgs& a) {
     draw_edges(input, int(x0), int(y0), cw, ch, f, in_window, viz::kWhite, 0.9);
     mark_query(input, int(qx - x0), int(qy - y0), f);
     panels.push_back(std::move(input));
-    caps.push_back("input (LR)");
+    caps.push_back("input");
     for (int64_t hh = 0; hh < heads; ++hh) {
       viz::Image p = viz::magnify(viz::faded_gray(crop, 0.45), f);
       for (int64_t l = 0; l < L; ++l) {
@@ -312,7 +319,7 @@ void run_viz_image(const VizImageArgs& a) {
     const int f = std::clamp((a.side > 0 ? a.side : 192) / int(std::max(h, w)), 1, 16);
     const viz::Image real = crop_image(padded, 0, 0, int(w), int(h));
     std::vector<viz::Image> panels{viz::magnify(real, f)};
-    std::vector<std::string> caps{"input (LR)"};
+    std::vector<std::string> caps{"input"};
     js["blocks"] = nlohmann::json::array();
     for (const sr::BlockGeometry& g : geo) {
       viz::Image p = viz::magnify(viz::faded_gray(real, 0.3), f);
@@ -345,7 +352,7 @@ void run_viz_image(const VizImageArgs& a) {
                     fixed(model.config().route_threshold) + "); grey: skipped (flat)",
                 "caption: block G.B (window size, s = shifted): routed / windows; " + std::to_string(stats.windows_routed) +
                     "/" + std::to_string(stats.windows_total) + " windows routed in all",
-                "attention " + std::string(sr::to_string(opt.mode)) + ", weights " + model.name()};
+                "attention " + std::string(sr::to_string(opt.mode)) + ", weights " + short_name(model.name())};
     s.colorbar = true;
     s.vmin = 0, s.vmax = 1, s.cmap = cmap, s.colorbar_label = "router gate";
     save("routing.png", viz::render_panel_grid(panels, caps, a.columns > 0 ? a.columns : 4, s));
