@@ -247,3 +247,22 @@ TEST(VizImageCli, BadInputExitsTwoWithAClearMessage) {
 }
 
 }  // namespace
+
+namespace {
+TEST(VizImageCli, ReportEmbedsTheRoutingMapAndFocus) {
+  ASSERT_TRUE(have_binary());
+  const std::string dir = temp_dir("report_image");
+  sr::write_png(dir + "/in.png", half_flat_half_noise(32, 48, 60, 13));
+  RunResult r = run_sattn("report plain.html --no-profile", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = run_sattn("report sr.html --no-profile --image in.png --at 40,8", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string plain = read_text(dir + "/plain.html"), html = read_text(dir + "/sr.html");
+  EXPECT_EQ(count_of(html, "data:image/png;base64,"), count_of(plain, "data:image/png;base64,") + 2);
+  EXPECT_NE(html.find("Super-resolution model"), std::string::npos);
+  EXPECT_NE(html.find("query pixel (40, 8)"), std::string::npos);
+  r = run_sattn("report bad.html --no-profile --image in.png --at 99,8", dir);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--at"), std::string::npos) << r.err;
+}
+}  // namespace

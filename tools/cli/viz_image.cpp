@@ -127,7 +127,7 @@ std::string fixed(double v, int digits = 2) {
 
 }  // namespace
 
-void run_viz_image(const VizImageArgs& a) {
+VizImagePictures render_viz_image(const VizImageArgs& a) {
   check(a.sr_scale == 2 || a.sr_scale == 3 || a.sr_scale == 4, ErrorKind::kInvalidArgument,
         "--sr-scale: expected 2, 3 or 4, given ", a.sr_scale);
   check(a.window < 0 || a.at.empty(), ErrorKind::kInvalidArgument, "--window and --at: give one or the other");
@@ -207,13 +207,8 @@ void run_viz_image(const VizImageArgs& a) {
   model.forward(sr::image_to_tensor(im), opt, &stats);
   if (tty) std::cerr << "\r\033[K" << std::flush;
 
-  fs::create_directories(a.out);
-  std::vector<std::string> written;
-  auto save = [&](const std::string& name, const viz::Image& img) {
-    const std::string path = (fs::path(a.out) / name).string();
-    viz::write_png(path, img);
-    written.push_back(path);
-  };
+  VizImagePictures result;
+  auto save = [&](const std::string& name, viz::Image img) { result.pictures.emplace_back(name, std::move(img)); };
   const viz::Colormap cmap = viz::parse_colormap(a.cmap);
   const int64_t heads = probe.weights.size(0);
   const float* wts = probe.weights.data<float>();
@@ -367,13 +362,28 @@ void run_viz_image(const VizImageArgs& a) {
   js["windows_routed"] = stats.windows_routed;
   js["probe"] = {{"block", block_name(bg)}, {"window", probe.window}, {"query_token", q_token},
                  {"query_pixel", {qx, qy}}, {"routed", probe.routed}, {"gate", probe.gate}};
-  {
-    const std::string path = (fs::path(a.out) / "routing.json").string();
-    std::ofstream f(path);
-    check(f.good(), ErrorKind::kIO, "--out: cannot write '", path, "'");
-    f << js.dump(1) << "\n";
+  result.json = js.dump(1) + "\n";
+  result.summary = std::to_string(stats.windows_routed) + " of " + std::to_string(stats.windows_total) +
+                   " windows routed to attention; " + where + " (" + state + "), query pixel (" + std::to_string(qx) +
+                   ", " + std::to_string(qy) + "); weights " + short_name(model.name());
+  return result;
+}
+
+void run_viz_image(const VizImageArgs& a) {
+  const VizImagePictures r = render_viz_image(a);
+  fs::create_directories(a.out);
+  std::vector<std::string> written;
+  for (const auto& [name, img] : r.pictures) {
+    const std::string path = (fs::path(a.out) / name).string();
+    viz::write_png(path, img);
     written.push_back(path);
   }
+  const std::string path = (fs::path(a.out) / "routing.json").string();
+  std::ofstream f(path);
+  check(f.good(), ErrorKind::kIO, "--out: cannot write '", path, "'");
+  f << r.json;
+  check(f.good(), ErrorKind::kIO, "--out: cannot write '", path, "'");
+  written.push_back(path);
   for (const auto& p : written) std::cout << p << "\n";
 }
 

@@ -3,7 +3,10 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "sattn/viz.hpp"
 
 namespace sattn::cli {
 
@@ -17,6 +20,14 @@ struct VizImageArgs {
   int side = 0;                // size of a picture panel (0: defaults)
   int columns = 0;
 };
+
+struct VizImagePictures {
+  std::vector<std::pair<std::string, viz::Image>> pictures;  // file name, picture
+  std::string json;     // routing.json
+  std::string summary;  // one line for a report
+};
+// The pictures without writing them (args.out unused); `sattn report --image` embeds them.
+VizImagePictures render_viz_image(const VizImageArgs& args);
 
 // Runs the model once on the (cropped) image, capturing the chosen window's attention and every block's router
 // gates, and writes head_<h>.png, heads.png, focus.png, routing.png and routing.json to args.out. Throws
