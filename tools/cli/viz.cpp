@@ -202,7 +202,8 @@ void run_viz(const VizArgs& a) {
               a.masks.mask.empty() && a.masks.key_padding.empty() && a.masks.lengths.empty() &&
               (a.masks.causal.empty() || a.masks.causal == "none") && !a.masks.has_scale && !a.has_vmax,
           ErrorKind::kInvalidArgument, "--image: draws the SR model's own attention; --q/--k/--example/--mha/--pattern/"
-          "--query/--vmax and the mask options do not apply (choose the window with --block, --window or --at)");
+          "--query/--vmax, --scale (the softmax scale; the model's is --sr-scale) and the mask options do not apply "
+          "(choose the window with --block, --window or --at)");
     VizImageArgs ia = a.img;
     ia.out = a.out, ia.cmap = a.cmap, ia.side = a.side, ia.columns = a.columns;
     run_viz_image(ia);
