@@ -316,8 +316,8 @@ void add_viz_command(CLI::App& app) {
                                          "window's attention), focus.png (a query pixel's attention over the picture), "
                                          "routing.png (each block's routed windows), routing.json")
       ->check(CLI::ExistingFile);
-  cmd->add_option("--sr-scale", a->img.sr_scale, "with --image: the model's scale, 2 or 4 (must match the weights)")
-      ->capture_default_str();
+  cmd->add_option("--sr-scale", a->img.sr_scale, "with --image: the model's scale, 2 or 4 (must match the weights; "
+                                                 "default: that of --weights, else 2)");
   cmd->add_option("--weights", a->img.weights, "with --image: SR weights .safetensors (default: embedded / "
                                                "sr/weights/)")->check(CLI::ExistingFile);
   cmd->add_option("--attention", a->img.attention, "with --image: sparse (the router decides) or dense (every "

@@ -32,6 +32,9 @@ sr::SrModel load_sr_model(const std::string& weights, int scale) {
   std::optional<sr::SrModel> m;
   if (!weights.empty()) {
     m = sr::SrModel::load(weights);
+    if (scale == 0) return std::move(*m);
+  } else if (scale == 0) {
+    return load_sr_model(weights, 2);
   } else if (auto e = embedded_sr_weights(scale); e.data) {
     m = sr::SrModel::from_memory(e.data, e.size, std::string("embedded:") + e.origin);
   } else {
@@ -128,7 +131,7 @@ std::string fixed(double v, int digits = 2) {
 }  // namespace
 
 VizImagePictures render_viz_image(const VizImageArgs& a) {
-  check(a.sr_scale == 2 || a.sr_scale == 3 || a.sr_scale == 4, ErrorKind::kInvalidArgument,
+  check(a.sr_scale == 0 || a.sr_scale == 2 || a.sr_scale == 3 || a.sr_scale == 4, ErrorKind::kInvalidArgument,
         "--sr-scale: expected 2, 3 or 4, given ", a.sr_scale);
   check(a.window < 0 || a.at.empty(), ErrorKind::kInvalidArgument, "--window and --at: give one or the other");
   check(a.at.empty() || a.at.size() == 2, ErrorKind::kInvalidArgument, "--at: expected X,Y, given ", a.at.size(),
@@ -152,6 +155,7 @@ VizImagePictures render_viz_image(const VizImageArgs& a) {
         im.height, " = ", im.width * im.height, " pixels is over --max-pixels ", a.max_pixels,
         " (the model runs on the whole picture at once and every panel shows all of it); pass --crop X,Y,W,H "
         "(e.g. --crop 0,0,128,128), a smaller image, or raise --max-pixels");
+  // --sr-scale 0 (unset): the scale of --weights, else x2 (the embedded default)
   const sr::SrModel model = load_sr_model(a.weights, a.sr_scale);
   const int64_t h = im.height, w = im.width;
   const std::vector<sr::BlockGeometry> geo = model.block_geometry(h, w);

@@ -12,7 +12,7 @@ namespace sattn::cli {
 
 struct VizImageArgs {
   std::string image, out, weights, block, attention = "sparse", cmap = "viridis";
-  int sr_scale = 2;
+  int sr_scale = 0;            // 0: the scale of --weights, else 2 (the embedded weights)
   int64_t window = -1;         // -1: from --at, else the window holding the image centre
   std::vector<int64_t> at;     // X,Y: an LR pixel (of the cropped image)
   std::vector<int64_t> crop;   // X,Y,W,H
