@@ -252,6 +252,7 @@ struct BlockCtx {
   int64_t H, W, C, heads, hd, hid;
   float ln_eps, std_eps, threshold;
   int threads;
+  AttentionProbe* probe = nullptr;  // set for the probed block only (UpscaleOptions::probe)
 };
 
 // Swin region label of a (rolled) position along one axis: 0, 1 or 2.
@@ -262,7 +263,7 @@ void probe_window(const BlockW& b, const BlockCtx& cx, const float* y, int64_t n
                   bool routed, AttentionProbe* probe);
 
 void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const uint8_t* routing_in,
-               uint8_t* routed_out, float* gates_out, int64_t* n_routed, AttentionProbe* probe) {
+               uint8_t* routed_out, float* gates_out, int64_t* n_routed) {
   const int64_t H = cx.H, W = cx.W, C = cx.C, HW = H * W;
   // 1. cheap path: y += pw(gelu(dw(y)))
   {
@@ -315,9 +316,9 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
     if (r) routed.push_back(n);
   }
   *n_routed += int64_t(routed.size());
-  if (probe) {
-    const int64_t n = probe->window;
-    probe_window(b, cx, y, n, gate, std::binary_search(routed.begin(), routed.end(), n), probe);
+  if (cx.probe) {
+    const int64_t n = cx.probe->window;
+    probe_window(b, cx, y, n, gate, std::binary_search(routed.begin(), routed.end(), n), cx.probe);
   }
   // Swin mask: a window needs one iff it touches the last window row/column of a shifted block.
   auto needs_mask = [&](int64_t n) { return s > 0 && (n / nwx == nwy - 1 || n % nwx == nwx - 1); };
@@ -486,11 +487,11 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
   for (const GroupW& g : P.groups) {
     std::vector<float> y_in = y;
     for (const BlockW& b : g.blocks) {
+      cx.probe = options.probe && options.probe->block == block_index ? options.probe : nullptr;
       const int64_t nW = (H / b.ws) * (W / b.ws);
       run_block(b, cx, y.data(), dense, options.routing_in ? options.routing_in->data() + offset : nullptr,
                 options.routing_out ? options.routing_out->data() + offset : nullptr,
-                options.gates_out ? options.gates_out->data() + offset : nullptr, &routed,
-                options.probe && options.probe->block == block_index ? options.probe : nullptr);
+                options.gates_out ? options.gates_out->data() + offset : nullptr, &routed);
       offset += nW;
       ++block_index;
     }
