@@ -25,6 +25,12 @@ struct ProfileOptions {
   std::vector<int64_t> lengths = {256, 512, 1024};  // L (Lq = Lk)
   std::vector<int64_t> heads = {4, 8};
   std::vector<std::string> kernels = {"reference"};  // names from kernel_names()
+  // Sparse and linear attention, profiled beside the kernels: a sparse::Pattern spec (docs/sparse.md syntax, e.g.
+  // "SlidingWindow(128, 128)", "BlockTopK(64, 8)") run through sparse::sparse_attention, or "linear:elu" /
+  // "linear:favor+" run through sparse::linear_attention. Listed in the results under the pattern's repr() (or
+  // the linear name). causal applies to linear attention; for a pattern, write causality into it
+  // ("SlidingWindow(128, 0)"): causal with a pattern is an error.
+  std::vector<std::string> patterns;
   int64_t batch = 1, head_dim = 64;
   int repeats = 3;
   bool causal = false;
@@ -43,10 +49,12 @@ struct ProfilePoint {
   std::string error;          // non-empty when the point could not run (unsupported, over the memory limit, ...)
 };
 
-// Runs the sweep. Throws sattn::Error naming the unknown kernel and listing the registered ones.
+// Runs the sweep. Throws sattn::Error naming the unknown kernel and listing the registered ones, or the bad
+// pattern spec (with the position of the error).
 std::vector<ProfilePoint> run_profile(const ProfileOptions& options);
 
-// CSV with the header kernel,L,heads,ms,peak_mib,analytic_mib (failed points have empty numbers).
+// CSV with the header kernel,L,heads,ms,peak_mib,analytic_mib (failed points have empty numbers); a kernel
+// name with a comma or quote (a pattern) is quoted as RFC 4180 says.
 std::string profile_to_csv(const std::vector<ProfilePoint>& points);
 // A fixed-width table for the terminal.
 std::string profile_to_table(const std::vector<ProfilePoint>& points);

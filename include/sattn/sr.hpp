@@ -62,6 +62,35 @@ enum class AttentionMode { kDense, kSparse };
 AttentionMode parse_attention_mode(const std::string& text);  // "dense" | "sparse"
 const char* to_string(AttentionMode mode);
 
+// Where the window blocks of the model sit on a padded input (sattn viz --image draws them). Blocks are numbered
+// in order over all groups; window n of a block is in partition order (row-major over the rolled image).
+struct BlockGeometry {
+  int64_t group = 0, index = 0;          // group, block inside the group
+  int64_t window = 0, shift = 0;         // window size ws, cyclic shift (ws / 2 on odd blocks, else 0)
+  int64_t windows_y = 0, windows_x = 0;  // windows per column / per row of the padded image
+  int64_t offset = 0;                    // first entry of this block in routing_out / gates_out
+  int64_t height = 0, width = 0;         // the padded image (H, W)
+  int64_t num_windows() const { return windows_y * windows_x; }
+  // The window containing padded-image pixel (y, x).
+  int64_t window_of(int64_t y, int64_t x) const;
+  // Padded-image pixel (y, x) of token l (row-major in the window) of window n: the roll by (-shift, -shift)
+  // undone, so windows of shifted blocks wrap around the bottom/right border.
+  void token_pixel(int64_t n, int64_t l, int64_t* y, int64_t* x) const;
+};
+
+// One window's attention, captured during a forward (UpscaleOptions::probe). The weights are computed from the
+// block's input exactly as the routed path does (LayerNorm, qkv, Swin mask), also when the router skipped the
+// window, so that a flat window's attention can be looked at too.
+struct AttentionProbe {
+  int64_t block = 0;   // global block index (0 .. num_blocks - 1)
+  int64_t window = 0;  // window index in partition order of that block
+  // filled by forward:
+  Tensor weights;  // f32 [heads, L, L], L = ws^2, softmax over keys; 0 where the Swin mask forbids a pair
+  Tensor allowed;  // bool [L, L], the Swin mask (all true for windows that need none)
+  bool routed = false;
+  float gate = 0;
+};
+
 struct UpscaleOptions {
   AttentionMode mode = AttentionMode::kSparse;
   int num_threads = 0;  // 0 = SATTN_NUM_THREADS or all cores
@@ -77,6 +106,8 @@ struct UpscaleOptions {
   std::vector<uint8_t>* routing_out = nullptr;
   // If set: receives the router gates g (same layout as routing_out; untiled only).
   std::vector<float>* gates_out = nullptr;
+  // If set (untiled only): receives the attention of one window of one block (see AttentionProbe).
+  AttentionProbe* probe = nullptr;
   // Called after each tile with (tiles done, tiles total).
   std::function<void(int64_t, int64_t)> progress;
 };
@@ -109,6 +140,10 @@ class SrModel {
   // Pixels (LR) beyond which an input pixel cannot influence an output pixel: sum over blocks of (window - 1)
   // plus one per 3x3 convolution (70 for the default configuration).
   int64_t receptive_radius() const;
+  // Padded size (H, W) of an h x w input (reflect-padded bottom/right to a multiple of pad_multiple) and the
+  // geometry of every block on it, in block order.
+  void padded_size(int64_t h, int64_t w, int64_t* H, int64_t* W) const;
+  std::vector<BlockGeometry> block_geometry(int64_t h, int64_t w) const;
 
   // x: f32 [3, h, w] RGB in [0, 1] (h, w > pad_multiple / 2... the reflect pad needs h, w > pad amount).
   // Returns the unclamped model output f32 [3, s*h, s*w] (the PyTorch model's forward), untiled.

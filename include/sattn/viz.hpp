@@ -102,6 +102,32 @@ Image render_heatmap_grid(const std::vector<Matrix>& panels, const std::vector<s
 Image render_query_focus(const Matrix& rows, const std::vector<std::string>& row_labels, const std::string& title,
                          const HeatmapStyle& style);
 
+// A vertical colour bar `height` pixels tall with its top-left at (x, y): min/middle/max labels and a vertical
+// caption `label`; colourbar_width says how wide it is drawn.
+void draw_colorbar(Image& image, int x, int y, int height, double vmin, double vmax, Colormap cmap,
+                   const std::string& label, int scale = 2);
+int colorbar_width(double vmin, double vmax, const std::string& label, int scale = 2);
+
+// ---- pictures over a photograph (sattn viz --image) ----------------------------------------------------------
+// Each source pixel becomes a factor x factor block (nearest neighbour).
+Image magnify(const Image& image, int factor);
+// Mixes colour c into the pixel at (x, y): (1 - alpha) * old + alpha * c. Outside the image: ignored.
+void blend_pixel(Image& image, int x, int y, Rgb c, double alpha);
+// The luminance of each pixel, as grey, mixed with white by `fade` in [0, 1] (a muted backdrop for overlays).
+Image faded_gray(const Image& image, double fade);
+// Panels (same size or not) in a grid of `columns` per row, each with its caption above, a title over the whole
+// figure and, if `colorbar` is set, one colour bar on the right for [vmin, vmax] in `cmap`.
+struct PanelGridStyle {
+  std::string title;
+  bool colorbar = false;
+  double vmin = 0, vmax = 1;
+  Colormap cmap = Colormap::kViridis;
+  std::string colorbar_label;
+  std::vector<std::string> legend;  // extra lines under the title (small font)
+};
+Image render_panel_grid(const std::vector<Image>& panels, const std::vector<std::string>& captions, int columns,
+                        const PanelGridStyle& style);
+
 // ---- line plots --------------------------------------------------------------------------------------------
 struct Series {
   std::string name;

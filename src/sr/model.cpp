@@ -149,6 +149,43 @@ int64_t SrModel::receptive_radius() const {
   return r;
 }
 
+void SrModel::padded_size(int64_t h, int64_t w, int64_t* H, int64_t* W) const {
+  const int64_t pm = config_.pad_multiple;
+  *H = h + (pm - h % pm) % pm;
+  *W = w + (pm - w % pm) % pm;
+}
+
+std::vector<BlockGeometry> SrModel::block_geometry(int64_t h, int64_t w) const {
+  int64_t H = 0, W = 0;
+  padded_size(h, w, &H, &W);
+  std::vector<BlockGeometry> out;
+  int64_t offset = 0;
+  for (size_t g = 0; g < config_.groups.size(); ++g)
+    for (size_t b = 0; b < config_.groups[g].size(); ++b) {
+      BlockGeometry bg;
+      bg.group = int64_t(g), bg.index = int64_t(b);
+      bg.window = config_.groups[g][b];
+      bg.shift = b % 2 == 1 ? bg.window / 2 : 0;
+      bg.windows_y = H / bg.window, bg.windows_x = W / bg.window;
+      bg.offset = offset;
+      bg.height = H, bg.width = W;
+      offset += bg.num_windows();
+      out.push_back(bg);
+    }
+  return out;
+}
+
+int64_t BlockGeometry::window_of(int64_t y, int64_t x) const {
+  // the block rolls by (-shift, -shift): pixel p sits at rolled position (p - shift) mod size
+  const int64_t ry = ((y - shift) % height + height) % height, rx = ((x - shift) % width + width) % width;
+  return (ry / window) * windows_x + rx / window;
+}
+
+void BlockGeometry::token_pixel(int64_t n, int64_t l, int64_t* y, int64_t* x) const {
+  *y = ((n / windows_x) * window + l / window + shift) % height;
+  *x = ((n % windows_x) * window + l % window + shift) % width;
+}
+
 int64_t SrModel::num_parameters() const {
   int64_t n = 0;
   for (const auto& [k, t] : weights_) n += t.numel();
@@ -215,12 +252,16 @@ struct BlockCtx {
   int64_t H, W, C, heads, hd, hid;
   float ln_eps, std_eps, threshold;
   int threads;
+  AttentionProbe* probe = nullptr;  // set for the probed block only (UpscaleOptions::probe)
 };
 
 // Swin region label of a (rolled) position along one axis: 0, 1 or 2.
 inline int region(int64_t p, int64_t n, int64_t ws, int64_t s) { return p < n - ws ? 0 : (p < n - s ? 1 : 2); }
 
 // One window block, in place on y [H, W, C]. `decide` fills routed[] for the block's windows (nW of them).
+void probe_window(const BlockW& b, const BlockCtx& cx, const float* y, int64_t n, const std::vector<float>& gate,
+                  bool routed, AttentionProbe* probe);
+
 void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const uint8_t* routing_in,
                uint8_t* routed_out, float* gates_out, int64_t* n_routed) {
   const int64_t H = cx.H, W = cx.W, C = cx.C;
@@ -268,6 +309,10 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
     if (r) routed.push_back(n);
   }
   *n_routed += int64_t(routed.size());
+  if (cx.probe) {
+    const int64_t n = cx.probe->window;
+    probe_window(b, cx, y, n, gate, std::binary_search(routed.begin(), routed.end(), n), cx.probe);
+  }
   // Swin mask: a window needs one iff it touches the last window row/column of a shifted block.
   auto needs_mask = [&](int64_t n) { return s > 0 && (n / nwx == nwy - 1 || n % nwx == nwx - 1); };
   // 6. routed windows, in chunks of ~1024 tokens (each chunk serial inside; chunks in parallel). Results do not
@@ -365,6 +410,42 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
   });
 }
 
+// The attention weights of window n of block b, from the block input y (before the block's routed update), as the
+// routed path computes them: tokens gathered after the roll, LayerNorm 1, qkv, the Swin mask where needed, and
+// scaled_dot_product_attention (need_weights). Runs only for an inspection probe, never on the normal path.
+void probe_window(const BlockW& b, const BlockCtx& cx, const float* y, int64_t n, const std::vector<float>& gate,
+                  bool routed, AttentionProbe* probe) {
+  const int64_t H = cx.H, W = cx.W, C = cx.C, ws = b.ws, s = b.shifted ? ws / 2 : 0, L = ws * ws;
+  const int64_t nwx = W / ws, wy = n / nwx, wx = n % nwx, heads = cx.heads, hd = cx.hd;
+  std::vector<float> xw(size_t(L * C)), a(size_t(L * C)), qkv(size_t(L * 3 * C));
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t py = (wy * ws + l / ws + s) % H, px = (wx * ws + l % ws + s) % W;
+    std::memcpy(&xw[size_t(l * C)], y + (py * W + px) * C, size_t(C) * sizeof(float));
+  }
+  nn::layer_norm(xw.data(), L, C, b.n1_w.data(), b.n1_b.data(), cx.ln_eps, a.data());
+  nn::linear(a.data(), L, C, b.qkv.data(), b.qkv_b.data(), 3 * C, qkv.data(), 1);
+  const Shape shape{1, heads, L, hd}, strides{L * 3 * C, hd, 3 * C, 1};
+  TensorView q(qkv.data(), DType::kF32, shape, strides), k(qkv.data() + C, DType::kF32, shape, strides),
+      v(qkv.data() + 2 * C, DType::kF32, shape, strides);
+  Tensor out(DType::kF32, {1, heads, L, hd});
+  probe->weights = Tensor(DType::kF32, {heads, L, L});
+  probe->allowed = Tensor(DType::kBool, {L, L});
+  uint8_t* m = probe->allowed.data<uint8_t>();
+  std::vector<int> lab(static_cast<size_t>(L));
+  for (int64_t l = 0; l < L; ++l)
+    lab[size_t(l)] = 3 * region(wy * ws + l / ws, H, ws, s) + region(wx * ws + l % ws, W, ws, s);
+  for (int64_t qi = 0; qi < L; ++qi)
+    for (int64_t kj = 0; kj < L; ++kj) m[qi * L + kj] = lab[size_t(qi)] == lab[size_t(kj)];
+  AttentionOptions opt;
+  opt.num_threads = 1;
+  opt.attn_mask = TensorView(m, DType::kBool, Shape{1, 1, L, L});
+  scaled_dot_product_attention(q, k, v, opt,
+                               AttentionOutputs{out.view(), {}, TensorView(probe->weights.data<float>(), DType::kF32,
+                                                                           Shape{1, heads, L, L})});
+  probe->routed = routed;
+  probe->gate = gate[size_t(n)];
+}
+
 }  // namespace
 
 Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleStats* stats) const {
@@ -389,6 +470,15 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
     check(int64_t(options.routing_in->size()) == total_windows, ErrorKind::kInvalidArgument,
           "routing decisions: expected ", total_windows, " values (windows of all blocks for a ", W, "x", H,
           " padded input), given ", options.routing_in->size());
+  }
+  if (options.probe) {
+    const std::vector<BlockGeometry> geo = block_geometry(h, w);
+    const int64_t nb = int64_t(geo.size()), pb = options.probe->block;
+    check(pb >= 0 && pb < nb, ErrorKind::kInvalidArgument, "attention probe: block must be in [0, ", nb,
+          "), given ", pb);
+    const int64_t nw = geo[size_t(pb)].num_windows(), pw = options.probe->window;
+    check(pw >= 0 && pw < nw, ErrorKind::kInvalidArgument, "attention probe: window of block ", pb,
+          " must be in [0, ", nw, ") for a ", W, "x", H, " padded input, given ", pw);
   }
   if (options.routing_out) options.routing_out->assign(size_t(total_windows), 0);
   if (options.gates_out) options.gates_out->assign(size_t(total_windows), 0.0f);
@@ -417,15 +507,17 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
   ew([&](int64_t i0, int64_t i1) { std::memcpy(y + i0, feat + i0, size_t(i1 - i0) * sizeof(float)); });
   BlockCtx cx{H, W, C, c.heads, c.head_dim, c.mlp_hidden, float(c.layer_norm_eps), float(c.router_std_eps),
               float(c.route_threshold), threads};
-  int64_t offset = 0, routed = 0;
+  int64_t offset = 0, routed = 0, block_index = 0;
   for (const GroupW& g : P.groups) {
     ew([&](int64_t i0, int64_t i1) { std::memcpy(y_in + i0, y + i0, size_t(i1 - i0) * sizeof(float)); });
     for (const BlockW& b : g.blocks) {
+      cx.probe = options.probe && options.probe->block == block_index ? options.probe : nullptr;
       const int64_t nW = (H / b.ws) * (W / b.ws);
       run_block(b, cx, y, dense, options.routing_in ? options.routing_in->data() + offset : nullptr,
                 options.routing_out ? options.routing_out->data() + offset : nullptr,
                 options.gates_out ? options.gates_out->data() + offset : nullptr, &routed);
       offset += nW;
+      ++block_index;
     }
     // group tail: y = y_in + pw(dw(y))
     nn::dw_act_pw_hwc(y, H, W, C, g.dw.data(), g.dw_b.data(), false, g.pw.data(), g.pw_b.data(), y_in, y, threads);
@@ -509,7 +601,8 @@ Image SrModel::upscale(const Image& lr, const UpscaleOptions& options, UpscaleSt
         options.tile);
   check(options.overlap >= -1, ErrorKind::kInvalidArgument, "upscale: overlap must be >= 0 (or -1 = auto), given ",
         options.overlap);
-  check(!options.routing_in && !options.routing_out && !options.gates_out, ErrorKind::kInvalidArgument,
+  check(!options.routing_in && !options.routing_out && !options.gates_out && !options.probe,
+        ErrorKind::kInvalidArgument,
         "upscale: routing input/output needs an untiled run (tile 0)");
   const int64_t T = options.tile, O = options.overlap < 0 ? receptive_radius() : options.overlap;
   const int threads = resolve_num_threads(options.num_threads);

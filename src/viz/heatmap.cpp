@@ -123,14 +123,14 @@ void draw_ticks(Image& img, int ox, int oy, int64_t rows, int64_t cols, const Fi
 int ytick_label_width(int64_t rows, int scale) { return text_width(std::to_string(std::max<int64_t>(rows - 1, 0)), scale); }
 
 // A vertical colour bar of `height` pixels with three value labels and a vertical caption; returns its width.
-int colorbar_width(double vmin, double vmax, const std::string& label, int scale) {
+int colorbar_width_impl(double vmin, double vmax, const std::string& label, int scale) {
   int w = 0;
   for (double v : {vmin, (vmin + vmax) / 2, vmax}) w = std::max(w, text_width(format_value(v), scale));
   return 16 + 8 + w + (label.empty() ? 0 : 6 + text_height(scale) + 2 * scale);
 }
 
-void draw_colorbar(Image& img, int ox, int oy, int height, double vmin, double vmax, Colormap cmap,
-                   const std::string& label, int scale) {
+void draw_colorbar_impl(Image& img, int ox, int oy, int height, double vmin, double vmax, Colormap cmap,
+                        const std::string& label, int scale) {
   const int bar_w = 16;
   for (int y = 0; y < height; ++y) {
     const double t = 1.0 - double(y) / std::max(1, height - 1);
@@ -153,6 +153,14 @@ void draw_colorbar(Image& img, int ox, int oy, int height, double vmin, double v
 
 }  // namespace
 
+void draw_colorbar(Image& image, int x, int y, int height, double vmin, double vmax, Colormap cmap,
+                   const std::string& label, int scale) {
+  draw_colorbar_impl(image, x, y, height, vmin, vmax, cmap, label, scale);
+}
+int colorbar_width(double vmin, double vmax, const std::string& label, int scale) {
+  return colorbar_width_impl(vmin, vmax, label, scale);
+}
+
 Image render_heatmap(const Matrix& m, const HeatmapStyle& style) {
   check(m.rows > 0 && m.cols > 0 && m.data.size() == size_t(m.rows * m.cols), ErrorKind::kInvalidArgument,
         "heatmap: expected a non-empty matrix, got ", m.rows, "x", m.cols);
@@ -165,7 +173,7 @@ Image render_heatmap(const Matrix& m, const HeatmapStyle& style) {
   const int left = 8 + th + 8 + ytick_label_width(m.rows, fs) + 3 * fs + 6;
   const int top = (style.title.empty() ? 10 : th + 20);
   const int bottom = 3 * fs + 6 + th + 10 + th + 10;
-  const int right = style.colorbar ? 24 + colorbar_width(vmin, vmax, style.colorbar_label, fs) + 10 : 14;
+  const int right = style.colorbar ? 24 + colorbar_width_impl(vmin, vmax, style.colorbar_label, fs) + 10 : 14;
   const int title_w = text_width(style.title, fs);
   const int width = std::max(left + f.width + right, title_w + 20);
   Image img(width, top + f.height + bottom);
@@ -176,7 +184,7 @@ Image render_heatmap(const Matrix& m, const HeatmapStyle& style) {
             style.xlabel, kText, fs);
   draw_text_vertical(img, 8, top + (f.height - text_width(style.ylabel, fs)) / 2, style.ylabel, kText, fs);
   if (style.colorbar)
-    draw_colorbar(img, left + f.width + 24, top, f.height, vmin, vmax, style.cmap, style.colorbar_label, fs);
+    draw_colorbar_impl(img, left + f.width + 24, top, f.height, vmin, vmax, style.cmap, style.colorbar_label, fs);
   return img;
 }
 
@@ -207,7 +215,7 @@ Image render_heatmap_grid(const std::vector<Matrix>& panels, const std::vector<s
   const int cell_h = bth + 10 + f.height + 3 * fs + 4 + th + 10;
   const int left = 8 + bth + 10, top = (style.title.empty() ? 8 : bth + 18);
   const int grid_w = cols * cell_w, grid_h = nrows * cell_h;
-  const int right = style.colorbar ? 16 + colorbar_width(vmin, vmax, style.colorbar_label, big) + 10 : 10;
+  const int right = style.colorbar ? 16 + colorbar_width_impl(vmin, vmax, style.colorbar_label, big) + 10 : 10;
   const int bottom = bth + 14;
   const int width = std::max(left + grid_w + right, text_width(style.title, big) + 20);
   Image img(width, top + grid_h + bottom);
@@ -223,7 +231,7 @@ Image render_heatmap_grid(const std::vector<Matrix>& panels, const std::vector<s
   draw_text(img, left + (grid_w - text_width(style.xlabel, big)) / 2, top + grid_h + 4, style.xlabel, kText, big);
   draw_text_vertical(img, 8, top + (grid_h - text_width(style.ylabel, big)) / 2, style.ylabel, kText, big);
   if (style.colorbar)
-    draw_colorbar(img, left + grid_w + 16, top + bth + 10,
+    draw_colorbar_impl(img, left + grid_w + 16, top + bth + 10,
                   std::max(f.height, std::min(grid_h - bth - 30, 3 * f.height)), vmin, vmax, style.cmap,
                   style.colorbar_label, big);
   return img;
@@ -248,7 +256,7 @@ Image render_query_focus(const Matrix& rows, const std::vector<std::string>& row
   const int top = title.empty() ? 10 : th + 22;
   const int plot_h = int(rows.rows) * (row_h + gap);
   const int bottom = 3 * fs + 8 + th + 10 + th + 12;
-  const int right = style.colorbar ? 24 + colorbar_width(vmin, vmax, style.colorbar_label, fs) + 10 : 14;
+  const int right = style.colorbar ? 24 + colorbar_width_impl(vmin, vmax, style.colorbar_label, fs) + 10 : 14;
   const int width = std::max(left + plot_w + right, text_width(title, fs) + 20);
   Image img(width, top + plot_h + bottom);
   if (!title.empty()) draw_text(img, (width - text_width(title, fs)) / 2, 8, title, kText, fs);
@@ -286,7 +294,7 @@ Image render_query_focus(const Matrix& rows, const std::vector<std::string>& row
   draw_text(img, left + (plot_w - text_width(style.xlabel, fs)) / 2, axis_y + 5 + 3 * fs + 3 + th + 10, style.xlabel,
             kText, fs);
   if (style.colorbar)
-    draw_colorbar(img, left + plot_w + 24, top, plot_h - gap, vmin, vmax, style.cmap, style.colorbar_label, fs);
+    draw_colorbar_impl(img, left + plot_w + 24, top, plot_h - gap, vmin, vmax, style.cmap, style.colorbar_label, fs);
   return img;
 }
 

@@ -9,10 +9,15 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
+#include <optional>
 #include <sstream>
 
 #include "sattn/attention.hpp"
 #include "sattn/error.hpp"
+#include "sattn/linear.hpp"
+#include "sattn/patterns.hpp"
+#include "sattn/sparse.hpp"
 
 namespace sattn {
 namespace {
@@ -52,7 +57,16 @@ void fill_random(Tensor& t, uint32_t seed) {
   }
 }
 
-ChildResult measure_point(const ProfileOptions& o, const std::string& kernel, int64_t L, int64_t heads) {
+// What one profiled entry runs: a registered kernel, a sparse pattern, or linear attention.
+struct Entry {
+  std::string label;
+  enum class Kind { kKernel, kPattern, kLinear } kind = Kind::kKernel;
+  std::string name;  // kernel name, pattern spec, or feature map
+};
+
+constexpr const char* kLinearPrefix = "linear:";
+
+ChildResult measure_point(const ProfileOptions& o, const Entry& entry, int64_t L, int64_t heads) {
   ChildResult r;
   try {
     Tensor q(DType::kF32, {o.batch, heads, L, o.head_dim}), k(DType::kF32, {o.batch, heads, L, o.head_dim});
@@ -61,20 +75,40 @@ ChildResult measure_point(const ProfileOptions& o, const std::string& kernel, in
     fill_random(k, 2);
     fill_random(v, 3);
     AttentionOptions opt;
-    opt.kernel = kernel;
     opt.causal = o.causal ? Causal::kTopLeft : Causal::kNone;
     opt.num_threads = o.num_threads;
     AttentionOutputs outs{out.view(), {}, {}};
+    std::function<void()> forward;
+    std::optional<sparse::Pattern> pattern;
+    sparse::SparseOptions so;
+    sparse::LinearOptions lo;
+    switch (entry.kind) {
+      case Entry::Kind::kKernel:
+        opt.kernel = entry.name;
+        forward = [&] { scaled_dot_product_attention(q, k, v, opt, outs); };
+        break;
+      case Entry::Kind::kPattern:
+        pattern = sparse::Pattern::parse(entry.name);
+        so.num_threads = o.num_threads;
+        forward = [&] { sparse::sparse_attention(q, k, v, *pattern, so, out); };
+        break;
+      case Entry::Kind::kLinear:
+        lo.feature_map = entry.name;
+        lo.causal = o.causal;
+        lo.num_threads = o.num_threads;
+        forward = [&] { sparse::linear_attention(q, k, v, lo, out); };
+        break;
+    }
     const bool cleared = reset_peak_rss();
     const double before = cleared ? status_bytes("VmRSS") : status_bytes("VmHWM");
-    scaled_dot_product_attention(q, k, v, opt, outs);
+    forward();
     const double after = status_bytes("VmHWM");
     r.method = cleared ? 1 : 2;
     r.peak_bytes = (before >= 0 && after >= 0) ? std::max(0.0, after - before) : -1;
     std::vector<double> times;
     for (int rep = 0; rep < std::max(1, o.repeats); ++rep) {
       const auto t0 = std::chrono::steady_clock::now();
-      scaled_dot_product_attention(q, k, v, opt, outs);
+      forward();
       const auto t1 = std::chrono::steady_clock::now();
       times.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
     }
@@ -92,10 +126,27 @@ std::vector<ProfilePoint> run_profile(const ProfileOptions& o) {
   const std::vector<std::string> names = kernel_names();
   std::string available;
   for (const auto& n : names) available += (available.empty() ? "" : ", ") + n;
-  check(!o.kernels.empty(), ErrorKind::kInvalidArgument, "kernels: expected at least one of: ", available);
-  for (const auto& k : o.kernels)
+  check(!o.kernels.empty() || !o.patterns.empty(), ErrorKind::kInvalidArgument,
+        "kernels: expected at least one of: ", available, " (or a sparse pattern)");
+  std::vector<Entry> entries;
+  for (const auto& k : o.kernels) {
     check(std::find(names.begin(), names.end(), k) != names.end(), ErrorKind::kInvalidArgument, "kernels: '", k,
           "' is not a registered kernel; available: ", available);
+    entries.push_back({k, Entry::Kind::kKernel, k});
+  }
+  for (const auto& spec : o.patterns) {
+    if (spec.rfind(kLinearPrefix, 0) == 0) {
+      const std::string fm = spec.substr(std::strlen(kLinearPrefix));
+      check(fm == "elu" || fm == "favor+", ErrorKind::kInvalidArgument, "patterns: '", spec,
+            "': expected linear:elu or linear:favor+");
+      entries.push_back({spec, Entry::Kind::kLinear, fm});
+      continue;
+    }
+    const sparse::Pattern p = sparse::Pattern::parse(spec);  // throws with the position of a syntax error
+    check(!o.causal, ErrorKind::kInvalidArgument, "patterns: '", spec, "' with causal: write causality into the "
+          "pattern instead (e.g. \"SlidingWindow(128, 0)\" or \"TopK(8) & SlidingWindow(-1, 0)\")");
+    entries.push_back({p.repr(), Entry::Kind::kPattern, spec});
+  }
   check(!o.lengths.empty() && !o.heads.empty(), ErrorKind::kInvalidArgument, "L/heads: expected at least one value each");
   for (int64_t L : o.lengths) check(L >= 1, ErrorKind::kInvalidArgument, "L: expected lengths >= 1, got ", L);
   for (int64_t h : o.heads) check(h >= 1, ErrorKind::kInvalidArgument, "heads: expected heads >= 1, got ", h);
@@ -104,18 +155,18 @@ std::vector<ProfilePoint> run_profile(const ProfileOptions& o) {
   check(o.repeats >= 1 && o.repeats <= 1000, ErrorKind::kInvalidArgument, "repeats: expected 1..1000, got ", o.repeats);
 
   std::vector<ProfilePoint> points;
-  const size_t total = o.kernels.size() * o.lengths.size() * o.heads.size();
+  const size_t total = entries.size() * o.lengths.size() * o.heads.size();
   size_t index = 0;
-  for (const auto& kernel : o.kernels)
+  for (const Entry& entry : entries)
     for (int64_t heads : o.heads)
       for (int64_t L : o.lengths) {
         ProfilePoint pt;
-        pt.kernel = kernel;
+        pt.kernel = entry.label;
         pt.length = L;
         pt.heads = heads;
         pt.analytic_mib = double(o.batch) * double(heads) * double(L) * double(L) * 4.0 / (1024.0 * 1024.0);
         if (o.progress)
-          o.progress(index, total, kernel + " L=" + std::to_string(L) + " heads=" + std::to_string(heads));
+          o.progress(index, total, entry.label + " L=" + std::to_string(L) + " heads=" + std::to_string(heads));
         ++index;
         int fds[2];
         check(pipe(fds) == 0, ErrorKind::kInternal, "profile: pipe() failed: ", std::strerror(errno));
@@ -128,7 +179,7 @@ std::vector<ProfilePoint> run_profile(const ProfileOptions& o) {
         }
         if (pid == 0) {  // child: measure, write the result, leave without running atexit handlers
           close(fds[0]);
-          const ChildResult r = measure_point(o, kernel, L, heads);
+          const ChildResult r = measure_point(o, entry, L, heads);
           const char* p = reinterpret_cast<const char*>(&r);
           size_t left = sizeof r;
           while (left > 0) {
@@ -173,7 +224,14 @@ std::string profile_to_csv(const std::vector<ProfilePoint>& points) {
   std::ostringstream os;
   os << "kernel,L,heads,ms,peak_mib,analytic_mib\n";
   for (const auto& p : points) {
-    os << p.kernel << "," << p.length << "," << p.heads << ",";
+    if (p.kernel.find_first_of(",\"\n") == std::string::npos) {
+      os << p.kernel;
+    } else {  // RFC 4180: quoted, quotes doubled
+      os << '"';
+      for (char c : p.kernel) os << (c == '"' ? "\"\"" : std::string(1, c));
+      os << '"';
+    }
+    os << "," << p.length << "," << p.heads << ",";
     if (p.error.empty()) os << p.ms << "," << p.peak_mib << ",";
     else os << ",,";
     os << p.analytic_mib << "\n";
@@ -183,16 +241,18 @@ std::string profile_to_csv(const std::vector<ProfilePoint>& points) {
 
 std::string profile_to_table(const std::vector<ProfilePoint>& points) {
   std::ostringstream os;
-  char buf[512];
-  std::snprintf(buf, sizeof buf, "%-12s %7s %6s %12s %12s %14s\n", "kernel", "L", "heads", "ms", "peak MiB",
+  char buf[1024];
+  int kw = 12;  // the kernel column fits the longest name (patterns are long)
+  for (const auto& p : points) kw = std::max(kw, int(std::min<size_t>(p.kernel.size(), 120)));
+  std::snprintf(buf, sizeof buf, "%-*s %7s %6s %12s %12s %14s\n", kw, "kernel", "L", "heads", "ms", "peak MiB",
                 "analytic MiB");
   os << buf;
   for (const auto& p : points) {
     if (p.error.empty())
-      std::snprintf(buf, sizeof buf, "%-12s %7lld %6lld %12.3f %12.2f %14.2f\n", p.kernel.c_str(),
+      std::snprintf(buf, sizeof buf, "%-*s %7lld %6lld %12.3f %12.2f %14.2f\n", kw, p.kernel.c_str(),
                     (long long)p.length, (long long)p.heads, p.ms, p.peak_mib, p.analytic_mib);
     else
-      std::snprintf(buf, sizeof buf, "%-12s %7lld %6lld %12s %12s %14.2f  (%.300s)\n", p.kernel.c_str(),
+      std::snprintf(buf, sizeof buf, "%-*s %7lld %6lld %12s %12s %14.2f  (%.300s)\n", kw, p.kernel.c_str(),
                     (long long)p.length, (long long)p.heads, "-", "-", p.analytic_mib, p.error.c_str());
     os << buf;
   }

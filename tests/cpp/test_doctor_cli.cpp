@@ -96,3 +96,29 @@ TEST(DoctorCli, BadUsageExitsTwo) {
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("attn_mask"), std::string::npos) << r.err;
 }
+
+TEST(DoctorCli, PlotDrawsFindingsInTheFlagColourOnlyWhenThereAreFindings) {
+  ASSERT_TRUE(have_binary());
+  const std::string dir = temp_dir("doctor_plot");
+  auto count_flag = [](const Decoded& d) {  // the vermillion of flagged bars and finding lines
+    int64_t n = 0;
+    for (size_t p = 0; p + 2 < d.rgb.size(); p += 3) n += d.rgb[p] == 213 && d.rgb[p + 1] == 94 && d.rgb[p + 2] == 0;
+    return n;
+  };
+  RunResult r = run_sattn("doctor --example --scale 1 --plot sick.png", dir);
+  ASSERT_EQ(r.code, 1) << r.err;
+  const Decoded sick = decode_png_file(dir + "/sick.png");
+  ASSERT_TRUE(sick.ok);
+  EXPECT_GT(sick.width, 900);
+  EXPECT_GT(sick.height, 250);
+  EXPECT_GT(count_flag(sick), 3 * 40 * 100);  // at least three tall flagged bars
+  r = run_sattn("doctor --example --plot healthy.png", dir);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const Decoded healthy = decode_png_file(dir + "/healthy.png");
+  ASSERT_TRUE(healthy.ok);
+  EXPECT_TRUE(healthy.non_constant());
+  EXPECT_EQ(count_flag(healthy), 0);
+  r = run_sattn("doctor --example --plot d.gif", dir);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--plot"), std::string::npos) << r.err;
+}

@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <map>
+#include <sstream>
 
 #include "sattn/io.hpp"
 #include "sattn/mha.hpp"
@@ -224,6 +226,57 @@ TEST(ProfileCli, CsvTableAndPlots) {
   EXPECT_NE(r.err.find("available: "), std::string::npos) << r.err;
   r = run_sattn("profile --L 16 --heads 1 --plot p.gif", dir);
   EXPECT_EQ(r.code, 2);
+}
+
+TEST(ProfileCli, SparsePatternsAndLinearStayFarBelowTheScoreMatrix) {
+  ASSERT_TRUE(have_binary());
+  const std::string dir = temp_dir("profile_sparse");
+  const RunResult r = run_sattn("profile --L 256,1024 --heads 4 --D 8 --repeats 1 --threads 1 --kernels reference "
+                                "--pattern 'SlidingWindow(32,32)' --pattern 'BlockTopK(64, 2)' --pattern linear:elu "
+                                "--csv p.csv --plot p.svg", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string csv = read_text(dir + "/p.csv");
+  // kernel names with commas are quoted (RFC 4180); the pattern's repr() names it
+  std::map<std::string, std::vector<double>> at1024;  // kernel -> peak_mib, analytic_mib
+  std::istringstream lines(csv);
+  std::string line;
+  std::getline(lines, line);
+  while (std::getline(lines, line)) {
+    std::string kernel;
+    size_t pos = 0;
+    if (line[0] == '"') {
+      pos = line.find('"', 1);
+      kernel = line.substr(1, pos - 1);
+      pos += 2;
+    } else {
+      pos = line.find(',');
+      kernel = line.substr(0, pos);
+      pos += 1;
+    }
+    std::vector<std::string> f;
+    std::istringstream rest(line.substr(pos));
+    for (std::string x; std::getline(rest, x, ',');) f.push_back(x);
+    ASSERT_EQ(f.size(), 5u) << line;  // L, heads, ms, peak, analytic
+    ASSERT_FALSE(f[2].empty()) << "point failed: " << line << "\n" << r.out;
+    if (f[0] == "1024") at1024[kernel] = {std::stod(f[3]), std::stod(f[4])};
+  }
+  ASSERT_EQ(at1024.size(), 4u) << csv;
+  for (const char* k : {"SlidingWindow(32, 32)", "BlockTopK(64, 2)", "linear:elu"}) {
+    ASSERT_TRUE(at1024.count(k)) << k << "\n" << csv;
+    EXPECT_DOUBLE_EQ(at1024[k][1], 16.0);        // B*h*L^2*4 bytes = 4 * 1024^2 * 4
+    EXPECT_LT(at1024[k][0], 0.25 * at1024[k][1]) << k;  // sparse memory stays far below the dense score matrix
+  }
+  EXPECT_GE(at1024["reference"][0], 0.9 * 16.0);  // while the reference materialises it
+  EXPECT_NE(read_text(dir + "/p.svg").find("SlidingWindow(32, 32) h=4"), std::string::npos);
+  RunResult bad = run_sattn("profile --L 16 --heads 1 --pattern 'SlidingWindow(2,,3)'", dir);
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.err.find("position 16"), std::string::npos) << bad.err;
+  bad = run_sattn("profile --L 16 --heads 1 --causal --pattern 'SlidingWindow(2, 3)'", dir);
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.err.find("causality into the pattern"), std::string::npos) << bad.err;
+  bad = run_sattn("profile --L 16 --heads 1 --pattern linear:relu", dir);
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.err.find("linear:elu"), std::string::npos) << bad.err;
 }
 
 TEST(ReportCli, ExampleAndGivenInputsMakeOneSelfContainedFile) {

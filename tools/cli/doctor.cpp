@@ -18,6 +18,7 @@ struct DoctorArgs {
   MaskArgs masks;
   bool json = false;
   bool example = false;
+  std::string plot;
 };
 
 void run_doctor(const DoctorArgs& a) {
@@ -35,7 +36,10 @@ void run_doctor(const DoctorArgs& a) {
   LoadedMasks m = load_masks(a.masks);
   DiagnoseOptions d;
   d.expect = parse_expectation(a.expect);
+  check(a.plot.empty() || (a.plot.size() > 4 && a.plot.ends_with(".png")), ErrorKind::kInvalidArgument,
+        "--plot: expected a file name ending in .png, given '", a.plot, "'");
   const Diagnosis dg = diagnose(q, k, v, m.options, d);
+  if (!a.plot.empty()) viz::write_png(a.plot, render_diagnosis(dg, d));
   if (a.json) std::cout << diagnosis_to_json(dg, 2) << "\n";
   else std::cout << diagnosis_to_text(dg);
   std::cout.flush();
@@ -60,6 +64,7 @@ void add_doctor_command(CLI::App& app) {
                   "is and are not applied (the check is whether --mask/--causal hide it); without them, trailing "
                   "all-zero k/v rows are taken as padding")
       ->check(CLI::IsMember({"causal", "padding", "none"}));
+  cmd->add_option("--plot", a->plot, "also draw the findings and per-head statistics as a PNG (bar charts)");
   cmd->add_flag("--json", a->json, "print {\"findings\": [...], \"stats\": {...}} instead of text");
   cmd->callback([a] { run_doctor(*a); });
 }

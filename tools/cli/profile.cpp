@@ -76,6 +76,9 @@ void add_profile_command(CLI::App& app) {
   cmd->add_option("--heads", a->o.heads, "head counts, comma-separated")->delimiter(',')->capture_default_str();
   cmd->add_option("--kernels", a->o.kernels, "kernels to profile, comma-separated (default: every registered one)")
       ->delimiter(',');
+  cmd->add_option("--pattern", a->o.patterns, "also profile sparse attention with this pattern SPEC (docs/sparse.md "
+                                             "syntax, e.g. \"SlidingWindow(128, 128)\", \"BlockTopK(64, 8)\"), or "
+                                             "linear:elu / linear:favor+; repeatable, not comma-split");
   cmd->add_option("--B", a->o.batch, "batch size")->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--D", a->o.head_dim, "head dimension")->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--repeats", a->o.repeats, "timed runs per point (median reported)")->capture_default_str()

@@ -6,6 +6,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/tool_inputs.hpp"
+#include "cli/viz_image.hpp"
 #include "sattn/diagnose.hpp"
 #include "sattn/error.hpp"
 #include "sattn/io.hpp"
@@ -24,6 +25,7 @@ struct ReportArgs {
   ProfileOptions o;
   int64_t query = -1;
   bool no_profile = false;
+  VizImageArgs image;  // --image: the SR model's routing and one window's attention
 };
 
 void run_report(ReportArgs a) {
@@ -51,6 +53,8 @@ void run_report(ReportArgs a) {
     if (a.expect.empty()) a.expect = "causal";
     source = "generated example: B=1, 4 heads, L=48, D=32 (diagonal, 3-back, sink and random heads), causal mask";
   }
+  VizImagePictures sr_pictures;
+  if (!a.image.image.empty()) sr_pictures = render_viz_image(a.image);
   DiagnoseOptions dopt;
   dopt.expect = parse_expectation(a.expect);
   const Diagnosis dg = diagnose(q, k, v, m.options, dopt);
@@ -95,6 +99,14 @@ void run_report(ReportArgs a) {
     << "</pre></details>\n";
   h << "<h2>Attention maps</h2>\n<img alt=\"attention weights per head\" src=\"" << viz::png_data_uri(grid) << "\">\n";
   h << "<h3>Query focus</h3>\n<img alt=\"keys attended by one query\" src=\"" << viz::png_data_uri(focus) << "\">\n";
+  if (!sr_pictures.pictures.empty()) {
+    h << "<h2>Super-resolution model: " << viz::html_escape(a.image.image) << "</h2>\n<p>"
+      << viz::html_escape(sr_pictures.summary) << "</p>\n";
+    for (const auto& [name, img] : sr_pictures.pictures)
+      if (name == "routing.png" || name == "focus.png")
+        h << "<img alt=\"" << (name == "routing.png" ? "routed windows per block" : "a query pixel's attention")
+          << "\" src=\"" << viz::png_data_uri(img) << "\">\n";
+  }
   h << "<h2>Profile</h2>\n";
   if (points.empty()) {
     h << "<p>(not run: --no-profile)</p>\n";
@@ -139,6 +151,12 @@ void add_report_command(CLI::App& app) {
   cmd->add_option("--L", a->o.lengths, "profile: sequence lengths")->delimiter(',')->capture_default_str();
   cmd->add_option("--heads", a->o.heads, "profile: head counts")->delimiter(',')->capture_default_str();
   cmd->add_option("--kernels", a->o.kernels, "profile: kernels (default: every registered one)")->delimiter(',');
+  cmd->add_option("--pattern", a->o.patterns, "profile: also a sparse pattern SPEC or linear:elu (repeatable, see "
+                                             "`sattn profile --help`)");
+  cmd->add_option("--image", a->image.image, "also the SR model on this PNG/JPEG: its routing map and one window's "
+                                            "attention (as `sattn viz --image`)")->check(CLI::ExistingFile);
+  cmd->add_option("--crop", a->image.crop, "with --image: X,Y,W,H")->delimiter(',')->expected(4);
+  cmd->add_option("--at", a->image.at, "with --image: X,Y, the query pixel")->delimiter(',')->expected(2);
   cmd->add_option("--repeats", a->o.repeats, "profile: timed runs per point")->capture_default_str()->check(CLI::Range(1, 1000));
   cmd->add_flag("--no-profile", a->no_profile, "skip the profile section");
   cmd->callback([a] { run_report(*a); });

@@ -7,6 +7,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/tool_inputs.hpp"
+#include "cli/viz_image.hpp"
 #include "sattn/error.hpp"
 #include "sattn/io.hpp"
 #include "sattn/mha.hpp"
@@ -19,7 +20,7 @@ namespace sattn::cli {
 namespace {
 
 struct VizArgs {
-  std::string q, k, out, pattern, image, cmap = "viridis";
+  std::string q, k, out, pattern, cmap = "viridis";
   std::string mha, x, key, value;  // --mha weights.safetensors on --x [--key --value]
   int64_t embed_dim = 0, num_heads = 0;
   bool batch_first = false;
@@ -29,6 +30,7 @@ struct VizArgs {
   double vmax = 0;
   bool has_vmax = false;
   bool example = false;
+  VizImageArgs img;  // --image and its options
 };
 
 // A bool [heads, Lq, Lk] (or [1, Lq, Lk] / [B, Hq, Lq, Lk]) mask as matrices: 1 where a key is allowed, NaN (grey)
@@ -195,9 +197,20 @@ viz::AttentionMaps mha_maps(const VizArgs& a) {
 }
 
 void run_viz(const VizArgs& a) {
-  // Hooks for work that lands on other branches; refuse clearly instead of drawing something misleading.
-  check(a.image.empty(), ErrorKind::kUnsupported, "--image '", a.image,
-        "': attention maps of the super-resolution model are not yet available in this build");
+  if (!a.img.image.empty()) {
+    check(a.q.empty() && a.k.empty() && !a.example && a.mha.empty() && a.pattern.empty() && a.queries.empty() &&
+              a.masks.mask.empty() && a.masks.key_padding.empty() && a.masks.lengths.empty() &&
+              (a.masks.causal.empty() || a.masks.causal == "none") && !a.masks.has_scale && !a.has_vmax,
+          ErrorKind::kInvalidArgument, "--image: draws the SR model's own attention; --q/--k/--example/--mha/--pattern/"
+          "--query/--vmax, --scale (the softmax scale; the model's is --sr-scale) and the mask options do not apply "
+          "(choose the window with --block, --window or --at)");
+    VizImageArgs ia = a.img;
+    ia.out = a.out, ia.cmap = a.cmap, ia.side = a.side, ia.columns = a.columns;
+    run_viz_image(ia);
+    return;
+  }
+  check(a.img.window < 0 && a.img.at.empty() && a.img.crop.empty() && a.img.block.empty() && a.img.weights.empty(),
+        ErrorKind::kInvalidArgument, "--block/--window/--at/--crop/--weights: only with --image");
   viz::HeatmapStyle style;
   style.cmap = viz::parse_colormap(a.cmap);
   if (a.has_vmax) style.vmax = a.vmax;
@@ -299,7 +312,26 @@ void add_viz_command(CLI::App& app) {
   cmd->add_option("--embed-dim", a->embed_dim, "with --mha: embed_dim E");
   cmd->add_option("--num-heads", a->num_heads, "with --mha: num_heads H");
   cmd->add_flag("--batch-first", a->batch_first, "with --mha: inputs are [N, L, E]");
-  cmd->add_option("--image", a->image, "an image through the SR model (not yet available in this build)");
+  cmd->add_option("--image", a->img.image, "a PNG/JPEG through the SR model: writes DIR/head_<h>.png, heads.png (one "
+                                         "window's attention), focus.png (a query pixel's attention over the picture), "
+                                         "routing.png (each block's routed windows), routing.json")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--sr-scale", a->img.sr_scale, "with --image: the model's scale, 2 or 4 (must match the weights; "
+                                                 "default: that of --weights, else 2)");
+  cmd->add_option("--weights", a->img.weights, "with --image: SR weights .safetensors (default: embedded / "
+                                               "sr/weights/)")->check(CLI::ExistingFile);
+  cmd->add_option("--attention", a->img.attention, "with --image: sparse (the router decides) or dense (every "
+                                                   "window)")->check(CLI::IsMember({"sparse", "dense"}))
+      ->capture_default_str();
+  cmd->add_option("--block", a->img.block, "with --image: the block G.B whose window is drawn (default: the first "
+                                           "block of the last group)");
+  cmd->add_option("--window", a->img.window, "with --image: window index of that block (partition order)");
+  cmd->add_option("--at", a->img.at, "with --image: X,Y, an LR pixel: the query, and the window that holds it "
+                                     "(default: the image centre)")->delimiter(',')->expected(2);
+  cmd->add_option("--crop", a->img.crop, "with --image: X,Y,W,H, run on this part of the image")->delimiter(',')
+      ->expected(4);
+  cmd->add_option("--max-pixels", a->img.max_pixels, "with --image: refuse larger images (after --crop)")
+      ->capture_default_str();
   cmd->add_option("--query", a->queries, "query index for a focus view (repeatable; default Lq/2)");
   cmd->add_option("--cmap", a->cmap, "colour map")->check(CLI::IsMember({"viridis", "magma", "gray"}));
   cmd->add_option("--columns", a->columns, "panels per row in heads.png (default min(Hq, 4))")->check(CLI::Range(1, 64));

@@ -1,0 +1,394 @@
+// `sattn viz --image`: runs the SattnSR model on a picture and draws, over the picture, what its window attention
+// does: one window's per-head attention maps, a query pixel's attention over the window's pixels, and every
+// block's router decisions (which windows get attention: textures, not flat regions).
+#include "cli/viz_image.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <limits>
+#include <optional>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/sr_weights.hpp"
+#include "sattn/error.hpp"
+#include "sattn/sr.hpp"
+#include "sattn/viz.hpp"
+
+namespace sattn::cli {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr viz::Rgb kQueryMark{230, 30, 30};
+constexpr viz::Rgb kEdge{30, 30, 30};
+
+// --weights FILE, else the embedded weights, else the source tree's sr/weights/ file (as `sattn sr`).
+sr::SrModel load_sr_model(const std::string& weights, int scale) {
+  std::optional<sr::SrModel> m;
+  if (!weights.empty()) {
+    m = sr::SrModel::load(weights);
+    if (scale == 0) return std::move(*m);
+  } else if (scale == 0) {
+    return load_sr_model(weights, 2);
+  } else if (auto e = embedded_sr_weights(scale); e.data) {
+    m = sr::SrModel::from_memory(e.data, e.size, std::string("embedded:") + e.origin);
+  } else {
+    const std::string f = source_tree_sr_weights(scale);
+    check(fs::exists(f), ErrorKind::kIO, "--image: no SR weights for x", scale, ": none embedded at build time and '",
+          f, "' does not exist (pass --weights FILE)");
+    m = sr::SrModel::load(f);
+  }
+  check(m->scale() == scale, ErrorKind::kInvalidArgument, "--sr-scale: ", scale, " but the weights '", m->name(),
+        "' are for x", m->scale());
+  return std::move(*m);
+}
+
+// "G.B" -> global block index.
+int64_t parse_block(const std::string& text, const std::vector<sr::BlockGeometry>& geo) {
+  const int64_t last_group = geo.back().group;
+  std::string expect = "G.B (group.block) with G in [0, " + std::to_string(last_group + 1) + ")";
+  const size_t dot = text.find('.');
+  int64_t g = -1, b = -1;
+  try {
+    if (dot != std::string::npos && dot > 0 && dot + 1 < text.size() &&
+        text.find_first_not_of("0123456789.") == std::string::npos) {
+      g = std::stoll(text.substr(0, dot));
+      b = std::stoll(text.substr(dot + 1));
+    }
+  } catch (const std::exception&) {
+    g = b = -1;
+  }
+  for (size_t i = 0; i < geo.size(); ++i)
+    if (geo[i].group == g && geo[i].index == b) return int64_t(i);
+  std::string blocks;
+  for (const auto& bg : geo) blocks += (blocks.empty() ? "" : ", ") + std::to_string(bg.group) + "." + std::to_string(bg.index);
+  fail(ErrorKind::kInvalidArgument, "--block: expected ", expect, ", one of ", blocks, "; given '", text, "'");
+}
+
+std::string block_name(const sr::BlockGeometry& g) { return std::to_string(g.group) + "." + std::to_string(g.index); }
+
+// The padded LR picture (reflect bottom/right, edge not repeated, as the model pads) as a viz image.
+viz::Image padded_picture(const sr::Image& im, int64_t H, int64_t W) {
+  viz::Image out{int(W), int(H)};
+  const int64_t h = im.height, w = im.width;
+  for (int64_t i = 0; i < H; ++i)
+    for (int64_t j = 0; j < W; ++j) {
+      const int64_t si = i < h ? i : 2 * (h - 1) - i, sj = j < w ? j : 2 * (w - 1) - j;
+      out.set(int(j), int(i), viz::Rgb{im.at(si, sj, 0), im.at(si, sj, 1), im.at(si, sj, 2)});
+    }
+  return out;
+}
+
+viz::Image crop_image(const viz::Image& im, int x0, int y0, int w, int h) {
+  viz::Image out(w, h);
+  for (int y = 0; y < h; ++y)
+    for (int x = 0; x < w; ++x) out.set(x, y, im.get(x0 + x, y0 + y));
+  return out;
+}
+
+// Dark lines between neighbouring LR pixels (of the region [x0, x0+w) x [y0, y0+h)) whose labels differ, drawn on
+// the picture magnified by f.
+template <typename Label>
+void draw_edges(viz::Image& img, int x0, int y0, int w, int h, int f, Label label, viz::Rgb c, double alpha) {
+  for (int y = 0; y < h; ++y)
+    for (int x = 0; x < w; ++x) {
+      const auto here = label(x0 + x, y0 + y);
+      if (x + 1 < w && label(x0 + x + 1, y0 + y) != here)
+        for (int t = 0; t < f; ++t) viz::blend_pixel(img, (x + 1) * f - 1, y * f + t, c, alpha);
+      if (y + 1 < h && label(x0 + x, y0 + y + 1) != here)
+        for (int t = 0; t < f; ++t) viz::blend_pixel(img, x * f + t, (y + 1) * f - 1, c, alpha);
+    }
+}
+
+void blend_cell(viz::Image& img, int x, int y, int f, viz::Rgb c, double alpha) {
+  for (int dy = 0; dy < f; ++dy)
+    for (int dx = 0; dx < f; ++dx) viz::blend_pixel(img, x * f + dx, y * f + dy, c, alpha);
+}
+
+void mark_query(viz::Image& img, int x, int y, int f) {
+  const int m = std::max(2, f / 2);
+  for (int k = 0; k < 2; ++k) img.draw_rect(x * f - m + k, y * f - m + k, f + 2 * (m - k), f + 2 * (m - k), kQueryMark);
+}
+
+// "embedded:/a/b/w.safetensors" -> "embedded:w.safetensors" (the pictures should not show build paths)
+std::string short_name(const std::string& name) {
+  const size_t colon = name.find(':');
+  const std::string prefix = colon == std::string::npos ? "" : name.substr(0, colon + 1);
+  return prefix + fs::path(colon == std::string::npos ? name : name.substr(colon + 1)).filename().string();
+}
+
+std::string fixed(double v, int digits = 2) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+}  // namespace
+
+VizImagePictures render_viz_image(const VizImageArgs& a) {
+  check(a.sr_scale == 0 || a.sr_scale == 2 || a.sr_scale == 3 || a.sr_scale == 4, ErrorKind::kInvalidArgument,
+        "--sr-scale: expected 2, 3 or 4, given ", a.sr_scale);
+  check(a.window < 0 || a.at.empty(), ErrorKind::kInvalidArgument, "--window and --at: give one or the other");
+  check(a.at.empty() || a.at.size() == 2, ErrorKind::kInvalidArgument, "--at: expected X,Y, given ", a.at.size(),
+        " values");
+  check(a.crop.empty() || a.crop.size() == 4, ErrorKind::kInvalidArgument, "--crop: expected X,Y,W,H, given ",
+        a.crop.size(), " values");
+  check(a.max_pixels > 0, ErrorKind::kInvalidArgument, "--max-pixels: expected > 0, given ", a.max_pixels);
+  sr::Image im = sr::read_image(a.image);
+  if (!a.crop.empty()) {
+    const int64_t x0 = a.crop[0], y0 = a.crop[1], cw = a.crop[2], ch = a.crop[3];
+    check(x0 >= 0 && y0 >= 0 && cw > 0 && ch > 0 && x0 + cw <= im.width && y0 + ch <= im.height,
+          ErrorKind::kInvalidArgument, "--crop: expected X,Y,W,H inside the ", im.width, "x", im.height,
+          " image with W, H > 0, given ", x0, ",", y0, ",", cw, ",", ch);
+    sr::Image c(ch, cw, 3);
+    for (int64_t y = 0; y < ch; ++y)
+      for (int64_t x = 0; x < cw; ++x)
+        for (int64_t k = 0; k < 3; ++k) c.at(y, x, k) = im.at(y0 + y, x0 + x, k);
+    im = std::move(c);
+  }
+  check(im.width * im.height <= a.max_pixels, ErrorKind::kInvalidArgument, "--image '", a.image, "': ", im.width, "x",
+        im.height, " = ", im.width * im.height, " pixels is over --max-pixels ", a.max_pixels,
+        " (the model runs on the whole picture at once and every panel shows all of it); pass --crop X,Y,W,H "
+        "(e.g. --crop 0,0,128,128), a smaller image, or raise --max-pixels");
+  // --sr-scale 0 (unset): the scale of --weights, else x2 (the embedded default)
+  const sr::SrModel model = load_sr_model(a.weights, a.sr_scale);
+  const int64_t h = im.height, w = im.width;
+  const std::vector<sr::BlockGeometry> geo = model.block_geometry(h, w);
+  const int64_t H = geo.front().height, W = geo.front().width;
+
+  // the block, window and query token
+  sr::AttentionProbe probe;
+  probe.block = a.block.empty() ? int64_t(std::find_if(geo.begin(), geo.end(), [&](const sr::BlockGeometry& g) {
+                                            return g.group == geo.back().group;
+                                          }) - geo.begin())
+                                : parse_block(a.block, geo);
+  const sr::BlockGeometry& bg = geo[size_t(probe.block)];
+  const int64_t ws = bg.window, L = ws * ws;
+  int64_t qx = w / 2, qy = h / 2, q_token = -1;
+  if (!a.at.empty()) {
+    qx = a.at[0], qy = a.at[1];
+    check(qx >= 0 && qx < w && qy >= 0 && qy < h, ErrorKind::kInvalidArgument, "--at: expected a pixel X,Y inside the ",
+          w, "x", h, " image", a.crop.empty() ? "" : " (after --crop)", ", given ", qx, ",", qy);
+  }
+  if (a.window < 0 && a.at.empty()) {  // default: the centre of the window holding the image centre
+    const int64_t n = bg.window_of(qy, qx);
+    q_token = (ws / 2) * ws + ws / 2;
+    bg.token_pixel(n, q_token, &qy, &qx);
+    probe.window = n;
+  } else if (a.window >= 0) {
+    check(a.window < bg.num_windows(), ErrorKind::kInvalidArgument, "--window: expected an index in [0, ",
+          bg.num_windows(), ") for block ", block_name(bg), " (", bg.windows_x, "x", bg.windows_y, " windows of ", ws,
+          "x", ws, " on the ", W, "x", H, " padded image), given ", a.window);
+    probe.window = a.window;
+    q_token = (ws / 2) * ws + ws / 2;  // the window's centre
+    bg.token_pixel(probe.window, q_token, &qy, &qx);
+  } else {
+    probe.window = bg.window_of(qy, qx);
+    for (int64_t l = 0; l < L && q_token < 0; ++l) {
+      int64_t y = 0, x = 0;
+      bg.token_pixel(probe.window, l, &y, &x);
+      if (y == qy && x == qx) q_token = l;
+    }
+  }
+  check(q_token >= 0, ErrorKind::kInternal, "viz --image: pixel ", qx, ",", qy, " not found in its window");
+
+  // one forward, capturing the window and every block's gates
+  sr::UpscaleOptions opt;
+  opt.mode = sr::parse_attention_mode(a.attention);
+  std::vector<uint8_t> routed;
+  std::vector<float> gates;
+  opt.routing_out = &routed;
+  opt.gates_out = &gates;
+  opt.probe = &probe;
+  const bool tty = isatty(STDERR_FILENO) != 0;
+  if (tty) std::cerr << "viz: running the SR model (" << model.name() << ") on " << w << "x" << h << "..." << std::flush;
+  sr::UpscaleStats stats;
+  model.forward(sr::image_to_tensor(im), opt, &stats);
+  if (tty) std::cerr << "\r\033[K" << std::flush;
+
+  VizImagePictures result;
+  auto save = [&](const std::string& name, viz::Image img) { result.pictures.emplace_back(name, std::move(img)); };
+  const viz::Colormap cmap = viz::parse_colormap(a.cmap);
+  const int64_t heads = probe.weights.size(0);
+  const float* wts = probe.weights.data<float>();
+  const uint8_t* allowed = probe.allowed.data<uint8_t>();
+  const std::string where = "block " + block_name(bg) + " window " + std::to_string(probe.window);
+  const std::string state = opt.mode == sr::AttentionMode::kDense ? "dense: every window attends"
+                            : probe.routed ? "routed, gate " + fixed(probe.gate)
+                                           : "not routed, gate " + fixed(probe.gate) + ": weights as if it were";
+
+  // 1. per-head maps of the window's L x L attention, and the grid
+  std::vector<viz::Matrix> mats;
+  std::vector<std::string> titles;
+  for (int64_t hh = 0; hh < heads; ++hh) {
+    viz::Matrix m(L, L);
+    for (int64_t i = 0; i < L * L; ++i)
+      m.data[size_t(i)] = allowed[i] ? double(wts[hh * L * L + i]) : std::numeric_limits<double>::quiet_NaN();
+    viz::HeatmapStyle s;
+    s.cmap = cmap;
+    s.title = where + " head " + std::to_string(hh) + " (" + state + ")";
+    s.xlabel = "key token";
+    s.ylabel = "query token";
+    if (a.side > 0) s.plot_side = a.side;
+    save("head_" + std::to_string(hh) + ".png", viz::render_heatmap(m, s));
+    mats.push_back(std::move(m));
+    titles.push_back("head " + std::to_string(hh));
+  }
+  {
+    viz::HeatmapStyle s;
+    s.cmap = cmap;
+    s.title = where + ", " + std::to_string(ws) + "x" + std::to_string(ws) + " tokens (" + state + ")";
+    s.xlabel = "key token";
+    s.ylabel = "query token";
+    s.plot_side = a.side > 0 ? a.side : 256;
+    save("heads.png", viz::render_heatmap_grid(mats, titles,
+                                               a.columns > 0 ? a.columns : int(std::min<int64_t>(heads, 4)), s));
+  }
+
+  // 2. query focus over the picture: the query pixel's weights on the window's pixels
+  const viz::Image padded = padded_picture(im, H, W);
+  {
+    int64_t y0 = H, y1 = -1, x0 = W, x1 = -1;
+    for (int64_t l = 0; l < L; ++l) {
+      int64_t y = 0, x = 0;
+      bg.token_pixel(probe.window, l, &y, &x);
+      y0 = std::min(y0, y), y1 = std::max(y1, y), x0 = std::min(x0, x), x1 = std::max(x1, x);
+    }
+    const bool wraps = y1 - y0 + 1 != ws || x1 - x0 + 1 != ws;  // shifted window across the border
+    if (wraps) {
+      y0 = 0, x0 = 0, y1 = H - 1, x1 = W - 1;
+    } else {
+      y0 = std::max<int64_t>(0, y0 - ws / 2), x0 = std::max<int64_t>(0, x0 - ws / 2);
+      y1 = std::min(H - 1, y1 + ws / 2), x1 = std::min(W - 1, x1 + ws / 2);
+    }
+    const int cw = int(x1 - x0 + 1), ch = int(y1 - y0 + 1);
+    const int f = std::clamp((a.side > 0 ? a.side : 256) / std::max(cw, ch), 1, 32);
+    const viz::Image crop = crop_image(padded, int(x0), int(y0), cw, ch);
+    auto in_window = [&](int x, int y) { return bg.window_of(y, x) == probe.window; };
+    // colour scale from the smallest to the largest weight of the query's row (over heads): windows of flat
+    // content attend almost uniformly, and a 0-based scale would hide their structure
+    double vmin = std::numeric_limits<double>::infinity(), vmax = 0;
+    for (int64_t hh = 0; hh < heads; ++hh)
+      for (int64_t l = 0; l < L; ++l)
+        if (allowed[q_token * L + l]) {
+          vmax = std::max(vmax, double(wts[(hh * L + q_token) * L + l]));
+          vmin = std::min(vmin, double(wts[(hh * L + q_token) * L + l]));
+        }
+    vmax = std::max(vmax, vmin + 1e-12);
+    std::vector<viz::Image> panels;
+    std::vector<std::string> caps;
+    viz::Image input = viz::magnify(crop, f);
+    draw_edges(input, int(x0), int(y0), cw, ch, f, in_window, viz::kWhite, 0.9);
+    mark_query(input, int(qx - x0), int(qy - y0), f);
+    panels.push_back(std::move(input));
+    caps.push_back("input");
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      viz::Image p = viz::magnify(viz::faded_gray(crop, 0.45), f);
+      for (int64_t l = 0; l < L; ++l) {
+        if (!allowed[q_token * L + l]) continue;
+        int64_t y = 0, x = 0;
+        bg.token_pixel(probe.window, l, &y, &x);
+        const double v = wts[(hh * L + q_token) * L + l];
+        blend_cell(p, int(x - x0), int(y - y0), f, viz::colormap(cmap, (v - vmin) / (vmax - vmin)), 0.85);
+      }
+      draw_edges(p, int(x0), int(y0), cw, ch, f, in_window, kEdge, 0.8);
+      mark_query(p, int(qx - x0), int(qy - y0), f);
+      panels.push_back(std::move(p));
+      caps.push_back("head " + std::to_string(hh));
+    }
+    viz::PanelGridStyle s;
+    s.title = "attention of pixel (" + std::to_string(qx) + ", " + std::to_string(qy) + ") over its window";
+    s.legend = {where + " (" + std::to_string(ws) + "x" + std::to_string(ws) + (bg.shift ? ", shifted" : "") + "), " +
+                    state,
+                "red: the query pixel; coloured: the weight it gives each pixel of the window (uniform would be " +
+                    fixed(1.0 / double(L), 5) + ")"};
+    s.colorbar = true;
+    s.vmin = vmin, s.vmax = vmax, s.cmap = cmap, s.colorbar_label = "weight";
+    save("focus.png", viz::render_panel_grid(panels, caps, a.columns > 0 ? a.columns : 4, s));
+  }
+
+  // 3. routing map: every block's windows over the picture, coloured by gate where routed, grey where skipped
+  nlohmann::json js;
+  {
+    const int f = std::clamp((a.side > 0 ? a.side : 192) / int(std::max(h, w)), 1, 16);
+    const viz::Image real = crop_image(padded, 0, 0, int(w), int(h));
+    std::vector<viz::Image> panels{viz::magnify(real, f)};
+    std::vector<std::string> caps{"input"};
+    js["blocks"] = nlohmann::json::array();
+    for (const sr::BlockGeometry& g : geo) {
+      viz::Image p = viz::magnify(viz::faded_gray(real, 0.3), f);
+      int64_t n_routed = 0;
+      for (int64_t n = 0; n < g.num_windows(); ++n) n_routed += routed[size_t(g.offset + n)];
+      for (int y = 0; y < int(h); ++y)
+        for (int x = 0; x < int(w); ++x) {
+          const int64_t n = g.window_of(y, x);
+          if (routed[size_t(g.offset + n)])
+            blend_cell(p, x, y, f, viz::colormap(cmap, gates[size_t(g.offset + n)]), 0.6);
+        }
+      draw_edges(p, 0, 0, int(w), int(h), f, [&](int x, int y) { return g.window_of(y, x); }, kEdge, 0.5);
+      panels.push_back(std::move(p));
+      caps.push_back("block " + block_name(g) + " (" + std::to_string(g.window) + (g.shift ? "s" : "") + "): " +
+                     std::to_string(n_routed) + "/" + std::to_string(g.num_windows()));
+      nlohmann::json b;
+      b["block"] = block_name(g);
+      b["window"] = g.window;
+      b["shift"] = g.shift;
+      b["windows_x"] = g.windows_x;
+      b["windows_y"] = g.windows_y;
+      b["routed"] = n_routed;
+      b["gates"] = std::vector<float>(gates.begin() + g.offset, gates.begin() + g.offset + g.num_windows());
+      b["routed_mask"] = std::vector<int>(routed.begin() + g.offset, routed.begin() + g.offset + g.num_windows());
+      js["blocks"].push_back(b);
+    }
+    viz::PanelGridStyle s;
+    s.title = "where the SR model spends attention";
+    s.legend = {"coloured: windows the router sends through attention (colour = gate, routed if > " +
+                    fixed(model.config().route_threshold) + "); grey: skipped (flat)",
+                "caption: block G.B (window size, s = shifted): routed / windows; " + std::to_string(stats.windows_routed) +
+                    "/" + std::to_string(stats.windows_total) + " windows routed in all",
+                "attention " + std::string(sr::to_string(opt.mode)) + ", weights " + short_name(model.name())};
+    s.colorbar = true;
+    s.vmin = 0, s.vmax = 1, s.cmap = cmap, s.colorbar_label = "router gate";
+    save("routing.png", viz::render_panel_grid(panels, caps, a.columns > 0 ? a.columns : 4, s));
+  }
+  js["image"] = a.image;
+  js["width"] = w;
+  js["height"] = h;
+  js["padded"] = {W, H};
+  js["weights"] = model.name();
+  js["attention"] = sr::to_string(opt.mode);
+  js["windows_total"] = stats.windows_total;
+  js["windows_routed"] = stats.windows_routed;
+  js["probe"] = {{"block", block_name(bg)}, {"window", probe.window}, {"query_token", q_token},
+                 {"query_pixel", {qx, qy}}, {"routed", probe.routed}, {"gate", probe.gate}};
+  result.json = js.dump(1) + "\n";
+  result.summary = std::to_string(stats.windows_routed) + " of " + std::to_string(stats.windows_total) +
+                   " windows routed to attention; " + where + " (" + state + "), query pixel (" + std::to_string(qx) +
+                   ", " + std::to_string(qy) + "); weights " + short_name(model.name());
+  return result;
+}
+
+void run_viz_image(const VizImageArgs& a) {
+  const VizImagePictures r = render_viz_image(a);
+  fs::create_directories(a.out);
+  std::vector<std::string> written;
+  for (const auto& [name, img] : r.pictures) {
+    const std::string path = (fs::path(a.out) / name).string();
+    viz::write_png(path, img);
+    written.push_back(path);
+  }
+  const std::string path = (fs::path(a.out) / "routing.json").string();
+  std::ofstream f(path);
+  check(f.good(), ErrorKind::kIO, "--out: cannot write '", path, "'");
+  f << r.json;
+  check(f.good(), ErrorKind::kIO, "--out: cannot write '", path, "'");
+  written.push_back(path);
+  for (const auto& p : written) std::cout << p << "\n";
+}
+
+}  // namespace sattn::cli
