@@ -417,8 +417,13 @@ void block_sparse_attention_backward(const TensorView& dout, const TensorView& q
     const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
     std::fill_n(sc.dq.data(), m * D, 0.0f);
     const int64_t row = bm.slot(h) * nqb + qb;
-    std::vector<float> raw;
-    if (!score_mod.identity()) raw.resize(size_t(m * kChunk));
+    // Raw (pre-score_mod) scores for the score_mod backward: reused thread-local storage, no allocation per item.
+    thread_local std::vector<float> raw_buf;
+    float* raw = nullptr;
+    if (!score_mod.identity()) {
+      if (raw_buf.size() < size_t(m * kChunk)) raw_buf.resize(size_t(m * kChunk));
+      raw = raw_buf.data();
+    }
     for_each_chunk(&bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
                    [&](const Segment* segs, int64_t nseg, int64_t n) {
                      const float* kp = nullptr;
@@ -426,7 +431,7 @@ void block_sparse_attention_backward(const TensorView& dout, const TensorView& q
                      float* s = sc.s.data();
                      float* dp = sc.p2.data();
                      tiles::qk(qt, m, D, sc.kt.data(), n, n, p.scale, s);
-                     mod_and_mask(s, raw.empty() ? nullptr : raw.data(), m, n, segs, nseg, bm, q0, b, h, p, mask_mod,
+                     mod_and_mask(s, raw, m, n, segs, nseg, bm, q0, b, h, p, mask_mod,
                                   score_mod);
                      tiles::probabilities(s, m, n, lse_t);
                      tiles::qk(dot, m, Dv, sc.vt.data(), n, n, 1.0f, dp);
