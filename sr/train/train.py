@@ -3,7 +3,8 @@
   python3 sr/train/train.py --scale 2 --steps 12000 --resume auto
 The cosine schedule length is --steps (fix it up front; a resumed run continues the same schedule). A checkpoint
 (model + Adam state + step + RNG states + config) is written atomically to <ckpt-dir>/x<s>_last.pt every
---save-minutes and at the end; --resume auto picks it up. --stop-after N ends this run after N more steps.
+--save-minutes and at the end; --resume auto picks it up. --stop-after N ends this run after N more steps;
+--reschedule with --resume changes the schedule length to --steps (to fit a run into the time left).
 """
 import argparse
 import math
@@ -96,6 +97,9 @@ def main():
     ap.add_argument("--resume", default=None, help="checkpoint path, or 'auto' for <ckpt-dir>/x<s>_last.pt")
     ap.add_argument("--init", default=None, help="initialise weights from another checkpoint (e.g. x2 for x4)")
     ap.add_argument("--stop-after", type=int, default=None, help="stop this run after N steps")
+    ap.add_argument("--reschedule", action="store_true",
+                    help="on resume, replace the checkpoint's schedule length by --steps (the cosine is "
+                         "recomputed for the new length from the current step on)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--patch", type=int, default=32, help="LR patch size")
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -149,7 +153,12 @@ def main():
         torch.set_rng_state(ck["rng_torch"])
         random.setstate(ck["rng_python"])
         hp = ck["hparams"]                      # the schedule is fixed by the first run
-        if a.steps != hp["steps"]:
+        if a.reschedule and a.steps != hp["steps"]:
+            if a.steps <= step:
+                sys.exit("train.py: --steps %d with --reschedule must exceed the checkpoint's step %d" % (a.steps, step))
+            log("rescheduled: %d -> %d steps (cosine recomputed from step %d)" % (hp["steps"], a.steps, step))
+            hp["steps"] = a.steps
+        elif a.steps != hp["steps"]:
             log("note: --steps %d ignored, the checkpoint's schedule has %d steps" % (a.steps, hp["steps"]))
         log("resumed %s at step %d" % (resume, step))
     elif a.init:

@@ -54,3 +54,22 @@ def test_resume_is_bit_identical(tmp_path):
         assert torch.equal(v, resumed["model"][k]), k
     log = open(str(tmp_path / "b" / "x2_train.log")).read()
     assert "resumed" in log and "val step 6" in log
+
+
+def test_reschedule_changes_the_schedule_length_on_resume(tmp_path):
+    root = str(tmp_path / "data")
+    make_data(root)
+    ck = str(tmp_path / "c")
+    assert run(root, ck, "--stop-after", "3")["step"] == 3
+    # without --reschedule the checkpoint's 6-step schedule is kept
+    kept = run(root, ck, "--resume", "auto", "--steps", "9", "--stop-after", "1")
+    assert kept["step"] == 4 and kept["hparams"]["steps"] == 6
+    longer = run(root, ck, "--resume", "auto", "--steps", "9", "--reschedule")
+    assert longer["step"] == 9 and longer["hparams"]["steps"] == 9
+    log = open(os.path.join(ck, "x2_train.log")).read()
+    assert "rescheduled: 6 -> 9 steps" in log and "stopped at step 9 of 9" in log
+    # a length that is not past the current step is refused with a message
+    bad = subprocess.run([sys.executable, TRAIN, "--scale", "2", "--steps", "5", "--reschedule", "--resume", "auto",
+                          "--data", root, "--ckpt-dir", ck, "--threads", "1"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "must exceed the checkpoint's step 9" in bad.stderr
