@@ -188,6 +188,12 @@ TEST(SparseAttention, FixedPatternsMatchReference) {
       {"Neighborhood2D(12, 13, 5, dilation=2)", 1, 2, 2, 156, 156, 16, 16},
       {"Neighborhood2D(11, 9, 3, causal=True)", 1, 2, 1, 99, 99, 16, 16},
       {"Neighborhood2D(16, 16, 7)", 1, 1, 1, 256, 256, 32, 32},
+      // 16 x 4 query tiles whose key rows are computed only for the tile rows that reach them (narrowed ranges):
+      // awkward grids (partial tiles on both axes), GQA, causal, dilation, key padding, smaller blocks.
+      {"Neighborhood2D(30, 27, 7)", 1, 4, 2, 810, 810, 32, 32},
+      {"Neighborhood2D(23, 19, 7, causal=True)", 2, 2, 1, 437, 437, 16, 16, 64, 1},
+      {"Neighborhood2D(26, 21, 5, dilation=2)", 1, 2, 2, 546, 546, 16, 8, 64, 2},
+      {"Neighborhood2D(22, 25, 7)", 1, 2, 1, 550, 550, 16, 16, 16},
       {"WindowAttention2D(16, 16, 8)", 1, 2, 2, 256, 256, 16, 16},
       {"WindowAttention2D(12, 8, 4, shift=2)", 1, 2, 2, 96, 96, 16, 16},
       {"SlidingWindow(8, 0) | Dilated(3, 5)", 1, 2, 2, 120, 120, 16, 16},
@@ -207,6 +213,9 @@ TEST(SparseAttention, BackwardFormsMatchReference) {
       {"BigBird(8, 3, 1, 1, seed=3)", 2, 2, 2, 63, 90, 8, 16, 16, 1},
       {"Neighborhood2D(12, 13, 5, dilation=2)", 1, 2, 2, 156, 156, 16, 16},
       {"Neighborhood2D(16, 16, 7)", 1, 2, 1, 256, 256, 32, 32},
+      {"Neighborhood2D(30, 27, 7)", 1, 4, 2, 810, 810, 32, 32},
+      {"Neighborhood2D(23, 19, 7, causal=True)", 2, 2, 1, 437, 437, 16, 16, 64, 1},
+      {"Neighborhood2D(26, 21, 5, dilation=2)", 1, 2, 2, 546, 546, 16, 8, 16},
       {"WindowAttention2D(12, 8, 4, shift=2)", 1, 2, 2, 96, 96, 16, 16},
       {"SlidingWindow(-1, 0) & BlockLocal(32)", 1, 2, 2, 100, 100, 16, 16, 16},
   };
