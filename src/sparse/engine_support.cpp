@@ -268,17 +268,24 @@ void pack_backward(Packed& p, const BlockMask& mask, const TensorView& dout, con
         "lse: expected shape ", shape_to_string({p.B, p.Hq, p.Lq}), ", got ", shape_to_string(lse.shape));
   check(is_floating(lse.dtype), ErrorKind::kTypeError, "lse: expected a float tensor, got ", to_string(lse.dtype));
   pack4(dout, mask.q_perm, p.dout);
-  FloatBuf o;
-  pack4(out, mask.q_perm, o);
   p.lse.resize(size_t(p.B * p.Hq * p.Lq));
   p.delta.resize(p.lse.size());
+  // out is read in place (it is only needed for delta): no packed copy.
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t h = 0; h < p.Hq; ++h)
       for (int64_t pos = 0; pos < p.Lq; ++pos) {
         const size_t r = size_t((b * p.Hq + h) * p.Lq + pos);
-        p.lse[r] = load(lse.data, lse.dtype, b * lse.strides[0] + h * lse.strides[1] + mask.q_index(pos) * lse.strides[2]);
+        const int64_t i = mask.q_index(pos);
+        p.lse[r] = load(lse.data, lse.dtype, b * lse.strides[0] + h * lse.strides[1] + i * lse.strides[2]);
+        const int64_t o0 = b * out.strides[0] + h * out.strides[1] + i * out.strides[2], os = out.strides[3];
+        const float* dr = &p.dout[r * size_t(p.Dv)];
         double acc = 0;  // delta_i = dO_i · O_i
-        for (int64_t c = 0; c < p.Dv; ++c) acc += double(p.dout[r * p.Dv + c]) * o[r * p.Dv + c];
+        if (out.dtype == DType::kF32) {
+          const float* o = static_cast<const float*>(out.data) + o0;
+          for (int64_t c = 0; c < p.Dv; ++c) acc += double(dr[c]) * o[c * os];
+        } else {
+          for (int64_t c = 0; c < p.Dv; ++c) acc += double(dr[c]) * load(out.data, out.dtype, o0 + c * os);
+        }
         p.delta[r] = float(acc);
       }
 }

@@ -582,15 +582,20 @@ struct Neighborhood2DNode final : Pattern::Node {
   bool layout_interval(int64_t, int64_t i, int64_t kp0, int64_t, int64_t, int64_t, int64_t& lo,
                        int64_t& hi) const override {
     const int64_t d = dilation;
-    if (d == 1) {  // the common case, once per (query row, partial segment): 32-bit divisions only
+    if (d == 1) {  // the common case, once per (query row, partial segment): 32-bit arithmetic, no calls
       const int32_t w = int32_t(width), kr = int32_t(kp0) / w, r = int32_t(i) / w, c = int32_t(i) - r * w;
-      int64_t rs, re, cs, ce;
-      window(r, height, rs, re);
+      const int32_t k = int32_t(kernel);
+      int32_t rs, re, cs, ce;
+      if (causal) {
+        rs = std::max(0, r - k + 1), re = r, cs = std::max(0, c - k + 1), ce = c;
+      } else {
+        rs = std::clamp(r - k / 2, 0, int32_t(height) - k), re = rs + k - 1;
+        cs = std::clamp(c - k / 2, 0, w - k), ce = cs + k - 1;
+      }
       lo = hi = kp0;
       if (kr < rs || kr > re) return true;
-      window(c, width, cs, ce);
-      lo = int64_t(kr) * width + cs;
-      hi = int64_t(kr) * width + ce + 1;
+      lo = int64_t(kr) * w + cs;
+      hi = int64_t(kr) * w + ce + 1;
       return true;
     }
     int64_t base = 0, dr = 0, dc = 0, nr = 0, nc = 0;
@@ -624,10 +629,15 @@ struct Neighborhood2DNode final : Pattern::Node {
   // part every column's window contains, which is full when the row is in every row's window, and the rest).
   BlockMask block_mask(int64_t lq, int64_t lk, int64_t, int64_t block) const override {
     const int64_t d = dilation;
-    // Query tiles of th x tw = 16 x 4 (block 64): 4 columns keep the column waste at (4 + kernel - 1) / kernel and
-    // every chunk's query count a multiple of 4 (the tile operations' register blocking); the rows cost nothing
-    // extra since each key row is computed only for the tile rows that reach it (see the grouping below).
-    const int64_t tw = std::min<int64_t>(4, block), th = std::max<int64_t>(1, block / tw);
+    // Query tiles of th x tw with th * tw = block: tw is the smallest width >= 2 whose key row segments
+    // (tw + kernel - 1 columns) are a multiple of 8 keys, so that every chunk fills whole 8-lane vectors of the tile
+    // operations (keys are in lanes; a ragged end runs scalar) and the column waste (tw + kernel - 1) / kernel stays
+    // small (kernel 7: 2 x 32 tiles, 8 columns, 1.14); the rows cost nothing extra since each key row is computed
+    // only for the tile rows that reach it (see the grouping below).
+    int64_t tw = 2;
+    while ((tw + kernel - 1) % 8 != 0) ++tw;
+    tw = std::max<int64_t>(1, std::min(tw, block));
+    const int64_t th = std::max<int64_t>(1, block / tw);
     BlockMask m;
     m.len_q = lq;
     m.len_k = lk;
@@ -673,6 +683,14 @@ struct Neighborhood2DNode final : Pattern::Node {
             // dynamic programme over the key rows with cost = computed pairs + kKeyCost per key + kChunkCost per
             // chunk (a chunk holds at most block keys), so that rows reached by few tile rows are not computed for
             // the whole tile and the chunks stay large enough to amortise their per-chunk work.
+            // Widens a run of tile rows [a, z] inside the tile until it holds a multiple of 4 queries (the tile
+            // operations' row blocking: a ragged rest runs slower than computing a masked extra row).
+            auto align_rows = [&](int64_t& a, int64_t& z) {
+              while (((z - a + 1) * cw) % 4 != 0 && (z + 1 < r1 || a > r0)) {
+                if (z + 1 < r1) ++z;
+                else --a;
+              }
+            };
             std::vector<int64_t>& best = scratch_c;
             std::vector<int64_t>& cut = scratch_d;
             best.assign(size_t(nkr + 1), 0);
@@ -683,7 +701,9 @@ struct Neighborhood2DNode final : Pattern::Node {
               for (int64_t g = e - 1; g >= 0; --g) {
                 lo = std::min(lo, qa[size_t(g)]);
                 hi = std::max(hi, qz[size_t(g)]);
-                const int64_t n = (e - g) * ncol, rows = std::max<int64_t>(0, hi - lo + 1);
+                int64_t a = lo, z = hi;
+                align_rows(a, z);
+                const int64_t n = (e - g) * ncol, rows = std::max<int64_t>(0, z - a + 1);
                 const int64_t cost = best[size_t(g)] + rows * cw * n + key_cost * n + chunk_cost * ((n + block - 1) / block);
                 if (cost < best[size_t(e)]) best[size_t(e)] = cost, cut[size_t(e)] = g;
               }
@@ -696,6 +716,7 @@ struct Neighborhood2DNode final : Pattern::Node {
             for (int64_t g1 : groups) {
               int64_t lo = r1, hi = r0 - 1;
               for (int64_t x = g0; x < g1; ++x) lo = std::min(lo, qa[size_t(x)]), hi = std::max(hi, qz[size_t(x)]);
+              align_rows(lo, hi);
               const bool all_rows = lo <= r0 && hi >= r1 - 1;
               const uint16_t ql = all_rows ? 0 : uint16_t((lo - r0) * cw), qh = all_rows ? 0 : uint16_t((hi - r0 + 1) * cw);
               const size_t first = m.ranges.size();
@@ -703,7 +724,9 @@ struct Neighborhood2DNode final : Pattern::Node {
                 if (!all_rows && lo > hi) continue;  // (cannot happen: every key row is reached)
                 const bool row_full = all_rows && kr >= rs1 && kr <= re0;
                 const int64_t rowbase = base + kr * nc;
-                if (cs1 > ce0 || !row_full) {
+                // (a full middle shorter than 32 keys is not worth two more segments per row: each segment costs a
+                // copy per chunk and an interval per query row, a partial one costs one interval per query row)
+                if (cs1 > ce0 || !row_full || ce0 - cs1 + 1 < 32) {
                   detail::emit_range(m.ranges, rowbase + cs0, rowbase + ce1 + 1, false, block);
                 } else {
                   detail::emit_range(m.ranges, rowbase + cs0, rowbase + cs1, false, block);
@@ -718,6 +741,7 @@ struct Neighborhood2DNode final : Pattern::Node {
             m.row_ptr.push_back(int64_t(m.ranges.size()));
           }
       }
+    if (d == 1) m.k_perm.clear();  // one sub-grid: keys in their own order (k and v are read in place, not packed)
     return m;
   }
 };
