@@ -691,6 +691,8 @@ struct Neighborhood2DNode final : Pattern::Node {
                 else --a;
               }
             };
+            // (a group holds at most 128 keys' worth of rows: larger ones never pay, and the programme stays linear)
+            const int64_t max_group_rows = std::max<int64_t>(1, 128 / ncol);
             std::vector<int64_t>& best = scratch_c;
             std::vector<int64_t>& cut = scratch_d;
             best.assign(size_t(nkr + 1), 0);
@@ -698,7 +700,7 @@ struct Neighborhood2DNode final : Pattern::Node {
             for (int64_t e = 1; e <= nkr; ++e) {
               best[size_t(e)] = std::numeric_limits<int64_t>::max();
               int64_t lo = r1, hi = r0 - 1;
-              for (int64_t g = e - 1; g >= 0; --g) {
+              for (int64_t g = e - 1; g >= std::max<int64_t>(0, e - max_group_rows); --g) {
                 lo = std::min(lo, qa[size_t(g)]);
                 hi = std::max(hi, qz[size_t(g)]);
                 int64_t a = lo, z = hi;
