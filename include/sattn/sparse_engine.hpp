@@ -192,8 +192,9 @@ void for_each_chunk(const KeyRange* ranges, int64_t count, F&& f) {
 }
 
 // Gathers a chunk's K rows transposed into kt [D x n] and (if need_vt) V rows transposed into vt [Dv x n]; returns
-// the chunk's V rows [n x Dv] (in place when the chunk is one range, else copied into vc) and, if kptr, its K rows.
-// Several ranges are first copied row by row (contiguous memcpy) and then transposed as one block.
+// the chunk's V rows [n x Dv] (in place when the chunk is one range, else copied into vc; nullptr when need_vt and
+// the chunk has several ranges: V is then transposed straight from its rows, never copied) and, if kptr, its K
+// rows. Several ranges' K rows are first copied row by row (contiguous memcpy) and then transposed as one block.
 inline const float* gather_chunk(const Segment* segs, int64_t nseg, int64_t n, const float* kbase,
                                  const float* vbase, int64_t D, int64_t Dv, Scratch& sc, bool need_kc,
                                  const float** kptr, bool need_vt) {
@@ -208,13 +209,15 @@ inline const float* gather_chunk(const Segment* segs, int64_t nseg, int64_t n, c
   }
   for (int64_t x = 0; x < nseg; ++x) {
     const int64_t len = segs[x].end - segs[x].begin;
-    std::copy_n(vbase + int64_t(segs[x].begin) * Dv, len * Dv, sc.vc.data() + int64_t(segs[x].col) * Dv);
+    if (need_vt)
+      tiles::transpose_rows(vbase + int64_t(segs[x].begin) * Dv, Dv, len, Dv, sc.vt.data() + segs[x].col, n);
+    else
+      std::copy_n(vbase + int64_t(segs[x].begin) * Dv, len * Dv, sc.vc.data() + int64_t(segs[x].col) * Dv);
     std::copy_n(kbase + int64_t(segs[x].begin) * D, len * D, sc.kc.data() + int64_t(segs[x].col) * D);
   }
   tiles::transpose_rows(sc.kc.data(), D, n, D, sc.kt.data(), n);
-  if (need_vt) tiles::transpose_rows(sc.vc.data(), Dv, n, Dv, sc.vt.data(), n);
   if (kptr) *kptr = sc.kc.data();
-  return sc.vc.data();
+  return need_vt ? nullptr : sc.vc.data();
 }
 
 // Applies score_mod to the raw scores (keeping them in raw) and the masks (mask_mod on partial segments,
@@ -408,6 +411,17 @@ void block_sparse_attention_backward(const TensorView& dout, const TensorView& q
     auto store = [&](int64_t bhk) {
       const int64_t b = bhk / p.Hkv, hk = bhk % p.Hkv;
       const size_t kv0 = size_t(bhk * p.Lk);
+      // Keys in their own order and fp32 outputs with contiguous rows: one copy per (b, kv head).
+      const auto contiguous = [&](const TensorView& t, int64_t d) {
+        return t.dtype == DType::kF32 && (d == 1 || t.strides[3] == 1) && (p.Lk == 1 || t.strides[2] == d);
+      };
+      if (bm.k_perm.empty() && contiguous(dk, D) && contiguous(dv, Dv)) {
+        std::copy_n(&gk[kv0 * size_t(D)], p.Lk * D,
+                    static_cast<float*>(dk.data) + b * dk.strides[0] + hk * dk.strides[1]);
+        std::copy_n(&gv[kv0 * size_t(Dv)], p.Lk * Dv,
+                    static_cast<float*>(dv.data) + b * dv.strides[0] + hk * dv.strides[1]);
+        return;
+      }
       for (int64_t kp = 0; kp < p.Lk; ++kp) {
         const int64_t j = bm.k_index(kp);
         store_row(dk, b, hk, j, &gk[(kv0 + size_t(kp)) * size_t(D)], D);
