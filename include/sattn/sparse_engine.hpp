@@ -162,15 +162,13 @@ struct Scratch {
 };
 
 // Walks the key ranges [r0, r1) of a query block in chunks of at most kChunk keys: calls
-// f(segments, nseg, n) with the chunk's segments (consecutive ranges with the same query rows are packed together;
-// a range of at most kChunk / 2 keys that does not fit the chunk's rest starts the next chunk instead of being cut).
+// f(segments, nseg, n) with the chunk's segments (consecutive ranges with the same query rows are packed together).
 template <typename F>
 void for_each_chunk(const KeyRange* ranges, int64_t count, F&& f) {
   Segment segs[kChunk];
   int64_t nseg = 0, n = 0;
   for (int64_t r = 0; r < count; ++r) {
-    if (n > 0 && (ranges[r].q_lo != segs[0].q_lo || ranges[r].q_hi != segs[0].q_hi ||
-                  (ranges[r].end - ranges[r].begin <= kChunk / 2 && n + (ranges[r].end - ranges[r].begin) > kChunk))) {
+    if (n > 0 && (ranges[r].q_lo != segs[0].q_lo || ranges[r].q_hi != segs[0].q_hi)) {
       f(segs, nseg, n);
       nseg = 0;
       n = 0;
