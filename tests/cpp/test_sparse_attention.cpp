@@ -395,6 +395,33 @@ TEST(SparseAttention, DeterministicAcrossThreadCounts) {
   }
 }
 
+// The one-pass backward walks runs of consecutive query blocks per work item (here runs of up to 5 Neighborhood2D
+// tiles, and of sliding-window blocks): against the reference, and bitwise the same for 1, 2 and 3 threads.
+TEST(SparseAttention, OnePassRunsMatchReferenceAndAreDeterministic) {
+  run_case({"Neighborhood2D(40, 40, 7)", 2, 4, 4, 1600, 1600, 16, 16});
+  run_case({"SlidingWindow(40, 40)", 2, 4, 2, 1100, 1100, 16, 16, 16});
+  const Pattern p = Neighborhood2D(40, 40, 7);
+  const int64_t L = 1600, D = 16;
+  const Tensor q = randn({2, 4, L, D}, 5), k = randn({2, 4, L, D}, 6), v = randn({2, 4, L, D}, 7),
+               dout = randn({2, 4, L, D}, 8);
+  Tensor dqs[3], dks[3], dvs[3];
+  for (int t = 0; t < 3; ++t) {
+    SparseOptions so;
+    so.num_threads = t + 1;
+    Tensor out(DType::kF32, {2, 4, L, D}), lse(DType::kF32, {2, 4, L});
+    sparse_attention(q, k, v, p, so, out, lse);
+    dqs[t] = Tensor(DType::kF32, q.shape());
+    dks[t] = Tensor(DType::kF32, k.shape());
+    dvs[t] = Tensor(DType::kF32, v.shape());
+    sparse_attention_backward(dout, q, k, v, out, lse, p, so, {dqs[t].view(), dks[t].view(), dvs[t].view(), {}, {}, {}});
+  }
+  for (int t = 1; t < 3; ++t) {
+    EXPECT_EQ(std::memcmp(dqs[0].data(), dqs[t].data(), dqs[0].nbytes()), 0);
+    EXPECT_EQ(std::memcmp(dks[0].data(), dks[t].data(), dks[0].nbytes()), 0);
+    EXPECT_EQ(std::memcmp(dvs[0].data(), dvs[t].data(), dvs[0].nbytes()), 0);
+  }
+}
+
 // Packed inputs of 4 MiB and more come from the huge-page block cache; a second call reuses the freed blocks.
 TEST(SparseAttention, LargeBuffersFromTheBlockCache) {
   const int64_t L = 16384, D = 64;
