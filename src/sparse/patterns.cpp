@@ -665,7 +665,7 @@ struct Neighborhood2DNode final : Pattern::Node {
             window(c0, nc, cs0, ce0);
             window(c1 - 1, nc, cs1, ce1);
             // Key rows [rs0, re1] (the union of the tile rows' windows), rows in every window [rs1, re0]; same
-            // for columns. Key row kr is reached only by the tile rows [qa[kr], qb[kr]] (windows are monotone).
+            // for columns. Key row kr is reached only by the tile rows [qa[kr], qz[kr]] (windows are monotone).
             const int64_t nkr = re1 - rs0 + 1, ncol = ce1 - cs0 + 1, cw = c1 - c0;
             std::vector<int64_t>& qa = scratch_a;
             std::vector<int64_t>& qz = scratch_b;
@@ -679,10 +679,6 @@ struct Neighborhood2DNode final : Pattern::Node {
                 qz[size_t(kr - rs0)] = std::max(qz[size_t(kr - rs0)], r);
               }
             }
-            // Group consecutive key rows into chunks that compute the union of their rows' query rows: a small
-            // dynamic programme over the key rows with cost = computed pairs + kKeyCost per key + kChunkCost per
-            // chunk (a chunk holds at most block keys), so that rows reached by few tile rows are not computed for
-            // the whole tile and the chunks stay large enough to amortise their per-chunk work.
             // Widens a run of tile rows [a, z] inside the tile until it holds a multiple of 4 queries (the tile
             // operations' row blocking: a ragged rest runs slower than computing a masked extra row).
             auto align_rows = [&](int64_t& a, int64_t& z) {
@@ -691,7 +687,11 @@ struct Neighborhood2DNode final : Pattern::Node {
                 else --a;
               }
             };
-            // (a group holds at most 128 keys' worth of rows: larger ones never pay, and the programme stays linear)
+            // Group consecutive key rows into groups computed for the union of their rows' tile rows: a small
+            // dynamic programme over the key rows with cost = computed pairs + key_cost per key + chunk_cost per
+            // chunk of `block` keys, so that rows reached by few tile rows are not computed for the whole tile and
+            // the engine's chunks stay large enough to amortise their per-chunk work. (A group holds at most 128
+            // keys' worth of rows: larger ones never pay, and the programme stays linear in the tile's rows.)
             const int64_t max_group_rows = std::max<int64_t>(1, 128 / ncol);
             std::vector<int64_t>& best = scratch_c;
             std::vector<int64_t>& cut = scratch_d;
