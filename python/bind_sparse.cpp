@@ -190,12 +190,15 @@ void bind_sparse(pybind11::module_& m) {
       .def_property_readonly("row_ptr", [](const sparse::BlockMask& b) { return vec_array(b.row_ptr); })
       .def_property_readonly("ranges",
                              [](const sparse::BlockMask& b) {
-                               pybind11::array_t<int32_t> a({pybind11::ssize_t(b.ranges.size()), pybind11::ssize_t(3)});
+                               // (begin, end, full, q_lo, q_hi): q rows [q_lo, q_hi) of the block, q_hi = 0: to its end
+                               pybind11::array_t<int32_t> a({pybind11::ssize_t(b.ranges.size()), pybind11::ssize_t(5)});
                                auto r = a.mutable_unchecked<2>();
                                for (size_t x = 0; x < b.ranges.size(); ++x) {
                                  r(x, 0) = b.ranges[x].begin;
                                  r(x, 1) = b.ranges[x].end;
                                  r(x, 2) = b.ranges[x].full;
+                                 r(x, 3) = b.ranges[x].q_lo;
+                                 r(x, 4) = b.ranges[x].q_hi;
                                }
                                return a;
                              })

@@ -23,9 +23,17 @@ enum class Alignment : uint8_t { kBottomRight, kTopLeft };
 
 // One visited key range of a query block, in layout key order (see BlockMask::k_perm).
 // full: every (query of the block, key of the range) pair is allowed, so the kernel applies no element mask.
+// q_lo, q_hi: only the block's query rows [q_lo, q_hi) (offsets in the block; q_hi = 0: to the block's end) can
+// have allowed keys in the range, so only they are computed (Neighborhood2D: the rows of a 2-D query tile whose
+// row windows reach the key row). A range narrowed this way is never full. Kernels that ignore the narrowing stay
+// correct (the element mask removes the other rows' pairs); they only compute more.
 struct KeyRange {
   int32_t begin = 0, end = 0;
   uint8_t full = 0;
+  uint16_t q_lo = 0, q_hi = 0;
+  // The computed query rows [q_first(), q_last(m)) of a block of m queries.
+  int64_t q_first(int64_t m) const { return q_lo < m ? int64_t(q_lo) : m; }
+  int64_t q_last(int64_t m) const { return q_hi == 0 || q_hi > m ? m : int64_t(q_hi); }
 };
 
 // The work list of a sparse kernel.

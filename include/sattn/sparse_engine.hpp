@@ -124,12 +124,14 @@ void store_value(const TensorView& t, int64_t b, int64_t h, int64_t i, float val
 // Runs fn(ctx, item) for item in [0, n) on up to `threads` threads (OpenMP, no oversubscription).
 void run_parallel(int64_t n, int threads, void* ctx, void (*fn)(void*, int64_t));
 
-// Colours the query blocks so that blocks of one colour read disjoint key positions (their key hulls, over every
-// head slot, do not overlap): colour c holds blocks[colour_start[c] .. colour_start[c+1]), ascending. Returns false
-// when that would take more than max(1, batch_heads · num_q_blocks / 8) colours (SATTN_SPARSE_BACKWARD=two_pass:
-// always false; =one_pass: no limit): then the backward runs its two-pass form. Depends only on the block mask and batch_heads (= B · Hkv).
+// Splits the query blocks into runs of consecutive blocks (whose key hulls overlap heavily) and colours the runs so
+// that the runs of one colour read disjoint key positions (their key hulls, over every head slot, do not overlap):
+// colour c holds the runs x in [colour_start[c], colour_start[c+1]), each the blocks [runs[x], run_ends[x]).
+// Returns false when that would take more than max(1, batch_heads · num_q_blocks / 8) colours
+// (SATTN_SPARSE_BACKWARD=two_pass: always false; =one_pass: no limit): then the backward runs its two-pass form.
+// Depends only on the block mask and batch_heads (= B · Hkv).
 bool colour_query_blocks(const BlockMask& bm, int64_t batch_heads, std::vector<int64_t>& colour_start,
-                         std::vector<int32_t>& blocks);
+                         std::vector<int32_t>& runs, std::vector<int32_t>& run_ends);
 
 template <typename F>
 void parallel(int64_t n, int threads, F& f) {
@@ -142,6 +144,9 @@ constexpr int64_t kChunk = 64;  // keys per computed chunk
 struct Segment {
   int32_t begin, end, col;  // layout key positions [begin, end), first column in the chunk
   bool full;
+  uint16_t q_lo = 0, q_hi = 0;  // the ranges' query rows (KeyRange::q_lo/q_hi; the same for the whole chunk)
+  int64_t q_first(int64_t m) const { return q_lo < m ? int64_t(q_lo) : m; }
+  int64_t q_last(int64_t m) const { return q_hi == 0 || q_hi > m ? m : int64_t(q_hi); }
 };
 
 // Per-thread scratch of one query block.
@@ -157,16 +162,21 @@ struct Scratch {
 };
 
 // Walks the key ranges [r0, r1) of a query block in chunks of at most kChunk keys: calls
-// f(segments, n) with the chunk's segments (consecutive ranges are packed together).
+// f(segments, nseg, n) with the chunk's segments (consecutive ranges with the same query rows are packed together).
 template <typename F>
 void for_each_chunk(const KeyRange* ranges, int64_t count, F&& f) {
   Segment segs[kChunk];
   int64_t nseg = 0, n = 0;
   for (int64_t r = 0; r < count; ++r) {
+    if (n > 0 && (ranges[r].q_lo != segs[0].q_lo || ranges[r].q_hi != segs[0].q_hi)) {
+      f(segs, nseg, n);
+      nseg = 0;
+      n = 0;
+    }
     int32_t b = ranges[r].begin;
     while (b < ranges[r].end) {
       const int32_t e = int32_t(std::min<int64_t>(ranges[r].end, b + (kChunk - n)));
-      segs[nseg++] = {b, e, int32_t(n), ranges[r].full != 0};
+      segs[nseg++] = {b, e, int32_t(n), ranges[r].full != 0, ranges[r].q_lo, ranges[r].q_hi};
       n += e - b;
       b = e;
       if (n == kChunk) {
@@ -180,8 +190,9 @@ void for_each_chunk(const KeyRange* ranges, int64_t count, F&& f) {
 }
 
 // Gathers a chunk's K rows transposed into kt [D x n] and (if need_vt) V rows transposed into vt [Dv x n]; returns
-// the chunk's V rows [n x Dv] (in place when the chunk is one range, else copied into vc) and, if kptr, its K rows.
-// Several ranges are first copied row by row (contiguous memcpy) and then transposed as one block.
+// the chunk's V rows [n x Dv] (in place when the chunk is one range, else copied into vc; nullptr when need_vt and
+// the chunk has several ranges: V is then transposed straight from its rows, never copied) and, if kptr, its K
+// rows. Several ranges' K rows are first copied row by row (contiguous memcpy) and then transposed as one block.
 inline const float* gather_chunk(const Segment* segs, int64_t nseg, int64_t n, const float* kbase,
                                  const float* vbase, int64_t D, int64_t Dv, Scratch& sc, bool need_kc,
                                  const float** kptr, bool need_vt) {
@@ -196,13 +207,15 @@ inline const float* gather_chunk(const Segment* segs, int64_t nseg, int64_t n, c
   }
   for (int64_t x = 0; x < nseg; ++x) {
     const int64_t len = segs[x].end - segs[x].begin;
-    std::copy_n(vbase + int64_t(segs[x].begin) * Dv, len * Dv, sc.vc.data() + int64_t(segs[x].col) * Dv);
+    if (need_vt)
+      tiles::transpose_rows(vbase + int64_t(segs[x].begin) * Dv, Dv, len, Dv, sc.vt.data() + segs[x].col, n);
+    else
+      std::copy_n(vbase + int64_t(segs[x].begin) * Dv, len * Dv, sc.vc.data() + int64_t(segs[x].col) * Dv);
     std::copy_n(kbase + int64_t(segs[x].begin) * D, len * D, sc.kc.data() + int64_t(segs[x].col) * D);
   }
   tiles::transpose_rows(sc.kc.data(), D, n, D, sc.kt.data(), n);
-  if (need_vt) tiles::transpose_rows(sc.vc.data(), Dv, n, Dv, sc.vt.data(), n);
   if (kptr) *kptr = sc.kc.data();
-  return sc.vc.data();
+  return need_vt ? nullptr : sc.vc.data();
 }
 
 // Applies score_mod to the raw scores (keeping them in raw) and the masks (mask_mod on partial segments,
@@ -277,12 +290,15 @@ void block_sparse_attention(const TensorView& q, const TensorView& k, const Tens
                        for (int64_t x = 0; x < nseg; ++x) inv += p.invalid_in(b, segs[x].begin, segs[x].end);
                        if (inv == n) return;
                      }
+                     const int64_t qa = segs[0].q_first(m), mm = segs[0].q_last(m) - qa;  // computed rows
+                     if (mm <= 0) return;
                      const float* vp = gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, false, nullptr, false);
                      const int64_t ldv = Dv;
-                     tiles::qk(qt, m, D, sc.kt.data(), n, n, p.scale, sc.s.data());
-                     mod_and_mask(sc.s.data(), nullptr, m, n, segs, nseg, bm, q0, b, h, p, mask_mod, score_mod);
-                     tiles::softmax_update(sc.s.data(), m, n, sc.mx.data(), sc.sum.data(), sc.acc.data(), Dv);
-                     tiles::pv(sc.s.data(), m, n, vp, ldv, Dv, 1.0f, sc.acc.data());
+                     tiles::qk(qt + qa * D, mm, D, sc.kt.data(), n, n, p.scale, sc.s.data());
+                     mod_and_mask(sc.s.data(), nullptr, mm, n, segs, nseg, bm, q0 + qa, b, h, p, mask_mod, score_mod);
+                     tiles::softmax_update(sc.s.data(), mm, n, sc.mx.data() + qa, sc.sum.data() + qa,
+                                           sc.acc.data() + qa * Dv, Dv);
+                     tiles::pv(sc.s.data(), mm, n, vp, ldv, Dv, 1.0f, sc.acc.data() + qa * Dv);
                    });
     for (int64_t r = 0; r < m; ++r) {
       const int64_t i = bm.q_index(q0 + r);
@@ -319,17 +335,15 @@ void block_sparse_attention_backward(const TensorView& dout, const TensorView& q
   // the other. Each key's gradient is summed in a fixed order (colour, then head, then chunk) with one writer at a
   // time, so the result does not depend on the thread count.
   std::vector<int64_t> colour_start;
-  std::vector<int32_t> colour_blocks;
-  if (score_mod.identity() && colour_query_blocks(bm, p.B * p.Hkv, colour_start, colour_blocks)) {
+  std::vector<int32_t> colour_runs, run_ends;
+  if (score_mod.identity() && colour_query_blocks(bm, p.B * p.Hkv, colour_start, colour_runs, run_ends)) {
     HugeVector<float> gk(size_t(p.B * p.Hkv * p.Lk * D), 0.0f), gv(size_t(p.B * p.Hkv * p.Lk * Dv), 0.0f);
     int64_t c_lo = 0, c_n = 0;
-    auto item = [&](int64_t x) {
-      const int64_t qb = colour_blocks[size_t(c_lo + x % c_n)], bhk = x / c_n, b = bhk / p.Hkv, hk = bhk % p.Hkv;
+    auto block_item = [&](int64_t qb, int64_t b, int64_t hk) {
       const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
       thread_local Scratch sc;
       thread_local std::vector<float> dkc, dvc;
-      sc.ensure(m, D, Dv);
-      dkc.resize(size_t(kChunk * D));
+      sc.ensure(m, D, Dv);      dkc.resize(size_t(kChunk * D));
       dvc.resize(size_t(kChunk * Dv));
       const size_t kv0 = size_t((b * p.Hkv + hk) * p.Lk);
       const float* kbase = &p.k[kv0 * D];
@@ -346,25 +360,29 @@ void block_sparse_attention_backward(const TensorView& dout, const TensorView& q
         const int64_t row = bm.slot(h) * nqb + qb;
         for_each_chunk(&bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
                        [&](const Segment* segs, int64_t nseg, int64_t n) {
+                         const int64_t qa = segs[0].q_first(m), mm = segs[0].q_last(m) - qa;  // computed rows
+                         if (mm <= 0) return;
+                         const float* qa_t = qt + qa * D;
+                         const float* qa_do = dot + qa * Dv;
                          const float* kp = nullptr;
                          gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, true, &kp, true);
                          float* s = sc.s.data();
                          float* dp = sc.p2.data();
-                         tiles::qk(qt, m, D, sc.kt.data(), n, n, p.scale, s);
-                         mod_and_mask(s, nullptr, m, n, segs, nseg, bm, q0, b, h, p, mask_mod, score_mod);
-                         tiles::probabilities(s, m, n, lse_t);
-                         tiles::qk(dot, m, Dv, sc.vt.data(), n, n, 1.0f, dp);
-                         tiles::softmax_backward(s, dp, m, n, delta);
-                         tiles::pv(dp, m, n, kp, D, D, p.scale, sc.dq.data());
+                         tiles::qk(qa_t, mm, D, sc.kt.data(), n, n, p.scale, s);
+                         mod_and_mask(s, nullptr, mm, n, segs, nseg, bm, q0 + qa, b, h, p, mask_mod, score_mod);
+                         tiles::probabilities(s, mm, n, lse_t + qa);
+                         tiles::qk(qa_do, mm, Dv, sc.vt.data(), n, n, 1.0f, dp);
+                         tiles::softmax_backward(s, dp, mm, n, delta + qa);
+                         tiles::pv(dp, mm, n, kp, D, D, p.scale, sc.dq.data() + qa * D);
                          if (nseg == 1) {  // contiguous keys: accumulate in place
-                           tiles::atx(s, m, n, dot, Dv, Dv, 1.0f, gvb + int64_t(segs[0].begin) * Dv);
-                           tiles::atx(dp, m, n, qt, D, D, p.scale, gkb + int64_t(segs[0].begin) * D);
+                           tiles::atx(s, mm, n, qa_do, Dv, Dv, 1.0f, gvb + int64_t(segs[0].begin) * Dv);
+                           tiles::atx(dp, mm, n, qa_t, D, D, p.scale, gkb + int64_t(segs[0].begin) * D);
                            return;
                          }
                          std::fill_n(dvc.data(), n * Dv, 0.0f);
                          std::fill_n(dkc.data(), n * D, 0.0f);
-                         tiles::atx(s, m, n, dot, Dv, Dv, 1.0f, dvc.data());
-                         tiles::atx(dp, m, n, qt, D, D, p.scale, dkc.data());
+                         tiles::atx(s, mm, n, qa_do, Dv, Dv, 1.0f, dvc.data());
+                         tiles::atx(dp, mm, n, qa_t, D, D, p.scale, dkc.data());
                          for (int64_t g = 0; g < nseg; ++g) {
                            const int64_t len = segs[g].end - segs[g].begin;
                            float* ov = gvb + int64_t(segs[g].begin) * Dv;
@@ -378,6 +396,11 @@ void block_sparse_attention_backward(const TensorView& dout, const TensorView& q
         for (int64_t r = 0; r < m; ++r) store_row(dq, b, h, bm.q_index(q0 + r), sc.dq.data() + r * D, D);
       }
     };
+    // One item: a run of consecutive query blocks of one colour for one (b, kv head), block after block.
+    auto item = [&](int64_t x) {
+      const int64_t run = c_lo + x % c_n, bhk = x / c_n, b = bhk / p.Hkv, hk = bhk % p.Hkv;
+      for (int64_t qb = colour_runs[size_t(run)]; qb < run_ends[size_t(run)]; ++qb) block_item(qb, b, hk);
+    };
     for (size_t c = 0; c + 1 < colour_start.size(); ++c) {
       c_lo = colour_start[c];
       c_n = colour_start[c + 1] - c_lo;
@@ -386,6 +409,17 @@ void block_sparse_attention_backward(const TensorView& dout, const TensorView& q
     auto store = [&](int64_t bhk) {
       const int64_t b = bhk / p.Hkv, hk = bhk % p.Hkv;
       const size_t kv0 = size_t(bhk * p.Lk);
+      // Keys in their own order and fp32 outputs with contiguous rows: one copy per (b, kv head).
+      const auto contiguous = [&](const TensorView& t, int64_t d) {
+        return t.dtype == DType::kF32 && (d == 1 || t.strides[3] == 1) && (p.Lk == 1 || t.strides[2] == d);
+      };
+      if (bm.k_perm.empty() && contiguous(dk, D) && contiguous(dv, Dv)) {
+        std::copy_n(&gk[kv0 * size_t(D)], p.Lk * D,
+                    static_cast<float*>(dk.data) + b * dk.strides[0] + hk * dk.strides[1]);
+        std::copy_n(&gv[kv0 * size_t(Dv)], p.Lk * Dv,
+                    static_cast<float*>(dv.data) + b * dv.strides[0] + hk * dv.strides[1]);
+        return;
+      }
       for (int64_t kp = 0; kp < p.Lk; ++kp) {
         const int64_t j = bm.k_index(kp);
         store_row(dk, b, hk, j, &gk[(kv0 + size_t(kp)) * size_t(D)], D);
@@ -426,20 +460,22 @@ void block_sparse_attention_backward(const TensorView& dout, const TensorView& q
     }
     for_each_chunk(&bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
                    [&](const Segment* segs, int64_t nseg, int64_t n) {
+                     const int64_t qa = segs[0].q_first(m), mm = segs[0].q_last(m) - qa;  // computed rows
+                     if (mm <= 0) return;
                      const float* kp = nullptr;
                      gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, true, &kp, true);
                      float* s = sc.s.data();
                      float* dp = sc.p2.data();
-                     tiles::qk(qt, m, D, sc.kt.data(), n, n, p.scale, s);
-                     mod_and_mask(s, raw, m, n, segs, nseg, bm, q0, b, h, p, mask_mod,
+                     tiles::qk(qt + qa * D, mm, D, sc.kt.data(), n, n, p.scale, s);
+                     mod_and_mask(s, raw, mm, n, segs, nseg, bm, q0 + qa, b, h, p, mask_mod,
                                   score_mod);
-                     tiles::probabilities(s, m, n, lse_t);
-                     tiles::qk(dot, m, Dv, sc.vt.data(), n, n, 1.0f, dp);
-                     tiles::softmax_backward(s, dp, m, n, delta);
+                     tiles::probabilities(s, mm, n, lse_t + qa);
+                     tiles::qk(dot + qa * Dv, mm, Dv, sc.vt.data(), n, n, 1.0f, dp);
+                     tiles::softmax_backward(s, dp, mm, n, delta + qa);
                      if (!score_mod.identity())
                        for (int64_t x = 0; x < nseg; ++x)
-                         for (int64_t r = 0; r < m; ++r) {
-                           const int64_t i = bm.q_index(q0 + r);
+                         for (int64_t r = 0; r < mm; ++r) {
+                           const int64_t i = bm.q_index(q0 + qa + r);
                            for (int32_t c = segs[x].col; c < segs[x].col + (segs[x].end - segs[x].begin); ++c) {
                              float& d = dp[r * n + c];
                              if (s[r * n + c] == 0.0f) {
@@ -450,7 +486,7 @@ void block_sparse_attention_backward(const TensorView& dout, const TensorView& q
                                                     bm.k_index(segs[x].begin + (c - segs[x].col)), g);
                            }
                          }
-                     tiles::pv(dp, m, n, kp, D, D, p.scale, sc.dq.data());
+                     tiles::pv(dp, mm, n, kp, D, D, p.scale, sc.dq.data() + qa * D);
                    });
     for (int64_t r = 0; r < m; ++r) store_row(dq, b, h, bm.q_index(q0 + r), sc.dq.data() + r * D, D);
   };
@@ -473,6 +509,7 @@ void block_sparse_attention_backward(const TensorView& dout, const TensorView& q
   struct Entry {
     int32_t qb, begin, end;
     bool full;
+    uint16_t q_lo, q_hi;
   };
   const int64_t nkb = (p.Lk + kChunk - 1) / kChunk;
   std::vector<std::vector<Entry>> tr(size_t(bm.heads * nkb));
@@ -482,7 +519,8 @@ void block_sparse_attention_backward(const TensorView& dout, const TensorView& q
         const KeyRange& kr = bm.ranges[size_t(r)];
         for (int64_t kb = kr.begin / kChunk; kb * kChunk < kr.end; ++kb)
           tr[size_t(s * nkb + kb)].push_back({int32_t(qb), int32_t(std::max<int64_t>(kr.begin, kb * kChunk)),
-                                              int32_t(std::min<int64_t>(kr.end, (kb + 1) * kChunk)), kr.full != 0});
+                                              int32_t(std::min<int64_t>(kr.end, (kb + 1) * kChunk)), kr.full != 0,
+                                              kr.q_lo, kr.q_hi});
       }
   int64_t max_m = 0;
   for (int64_t x = 0; x < nqb; ++x) max_m = std::max<int64_t>(max_m, bm.q_block_start[x + 1] - bm.q_block_start[x]);
@@ -501,7 +539,10 @@ void block_sparse_attention_backward(const TensorView& dout, const TensorView& q
     tiles::transpose_rows(vbase, Dv, nk, Dv, sc.vt.data(), nk);
     for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
       for (const Entry& e : tr[size_t(bm.slot(h) * nkb + kb)]) {
-        const int64_t q0 = bm.q_block_start[e.qb], m = bm.q_block_start[e.qb + 1] - q0;
+        const int64_t qbeg = bm.q_block_start[e.qb], mb = bm.q_block_start[e.qb + 1] - qbeg;
+        const Segment seg{e.begin, e.end, 0, e.full, e.q_lo, e.q_hi};
+        const int64_t q0 = qbeg + seg.q_first(mb), m = seg.q_last(mb) - seg.q_first(mb);  // the computed rows
+        if (m <= 0) continue;
         const int64_t n = e.end - e.begin, c0 = e.begin - k0;
         if (p.invalid_in(b, e.begin, e.end) == n) continue;
         const size_t qrow = size_t((b * p.Hq + h) * p.Lq + q0);
@@ -510,7 +551,6 @@ void block_sparse_attention_backward(const TensorView& dout, const TensorView& q
         float* s = sc.s.data();
         float* dp = sc.p2.data();
         tiles::qk(qt, m, D, sc.kt.data() + c0, nk, n, p.scale, s);
-        Segment seg{e.begin, e.end, 0, e.full};
         mod_and_mask(s, score_mod.identity() ? nullptr : raw.data(), m, n, &seg, 1, bm, q0, b, h, p, mask_mod,
                      score_mod);
         tiles::probabilities(s, m, n, &p.lse[qrow]);

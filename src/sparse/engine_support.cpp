@@ -268,17 +268,24 @@ void pack_backward(Packed& p, const BlockMask& mask, const TensorView& dout, con
         "lse: expected shape ", shape_to_string({p.B, p.Hq, p.Lq}), ", got ", shape_to_string(lse.shape));
   check(is_floating(lse.dtype), ErrorKind::kTypeError, "lse: expected a float tensor, got ", to_string(lse.dtype));
   pack4(dout, mask.q_perm, p.dout);
-  FloatBuf o;
-  pack4(out, mask.q_perm, o);
   p.lse.resize(size_t(p.B * p.Hq * p.Lq));
   p.delta.resize(p.lse.size());
+  // out is read in place (it is only needed for delta): no packed copy.
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t h = 0; h < p.Hq; ++h)
       for (int64_t pos = 0; pos < p.Lq; ++pos) {
         const size_t r = size_t((b * p.Hq + h) * p.Lq + pos);
-        p.lse[r] = load(lse.data, lse.dtype, b * lse.strides[0] + h * lse.strides[1] + mask.q_index(pos) * lse.strides[2]);
+        const int64_t i = mask.q_index(pos);
+        p.lse[r] = load(lse.data, lse.dtype, b * lse.strides[0] + h * lse.strides[1] + i * lse.strides[2]);
+        const int64_t o0 = b * out.strides[0] + h * out.strides[1] + i * out.strides[2], os = out.strides[3];
+        const float* dr = &p.dout[r * size_t(p.Dv)];
         double acc = 0;  // delta_i = dO_i · O_i
-        for (int64_t c = 0; c < p.Dv; ++c) acc += double(p.dout[r * p.Dv + c]) * o[r * p.Dv + c];
+        if (out.dtype == DType::kF32) {
+          const float* o = static_cast<const float*>(out.data) + o0;
+          for (int64_t c = 0; c < p.Dv; ++c) acc += double(dr[c]) * o[c * os];
+        } else {
+          for (int64_t c = 0; c < p.Dv; ++c) acc += double(dr[c]) * load(out.data, out.dtype, o0 + c * os);
+        }
         p.delta[r] = float(acc);
       }
 }
@@ -326,7 +333,7 @@ void run_parallel(int64_t n, int threads, void* ctx, void (*fn)(void*, int64_t))
 }
 
 bool colour_query_blocks(const BlockMask& bm, int64_t batch_heads, std::vector<int64_t>& colour_start,
-                         std::vector<int32_t>& blocks) {
+                         std::vector<int32_t>& runs, std::vector<int32_t>& run_ends) {
   const int64_t nqb = bm.num_q_blocks();
   // SATTN_SPARSE_BACKWARD=two_pass / one_pass forces a form (for tests and measurements).
   const char* env = std::getenv("SATTN_SPARSE_BACKWARD");
@@ -340,35 +347,63 @@ bool colour_query_blocks(const BlockMask& bm, int64_t batch_heads, std::vector<i
         lo[size_t(qb)] = std::min<int64_t>(lo[size_t(qb)], bm.ranges[size_t(r)].begin);
         hi[size_t(qb)] = std::max<int64_t>(hi[size_t(qb)], bm.ranges[size_t(r)].end);
       }
-  for (int64_t qb = 0; qb < nqb; ++qb)
-    if (lo[size_t(qb)] == INT64_MAX) lo[size_t(qb)] = hi[size_t(qb)] = 0;
-  std::vector<int32_t> order(static_cast<size_t>(nqb));
-  for (int64_t x = 0; x < nqb; ++x) order[size_t(x)] = int32_t(x);
-  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return lo[size_t(a)] < lo[size_t(b)]; });
-  // First-fit on intervals sorted by their start: a colour takes a block iff every block it holds ends before the
-  // block's hull starts (optimal for interval graphs). Too many colours (fewer than 8 items per colour on average,
+  // Runs of consecutive query blocks, processed one after the other by one work item so that the keys (and key
+  // gradients) they share stay in cache: a run grows while the union of its hulls stays within 1.25x the first
+  // block's hull (Neighborhood2D: a row of tiles; sliding windows: a few blocks; disjoint windows: one block), and
+  // to at most max(1, min(64, batch_heads * nqb / 64)) blocks so that a colour still holds many items.
+  const int64_t max_run = std::max<int64_t>(1, std::min<int64_t>(64, batch_heads * nqb / 64));
+  std::vector<int64_t> rlo, rhi;
+  runs.clear();
+  run_ends.clear();
+  for (int64_t qb = 0; qb < nqb;) {
+    int64_t a = lo[size_t(qb)], b = hi[size_t(qb)];
+    const int64_t first_len = b == 0 && a == INT64_MAX ? 0 : b - a;
+    int64_t e = qb + 1;
+    while (e < nqb && e - qb < max_run && first_len > 0) {
+      if (lo[size_t(e)] == INT64_MAX) break;
+      const int64_t na = std::min(a, lo[size_t(e)]), nb = std::max(b, hi[size_t(e)]);
+      if (4 * (nb - na) > 5 * first_len) break;
+      a = na, b = nb, ++e;
+    }
+    if (a == INT64_MAX) a = b = 0;
+    runs.push_back(int32_t(qb));
+    run_ends.push_back(int32_t(e));
+    rlo.push_back(a);
+    rhi.push_back(b);
+    qb = e;
+  }
+  const int64_t nr = int64_t(runs.size());
+  std::vector<int32_t> order(static_cast<size_t>(nr));
+  for (int64_t x = 0; x < nr; ++x) order[size_t(x)] = int32_t(x);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return rlo[size_t(x)] < rlo[size_t(y)]; });
+  // First-fit on intervals sorted by their start: a colour takes a run iff every run it holds ends before the
+  // run's hull starts (optimal for interval graphs). Too many colours (fewer than 8 blocks per colour on average,
   // e.g. global tokens whose keys every block reads): not worth it.
   const int64_t max_colours = force ? INT64_MAX : std::max<int64_t>(1, batch_heads * nqb / 8);
   std::vector<int64_t> colour_end;
-  std::vector<int32_t> colour(static_cast<size_t>(nqb), 0);
-  for (int32_t qb : order) {
-    if (hi[size_t(qb)] == lo[size_t(qb)]) continue;  // no keys: colour 0, reserves nothing
+  std::vector<int32_t> colour(static_cast<size_t>(nr), 0);
+  for (int32_t x : order) {
+    if (rhi[size_t(x)] == rlo[size_t(x)]) continue;  // no keys: colour 0, reserves nothing
     size_t c = 0;
-    while (c < colour_end.size() && colour_end[c] > lo[size_t(qb)]) ++c;
+    while (c < colour_end.size() && colour_end[c] > rlo[size_t(x)]) ++c;
     if (c == colour_end.size()) {
       if (int64_t(c) >= max_colours) return false;
       colour_end.push_back(0);
     }
-    colour_end[c] = hi[size_t(qb)];
-    colour[size_t(qb)] = int32_t(c);
+    colour_end[c] = rhi[size_t(x)];
+    colour[size_t(x)] = int32_t(c);
   }
   const size_t nc = std::max<size_t>(1, colour_end.size());
   colour_start.assign(nc + 1, 0);
-  for (int64_t qb = 0; qb < nqb; ++qb) ++colour_start[size_t(colour[size_t(qb)]) + 1];
+  for (int64_t x = 0; x < nr; ++x) ++colour_start[size_t(colour[size_t(x)]) + 1];
   for (size_t c = 0; c < nc; ++c) colour_start[c + 1] += colour_start[c];
-  blocks.assign(size_t(nqb), 0);
+  std::vector<int32_t> rs(runs), re(run_ends);
   std::vector<int64_t> fill(colour_start.begin(), colour_start.end() - 1);
-  for (int64_t qb = 0; qb < nqb; ++qb) blocks[size_t(fill[size_t(colour[size_t(qb)])]++)] = int32_t(qb);
+  for (int64_t x = 0; x < nr; ++x) {
+    const size_t at = size_t(fill[size_t(colour[size_t(x)])]++);
+    runs[at] = rs[size_t(x)];
+    run_ends[at] = re[size_t(x)];
+  }
   return true;
 }
 

@@ -147,7 +147,7 @@ int64_t BlockMask::computed_pairs(int64_t s) const {
   for (int64_t qb = 0; qb < nqb; ++qb) {
     const int64_t m = q_block_start[qb + 1] - q_block_start[qb];
     for (int64_t r = row_ptr[s * nqb + qb]; r < row_ptr[s * nqb + qb + 1]; ++r)
-      total += m * (ranges[r].end - ranges[r].begin);
+      total += (ranges[r].q_last(m) - ranges[r].q_first(m)) * (ranges[r].end - ranges[r].begin);
   }
   return total;
 }
@@ -158,7 +158,7 @@ int64_t BlockMask::partial_pairs(int64_t s) const {
   for (int64_t qb = 0; qb < nqb; ++qb) {
     const int64_t m = q_block_start[qb + 1] - q_block_start[qb];
     for (int64_t r = row_ptr[s * nqb + qb]; r < row_ptr[s * nqb + qb + 1]; ++r)
-      if (!ranges[r].full) total += m * (ranges[r].end - ranges[r].begin);
+      if (!ranges[r].full) total += (ranges[r].q_last(m) - ranges[r].q_first(m)) * (ranges[r].end - ranges[r].begin);
   }
   return total;
 }
@@ -182,11 +182,14 @@ void BlockMask::validate() const {
   }
   if (heads < 1 || int64_t(row_ptr.size()) != heads * num_q_blocks() + 1) bad("row_ptr size");
   if (row_ptr.back() != int64_t(ranges.size())) bad("row_ptr end");
+  const int64_t nqb = num_q_blocks();
   for (size_t r = 0; r + 1 < row_ptr.size(); ++r) {
     int32_t prev = std::numeric_limits<int32_t>::min();
+    const int64_t qb = int64_t(r) % std::max<int64_t>(1, nqb), m = q_block_start[qb + 1] - q_block_start[qb];
     for (int64_t x = row_ptr[r]; x < row_ptr[r + 1]; ++x) {
       const KeyRange& k = ranges[x];
       if (k.begin < 0 || k.end > len_k || k.begin >= k.end || k.begin < prev) bad("key range");
+      if ((k.q_lo != 0 || k.q_hi != 0) && (k.full || k.q_first(m) >= k.q_last(m))) bad("query rows of a key range");
       prev = k.end;
     }
   }
@@ -579,15 +582,20 @@ struct Neighborhood2DNode final : Pattern::Node {
   bool layout_interval(int64_t, int64_t i, int64_t kp0, int64_t, int64_t, int64_t, int64_t& lo,
                        int64_t& hi) const override {
     const int64_t d = dilation;
-    if (d == 1) {  // the common case, once per (query row, partial segment): 32-bit divisions only
+    if (d == 1) {  // the common case, once per (query row, partial segment): 32-bit arithmetic, no calls
       const int32_t w = int32_t(width), kr = int32_t(kp0) / w, r = int32_t(i) / w, c = int32_t(i) - r * w;
-      int64_t rs, re, cs, ce;
-      window(r, height, rs, re);
+      const int32_t k = int32_t(kernel);
+      int32_t rs, re, cs, ce;
+      if (causal) {
+        rs = std::max(0, r - k + 1), re = r, cs = std::max(0, c - k + 1), ce = c;
+      } else {
+        rs = std::clamp(r - k / 2, 0, int32_t(height) - k), re = rs + k - 1;
+        cs = std::clamp(c - k / 2, 0, w - k), ce = cs + k - 1;
+      }
       lo = hi = kp0;
       if (kr < rs || kr > re) return true;
-      window(c, width, cs, ce);
-      lo = int64_t(kr) * width + cs;
-      hi = int64_t(kr) * width + ce + 1;
+      lo = int64_t(kr) * w + cs;
+      hi = int64_t(kr) * w + ce + 1;
       return true;
     }
     int64_t base = 0, dr = 0, dc = 0, nr = 0, nc = 0;
@@ -621,13 +629,22 @@ struct Neighborhood2DNode final : Pattern::Node {
   // part every column's window contains, which is full when the row is in every row's window, and the rest).
   BlockMask block_mask(int64_t lq, int64_t lk, int64_t, int64_t block) const override {
     const int64_t d = dilation;
-    const int64_t th = 4, tw = std::max<int64_t>(1, std::min<int64_t>(block / 4, kernel < 11 ? 8 : 16));
+    // Query tiles of th x tw with th * tw = block: tw is the smallest width >= 2 whose key row segments
+    // (tw + kernel - 1 columns) are a multiple of 8 keys, so that every chunk fills whole 8-lane vectors of the tile
+    // operations (keys are in lanes; a ragged end runs scalar) and the column waste (tw + kernel - 1) / kernel stays
+    // small (kernel 7: 2 x 32 tiles, 8 columns, 1.14); the rows cost nothing extra since each key row is computed
+    // only for the tile rows that reach it (see the grouping below).
+    int64_t tw = 2;
+    while ((tw + kernel - 1) % 8 != 0) ++tw;
+    tw = std::max<int64_t>(1, std::min(tw, block));
+    const int64_t th = std::max<int64_t>(1, block / tw);
     BlockMask m;
     m.len_q = lq;
     m.len_k = lk;
     m.q_block_start.push_back(0);
     m.row_ptr.push_back(0);
-    std::vector<int64_t> kbase;
+    std::vector<int64_t> kbase, scratch_a, scratch_b, scratch_c, scratch_d, scratch_e;
+    const int64_t key_cost = 4, chunk_cost = 300;  // in computed pairs (measured: flat around these)
     for (int64_t dr = 0; dr < d; ++dr)
       for (int64_t dc = 0; dc < d; ++dc) {
         kbase.push_back(int64_t(m.k_perm.size()));
@@ -647,22 +664,86 @@ struct Neighborhood2DNode final : Pattern::Node {
             window(r1 - 1, nr, rs1, re1);
             window(c0, nc, cs0, ce0);
             window(c1 - 1, nc, cs1, ce1);
-            // Union of rows [rs0, re1], rows in every window [rs1, re0]; same for columns.
-            for (int64_t kr = rs0; kr <= re1; ++kr) {
-              const bool row_full = kr >= rs1 && kr <= re0;
-              const int64_t rowbase = base + kr * nc;
-              if (cs1 > ce0 || !row_full) {
-                detail::emit_range(m.ranges, rowbase + cs0, rowbase + ce1 + 1, false, block);
-              } else {
-                detail::emit_range(m.ranges, rowbase + cs0, rowbase + cs1, false, block);
-                detail::emit_range(m.ranges, rowbase + cs1, rowbase + ce0 + 1, true, block);
-                detail::emit_range(m.ranges, rowbase + ce0 + 1, rowbase + ce1 + 1, false, block);
+            // Key rows [rs0, re1] (the union of the tile rows' windows), rows in every window [rs1, re0]; same
+            // for columns. Key row kr is reached only by the tile rows [qa[kr], qz[kr]] (windows are monotone).
+            const int64_t nkr = re1 - rs0 + 1, ncol = ce1 - cs0 + 1, cw = c1 - c0;
+            std::vector<int64_t>& qa = scratch_a;
+            std::vector<int64_t>& qz = scratch_b;
+            qa.assign(size_t(nkr), r1);
+            qz.assign(size_t(nkr), r0 - 1);
+            for (int64_t r = r0; r < r1; ++r) {
+              int64_t rs, re;
+              window(r, nr, rs, re);
+              for (int64_t kr = rs; kr <= re; ++kr) {
+                qa[size_t(kr - rs0)] = std::min(qa[size_t(kr - rs0)], r);
+                qz[size_t(kr - rs0)] = std::max(qz[size_t(kr - rs0)], r);
               }
+            }
+            // Widens a run of tile rows [a, z] inside the tile until it holds a multiple of 4 queries (the tile
+            // operations' row blocking: a ragged rest runs slower than computing a masked extra row).
+            auto align_rows = [&](int64_t& a, int64_t& z) {
+              while (((z - a + 1) * cw) % 4 != 0 && (z + 1 < r1 || a > r0)) {
+                if (z + 1 < r1) ++z;
+                else --a;
+              }
+            };
+            // Group consecutive key rows into groups computed for the union of their rows' tile rows: a small
+            // dynamic programme over the key rows with cost = computed pairs + key_cost per key + chunk_cost per
+            // chunk of `block` keys, so that rows reached by few tile rows are not computed for the whole tile and
+            // the engine's chunks stay large enough to amortise their per-chunk work. (A group holds at most 128
+            // keys' worth of rows: larger ones never pay, and the programme stays linear in the tile's rows.)
+            const int64_t max_group_rows = std::max<int64_t>(1, 128 / ncol);
+            std::vector<int64_t>& best = scratch_c;
+            std::vector<int64_t>& cut = scratch_d;
+            best.assign(size_t(nkr + 1), 0);
+            cut.assign(size_t(nkr + 1), 0);
+            for (int64_t e = 1; e <= nkr; ++e) {
+              best[size_t(e)] = std::numeric_limits<int64_t>::max();
+              int64_t lo = r1, hi = r0 - 1;
+              for (int64_t g = e - 1; g >= std::max<int64_t>(0, e - max_group_rows); --g) {
+                lo = std::min(lo, qa[size_t(g)]);
+                hi = std::max(hi, qz[size_t(g)]);
+                int64_t a = lo, z = hi;
+                align_rows(a, z);
+                const int64_t n = (e - g) * ncol, rows = std::max<int64_t>(0, z - a + 1);
+                const int64_t cost = best[size_t(g)] + rows * cw * n + key_cost * n + chunk_cost * ((n + block - 1) / block);
+                if (cost < best[size_t(e)]) best[size_t(e)] = cost, cut[size_t(e)] = g;
+              }
+            }
+            std::vector<int64_t>& groups = scratch_e;
+            groups.clear();
+            for (int64_t e = nkr; e > 0; e = cut[size_t(e)]) groups.push_back(e);
+            std::reverse(groups.begin(), groups.end());
+            int64_t g0 = 0;
+            for (int64_t g1 : groups) {
+              int64_t lo = r1, hi = r0 - 1;
+              for (int64_t x = g0; x < g1; ++x) lo = std::min(lo, qa[size_t(x)]), hi = std::max(hi, qz[size_t(x)]);
+              align_rows(lo, hi);
+              const bool all_rows = lo <= r0 && hi >= r1 - 1;
+              const uint16_t ql = all_rows ? 0 : uint16_t((lo - r0) * cw), qh = all_rows ? 0 : uint16_t((hi - r0 + 1) * cw);
+              const size_t first = m.ranges.size();
+              for (int64_t kr = rs0 + g0; kr < rs0 + g1; ++kr) {
+                if (!all_rows && lo > hi) continue;  // (cannot happen: every key row is reached)
+                const bool row_full = all_rows && kr >= rs1 && kr <= re0;
+                const int64_t rowbase = base + kr * nc;
+                // (a full middle shorter than 32 keys is not worth two more segments per row: each segment costs a
+                // copy per chunk and an interval per query row, a partial one costs one interval per query row)
+                if (cs1 > ce0 || !row_full || ce0 - cs1 + 1 < 32) {
+                  detail::emit_range(m.ranges, rowbase + cs0, rowbase + ce1 + 1, false, block);
+                } else {
+                  detail::emit_range(m.ranges, rowbase + cs0, rowbase + cs1, false, block);
+                  detail::emit_range(m.ranges, rowbase + cs1, rowbase + ce0 + 1, true, block);
+                  detail::emit_range(m.ranges, rowbase + ce0 + 1, rowbase + ce1 + 1, false, block);
+                }
+              }
+              for (size_t x = first; x < m.ranges.size(); ++x) m.ranges[x].q_lo = ql, m.ranges[x].q_hi = qh;
+              g0 = g1;
             }
             m.q_block_start.push_back(int32_t(m.q_perm.size()));
             m.row_ptr.push_back(int64_t(m.ranges.size()));
           }
       }
+    if (d == 1) m.k_perm.clear();  // one sub-grid: keys in their own order (k and v are read in place, not packed)
     return m;
   }
 };

@@ -188,6 +188,12 @@ TEST(SparseAttention, FixedPatternsMatchReference) {
       {"Neighborhood2D(12, 13, 5, dilation=2)", 1, 2, 2, 156, 156, 16, 16},
       {"Neighborhood2D(11, 9, 3, causal=True)", 1, 2, 1, 99, 99, 16, 16},
       {"Neighborhood2D(16, 16, 7)", 1, 1, 1, 256, 256, 32, 32},
+      // 16 x 4 query tiles whose key rows are computed only for the tile rows that reach them (narrowed ranges):
+      // awkward grids (partial tiles on both axes), GQA, causal, dilation, key padding, smaller blocks.
+      {"Neighborhood2D(30, 27, 7)", 1, 4, 2, 810, 810, 32, 32},
+      {"Neighborhood2D(23, 19, 7, causal=True)", 2, 2, 1, 437, 437, 16, 16, 64, 1},
+      {"Neighborhood2D(26, 21, 5, dilation=2)", 1, 2, 2, 546, 546, 16, 8, 64, 2},
+      {"Neighborhood2D(22, 25, 7)", 1, 2, 1, 550, 550, 16, 16, 16},
       {"WindowAttention2D(16, 16, 8)", 1, 2, 2, 256, 256, 16, 16},
       {"WindowAttention2D(12, 8, 4, shift=2)", 1, 2, 2, 96, 96, 16, 16},
       {"SlidingWindow(8, 0) | Dilated(3, 5)", 1, 2, 2, 120, 120, 16, 16},
@@ -207,6 +213,9 @@ TEST(SparseAttention, BackwardFormsMatchReference) {
       {"BigBird(8, 3, 1, 1, seed=3)", 2, 2, 2, 63, 90, 8, 16, 16, 1},
       {"Neighborhood2D(12, 13, 5, dilation=2)", 1, 2, 2, 156, 156, 16, 16},
       {"Neighborhood2D(16, 16, 7)", 1, 2, 1, 256, 256, 32, 32},
+      {"Neighborhood2D(30, 27, 7)", 1, 4, 2, 810, 810, 32, 32},
+      {"Neighborhood2D(23, 19, 7, causal=True)", 2, 2, 1, 437, 437, 16, 16, 64, 1},
+      {"Neighborhood2D(26, 21, 5, dilation=2)", 1, 2, 2, 546, 546, 16, 8, 16},
       {"WindowAttention2D(12, 8, 4, shift=2)", 1, 2, 2, 96, 96, 16, 16},
       {"SlidingWindow(-1, 0) & BlockLocal(32)", 1, 2, 2, 100, 100, 16, 16, 16},
   };
@@ -383,6 +392,33 @@ TEST(SparseAttention, DeterministicAcrossThreadCounts) {
       EXPECT_EQ(std::memcmp(dks[0].data(), dks[t].data(), dks[0].nbytes()), 0);
       EXPECT_EQ(std::memcmp(dvs[0].data(), dvs[t].data(), dvs[0].nbytes()), 0);
     }
+  }
+}
+
+// The one-pass backward walks runs of consecutive query blocks per work item (here runs of up to 5 Neighborhood2D
+// tiles, and of sliding-window blocks): against the reference, and bitwise the same for 1, 2 and 3 threads.
+TEST(SparseAttention, OnePassRunsMatchReferenceAndAreDeterministic) {
+  run_case({"Neighborhood2D(40, 40, 7)", 2, 4, 4, 1600, 1600, 16, 16});
+  run_case({"SlidingWindow(40, 40)", 2, 4, 2, 1100, 1100, 16, 16, 16});
+  const Pattern p = Neighborhood2D(40, 40, 7);
+  const int64_t L = 1600, D = 16;
+  const Tensor q = randn({2, 4, L, D}, 5), k = randn({2, 4, L, D}, 6), v = randn({2, 4, L, D}, 7),
+               dout = randn({2, 4, L, D}, 8);
+  Tensor dqs[3], dks[3], dvs[3];
+  for (int t = 0; t < 3; ++t) {
+    SparseOptions so;
+    so.num_threads = t + 1;
+    Tensor out(DType::kF32, {2, 4, L, D}), lse(DType::kF32, {2, 4, L});
+    sparse_attention(q, k, v, p, so, out, lse);
+    dqs[t] = Tensor(DType::kF32, q.shape());
+    dks[t] = Tensor(DType::kF32, k.shape());
+    dvs[t] = Tensor(DType::kF32, v.shape());
+    sparse_attention_backward(dout, q, k, v, out, lse, p, so, {dqs[t].view(), dks[t].view(), dvs[t].view(), {}, {}, {}});
+  }
+  for (int t = 1; t < 3; ++t) {
+    EXPECT_EQ(std::memcmp(dqs[0].data(), dqs[t].data(), dqs[0].nbytes()), 0);
+    EXPECT_EQ(std::memcmp(dks[0].data(), dks[t].data(), dks[0].nbytes()), 0);
+    EXPECT_EQ(std::memcmp(dvs[0].data(), dvs[t].data(), dvs[0].nbytes()), 0);
   }
 }
 

@@ -35,6 +35,8 @@ std::vector<Case> pattern_cases() {
            {"Neighborhood2D(9, 11, 3)", 99}, {"Neighborhood2D(12, 13, 5, dilation=2)", 156},
            {"Neighborhood2D(10, 9, 3, causal=True)", 90}, {"Neighborhood2D(14, 12, 3, dilation=2, causal=True)", 168},
            {"Neighborhood2D(7, 7, 7)", 49}, {"Neighborhood2D(21, 16, 5, dilation=3)", 336},
+           {"Neighborhood2D(37, 22, 7)", 814}, {"Neighborhood2D(35, 18, 7, causal=True)", 630},
+           {"Neighborhood2D(34, 30, 5, dilation=2)", 1020},
            {"WindowAttention2D(8, 12, 4)", 96}, {"WindowAttention2D(8, 12, 4, shift=2)", 96},
            {"WindowAttention2D(6, 6, 3, shift=1)", 36},
            {"Neighborhood2D(9, 11, 3) | GlobalTokens([0], SlidingWindow(1, 1))", 99},
@@ -64,7 +66,13 @@ void check_block_mask(const Pattern& p, int64_t lq, int64_t lk, int64_t heads, i
       for (int64_t r = m.row_ptr[s * nqb + qb]; r < m.row_ptr[s * nqb + qb + 1]; ++r) {
         const KeyRange& kr = m.ranges[r];
         int64_t allowed = 0;
-        for (int64_t qp = m.q_block_start[qb]; qp < m.q_block_start[qb + 1]; ++qp)
+        // Only the range's query rows [q_first, q_last) are computed (narrowed ranges are never full).
+        const int64_t mb = m.q_block_start[qb + 1] - m.q_block_start[qb];
+        ASSERT_LT(kr.q_first(mb), kr.q_last(mb));
+        if (kr.q_first(mb) > 0 || kr.q_last(mb) < mb) {
+          ASSERT_FALSE(kr.full);
+        }
+        for (int64_t qp = m.q_block_start[qb] + kr.q_first(mb); qp < m.q_block_start[qb] + kr.q_last(mb); ++qp)
           for (int64_t kp = kr.begin; kp < kr.end; ++kp) {
             const int64_t i = m.q_index(qp), j = m.k_index(kp);
             ASSERT_EQ(covered[i * lk + j], 0) << "pair covered twice: i=" << i << " j=" << j;

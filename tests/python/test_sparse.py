@@ -138,6 +138,32 @@ def test_errors():
         sattn.sparse_attention(q.astype(np.int32), q, q, sattn.SlidingWindow(1, 1))
 
 
+@pytest.mark.parametrize("spec,L", [("Neighborhood2D(23, 19, 7)", 437),
+                                    ("Neighborhood2D(20, 22, 5, dilation=2, causal=True)", 440)])
+def test_neighborhood_block_mask_rows_cover_allowed_pairs(spec, L):
+    # Ranges may narrow the query rows they are computed for (columns 3, 4: q_lo, q_hi; q_hi = 0: to the block's
+    # end): every allowed pair is still listed exactly once, no full range holds a masked pair.
+    p = sattn.Pattern.parse(spec)
+    dense = p.dense_mask(L, L)[0]
+    bm = p.block_mask(L, L)
+    qperm = np.asarray(bm.q_perm) if len(bm.q_perm) else np.arange(L)
+    kperm = np.asarray(bm.k_perm) if len(bm.k_perm) else np.arange(L)
+    cover = np.zeros((L, L), np.int32)
+    narrowed = 0
+    for qb in range(bm.num_q_blocks):
+        q0, q1 = bm.q_block_start[qb], bm.q_block_start[qb + 1]
+        for b, e, full, qlo, qhi in bm.ranges[bm.row_ptr[qb]:bm.row_ptr[qb + 1]]:
+            hi = q1 - q0 if qhi == 0 else min(qhi, q1 - q0)
+            narrowed += qlo > 0 or hi < q1 - q0
+            rows, cols = qperm[q0 + qlo:q0 + hi], kperm[b:e]
+            cover[np.ix_(rows, cols)] += 1
+            if full:
+                assert qlo == 0 and qhi == 0 and dense[np.ix_(rows, cols)].all()
+    assert cover.max() == 1 and (cover[dense] == 1).all()
+    assert narrowed > 0
+    assert bm.computed_pairs() == cover.sum()
+
+
 def test_block_mask_from_dense():
     rng = np.random.default_rng(3)
     m = rng.random((50, 70)) < 0.2

@@ -70,7 +70,8 @@ double allowed_pairs(const sparse::Pattern& p, const sparse::BlockMask& m, int64
         n += double(m.q_block_start[qb + 1] - m.q_block_start[qb]) * (kr.end - kr.begin);
         continue;
       }
-      for (int64_t qp = m.q_block_start[qb]; qp < m.q_block_start[qb + 1]; ++qp)
+      const int64_t q0 = m.q_block_start[qb], mb = m.q_block_start[qb + 1] - q0;  // only the range's query rows
+      for (int64_t qp = q0 + kr.q_first(mb); qp < q0 + kr.q_last(mb); ++qp)
         for (int64_t kp = kr.begin; kp < kr.end; ++kp) n += p.allowed(0, 0, m.q_index(qp), m.k_index(kp), lq, lk);
     }
   return n;
