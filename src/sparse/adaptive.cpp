@@ -438,7 +438,7 @@ inline double block_score64(const double* qm, const double* km, int64_t D) {
 // Selection for batch entry b (q, k: 4-D views of that entry, [1, H, L, D]); `given` (optional) = [Hq, nqb, kb].
 // Block means are computed once (fp64, O(L·D)); all block scores of a head are one fp32 matrix product
 // (query-block means x key-block means, tiles::qk), and each query block picks its best candidates with
-// nth_element on the fp32 scores; candidates within the fp32 error bound of the cut are rescored in fp64, so the
+// a streaming threshold on the fp32 scores; candidates within the fp32 error bound of the cut are rescored in fp64, so the
 // selection is exactly the fp64 top-k (higher score, ties to the lower block).
 BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const detail::Packed& p, int64_t b,
                             const int64_t* given) {
@@ -536,35 +536,57 @@ BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const d
         const int64_t kb_end = a.causal ? std::min(nkb, t + 1) : nkb;
         int64_t* ch = &sel.chosen[size_t((h * nqb + qb) * KB)];
         int64_t npick = 0;
-        scored.clear();
-        for (int64_t kb = 0; kb < kb_end; ++kb) {
-          if (!cand[size_t(kb)] || kvalid[size_t(kb)] == 0) continue;
-          if (a.local && kb == t) {
-            ch[npick++] = kb;
-            continue;
-          }
-          scored.emplace_back(s[size_t(r * nkb + kb)], int32_t(kb));
-        }
+        const bool own = a.local && t >= 0 && t < kb_end && cand[size_t(t)] && kvalid[size_t(t)] > 0;
+        if (own) ch[npick++] = t;
         const int64_t need = KB - npick;
-        if (need > 0 && int64_t(scored.size()) <= need) {
-          for (const auto& x : scored) ch[npick++] = x.second;
+        auto usable = [&](int64_t kb) { return cand[size_t(kb)] && kvalid[size_t(kb)] > 0 && !(own && kb == t); };
+        const float* sr = &s[size_t(r * nkb)];
+        // Pass 1: the need-th best fp32 score by a streaming threshold (a buffer of 4·need, cut to its best need
+        // when full): O(nkb) compares, a few small nth_elements.
+        auto better32 = [](const std::pair<float, int32_t>& x, const std::pair<float, int32_t>& y) {
+          return x.first > y.first || (x.first == y.first && x.second < y.second);
+        };
+        int64_t n_usable = 0;
+        bool all_finite = true;
+        scored.clear();
+        if (need > 0) {
+          float thr = -std::numeric_limits<float>::infinity();
+          for (int64_t kb = 0; kb < kb_end; ++kb) {
+            if (!usable(kb)) continue;
+            ++n_usable;
+            const float x = sr[kb];
+            all_finite &= std::isfinite(x);
+            if (!(x > thr)) continue;
+            scored.emplace_back(x, int32_t(kb));
+            if (int64_t(scored.size()) == 4 * need) {
+              std::nth_element(scored.begin(), scored.begin() + (need - 1), scored.end(), better32);
+              scored.resize(size_t(need));
+              thr = scored.back().first;
+            }
+          }
+        }
+        if (need > 0 && n_usable <= need) {
+          for (int64_t kb = 0; kb < kb_end; ++kb)
+            if (usable(kb)) ch[npick++] = kb;
         } else if (need > 0) {
-          // fp32 cut: the need-th best fp32 score (higher first, ties to the lower block).
-          auto better32 = [](const std::pair<float, int32_t>& x, const std::pair<float, int32_t>& y) {
-            return x.first > y.first || (x.first == y.first && x.second < y.second);
-          };
-          std::nth_element(scored.begin(), scored.begin() + (need - 1), scored.end(), better32);
-          const float cut = scored[size_t(need - 1)].first;
+          // (A non-finite score, possible only for huge inputs, sends the row to the exact fp64 ranking of all.)
+          all_finite &= int64_t(scored.size()) >= need;
+          float cut = 0.0f;
+          if (all_finite) {
+            std::nth_element(scored.begin(), scored.begin() + (need - 1), scored.end(), better32);
+            cut = scored[size_t(need - 1)].first;
+          }
           double n2 = 0;
           for (int64_t d = 0; d < D; ++d) n2 += m[d] * m[d];
           // |fp32 score - fp64 score| <= E: products of D fp32-rounded terms, FMA sums (<= (D + 3)·2^-24·|qm|·|km|).
           const double E = double(D + 4) * 0x1p-23 * std::sqrt(n2) * knorm_max[size_t(hk)];
-          const bool finite = std::isfinite(E) && std::isfinite(cut);
-          // Every block below cut - 2E is below all `need` blocks at or above the cut in fp64 too.
+          const bool finite = all_finite && std::isfinite(E);
+          // Pass 2: every block below cut - 2E is below all `need` blocks at or above the cut in fp64 too; the
+          // others (about `need`) are rescored in fp64 and ranked exactly (higher score, ties to the lower block).
           exact.clear();
-          for (const auto& x : scored)
-            if (!finite || double(x.first) >= double(cut) - 2.0 * E)
-              exact.emplace_back(-block_score64(m, &kmean[size_t((hk * nkb + x.second) * D)], D), x.second);
+          for (int64_t kb = 0; kb < kb_end; ++kb)
+            if (usable(kb) && (!finite || double(sr[kb]) >= double(cut) - 2.0 * E))
+              exact.emplace_back(-block_score64(m, &kmean[size_t((hk * nkb + kb) * D)], D), kb);
           const size_t cutn = std::min(exact.size(), size_t(need));
           std::nth_element(exact.begin(), exact.begin() + std::ptrdiff_t(cutn - 1), exact.end());
           for (size_t x = 0; x < cutn; ++x) ch[npick++] = exact[x].second;

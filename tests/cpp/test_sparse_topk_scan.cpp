@@ -182,8 +182,12 @@ TEST(SparseTopKScan, EverySimdTargetSelectsATopK) {
     if (!(hwy::SupportedTargets() & target)) continue;
     hwy::SetSupportedTargetsForTest(target);
     SCOPED_TRACE(::testing::Message() << "target " << hwy::TargetName(target) << ", tile " << topk::tile_width());
-    if (target == HWY_AVX3) EXPECT_EQ(topk::tile_width(), 64);
-    if (target == HWY_AVX2) EXPECT_EQ(topk::tile_width(), 16);
+    if (target == HWY_AVX3) {
+      EXPECT_EQ(topk::tile_width(), 64);
+    }
+    if (target == HWY_AVX2) {
+      EXPECT_EQ(topk::tile_width(), 16);
+    }
     const Result r = run_topk(c, q, k, v, 1);
     hwy::SetSupportedTargetsForTest(0);
     check_selection(c, q, k, r.idx, false);
@@ -214,5 +218,36 @@ TEST(SparseTopKScan, BlockTopKSameSelectionForAnyThreadCount) {
       EXPECT_TRUE(same(out, ref_out)) << threads;
       EXPECT_TRUE(same(idx, ref_idx)) << threads;
     }
+  }
+}
+
+TEST(SparseTopKScan, BlockTopKTiedBlockScoresGoToTheLowerBlock) {
+  // Key blocks repeat with period 3 (identical block means: exactly tied fp64 block scores); queries random.
+  const int64_t L = 256, blk = 8, D = 8, nkb = L / blk, KB = 6;
+  const Tensor q = randn({1, 1, L, D}, 61), base = randn({1, 1, 3 * blk, D}, 62), v = randn({1, 1, L, D}, 63);
+  Tensor k(DType::kF32, {1, 1, L, D});
+  for (int64_t j = 0; j < L; ++j)
+    for (int64_t x = 0; x < D; ++x) k.data<float>()[j * D + x] = base.data<float>()[((j / blk) % 3 * blk + j % blk) * D + x];
+  const Pattern p = BlockTopK(blk, KB, false);
+  const int64_t nqb = selection_shape(p, 1, 1, L, L)[2];
+  Tensor out(DType::kF32, {1, 1, L, D}), idx(DType::kI64, {1, 1, nqb, KB});
+  sparse_attention(q, k, v, p, {}, out, {}, idx);
+  for (int64_t qb = 0; qb < nqb; ++qb) {
+    std::vector<double> qm(static_cast<size_t>(D), 0.0), score(static_cast<size_t>(nkb), 0.0);
+    for (int64_t i = qb * blk; i < (qb + 1) * blk; ++i)
+      for (int64_t x = 0; x < D; ++x) qm[size_t(x)] += q.data<float>()[i * D + x] / double(blk);
+    for (int64_t kb = 0; kb < nkb; ++kb)
+      for (int64_t x = 0; x < D; ++x) {
+        double km = 0;
+        for (int64_t j = kb * blk; j < (kb + 1) * blk; ++j) km += k.data<float>()[j * D + x];
+        score[size_t(kb)] += qm[size_t(x)] * km / double(blk);
+      }
+    std::vector<int64_t> order(static_cast<size_t>(nkb));
+    for (int64_t kb = 0; kb < nkb; ++kb) order[size_t(kb)] = kb;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return score[size_t(x)] > score[size_t(y)]; });
+    order.resize(size_t(KB));
+    std::sort(order.begin(), order.end());
+    const std::vector<int64_t> got(idx.data<int64_t>() + qb * KB, idx.data<int64_t>() + (qb + 1) * KB);
+    EXPECT_EQ(got, order) << "qb=" << qb;
   }
 }
