@@ -251,3 +251,52 @@ TEST(SparseTopKScan, BlockTopKTiedBlockScoresGoToTheLowerBlock) {
     EXPECT_EQ(got, order) << "qb=" << qb;
   }
 }
+
+TEST(SparseTopKScan, BlockTopKWithKeyPaddingMatchesReference) {
+  // Lq != Lk (bottom-right aligned blocks), GQA, keys [64, 77) padding: block 8 (keys 64..71) is fully masked and
+  // never a candidate, block 9 (72..76) too; the local block of the last query blocks is then not chosen.
+  const int64_t B = 2, H = 2, Hk = 1, Lq = 50, Lk = 77, D = 8, valid = 64;
+  const Tensor q = randn({B, H, Lq, D}, 71), k = randn({B, Hk, Lk, D}, 72), v = randn({B, Hk, Lk, D}, 73);
+  Tensor lengths(DType::kI64, {B});
+  for (int64_t b = 0; b < B; ++b) lengths.data<int64_t>()[b] = valid - 5 * b;  // 64 and 59: one partial block
+  for (const char* spec : {"BlockTopK(8, 3)", "BlockTopK(8, 3, causal=True)", "BlockTopK(8, 2, local=False)"}) {
+    SCOPED_TRACE(spec);
+    const Pattern p = Pattern::parse(spec);
+    const Shape ishape = selection_shape(p, B, H, Lq, Lk);
+    SparseOptions so;
+    so.key_lengths = lengths.view();
+    Tensor out(DType::kF32, {B, H, Lq, D}), lse(DType::kF32, {B, H, Lq}), idx(DType::kI64, ishape);
+    sparse_attention(q, k, v, p, so, out, lse, idx);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t x = 0; x < H * ishape[2] * ishape[3]; ++x) {
+        const int64_t kb = idx.data<int64_t>()[b * H * ishape[2] * ishape[3] + x];
+        EXPECT_TRUE(kb < 0 || kb * 8 < lengths.data<int64_t>()[b]) << "a fully padded key block was chosen";
+      }
+    // Per batch entry (the selection mask has no batch axis).
+    for (int64_t b = 0; b < B; ++b) {
+      auto slice = [&](const Tensor& t, DType dt) {
+        Shape s = t.shape();
+        s[0] = 1;
+        Tensor r(dt, s);
+        const int64_t n = r.numel();
+        if (dt == DType::kI64) std::copy_n(t.data<int64_t>() + b * n, n, r.data<int64_t>());
+        else std::copy_n(t.data<float>() + b * n, n, r.data<float>());
+        return r;
+      };
+      const Tensor qb = slice(q, DType::kF32), kb = slice(k, DType::kF32), vb = slice(v, DType::kF32);
+      const Tensor ob = slice(out, DType::kF32), lb = slice(lse, DType::kF32), ib = slice(idx, DType::kI64);
+      Tensor len1(DType::kI64, {1});
+      len1.data<int64_t>()[0] = lengths.data<int64_t>()[b];
+      const Tensor mask = selection_mask(p, ib, Lq, Lk);
+      AttentionOptions ro;
+      ro.kernel = "reference";
+      ro.accumulate_fp64 = true;
+      ro.attn_mask = mask.view();
+      ro.key_lengths = len1.view();
+      Tensor rout(DType::kF64, ob.shape()), rlse(DType::kF64, lb.shape());
+      scaled_dot_product_attention(qb, kb, vb, ro, {rout.view(), rlse.view(), {}});
+      EXPECT_LE(max_rel_err(ob, rout), 2e-5) << "b=" << b;
+      EXPECT_LE(max_rel_err(lb, rlse), 2e-5) << "b=" << b;
+    }
+  }
+}
