@@ -437,9 +437,9 @@ inline double block_score64(const double* qm, const double* km, int64_t D) {
 
 // Selection for batch entry b (q, k: 4-D views of that entry, [1, H, L, D]); `given` (optional) = [Hq, nqb, kb].
 // Block means are computed once (fp64, O(L·D)); all block scores of a head are one fp32 matrix product
-// (query-block means x key-block means, tiles::qk), and each query block picks its best candidates with
-// a streaming threshold on the fp32 scores; candidates within the fp32 error bound of the cut are rescored in fp64, so the
-// selection is exactly the fp64 top-k (higher score, ties to the lower block).
+// (query-block means x key-block means, tiles::qk), and each query block picks its best candidates with a
+// streaming threshold on the fp32 scores; candidates within the fp32 error bound of the cut are rescored in fp64,
+// so the selection is exactly the fp64 top-k (higher score, ties to the lower block).
 BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const detail::Packed& p, int64_t b,
                             const int64_t* given) {
   const int64_t lq = p.Lq, lk = p.Lk, off = lk - lq, blk = a.block, nkb = (lk + blk - 1) / blk, D = p.D;
@@ -656,7 +656,7 @@ void blocktopk_run(const AdaptiveNode& a, const Pattern& fixed, const TensorView
 // BlockTopK forward without a fixed pattern: one packing of the inputs, the selection, then per (head, query
 // block) an online softmax over its chosen key blocks, with K pre-transposed once per (b, kv head) into key-block
 // tiles [D x block] that tiles::qk reads in place and V read in place (the engine would gather, copy and transpose
-// both for every query block), and the next chosen block prefetched while the current one is computed. Masks as in
+// both for every query block). Masks as in
 // BlockTopKMask: causal inside the diagonal block, key padding in blocks that have some.
 void blocktopk_forward_direct(const AdaptiveNode& a, const TensorView& q, const TensorView& k, const TensorView& v,
                               const SparseOptions& o, const TensorView& out, const TensorView& lse,
@@ -668,13 +668,8 @@ void blocktopk_forward_direct(const AdaptiveNode& a, const TensorView& q, const 
   const int64_t nqb = blocktopk_nqb(a, lq, lk), KB = a.k_blocks, blk = a.block, nkb = (lk + blk - 1) / blk;
   const int64_t D = p.D, Dv = p.Dv, off = lk - lq;
   if (indices.data) check_indices(indices, {p.B, p.Hq, nqb, KB}, "[B, Hq, num_query_blocks, k_blocks]");
-  std::vector<float> kt(static_cast<size_t>(p.B * p.Hkv * nkb * D * blk), 0.0f);
-  auto pack = [&](int64_t bh) {
-    for (int64_t kb = 0; kb < nkb; ++kb)
-      tiles::transpose_rows(&p.k[size_t((bh * lk + kb * blk) * D)], D, std::min(blk, lk - kb * blk), D,
-                            &kt[size_t((bh * nkb + kb) * D * blk)], blk);
-  };
-  detail::parallel(p.B * p.Hkv, p.threads, pack);
+  // K of one (b, kv head) at a time as transposed key blocks [nkb][D][block] (one head's worth of memory).
+  detail::HugeVector<float> kt(static_cast<size_t>(nkb * D * blk));
   std::vector<int32_t> qbounds = {0};
   for (int32_t x : aligned_bounds(lq, off, blk)) qbounds.push_back(x);
   for (int64_t b = 0; b < p.B; ++b) {
@@ -683,49 +678,49 @@ void blocktopk_forward_direct(const AdaptiveNode& a, const TensorView& q, const 
       for (int64_t h = 0; h < p.Hq; ++h)
         for (int64_t x = 0; x < nqb; ++x)
           for (int64_t y = 0; y < KB; ++y) idx_at(indices, b, h, x, y) = sel.chosen[size_t((h * nqb + x) * KB + y)];
-    auto item = [&](int64_t it) {
-      const int64_t h = it / nqb, qb = it % nqb, hk = h / p.group, bh = b * p.Hkv + hk;
-      const int64_t q0 = qbounds[size_t(qb)], m = qbounds[size_t(qb + 1)] - q0, t = floor_div(q0 + off, blk);
-      thread_local std::vector<float> s, acc, mx, sum;
-      s.resize(size_t(m * blk));
-      acc.assign(size_t(m * Dv), 0.0f);
-      mx.assign(size_t(m), kNegInf);
-      sum.assign(size_t(m), 0.0f);
-      const float* qt = &p.q[size_t(((b * p.Hq + h) * lq + q0) * D)];
-      const int64_t* ch = &sel.chosen[size_t((h * nqb + qb) * KB)];
-      for (int64_t x = 0; x < KB && ch[x] >= 0; ++x) {
-        const int64_t kb = ch[x], j0 = kb * blk, n = std::min(blk, lk - j0);
-        const float* ktb = &kt[size_t((bh * nkb + kb) * D * blk)];
-        const float* vb = &p.v[size_t((bh * lk + j0) * Dv)];
-        if (x + 1 < KB && ch[x + 1] >= 0) {  // the next block's K tile and V rows, a cache line at a time
-          const int64_t nb = ch[x + 1];
-          const char* kn = reinterpret_cast<const char*>(&kt[size_t((bh * nkb + nb) * D * blk)]);
-          const char* vn = reinterpret_cast<const char*>(&p.v[size_t((bh * lk + nb * blk) * Dv)]);
-          const int64_t kbytes = D * blk * 4, vbytes = std::min(blk, lk - nb * blk) * Dv * 4;
-          for (int64_t c = 0; c < kbytes; c += 64) __builtin_prefetch(kn + c);
-          for (int64_t c = 0; c < vbytes; c += 64) __builtin_prefetch(vn + c);
+    for (int64_t hk = 0; hk < p.Hkv; ++hk) {
+      const int64_t bh = b * p.Hkv + hk;
+      auto pack = [&](int64_t kb) {
+        tiles::transpose_rows(&p.k[size_t((bh * lk + kb * blk) * D)], D, std::min(blk, lk - kb * blk), D,
+                              &kt[size_t(kb * D * blk)], blk);
+      };
+      detail::parallel(nkb, p.threads, pack);
+      auto item = [&](int64_t it) {
+        const int64_t h = hk * p.group + it / nqb, qb = it % nqb;
+        const int64_t q0 = qbounds[size_t(qb)], m = qbounds[size_t(qb + 1)] - q0, t = floor_div(q0 + off, blk);
+        thread_local std::vector<float> s, acc, mx, sum;
+        s.resize(size_t(m * blk));
+        acc.assign(size_t(m * Dv), 0.0f);
+        mx.assign(size_t(m), kNegInf);
+        sum.assign(size_t(m), 0.0f);
+        const float* qt = &p.q[size_t(((b * p.Hq + h) * lq + q0) * D)];
+        const int64_t* ch = &sel.chosen[size_t((h * nqb + qb) * KB)];
+        for (int64_t x = 0; x < KB && ch[x] >= 0; ++x) {
+          const int64_t kb = ch[x], j0 = kb * blk, n = std::min(blk, lk - j0);
+          const float* ktb = &kt[size_t(kb * D * blk)];
+          const float* vb = &p.v[size_t((bh * lk + j0) * Dv)];
+          tiles::qk(qt, m, D, ktb, blk, n, p.scale, s.data());
+          if (a.causal && kb == t)  // key j allowed iff j <= i + off
+            for (int64_t r = 0; r < m; ++r)
+              for (int64_t c = std::max<int64_t>(0, q0 + r + off - j0 + 1); c < n; ++c) s[size_t(r * n + c)] = kNegInf;
+          if (p.invalid_in(b, j0, j0 + n) > 0)
+            for (int64_t c = 0; c < n; ++c)
+              if (!p.key_valid[size_t(b * lk + j0 + c)])
+                for (int64_t r = 0; r < m; ++r) s[size_t(r * n + c)] = kNegInf;
+          tiles::softmax_update(s.data(), m, n, mx.data(), sum.data(), acc.data(), Dv);
+          tiles::pv(s.data(), m, n, vb, Dv, Dv, 1.0f, acc.data());
         }
-        tiles::qk(qt, m, D, ktb, blk, n, p.scale, s.data());
-        if (a.causal && kb == t)  // key j allowed iff j <= i + off
-          for (int64_t r = 0; r < m; ++r)
-            for (int64_t c = std::max<int64_t>(0, q0 + r + off - j0 + 1); c < n; ++c) s[size_t(r * n + c)] = kNegInf;
-        if (p.invalid_in(b, j0, j0 + n) > 0)
-          for (int64_t c = 0; c < n; ++c)
-            if (!p.key_valid[size_t(b * lk + j0 + c)])
-              for (int64_t r = 0; r < m; ++r) s[size_t(r * n + c)] = kNegInf;
-        tiles::softmax_update(s.data(), m, n, mx.data(), sum.data(), acc.data(), Dv);
-        tiles::pv(s.data(), m, n, vb, Dv, Dv, 1.0f, acc.data());
-      }
-      for (int64_t r = 0; r < m; ++r) {
-        float* ar = &acc[size_t(r * Dv)];
-        const bool empty = sum[size_t(r)] == 0.0f;
-        const float inv = empty ? 0.0f : 1.0f / sum[size_t(r)];
-        for (int64_t c = 0; c < Dv; ++c) ar[c] *= inv;
-        detail::store_row(out, b, h, q0 + r, ar, Dv);
-        if (lse.data) detail::store_value(lse, b, h, q0 + r, empty ? kNegInf : mx[size_t(r)] + std::log(sum[size_t(r)]));
-      }
-    };
-    detail::parallel(p.Hq * nqb, p.threads, item);
+        for (int64_t r = 0; r < m; ++r) {
+          float* ar = &acc[size_t(r * Dv)];
+          const bool empty = sum[size_t(r)] == 0.0f;
+          const float inv = empty ? 0.0f : 1.0f / sum[size_t(r)];
+          for (int64_t c = 0; c < Dv; ++c) ar[c] *= inv;
+          detail::store_row(out, b, h, q0 + r, ar, Dv);
+          if (lse.data) detail::store_value(lse, b, h, q0 + r, empty ? kNegInf : mx[size_t(r)] + std::log(sum[size_t(r)]));
+        }
+      };
+      detail::parallel(p.group * nqb, p.threads, item);
+    }
   }
 }
 
