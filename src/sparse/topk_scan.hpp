@@ -13,7 +13,7 @@ int64_t tile_width();
 // out holds ceil(n / W) · W · d floats.
 void pack_keys(const float* k, int64_t n, int64_t d, int64_t ld_in, float* out);
 
-// Floats (and int32s) per row of the candidate buffers for a given k (4 k candidates plus slack for vector stores).
+// Floats (and int32s) per row of the candidate buffers for a given k (8 k candidates plus slack for vector stores).
 int64_t row_stride(int64_t k);
 
 // The streaming top-k of m query rows q [m x d] (row stride d) over keys [0, n) (packed by pack_keys), scores
