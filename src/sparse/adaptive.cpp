@@ -167,19 +167,19 @@ inline bool better(const Cand& a, const Cand& b) { return a.s > b.s || (a.s == b
 // indices (-1 past c) of query row (b, h, i); vbase: V rows of the head (key order).
 void topk_finish(const float* s, const int32_t* j, int64_t c, const float* vbase, int64_t Dv, int64_t b, int64_t h,
                  int64_t i, const TensorView& out, const TensorView& lse, const TensorView& indices, int64_t K_out,
-                 std::vector<float>& o_row) {
+                 std::vector<float>& o_row, std::vector<float>& w) {
   o_row.assign(size_t(Dv), 0.0f);
+  w.resize(size_t(c));
   float mx = kNegInf;
   for (int64_t x = 0; x < c; ++x) mx = std::max(mx, s[x]);
   float sum = 0.0f;
   for (int64_t x = 0; x < c; ++x) {
-    const float w = std::exp(s[x] - mx);
-    sum += w;
-    const float* vr = vbase + int64_t(j[x]) * Dv;
-    for (int64_t d = 0; d < Dv; ++d) o_row[size_t(d)] += w * vr[d];
+    w[size_t(x)] = std::exp(s[x] - mx);
+    sum += w[size_t(x)];
   }
   const float inv = c > 0 ? 1.0f / sum : 0.0f;
-  for (auto& x : o_row) x *= inv;
+  for (int64_t x = 0; x < c; ++x) w[size_t(x)] *= inv;
+  if (c > 0) topk::weighted_rows(w.data(), j, c, vbase, Dv, o_row.data());
   detail::store_row(out, b, h, i, o_row.data(), Dv);
   if (lse.data) detail::store_value(lse, b, h, i, c > 0 ? mx + std::log(sum) : kNegInf);
   if (indices.data)
@@ -221,7 +221,7 @@ void topk_forward_full(const AdaptiveNode& a, const TensorView& q, const TensorV
     const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
     const int64_t q0 = qb * kQueryRows, m = std::min(kQueryRows, p.Lq - q0);
     const int64_t stride = topk::row_stride(K);
-    thread_local std::vector<float> cs, thr, tmp, o_row;
+    thread_local std::vector<float> cs, thr, tmp, o_row, w;
     thread_local std::vector<int32_t> cj;
     thread_local std::vector<int64_t> cnt;
     cs.resize(size_t(m * stride));
@@ -235,7 +235,7 @@ void topk_forward_full(const AdaptiveNode& a, const TensorView& q, const TensorV
     const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
     for (int64_t r = 0; r < m; ++r)
       topk_finish(&cs[size_t(r * stride)], &cj[size_t(r * stride)], cnt[size_t(r)], vbase, Dv, b, h, q0 + r, out, lse,
-                  indices, K_out, o_row);
+                  indices, K_out, o_row, w);
   };
   detail::parallel(p.B * p.Hq * nqb, p.threads, item);
 }

@@ -244,6 +244,38 @@ void Scan(const float* q, int64_t m, int64_t d, const float* kp, int64_t n, floa
     }
 }
 
+// o[0, dv) = sum_x w[x] · v[j[x]·dv + (0, dv)]: the weighted sum of a row's kept value rows, vectors over dv.
+void WeightedRows(const float* w, const int32_t* j, int64_t c, const float* v, int64_t dv, float* o) {
+  const DF df;
+  const int64_t N = int64_t(hn::Lanes(df));
+  int64_t d0 = 0;
+  for (; d0 + 4 * N <= dv; d0 += 4 * N) {  // four accumulators in registers per pass over the rows
+    VF a0 = hn::Zero(df), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t x = 0; x < c; ++x) {
+      const float* vr = v + int64_t(j[x]) * dv + d0;
+      const VF wx = hn::Set(df, w[x]);
+      a0 = hn::MulAdd(wx, hn::LoadU(df, vr), a0);
+      a1 = hn::MulAdd(wx, hn::LoadU(df, vr + N), a1);
+      a2 = hn::MulAdd(wx, hn::LoadU(df, vr + 2 * N), a2);
+      a3 = hn::MulAdd(wx, hn::LoadU(df, vr + 3 * N), a3);
+    }
+    hn::StoreU(a0, df, o + d0);
+    hn::StoreU(a1, df, o + d0 + N);
+    hn::StoreU(a2, df, o + d0 + 2 * N);
+    hn::StoreU(a3, df, o + d0 + 3 * N);
+  }
+  for (; d0 + N <= dv; d0 += N) {
+    VF a = hn::Zero(df);
+    for (int64_t x = 0; x < c; ++x) a = hn::MulAdd(hn::Set(df, w[x]), hn::LoadU(df, v + int64_t(j[x]) * dv + d0), a);
+    hn::StoreU(a, df, o + d0);
+  }
+  for (; d0 < dv; ++d0) {
+    float a = 0.0f;
+    for (int64_t x = 0; x < c; ++x) a += w[x] * v[int64_t(j[x]) * dv + d0];
+    o[d0] = a;
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace sattn::sparse::topk
 HWY_AFTER_NAMESPACE();
@@ -253,9 +285,14 @@ namespace sattn::sparse::topk {
 
 HWY_EXPORT(TileWidth);
 HWY_EXPORT(Scan);
+HWY_EXPORT(WeightedRows);
 
 int64_t tile_width() { return HWY_DYNAMIC_DISPATCH(TileWidth)(); }
 int64_t row_stride(int64_t k) { return detail::kCapacity * k + 2 * detail::kMaxW; }
+
+void weighted_rows(const float* w, const int32_t* j, int64_t c, const float* v, int64_t dv, float* o) {
+  HWY_DYNAMIC_DISPATCH(WeightedRows)(w, j, c, v, dv, o);
+}
 
 void pack_keys(const float* k, int64_t n, int64_t d, int64_t ld_in, float* out) {
   const int64_t W = tile_width(), tiles = (n + W - 1) / W;

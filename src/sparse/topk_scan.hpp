@@ -27,4 +27,7 @@ int64_t row_stride(int64_t k);
 void scan(const float* q, int64_t m, int64_t d, const float* kpacked, int64_t n, float scale, const float* key_bias,
           int64_t k, float* cs, int32_t* cj, int64_t* cnt, float* thr, float* tmp);
 
+// o[0, dv) = sum over x < c of w[x] · v[j[x]·dv + (0, dv)] (the softmax-weighted kept value rows of one query).
+void weighted_rows(const float* w, const int32_t* j, int64_t c, const float* v, int64_t dv, float* o);
+
 }  // namespace sattn::sparse::topk
