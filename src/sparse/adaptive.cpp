@@ -220,7 +220,7 @@ void topk_forward_full(const AdaptiveNode& a, const TensorView& q, const TensorV
   auto item = [&](int64_t it) {
     const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
     const int64_t q0 = qb * kQueryRows, m = std::min(kQueryRows, p.Lq - q0);
-    const int64_t stride = topk::row_stride(K);
+    const int64_t stride = topk::row_stride(K, p.Lk);
     thread_local std::vector<float> cs, thr, tmp, o_row, w;
     thread_local std::vector<int32_t> cj;
     thread_local std::vector<int64_t> cnt;

@@ -26,6 +26,10 @@ namespace sattn::sparse::topk::detail {
 constexpr int64_t kCapacity = 8;  // a row's buffer holds kCapacity * k candidates before it is shrunk
 constexpr int64_t kMaxW = 64;     // largest tile width of any x86 target (4 x 16 lanes)
 
+// A row never holds more than n candidates (each key is appended at most once), so the buffer needs
+// min(kCapacity·k, n) plus slack for whole-vector stores past the end (and >= 64 floats of sample scratch).
+inline int64_t stride_for(int64_t k, int64_t n) { return std::min(kCapacity * k, n) + 2 * kMaxW; }
+
 // Keeps exactly the best k of a row's c candidates (scores s, key indices j, ascending in j), in place and in
 // order: every score above the k-th best, then the ties at the k-th best with the lowest indices. Returns that
 // k-th best score. `tmp` holds c floats.
@@ -224,7 +228,7 @@ HWY_INLINE void TailTile(int64_t rows, const float* q, int64_t d, const float* k
 
 void Scan(const float* q, int64_t m, int64_t d, const float* kp, int64_t n, float scale, const float* kbias, int64_t k,
           float* cs, int32_t* cj, int64_t* cnt, float* thr, float* tmp) {
-  const int64_t W = TileWidth(), stride = detail::kCapacity * k + 2 * detail::kMaxW;
+  const int64_t W = TileWidth(), stride = detail::stride_for(k, n);
   for (int64_t j0 = 0; j0 < n; j0 += W) {
     const float* kt = kp + j0 * d;  // tile j0 / W: [d x W]
     int64_t r = 0;
@@ -288,7 +292,7 @@ HWY_EXPORT(Scan);
 HWY_EXPORT(WeightedRows);
 
 int64_t tile_width() { return HWY_DYNAMIC_DISPATCH(TileWidth)(); }
-int64_t row_stride(int64_t k) { return detail::kCapacity * k + 2 * detail::kMaxW; }
+int64_t row_stride(int64_t k, int64_t n) { return detail::stride_for(k, n); }
 
 void weighted_rows(const float* w, const int32_t* j, int64_t c, const float* v, int64_t dv, float* o) {
   HWY_DYNAMIC_DISPATCH(WeightedRows)(w, j, c, v, dv, o);

@@ -13,17 +13,18 @@ int64_t tile_width();
 // out holds ceil(n / W) · W · d floats.
 void pack_keys(const float* k, int64_t n, int64_t d, int64_t ld_in, float* out);
 
-// Floats (and int32s) per row of the candidate buffers for a given k (8 k candidates plus slack for vector stores).
-int64_t row_stride(int64_t k);
+// Floats (and int32s) per row of the candidate buffers for k of n keys (min(8 k, n) candidates plus slack for
+// vector stores).
+int64_t row_stride(int64_t k, int64_t n);
 
 // The streaming top-k of m query rows q [m x d] (row stride d) over keys [0, n) (packed by pack_keys), scores
 // scale·q·k in fp32 (+ key_bias[j]: 0, or -inf for a padding key; null: none; when given it holds -inf up to the end
-// of the last tile). Per row r a buffer (scores cs, key indices cj, at offset r·row_stride(k), ascending keys) and
+// of the last tile). Per row r a buffer (scores cs, key indices cj, at offset r·row_stride(k, n), ascending keys) and
 // a threshold thr[r] (initially -inf, cnt[r] = 0): keys are visited in ascending order and a score strictly above
 // the threshold is appended (an equal score loses to the kept, lower keys); a full buffer is cut to at least its
 // best k and the threshold raised to a score that at least k kept ones beat. On return each row holds
 // cnt[r] = min(k, usable keys) candidates, its top-k (higher score, ties to the lower index), in ascending key
-// order. tmp: row_stride(k) floats.
+// order. tmp: row_stride(k, n) floats.
 void scan(const float* q, int64_t m, int64_t d, const float* kpacked, int64_t n, float scale, const float* key_bias,
           int64_t k, float* cs, int32_t* cj, int64_t* cnt, float* thr, float* tmp);
 
