@@ -9,6 +9,9 @@
 #include <limits>
 
 #include "sattn/error.hpp"
+#include "sparse/topk_scan.hpp"
+
+#include <hwy/aligned_allocator.h>
 
 namespace sattn::sparse {
 
@@ -160,9 +163,87 @@ struct Cand {
 // "a is better than b": higher score, ties to the lower key index (a strict total order on distinct keys).
 inline bool better(const Cand& a, const Cand& b) { return a.s > b.s || (a.s == b.s && a.j < b.j); }
 
+// Softmax and PV over a row's c kept keys (scores s, key indices j ascending): O(c * Dv). Writes out, lse and the
+// indices (-1 past c) of query row (b, h, i); vbase: V rows of the head (key order).
+void topk_finish(const float* s, const int32_t* j, int64_t c, const float* vbase, int64_t Dv, int64_t b, int64_t h,
+                 int64_t i, const TensorView& out, const TensorView& lse, const TensorView& indices, int64_t K_out,
+                 std::vector<float>& o_row, std::vector<float>& w) {
+  o_row.assign(size_t(Dv), 0.0f);
+  w.resize(size_t(c));
+  float mx = kNegInf;
+  for (int64_t x = 0; x < c; ++x) mx = std::max(mx, s[x]);
+  float sum = 0.0f;
+  for (int64_t x = 0; x < c; ++x) {
+    w[size_t(x)] = std::exp(s[x] - mx);
+    sum += w[size_t(x)];
+  }
+  const float inv = c > 0 ? 1.0f / sum : 0.0f;
+  for (int64_t x = 0; x < c; ++x) w[size_t(x)] *= inv;
+  if (c > 0) topk::weighted_rows(w.data(), j, c, vbase, Dv, o_row.data());
+  detail::store_row(out, b, h, i, o_row.data(), Dv);
+  if (lse.data) detail::store_value(lse, b, h, i, c > 0 ? mx + std::log(sum) : kNegInf);
+  if (indices.data)
+    for (int64_t x = 0; x < K_out; ++x) idx_at(indices, b, h, i, x) = x < c ? j[x] : -1;
+}
+
+// TopK without a fixed pattern: keys packed once per (b, kv head) into SIMD tiles, the scoring pass of
+// topk_scan.cpp per block of kQueryRows queries (scores in registers, only threshold survivors leave them),
+// then softmax and PV over the k kept keys.
+void topk_forward_full(const AdaptiveNode& a, const TensorView& q, const TensorView& k, const TensorView& v,
+                       const SparseOptions& o, const TensorView& out, const TensorView& lse,
+                       const TensorView& indices) {
+  constexpr int64_t kQueryRows = 48;  // a query block: 48 x D floats stay in L1 beside one key tile
+  const int64_t lq = q.shape[2], lk = k.shape[2];
+  const BlockMask ident = Full().block_mask(lq, lk, 1, o.block);  // identity layout for packing
+  detail::Packed p = detail::pack_inputs(q, k, v, ident, o, o.enable_gqa);
+  detail::check_outputs(p, out, lse);
+  const int64_t K_out = a.k, K = std::min(a.k, p.Lk);
+  if (indices.data) check_indices(indices, {p.B, p.Hq, p.Lq, K_out}, "[B, Hq, Lq, k]");
+  const int64_t D = p.D, Dv = p.Dv, W = topk::tile_width(), lk_pad = (p.Lk + W - 1) / W * W;
+  // Packed key tiles of every (b, kv head): as many floats as K itself (plus padding to W keys).
+  auto kp = hwy::AllocateAligned<float>(size_t(std::max<int64_t>(1, p.B * p.Hkv * lk_pad * D)));
+  check(kp != nullptr, ErrorKind::kOutOfMemory, "TopK: cannot allocate the packed keys");
+  auto pack = [&](int64_t bh) {
+    topk::pack_keys(&p.k[size_t(bh * p.Lk * D)], p.Lk, D, D, kp.get() + bh * lk_pad * D);
+  };
+  detail::parallel(p.B * p.Hkv, p.threads, pack);
+  // Key padding as an additive bias per batch entry (0 or -inf; -inf past Lk up to the last tile's end).
+  hwy::AlignedFreeUniquePtr<float[]> kbias;
+  if (!p.key_valid.empty()) {
+    kbias = hwy::AllocateAligned<float>(size_t(p.B * lk_pad));
+    check(kbias != nullptr, ErrorKind::kOutOfMemory, "TopK: cannot allocate the key padding bias");
+    for (int64_t b = 0; b < p.B; ++b)
+      for (int64_t j = 0; j < lk_pad; ++j)
+        kbias[size_t(b * lk_pad + j)] = j < p.Lk && p.key_valid[size_t(b * p.Lk + j)] ? 0.0f : kNegInf;
+  }
+  const int64_t nqb = (p.Lq + kQueryRows - 1) / kQueryRows;
+  auto item = [&](int64_t it) {
+    const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
+    const int64_t q0 = qb * kQueryRows, m = std::min(kQueryRows, p.Lq - q0);
+    const int64_t stride = topk::row_stride(K, p.Lk);
+    thread_local std::vector<float> cs, thr, tmp, o_row, w;
+    thread_local std::vector<int32_t> cj;
+    thread_local std::vector<int64_t> cnt;
+    cs.resize(size_t(m * stride));
+    cj.resize(size_t(m * stride));
+    tmp.resize(size_t(stride));
+    cnt.assign(size_t(m), 0);
+    thr.assign(size_t(m), kNegInf);
+    topk::scan(&p.q[size_t(((b * p.Hq + h) * p.Lq + q0) * D)], m, D, kp.get() + (b * p.Hkv + hk) * lk_pad * D, p.Lk,
+               p.scale, kbias ? kbias.get() + b * lk_pad : nullptr, K, cs.data(), cj.data(), cnt.data(), thr.data(),
+               tmp.data());
+    const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
+    for (int64_t r = 0; r < m; ++r)
+      topk_finish(&cs[size_t(r * stride)], &cj[size_t(r * stride)], cnt[size_t(r)], vbase, Dv, b, h, q0 + r, out, lse,
+                  indices, K_out, o_row, w);
+  };
+  detail::parallel(p.B * p.Hq * nqb, p.threads, item);
+}
+
 void topk_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& q, const TensorView& k,
                   const TensorView& v, const SparseOptions& o, const TensorView& out, const TensorView& lse,
                   const TensorView& indices) {
+  if (!fixed.defined()) return topk_forward_full(a, q, k, v, o, out, lse, indices);
   const int64_t lq = q.shape[2], lk = k.shape[2], hq = q.shape[1];
   const BlockMask bm = fixed_block_mask(fixed, lq, lk, hq, o.block);
   detail::Packed p = detail::pack_inputs(q, k, v, bm, o, o.enable_gqa);
@@ -343,7 +424,22 @@ std::vector<int32_t> aligned_bounds(int64_t lq, int64_t off, int64_t block) {
 
 int64_t floor_div(int64_t x, int64_t y) { return x >= 0 ? x / y : -((-x + y - 1) / y); }
 
+// fp64 block score qm · km: four independent sums in a fixed order (deterministic; the order the selection is
+// defined with).
+inline double block_score64(const double* qm, const double* km, int64_t D) {
+  double s4[4] = {0, 0, 0, 0};
+  int64_t d = 0;
+  for (; d + 4 <= D; d += 4)
+    for (int u = 0; u < 4; ++u) s4[u] += qm[d + u] * km[d + u];
+  for (; d < D; ++d) s4[0] += qm[d] * km[d];
+  return (s4[0] + s4[1]) + (s4[2] + s4[3]);
+}
+
 // Selection for batch entry b (q, k: 4-D views of that entry, [1, H, L, D]); `given` (optional) = [Hq, nqb, kb].
+// Block means are computed once (fp64, O(L·D)); all block scores of a head are one fp32 matrix product
+// (query-block means x key-block means, tiles::qk), and each query block picks its best candidates with a
+// streaming threshold on the fp32 scores; candidates within the fp32 error bound of the cut are rescored in fp64,
+// so the selection is exactly the fp64 top-k (higher score, ties to the lower block).
 BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const detail::Packed& p, int64_t b,
                             const int64_t* given) {
   const int64_t lq = p.Lq, lk = p.Lk, off = lk - lq, blk = a.block, nkb = (lk + blk - 1) / blk, D = p.D;
@@ -351,88 +447,163 @@ BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const d
   const int64_t nqb = int64_t(bounds.size()), KB = a.k_blocks;
   BlockSelection sel;
   sel.chosen.assign(size_t(p.Hq * nqb * KB), -1);
-  // Key-block means over valid keys, per kv head.
-  std::vector<double> kmean(static_cast<size_t>(p.Hkv * nkb * D), 0.0);
-  std::vector<int64_t> kvalid(static_cast<size_t>(nkb), 0);
-  for (int64_t j = 0; j < lk; ++j)
-    if (p.key_valid.empty() || p.key_valid[size_t(b * lk + j)]) kvalid[size_t(j / blk)]++;
-  for (int64_t hk = 0; hk < p.Hkv; ++hk)
-    for (int64_t j = 0; j < lk; ++j) {
-      if (!(p.key_valid.empty() || p.key_valid[size_t(b * lk + j)])) continue;
-      const float* kr = &p.k[size_t(((b * p.Hkv + hk) * lk + j) * D)];
-      double* km = &kmean[size_t((hk * nkb + j / blk) * D)];
-      for (int64_t d = 0; d < D; ++d) km[d] += kr[d];
-    }
-  for (int64_t hk = 0; hk < p.Hkv; ++hk)
-    for (int64_t kb = 0; kb < nkb; ++kb)
-      for (int64_t d = 0; d < D; ++d)
-        if (kvalid[size_t(kb)] > 0) kmean[size_t((hk * nkb + kb) * D + d)] /= double(kvalid[size_t(kb)]);
   const std::vector<int32_t> qbounds = [&] {
     std::vector<int32_t> x = {0};
     x.insert(x.end(), bounds.begin(), bounds.end());
     return x;
   }();
-  sel.mask = detail::build_identity_layout(
-      lq, lk, p.Hq, bounds, [&](int64_t h, int64_t q0, int64_t q1, std::vector<KeyRange>& out) {
-        const int64_t qb = std::lower_bound(qbounds.begin(), qbounds.end(), int32_t(q0)) - qbounds.begin();
-        const int64_t t = floor_div(q0 + off, blk), hk = h / p.group;
-        int64_t* ch = &sel.chosen[size_t((h * nqb + qb) * KB)];
+  if (given) {
+    for (int64_t h = 0; h < p.Hq; ++h)
+      for (int64_t qb = 0; qb < nqb; ++qb) {
         std::vector<int64_t> picks;
-        if (given) {
-          for (int64_t x = 0; x < KB; ++x) {
-            const int64_t kb = given[(h * nqb + qb) * KB + x];
-            check(kb >= -1 && kb < nkb, ErrorKind::kInvalidArgument, "indices: key block ", kb, " out of range");
-            if (kb >= 0) picks.push_back(kb);
-          }
-        } else {
-          // Candidates: key blocks with a valid key, allowed by the fixed pattern, not after the query block if causal.
-          std::vector<uint8_t> cand(static_cast<size_t>(nkb), 0);
-          if (fixed.defined()) {
-            std::vector<KeyRange> fr;
-            fixed.node().ranges_for(fixed.head_dependent() ? h : 0, q0, q1, lq, lk, blk, fr);
-            for (const auto& r : fr)
-              for (int64_t kb = r.begin / blk; kb * blk < r.end; ++kb) cand[size_t(kb)] = 1;
-          } else {
-            std::fill(cand.begin(), cand.end(), 1);
-          }
-          for (int64_t kb = 0; kb < nkb; ++kb)
-            if (kvalid[size_t(kb)] == 0 || (a.causal && kb > t)) cand[size_t(kb)] = 0;
-          std::vector<double> qm(static_cast<size_t>(D), 0.0);
-          for (int64_t i = q0; i < q1; ++i) {
-            const float* qr = &p.q[size_t(((b * p.Hq + h) * lq + i) * D)];
-            for (int64_t d = 0; d < D; ++d) qm[size_t(d)] += qr[d];
-          }
-          for (auto& x : qm) x /= double(q1 - q0);
-          std::vector<std::pair<double, int64_t>> scored;
-          for (int64_t kb = 0; kb < nkb; ++kb) {
-            if (!cand[size_t(kb)]) continue;
-            if (a.local && kb == t) {
-              picks.push_back(kb);
-              continue;
-            }
-            const double* km = &kmean[size_t((hk * nkb + kb) * D)];
-            double s4[4] = {0, 0, 0, 0};  // four independent sums (vectorisable; a fixed order, deterministic)
-            int64_t d = 0;
-            for (; d + 4 <= D; d += 4)
-              for (int u = 0; u < 4; ++u) s4[u] += qm[size_t(d + u)] * km[d + u];
-            for (; d < D; ++d) s4[0] += qm[size_t(d)] * km[d];
-            const double s = (s4[0] + s4[1]) + (s4[2] + s4[3]);
-            scored.emplace_back(-s, kb);  // ascending: highest score first, ties to the lower block
-          }
-          // The best (KB - already picked) candidates: nth_element + sort of that prefix, O(nkb) per query block.
-          const int64_t need = KB - int64_t(picks.size());
-          if (need > 0 && !scored.empty()) {
-            const size_t cut = std::min(scored.size(), size_t(need));
-            std::nth_element(scored.begin(), scored.begin() + std::ptrdiff_t(cut - 1), scored.end());
-            std::sort(scored.begin(), scored.begin() + std::ptrdiff_t(cut));
-            for (size_t x = 0; x < cut; ++x) picks.push_back(scored[x].second);
-          }
+        for (int64_t x = 0; x < KB; ++x) {
+          const int64_t kb = given[(h * nqb + qb) * KB + x];
+          check(kb >= -1 && kb < nkb, ErrorKind::kInvalidArgument, "indices: key block ", kb, " out of range");
+          if (kb >= 0) picks.push_back(kb);
         }
         std::sort(picks.begin(), picks.end());
-        for (size_t x = 0; x < picks.size(); ++x) ch[x] = picks[x];
-        for (int64_t kb : picks)
-          detail::emit_range(out, kb * blk, std::min(lk, (kb + 1) * blk), !fixed.defined() && !(a.causal && kb == t),
-                             blk);
+        std::copy(picks.begin(), picks.end(), &sel.chosen[size_t((h * nqb + qb) * KB)]);
+      }
+  } else {
+    // Key-block means over valid keys, per kv head (fp64), their fp32 transposes [D x nkb] and norms.
+    std::vector<double> kmean(static_cast<size_t>(p.Hkv * nkb * D), 0.0);
+    std::vector<int64_t> kvalid(static_cast<size_t>(nkb), 0);
+    for (int64_t j = 0; j < lk; ++j)
+      if (p.key_valid.empty() || p.key_valid[size_t(b * lk + j)]) kvalid[size_t(j / blk)]++;
+    for (int64_t hk = 0; hk < p.Hkv; ++hk)
+      for (int64_t j = 0; j < lk; ++j) {
+        if (!(p.key_valid.empty() || p.key_valid[size_t(b * lk + j)])) continue;
+        const float* kr = &p.k[size_t(((b * p.Hkv + hk) * lk + j) * D)];
+        double* km = &kmean[size_t((hk * nkb + j / blk) * D)];
+        for (int64_t d = 0; d < D; ++d) km[d] += kr[d];
+      }
+    std::vector<float> kmt(static_cast<size_t>(p.Hkv * D * nkb));
+    std::vector<double> knorm_max(static_cast<size_t>(p.Hkv), 0.0);
+    for (int64_t hk = 0; hk < p.Hkv; ++hk)
+      for (int64_t kb = 0; kb < nkb; ++kb) {
+        double* km = &kmean[size_t((hk * nkb + kb) * D)];
+        double n2 = 0;
+        for (int64_t d = 0; d < D; ++d) {
+          if (kvalid[size_t(kb)] > 0) km[d] /= double(kvalid[size_t(kb)]);
+          kmt[size_t((hk * D + d) * nkb + kb)] = float(km[d]);
+          n2 += km[d] * km[d];
+        }
+        if (kvalid[size_t(kb)] > 0) knorm_max[size_t(hk)] = std::max(knorm_max[size_t(hk)], std::sqrt(n2));
+      }
+    // The fixed pattern's key ranges per (head, query block), gathered serially (Pattern nodes need not be
+    // thread-safe).
+    std::vector<std::vector<KeyRange>> franges;
+    if (fixed.defined()) {
+      franges.resize(size_t(p.Hq * nqb));
+      for (int64_t h = 0; h < p.Hq; ++h)
+        for (int64_t qb = 0; qb < nqb; ++qb)
+          fixed.node().ranges_for(fixed.head_dependent() ? h : 0, qbounds[size_t(qb)], qbounds[size_t(qb + 1)], lq, lk,
+                                  blk, franges[size_t(h * nqb + qb)]);
+    }
+    constexpr int64_t kRows = 32;  // query blocks per work item (scores: kRows x nkb floats)
+    const int64_t chunks = (nqb + kRows - 1) / kRows;
+    auto item = [&](int64_t it) {
+      const int64_t h = it / chunks, c0 = (it % chunks) * kRows, rows = std::min(kRows, nqb - c0), hk = h / p.group;
+      thread_local std::vector<double> qm;
+      thread_local std::vector<float> qmf, s;
+      thread_local std::vector<uint8_t> cand;
+      thread_local std::vector<std::pair<float, int32_t>> scored;
+      thread_local std::vector<std::pair<double, int64_t>> exact;
+      qm.assign(size_t(rows * D), 0.0);
+      qmf.resize(size_t(rows * D));
+      s.resize(size_t(rows * nkb));
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t q0 = qbounds[size_t(c0 + r)], q1 = qbounds[size_t(c0 + r + 1)];
+        double* m = &qm[size_t(r * D)];
+        for (int64_t i = q0; i < q1; ++i) {
+          const float* qr = &p.q[size_t(((b * p.Hq + h) * lq + i) * D)];
+          for (int64_t d = 0; d < D; ++d) m[d] += qr[d];
+        }
+        for (int64_t d = 0; d < D; ++d) {
+          m[d] /= double(q1 - q0);
+          qmf[size_t(r * D + d)] = float(m[d]);
+        }
+      }
+      tiles::qk(qmf.data(), rows, D, &kmt[size_t(hk * D * nkb)], nkb, nkb, 1.0f, s.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t qb = c0 + r, q0 = qbounds[size_t(qb)], t = floor_div(q0 + off, blk);
+        const double* m = &qm[size_t(r * D)];
+        // Candidates: key blocks with a valid key, allowed by the fixed pattern, not after the query block if causal.
+        cand.assign(size_t(nkb), fixed.defined() ? 0 : 1);
+        if (fixed.defined())
+          for (const auto& fr : franges[size_t(h * nqb + qb)])
+            for (int64_t kb = fr.begin / blk; kb * blk < fr.end; ++kb) cand[size_t(kb)] = 1;
+        const int64_t kb_end = a.causal ? std::min(nkb, t + 1) : nkb;
+        int64_t* ch = &sel.chosen[size_t((h * nqb + qb) * KB)];
+        int64_t npick = 0;
+        const bool own = a.local && t >= 0 && t < kb_end && cand[size_t(t)] && kvalid[size_t(t)] > 0;
+        if (own) ch[npick++] = t;
+        const int64_t need = KB - npick;
+        auto usable = [&](int64_t kb) { return cand[size_t(kb)] && kvalid[size_t(kb)] > 0 && !(own && kb == t); };
+        const float* sr = &s[size_t(r * nkb)];
+        // Pass 1: the need-th best fp32 score by a streaming threshold (a buffer of 4·need, cut to its best need
+        // when full): O(nkb) compares, a few small nth_elements.
+        auto better32 = [](const std::pair<float, int32_t>& x, const std::pair<float, int32_t>& y) {
+          return x.first > y.first || (x.first == y.first && x.second < y.second);
+        };
+        int64_t n_usable = 0;
+        bool all_finite = true;
+        scored.clear();
+        if (need > 0) {
+          float thr = -std::numeric_limits<float>::infinity();
+          for (int64_t kb = 0; kb < kb_end; ++kb) {
+            if (!usable(kb)) continue;
+            ++n_usable;
+            const float x = sr[kb];
+            all_finite &= std::isfinite(x);
+            if (!(x > thr)) continue;
+            scored.emplace_back(x, int32_t(kb));
+            if (int64_t(scored.size()) == 4 * need) {
+              std::nth_element(scored.begin(), scored.begin() + (need - 1), scored.end(), better32);
+              scored.resize(size_t(need));
+              thr = scored.back().first;
+            }
+          }
+        }
+        if (need > 0 && n_usable <= need) {
+          for (int64_t kb = 0; kb < kb_end; ++kb)
+            if (usable(kb)) ch[npick++] = kb;
+        } else if (need > 0) {
+          // (A non-finite score, possible only for huge inputs, sends the row to the exact fp64 ranking of all.)
+          all_finite &= int64_t(scored.size()) >= need;
+          float cut = 0.0f;
+          if (all_finite) {
+            std::nth_element(scored.begin(), scored.begin() + (need - 1), scored.end(), better32);
+            cut = scored[size_t(need - 1)].first;
+          }
+          double n2 = 0;
+          for (int64_t d = 0; d < D; ++d) n2 += m[d] * m[d];
+          // |fp32 score - fp64 score| <= E: products of D fp32-rounded terms, FMA sums (<= (D + 3)·2^-24·|qm|·|km|).
+          const double E = double(D + 4) * 0x1p-23 * std::sqrt(n2) * knorm_max[size_t(hk)];
+          const bool finite = all_finite && std::isfinite(E);
+          // Pass 2: every block below cut - 2E is below all `need` blocks at or above the cut in fp64 too; the
+          // others (about `need`) are rescored in fp64 and ranked exactly (higher score, ties to the lower block).
+          exact.clear();
+          for (int64_t kb = 0; kb < kb_end; ++kb)
+            if (usable(kb) && (!finite || double(sr[kb]) >= double(cut) - 2.0 * E))
+              exact.emplace_back(-block_score64(m, &kmean[size_t((hk * nkb + kb) * D)], D), kb);
+          const size_t cutn = std::min(exact.size(), size_t(need));
+          std::nth_element(exact.begin(), exact.begin() + std::ptrdiff_t(cutn - 1), exact.end());
+          for (size_t x = 0; x < cutn; ++x) ch[npick++] = exact[x].second;
+        }
+        std::sort(ch, ch + npick);
+      }
+    };
+    detail::parallel(p.Hq * chunks, p.threads, item);
+  }
+  sel.mask = detail::build_identity_layout(
+      lq, lk, p.Hq, bounds, [&](int64_t h, int64_t q0, int64_t, std::vector<KeyRange>& out) {
+        const int64_t qb = std::lower_bound(qbounds.begin(), qbounds.end(), int32_t(q0)) - qbounds.begin();
+        const int64_t t = floor_div(q0 + off, blk);
+        const int64_t* ch = &sel.chosen[size_t((h * nqb + qb) * KB)];
+        for (int64_t x = 0; x < KB && ch[x] >= 0; ++x)
+          detail::emit_range(out, ch[x] * blk, std::min(lk, (ch[x] + 1) * blk),
+                             !fixed.defined() && !(a.causal && ch[x] == t), blk);
       });
   return sel;
 }
@@ -479,6 +650,77 @@ void blocktopk_run(const AdaptiveNode& a, const Pattern& fixed, const TensorView
         for (int64_t x = 0; x < nqb; ++x)
           for (int64_t y = 0; y < KB; ++y) idx_at(indices, b, h, x, y) = sel.chosen[size_t((h * nqb + x) * KB + y)];
     run(b, sel.mask, batch_options(o, b));
+  }
+}
+
+// BlockTopK forward without a fixed pattern: one packing of the inputs, the selection, then per (head, query
+// block) an online softmax over its chosen key blocks, with K pre-transposed once per (b, kv head) into key-block
+// tiles [D x block] that tiles::qk reads in place and V read in place (the engine would gather, copy and transpose
+// both for every query block). Masks as in
+// BlockTopKMask: causal inside the diagonal block, key padding in blocks that have some.
+void blocktopk_forward_direct(const AdaptiveNode& a, const TensorView& q, const TensorView& k, const TensorView& v,
+                              const SparseOptions& o, const TensorView& out, const TensorView& lse,
+                              const TensorView& indices) {
+  const int64_t lq = q.shape[2], lk = k.shape[2];
+  const BlockMask ident = Full().block_mask(lq, lk, 1, o.block);
+  const detail::Packed p = detail::pack_inputs(q, k, v, ident, o, o.enable_gqa);
+  detail::check_outputs(p, out, lse);
+  const int64_t nqb = blocktopk_nqb(a, lq, lk), KB = a.k_blocks, blk = a.block, nkb = (lk + blk - 1) / blk;
+  const int64_t D = p.D, Dv = p.Dv, off = lk - lq;
+  if (indices.data) check_indices(indices, {p.B, p.Hq, nqb, KB}, "[B, Hq, num_query_blocks, k_blocks]");
+  // K of one (b, kv head) at a time as transposed key blocks [nkb][D][block] (one head's worth of memory).
+  detail::HugeVector<float> kt(static_cast<size_t>(nkb * D * blk));
+  std::vector<int32_t> qbounds = {0};
+  for (int32_t x : aligned_bounds(lq, off, blk)) qbounds.push_back(x);
+  for (int64_t b = 0; b < p.B; ++b) {
+    const BlockSelection sel = block_select(a, Pattern(), p, b, nullptr);
+    if (indices.data)
+      for (int64_t h = 0; h < p.Hq; ++h)
+        for (int64_t x = 0; x < nqb; ++x)
+          for (int64_t y = 0; y < KB; ++y) idx_at(indices, b, h, x, y) = sel.chosen[size_t((h * nqb + x) * KB + y)];
+    for (int64_t hk = 0; hk < p.Hkv; ++hk) {
+      const int64_t bh = b * p.Hkv + hk;
+      auto pack = [&](int64_t kb) {
+        tiles::transpose_rows(&p.k[size_t((bh * lk + kb * blk) * D)], D, std::min(blk, lk - kb * blk), D,
+                              &kt[size_t(kb * D * blk)], blk);
+      };
+      detail::parallel(nkb, p.threads, pack);
+      auto item = [&](int64_t it) {
+        const int64_t h = hk * p.group + it / nqb, qb = it % nqb;
+        const int64_t q0 = qbounds[size_t(qb)], m = qbounds[size_t(qb + 1)] - q0, t = floor_div(q0 + off, blk);
+        thread_local std::vector<float> s, acc, mx, sum;
+        s.resize(size_t(m * blk));
+        acc.assign(size_t(m * Dv), 0.0f);
+        mx.assign(size_t(m), kNegInf);
+        sum.assign(size_t(m), 0.0f);
+        const float* qt = &p.q[size_t(((b * p.Hq + h) * lq + q0) * D)];
+        const int64_t* ch = &sel.chosen[size_t((h * nqb + qb) * KB)];
+        for (int64_t x = 0; x < KB && ch[x] >= 0; ++x) {
+          const int64_t kb = ch[x], j0 = kb * blk, n = std::min(blk, lk - j0);
+          const float* ktb = &kt[size_t(kb * D * blk)];
+          const float* vb = &p.v[size_t((bh * lk + j0) * Dv)];
+          tiles::qk(qt, m, D, ktb, blk, n, p.scale, s.data());
+          if (a.causal && kb == t)  // key j allowed iff j <= i + off
+            for (int64_t r = 0; r < m; ++r)
+              for (int64_t c = std::max<int64_t>(0, q0 + r + off - j0 + 1); c < n; ++c) s[size_t(r * n + c)] = kNegInf;
+          if (p.invalid_in(b, j0, j0 + n) > 0)
+            for (int64_t c = 0; c < n; ++c)
+              if (!p.key_valid[size_t(b * lk + j0 + c)])
+                for (int64_t r = 0; r < m; ++r) s[size_t(r * n + c)] = kNegInf;
+          tiles::softmax_update(s.data(), m, n, mx.data(), sum.data(), acc.data(), Dv);
+          tiles::pv(s.data(), m, n, vb, Dv, Dv, 1.0f, acc.data());
+        }
+        for (int64_t r = 0; r < m; ++r) {
+          float* ar = &acc[size_t(r * Dv)];
+          const bool empty = sum[size_t(r)] == 0.0f;
+          const float inv = empty ? 0.0f : 1.0f / sum[size_t(r)];
+          for (int64_t c = 0; c < Dv; ++c) ar[c] *= inv;
+          detail::store_row(out, b, h, q0 + r, ar, Dv);
+          if (lse.data) detail::store_value(lse, b, h, q0 + r, empty ? kNegInf : mx[size_t(r)] + std::log(sum[size_t(r)]));
+        }
+      };
+      detail::parallel(p.group * nqb, p.threads, item);
+    }
   }
 }
 
@@ -655,6 +897,7 @@ void adaptive_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorV
   switch (a.kind) {
     case AdaptiveNode::kTopK: topk_forward(a, fixed, q, k, v, o, out, lse, indices); return;
     case AdaptiveNode::kBlockTopK: {
+      if (!fixed.defined()) return blocktopk_forward_direct(a, q, k, v, o, out, lse, indices);
       blocktopk_run(a, fixed, q, k, v, o, indices, false,
                     [&](int64_t b, const BlockMask& bm, const SparseOptions& ob) {
                       block_sparse_attention(slice_batch(q, b), slice_batch(k, b), slice_batch(v, b), bm,

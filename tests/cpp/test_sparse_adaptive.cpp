@@ -154,7 +154,9 @@ TEST(SparseAdaptive, BlockTopKIsValidAndMatchesReference) {
   for (const C& c : std::vector<C>{{"BlockTopK(16, 3)", 2, 2, 1, 100, 100, 16},
                                    {"BlockTopK(8, 2, causal=True)", 1, 2, 2, 61, 77, 8},
                                    {"BlockTopK(16, 2, local=False)", 1, 2, 2, 64, 64, 8},
-                                   {"BlockTopK(8, 3) & SlidingWindow(20, 20)", 1, 2, 2, 90, 90, 8}}) {
+                                   {"BlockTopK(8, 3) & SlidingWindow(20, 20)", 1, 2, 2, 90, 90, 8},
+                                   {"BlockTopK(4, 3)", 1, 2, 1, 300, 300, 8},
+                                   {"BlockTopK(4, 5, causal=True)", 1, 2, 2, 250, 280, 8}}) {
     SCOPED_TRACE(c.spec);
     const Pattern p = Pattern::parse(c.spec);
     const Tensor q = randn({c.B, c.H, c.Lq, c.D}, 4), k = randn({c.B, c.Hk, c.Lk, c.D}, 5),
