@@ -312,6 +312,7 @@ void TransposeRows(const float* HWY_RESTRICT src, int64_t lds, int64_t n, int64_
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
+#include <atomic>
 #include <cstdlib>
 
 namespace sattn::sparse::tiles {
@@ -356,32 +357,49 @@ bool cpu_has(int64_t target) {
   return target == HWY_SCALAR || target == HWY_EMU128 || (hwy::SupportedTargets() & target) != 0;
 }
 
+// Index of the build named `name` ("avx2" also names "avx2+fma"), or -1.
+int find_entry(const char* name) {
+  const size_t len = std::strlen(name);
+  for (size_t e = 0; e < sizeof(kEntries) / sizeof(kEntries[0]); ++e) {
+    const char* en = kEntries[e].ops.name;
+    if (len > 0 && std::strncmp(name, en, len) == 0 && (en[len] == '\0' || en[len] == '+')) return int(e);
+  }
+  return -1;
+}
+
 // Chosen once per process (results are deterministic for a given machine and any thread count): the widest build
 // the CPU runs, or with SATTN_SPARSE_ISA=<name> the widest one no wider than <name> ("base" = portable).
-const Ops& ops() {
-  static const Ops* chosen = [] {
-    const char* env = std::getenv("SATTN_SPARSE_ISA");
+std::atomic<const Ops*>& current() {
+  static std::atomic<const Ops*> chosen{[] {
     const size_t n = sizeof(kEntries) / sizeof(kEntries[0]);
-    size_t first = 0;
-    if (env && *env)
-      for (size_t e = 0; e < n; ++e) {
-        const char* name = kEntries[e].ops.name;  // "avx2" also names "avx2+fma"
-        const size_t len = std::strlen(env);
-        if (std::strncmp(env, name, len) == 0 && (name[len] == '\0' || name[len] == '+')) {
-          first = e;
-          break;
-        }
-      }
-    for (size_t e = first; e < n; ++e)
+    const char* env = std::getenv("SATTN_SPARSE_ISA");
+    const int named = env ? find_entry(env) : -1;
+    for (size_t e = named < 0 ? 0 : size_t(named); e < n; ++e)
       if (cpu_has(kEntries[e].target)) return &kEntries[e].ops;
     return &kEntries[n - 1].ops;
-  }();
-  return *chosen;
+  }()};
+  return chosen;
 }
+
+const Ops& ops() { return *current().load(std::memory_order_relaxed); }
 
 }  // namespace
 
 const char* isa() { return ops().name; }
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> names;
+  for (const Entry& e : kEntries)
+    if (cpu_has(e.target)) names.emplace_back(e.ops.name);
+  return names;
+}
+
+bool set_isa(const std::string& name) {
+  const int e = find_entry(name.c_str());
+  if (e < 0 || !cpu_has(kEntries[e].target)) return false;
+  current().store(&kEntries[e].ops);
+  return true;
+}
 
 void qk(const float* q, int64_t m, int64_t d, const float* kt, int64_t ldk, int64_t n, float scale, float* s) {
   ops().qk(q, m, d, kt, ldk, n, scale, s);
