@@ -1,6 +1,6 @@
 // The tile operations of the block-sparse engine (sparse_tiles.hpp), compiled once per SIMD target by Highway
-// (AVX-512, AVX2+FMA, portable) and chosen at run time (see the table at the end; SATTN_SPARSE_ISA=base or avx2
-// forces a narrower build). Every matrix product is one register-blocked micro-kernel, the same scheme as the dense
+// (AVX-512, AVX2+FMA, SSE4, portable) and chosen at run time (see the table at the end; SATTN_SPARSE_ISA=avx2,
+// sse4 or base caps the choice). Every matrix product is one register-blocked micro-kernel, the same scheme as the dense
 // fused kernel (fused_simd.cpp):  C[M x N] = alpha · A(M x K) · B[K x N] (+ C),  A read by scalar broadcasts through
 // two strides (so Q, P and Pᵀ are read in place), B and C in lanes, the last vector of a row masked when N is not a
 // multiple of the vector width. The exponential is a polynomial (Cephes expf, |relative error| < 2e-7) that gives
@@ -8,7 +8,7 @@
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "sparse/tiles_simd.cpp"
 #ifndef HWY_DISABLED_TARGETS
-#define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_SSE4 | HWY_AVX3_DL)  // AVX3_DL: nothing to gain here
+#define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_AVX3_DL)  // AVX3_DL: nothing to gain here
 #endif
 #include <hwy/foreach_target.h>  // must come before highway.h
 
@@ -37,48 +37,62 @@ constexpr int kMR = 6, kNV = 4;  // 24 of 32 zmm: a 6 x 64 block
 #elif HWY_TARGET == HWY_SCALAR || HWY_TARGET == HWY_EMU128
 constexpr int kMR = 4, kNV = 4;
 #else
-constexpr int kMR = 6, kNV = 2;  // 12 of 16 ymm: a 6 x 16 block
+constexpr int kMR = 6, kNV = 2;  // 12 of 16 ymm (AVX2) / xmm (SSE4) accumulators
 #endif
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// exp(x): 2^n · p(r), x = n ln2 + r, |r| <= ln2/2, degree-6 Cephes polynomial; x < -87.3 (incl. -inf) -> 0.
-HWY_INLINE VF Exp(DF d, VF x) {
-  const hn::RebindToSigned<DF> di;
-  const VF lo = hn::Set(d, -87.3f);
-  const VF xc = hn::Min(hn::Max(x, lo), hn::Set(d, 88.7f));
-  const VF n = hn::Round(hn::Mul(xc, hn::Set(d, 1.44269504088896341f)));
+// Loads / stores of the first lanes of a vector (m = FirstN) that touch no memory past them: Highway's MaskedLoad and
+// BlendedStore do so on AVX2 and AVX-512 (maskload / masked moves); elsewhere they may read the whole vector, so copy.
+HWY_INLINE VF LoadTail(DF d, MF m, const float* HWY_RESTRICT p) {
+#if HWY_TARGET != HWY_AVX2 && HWY_TARGET != HWY_AVX3 && HWY_TARGET != HWY_AVX3_DL
+  alignas(64) float buf[16] = {};
+  const size_t count = hn::CountTrue(d, m);
+  for (size_t x = 0; x < count; ++x) buf[x] = p[x];
+  return hn::Load(d, buf);
+#else
+  return hn::MaskedLoad(m, d, p);
+#endif
+}
+HWY_INLINE void StoreTail(VF v, DF d, MF m, float* HWY_RESTRICT p) {
+#if HWY_TARGET != HWY_AVX2 && HWY_TARGET != HWY_AVX3 && HWY_TARGET != HWY_AVX3_DL
+  alignas(64) float buf[16];
+  hn::Store(v, d, buf);
+  const size_t count = hn::CountTrue(d, m);
+  for (size_t x = 0; x < count; ++x) p[x] = buf[x];
+#else
+  hn::BlendedStore(v, m, d, p);
+#endif
+}
+
+// exp(x) = 2^n · p(r), x = n ln2 + r, |r| <= ln2/2, degree-6 Cephes polynomial (|relative error| < 2e-7).
+// x <= -88 (incl. -inf) gives exactly 0: the clamp makes n = -127, whose exponent field 0 scales p to +0.
+// kNoUpper: the caller guarantees x <= 0 (softmax after subtracting the row max), so no upper clamp.
+template <bool kNoUpper, class D, class V = hn::Vec<D>>
+HWY_INLINE V Exp(D d, V x) {
+  const hn::RebindToSigned<D> di;
+  // Magic-number rounding: y = round(x·log2 e) + 1.5·2^23 + 127 in one FMA; its low mantissa bits are n + 127.
+  constexpr float kMagic = 12582912.0f + 127.0f;
+  V xc = hn::Max(x, hn::Set(d, -88.0f));
+  if constexpr (!kNoUpper) xc = hn::Min(xc, hn::Set(d, 88.0f));
+  const V y = hn::MulAdd(xc, hn::Set(d, 1.44269504088896341f), hn::Set(d, kMagic));
+  const V n = hn::Sub(y, hn::Set(d, kMagic));
   // Cody-Waite: ln2 = 0.693359375 - 2.12194440e-4
-  const VF r = hn::MulAdd(n, hn::Set(d, 2.12194440e-4f), hn::NegMulAdd(n, hn::Set(d, 0.693359375f), xc));
-  VF p = hn::Set(d, 1.9875691500e-4f);
+  const V r = hn::MulAdd(n, hn::Set(d, 2.12194440e-4f), hn::NegMulAdd(n, hn::Set(d, 0.693359375f), xc));
+  V p = hn::Set(d, 1.9875691500e-4f);
   p = hn::MulAdd(p, r, hn::Set(d, 1.3981999507e-3f));
   p = hn::MulAdd(p, r, hn::Set(d, 8.3334519073e-3f));
   p = hn::MulAdd(p, r, hn::Set(d, 4.1665795894e-2f));
   p = hn::MulAdd(p, r, hn::Set(d, 1.6666665459e-1f));
   p = hn::MulAdd(p, r, hn::Set(d, 5.0000001201e-1f));
   p = hn::Add(hn::MulAdd(p, hn::Mul(r, r), r), hn::Set(d, 1.0f));
-  const auto bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
-  return hn::IfThenZeroElse(hn::Lt(x, lo), hn::Mul(p, hn::BitCast(d, bits)));
+  return hn::Mul(p, hn::BitCast(d, hn::ShiftLeft<23>(hn::BitCast(di, y))));  // 2^n from the exponent bits
 }
 
+// The same polynomial on one lane, so that a row's rescale factor matches its probabilities.
 HWY_INLINE float ExpScalar(float x) {
   const hn::CappedTag<float, 1> d1;
-  const hn::Vec<decltype(d1)> v = hn::Set(d1, x);
-  // Same polynomial as Exp (one lane), so that a row's rescale matches its probabilities.
-  const hn::RebindToSigned<decltype(d1)> di;
-  const auto lo = hn::Set(d1, -87.3f);
-  const auto xc = hn::Min(hn::Max(v, lo), hn::Set(d1, 88.7f));
-  const auto n = hn::Round(hn::Mul(xc, hn::Set(d1, 1.44269504088896341f)));
-  const auto r = hn::MulAdd(n, hn::Set(d1, 2.12194440e-4f), hn::NegMulAdd(n, hn::Set(d1, 0.693359375f), xc));
-  auto p = hn::Set(d1, 1.9875691500e-4f);
-  p = hn::MulAdd(p, r, hn::Set(d1, 1.3981999507e-3f));
-  p = hn::MulAdd(p, r, hn::Set(d1, 8.3334519073e-3f));
-  p = hn::MulAdd(p, r, hn::Set(d1, 4.1665795894e-2f));
-  p = hn::MulAdd(p, r, hn::Set(d1, 1.6666665459e-1f));
-  p = hn::MulAdd(p, r, hn::Set(d1, 5.0000001201e-1f));
-  p = hn::Add(hn::MulAdd(p, hn::Mul(r, r), r), hn::Set(d1, 1.0f));
-  const auto bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
-  return hn::GetLane(hn::IfThenZeroElse(hn::Lt(v, lo), hn::Mul(p, hn::BitCast(d1, bits))));
+  return hn::GetLane(Exp<false>(d1, hn::Set(d1, x)));
 }
 
 // C[MR x NV vectors] = alpha · sum_k A(m, k) · B[k, :] (+ C when acc);  A(m, k) = A[m·sam + k·sak]. kMasked: the
@@ -95,7 +109,7 @@ HWY_INLINE void Micro(const float* HWY_RESTRICT A, int64_t sam, int64_t sak, con
     VF bv[NV];
     const float* bk = B + k * ldb;
     for (int n = 0; n < NV; ++n)
-      bv[n] = (kMasked && n == NV - 1) ? hn::MaskedLoad(tail, d, bk + n * N) : hn::LoadU(d, bk + n * N);
+      bv[n] = (kMasked && n == NV - 1) ? LoadTail(d, tail, bk + n * N) : hn::LoadU(d, bk + n * N);
     const float* a = A + k * sak;
     for (int m = 0; m < MR; ++m) {
       const VF av = hn::Set(d, a[m * sam]);
@@ -107,8 +121,8 @@ HWY_INLINE void Micro(const float* HWY_RESTRICT A, int64_t sam, int64_t sak, con
     for (int n = 0; n < NV; ++n) {
       float* cp = C + m * ldc + n * N;
       if (kMasked && n == NV - 1) {
-        const VF old = acc ? hn::MaskedLoad(tail, d, cp) : hn::Zero(d);
-        hn::BlendedStore(hn::MulAdd(c[m][n], va, old), tail, d, cp);
+        const VF old = acc ? LoadTail(d, tail, cp) : hn::Zero(d);
+        StoreTail(hn::MulAdd(c[m][n], va, old), d, tail, cp);
       } else {
         hn::StoreU(acc ? hn::MulAdd(c[m][n], va, hn::LoadU(d, cp)) : hn::Mul(c[m][n], va), d, cp);
       }
@@ -195,7 +209,7 @@ void SoftmaxUpdate(float* s, int64_t m, int64_t n, float* row_max, float* row_su
     VF vm = ninf;
     int64_t j = 0;
     for (; j < full; j += L) vm = hn::Max(vm, hn::LoadU(d, si + j));
-    if (j < n) vm = hn::Max(vm, hn::IfThenElse(tail, hn::MaskedLoad(tail, d, si + j), ninf));
+    if (j < n) vm = hn::Max(vm, hn::IfThenElse(tail, LoadTail(d, tail, si + j), ninf));
     const float tile_max = hn::GetLane(hn::MaxOfLanes(d, vm));
     const float mx = tile_max > row_max[i] ? tile_max : row_max[i];
     if (mx == kNegInf) {
@@ -206,13 +220,13 @@ void SoftmaxUpdate(float* s, int64_t m, int64_t n, float* row_max, float* row_su
     const VF vmx = hn::Set(d, mx);
     VF vs = hn::Zero(d);
     for (j = 0; j < full; j += L) {
-      const VF p = Exp(d, hn::Sub(hn::LoadU(d, si + j), vmx));
+      const VF p = Exp<true>(d, hn::Sub(hn::LoadU(d, si + j), vmx));
       hn::StoreU(p, d, si + j);
       vs = hn::Add(vs, p);
     }
     if (j < n) {
-      const VF p = hn::IfThenElseZero(tail, Exp(d, hn::Sub(hn::MaskedLoad(tail, d, si + j), vmx)));
-      hn::BlendedStore(p, tail, d, si + j);
+      const VF p = hn::IfThenElseZero(tail, Exp<true>(d, hn::Sub(LoadTail(d, tail, si + j), vmx)));
+      StoreTail(p, d, tail, si + j);
       vs = hn::Add(vs, p);
     }
     if (alpha != 1.0f) {
@@ -239,8 +253,8 @@ void SoftmaxBackward(const float* p, float* dp, int64_t m, int64_t n, const floa
     int64_t j = 0;
     for (; j < full; j += L) hn::StoreU(hn::Mul(hn::LoadU(d, pi + j), hn::Sub(hn::LoadU(d, di + j), dl)), d, di + j);
     if (j < n)
-      hn::BlendedStore(hn::Mul(hn::MaskedLoad(tail, d, pi + j), hn::Sub(hn::MaskedLoad(tail, d, di + j), dl)), tail,
-                       d, di + j);
+      StoreTail(hn::Mul(LoadTail(d, tail, pi + j), hn::Sub(LoadTail(d, tail, di + j), dl)), d,
+                tail, di + j);
   }
 }
 
@@ -257,8 +271,8 @@ void Probabilities(float* s, int64_t m, int64_t n, const float* lse) {
     }
     const VF l = hn::Set(d, lse[i]);
     int64_t j = 0;
-    for (; j < full; j += L) hn::StoreU(Exp(d, hn::Sub(hn::LoadU(d, si + j), l)), d, si + j);
-    if (j < n) hn::BlendedStore(Exp(d, hn::Sub(hn::MaskedLoad(tail, d, si + j), l)), tail, d, si + j);
+    for (; j < full; j += L) hn::StoreU(Exp<false>(d, hn::Sub(hn::LoadU(d, si + j), l)), d, si + j);
+    if (j < n) StoreTail(Exp<false>(d, hn::Sub(LoadTail(d, tail, si + j), l)), d, tail, si + j);
   }
 }
 
@@ -345,6 +359,9 @@ const Entry kEntries[] = {
 #endif
 #if HWY_TARGETS & HWY_AVX2
     {HWY_AVX2, SATTN_TILE_OPS("avx2+fma", N_AVX2)},
+#endif
+#if HWY_TARGETS & HWY_SSE4
+    {HWY_SSE4, SATTN_TILE_OPS("sse4", N_SSE4)},
 #endif
 #if HWY_TARGETS & HWY_EMU128
     {HWY_EMU128, SATTN_TILE_OPS("base", N_EMU128)},
