@@ -1,0 +1,442 @@
+// The tile operations of the block-sparse engine (sparse_tiles.hpp), compiled once per SIMD target by Highway
+// (AVX-512, AVX2+FMA, SSE4, portable) and chosen at run time (see the table at the end; SATTN_SPARSE_ISA=avx2,
+// sse4 or base caps the choice). Every matrix product is one register-blocked micro-kernel, the same scheme as the dense
+// fused kernel (fused_simd.cpp):  C[M x N] = alpha · A(M x K) · B[K x N] (+ C),  A read by scalar broadcasts through
+// two strides (so Q, P and Pᵀ are read in place), B and C in lanes, the last vector of a row masked when N is not a
+// multiple of the vector width. The exponential is a polynomial (Cephes expf, |relative error| < 2e-7) that gives
+// exactly 0 for -inf.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "sparse/tiles_simd.cpp"
+#ifndef HWY_DISABLED_TARGETS
+#define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_AVX3_DL)  // AVX3_DL: nothing to gain here
+#endif
+#include <hwy/foreach_target.h>  // must come before highway.h
+
+#include <hwy/highway.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "sattn/sparse_tiles.hpp"
+
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+HWY_BEFORE_NAMESPACE();
+namespace sattn::sparse::tiles {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+using MF = hn::Mask<DF>;
+
+// Register blocking: kMR rows of A (broadcasts) x kNV vectors of B (accumulators kMR·kNV).
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr int kMR = 6, kNV = 4;  // 24 of 32 zmm: a 6 x 64 block
+#elif HWY_TARGET == HWY_SCALAR || HWY_TARGET == HWY_EMU128
+constexpr int kMR = 4, kNV = 4;
+#else
+constexpr int kMR = 6, kNV = 2;  // 12 of 16 ymm (AVX2) / xmm (SSE4) accumulators
+#endif
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Loads / stores of the first lanes of a vector (m = FirstN) that touch no memory past them: Highway's MaskedLoad and
+// BlendedStore do so on AVX2 and AVX-512 (maskload / masked moves); elsewhere they may read the whole vector, so copy.
+HWY_INLINE VF LoadTail(DF d, MF m, const float* HWY_RESTRICT p) {
+#if HWY_TARGET != HWY_AVX2 && HWY_TARGET != HWY_AVX3 && HWY_TARGET != HWY_AVX3_DL
+  alignas(64) float buf[16] = {};
+  const size_t count = hn::CountTrue(d, m);
+  for (size_t x = 0; x < count; ++x) buf[x] = p[x];
+  return hn::Load(d, buf);
+#else
+  return hn::MaskedLoad(m, d, p);
+#endif
+}
+HWY_INLINE void StoreTail(VF v, DF d, MF m, float* HWY_RESTRICT p) {
+#if HWY_TARGET != HWY_AVX2 && HWY_TARGET != HWY_AVX3 && HWY_TARGET != HWY_AVX3_DL
+  alignas(64) float buf[16];
+  hn::Store(v, d, buf);
+  const size_t count = hn::CountTrue(d, m);
+  for (size_t x = 0; x < count; ++x) p[x] = buf[x];
+#else
+  hn::BlendedStore(v, m, d, p);
+#endif
+}
+
+// exp(x) = 2^n · p(r), x = n ln2 + r, |r| <= ln2/2, degree-6 Cephes polynomial (|relative error| < 2e-7).
+// x <= -88 (incl. -inf) gives exactly 0: the clamp makes n = -127, whose exponent field 0 scales p to +0.
+// kNoUpper: the caller guarantees x <= 0 (softmax after subtracting the row max), so no upper clamp.
+template <bool kNoUpper, class D, class V = hn::Vec<D>>
+HWY_INLINE V Exp(D d, V x) {
+  const hn::RebindToSigned<D> di;
+  // Magic-number rounding: y = round(x·log2 e) + 1.5·2^23 + 127 in one FMA; its low mantissa bits are n + 127.
+  constexpr float kMagic = 12582912.0f + 127.0f;
+  V xc = hn::Max(x, hn::Set(d, -88.0f));
+  if constexpr (!kNoUpper) xc = hn::Min(xc, hn::Set(d, 88.0f));
+  const V y = hn::MulAdd(xc, hn::Set(d, 1.44269504088896341f), hn::Set(d, kMagic));
+  const V n = hn::Sub(y, hn::Set(d, kMagic));
+  // Cody-Waite: ln2 = 0.693359375 - 2.12194440e-4
+  const V r = hn::MulAdd(n, hn::Set(d, 2.12194440e-4f), hn::NegMulAdd(n, hn::Set(d, 0.693359375f), xc));
+  V p = hn::Set(d, 1.9875691500e-4f);
+  p = hn::MulAdd(p, r, hn::Set(d, 1.3981999507e-3f));
+  p = hn::MulAdd(p, r, hn::Set(d, 8.3334519073e-3f));
+  p = hn::MulAdd(p, r, hn::Set(d, 4.1665795894e-2f));
+  p = hn::MulAdd(p, r, hn::Set(d, 1.6666665459e-1f));
+  p = hn::MulAdd(p, r, hn::Set(d, 5.0000001201e-1f));
+  p = hn::Add(hn::MulAdd(p, hn::Mul(r, r), r), hn::Set(d, 1.0f));
+  return hn::Mul(p, hn::BitCast(d, hn::ShiftLeft<23>(hn::BitCast(di, y))));  // 2^n from the exponent bits
+}
+
+// The same polynomial on one lane, so that a row's rescale factor matches its probabilities.
+HWY_INLINE float ExpScalar(float x) {
+  const hn::CappedTag<float, 1> d1;
+  return hn::GetLane(Exp<false>(d1, hn::Set(d1, x)));
+}
+
+// C[MR x NV vectors] = alpha · sum_k A(m, k) · B[k, :] (+ C when acc);  A(m, k) = A[m·sam + k·sak]. kMasked: the
+// last vector holds only the lanes of `tail` (masked loads and stores: nothing past the row's end is touched).
+template <int MR, int NV, bool kMasked>
+HWY_INLINE void Micro(const float* HWY_RESTRICT A, int64_t sam, int64_t sak, const float* HWY_RESTRICT B,
+                      int64_t ldb, float* HWY_RESTRICT C, int64_t ldc, int64_t K, float alpha, bool acc, MF tail) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  VF c[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NV; ++n) c[m][n] = hn::Zero(d);
+  for (int64_t k = 0; k < K; ++k) {
+    VF bv[NV];
+    const float* bk = B + k * ldb;
+    for (int n = 0; n < NV; ++n)
+      bv[n] = (kMasked && n == NV - 1) ? LoadTail(d, tail, bk + n * N) : hn::LoadU(d, bk + n * N);
+    const float* a = A + k * sak;
+    for (int m = 0; m < MR; ++m) {
+      const VF av = hn::Set(d, a[m * sam]);
+      for (int n = 0; n < NV; ++n) c[m][n] = hn::MulAdd(av, bv[n], c[m][n]);
+    }
+  }
+  const VF va = hn::Set(d, alpha);
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NV; ++n) {
+      float* cp = C + m * ldc + n * N;
+      if (kMasked && n == NV - 1) {
+        const VF old = acc ? LoadTail(d, tail, cp) : hn::Zero(d);
+        StoreTail(hn::MulAdd(c[m][n], va, old), d, tail, cp);
+      } else {
+        hn::StoreU(acc ? hn::MulAdd(c[m][n], va, hn::LoadU(d, cp)) : hn::Mul(c[m][n], va), d, cp);
+      }
+    }
+}
+
+// All rows of one column group of NV vectors.
+template <int NV, bool kMasked>
+HWY_INLINE void Rows(const float* A, int64_t sam, int64_t sak, const float* B, int64_t ldb, float* C, int64_t ldc,
+                     int64_t M, int64_t K, float alpha, bool acc, MF tail) {
+  int64_t m = 0;
+  for (; m + kMR <= M; m += kMR)
+    Micro<kMR, NV, kMasked>(A + m * sam, sam, sak, B, ldb, C + m * ldc, ldc, K, alpha, acc, tail);
+  const int64_t rest = M - m;
+  A += m * sam;
+  C += m * ldc;
+  if constexpr (kMR > 1) if (rest == 1) return Micro<1, NV, kMasked>(A, sam, sak, B, ldb, C, ldc, K, alpha, acc, tail);
+  if constexpr (kMR > 2) if (rest == 2) return Micro<2, NV, kMasked>(A, sam, sak, B, ldb, C, ldc, K, alpha, acc, tail);
+  if constexpr (kMR > 3) if (rest == 3) return Micro<3, NV, kMasked>(A, sam, sak, B, ldb, C, ldc, K, alpha, acc, tail);
+  if constexpr (kMR > 4) if (rest == 4) return Micro<4, NV, kMasked>(A, sam, sak, B, ldb, C, ldc, K, alpha, acc, tail);
+  if constexpr (kMR > 5) if (rest == 5) return Micro<5, NV, kMasked>(A, sam, sak, B, ldb, C, ldc, K, alpha, acc, tail);
+}
+
+template <bool kMasked>
+HWY_INLINE void Group(int64_t nv, const float* A, int64_t sam, int64_t sak, const float* B, int64_t ldb, float* C,
+                      int64_t ldc, int64_t M, int64_t K, float alpha, bool acc, MF tail) {
+  switch (nv) {
+    case 1: return Rows<1, kMasked>(A, sam, sak, B, ldb, C, ldc, M, K, alpha, acc, tail);
+    case 2: if constexpr (kNV >= 2) return Rows<2, kMasked>(A, sam, sak, B, ldb, C, ldc, M, K, alpha, acc, tail);
+      break;
+    case 3: if constexpr (kNV >= 3) return Rows<3, kMasked>(A, sam, sak, B, ldb, C, ldc, M, K, alpha, acc, tail);
+      break;
+    case 4: if constexpr (kNV >= 4) return Rows<4, kMasked>(A, sam, sak, B, ldb, C, ldc, M, K, alpha, acc, tail);
+      break;
+    default: break;
+  }
+}
+
+// C[M x N] = alpha · A(M x K) · B[K x N] (+ C when acc), for any N (row strides ldb, ldc >= N).
+void Gemm(const float* A, int64_t sam, int64_t sak, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t M,
+          int64_t N, int64_t K, float alpha, bool acc) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {  // empty sum: C = 0 (or unchanged)
+    if (!acc)
+      for (int64_t m = 0; m < M; ++m) std::memset(C + m * ldc, 0, sizeof(float) * size_t(N));
+    return;
+  }
+  const DF d;
+  const int64_t L = int64_t(hn::Lanes(d));
+  const int64_t full = N / L, rem = N % L;
+  const MF all = hn::FirstN(d, size_t(L));
+  int64_t v = 0;
+  for (; v + kNV <= full; v += kNV) Rows<kNV, false>(A, sam, sak, B + v * L, ldb, C + v * L, ldc, M, K, alpha, acc, all);
+  // Last group: the remaining full vectors plus (if any) one masked vector.
+  const int64_t nv = full - v + (rem > 0 ? 1 : 0);
+  if (nv == 0) return;
+  if (rem > 0) {
+    if (nv <= kNV) return Group<true>(nv, A, sam, sak, B + v * L, ldb, C + v * L, ldc, M, K, alpha, acc,
+                                      hn::FirstN(d, size_t(rem)));
+  }
+  Group<false>(nv, A, sam, sak, B + v * L, ldb, C + v * L, ldc, M, K, alpha, acc, all);
+}
+
+void Qk(const float* q, int64_t m, int64_t d, const float* kt, int64_t ldk, int64_t n, float scale, float* s) {
+  Gemm(q, d, 1, kt, ldk, s, n, m, n, d, scale, false);  // S = scale · Q · Kᵀ
+}
+
+void Pv(const float* p, int64_t m, int64_t n, const float* v, int64_t ldv, int64_t dv, float alpha, float* acc) {
+  Gemm(p, n, 1, v, ldv, acc, dv, m, dv, n, alpha, true);  // acc += alpha · P · V
+}
+
+void Atx(const float* a, int64_t m, int64_t n, const float* x, int64_t ldx, int64_t d, float alpha, float* out) {
+  Gemm(a, 1, n, x, ldx, out, d, n, d, m, alpha, true);  // out += alpha · Aᵀ · X  (Aᵀ(j, i) = a[i·n + j])
+}
+
+void SoftmaxUpdate(float* s, int64_t m, int64_t n, float* row_max, float* row_sum, float* acc, int64_t dv) {
+  const DF d;
+  const int64_t L = int64_t(hn::Lanes(d));
+  const int64_t full = n / L * L;
+  const MF tail = hn::FirstN(d, size_t(n - full));
+  const VF ninf = hn::Set(d, kNegInf);
+  for (int64_t i = 0; i < m; ++i) {
+    float* si = s + i * n;
+    VF vm = ninf;
+    int64_t j = 0;
+    for (; j < full; j += L) vm = hn::Max(vm, hn::LoadU(d, si + j));
+    if (j < n) vm = hn::Max(vm, hn::IfThenElse(tail, LoadTail(d, tail, si + j), ninf));
+    const float tile_max = hn::GetLane(hn::MaxOfLanes(d, vm));
+    const float mx = tile_max > row_max[i] ? tile_max : row_max[i];
+    if (mx == kNegInf) {
+      std::memset(si, 0, sizeof(float) * size_t(n));
+      continue;
+    }
+    const float alpha = ExpScalar(row_max[i] - mx);  // 0 when the old max was -inf
+    const VF vmx = hn::Set(d, mx);
+    VF vs = hn::Zero(d);
+    for (j = 0; j < full; j += L) {
+      const VF p = Exp<true>(d, hn::Sub(hn::LoadU(d, si + j), vmx));
+      hn::StoreU(p, d, si + j);
+      vs = hn::Add(vs, p);
+    }
+    if (j < n) {
+      const VF p = hn::IfThenElseZero(tail, Exp<true>(d, hn::Sub(LoadTail(d, tail, si + j), vmx)));
+      StoreTail(p, d, tail, si + j);
+      vs = hn::Add(vs, p);
+    }
+    if (alpha != 1.0f) {
+      float* ai = acc + i * dv;
+      const VF va = hn::Set(d, alpha);
+      int64_t c = 0;
+      for (; c + L <= dv; c += L) hn::StoreU(hn::Mul(hn::LoadU(d, ai + c), va), d, ai + c);
+      for (; c < dv; ++c) ai[c] *= alpha;
+    }
+    row_sum[i] = row_sum[i] * alpha + hn::GetLane(hn::SumOfLanes(d, vs));
+    row_max[i] = mx;
+  }
+}
+
+void SoftmaxBackward(const float* p, float* dp, int64_t m, int64_t n, const float* delta) {
+  const DF d;
+  const int64_t L = int64_t(hn::Lanes(d));
+  const int64_t full = n / L * L;
+  const MF tail = hn::FirstN(d, size_t(n - full));
+  for (int64_t i = 0; i < m; ++i) {
+    const float* pi = p + i * n;
+    float* di = dp + i * n;
+    const VF dl = hn::Set(d, delta[i]);
+    int64_t j = 0;
+    for (; j < full; j += L) hn::StoreU(hn::Mul(hn::LoadU(d, pi + j), hn::Sub(hn::LoadU(d, di + j), dl)), d, di + j);
+    if (j < n)
+      StoreTail(hn::Mul(LoadTail(d, tail, pi + j), hn::Sub(LoadTail(d, tail, di + j), dl)), d,
+                tail, di + j);
+  }
+}
+
+void Probabilities(float* s, int64_t m, int64_t n, const float* lse) {
+  const DF d;
+  const int64_t L = int64_t(hn::Lanes(d));
+  const int64_t full = n / L * L;
+  const MF tail = hn::FirstN(d, size_t(n - full));
+  for (int64_t i = 0; i < m; ++i) {
+    float* si = s + i * n;
+    if (lse[i] == kNegInf) {
+      std::memset(si, 0, sizeof(float) * size_t(n));
+      continue;
+    }
+    const VF l = hn::Set(d, lse[i]);
+    int64_t j = 0;
+    for (; j < full; j += L) hn::StoreU(Exp<false>(d, hn::Sub(hn::LoadU(d, si + j), l)), d, si + j);
+    if (j < n) StoreTail(Exp<false>(d, hn::Sub(LoadTail(d, tail, si + j), l)), d, tail, si + j);
+  }
+}
+
+// 8 x 8 blocks transposed in registers (GCC vector extensions: unpack / shuffle / 128-bit lane swap; one AVX
+// register per row, two SSE registers on the portable build), scalar edges.
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+typedef int32_t i8 __attribute__((vector_size(32)));
+HWY_INLINE v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+HWY_INLINE void store8(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
+
+void TransposeRows(const float* HWY_RESTRICT src, int64_t lds, int64_t n, int64_t d, float* HWY_RESTRICT dst,
+                   int64_t ldd) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    int64_t c = 0;
+    for (; c + 8 <= d; c += 8) {
+      const float* s0 = src + j * lds + c;
+      const v8 r0 = load8(s0), r1 = load8(s0 + lds), r2 = load8(s0 + 2 * lds), r3 = load8(s0 + 3 * lds),
+               r4 = load8(s0 + 4 * lds), r5 = load8(s0 + 5 * lds), r6 = load8(s0 + 6 * lds), r7 = load8(s0 + 7 * lds);
+      const i8 lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};
+      const v8 t0 = __builtin_shuffle(r0, r1, lo), t1 = __builtin_shuffle(r0, r1, hi),
+               t2 = __builtin_shuffle(r2, r3, lo), t3 = __builtin_shuffle(r2, r3, hi),
+               t4 = __builtin_shuffle(r4, r5, lo), t5 = __builtin_shuffle(r4, r5, hi),
+               t6 = __builtin_shuffle(r6, r7, lo), t7 = __builtin_shuffle(r6, r7, hi);
+      const i8 a = {0, 1, 8, 9, 4, 5, 12, 13}, b = {2, 3, 10, 11, 6, 7, 14, 15};
+      const v8 u0 = __builtin_shuffle(t0, t2, a), u1 = __builtin_shuffle(t0, t2, b),
+               u2 = __builtin_shuffle(t1, t3, a), u3 = __builtin_shuffle(t1, t3, b),
+               u4 = __builtin_shuffle(t4, t6, a), u5 = __builtin_shuffle(t4, t6, b),
+               u6 = __builtin_shuffle(t5, t7, a), u7 = __builtin_shuffle(t5, t7, b);
+      const i8 l = {0, 1, 2, 3, 8, 9, 10, 11}, h = {4, 5, 6, 7, 12, 13, 14, 15};
+      float* o = dst + c * ldd + j;
+      store8(o, __builtin_shuffle(u0, u4, l));
+      store8(o + ldd, __builtin_shuffle(u1, u5, l));
+      store8(o + 2 * ldd, __builtin_shuffle(u2, u6, l));
+      store8(o + 3 * ldd, __builtin_shuffle(u3, u7, l));
+      store8(o + 4 * ldd, __builtin_shuffle(u0, u4, h));
+      store8(o + 5 * ldd, __builtin_shuffle(u1, u5, h));
+      store8(o + 6 * ldd, __builtin_shuffle(u2, u6, h));
+      store8(o + 7 * ldd, __builtin_shuffle(u3, u7, h));
+    }
+    for (; c < d; ++c)
+      for (int64_t r = 0; r < 8; ++r) dst[c * ldd + j + r] = src[(j + r) * lds + c];
+  }
+  for (; j < n; ++j)
+    for (int64_t c = 0; c < d; ++c) dst[c * ldd + j] = src[j * lds + c];
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace sattn::sparse::tiles
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include <atomic>
+#include <cstdlib>
+
+namespace sattn::sparse::tiles {
+
+namespace {
+
+struct Ops {
+  const char* name;
+  void (*qk)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float, float*);
+  void (*softmax_update)(float*, int64_t, int64_t, float*, float*, float*, int64_t);
+  void (*pv)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float, float*);
+  void (*atx)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float, float*);
+  void (*softmax_backward)(const float*, float*, int64_t, int64_t, const float*);
+  void (*probabilities)(float*, int64_t, int64_t, const float*);
+  void (*transpose_rows)(const float*, int64_t, int64_t, int64_t, float*, int64_t);
+};
+
+#define SATTN_TILE_OPS(name, ns) \
+  Ops { name, &ns::Qk, &ns::SoftmaxUpdate, &ns::Pv, &ns::Atx, &ns::SoftmaxBackward, &ns::Probabilities, &ns::TransposeRows }
+
+struct Entry {
+  int64_t target;
+  Ops ops;
+};
+
+// Widest first; the last entry is the portable build.
+const Entry kEntries[] = {
+#if HWY_TARGETS & HWY_AVX3
+    {HWY_AVX3, SATTN_TILE_OPS("avx512", N_AVX3)},
+#endif
+#if HWY_TARGETS & HWY_AVX2
+    {HWY_AVX2, SATTN_TILE_OPS("avx2+fma", N_AVX2)},
+#endif
+#if HWY_TARGETS & HWY_SSE4
+    {HWY_SSE4, SATTN_TILE_OPS("sse4", N_SSE4)},
+#endif
+#if HWY_TARGETS & HWY_EMU128
+    {HWY_EMU128, SATTN_TILE_OPS("base", N_EMU128)},
+#elif HWY_TARGETS & HWY_SCALAR
+    {HWY_SCALAR, SATTN_TILE_OPS("base", N_SCALAR)},
+#endif
+};
+
+bool cpu_has(int64_t target) {
+  return target == HWY_SCALAR || target == HWY_EMU128 || (hwy::SupportedTargets() & target) != 0;
+}
+
+// Index of the build named `name` ("avx2" also names "avx2+fma"), or -1.
+int find_entry(const char* name) {
+  const size_t len = std::strlen(name);
+  for (size_t e = 0; e < sizeof(kEntries) / sizeof(kEntries[0]); ++e) {
+    const char* en = kEntries[e].ops.name;
+    if (len > 0 && std::strncmp(name, en, len) == 0 && (en[len] == '\0' || en[len] == '+')) return int(e);
+  }
+  return -1;
+}
+
+// Chosen once per process (results are deterministic for a given machine and any thread count): the widest build
+// the CPU runs, or with SATTN_SPARSE_ISA=<name> the widest one no wider than <name> ("base" = portable).
+std::atomic<const Ops*>& current() {
+  static std::atomic<const Ops*> chosen{[] {
+    const size_t n = sizeof(kEntries) / sizeof(kEntries[0]);
+    const char* env = std::getenv("SATTN_SPARSE_ISA");
+    const int named = env ? find_entry(env) : -1;
+    for (size_t e = named < 0 ? 0 : size_t(named); e < n; ++e)
+      if (cpu_has(kEntries[e].target)) return &kEntries[e].ops;
+    return &kEntries[n - 1].ops;
+  }()};
+  return chosen;
+}
+
+const Ops& ops() { return *current().load(std::memory_order_relaxed); }
+
+}  // namespace
+
+const char* isa() { return ops().name; }
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> names;
+  for (const Entry& e : kEntries)
+    if (cpu_has(e.target)) names.emplace_back(e.ops.name);
+  return names;
+}
+
+bool set_isa(const std::string& name) {
+  const int e = find_entry(name.c_str());
+  if (e < 0 || !cpu_has(kEntries[e].target)) return false;
+  current().store(&kEntries[e].ops);
+  return true;
+}
+
+void qk(const float* q, int64_t m, int64_t d, const float* kt, int64_t ldk, int64_t n, float scale, float* s) {
+  ops().qk(q, m, d, kt, ldk, n, scale, s);
+}
+void softmax_update(float* s, int64_t m, int64_t n, float* row_max, float* row_sum, float* acc, int64_t dv) {
+  ops().softmax_update(s, m, n, row_max, row_sum, acc, dv);
+}
+void pv(const float* p, int64_t m, int64_t n, const float* v, int64_t ldv, int64_t dv, float alpha, float* acc) {
+  ops().pv(p, m, n, v, ldv, dv, alpha, acc);
+}
+void atx(const float* a, int64_t m, int64_t n, const float* x, int64_t ldx, int64_t d, float alpha, float* out) {
+  ops().atx(a, m, n, x, ldx, d, alpha, out);
+}
+void softmax_backward(const float* p, float* dp, int64_t m, int64_t n, const float* delta) {
+  ops().softmax_backward(p, dp, m, n, delta);
+}
+void probabilities(float* s, int64_t m, int64_t n, const float* lse) { ops().probabilities(s, m, n, lse); }
+void transpose_rows(const float* src, int64_t lds, int64_t n, int64_t d, float* dst, int64_t ldd) {
+  ops().transpose_rows(src, lds, n, d, dst, ldd);
+}
+
+}  // namespace sattn::sparse::tiles
+#endif  // HWY_ONCE

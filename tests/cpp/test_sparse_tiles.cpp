@@ -1,0 +1,186 @@
+// The sparse engine's tile operations (sparse_tiles.hpp) against fp64 loops, in every build this CPU runs
+// (AVX-512, AVX2, portable), on sizes that are not multiples of the vector width and with row strides wider than
+// the rows: results within fp32 rounding, and nothing written outside the tile.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "sattn/sparse_tiles.hpp"
+
+namespace tiles = sattn::sparse::tiles;
+
+namespace {
+
+constexpr float kGuard = 12345.0f;  // fills every slot outside the tile: must survive each call
+
+std::vector<float> randv(size_t n, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> x(n);
+  for (auto& v : x) v = d(g);
+  return x;
+}
+
+// Restores the default build after each test.
+struct IsaGuard {
+  std::string saved = tiles::isa();
+  ~IsaGuard() { tiles::set_isa(saved); }
+};
+
+const int64_t kSizes[][3] = {{1, 1, 1}, {5, 7, 3}, {6, 16, 16}, {13, 17, 19}, {7, 33, 64},
+                             {64, 64, 64}, {64, 49, 32}, {12, 65, 8}, {3, 100, 5}};
+
+TEST(SparseTiles, ProductsMatchFp64InEveryBuild) {
+  IsaGuard guard;
+  const auto isas = tiles::available_isas();
+  ASSERT_FALSE(isas.empty());
+  EXPECT_EQ(isas.back(), "base");
+  EXPECT_FALSE(tiles::set_isa("no-such-isa"));
+  for (const std::string& isa : isas) {
+    ASSERT_TRUE(tiles::set_isa(isa));
+    ASSERT_EQ(isa, tiles::isa());
+    uint64_t seed = 1;
+    for (const auto& sz : kSizes) {
+      const int64_t m = sz[0], n = sz[1], d = sz[2], pad = 3;
+      SCOPED_TRACE(isa + " m=" + std::to_string(m) + " n=" + std::to_string(n) + " d=" + std::to_string(d));
+      // qk: S[m x n] = scale · Q[m x d] · Kt[d x n] (Kt row stride n + pad).
+      {
+        const auto q = randv(size_t(m * d), seed++), kt = randv(size_t(d * (n + pad)), seed++);
+        std::vector<float> s(size_t(m * n) + 8, kGuard);
+        tiles::qk(q.data(), m, d, kt.data(), n + pad, n, 0.5f, s.data());
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t j = 0; j < n; ++j) {
+            double want = 0;
+            for (int64_t c = 0; c < d; ++c) want += double(q[size_t(i * d + c)]) * kt[size_t(c * (n + pad) + j)];
+            EXPECT_NEAR(s[size_t(i * n + j)], 0.5 * want, 1e-5 * (1 + std::abs(want)));
+          }
+        for (size_t x = size_t(m * n); x < s.size(); ++x) EXPECT_EQ(s[x], kGuard);
+      }
+      // pv: acc[m x dv] (+)= alpha · P[m x n] · V[n x dv] (V row stride dv + pad); acc starts non-zero.
+      {
+        const int64_t dv = d;
+        const auto p = randv(size_t(m * n), seed++), v = randv(size_t(n * (dv + pad)), seed++);
+        auto acc = randv(size_t(m * dv), seed++);
+        const auto acc0 = acc;
+        acc.resize(acc.size() + 8, kGuard);
+        tiles::pv(p.data(), m, n, v.data(), dv + pad, dv, 0.25f, acc.data());
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t c = 0; c < dv; ++c) {
+            double want = 0;
+            for (int64_t j = 0; j < n; ++j) want += double(p[size_t(i * n + j)]) * v[size_t(j * (dv + pad) + c)];
+            want = acc0[size_t(i * dv + c)] + 0.25 * want;
+            EXPECT_NEAR(acc[size_t(i * dv + c)], want, 1e-5 * (1 + std::abs(want)));
+          }
+        for (size_t x = size_t(m * dv); x < acc.size(); ++x) EXPECT_EQ(acc[x], kGuard);
+      }
+      // atx: out[n x d] += alpha · Aᵀ · X, A [m x n], X [m x d] (row stride d + pad).
+      {
+        const auto a = randv(size_t(m * n), seed++), x = randv(size_t(m * (d + pad)), seed++);
+        auto out = randv(size_t(n * d), seed++);
+        const auto out0 = out;
+        out.resize(out.size() + 8, kGuard);
+        tiles::atx(a.data(), m, n, x.data(), d + pad, d, 2.0f, out.data());
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t c = 0; c < d; ++c) {
+            double want = 0;
+            for (int64_t i = 0; i < m; ++i) want += double(a[size_t(i * n + j)]) * x[size_t(i * (d + pad) + c)];
+            want = out0[size_t(j * d + c)] + 2.0 * want;
+            EXPECT_NEAR(out[size_t(j * d + c)], want, 1e-5 * (1 + std::abs(want)));
+          }
+        for (size_t e = size_t(n * d); e < out.size(); ++e) EXPECT_EQ(out[e], kGuard);
+      }
+      // transpose_rows: dst[d x n] (row stride n + pad) = src[n x d] (row stride d + pad)ᵀ.
+      {
+        const auto src = randv(size_t(n * (d + pad)), seed++);
+        std::vector<float> dst(size_t(d * (n + pad)), kGuard);
+        tiles::transpose_rows(src.data(), d + pad, n, d, dst.data(), n + pad);
+        for (int64_t c = 0; c < d; ++c)
+          for (int64_t j = 0; j < n + pad; ++j)
+            EXPECT_EQ(dst[size_t(c * (n + pad) + j)], j < n ? src[size_t(j * (d + pad) + c)] : kGuard);
+      }
+    }
+  }
+}
+
+TEST(SparseTiles, SoftmaxOperationsMatchFp64InEveryBuild) {
+  IsaGuard guard;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (const std::string& isa : tiles::available_isas()) {
+    ASSERT_TRUE(tiles::set_isa(isa));
+    uint64_t seed = 100;
+    for (const auto& sz : kSizes) {
+      const int64_t m = sz[0], n = sz[1], dv = sz[2];
+      SCOPED_TRACE(isa + " m=" + std::to_string(m) + " n=" + std::to_string(n));
+      // Scores with masked (-inf) entries, one fully masked row, large values; a running state from earlier tiles
+      // (row 0 fresh, row 1 with an old max above this tile's).
+      auto s = randv(size_t(m * n), seed++);
+      for (size_t x = 0; x < s.size(); ++x) s[x] = x % 5 == 3 ? kNegInf : 8.0f * s[x];
+      // Rows 2 and 3 fully masked in this tile, row 3 (like row 0) with no earlier tile.
+      for (int64_t i = 2; i < std::min<int64_t>(m, 4); ++i)
+        for (int64_t j = 0; j < n; ++j) s[size_t(i * n + j)] = kNegInf;
+      std::vector<float> mx(static_cast<size_t>(m)), sum(static_cast<size_t>(m)), acc = randv(size_t(m * dv), seed++);
+      for (int64_t i = 0; i < m; ++i) {
+        const bool fresh = i == 0 || i == 3;
+        mx[size_t(i)] = fresh ? kNegInf : (i == 1 ? 50.0f : 1.0f);
+        sum[size_t(i)] = fresh ? 0.0f : 2.0f;
+      }
+      const auto s0 = s, mx0 = mx, sum0 = sum, acc0 = acc;
+      s.resize(s.size() + 8, kGuard);
+      tiles::softmax_update(s.data(), m, n, mx.data(), sum.data(), acc.data(), dv);
+      for (int64_t i = 0; i < m; ++i) {
+        double tmax = -HUGE_VAL;
+        for (int64_t j = 0; j < n; ++j) tmax = std::max(tmax, double(s0[size_t(i * n + j)]));
+        const double nm = std::max(tmax, double(mx0[size_t(i)]));
+        ASSERT_EQ(mx[size_t(i)], float(nm));
+        if (nm == -HUGE_VAL) {
+          for (int64_t j = 0; j < n; ++j) EXPECT_EQ(s[size_t(i * n + j)], 0.0f);
+          continue;
+        }
+        const double alpha = std::exp(double(mx0[size_t(i)]) - nm);
+        double tsum = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          const double p = std::exp(double(s0[size_t(i * n + j)]) - nm);
+          tsum += p;
+          EXPECT_NEAR(s[size_t(i * n + j)], p, 1e-6 * (1 + p));
+          if (s0[size_t(i * n + j)] == kNegInf) {
+            EXPECT_EQ(s[size_t(i * n + j)], 0.0f);
+          }
+        }
+        const double want_sum = sum0[size_t(i)] * alpha + tsum;
+        EXPECT_NEAR(sum[size_t(i)], want_sum, 1e-5 * (1 + want_sum));
+        for (int64_t c = 0; c < dv; ++c)
+          EXPECT_NEAR(acc[size_t(i * dv + c)], acc0[size_t(i * dv + c)] * alpha, 1e-6 * (1 + std::abs(acc0[size_t(i * dv + c)])));
+      }
+      for (size_t x = size_t(m * n); x < s.size(); ++x) EXPECT_EQ(s[x], kGuard);
+
+      // probabilities: P = exp(S - lse) (lse -inf rows: 0); softmax_backward: dS = P (dP - delta).
+      auto t = s0;
+      std::vector<float> lse(static_cast<size_t>(m));
+      for (int64_t i = 0; i < m; ++i) lse[size_t(i)] = i == 1 ? kNegInf : 10.0f + float(i);
+      t.resize(t.size() + 8, kGuard);
+      tiles::probabilities(t.data(), m, n, lse.data());
+      const auto dp0 = randv(size_t(m * n), seed++);
+      auto dp = dp0;
+      dp.resize(dp.size() + 8, kGuard);
+      std::vector<float> delta = randv(size_t(m), seed++);
+      tiles::softmax_backward(t.data(), dp.data(), m, n, delta.data());
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          const double p = lse[size_t(i)] == kNegInf ? 0.0 : std::exp(double(s0[size_t(i * n + j)]) - lse[size_t(i)]);
+          EXPECT_NEAR(t[size_t(i * n + j)], p, 1e-6 * (1 + p));
+          const double ds = t[size_t(i * n + j)] * (double(dp0[size_t(i * n + j)]) - delta[size_t(i)]);
+          EXPECT_NEAR(dp[size_t(i * n + j)], ds, 1e-6 * (1 + std::abs(ds)));
+        }
+      for (size_t x = size_t(m * n); x < t.size(); ++x) {
+        EXPECT_EQ(t[x], kGuard);
+        EXPECT_EQ(dp[x], kGuard);
+      }
+    }
+  }
+}
+
+}  // namespace
