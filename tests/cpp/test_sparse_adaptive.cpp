@@ -11,35 +11,14 @@
 #include "sattn/attention.hpp"
 #include "sattn/error.hpp"
 #include "sattn/sparse.hpp"
+#include "sparse_test_util.hpp"
 
 using namespace sattn;
 using namespace sattn::sparse;
+using sattn::sparse_test::randn;
+using sattn::sparse_test::rel_err;
 
 namespace {
-
-Tensor randn(Shape shape, uint64_t seed, double sd = 1.0) {
-  Tensor t(DType::kF32, std::move(shape));
-  std::mt19937_64 g(seed);
-  std::normal_distribution<float> n(0.0f, float(sd));
-  for (int64_t x = 0; x < t.numel(); ++x) t.data<float>()[x] = n(g);
-  return t;
-}
-
-double at(const Tensor& t, int64_t x) { return t.dtype() == DType::kF64 ? t.data<double>()[x] : t.data<float>()[x]; }
-
-double rel_err(const Tensor& got, const Tensor& ref) {
-  double e = 0, m = 0;
-  for (int64_t x = 0; x < got.numel(); ++x) {
-    const double a = at(got, x), b = at(ref, x);
-    if (std::isinf(a) || std::isinf(b)) {
-      if (a != b) return INFINITY;
-      continue;
-    }
-    e = std::max(e, std::abs(a - b));
-    m = std::max(m, std::abs(b));
-  }
-  return e / std::max(1.0, m);
-}
 
 // fp64 score scale * q_i · k_j for batch b, query head h (kv head h / g).
 double score(const Tensor& q, const Tensor& k, int64_t b, int64_t h, int64_t i, int64_t j) {

@@ -15,47 +15,16 @@
 #include "sattn/attention.hpp"
 #include "sattn/error.hpp"
 #include "sattn/sparse.hpp"
+#include "sparse_test_util.hpp"
 
 using namespace sattn;
 using namespace sattn::sparse;
+using sattn::sparse_test::randn;
+using sattn::sparse_test::rel_err;
 
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-Tensor randn(Shape shape, uint64_t seed, double sd = 1.0) {
-  Tensor t(DType::kF32, std::move(shape));
-  std::mt19937_64 g(seed);
-  std::normal_distribution<float> n(0.0f, float(sd));
-  for (int64_t x = 0; x < t.numel(); ++x) t.data<float>()[x] = n(g);
-  return t;
-}
-
-double max_abs(const Tensor& t) {
-  double m = 0;
-  for (int64_t x = 0; x < t.numel(); ++x) {
-    const double a = t.dtype() == DType::kF64 ? t.data<double>()[x] : t.data<float>()[x];
-    if (std::isfinite(a)) m = std::max(m, std::abs(a));
-  }
-  return m;
-}
-
-// |got - ref|_inf / max(1, |ref|_inf); -inf entries must agree exactly.
-double rel_err(const Tensor& got, const Tensor& ref) {
-  EXPECT_EQ(got.numel(), ref.numel());
-  double e = 0;
-  for (int64_t x = 0; x < got.numel(); ++x) {
-    const double a = got.dtype() == DType::kF64 ? got.data<double>()[x] : got.data<float>()[x];
-    const double b = ref.dtype() == DType::kF64 ? ref.data<double>()[x] : ref.data<float>()[x];
-    if (std::isinf(a) || std::isinf(b)) {
-      if (a != b) return kInf;
-      continue;
-    }
-    if (std::isnan(a) || std::isnan(b)) return kInf;
-    e = std::max(e, std::abs(a - b));
-  }
-  return e / std::max(1.0, max_abs(ref));
-}
 
 struct Case {
   std::string spec;

@@ -12,33 +12,14 @@
 #include "sattn/attention.hpp"
 #include "sattn/sparse.hpp"
 #include "sparse/topk_scan.hpp"
+#include "sparse_test_util.hpp"
 
 using namespace sattn;
 using namespace sattn::sparse;
+using sattn::sparse_test::randn;
+using sattn::sparse_test::rel_err;
 
 namespace {
-
-Tensor randn(Shape shape, uint64_t seed) {
-  Tensor t(DType::kF32, std::move(shape));
-  std::mt19937_64 g(seed);
-  std::normal_distribution<float> n(0.0f, 1.0f);
-  for (int64_t x = 0; x < t.numel(); ++x) t.data<float>()[x] = n(g);
-  return t;
-}
-
-double max_rel_err(const Tensor& got, const Tensor& ref) {
-  double e = 0, m = 0;
-  for (int64_t x = 0; x < got.numel(); ++x) {
-    const double a = got.data<float>()[x], b = ref.data<double>()[x];
-    if (std::isinf(a) || std::isinf(b)) {
-      if (a != b) return INFINITY;
-      continue;
-    }
-    e = std::max(e, std::abs(a - b));
-    m = std::max(m, std::abs(b));
-  }
-  return e / std::max(1.0, m);
-}
 
 struct Case {
   int64_t B, H, Hk, Lq, Lk, D, K, valid;  // valid: keys [0, valid) usable (key_lengths), = Lk: no padding
@@ -114,8 +95,8 @@ void check_outputs(const Case& c, const Tensor& q, const Tensor& k, const Tensor
   ro.attn_mask = mask.view();
   Tensor rout(DType::kF64, r.out.shape()), rlse(DType::kF64, r.lse.shape());
   scaled_dot_product_attention(q, k, v, ro, {rout.view(), rlse.view(), {}});
-  EXPECT_LE(max_rel_err(r.out, rout), 2e-5);
-  EXPECT_LE(max_rel_err(r.lse, rlse), 2e-5);
+  EXPECT_LE(rel_err(r.out, rout), 2e-5);
+  EXPECT_LE(rel_err(r.lse, rlse), 2e-5);
 }
 
 bool same(const Tensor& a, const Tensor& b) {
@@ -295,8 +276,8 @@ TEST(SparseTopKScan, BlockTopKWithKeyPaddingMatchesReference) {
       ro.key_lengths = len1.view();
       Tensor rout(DType::kF64, ob.shape()), rlse(DType::kF64, lb.shape());
       scaled_dot_product_attention(qb, kb, vb, ro, {rout.view(), rlse.view(), {}});
-      EXPECT_LE(max_rel_err(ob, rout), 2e-5) << "b=" << b;
-      EXPECT_LE(max_rel_err(lb, rlse), 2e-5) << "b=" << b;
+      EXPECT_LE(rel_err(ob, rout), 2e-5) << "b=" << b;
+      EXPECT_LE(rel_err(lb, rlse), 2e-5) << "b=" << b;
     }
   }
 }
