@@ -470,13 +470,20 @@ BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const d
     std::vector<int64_t> kvalid(static_cast<size_t>(nkb), 0);
     for (int64_t j = 0; j < lk; ++j)
       if (p.key_valid.empty() || p.key_valid[size_t(b * lk + j)]) kvalid[size_t(j / blk)]++;
-    for (int64_t hk = 0; hk < p.Hkv; ++hk)
-      for (int64_t j = 0; j < lk; ++j) {
+    // Sums per (kv head, run of 16 key blocks) in parallel; each block's sum is in key order for any thread count.
+    constexpr int64_t kSumBlocks = 16;
+    const int64_t sum_runs = (nkb + kSumBlocks - 1) / kSumBlocks;
+    auto sum_keys = [&](int64_t it) {
+      const int64_t hk = it / sum_runs, j_lo = (it % sum_runs) * kSumBlocks * blk;
+      const int64_t j_hi = std::min(lk, j_lo + kSumBlocks * blk);
+      for (int64_t j = j_lo; j < j_hi; ++j) {
         if (!(p.key_valid.empty() || p.key_valid[size_t(b * lk + j)])) continue;
         const float* kr = &p.k[size_t(((b * p.Hkv + hk) * lk + j) * D)];
         double* km = &kmean[size_t((hk * nkb + j / blk) * D)];
         for (int64_t d = 0; d < D; ++d) km[d] += kr[d];
       }
+    };
+    detail::parallel(p.Hkv * sum_runs, p.threads, sum_keys);
     std::vector<float> kmt(static_cast<size_t>(p.Hkv * D * nkb));
     std::vector<double> knorm_max(static_cast<size_t>(p.Hkv), 0.0);
     for (int64_t hk = 0; hk < p.Hkv; ++hk)
@@ -500,6 +507,7 @@ BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const d
           fixed.node().ranges_for(fixed.head_dependent() ? h : 0, qbounds[size_t(qb)], qbounds[size_t(qb + 1)], lq, lk,
                                   blk, franges[size_t(h * nqb + qb)]);
     }
+    const bool every_block_usable = !fixed.defined() && p.key_valid.empty();
     constexpr int64_t kRows = 32;  // query blocks per work item (scores: kRows x nkb floats)
     const int64_t chunks = (nqb + kRows - 1) / kRows;
     auto item = [&](int64_t it) {
@@ -529,17 +537,20 @@ BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const d
         const int64_t qb = c0 + r, q0 = qbounds[size_t(qb)], t = floor_div(q0 + off, blk);
         const double* m = &qm[size_t(r * D)];
         // Candidates: key blocks with a valid key, allowed by the fixed pattern, not after the query block if causal.
-        cand.assign(size_t(nkb), fixed.defined() ? 0 : 1);
+        if (!every_block_usable) cand.assign(size_t(nkb), fixed.defined() ? 0 : 1);
         if (fixed.defined())
           for (const auto& fr : franges[size_t(h * nqb + qb)])
             for (int64_t kb = fr.begin / blk; kb * blk < fr.end; ++kb) cand[size_t(kb)] = 1;
         const int64_t kb_end = a.causal ? std::min(nkb, t + 1) : nkb;
         int64_t* ch = &sel.chosen[size_t((h * nqb + qb) * KB)];
         int64_t npick = 0;
-        const bool own = a.local && t >= 0 && t < kb_end && cand[size_t(t)] && kvalid[size_t(t)] > 0;
+        const bool own =
+            a.local && t >= 0 && t < kb_end && (every_block_usable || (cand[size_t(t)] && kvalid[size_t(t)] > 0));
         if (own) ch[npick++] = t;
         const int64_t need = KB - npick;
-        auto usable = [&](int64_t kb) { return cand[size_t(kb)] && kvalid[size_t(kb)] > 0 && !(own && kb == t); };
+        auto usable = [&](int64_t kb) {
+          return (every_block_usable || (cand[size_t(kb)] && kvalid[size_t(kb)] > 0)) && !(own && kb == t);
+        };
         const float* sr = &s[size_t(r * nkb)];
         // Pass 1: the need-th best fp32 score by a streaming threshold (a buffer of 4·need, cut to its best need
         // when full): O(nkb) compares, a few small nth_elements.
@@ -551,17 +562,28 @@ BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const d
         scored.clear();
         if (need > 0) {
           float thr = -std::numeric_limits<float>::infinity();
-          for (int64_t kb = 0; kb < kb_end; ++kb) {
-            if (!usable(kb)) continue;
-            ++n_usable;
-            const float x = sr[kb];
-            all_finite &= std::isfinite(x);
-            if (!(x > thr)) continue;
+          auto offer = [&](float x, int64_t kb) {
             scored.emplace_back(x, int32_t(kb));
             if (int64_t(scored.size()) == 4 * need) {
               std::nth_element(scored.begin(), scored.begin() + (need - 1), scored.end(), better32);
               scored.resize(size_t(need));
               thr = scored.back().first;
+            }
+          };
+          if (every_block_usable) {
+            // No fixed pattern and no padding: every block before kb_end but the own one is a candidate. The
+            // finiteness test is a separate, vectorisable pass; the scan tests the score first (rarely above thr).
+            n_usable = kb_end - (own ? 1 : 0);
+            for (int64_t kb = 0; kb < kb_end; ++kb) all_finite &= (sr[kb] - sr[kb] == 0.0f);
+            for (int64_t kb = 0; kb < kb_end; ++kb)
+              if (sr[kb] > thr && !(own && kb == t)) offer(sr[kb], kb);
+          } else {
+            for (int64_t kb = 0; kb < kb_end; ++kb) {
+              if (!usable(kb)) continue;
+              ++n_usable;
+              const float x = sr[kb];
+              all_finite &= std::isfinite(x);
+              if (x > thr) offer(x, kb);
             }
           }
         }
