@@ -31,14 +31,7 @@ using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 using MF = hn::Mask<DF>;
 
-// Register blocking: kMR rows of A (broadcasts) x kNV vectors of B (accumulators kMR·kNV).
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-constexpr int kMR = 6, kNV = 4;  // 24 of 32 zmm: a 6 x 64 block
-#elif HWY_TARGET == HWY_SCALAR || HWY_TARGET == HWY_EMU128
-constexpr int kMR = 4, kNV = 4;
-#else
-constexpr int kMR = 6, kNV = 2;  // 12 of 16 ymm (AVX2) / xmm (SSE4) accumulators
-#endif
+#include "sparse/register_blocking.inc"  // kMR, kNV
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 

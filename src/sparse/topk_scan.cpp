@@ -63,13 +63,7 @@ using DF = hn::ScalableTag<float>;
 using DI = hn::RebindToSigned<DF>;
 using VF = hn::Vec<DF>;
 
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-constexpr int kMR = 6, kNV = 4;  // 24 of 32 zmm accumulators, 64 keys per tile
-#elif HWY_TARGET == HWY_SCALAR || HWY_TARGET == HWY_EMU128
-constexpr int kMR = 4, kNV = 4;
-#else
-constexpr int kMR = 6, kNV = 2;  // 12 of 16 ymm accumulators
-#endif
+#include "sparse/register_blocking.inc"  // kMR, kNV
 
 int64_t TileWidth() { return int64_t(kNV) * int64_t(hn::Lanes(DF())); }
 
