@@ -77,6 +77,37 @@ double allowed_pairs(const sparse::Pattern& p, const sparse::BlockMask& m, int64
   return n;
 }
 
+// Query-key pairs kept by a TopK / BlockTopK forward of q, k, v, from the selection it returns (0 for other patterns
+// or Lq != Lk). BlockTopK computes its chosen blocks whole: the causal diagonal block counts its triangle only.
+double selected_pairs(const sparse::Pattern& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                      const sparse::SparseOptions& o) {
+  const std::string r = p.repr();
+  const bool topk = r.rfind("TopK(", 0) == 0, blocktopk = r.rfind("BlockTopK(", 0) == 0;
+  const int64_t L = q.size(2);
+  if (!(topk || blocktopk) || k.size(2) != L) return 0.0;
+  const Shape shape = sparse::selection_shape(p, q.size(0), q.size(1), L, L);
+  Tensor idx(DType::kI64, shape), out(DType::kF32, {q.size(0), q.size(1), L, v.size(3)});
+  sparse::sparse_attention(q, k, v, p, o, out, {}, idx.view());
+  const int64_t* x = idx.data<int64_t>();
+  const int64_t n = idx.numel();
+  double pairs = 0;
+  if (topk) {
+    for (int64_t e = 0; e < n; ++e) pairs += x[e] >= 0;
+    return pairs;
+  }
+  long block = 0, kb = 0;
+  std::sscanf(r.c_str(), "BlockTopK(%ld, %ld", &block, &kb);
+  const bool causal = r.find("causal=True") != std::string::npos;
+  const int64_t nqb = shape[2], KB = shape[3];
+  for (int64_t e = 0; e < n; ++e) {
+    if (x[e] < 0) continue;
+    const int64_t qb = (e / KB) % nqb, rows = std::min<int64_t>(block, L - qb * block);
+    const int64_t keys = std::min<int64_t>(block, L - x[e] * block);
+    pairs += causal && x[e] == qb ? double(rows) * double(rows + 1) / 2 : double(rows) * double(keys);
+  }
+  return pairs;
+}
+
 double sgemm_gflops(int threads) {
 #ifdef SATTN_HAVE_CBLAS
   if (openblas_set_num_threads) openblas_set_num_threads(threads);  // the same thread count as the kernels
@@ -195,7 +226,12 @@ void add_sparse_command(CLI::App& app) {
                 tb = median_time(reps, [&] {
                   sparse::sparse_attention_backward(g, q, k, v, out, lse, p, o, {dq.view(), dk.view(), dv.view(), {}, {}, {}});
                 });
-              if (p.node_ptr() && !sparse::has_logits(p) && sparse::selection_shape(p, 1, 1, L, L).empty()) {
+              if (!sparse::selection_shape(p, 1, 1, L, L).empty()) {
+                // TopK also scores every key (q·k only: half a pair's 4·D flops each); BlockTopK's block scores are
+                // (L / block)² and not counted.
+                allowed = computed = selected_pairs(p, q, k, v, o);
+                if (allowed > 0 && p.repr().rfind("TopK(", 0) == 0) computed += 0.5 * double(L) * double(L) * B * H;
+              } else if (p.node_ptr() && !sparse::has_logits(p)) {
                 try {
                   const sparse::BlockMask m = p.block_mask(L, L, H, 64);
                   allowed = allowed_pairs(p, m, L, L) * B * H;
