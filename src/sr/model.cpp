@@ -586,16 +586,74 @@ Image tensor_to_image_mt(const Tensor& chw, int threads) {
 Tensor image_to_tensor(const Image& image) { return image_to_tensor_mt(image, 1); }
 Image tensor_to_image(const Tensor& chw) { return tensor_to_image_mt(chw, 1); }
 
+namespace {
+// Dihedral transform t of a grid (bit 2: transpose, then bit 1: flip rows, then bit 0: flip columns): the source
+// pixel (sy, sx) of pixel (y, x) of the transformed grid, whose size is th x tw.
+inline void dihedral_source(int t, int64_t y, int64_t x, int64_t th, int64_t tw, int64_t* sy, int64_t* sx) {
+  if (t & 1) x = tw - 1 - x;
+  if (t & 2) y = th - 1 - y;
+  if (t & 4) std::swap(y, x);
+  *sy = y;
+  *sx = x;
+}
+}  // namespace
+
 Image SrModel::upscale(const Image& lr, const UpscaleOptions& options, UpscaleStats* stats) const {
   check(lr.channels == 3, ErrorKind::kInvalidArgument, "upscale: RGB image expected, given ", lr.channels,
         " channels");
+  const int64_t h = lr.height, w = lr.width, s = config_.scale, ow = w * s;
+  Image out(h * s, ow, 3);
+  if (!options.self_ensemble) {
+    upscale_values(lr, options, stats, [&](int64_t y, int64_t x, int64_t c, float v) {
+      out.data[size_t((y * ow + x) * 3 + c)] = to_u8(v);
+    });
+    return out;
+  }
+  check(!options.routing_in && !options.routing_out && !options.gates_out && !options.probe,
+        ErrorKind::kInvalidArgument, "upscale: self_ensemble cannot take or return routing, gates or a probe");
+  UpscaleOptions o = options;
+  o.self_ensemble = false;
+  std::vector<float> sum(out.data.size(), 0.0f);
+  for (int t = 0; t < 8; ++t) {
+    const int64_t th = t & 4 ? w : h, tw = t & 4 ? h : w;
+    Image in(th, tw, 3);
+    for (int64_t y = 0; y < th; ++y)
+      for (int64_t x = 0; x < tw; ++x) {
+        int64_t sy = 0, sx = 0;
+        dihedral_source(t, y, x, th, tw, &sy, &sx);
+        for (int64_t c = 0; c < 3; ++c) in.at(y, x, c) = lr.at(sy, sx, c);
+      }
+    if (options.progress)
+      o.progress = [&, t](int64_t done, int64_t total) { options.progress(t * total + done, 8 * total); };
+    // output pixels map one to one onto `sum`, so threads never share an element
+    upscale_values(in, o, stats, [&](int64_t y, int64_t x, int64_t c, float v) {
+      int64_t sy = 0, sx = 0;
+      dihedral_source(t, y, x, th * s, tw * s, &sy, &sx);
+      sum[size_t((sy * ow + sx) * 3 + c)] += v;
+    });
+  }
+  const int threads = resolve_num_threads(options.num_threads);
+  parallel_for(h * s, threads, [&](int64_t y) {
+    for (int64_t i = y * ow * 3; i < (y + 1) * ow * 3; ++i) out.data[size_t(i)] = to_u8(sum[size_t(i)] * 0.125f);
+  });
+  return out;
+}
+
+template <typename Sink>
+void SrModel::upscale_values(const Image& lr, const UpscaleOptions& options, UpscaleStats* stats, Sink&& sink) const {
   const int64_t h = lr.height, w = lr.width, s = config_.scale;
   if (options.tile <= 0 || (options.tile >= h && options.tile >= w)) {
     const int threads = resolve_num_threads(options.num_threads);
-    Image out = tensor_to_image_mt(forward(image_to_tensor_mt(lr, threads), options, stats), threads);
+    const Tensor r = forward(image_to_tensor_mt(lr, threads), options, stats);
+    const float* p = r.data<float>();
+    const int64_t n = h * s * w * s;
+    parallel_for(h * s, threads, [&](int64_t y) {
+      for (int64_t x = 0; x < w * s; ++x)
+        for (int64_t c = 0; c < 3; ++c) sink(y, x, c, p[c * n + y * w * s + x]);
+    });
     if (stats) stats->tiles += 1;
     if (options.progress) options.progress(1, 1);
-    return out;
+    return;
   }
   check(options.tile >= 16, ErrorKind::kInvalidArgument, "upscale: tile must be >= 16 LR pixels (or 0 = untiled), given ",
         options.tile);
@@ -608,7 +666,6 @@ Image SrModel::upscale(const Image& lr, const UpscaleOptions& options, UpscaleSt
   const int threads = resolve_num_threads(options.num_threads);
   const int64_t ty = (h + T - 1) / T, tx = (w + T - 1) / T, total = ty * tx;
   const int64_t pm = config_.pad_multiple, min_ctx = std::max<int64_t>(2 * pm, 32);
-  Image out(h * s, w * s, 3);
   int64_t done = 0;
   for (int64_t iy = 0; iy < ty; ++iy)
     for (int64_t ix = 0; ix < tx; ++ix) {
@@ -638,14 +695,11 @@ Image SrModel::upscale(const Image& lr, const UpscaleOptions& options, UpscaleSt
       parallel_for((y1 - y0) * s, threads, [&](int64_t row) {
         const int64_t i = y0 * s + row;
         for (int64_t j = x0 * s; j < x1 * s; ++j)
-          for (int64_t ch = 0; ch < 3; ++ch)
-            out.data[size_t((i * w * s + j) * 3 + ch)] =
-                to_u8(p[ch * rn + (i - cy0 * s) * rw + (j - cx0 * s)]);
+          for (int64_t ch = 0; ch < 3; ++ch) sink(i, j, ch, p[ch * rn + (i - cy0 * s) * rw + (j - cx0 * s)]);
       });
       if (stats) stats->tiles += 1;
       if (options.progress) options.progress(++done, total);
     }
-  return out;
 }
 
 }  // namespace sattn::sr

@@ -482,4 +482,58 @@ TEST(SrModel, TilesMatchUntiledAwayFromTheWrapBands) {
       for (int c = 0; c < 3; ++c) ASSERT_EQ(full.at(y, x, c), tiled.at(y, x, c)) << y << "," << x;
 }
 
+// The x8 self-ensemble is the mean of the model's outputs on the 8 flips/transposes of the input, each mapped back
+// (the transforms written out here independently: forward maps instead of the library's inverse maps).
+TEST(SrModel, SelfEnsembleIsTheMeanOfTheEightTransformedOutputs) {
+  const auto m = sattn::sr::SrModel::load(tiny_model("ok4.safetensors"));
+  const int64_t h = 13, w = 21, s = 2;
+  const Image lr = random_image(h, w, 3, 40);
+  // Where pixel (y, x) of an H x W grid goes under transform t: transpose (t & 4), then flip rows (t & 2), then
+  // flip columns (t & 1).
+  auto dest = [](int t, int64_t y, int64_t x, int64_t H, int64_t W, int64_t* dy, int64_t* dx) {
+    if (t & 4) std::swap(y, x), std::swap(H, W);
+    if (t & 2) y = H - 1 - y;
+    if (t & 1) x = W - 1 - x;
+    *dy = y, *dx = x;
+  };
+  for (auto mode : {sattn::sr::AttentionMode::kDense, sattn::sr::AttentionMode::kSparse}) {
+    sattn::sr::UpscaleOptions o;
+    o.mode = mode;
+    o.num_threads = 2;
+    std::vector<float> sum(size_t(h * s * w * s * 3), 0.0f);
+    for (int t = 0; t < 8; ++t) {
+      Image in(t & 4 ? w : h, t & 4 ? h : w, 3);
+      for (int64_t y = 0; y < h; ++y)
+        for (int64_t x = 0; x < w; ++x) {
+          int64_t dy = 0, dx = 0;
+          dest(t, y, x, h, w, &dy, &dx);
+          for (int c = 0; c < 3; ++c) in.at(dy, dx, c) = lr.at(y, x, c);
+        }
+      const sattn::Tensor out = m.forward(sattn::sr::image_to_tensor(in), o);
+      const int64_t oh = out.size(1), ow = out.size(2);
+      for (int64_t y = 0; y < h * s; ++y)
+        for (int64_t x = 0; x < w * s; ++x) {
+          int64_t dy = 0, dx = 0;
+          dest(t, y, x, h * s, w * s, &dy, &dx);
+          for (int c = 0; c < 3; ++c) sum[size_t((y * w * s + x) * 3 + c)] += out.data<float>()[(c * oh + dy) * ow + dx];
+        }
+    }
+    o.self_ensemble = true;
+    sattn::sr::UpscaleStats st;
+    const Image got = m.upscale(lr, o, &st);
+    ASSERT_EQ(got.height, h * s);
+    ASSERT_EQ(got.width, w * s);
+    EXPECT_EQ(st.tiles, 8);
+    for (size_t i = 0; i < sum.size(); ++i) {
+      const double v = std::min(1.0, std::max(0.0, double(sum[i] * 0.125f)));
+      ASSERT_EQ(int(got.data[i]), int(std::floor(v * 255.0 + 0.5))) << i;
+    }
+  }
+  sattn::sr::UpscaleOptions bad;
+  bad.self_ensemble = true;
+  std::vector<uint8_t> routing;
+  bad.routing_out = &routing;
+  EXPECT_THROW(m.upscale(lr, bad), sattn::Error);
+}
+
 }  // namespace

@@ -139,3 +139,28 @@ def test_upscale_repeat_reports_median_and_same_output(tmp_path):
     assert np.array_equal(outs[0], outs[1])
     r = run("upscale", inp, str(tmp_path / "o.png"), "--scale", "2", "--weights", weights, "--repeat", "0", ok=False)
     assert r.returncode == 2 and "--repeat" in r.stderr
+
+
+def test_upscale_self_ensemble_flips_commute_and_bad_combinations(tmp_path):
+    """`sr upscale --self-ensemble` averages the 8 flips/transposes: the result for a horizontally flipped input is
+    the flipped result (up to +-1 from the different summation order), it differs from the plain run, and options
+    that read or write per-window routing are refused."""
+    weights = os.path.join(REPO, "sr", "weights", "sattn_sr_x2.safetensors")
+    if not os.path.exists(weights):
+        pytest.skip("sr/weights/sattn_sr_x2.safetensors missing")
+    img = synth(40, 36, 9)
+    a, b = str(tmp_path / "a.png"), str(tmp_path / "b.png")
+    sr_png.write_png(a, img)
+    sr_png.write_png(b, np.ascontiguousarray(img[:, ::-1]))
+    outs = {}
+    for name, src, extra in (("a", a, ["--self-ensemble"]), ("b", b, ["--self-ensemble"]), ("plain", a, [])):
+        out = str(tmp_path / f"o_{name}.png")
+        r = run("upscale", src, out, "--scale", "2", "--weights", weights, "--threads", "2", *extra)
+        assert ("self-ensemble" in r.stderr) == bool(extra), r.stderr
+        outs[name] = sr_png.read_png(out).astype(np.int16)
+    assert outs["a"].shape == (80, 72, 3)
+    assert np.abs(outs["a"] - outs["b"][:, ::-1]).max() <= 1
+    assert np.abs(outs["a"] - outs["plain"]).max() > 0
+    r = run("upscale", a, str(tmp_path / "o.png"), "--scale", "2", "--weights", weights, "--self-ensemble",
+            "--routing-out", str(tmp_path / "r.npy"), ok=False)
+    assert r.returncode == 2 and "--self-ensemble" in r.stderr

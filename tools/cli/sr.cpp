@@ -81,6 +81,7 @@ struct UpscaleArgs {
   std::string in, out, weights, attention = "sparse", float_out, routing_in, routing_out, gates_out;
   int scale = 2, threads = 0, repeat = 1;
   int64_t tile = -1, overlap = -1;
+  bool self_ensemble = false;
 };
 
 // --tile -1 (default): whole image up to 512x512 LR pixels, else tiles of 256.
@@ -97,6 +98,9 @@ void run_upscale(const UpscaleArgs& a) {
   const sr::Image lr = sr::read_image(a.in);
   opt.tile = auto_tile(a.tile, lr);
   opt.overlap = a.overlap;
+  opt.self_ensemble = a.self_ensemble;
+  check(!a.self_ensemble || (a.float_out.empty() && a.routing_in.empty() && a.routing_out.empty() && a.gates_out.empty()),
+        ErrorKind::kInvalidArgument, "--self-ensemble: not with --float-out, --routing-in, --routing-out or --gates-out");
   const auto model = load_model(a.weights, a.scale, true);
   std::vector<uint8_t> rin, rout;
   std::vector<float> gout;
@@ -144,7 +148,7 @@ void run_upscale(const UpscaleArgs& a) {
     write_npy(a.gates_out, t);
   }
   std::cerr << "sr upscale: " << lr.width << "x" << lr.height << " -> " << out.width << "x" << out.height << " x"
-            << a.scale << " " << a.attention << ", " << st.tiles << " tile(s), windows routed " << st.windows_routed
+            << a.scale << " " << a.attention << (a.self_ensemble ? " x8 self-ensemble" : "") << ", " << st.tiles << " tile(s), windows routed " << st.windows_routed
             << "/" << st.windows_total << ", weights " << model->name()
             << (a.repeat > 1 ? ", median of " + std::to_string(a.repeat) + " runs" : "")
             << ", cpu " << cpu_secs << " s, " << secs << " s\n";
@@ -154,7 +158,7 @@ struct EvalArgs {
   std::string data, weights, attention = "both";
   int scale = 2, threads = 0;
   int64_t tile = -1, limit = 0;
-  bool json = false;
+  bool json = false, self_ensemble = false;
 };
 
 struct ModeResult {
@@ -190,6 +194,8 @@ void run_eval(const EvalArgs& a) {
   js["data"] = a.data;
   js["protocol"] = "BasicSR: HR mod-crop, MATLAB bicubic LR, Y (BT.601, unrounded), border = scale";
   if (model) js["weights_training_step"] = model->config().training_step;
+  js["self_ensemble"] = a.self_ensemble;
+  if (!a.json && a.self_ensemble) std::printf("model rows: x8 geometric self-ensemble\n");
   std::map<std::string, ModeResult> mean;
   if (!a.json) {
     std::printf("%-16s", "image");
@@ -213,6 +219,7 @@ void run_eval(const EvalArgs& a) {
         opt.mode = sr::parse_attention_mode(m);
         opt.num_threads = a.threads;
         opt.tile = auto_tile(a.tile, lr);
+        opt.self_ensemble = a.self_ensemble;
         out = model->upscale(lr, opt, &st);
       }
       const double secs = seconds_since(t0);
@@ -274,6 +281,8 @@ void add_sr_command(CLI::App& app) {
   up->add_option("--routing-in", ua->routing_in, ".npy of per-window routing decisions to use (sparse, untiled)");
   up->add_option("--routing-out", ua->routing_out, "write the per-window routing decisions (.npy, uint8)");
   up->add_option("--gates-out", ua->gates_out, "write the per-window router gates (.npy, float32)");
+  up->add_flag("--self-ensemble", ua->self_ensemble,
+              "x8 geometric self-ensemble: average the outputs of the 8 flips/transposes (8x the time)");
   up->add_option("--repeat", ua->repeat, "benchmarking: run the model N times in this process, report the median")
       ->capture_default_str();
   up->callback([ua] { run_upscale(*ua); });
@@ -301,6 +310,7 @@ void add_sr_command(CLI::App& app) {
   ev->add_option("--tile", ea->tile, "tile size (0 = whole image; -1 = auto as in upscale)")->capture_default_str();
   ev->add_option("--limit", ea->limit, "evaluate only the first N images (sorted by name)");
   ev->add_flag("--json", ea->json, "print JSON (per image and mean) instead of the table");
+  ev->add_flag("--self-ensemble", ea->self_ensemble, "model rows with the x8 geometric self-ensemble (8x the time)");
   ev->callback([ea] {
     check(ea->attention == "both" || ea->attention == "dense" || ea->attention == "sparse" ||
               ea->attention == "bicubic",
