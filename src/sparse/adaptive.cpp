@@ -573,10 +573,22 @@ BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const d
           if (every_block_usable) {
             // No fixed pattern and no padding: every block before kb_end but the own one is a candidate. The
             // finiteness test is a separate, vectorisable pass; the scan tests the score first (rarely above thr).
+            // Runs of 16 scores: their maximum (NaN-free: std::max keeps the first operand) and finiteness in
+            // one branch-free pass; the run is scanned only when its maximum passes the threshold.
             n_usable = kb_end - (own ? 1 : 0);
-            for (int64_t kb = 0; kb < kb_end; ++kb) all_finite &= (sr[kb] - sr[kb] == 0.0f);
-            for (int64_t kb = 0; kb < kb_end; ++kb)
-              if (sr[kb] > thr && !(own && kb == t)) offer(sr[kb], kb);
+            for (int64_t c0 = 0; c0 < kb_end; c0 += 16) {
+              const int64_t c1 = std::min(kb_end, c0 + 16);
+              float mx = -std::numeric_limits<float>::infinity();
+              bool fin = true;
+              for (int64_t kb = c0; kb < c1; ++kb) {
+                mx = std::max(mx, sr[kb]);
+                fin &= sr[kb] - sr[kb] == 0.0f;
+              }
+              all_finite &= fin;
+              if (mx > thr)
+                for (int64_t kb = c0; kb < c1; ++kb)
+                  if (sr[kb] > thr && !(own && kb == t)) offer(sr[kb], kb);
+            }
           } else {
             for (int64_t kb = 0; kb < kb_end; ++kb) {
               if (!usable(kb)) continue;
@@ -606,9 +618,18 @@ BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const d
           // Pass 2: every block below cut - 2E is below all `need` blocks at or above the cut in fp64 too; the
           // others (about `need`) are rescored in fp64 and ranked exactly (higher score, ties to the lower block).
           exact.clear();
-          for (int64_t kb = 0; kb < kb_end; ++kb)
-            if (usable(kb) && (!finite || double(sr[kb]) >= double(cut) - 2.0 * E))
-              exact.emplace_back(-block_score64(m, &kmean[size_t((hk * nkb + kb) * D)], D), kb);
+          const double bound = double(cut) - 2.0 * E;
+          for (int64_t c0 = 0; c0 < kb_end; c0 += 16) {  // runs of 16 whose maximum is below the bound are skipped
+            const int64_t c1 = std::min(kb_end, c0 + 16);
+            if (finite) {
+              float mx = -std::numeric_limits<float>::infinity();
+              for (int64_t kb = c0; kb < c1; ++kb) mx = std::max(mx, sr[kb]);
+              if (double(mx) < bound) continue;
+            }
+            for (int64_t kb = c0; kb < c1; ++kb)
+              if (usable(kb) && (!finite || double(sr[kb]) >= bound))
+                exact.emplace_back(-block_score64(m, &kmean[size_t((hk * nkb + kb) * D)], D), kb);
+          }
           const size_t cutn = std::min(exact.size(), size_t(need));
           std::nth_element(exact.begin(), exact.begin() + std::ptrdiff_t(cutn - 1), exact.end());
           for (size_t x = 0; x < cutn; ++x) ch[npick++] = exact[x].second;
