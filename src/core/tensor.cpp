@@ -204,8 +204,16 @@ std::shared_ptr<unsigned char[]> allocate_zeroed(size_t bytes) {
 }  // namespace
 
 Tensor::Tensor(DType dtype, Shape shape) : dtype_(dtype), shape_(std::move(shape)) {
-  for (int64_t d : shape_)
+  // Sizes multiplied with an overflow check: a shape read from a file must give an error, not a wrapped size.
+  uint64_t elems = 1, bytes64 = 0;
+  for (int64_t d : shape_) {
     check(d >= 0, ErrorKind::kInvalidArgument, "Tensor: negative dimension in shape ", shape_to_string(shape_));
+    check(!__builtin_mul_overflow(elems, uint64_t(d), &elems), ErrorKind::kOutOfMemory, "Tensor: shape ",
+          shape_to_string(shape_), " has more than 2^64 elements");
+  }
+  check(!__builtin_mul_overflow(elems, uint64_t(dtype_size(dtype)), &bytes64) && bytes64 < (uint64_t(1) << 62),
+        ErrorKind::kOutOfMemory, "Tensor: cannot allocate ", to_string(dtype), shape_to_string(shape_),
+        " (the size overflows)");
   const size_t bytes = nbytes();
   buffer_ = allocate_zeroed(bytes);
   check(buffer_ != nullptr, ErrorKind::kOutOfMemory, "Tensor: cannot allocate ", bytes, " bytes for ",

@@ -7,3 +7,17 @@ TEST(Smoke, ReferenceRuns) {
   auto r = sattn::attention(q, q, q, {}, true, true);
   EXPECT_EQ(r.info.kernel, "reference");
 }
+
+// A shape whose size overflows is an error (kOutOfMemory), not a wrapped allocation.
+TEST(Smoke, TensorSizeOverflowIsAnError) {
+  const int64_t big = int64_t(1) << 40;
+  for (const sattn::Shape& s : {sattn::Shape{big, big}, sattn::Shape{big, big, big}, sattn::Shape{int64_t(1) << 61}}) {
+    try {
+      sattn::Tensor t(sattn::DType::kF32, s);
+      ADD_FAILURE() << "no error for " << sattn::shape_to_string(s);
+    } catch (const sattn::Error& e) {
+      EXPECT_EQ(e.kind(), sattn::ErrorKind::kOutOfMemory) << e.what();
+    }
+  }
+  EXPECT_EQ(sattn::Tensor(sattn::DType::kF32, {0, big}).numel(), 0);
+}
