@@ -19,12 +19,16 @@ Needs PYTHONPATH=build/python (the sattn module) and torch. --clock thread = CPU
 """
 import argparse
 import math
+import os
 import sys
 import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_threads import set_threads  # noqa: E402
 
 import sattn
 
@@ -131,7 +135,7 @@ def main():
 
     rng = np.random.default_rng(0)
     for th in a.threads:
-        torch.set_num_threads(th)
+        set_threads(torch, th)  # and OpenBLAS's pool (bench/torch_threads.py)
         if not a.skip_1d:
             emit(f"### 1-D patterns vs PyTorch dense masked attention, B=1 H={a.H} D={a.D}, {th} thread(s)")
             emit()

@@ -59,6 +59,7 @@ def main():
     sys.path.insert(0, os.path.join(REPO, "tests", "python"))
     import numpy as np
     import torch
+    from torch_threads import set_threads
     import export as EX
     import model as MD
     import sr_png
@@ -112,7 +113,7 @@ def main():
               f"torch {torch.__version__}, cores {os.cpu_count()}, load average {load0[0]:.2f} "
               f"(paused: {a.pause or 'none'})", flush=True)
         for t in a.threads:
-            torch.set_num_threads(t)
+            set_threads(torch, t)  # and OpenBLAS's pool (bench/torch_threads.py)
             for mode in a.modes:
                 # one process, the model run --repeat times (warm, like the PyTorch loop below): medians
                 err, _ = run_cli([a.cli, "sr", "upscale", inp, out, "--scale", str(cfg["scale"]), "--attention", mode,
