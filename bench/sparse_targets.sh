@@ -41,9 +41,9 @@ FIRST_L=${LS%% *}
 
 for T in 1 2; do
   export OPENBLAS_NUM_THREADS=$T
-  # 1-D patterns and linear attention, forward + backward (median of REPS; the longest length once after a warm-up).
+  # 1-D patterns and linear attention, forward + backward (median of REPS after a warm-up, the longest length too).
   "$BIN" sparse-bench --pattern "${PATTERNS_1D[@]}" --L $LS --threads $T --backward --reps $REPS | tee -a "$LOG/bench.txt"
-  "$BIN" sparse-bench --pattern "${PATTERNS_1D[@]}" --L $LBIG --threads $T --backward --reps 1 | tee -a "$LOG/bench.txt"
+  "$BIN" sparse-bench --pattern "${PATTERNS_1D[@]}" --L $LBIG --threads $T --backward --reps $REPS | tee -a "$LOG/bench.txt"
   # TopK(64) beside dense at the first length; the dense fused kernel (forward + backward at the first length,
   # forward only at the second: BlockTopK's dense peer at the longest length is extrapolated from it).
   "$BIN" sparse-bench --pattern "TopK(64)" --L $FIRST_L --threads $T --reps $REPS --dense --backward | tee -a "$LOG/bench.txt"
