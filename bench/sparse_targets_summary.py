@@ -92,7 +92,8 @@ def main():
                 v = float(sp.rstrip("×"))
                 line(f"{n7}: speed-up over PyTorch unfold (forward)", sp, "≥ 10×", v >= 10)
         for (name, L, t), r in sorted(rows.items()):
-            if t != th or r["bwd"] <= 0 or r["gall"] <= 0 or name.startswith("dense") or r["sgemm"] <= 0:
+            # (TopK is not a block-sparse kernel: its allowed pairs are L·k, its work is scoring every key)
+            if t != th or r["bwd"] <= 0 or r["gall"] <= 0 or name.startswith(("dense", "TopK(")) or r["sgemm"] <= 0:
                 continue
             if L not in (a.short, a.long) and "2D(" not in name:
                 continue
