@@ -571,10 +571,9 @@ BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const d
             }
           };
           if (every_block_usable) {
-            // No fixed pattern and no padding: every block before kb_end but the own one is a candidate. The
-            // finiteness test is a separate, vectorisable pass; the scan tests the score first (rarely above thr).
-            // Runs of 16 scores: their maximum (NaN-free: std::max keeps the first operand) and finiteness in
-            // one branch-free pass; the run is scanned only when its maximum passes the threshold.
+            // No fixed pattern and no padding: every block before kb_end but the own one is a candidate. Runs of
+            // 16 scores: their maximum (NaN-free: std::max keeps the first operand) and finiteness in one
+            // branch-free pass; a run is scanned only when its maximum passes the threshold.
             n_usable = kb_end - (own ? 1 : 0);
             for (int64_t c0 = 0; c0 < kb_end; c0 += 16) {
               const int64_t c1 = std::min(kb_end, c0 + 16);
