@@ -343,7 +343,8 @@ void block_sparse_attention_backward(const TensorView& dout, const TensorView& q
       const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
       thread_local Scratch sc;
       thread_local std::vector<float> dkc, dvc;
-      sc.ensure(m, D, Dv);      dkc.resize(size_t(kChunk * D));
+      sc.ensure(m, D, Dv);
+      dkc.resize(size_t(kChunk * D));
       dvc.resize(size_t(kChunk * Dv));
       const size_t kv0 = size_t((b * p.Hkv + hk) * p.Lk);
       const float* kbase = &p.k[kv0 * D];

@@ -163,11 +163,11 @@ struct Cand {
 // "a is better than b": higher score, ties to the lower key index (a strict total order on distinct keys).
 inline bool better(const Cand& a, const Cand& b) { return a.s > b.s || (a.s == b.s && a.j < b.j); }
 
-// Softmax and PV over a row's c kept keys (scores s, key indices j ascending): O(c * Dv). Writes out, lse and the
-// indices (-1 past c) of query row (b, h, i); vbase: V rows of the head (key order).
-void topk_finish(const float* s, const int32_t* j, int64_t c, const float* vbase, int64_t Dv, int64_t b, int64_t h,
-                 int64_t i, const TensorView& out, const TensorView& lse, const TensorView& indices, int64_t K_out,
-                 std::vector<float>& o_row, std::vector<float>& w) {
+// Softmax and PV over a row's c kept keys (scores s, V rows vrow of vbase, key indices j ascending): O(c * Dv).
+// Writes out, lse and the indices (-1 past c) of query row (b, h, i). vrow = j when keys are in their own order.
+void topk_finish(const float* s, const int32_t* vrow, const int32_t* j, int64_t c, const float* vbase, int64_t Dv,
+                 int64_t b, int64_t h, int64_t i, const TensorView& out, const TensorView& lse,
+                 const TensorView& indices, int64_t K_out, std::vector<float>& o_row, std::vector<float>& w) {
   o_row.assign(size_t(Dv), 0.0f);
   w.resize(size_t(c));
   float mx = kNegInf;
@@ -179,7 +179,7 @@ void topk_finish(const float* s, const int32_t* j, int64_t c, const float* vbase
   }
   const float inv = c > 0 ? 1.0f / sum : 0.0f;
   for (int64_t x = 0; x < c; ++x) w[size_t(x)] *= inv;
-  if (c > 0) topk::weighted_rows(w.data(), j, c, vbase, Dv, o_row.data());
+  if (c > 0) topk::weighted_rows(w.data(), vrow, c, vbase, Dv, o_row.data());
   detail::store_row(out, b, h, i, o_row.data(), Dv);
   if (lse.data) detail::store_value(lse, b, h, i, c > 0 ? mx + std::log(sum) : kNegInf);
   if (indices.data)
@@ -234,8 +234,8 @@ void topk_forward_full(const AdaptiveNode& a, const TensorView& q, const TensorV
                tmp.data());
     const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
     for (int64_t r = 0; r < m; ++r)
-      topk_finish(&cs[size_t(r * stride)], &cj[size_t(r * stride)], cnt[size_t(r)], vbase, Dv, b, h, q0 + r, out, lse,
-                  indices, K_out, o_row, w);
+      topk_finish(&cs[size_t(r * stride)], &cj[size_t(r * stride)], &cj[size_t(r * stride)], cnt[size_t(r)], vbase,
+                  Dv, b, h, q0 + r, out, lse, indices, K_out, o_row, w);
   };
   detail::parallel(p.B * p.Hq * nqb, p.threads, item);
 }
@@ -302,29 +302,19 @@ void topk_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView&
         std::nth_element(hp, hp + (K - 1), hp + cnt[size_t(r)], better);
         cnt[size_t(r)] = K;
       }
-    // Softmax and PV over the k kept keys: O(k * Dv) per row.
-    std::vector<float> o_row(static_cast<size_t>(Dv));
+    // Softmax and PV over the k kept keys (ascending key index): O(k * Dv) per row.
+    thread_local std::vector<float> ks, o_row, w;
+    thread_local std::vector<int32_t> kv, kj;
     for (int64_t r = 0; r < m; ++r) {
-      const int64_t i = bm.q_index(q0 + r);
       Cand* hp = &heap[size_t(r * 2 * K)];
       const int64_t c = cnt[size_t(r)];
       std::sort(hp, hp + c, [](const Cand& x, const Cand& y) { return x.j < y.j; });
-      std::fill(o_row.begin(), o_row.end(), 0.0f);
-      float mx = kNegInf;
-      for (int64_t x = 0; x < c; ++x) mx = std::max(mx, hp[x].s);
-      float sum = 0.0f;
-      for (int64_t x = 0; x < c; ++x) {
-        const float w = std::exp(hp[x].s - mx);
-        sum += w;
-        const float* vr = vbase + int64_t(hp[x].kp) * Dv;
-        for (int64_t d = 0; d < Dv; ++d) o_row[size_t(d)] += w * vr[d];
-      }
-      const float inv = c > 0 ? 1.0f / sum : 0.0f;
-      for (auto& x : o_row) x *= inv;
-      detail::store_row(out, b, h, i, o_row.data(), Dv);
-      if (lse.data) detail::store_value(lse, b, h, i, c > 0 ? mx + std::log(sum) : kNegInf);
-      if (indices.data)
-        for (int64_t x = 0; x < K_out; ++x) idx_at(indices, b, h, i, x) = x < c ? hp[x].j : -1;
+      ks.resize(size_t(c));
+      kv.resize(size_t(c));
+      kj.resize(size_t(c));
+      for (int64_t x = 0; x < c; ++x) ks[size_t(x)] = hp[x].s, kv[size_t(x)] = hp[x].kp, kj[size_t(x)] = hp[x].j;
+      topk_finish(ks.data(), kv.data(), kj.data(), c, vbase, Dv, b, h, bm.q_index(q0 + r), out, lse, indices, K_out,
+                  o_row, w);
     }
   };
   detail::parallel(p.B * p.Hq * nqb, p.threads, item);
@@ -439,9 +429,10 @@ inline double block_score64(const double* qm, const double* km, int64_t D) {
 // Block means are computed once (fp64, O(L·D)); all block scores of a head are one fp32 matrix product
 // (query-block means x key-block means, tiles::qk), and each query block picks its best candidates with a
 // streaming threshold on the fp32 scores; candidates within the fp32 error bound of the cut are rescored in fp64,
-// so the selection is exactly the fp64 top-k (higher score, ties to the lower block).
+// so the selection is exactly the fp64 top-k (higher score, ties to the lower block). with_mask = false leaves
+// sel.mask empty (the direct forward reads only sel.chosen).
 BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const detail::Packed& p, int64_t b,
-                            const int64_t* given) {
+                            const int64_t* given, bool with_mask = true) {
   const int64_t lq = p.Lq, lk = p.Lk, off = lk - lq, blk = a.block, nkb = (lk + blk - 1) / blk, D = p.D;
   const std::vector<int32_t> bounds = aligned_bounds(lq, off, blk);
   const int64_t nqb = int64_t(bounds.size()), KB = a.k_blocks;
@@ -638,6 +629,7 @@ BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const d
     };
     detail::parallel(p.Hq * chunks, p.threads, item);
   }
+  if (!with_mask) return sel;
   sel.mask = detail::build_identity_layout(
       lq, lk, p.Hq, bounds, [&](int64_t h, int64_t q0, int64_t, std::vector<KeyRange>& out) {
         const int64_t qb = std::lower_bound(qbounds.begin(), qbounds.end(), int32_t(q0)) - qbounds.begin();
@@ -715,7 +707,7 @@ void blocktopk_forward_direct(const AdaptiveNode& a, const TensorView& q, const 
   std::vector<int32_t> qbounds = {0};
   for (int32_t x : aligned_bounds(lq, off, blk)) qbounds.push_back(x);
   for (int64_t b = 0; b < p.B; ++b) {
-    const BlockSelection sel = block_select(a, Pattern(), p, b, nullptr);
+    const BlockSelection sel = block_select(a, Pattern(), p, b, nullptr, false);
     if (indices.data)
       for (int64_t h = 0; h < p.Hq; ++h)
         for (int64_t x = 0; x < nqb; ++x)

@@ -17,6 +17,7 @@
 #include <functional>
 #include <limits>
 
+#include "sattn/sparse_tiles.hpp"
 #include "sparse/topk_scan.hpp"
 
 #ifndef SATTN_TOPK_SCAN_HELPERS
@@ -293,18 +294,12 @@ void weighted_rows(const float* w, const int32_t* j, int64_t c, const float* v, 
 }
 
 void pack_keys(const float* k, int64_t n, int64_t d, int64_t ld_in, float* out) {
-  const int64_t W = tile_width(), tiles = (n + W - 1) / W;
-  for (int64_t t = 0; t < tiles; ++t) {
+  const int64_t W = tile_width(), ntiles = (n + W - 1) / W;
+  for (int64_t t = 0; t < ntiles; ++t) {
     float* o = out + t * W * d;
-    for (int64_t l = 0; l < W; ++l) {
-      const int64_t j = t * W + l;
-      if (j < n) {
-        const float* kr = k + j * ld_in;
-        for (int64_t c = 0; c < d; ++c) o[c * W + l] = kr[c];
-      } else {
-        for (int64_t c = 0; c < d; ++c) o[c * W + l] = 0.0f;
-      }
-    }
+    const int64_t keys = std::min(W, n - t * W);
+    tiles::transpose_rows(k + t * W * ld_in, ld_in, keys, d, o, W);  // o[c][l] = k[t·W + l][c]
+    for (int64_t c = 0; keys < W && c < d; ++c) std::fill(o + c * W + keys, o + (c + 1) * W, 0.0f);
   }
 }
 
