@@ -56,11 +56,16 @@ def evaluate(pairs, scale, mode, model=None):
                 per_image=per, kept_fraction=(kept_n / kept_d if kept_d else None), seconds=time.time() - t0)
 
 
+def shipped_weights(ck):
+    """The weights a checkpoint ships: the EMA ones when training kept them (train.py --ema), else the trained."""
+    return ck["model_ema"] if "model_ema" in ck else ck["model"]
+
+
 def load_model(ckpt_path):
     import model as MD
     ck = torch.load(ckpt_path, map_location="cpu")
     m = MD.SattnSR(ck["config"])
-    m.load_state_dict(ck["model"])
+    m.load_state_dict(shipped_weights(ck))
     m.eval()
     return m, ck
 

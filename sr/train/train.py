@@ -5,6 +5,8 @@ The cosine schedule length is --steps (fix it up front; a resumed run continues 
 (model + Adam state + step + RNG states + config) is written atomically to <ckpt-dir>/x<s>_last.pt every
 --save-minutes and at the end; --resume auto picks it up. --stop-after N ends this run after N more steps;
 --reschedule with --resume changes the schedule length to --steps (to fit a run into the time left).
+--ema D keeps an exponential moving average of the weights (decay D per step) beside them; the checkpoint stores it
+as "model_ema", and export.py / evaluate.py use it when present (the training weights stay in "model" for resuming).
 """
 import argparse
 import math
@@ -103,6 +105,16 @@ def sparsity_loss(stats, keep_ratio):
         float(torch.cat([s[1].float() for s in stats]).mean())
 
 
+@torch.no_grad()
+def update_ema(ema, model, decay):
+    """ema <- decay * ema + (1 - decay) * model, parameters and float buffers alike."""
+    for e, m in zip(ema.state_dict().values(), model.state_dict().values()):
+        if e.is_floating_point():
+            e.mul_(decay).add_(m, alpha=1.0 - decay)
+        else:
+            e.copy_(m)
+
+
 def save_atomic(obj, path):
     tmp = path + ".tmp"
     torch.save(obj, tmp)
@@ -126,6 +138,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--dense-prob", type=float, default=0.5, help="probability of a dense (soft-gate) step")
     ap.add_argument("--sparsity-weight", type=float, default=0.02)
+    ap.add_argument("--ema", type=float, default=0.0, help="weight EMA decay per step (0: off), e.g. 0.999")
     ap.add_argument("--dim", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
@@ -181,20 +194,31 @@ def main():
             log("note: --steps %d ignored, the checkpoint's schedule has %d steps" % (a.steps, hp["steps"]))
         log("resumed %s at step %d" % (resume, step))
     elif a.init:
-        src = torch.load(a.init, map_location="cpu")["model"]
+        src = EV.shipped_weights(torch.load(a.init, map_location="cpu"))
         own = model.state_dict()
         ok = {k: v for k, v in src.items() if k in own and own[k].shape == v.shape}
         model.load_state_dict(ok, strict=False)
         log("initialised %d/%d tensors from %s" % (len(ok), len(own), a.init))
+    hp.setdefault("ema", 0.0)                   # checkpoints from before --ema
+    ema = None
+    if hp["ema"] > 0:
+        ema = MD.SattnSR(cfg)
+        ema.load_state_dict(ck["model_ema"] if ck and "model_ema" in ck else model.state_dict())
+        ema.eval()
+        for p_ in ema.parameters():
+            p_.requires_grad_(False)
     log("config %s params %d hparams %s" % (cfg, MD.param_count(model), hp))
 
     data = drop_small(load_train_set(os.path.join(a.data, "train"), a.scale, log), hp["patch"], log)
     val = EV.load_pairs(os.path.join(a.data, "test", "Set5"), a.scale)
 
     def checkpoint():
-        save_atomic(dict(model=model.state_dict(), optimizer=opt.state_dict(), step=step, config=cfg,
-                         hparams=hp, rng_numpy=rng.bit_generator.state, rng_torch=torch.get_rng_state(),
-                         rng_python=random.getstate()), ckpt_path)
+        state = dict(model=model.state_dict(), optimizer=opt.state_dict(), step=step, config=cfg,
+                     hparams=hp, rng_numpy=rng.bit_generator.state, rng_torch=torch.get_rng_state(),
+                     rng_python=random.getstate())
+        if ema is not None:
+            state["model_ema"] = ema.state_dict()
+        save_atomic(state, ckpt_path)
         log("checkpoint step %d -> %s" % (step, ckpt_path))
 
     stop = {"flag": False}
@@ -220,6 +244,8 @@ def main():
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if ema is not None:
+            update_ema(ema, model, hp["ema"])
         step += 1
         acc.append((float(l1), gmean, kept, mode == "dense"))
         if step % a.log_every == 0 or step == end:
@@ -230,10 +256,11 @@ def main():
             acc, t_log = [], time.time()
         if step % a.val_every == 0 or step == end:
             model.eval()
-            rd, rs = EV.evaluate(val, a.scale, "dense", model), EV.evaluate(val, a.scale, "sparse", model)
+            for name, m in (("", model),) + ((("EMA ", ema),) if ema is not None else ()):
+                rd, rs = EV.evaluate(val, a.scale, "dense", m), EV.evaluate(val, a.scale, "sparse", m)
+                log("val step %d %sSet5 x%d PSNR dense %.3f sparse %.3f (windows routed %.3f)" % (
+                    step, name, a.scale, rd["psnr"], rs["psnr"], rs["kept_fraction"]))
             model.train()
-            log("val step %d Set5 x%d PSNR dense %.3f sparse %.3f (windows routed %.3f)" % (
-                step, a.scale, rd["psnr"], rs["psnr"], rs["kept_fraction"]))
             t_log = time.time()
         if time.time() - last_save > a.save_minutes * 60:
             checkpoint()

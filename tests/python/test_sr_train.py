@@ -73,3 +73,31 @@ def test_reschedule_changes_the_schedule_length_on_resume(tmp_path):
                           "--data", root, "--ckpt-dir", ck, "--threads", "1"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode != 0 and "must exceed the checkpoint's step 9" in bad.stderr
+
+
+def test_ema_weights_resume_bit_identically_and_are_the_shipped_ones(tmp_path):
+    root = str(tmp_path / "data")
+    make_data(root)
+    straight = run(root, str(tmp_path / "a"), "--ema", "0.5")
+    assert run(root, str(tmp_path / "b"), "--ema", "0.5", "--stop-after", "3")["step"] == 3
+    resumed = run(root, str(tmp_path / "b"), "--resume", "auto")   # the EMA decay comes from the checkpoint
+    assert straight["hparams"]["ema"] == resumed["hparams"]["ema"] == 0.5
+    for k, v in straight["model_ema"].items():
+        assert torch.equal(v, resumed["model_ema"][k]), k
+    assert any(not torch.equal(v, straight["model"][k]) for k, v in straight["model_ema"].items())
+    sys.path.insert(0, os.path.join(REPO, "sr", "train"))
+    import evaluate
+    assert evaluate.shipped_weights(straight) is straight["model_ema"]
+    assert "model_ema" not in run(root, str(tmp_path / "c")) and \
+        evaluate.shipped_weights({"model": straight["model"]}) is straight["model"]
+    log = open(str(tmp_path / "b" / "x2_train.log")).read()
+    assert "val step 6 EMA Set5" in log
+
+
+def test_ema_update_is_the_moving_average():
+    sys.path.insert(0, os.path.join(REPO, "sr", "train"))
+    import train
+    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    w0, w1 = a.weight.detach().clone(), b.weight.detach().clone()
+    train.update_ema(a, b, 0.75)
+    assert torch.allclose(a.weight, 0.75 * w0 + 0.25 * w1)
