@@ -149,6 +149,8 @@ def main():
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--log", default=None, help="log file (default <ckpt-dir>/x<s>_train.log)")
     a = ap.parse_args()
+    if not 0.0 <= a.ema < 1.0:
+        ap.error("--ema must be in [0, 1) (0: off; e.g. 0.999), got %g" % a.ema)
     torch.set_num_threads(a.threads)
     os.makedirs(a.ckpt_dir, exist_ok=True)
     log_path = a.log or os.path.join(a.ckpt_dir, "x%d_train.log" % a.scale)

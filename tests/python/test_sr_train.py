@@ -92,6 +92,10 @@ def test_ema_weights_resume_bit_identically_and_are_the_shipped_ones(tmp_path):
         evaluate.shipped_weights({"model": straight["model"]}) is straight["model"]
     log = open(str(tmp_path / "b" / "x2_train.log")).read()
     assert "val step 6 EMA Set5" in log
+    bad = subprocess.run([sys.executable, TRAIN, "--scale", "2", "--steps", "5", "--ema", "1.5", "--data", root,
+                          "--ckpt-dir", str(tmp_path / "d"), "--threads", "1"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "--ema must be in [0, 1)" in bad.stderr
 
 
 def test_ema_update_is_the_moving_average():
