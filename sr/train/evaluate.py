@@ -34,8 +34,9 @@ def load_pairs(folder, scale):
 @torch.no_grad()
 def run_model(model, lr_u8, mode, stats=None):
     """uint8 [h, w, 3] -> uint8 [s*h, s*w, 3]: clamp to [0, 1], scale by 255 and round (half away from zero)."""
-    x = torch.from_numpy(lr_u8).permute(2, 0, 1)[None].float() / 255.0
-    y = model(x, mode=mode, stats=stats)[0].clamp(0, 1).permute(1, 2, 0).double().numpy()
+    dev = next(model.parameters()).device                  # the model's device (train.py --device)
+    x = torch.from_numpy(lr_u8).permute(2, 0, 1)[None].float().to(dev) / 255.0
+    y = model(x, mode=mode, stats=stats)[0].clamp(0, 1).permute(1, 2, 0).double().cpu().numpy()
     return np.floor(y * 255.0 + 0.5).astype(np.uint8)
 
 
@@ -63,7 +64,7 @@ def shipped_weights(ck):
 
 def load_model(ckpt_path):
     import model as MD
-    ck = torch.load(ckpt_path, map_location="cpu")
+    ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
     m = MD.SattnSR(ck["config"])
     m.load_state_dict(shipped_weights(ck))
     m.eval()

@@ -94,7 +94,7 @@ def fold_router_norm(sd):
 def export(ckpt_path, out_prefix):
     import torch
     from evaluate import shipped_weights
-    ck = torch.load(ckpt_path, map_location="cpu")
+    ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
     sd = fold_router_norm({k: v.detach().double().numpy() for k, v in shipped_weights(ck).items()})
     tensors = {k: v.astype(np.float32) for k, v in sd.items()}
     arch = architecture(ck["config"], ck.get("step", -1))

@@ -7,6 +7,9 @@ The cosine schedule length is --steps (fix it up front; a resumed run continues 
 --reschedule with --resume changes the schedule length to --steps (to fit a run into the time left).
 --ema D keeps an exponential moving average of the weights (decay D per step) beside them; the checkpoint stores it
 as "model_ema", and export.py / evaluate.py use it when present (the training weights stay in "model" for resuming).
+--device cuda trains on a GPU (checkpoints stay loadable on the CPU). --time-budget M fits the schedule to a
+wall-clock budget: after 200 timed steps, and again half-way, the schedule length is set so that this run ends about
+M minutes after its first step (the cosine recomputed as with --reschedule; the new length is logged).
 """
 import argparse
 import math
@@ -115,6 +118,12 @@ def update_ema(ema, model, decay):
             e.copy_(m)
 
 
+def fit_to_budget(step, first_step, elapsed, budget_s, warmup):
+    """Schedule length that ends about budget_s after the first step, at the speed measured so far (3 % margin)."""
+    rate = elapsed / max(1, step - first_step)                  # seconds per step, validation included
+    return max(step + 1, warmup + 1, step + int((0.97 * budget_s - elapsed) / rate))
+
+
 def save_atomic(obj, path):
     tmp = path + ".tmp"
     torch.save(obj, tmp)
@@ -142,6 +151,10 @@ def main():
     ap.add_argument("--dim", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="torch device to train on: cpu (default), cuda, cuda:1, ...")
+    ap.add_argument("--time-budget", type=float, default=None, metavar="MINUTES",
+                    help="fit the schedule length to this wall-clock budget (measured after 200 steps, re-fitted "
+                         "half-way); overrides --steps for this run")
     ap.add_argument("--data", default=os.path.join(REPO, "..", "shared", "data", "sr"))
     ap.add_argument("--ckpt-dir", default=os.path.join(REPO, "sr", "checkpoints"))
     ap.add_argument("--save-minutes", type=float, default=10.0)
@@ -151,6 +164,16 @@ def main():
     a = ap.parse_args()
     if not 0.0 <= a.ema < 1.0:
         ap.error("--ema must be in [0, 1) (0: off; e.g. 0.999), got %g" % a.ema)
+    if a.time_budget is not None and a.time_budget <= 0:
+        ap.error("--time-budget must be > 0 minutes, got %g" % a.time_budget)
+    try:
+        device = torch.device(a.device)
+    except RuntimeError as e:
+        ap.error("--device %r: %s" % (a.device, e))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device %s: this torch sees no CUDA GPU" % a.device)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True               # fixed patch shapes: let cuDNN pick its conv kernels
     torch.set_num_threads(a.threads)
     os.makedirs(a.ckpt_dir, exist_ok=True)
     log_path = a.log or os.path.join(a.ckpt_dir, "x%d_train.log" % a.scale)
@@ -168,13 +191,15 @@ def main():
         if a.resume != "auto":
             sys.exit("train.py: --resume %s does not exist" % resume)
         resume = None
-    ck = torch.load(resume, map_location="cpu") if resume else None
+    # weights_only=False: the checkpoints (this script's own) hold RNG states and hparams besides tensors, which
+    # torch >= 2.6 refuses to unpickle by default
+    ck = torch.load(resume, map_location="cpu", weights_only=False) if resume else None
 
     cfg = ck["config"] if ck else MD.default_config(a.scale)
     if not ck and a.dim:
         cfg["dim"] = a.dim
     torch.manual_seed(a.seed)
-    model = MD.SattnSR(cfg)
+    model = MD.SattnSR(cfg).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=a.lr, betas=(0.9, 0.99))
     rng = np.random.default_rng(a.seed)
     step = 0
@@ -196,7 +221,7 @@ def main():
             log("note: --steps %d ignored, the checkpoint's schedule has %d steps" % (a.steps, hp["steps"]))
         log("resumed %s at step %d" % (resume, step))
     elif a.init:
-        src = EV.shipped_weights(torch.load(a.init, map_location="cpu"))
+        src = EV.shipped_weights(torch.load(a.init, map_location="cpu", weights_only=False))
         own = model.state_dict()
         ok = {k: v for k, v in src.items() if k in own and own[k].shape == v.shape}
         model.load_state_dict(ok, strict=False)
@@ -204,12 +229,12 @@ def main():
     hp.setdefault("ema", 0.0)                   # checkpoints from before --ema
     ema = None
     if hp["ema"] > 0:
-        ema = MD.SattnSR(cfg)
+        ema = MD.SattnSR(cfg).to(device)
         ema.load_state_dict(ck["model_ema"] if ck and "model_ema" in ck else model.state_dict())
         ema.eval()
         for p_ in ema.parameters():
             p_.requires_grad_(False)
-    log("config %s params %d hparams %s" % (cfg, MD.param_count(model), hp))
+    log("config %s params %d hparams %s device %s" % (cfg, MD.param_count(model), hp, device))
 
     data = drop_small(load_train_set(os.path.join(a.data, "train"), a.scale, log), hp["patch"], log)
     val = EV.load_pairs(os.path.join(a.data, "test", "Set5"), a.scale)
@@ -231,12 +256,25 @@ def main():
     if a.stop_after is not None:
         end = min(end, step + a.stop_after)
     last_save, t_log, acc = time.time(), time.time(), []
+    first_step, t_first = step, time.time()
+    next_fit = first_step + 200 if a.time_budget is not None else None   # --time-budget: step of the next re-fit
     model.train()
     while step < end and not stop["flag"]:
+        if next_fit is not None and step >= next_fit:
+            elapsed = time.time() - t_first
+            new_total = fit_to_budget(step, first_step, elapsed, a.time_budget * 60, hp["warmup"])
+            log("time budget %.1f min: %.1f s elapsed at step %d (%.3f s/step); schedule %d -> %d steps" % (
+                a.time_budget, elapsed, step, elapsed / (step - first_step), total, new_total))
+            total = end = hp["steps"] = new_total
+            if a.stop_after is not None:
+                end = min(end, first_step + a.stop_after)
+            half = first_step + (new_total - first_step) // 2
+            next_fit = half if next_fit == first_step + 200 and half > step else None
         lr_now = lr_at(step, total, hp["lr"], hp["warmup"], hp["lr_floor"])
         for gp in opt.param_groups:
             gp["lr"] = lr_now
         x, y = sample_batch(data, rng, hp["batch"], hp["patch"], a.scale)
+        x, y = x.to(device), y.to(device)
         mode = "dense" if rng.random() < hp["dense_prob"] else "sparse"
         stats = []
         out = model(x, mode=mode, stats=stats)

@@ -105,3 +105,38 @@ def test_ema_update_is_the_moving_average():
     w0, w1 = a.weight.detach().clone(), b.weight.detach().clone()
     train.update_ema(a, b, 0.75)
     assert torch.allclose(a.weight, 0.75 * w0 + 0.25 * w1)
+
+
+def test_fit_to_budget_uses_the_measured_speed():
+    sys.path.insert(0, os.path.join(REPO, "sr", "train"))
+    import train
+    # 200 steps in 25 s (0.125 s/step), 100 s budget with a 3 % margin: (97 - 25) / 0.125 = 576 more steps
+    assert train.fit_to_budget(200, 0, 25.0, 100.0, 100) == 776
+    # a resumed run counts from its own first step
+    assert train.fit_to_budget(1200, 1000, 25.0, 100.0, 100) == 1776
+    # over budget already: stop after the next step, but never inside the warmup
+    assert train.fit_to_budget(200, 0, 90.0, 60.0, 100) == 201
+    assert train.fit_to_budget(200, 0, 90.0, 60.0, 500) == 501
+
+
+def test_time_budget_sets_the_schedule_length(tmp_path):
+    root = str(tmp_path / "data")
+    make_data(root)
+    ck = run(root, str(tmp_path / "t"), "--steps", "100000", "--time-budget", "0.02")
+    log = open(str(tmp_path / "t" / "x2_train.log")).read()
+    fitted = [l for l in log.splitlines() if "time budget 0.0 min" in l]
+    assert len(fitted) == 1, log                        # fitted once at step 200 (half-way lies behind it)
+    assert "at step 200 " in fitted[0]
+    n = int(fitted[0].rsplit("-> ", 1)[1].split()[0])
+    assert 200 < n < 100000 and ck["step"] == ck["hparams"]["steps"] == n
+    assert "stopped at step %d of %d" % (n, n) in log
+
+
+@pytest.mark.parametrize("args,msg", [(["--time-budget", "-1"], "--time-budget must be > 0"),
+                                      (["--device", "gpu0"], "--device 'gpu0'")]
+                         + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "sees no CUDA GPU")]))
+def test_bad_device_or_budget_is_refused_with_a_message(tmp_path, args, msg):
+    bad = subprocess.run([sys.executable, TRAIN, "--scale", "2", "--steps", "5", "--data", str(tmp_path),
+                          "--ckpt-dir", str(tmp_path / "d"), "--threads", "1"] + args, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and msg in bad.stderr, bad.stderr
