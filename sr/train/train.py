@@ -118,6 +118,9 @@ def update_ema(ema, model, decay):
             e.copy_(m)
 
 
+BUDGET_PROBE_STEPS = 200   # --time-budget: steps timed before the first fit
+
+
 def fit_to_budget(step, first_step, elapsed, budget_s, warmup):
     """Schedule length that ends about budget_s after the first step, at the speed measured so far (3 % margin)."""
     rate = elapsed / max(1, step - first_step)                  # seconds per step, validation included
@@ -153,8 +156,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="torch device to train on: cpu (default), cuda, cuda:1, ...")
     ap.add_argument("--time-budget", type=float, default=None, metavar="MINUTES",
-                    help="fit the schedule length to this wall-clock budget (measured after 200 steps, re-fitted "
-                         "half-way); overrides --steps for this run")
+                    help="fit the schedule length to this wall-clock budget (measured after %d steps, re-fitted "
+                         "half-way); overrides --steps for this run" % BUDGET_PROBE_STEPS)
     ap.add_argument("--data", default=os.path.join(REPO, "..", "shared", "data", "sr"))
     ap.add_argument("--ckpt-dir", default=os.path.join(REPO, "sr", "checkpoints"))
     ap.add_argument("--save-minutes", type=float, default=10.0)
@@ -257,7 +260,8 @@ def main():
         end = min(end, step + a.stop_after)
     last_save, t_log, acc = time.time(), time.time(), []
     first_step, t_first = step, time.time()
-    next_fit = first_step + 200 if a.time_budget is not None else None   # --time-budget: step of the next re-fit
+    next_fit = first_step + BUDGET_PROBE_STEPS if a.time_budget is not None else None   # step of the next fit
+    refit_halfway = True
     model.train()
     while step < end and not stop["flag"]:
         if next_fit is not None and step >= next_fit:
@@ -269,7 +273,8 @@ def main():
             if a.stop_after is not None:
                 end = min(end, first_step + a.stop_after)
             half = first_step + (new_total - first_step) // 2
-            next_fit = half if next_fit == first_step + 200 and half > step else None
+            next_fit = half if refit_halfway and half > step else None
+            refit_halfway = False
         lr_now = lr_at(step, total, hp["lr"], hp["warmup"], hp["lr_floor"])
         for gp in opt.param_groups:
             gp["lr"] = lr_now
