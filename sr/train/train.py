@@ -7,6 +7,7 @@ The cosine schedule length is --steps (fix it up front; a resumed run continues 
 --reschedule with --resume changes the schedule length to --steps (to fit a run into the time left).
 --ema D keeps an exponential moving average of the weights (decay D per step) beside them; the checkpoint stores it
 as "model_ema", and export.py / evaluate.py use it when present (the training weights stay in "model" for resuming).
+--loss mse fine-tunes on the squared error that PSNR measures (L1 stays in the log for comparison).
 --device cuda trains on a GPU (checkpoints stay loadable on the CPU). --time-budget M fits the schedule to a
 wall-clock budget: after 200 timed steps, and again half-way, the schedule length is set so that this run ends about
 M minutes after its first step (the cosine recomputed as with --reschedule; the new length is logged).
@@ -149,6 +150,9 @@ def main():
     ap.add_argument("--lr-floor", type=float, default=1e-5)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--dense-prob", type=float, default=0.5, help="probability of a dense (soft-gate) step")
+    ap.add_argument("--loss", default="l1", choices=("l1", "mse"),
+                    help="pixel loss: l1 (default), or mse to fine-tune for PSNR (its gradients are ~2|err| times "
+                         "L1's, so scale --sparsity-weight down with it)")
     ap.add_argument("--sparsity-weight", type=float, default=0.02)
     ap.add_argument("--ema", type=float, default=0.0, help="weight EMA decay per step (0: off), e.g. 0.999")
     ap.add_argument("--dim", type=int, default=None)
@@ -230,6 +234,7 @@ def main():
         model.load_state_dict(ok, strict=False)
         log("initialised %d/%d tensors from %s" % (len(ok), len(own), a.init))
     hp.setdefault("ema", 0.0)                   # checkpoints from before --ema
+    hp.setdefault("loss", "l1")                 # checkpoints from before --loss
     ema = None
     if hp["ema"] > 0:
         ema = MD.SattnSR(cfg).to(device)
@@ -283,9 +288,10 @@ def main():
         mode = "dense" if rng.random() < hp["dense_prob"] else "sparse"
         stats = []
         out = model(x, mode=mode, stats=stats)
-        l1 = F.l1_loss(out, y)
+        l1 = F.l1_loss(out, y)                  # logged whatever the loss, so runs compare
+        pixel = l1 if hp["loss"] == "l1" else F.mse_loss(out, y)
         sl, gmean, kept = sparsity_loss(stats, cfg["keep_ratio"])
-        loss = l1 + hp["sparsity_weight"] * sl
+        loss = pixel + hp["sparsity_weight"] * sl
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

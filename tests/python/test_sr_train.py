@@ -140,3 +140,18 @@ def test_bad_device_or_budget_is_refused_with_a_message(tmp_path, args, msg):
                           "--ckpt-dir", str(tmp_path / "d"), "--threads", "1"] + args, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and msg in bad.stderr, bad.stderr
+
+
+def test_mse_loss_trains_differently_and_resumes_with_the_checkpoints_loss(tmp_path):
+    root = str(tmp_path / "data")
+    make_data(root)
+    l1 = run(root, str(tmp_path / "l1"))
+    mse = run(root, str(tmp_path / "m"), "--loss", "mse")
+    assert l1["hparams"]["loss"] == "l1" and mse["hparams"]["loss"] == "mse"
+    assert any(not torch.equal(v, mse["model"][k]) for k, v in l1["model"].items())
+    # the loss belongs to the schedule: a resume without --loss continues with the checkpoint's mse, bit-identically
+    run(root, str(tmp_path / "r"), "--loss", "mse", "--stop-after", "3")
+    resumed = run(root, str(tmp_path / "r"), "--resume", "auto")
+    assert resumed["hparams"]["loss"] == "mse"
+    for k, v in mse["model"].items():
+        assert torch.equal(v, resumed["model"][k]), k
