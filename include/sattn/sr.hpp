@@ -114,11 +114,26 @@ struct UpscaleOptions {
   bool self_ensemble = false;
   // Called after each tile with (tiles done, tiles total).
   std::function<void(int64_t, int64_t)> progress;
+  // Time each stage of the model (UpscaleStats::stages): where the time goes, and what the routing saves.
+  bool profile = false;
+};
+
+// Wall time of one stage of the model's forward pass, summed over tiles, ensemble passes and calls with the same
+// UpscaleStats. Block stages also count their windows (total and routed to attention).
+struct SrStageTime {
+  std::string name;  // e.g. "block 2 (8x8): attention windows"
+  double seconds = 0;
+  int64_t windows_total = 0, windows_routed = 0;
 };
 
 struct UpscaleStats {
   int64_t windows_total = 0, windows_routed = 0;
   int64_t tiles = 0;
+  // With UpscaleOptions::profile: the stages in execution order: "head conv"; per block "conv path" (depthwise +
+  // GELU + pointwise, every pixel), "router" (window statistics, gate) and "attention windows" (the routed windows:
+  // gather, LayerNorms, qkv, attention, projection, MLP, scatter); per group "group tail"; "body tail conv + skip";
+  // "upsample conv + shuffle"; "other" (input padding, copies: the rest of the forward time).
+  std::vector<SrStageTime> stages;
 };
 
 // Architecture (from the weights' "sattn_sr_config" metadata; see sr/train/export.py).

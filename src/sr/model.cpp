@@ -1,6 +1,7 @@
 // SattnSR inference (sr/train/model.py; op-by-op spec in sr/README.md), channels-last float32.
 // The window attention goes through sattn::scaled_dot_product_attention.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -248,11 +249,56 @@ void SrModel::prepare() {
 // ---- forward -----------------------------------------------------------------------------------------------
 namespace {
 
+// Stage timer for UpscaleOptions::profile. Stage i of a forward pass (in order) adds to stats->stages[i]: the time
+// from start() to mark(). Time outside start()..mark() goes to "other" in finish(). Off (no-op) without stats.
+class StageClock {
+ public:
+  using Clock = std::chrono::steady_clock;
+  StageClock(UpscaleStats* stats, bool on) : st_(on ? stats : nullptr) {}
+  bool on() const { return st_ != nullptr; }
+  void start() {
+    if (st_) t_ = Clock::now();
+  }
+  // name() is called only when profiling (names are formatted lazily)
+  template <typename Name>
+  void mark(Name&& name, int64_t windows_total = 0, int64_t windows_routed = 0) {
+    if (!st_) return;
+    const auto now = Clock::now();
+    SrStageTime& s = stage(name());
+    const double dt = std::chrono::duration<double>(now - t_).count();
+    s.seconds += dt;
+    s.windows_total += windows_total;
+    s.windows_routed += windows_routed;
+    timed_ += dt;
+    t_ = now;
+  }
+  void finish() {
+    if (!st_) return;
+    stage("other").seconds += std::max(0.0, std::chrono::duration<double>(Clock::now() - t0_).count() - timed_);
+  }
+
+ private:
+  SrStageTime& stage(const std::string& name) {
+    // the same model gives the same stage list every pass: accumulate by position; a different list starts over
+    if (next_ >= st_->stages.size() || st_->stages[next_].name != name) {
+      st_->stages.resize(next_);
+      st_->stages.push_back(SrStageTime{name});
+    }
+    return st_->stages[next_++];
+  }
+  UpscaleStats* st_;
+  size_t next_ = 0;
+  double timed_ = 0;
+  Clock::time_point t0_ = Clock::now(), t_ = t0_;
+};
+
 struct BlockCtx {
   int64_t H, W, C, heads, hd, hid;
   float ln_eps, std_eps, threshold;
   int threads;
   AttentionProbe* probe = nullptr;  // set for the probed block only (UpscaleOptions::probe)
+  StageClock* clock = nullptr;
+  int64_t block_index = 0;
 };
 
 // Swin region label of a (rolled) position along one axis: 0, 1 or 2.
@@ -265,10 +311,18 @@ void probe_window(const BlockW& b, const BlockCtx& cx, const float* y, int64_t n
 void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const uint8_t* routing_in,
                uint8_t* routed_out, float* gates_out, int64_t* n_routed) {
   const int64_t H = cx.H, W = cx.W, C = cx.C;
-  // 1. cheap path: y += pw(gelu(dw(y))), one fused pass per row
-  nn::dw_act_pw_hwc(y, H, W, C, b.dw.data(), b.dw_b.data(), true, b.pw.data(), b.pw_b.data(), y, y, cx.threads);
   const int64_t ws = b.ws, s = b.shifted ? ws / 2 : 0, L = ws * ws;
   const int64_t nwy = H / ws, nwx = W / ws, nW = nwy * nwx;
+  const auto stage_name = [&](const char* what) {
+    return [&cx, ws, what] {
+      return "block " + std::to_string(cx.block_index) + " (" + std::to_string(ws) + "x" + std::to_string(ws) +
+             "): " + what;
+    };
+  };
+  cx.clock->start();
+  // 1. cheap path: y += pw(gelu(dw(y))), one fused pass per row
+  nn::dw_act_pw_hwc(y, H, W, C, b.dw.data(), b.dw_b.data(), true, b.pw.data(), b.pw_b.data(), y, y, cx.threads);
+  cx.clock->mark(stage_name("conv path"));
   // f(l, pixel pointer) for the tokens l of window n in order: token (ly, lx) is pixel
   // ((wy·ws + ly + s) mod H, (wx·ws + lx + s) mod W) of y, i.e. after the cyclic roll by (-s, -s)
   auto for_each_token = [&](int64_t n, auto&& f) {
@@ -313,6 +367,7 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
     const int64_t n = cx.probe->window;
     probe_window(b, cx, y, n, gate, std::binary_search(routed.begin(), routed.end(), n), cx.probe);
   }
+  cx.clock->mark(stage_name("router"));
   // Swin mask: a window needs one iff it touches the last window row/column of a shifted block.
   auto needs_mask = [&](int64_t n) { return s > 0 && (n / nwx == nwy - 1 || n % nwx == nwx - 1); };
   // 6. routed windows, in chunks of ~1024 tokens (each chunk serial inside; chunks in parallel). Results do not
@@ -408,6 +463,7 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
       });
     }
   });
+  cx.clock->mark(stage_name("attention windows"), nW, int64_t(routed.size()));
 }
 
 // The attention weights of window n of block b, from the block input y (before the block's routed update), as the
@@ -461,6 +517,7 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
   const int64_t H = h + ph, W = w + pw, C = c.dim, s = c.scale, s2 = s * s;
   const int threads = resolve_num_threads(options.num_threads);
   const bool dense = options.mode == AttentionMode::kDense;
+  StageClock clock(stats, options.profile);
   // routing bookkeeping
   int64_t total_windows = 0;
   for (const auto& g : c.groups)
@@ -498,7 +555,9 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
   // 2. head
   const int64_t HWC = H * W * C;
   float *feat = ws.feat.get(HWC), *y = ws.y.get(HWC), *y_in = ws.y_in.get(HWC);
+  clock.start();
   nn::conv3x3_hwc(xp, H, W, 3, P.head.data(), P.head_b.data(), C, feat, threads);
+  clock.mark([] { return std::string("head conv"); });
   // element-wise passes over the full map, in parallel blocks
   constexpr int64_t kEw = 1 << 16;
   auto ew = [&](auto&& f) {
@@ -507,11 +566,13 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
   ew([&](int64_t i0, int64_t i1) { std::memcpy(y + i0, feat + i0, size_t(i1 - i0) * sizeof(float)); });
   BlockCtx cx{H, W, C, c.heads, c.head_dim, c.mlp_hidden, float(c.layer_norm_eps), float(c.router_std_eps),
               float(c.route_threshold), threads};
-  int64_t offset = 0, routed = 0, block_index = 0;
+  cx.clock = &clock;
+  int64_t offset = 0, routed = 0, block_index = 0, group_index = 0;
   for (const GroupW& g : P.groups) {
     ew([&](int64_t i0, int64_t i1) { std::memcpy(y_in + i0, y + i0, size_t(i1 - i0) * sizeof(float)); });
     for (const BlockW& b : g.blocks) {
       cx.probe = options.probe && options.probe->block == block_index ? options.probe : nullptr;
+      cx.block_index = block_index;
       const int64_t nW = (H / b.ws) * (W / b.ws);
       run_block(b, cx, y, dense, options.routing_in ? options.routing_in->data() + offset : nullptr,
                 options.routing_out ? options.routing_out->data() + offset : nullptr,
@@ -520,15 +581,21 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
       ++block_index;
     }
     // group tail: y = y_in + pw(dw(y))
+    clock.start();
     nn::dw_act_pw_hwc(y, H, W, C, g.dw.data(), g.dw_b.data(), false, g.pw.data(), g.pw_b.data(), y_in, y, threads);
+    clock.mark([group_index] { return "group " + std::to_string(group_index) + " tail"; });
+    ++group_index;
   }
   // 4. body tail + feat
   // (buffers reused: t = the body tail's output in y_in, then the up conv's output u in y when it fits)
   float* t = y_in;
+  clock.start();
   nn::conv3x3_hwc(y, H, W, C, P.body_tail.data(), P.body_tail_b.data(), C, t, threads);
   ew([&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) t[i] += feat[i];
   });
+  clock.mark([] { return std::string("body tail conv + skip"); });
+  clock.start();
   float* u = 3 * s2 <= C ? y : ws.u.get(H * W * 3 * s2);
   // 5. up conv + nearest residual, pixel shuffle, crop
   nn::conv3x3_hwc(t, H, W, C, P.up.data(), P.up_b.data(), 3 * s2, u, threads);
@@ -543,6 +610,8 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
         for (int64_t bb = 0; bb < s; ++bb) o[(ch * h * s + i * s + a) * w * s + j * s + bb] = up[a * s + bb] + res;
     }
   });
+  clock.mark([] { return std::string("upsample conv + shuffle"); });
+  clock.finish();
   if (stats) {
     stats->windows_total += total_windows;
     stats->windows_routed += routed;

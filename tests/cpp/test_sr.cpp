@@ -4,6 +4,7 @@
 #include <stb/stb_image_write.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -537,3 +538,68 @@ TEST(SrModel, SelfEnsembleIsTheMeanOfTheEightTransformedOutputs) {
 }
 
 }  // namespace
+
+// UpscaleOptions::profile: every stage is timed, in order, the block stages count their windows as the routing
+// does, calls with the same stats accumulate, and profiling changes no output bit.
+TEST(SrModel, ProfileTimesEveryStageInOrderAndChangesNothing) {
+  const auto m = sattn::sr::SrModel::load(tiny_model("ok5.safetensors"));
+  const sattn::Tensor x = sattn::sr::image_to_tensor(random_image(13, 21, 3, 50));  // padded to 16 x 24
+  sattn::sr::UpscaleOptions o;
+  o.num_threads = 2;
+  sattn::sr::UpscaleStats plain_stats;
+  const sattn::Tensor plain = m.forward(x, o, &plain_stats);
+  EXPECT_TRUE(plain_stats.stages.empty());
+  o.profile = true;
+  sattn::sr::UpscaleStats st;
+  const auto t0 = std::chrono::steady_clock::now();
+  const sattn::Tensor y = m.forward(x, o, &st);
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(0, std::memcmp(plain.data(), y.data(), y.nbytes()));
+  std::vector<std::string> want{"head conv"};
+  const int ws[4] = {4, 4, 8, 8};
+  for (int b = 0; b < 4; ++b) {
+    const std::string p = "block " + std::to_string(b) + " (" + std::to_string(ws[b]) + "x" + std::to_string(ws[b]) + "): ";
+    for (const char* k : {"conv path", "router", "attention windows"}) want.push_back(p + k);
+    if (b % 2 == 1) want.push_back("group " + std::to_string(b / 2) + " tail");
+  }
+  for (const char* k : {"body tail conv + skip", "upsample conv + shuffle", "other"}) want.push_back(k);
+  ASSERT_EQ(st.stages.size(), want.size());
+  double sum = 0;
+  int64_t total = 0, routed = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const auto& s = st.stages[i];
+    EXPECT_EQ(s.name, want[i]);
+    EXPECT_GE(s.seconds, 0.0) << s.name;
+    sum += s.seconds;
+    const bool attn = s.name.find("attention windows") != std::string::npos;
+    EXPECT_EQ(s.windows_total > 0, attn) << s.name;
+    if (attn) {
+      const int w = s.name.find("(4x4)") != std::string::npos ? 4 : 8;
+      EXPECT_EQ(s.windows_total, (16 / w) * (24 / w)) << s.name;
+      EXPECT_LE(s.windows_routed, s.windows_total);
+    }
+    total += s.windows_total;
+    routed += s.windows_routed;
+  }
+  EXPECT_EQ(total, st.windows_total);
+  EXPECT_EQ(routed, st.windows_routed);
+  EXPECT_GT(sum, 0.0);
+  EXPECT_LE(sum, wall * 1.001 + 1e-6);
+  // a second call with the same stats adds to the same stages
+  const std::vector<sattn::sr::SrStageTime> first = st.stages;
+  m.forward(x, o, &st);
+  ASSERT_EQ(st.stages.size(), first.size());
+  for (size_t i = 0; i < first.size(); ++i) {
+    EXPECT_GE(st.stages[i].seconds, first[i].seconds);
+    EXPECT_EQ(st.stages[i].windows_total, 2 * first[i].windows_total);
+  }
+  // tiled: the stages sum over the tiles, as the window counts do
+  sattn::sr::UpscaleStats tiled;
+  o.tile = 40;
+  const Image lr = random_image(120, 9, 3, 51);
+  m.upscale(lr, o, &tiled);
+  EXPECT_EQ(tiled.tiles, 3);
+  int64_t tt = 0;
+  for (const auto& s : tiled.stages) tt += s.windows_total;
+  EXPECT_EQ(tt, tiled.windows_total);
+}

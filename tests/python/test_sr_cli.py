@@ -164,3 +164,28 @@ def test_upscale_self_ensemble_flips_commute_and_bad_combinations(tmp_path):
     r = run("upscale", a, str(tmp_path / "o.png"), "--scale", "2", "--weights", weights, "--self-ensemble",
             "--routing-out", str(tmp_path / "r.npy"), ok=False)
     assert r.returncode == 2 and "--self-ensemble" in r.stderr
+
+
+def test_upscale_profile_lists_every_stage_and_the_routing(tmp_path):
+    """`sr upscale --profile` prints one row per stage of the model (3 per block, a tail per group, the convs outside
+    the blocks, other), the attention rows' routed windows add up to the summary's count, and the PNG is the same."""
+    weights = os.path.join(REPO, "sr", "weights", "sattn_sr_x2.safetensors")
+    if not os.path.exists(weights):
+        pytest.skip("sr/weights/sattn_sr_x2.safetensors missing")
+    inp = str(tmp_path / "in.png")
+    sr_png.write_png(inp, synth(40, 36, 8))
+    base = ["upscale", inp, "--scale", "2", "--weights", weights, "--threads", "2"]
+    plain = run(*base[:2], str(tmp_path / "a.png"), *base[2:])
+    assert "profile" not in plain.stdout
+    r = run(*base[:2], str(tmp_path / "b.png"), *base[2:], "--profile", "--repeat", "3")
+    assert np.array_equal(sr_png.read_png(str(tmp_path / "a.png")), sr_png.read_png(str(tmp_path / "b.png")))
+    lines = r.stdout.splitlines()
+    assert "median of 3 runs" in lines[0], r.stdout
+    rows = [l for l in lines if l.startswith(("head", "block", "group", "body", "upsample", "other"))]
+    blocks = sum(1 for l in rows if l.startswith("block") and ": conv path" in l)
+    assert blocks >= 2 and len(rows) == 1 + 3 * blocks + sum(l.startswith("group") for l in rows) + 3, r.stdout
+    routed = [l.split()[-2].split("/") for l in rows if "attention windows" in l]
+    assert len(routed) == blocks
+    summary = r.stderr.split("windows routed ")[1].split(",")[0].split("/")
+    assert [sum(int(a) for a, _ in routed), sum(int(b) for _, b in routed)] == [int(summary[0]), int(summary[1])]
+    assert lines[-1].startswith("by kind:") and "attention windows" in lines[-1], r.stdout

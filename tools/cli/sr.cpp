@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <optional>
 
@@ -81,13 +82,49 @@ struct UpscaleArgs {
   std::string in, out, weights, attention = "sparse", float_out, routing_in, routing_out, gates_out;
   int scale = 2, threads = 0, repeat = 1;
   int64_t tile = -1, overlap = -1;
-  bool self_ensemble = false;
+  bool self_ensemble = false, profile = false;
 };
 
 // --tile -1 (default): whole image up to 512x512 LR pixels, else tiles of 256.
 int64_t auto_tile(int64_t tile, const sr::Image& lr) {
   if (tile >= 0) return tile;
   return lr.height * lr.width <= 512 * 512 ? 0 : 256;
+}
+
+// --profile: per stage, the median over the runs of its wall time (ms), its share of the stages' total and, for the
+// attention stages, the windows routed; then the time per kind of stage.
+void print_profile(const std::vector<std::vector<sr::SrStageTime>>& runs, double wall, const UpscaleArgs& a) {
+  const std::vector<sr::SrStageTime>& last = runs.back();
+  std::vector<double> med(last.size(), 0.0);
+  for (size_t i = 0; i < last.size(); ++i) {
+    std::vector<double> v;
+    for (const auto& r : runs)
+      if (i < r.size()) v.push_back(r[i].seconds);
+    std::sort(v.begin(), v.end());
+    med[i] = v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  }
+  double total = 0;
+  for (double m : med) total += m;
+  std::printf("profile: %s attention, %s, stage wall times in ms%s (sum %.1f ms; the run took %.1f ms)\n",
+              a.attention.c_str(), a.threads > 0 ? (std::to_string(a.threads) + " thread(s)").c_str() : "default threads",
+              runs.size() > 1 ? (", median of " + std::to_string(runs.size()) + " runs").c_str() : "", 1e3 * total,
+              1e3 * wall);
+  std::printf("%-40s %9s %7s  %s\n", "stage", "ms", "share", "windows routed");
+  std::map<std::string, double> kinds;  // "conv path", "router", "attention windows", "convs outside the blocks"
+  for (size_t i = 0; i < last.size(); ++i) {
+    const sr::SrStageTime& s = last[i];
+    const size_t colon = s.name.rfind(": ");
+    kinds[colon == std::string::npos ? (s.name == "other" ? "other" : "convs outside the blocks")
+                                     : s.name.substr(colon + 2)] += med[i];
+    std::printf("%-40s %9.2f %6.1f%%", s.name.c_str(), 1e3 * med[i], total > 0 ? 100.0 * med[i] / total : 0.0);
+    if (s.windows_total > 0)
+      std::printf("  %lld/%lld (%.1f%%)", (long long)s.windows_routed, (long long)s.windows_total,
+                  100.0 * double(s.windows_routed) / double(s.windows_total));
+    std::printf("\n");
+  }
+  std::printf("by kind:");
+  for (const auto& [k, v] : kinds) std::printf("  %s %.1f ms (%.0f%%)", k.c_str(), 1e3 * v, total > 0 ? 100.0 * v / total : 0.0);
+  std::printf("\n");
 }
 
 void run_upscale(const UpscaleArgs& a) {
@@ -111,11 +148,14 @@ void run_upscale(const UpscaleArgs& a) {
   if (!a.routing_out.empty()) opt.routing_out = &rout;
   if (!a.gates_out.empty()) opt.gates_out = &gout;
   opt.progress = progress_bar("upscale");
+  opt.profile = a.profile;
   check(a.repeat >= 1, ErrorKind::kInvalidArgument, "--repeat must be >= 1, given ", a.repeat);
   sr::UpscaleStats st;
   sr::Image out;
   std::vector<double> walls, cpus;  // per run; the reported times are their medians
+  std::vector<std::vector<sr::SrStageTime>> profiles;  // per run, with --profile
   for (int run = 0; run < a.repeat; ++run) {
+    if (run > 0 && a.profile) profiles.push_back(st.stages);
     st = sr::UpscaleStats{};
     const auto t0 = Clock::now();
     const std::clock_t c0 = std::clock();  // process CPU time (all threads): meaningful on a loaded machine
@@ -131,6 +171,7 @@ void run_upscale(const UpscaleArgs& a) {
     walls.push_back(seconds_since(t0));
     cpus.push_back(double(std::clock() - c0) / CLOCKS_PER_SEC);
   }
+  if (a.profile) profiles.push_back(st.stages);
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
     return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
@@ -152,6 +193,7 @@ void run_upscale(const UpscaleArgs& a) {
             << "/" << st.windows_total << ", weights " << model->name()
             << (a.repeat > 1 ? ", median of " + std::to_string(a.repeat) + " runs" : "")
             << ", cpu " << cpu_secs << " s, " << secs << " s\n";
+  if (a.profile) print_profile(profiles, secs, a);
 }
 
 struct EvalArgs {
@@ -285,6 +327,9 @@ void add_sr_command(CLI::App& app) {
               "x8 geometric self-ensemble: average the outputs of the 8 flips/transposes (8x the time)");
   up->add_option("--repeat", ua->repeat, "benchmarking: run the model N times in this process, report the median")
       ->capture_default_str();
+  up->add_flag("--profile", ua->profile,
+               "print the wall time of each stage of the model (per block: conv path, router, attention windows "
+               "with the windows routed; convs outside the blocks), medians over --repeat runs, to stdout");
   up->callback([ua] { run_upscale(*ua); });
 
   auto da = std::make_shared<std::tuple<std::string, std::string, int>>("", "", 2);
