@@ -8,4 +8,5 @@ PYBIND11_MODULE(_core, m) {
   sattn::py::bind_tools(m);
   sattn::py::bind_fused(m);
   sattn::py::bind_sparse(m);
+  sattn::py::bind_sr(m);
 }
