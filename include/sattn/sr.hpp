@@ -130,7 +130,7 @@ struct UpscaleStats {
   int64_t windows_total = 0, windows_routed = 0;
   int64_t tiles = 0;
   // With UpscaleOptions::profile: the stages in execution order: "head conv"; per block "conv path" (depthwise +
-  // GELU + pointwise, every pixel), "router" (window statistics, gate) and "attention windows" (the routed windows:
+  // GELU + pointwise, every pixel), "router" (window statistics, gate; an AttentionProbe's window too, when one is asked for) and "attention windows" (the routed windows:
   // gather, LayerNorms, qkv, attention, projection, MLP, scatter); per group "group tail"; "body tail conv + skip";
   // "upsample conv + shuffle"; "other" (input padding, copies: the rest of the forward time).
   std::vector<SrStageTime> stages;

@@ -255,7 +255,6 @@ class StageClock {
  public:
   using Clock = std::chrono::steady_clock;
   StageClock(UpscaleStats* stats, bool on) : st_(on ? stats : nullptr) {}
-  bool on() const { return st_ != nullptr; }
   void start() {
     if (st_) t_ = Clock::now();
   }
