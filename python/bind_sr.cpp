@@ -86,7 +86,9 @@ pyb::object upscale_py(const sr::SrModel& m, const pyb::object& image, const std
                        bool return_stats) {
   const sr::Image lr = image_from_numpy(image, "image");
   sr::UpscaleOptions o = options(attention, num_threads);
-  o.tile = tile;
+  check(tile >= -1, ErrorKind::kInvalidArgument, "tile: expected -1 (auto), 0 (whole image) or >= 16, given ", tile);
+  // -1 (auto), as `sattn sr upscale`: the whole image up to 512x512 LR pixels, else tiles of 256 (bounded memory)
+  o.tile = tile >= 0 ? tile : (lr.height * lr.width <= 512 * 512 ? 0 : 256);
   o.overlap = overlap;
   o.self_ensemble = self_ensemble;
   o.profile = profile;
@@ -178,10 +180,11 @@ void bind_sr(pybind11::module_& top) {
       .def_property_readonly("num_parameters", &sr::SrModel::num_parameters)
       .def_property_readonly("receptive_radius", &sr::SrModel::receptive_radius)
       .def("upscale", &upscale_py, "image"_a, pyb::kw_only(), "attention"_a = "sparse", "num_threads"_a = pyb::none(),
-           "tile"_a = 0, "overlap"_a = -1, "self_ensemble"_a = false, "profile"_a = false, "return_stats"_a = false,
+           "tile"_a = -1, "overlap"_a = -1, "self_ensemble"_a = false, "profile"_a = false, "return_stats"_a = false,
            "Upscale uint8 RGB [H, W, 3] (or gray [H, W], replicated) to uint8 [s*H, s*W, 3].\n"
            "attention: 'sparse' (routed windows only, the default) or 'dense' (every window). tile: LR tile size\n"
-           "(0 = whole image; >= 16), overlap: context per side (-1 = the receptive radius: tiled == untiled).\n"
+           "(-1 = whole image up to 512x512, else 256, as the CLI; 0 = whole image; >= 16), overlap: context per\n"
+           "side (-1 = the receptive radius: tiled == untiled).\n"
            "self_ensemble: x8 flips/transposes averaged. return_stats=True returns (image, stats): windows_total,\n"
            "windows_routed, tiles and, with profile=True, 'stages' [{name, seconds, windows_total, windows_routed}].")
       .def("forward", &forward_py, "x"_a, pyb::kw_only(), "attention"_a = "sparse", "num_threads"_a = pyb::none(),

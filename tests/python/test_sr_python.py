@@ -83,7 +83,7 @@ def test_forward_routing_out_and_in(model):
 def test_profile_stats(model):
     img = synth(48, 40, 3)
     out, st = model.upscale(img, return_stats=True, profile=True)
-    assert st["tiles"] == 1 and 0 < st["windows_routed"] <= st["windows_total"]
+    assert st["tiles"] == 1 and 0 < st["windows_routed"] <= st["windows_total"]   # tile -1: whole image here
     names = [s["name"] for s in st["stages"]]
     assert names[0] == "head conv" and names[-1] == "other" and "body tail conv + skip" in names
     attn = [s for s in st["stages"] if s["name"].endswith("attention windows")]
@@ -143,3 +143,5 @@ def test_bad_input_gives_clear_errors(tmp_path):
             m.forward(np.zeros((3, 20, 20), np.float32), routing_in=np.ones(5, np.uint8))
         with pytest.raises(ValueError, match="tile"):
             m.upscale(img, tile=8)
+        with pytest.raises(ValueError, match="tile: expected -1"):
+            m.upscale(img, tile=-2)
