@@ -19,11 +19,7 @@ namespace {
 
 namespace pyb = pybind11;
 
-std::string shape_of(const pyb::array& a) {
-  std::string s = "[";
-  for (pyb::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
-  return s + "]";
-}
+std::string shape_of(const pyb::array& a) { return shape_to_string(Shape(a.shape(), a.shape() + a.ndim())); }
 
 // uint8 [H, W, 3] / [H, W, 1] / [H, W] -> an RGB sr::Image (gray replicated). Other dtypes are refused, not cast:
 // a float image in [0, 1] cast to uint8 would be silent garbage.
@@ -87,8 +83,7 @@ pyb::object upscale_py(const sr::SrModel& m, const pyb::object& image, const std
   const sr::Image lr = image_from_numpy(image, "image");
   sr::UpscaleOptions o = options(attention, num_threads);
   check(tile >= -1, ErrorKind::kInvalidArgument, "tile: expected -1 (auto), 0 (whole image) or >= 16, given ", tile);
-  // -1 (auto), as `sattn sr upscale`: the whole image up to 512x512 LR pixels, else tiles of 256 (bounded memory)
-  o.tile = tile >= 0 ? tile : (lr.height * lr.width <= 512 * 512 ? 0 : 256);
+  o.tile = tile >= 0 ? tile : sr::auto_tile_size(lr.height, lr.width);
   o.overlap = overlap;
   o.self_ensemble = self_ensemble;
   o.profile = profile;

@@ -126,6 +126,10 @@ struct SrStageTime {
   int64_t windows_total = 0, windows_routed = 0;
 };
 
+// Default tile size (LR pixels) of `sattn sr upscale` / `sr eval` and sattn.sr's upscale(tile=-1): 0 (the whole image
+// at once) up to 512x512 pixels, else tiles of 256, so that memory stays bounded on large images.
+int64_t auto_tile_size(int64_t height, int64_t width);
+
 struct UpscaleStats {
   int64_t windows_total = 0, windows_routed = 0;
   int64_t tiles = 0;

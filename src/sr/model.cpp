@@ -666,6 +666,8 @@ inline void dihedral_source(int t, int64_t y, int64_t x, int64_t th, int64_t tw,
 }
 }  // namespace
 
+int64_t auto_tile_size(int64_t height, int64_t width) { return height * width <= 512 * 512 ? 0 : 256; }
+
 Image SrModel::upscale(const Image& lr, const UpscaleOptions& options, UpscaleStats* stats) const {
   check(lr.channels == 3, ErrorKind::kInvalidArgument, "upscale: RGB image expected, given ", lr.channels,
         " channels");

@@ -88,7 +88,12 @@ struct UpscaleArgs {
 // --tile -1 (default): whole image up to 512x512 LR pixels, else tiles of 256.
 int64_t auto_tile(int64_t tile, const sr::Image& lr) {
   if (tile >= 0) return tile;
-  return lr.height * lr.width <= 512 * 512 ? 0 : 256;
+  return sr::auto_tile_size(lr.height, lr.width);
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
 // --profile: per stage, the median over the runs of its wall time (ms), its share of the stages' total and, for the
@@ -100,8 +105,7 @@ void print_profile(const std::vector<std::vector<sr::SrStageTime>>& runs, double
     std::vector<double> v;
     for (const auto& r : runs)
       if (i < r.size()) v.push_back(r[i].seconds);
-    std::sort(v.begin(), v.end());
-    med[i] = v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+    med[i] = median(std::move(v));
   }
   double total = 0;
   for (double m : med) total += m;
@@ -155,7 +159,6 @@ void run_upscale(const UpscaleArgs& a) {
   std::vector<double> walls, cpus;  // per run; the reported times are their medians
   std::vector<std::vector<sr::SrStageTime>> profiles;  // per run, with --profile
   for (int run = 0; run < a.repeat; ++run) {
-    if (run > 0 && a.profile) profiles.push_back(st.stages);
     st = sr::UpscaleStats{};
     const auto t0 = Clock::now();
     const std::clock_t c0 = std::clock();  // process CPU time (all threads): meaningful on a loaded machine
@@ -170,12 +173,8 @@ void run_upscale(const UpscaleArgs& a) {
     }
     walls.push_back(seconds_since(t0));
     cpus.push_back(double(std::clock() - c0) / CLOCKS_PER_SEC);
+    if (a.profile) profiles.push_back(st.stages);
   }
-  if (a.profile) profiles.push_back(st.stages);
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-  };
   const double secs = median(walls), cpu_secs = median(cpus);
   sr::write_png(a.out, out);
   if (!a.routing_out.empty()) {
