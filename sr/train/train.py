@@ -11,8 +11,8 @@ as "model_ema", and export.py / evaluate.py use it when present (the training we
 --device cuda trains on a GPU (checkpoints stay loadable on the CPU). --time-budget M fits the schedule to a
 wall-clock budget: after 200 timed steps, and again half-way, the schedule length is set so that this run ends about
 M minutes after its first step (the cosine recomputed as with --reschedule; the new length is logged).
-Memory: glibc's heap fragments under the varying tensor sizes of routed steps; --patch 96 --batch 8 grew past
-13 GB. MALLOC_MMAP_THRESHOLD_=1048576 in the environment keeps it near the working set, at some speed (sr/README.md).
+Memory: glibc's heap can grow without bound here (--patch 96 --batch 8 reached 12.3 GiB); MALLOC_MMAP_THRESHOLD_=1048576
+in the environment keeps it near the working set, in a rough measurement 1.6x slower (sr/README.md, stage 10).
 """
 import argparse
 import math
