@@ -201,3 +201,40 @@ class SattnSR(nn.Module):
 
 def param_count(model):
     return sum(p.numel() for p in model.parameters())
+
+
+def grow_state(model, src):
+    """Load the weights `src` of a smaller SattnSR into the larger `model` so that it computes the same function
+    (function-preserving growth, as in Net2Net), then leaves the new parts free to train:
+      - tensors with the same name and shape are copied;
+      - a wider MLP (larger mlp_ratio): the old hidden units are copied into the first rows of fc1 / first columns
+        of fc2, and fc2's new columns are zeroed, so the new hidden units start with no effect on the output;
+      - a new group (appended after the old ones): its closing 1x1 conv `pw` is zeroed, so the group starts as the
+        identity (x + pw(dw(y)) = x) while its blocks keep their random initialisation.
+    Returns (copied, widened, zeroed) name lists. Raises ValueError for any other mismatch."""
+    own = model.state_dict()
+    new = {}
+    copied, widened, zeroed = [], [], []
+    for name, t in own.items():
+        s = src.get(name)
+        if s is not None and s.shape == t.shape:
+            new[name] = s.clone()
+            copied.append(name)
+        elif s is not None and s.dim() == t.dim() and all(a <= b for a, b in zip(s.shape, t.shape)) \
+                and (name.endswith("fc1.weight") or name.endswith("fc1.bias") or name.endswith("fc2.weight")):
+            w = t.clone()
+            if name.endswith("fc2.weight"):
+                w.zero_()
+            w[tuple(slice(0, n) for n in s.shape)] = s
+            new[name] = w
+            widened.append(name)
+        elif s is None and name.startswith("groups.") and name.split(".")[2] == "pw":
+            new[name] = torch.zeros_like(t)
+            zeroed.append(name)
+        elif s is None and name.startswith("groups."):
+            new[name] = t                                          # a new group's blocks: random init
+        else:
+            raise ValueError("grow_state: cannot grow %s from %s to %s" % (
+                name, None if s is None else tuple(s.shape), tuple(t.shape)))
+    model.load_state_dict(new)
+    return copied, widened, zeroed

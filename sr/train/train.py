@@ -11,10 +11,16 @@ as "model_ema", and export.py / evaluate.py use it when present (the training we
 --device cuda trains on a GPU (checkpoints stay loadable on the CPU). --time-budget M fits the schedule to a
 wall-clock budget: after 200 timed steps, and again half-way, the schedule length is set so that this run ends about
 M minutes after its first step (the cosine recomputed as with --reschedule; the new length is logged).
-Memory: glibc's heap can grow without bound here (--patch 96 --batch 8 reached 12.3 GiB); MALLOC_MMAP_THRESHOLD_=1048576
-in the environment keeps it near the working set, in a rough measurement 1.6x slower (sr/README.md, stage 10).
+Memory: glibc's heap can grow without bound here (--patch 96 --batch 8 reached 12.3 GiB) and spends a quarter of
+the CPU time on page faults. Run the trainer under jemalloc with purging off (Debian libjemalloc2):
+  LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1 python3 ...
+(stage 11: 1.5-1.8 GiB per trainer, no kernel time, faster; sr/README.md). MALLOC_MMAP_THRESHOLD_=1048576 also
+bounds the memory but was slower (stage 10).
+--grow JSON with --init builds a larger model than the --init one and loads it function-preservingly
+(model.grow_state): '{"groups": [...]}' appends groups, '{"mlp_ratio": R}' widens the MLPs.
 """
 import argparse
+import json
 import math
 import os
 import random
@@ -142,6 +148,10 @@ def main():
     ap.add_argument("--steps", type=int, required=True, help="total schedule length (fixed across resumes)")
     ap.add_argument("--resume", default=None, help="checkpoint path, or 'auto' for <ckpt-dir>/x<s>_last.pt")
     ap.add_argument("--init", default=None, help="initialise weights from another checkpoint (e.g. x2 for x4)")
+    ap.add_argument("--grow", default=None, metavar="JSON",
+                    help="with --init: a larger model than the --init one, as config overrides, e.g. "
+                         "'{\"groups\": [[8,8],[8,8],[16,16],[16,16]]}' (a new group appended) or "
+                         "'{\"mlp_ratio\": 4}' (wider MLPs); grown function-preservingly (model.grow_state)")
     ap.add_argument("--stop-after", type=int, default=None, help="stop this run after N steps")
     ap.add_argument("--reschedule", action="store_true",
                     help="on resume, replace the checkpoint's schedule length by --steps (the cosine is "
@@ -207,6 +217,16 @@ def main():
     cfg = ck["config"] if ck else MD.default_config(a.scale)
     if not ck and a.dim:
         cfg["dim"] = a.dim
+    if a.grow and not ck:
+        if not a.init:
+            ap.error("--grow needs --init (the weights to grow from)")
+        try:
+            over = json.loads(a.grow)
+        except ValueError as e:
+            ap.error("--grow %r: not JSON (%s)" % (a.grow, e))
+        if not isinstance(over, dict) or not set(over) <= {"groups", "mlp_ratio"}:
+            ap.error("--grow %r: expected an object with keys from groups, mlp_ratio" % a.grow)
+        cfg.update(over)
     torch.manual_seed(a.seed)
     model = MD.SattnSR(cfg).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=a.lr, betas=(0.9, 0.99))
@@ -232,9 +252,17 @@ def main():
     elif a.init:
         src = EV.shipped_weights(torch.load(a.init, map_location="cpu", weights_only=False))
         own = model.state_dict()
-        ok = {k: v for k, v in src.items() if k in own and own[k].shape == v.shape}
-        model.load_state_dict(ok, strict=False)
-        log("initialised %d/%d tensors from %s" % (len(ok), len(own), a.init))
+        if a.grow:
+            try:
+                copied, widened, zeroed = MD.grow_state(model, src)
+            except ValueError as e:
+                sys.exit("train.py: --grow: %s" % e)
+            log("grown from %s: %d tensors copied, %d widened, %d zeroed, %d new" % (
+                a.init, len(copied), len(widened), len(zeroed), len(own) - len(copied) - len(widened) - len(zeroed)))
+        else:
+            ok = {k: v for k, v in src.items() if k in own and own[k].shape == v.shape}
+            model.load_state_dict(ok, strict=False)
+            log("initialised %d/%d tensors from %s" % (len(ok), len(own), a.init))
     hp.setdefault("ema", 0.0)                   # checkpoints from before --ema
     hp.setdefault("loss", "l1")                 # checkpoints from before --loss
     ema = None

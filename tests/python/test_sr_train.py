@@ -155,3 +155,73 @@ def test_mse_loss_trains_differently_and_resumes_with_the_checkpoints_loss(tmp_p
     assert resumed["hparams"]["loss"] == "mse"
     for k, v in mse["model"].items():
         assert torch.equal(v, resumed["model"][k]), k
+
+
+def _random_model(cfg, seed):
+    sys.path.insert(0, os.path.join(REPO, "sr", "train"))
+    import model as MD
+    torch.manual_seed(seed)
+    m = MD.SattnSR(cfg)
+    with torch.no_grad():
+        for name, t in m.state_dict().items():       # every tensor non-trivial, BatchNorm statistics included
+            if t.is_floating_point():
+                t.copy_(torch.rand_like(t) * 0.4 + 0.3 if "running_var" in name else torch.randn_like(t) * 0.2)
+    return MD, m.eval()
+
+
+@pytest.mark.parametrize("grow", [{"groups": [[8, 8], [16, 16], [8, 8]]}, {"mlp_ratio": 4.0},
+                                  {"groups": [[8, 8], [16, 16], [16, 16]], "mlp_ratio": 3.0}])
+def test_grow_state_preserves_the_function(grow):
+    small_cfg = dict(scale=2, dim=8, heads=2, mlp_ratio=2.0, groups=[[8, 8], [16, 16]], threshold=0.5,
+                     keep_ratio=0.4)
+    MD, small = _random_model(small_cfg, 0)
+    big = MD.SattnSR(dict(small_cfg, **grow)).eval()
+    copied, widened, zeroed = MD.grow_state(big, small.state_dict())
+    assert MD.param_count(big) > MD.param_count(small)
+    assert len(widened) == (3 * 4 if "mlp_ratio" in grow else 0)     # fc1 weight + bias, fc2 weight; 4 old blocks
+    assert len(zeroed) == (2 if "groups" in grow else 0)
+    x = torch.rand(2, 3, 19, 37)
+    with torch.no_grad():
+        for mode in ("dense", "sparse"):
+            sa, sb = [], []
+            ya, yb = small(x, mode, sa), big(x, mode, sb)
+            assert torch.allclose(ya, yb, atol=1e-6, rtol=0), mode
+            for (ga, ka), (gb, kb) in zip(sa, sb):      # the old blocks route the same windows
+                assert torch.equal(ka, kb)
+    # and the grown model is not frozen there: the new parameters get gradients
+    big.train()
+    big(x, "dense").abs().mean().backward()
+    new = [n for n in zeroed] or [n for n in widened if n.endswith("fc2.weight")]
+    grads = dict(big.named_parameters())
+    assert all(grads[n].grad is not None and grads[n].grad.abs().sum() > 0 for n in new)
+
+
+def test_grow_state_refuses_other_changes():
+    cfg = dict(scale=2, dim=8, heads=2, mlp_ratio=2.0, groups=[[8, 8]], threshold=0.5, keep_ratio=0.4)
+    MD, small = _random_model(cfg, 1)
+    with pytest.raises(ValueError, match="cannot grow"):
+        MD.grow_state(MD.SattnSR(dict(cfg, dim=12)), small.state_dict())
+    with pytest.raises(ValueError, match="cannot grow"):                # fewer hidden units: not a growth
+        MD.grow_state(MD.SattnSR(dict(cfg, mlp_ratio=1.0)), small.state_dict())
+
+
+def test_grow_from_a_checkpoint_on_the_command_line(tmp_path):
+    root = str(tmp_path / "data")
+    make_data(root)
+    base = run(root, str(tmp_path / "a"), "--stop-after", "2")
+    init = str(tmp_path / "a" / "x2_last.pt")
+    grown = run(root, str(tmp_path / "g"), "--init", init, "--grow", '{"groups": [[8,8],[8,8],[16,16],[8,8]]}',
+                "--stop-after", "1")
+    assert grown["config"]["groups"] == [[8, 8], [8, 8], [16, 16], [8, 8]]
+    assert "groups.3.pw.weight" in grown["model"] and "groups.3.pw.weight" not in base["model"]
+    log = open(str(tmp_path / "g" / "x2_train.log")).read()
+    assert "grown from %s: 156 tensors copied, 0 widened, 2 zeroed, 48 new" % init in log
+    for bad, msg in (("{groups", "not JSON"), ('{"dim": 16}', "expected an object with keys")):
+        r = subprocess.run([sys.executable, TRAIN, "--scale", "2", "--steps", "2", "--init", init, "--grow", bad,
+                            "--data", root, "--ckpt-dir", str(tmp_path / "x"), "--threads", "1"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and msg in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, TRAIN, "--scale", "2", "--steps", "2", "--grow", '{"mlp_ratio": 4}',
+                        "--data", root, "--ckpt-dir", str(tmp_path / "y"), "--threads", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--grow needs --init" in r.stderr
