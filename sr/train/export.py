@@ -91,11 +91,13 @@ def fold_router_norm(sd):
     return out
 
 
-def export(ckpt_path, out_prefix):
+def export(ckpt_path, out_prefix, trained=False):
+    """trained=True exports the trained weights ("model") even when the checkpoint also holds EMA ones."""
     import torch
     from evaluate import shipped_weights
     ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-    sd = fold_router_norm({k: v.detach().double().numpy() for k, v in shipped_weights(ck).items()})
+    weights = ck["model"] if trained else shipped_weights(ck)
+    sd = fold_router_norm({k: v.detach().double().numpy() for k, v in weights.items()})
     tensors = {k: v.astype(np.float32) for k, v in sd.items()}
     arch = architecture(ck["config"], ck.get("step", -1))
     write_safetensors(out_prefix + ".safetensors", tensors,
@@ -109,8 +111,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--out", required=True, help="output prefix, e.g. sr/weights/sattn_sr_x2")
+    ap.add_argument("--trained", action="store_true",
+                    help="export the trained weights, not the EMA ones (by default the EMA weights are exported "
+                         "when the checkpoint has them)")
     a = ap.parse_args()
-    path, n = export(a.ckpt, a.out)
+    path, n = export(a.ckpt, a.out, a.trained)
     print("wrote %s (%d parameters, %d bytes)" % (path, n, os.path.getsize(path)))
 
 

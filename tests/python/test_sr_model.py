@@ -127,3 +127,23 @@ def test_safetensors_export_roundtrip(tmp_path):
         s1, s2 = [], []
         assert torch.allclose(m(x, "dense", s1), m2(x, "dense", s2), atol=1e-5)
     assert all(torch.allclose(a[0], b[0], atol=1e-5) for a, b in zip(s1, s2))
+
+
+def test_export_takes_the_ema_weights_unless_told_trained(tmp_path):
+    import export as EX
+    trained, ema = _small_model(2), _small_model(2)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.add_(0.5)
+    ck = tmp_path / "ck.pt"
+    torch.save(dict(model=trained.state_dict(), model_ema=ema.state_dict(), config=trained.cfg, step=3), str(ck))
+    key = "head.weight"
+    for flag, src in ((False, ema), (True, trained)):
+        path, _ = EX.export(str(ck), str(tmp_path / ("t" if flag else "e")), trained=flag)
+        tensors, _ = EX.read_safetensors(path)
+        assert torch.equal(torch.from_numpy(tensors[key]), src.state_dict()[key]), flag
+    # a checkpoint marked ship="trained" ships (exports, evaluates) its trained weights by default
+    torch.save(dict(model=trained.state_dict(), model_ema=ema.state_dict(), config=trained.cfg, step=3,
+                    ship="trained"), str(ck))
+    tensors, _ = EX.read_safetensors(EX.export(str(ck), str(tmp_path / "s"))[0])
+    assert torch.equal(torch.from_numpy(tensors[key]), trained.state_dict()[key])
