@@ -136,12 +136,12 @@ TEST(VizImageCli, WritesMapsFocusRoutingAndSummary) {
   const Decoded head = decode_png_file(dir + "/o/head_0.png");
   EXPECT_GT(head.width, 256 + 100);  // 256 x 256 tokens (one px each in a 384 px plot), axes and colour bar
   EXPECT_GT(head.height, 256 + 50);
-  // routing.png: the input and 6 blocks of 56 x 40 px magnified x3 (192 / 56), 4 per row -> 2 rows
+  // routing.png: the input and the blocks of 56 x 40 px magnified x3 (192 / 56), 4 per row -> 2 rows or more
   const Decoded routing = decode_png_file(dir + "/o/routing.png");
   EXPECT_GT(routing.width, 4 * 56 * 3);
   EXPECT_GT(routing.height, 2 * 40 * 3);
   const auto js = read_json(dir + "/o/routing.json");
-  ASSERT_EQ(js["blocks"].size(), 6u);
+  ASSERT_EQ(js["blocks"].size(), 8u);  // the shipped x2 model: 4 groups of 2 blocks
   EXPECT_EQ(js["padded"], nlohmann::json({64, 48}));
   int64_t routed = 0, total = 0;
   for (const auto& b : js["blocks"]) {
@@ -157,7 +157,8 @@ TEST(VizImageCli, WritesMapsFocusRoutingAndSummary) {
   }
   EXPECT_EQ(js["windows_routed"].get<int64_t>(), routed);
   EXPECT_EQ(js["windows_total"].get<int64_t>(), total);
-  // default: block 2.0 (first of the last group), the window holding the image centre (28, 20), its centre token
+  // default: block 2.0 (the first with the widest, 16 x 16, windows), the window holding the image centre (28, 20),
+  // its centre token
   EXPECT_EQ(js["probe"]["block"], "2.0");
   EXPECT_EQ(js["probe"]["window"], 1 * 4 + 1);
   EXPECT_EQ(js["probe"]["query_pixel"], nlohmann::json({24, 24}));

@@ -324,7 +324,7 @@ void add_viz_command(CLI::App& app) {
                                                    "window)")->check(CLI::IsMember({"sparse", "dense"}))
       ->capture_default_str();
   cmd->add_option("--block", a->img.block, "with --image: the block G.B whose window is drawn (default: the first "
-                                           "block of the last group)");
+                                           "block with the widest windows)");
   cmd->add_option("--window", a->img.window, "with --image: window index of that block (partition order)");
   cmd->add_option("--at", a->img.at, "with --image: X,Y, an LR pixel: the query, and the window that holds it "
                                      "(default: the image centre)")->delimiter(',')->expected(2);

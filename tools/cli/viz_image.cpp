@@ -163,9 +163,11 @@ VizImagePictures render_viz_image(const VizImageArgs& a) {
 
   // the block, window and query token
   sr::AttentionProbe probe;
-  probe.block = a.block.empty() ? int64_t(std::find_if(geo.begin(), geo.end(), [&](const sr::BlockGeometry& g) {
-                                            return g.group == geo.back().group;
-                                          }) - geo.begin())
+  // default block: the first one with the widest windows (the long-range attention of the deep blocks)
+  probe.block = a.block.empty() ? int64_t(std::max_element(geo.begin(), geo.end(),
+                                                           [](const sr::BlockGeometry& x, const sr::BlockGeometry& y) {
+                                                             return x.window < y.window;
+                                                           }) - geo.begin())
                                 : parse_block(a.block, geo);
   const sr::BlockGeometry& bg = geo[size_t(probe.block)];
   const int64_t ws = bg.window, L = ws * ws;
