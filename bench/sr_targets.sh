@@ -1,6 +1,7 @@
 #!/bin/sh
 # The issue-5 SR speed-target table on THIS machine (run it idle): C++ `sattn sr upscale` vs the same weights in
-# PyTorch (sr/train/model.py), 1 and 2 threads, dense and sparse, medians of 5, 256x256 crop of Set14 baboon -> x2,
+# PyTorch (sr/train/model.py), 1 and 2 threads, dense and sparse, medians of 5 (C++: 3 rounds, modes alternating;
+# the sparse/dense target on the median of the paired per-round ratios), 256x256 crop of Set14 baboon -> x2,
 # PASS/FAIL per target. Pauses any running SR training (SIGSTOP, SIGCONT afterwards). ~1-3 minutes.
 #   bench/sr_targets.sh [extra sr_latency.py options, e.g. --json out.json]
 set -e
