@@ -211,10 +211,13 @@ def grow_state(model, src):
         of fc2, and fc2's new columns are zeroed, so the new hidden units start with no effect on the output;
       - a new group (appended after the old ones): its closing 1x1 conv `pw` is zeroed, so the group starts as the
         identity (x + pw(dw(y)) = x) while its blocks keep their random initialisation.
-    Returns (copied, widened, zeroed) name lists. Raises ValueError for any other mismatch."""
+    Returns (copied, widened, zeroed) name lists. Raises ValueError for any other mismatch (e.g. a block added to an
+    existing group, which would not preserve the function)."""
     own = model.state_dict()
     new = {}
     copied, widened, zeroed = [], [], []
+    old_groups = 1 + max((int(k.split(".")[1]) for k in src if k.startswith("groups.")), default=-1)
+    is_new_group = lambda name: name.startswith("groups.") and int(name.split(".")[1]) >= old_groups
     for name, t in own.items():
         s = src.get(name)
         if s is not None and s.shape == t.shape:
@@ -228,10 +231,10 @@ def grow_state(model, src):
             w[tuple(slice(0, n) for n in s.shape)] = s
             new[name] = w
             widened.append(name)
-        elif s is None and name.startswith("groups.") and name.split(".")[2] == "pw":
+        elif s is None and is_new_group(name) and name.split(".")[2] == "pw":
             new[name] = torch.zeros_like(t)
             zeroed.append(name)
-        elif s is None and name.startswith("groups."):
+        elif s is None and is_new_group(name):
             new[name] = t                                          # a new group's blocks: random init
         else:
             raise ValueError("grow_state: cannot grow %s from %s to %s" % (

@@ -203,6 +203,8 @@ def test_grow_state_refuses_other_changes():
         MD.grow_state(MD.SattnSR(dict(cfg, dim=12)), small.state_dict())
     with pytest.raises(ValueError, match="cannot grow"):                # fewer hidden units: not a growth
         MD.grow_state(MD.SattnSR(dict(cfg, mlp_ratio=1.0)), small.state_dict())
+    with pytest.raises(ValueError, match="cannot grow"):                # a block added inside an old group
+        MD.grow_state(MD.SattnSR(dict(cfg, groups=[[8, 8, 8]])), small.state_dict())
 
 
 def test_grow_from_a_checkpoint_on_the_command_line(tmp_path):
