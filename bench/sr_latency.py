@@ -62,6 +62,8 @@ def main():
     ap.add_argument("--pause", type=int, nargs="*", default=[], help="PIDs to SIGSTOP while measuring")
     ap.add_argument("--json", help="write the table as JSON here")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error("--rounds must be >= 1, got %d" % a.rounds)
     sys.path.insert(0, a.train_dir)
     sys.path.insert(0, os.path.join(REPO, "tests", "python"))
     import numpy as np
@@ -125,7 +127,7 @@ def main():
         cpp = {}
         round_ratio = {}   # threads -> [dense / sparse wall of each round]
         for t in a.threads:
-            for rnd in range(max(1, a.rounds)):
+            for rnd in range(a.rounds):
                 order = a.modes if rnd % 2 == 0 else list(reversed(a.modes))
                 walls = {}
                 for mode in order:
@@ -185,7 +187,7 @@ def main():
             print(f"| {t} | {d['cpp_cpu']:.3f} s | {s['cpp_cpu']:.3f} s | {d['torch_cpu']:.3f} s | {s['torch_cpu']:.3f} s"
                   f" | {d['torch_cpu'] / d['cpp_cpu']:.2f}x | {s['torch_cpu'] / s['cpp_cpu']:.2f}x | "
                   f"{d['cpp_cpu'] / s['cpp_cpu']:.2f}x |")
-    print(f"\nmedians of {a.repeat} (C++: median over {max(1, a.rounds)} rounds of that), wall-clock model time (C++: as "
+    print(f"\nmedians of {a.repeat} (C++: median over {a.rounds} rounds of that), wall-clock model time (C++: as "
           "`sattn sr upscale` reports it, untiled; paired: the median of the per-round dense/sparse ratios)")
     print("| threads | C++ dense | C++ sparse | PyTorch dense | PyTorch sparse | PyTorch/C++ dense | PyTorch/C++ "
           "sparse | C++ dense/sparse |")
@@ -196,8 +198,7 @@ def main():
         d, s = by.get((t, "dense")), by.get((t, "sparse"))
         if not d or not s:
             continue
-        paired = statistics.median(d["cpp_dense_over_sparse_rounds"]) if d["cpp_dense_over_sparse_rounds"] else \
-            d["cpp_wall"] / s["cpp_wall"]
+        paired = statistics.median(d["cpp_dense_over_sparse_rounds"])   # both modes ran in every round
         print(f"| {t} | {d['cpp_wall']:.3f} s | {s['cpp_wall']:.3f} s | {d['torch_wall']:.3f} s | "
               f"{s['torch_wall']:.3f} s | {d['torch_wall'] / d['cpp_wall']:.2f}x | {s['torch_wall'] / s['cpp_wall']:.2f}x"
               f" | {d['cpp_wall'] / s['cpp_wall']:.2f}x (paired: {paired:.2f}x) |")
