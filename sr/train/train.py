@@ -16,6 +16,9 @@ the CPU time on page faults. Run the trainer under jemalloc with purging off (De
   LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1 python3 ...
 (stage 11: 1.5-1.8 GiB per trainer, no kernel time, faster; sr/README.md). MALLOC_MMAP_THRESHOLD_=1048576 also
 bounds the memory but was slower (stage 10).
+--sparsity-mean cost (with --keep-ratio R) bounds the fraction of the dense window work the gates keep (each gate
+weighted by its window's multiply-adds, window_cost) instead of the plain mean gate: the mean gate lets the few, 7x
+dearer 16x16 windows stay routed while the many cheap 8x8 ones are pruned (stage 12, sr/README.md).
 --grow JSON with --init builds a larger model than the --init one and loads it function-preservingly
 (model.grow_state): '{"groups": [...]}' appends groups, '{"mlp_ratio": R}' widens the MLPs.
 """
@@ -110,11 +113,34 @@ def lr_at(step, total, base, warmup, floor):
     return floor + 0.5 * (base - floor) * (1.0 + math.cos(math.pi * min(1.0, t)))
 
 
-def sparsity_loss(stats, keep_ratio):
-    """Hinge on the mean gate above keep_ratio + a push of every gate towards 0 or 1 (g(1-g))."""
+def window_cost(ws, dim, hidden):
+    """Multiply-adds of one routed ws x ws window (L = ws^2 tokens): qkv, proj, fc1, fc2 (L (4 C^2 + 2 C hidden))
+    plus QK^T and AV (2 L^2 C). A 16x16 window costs about 7.4x an 8x8 one at C = 40, hidden = 80."""
+    L = ws * ws
+    return L * (4 * dim * dim + 2 * dim * hidden) + 2 * L * L * dim
+
+
+def sparsity_loss(stats, keep_ratio, costs=None):
+    """Hinge on the mean gate above keep_ratio + a push of every gate towards 0 or 1 (g(1-g)).
+
+    stats: one (gates, kept) per block, in forward order. costs=None: the mean over all gates (every window counts
+    the same, so the many cheap 8x8 windows dominate it); costs = one window_cost per block: the mean weighted by
+    each window's cost, i.e. the fraction of the dense window work that the gates keep (--sparsity-mean cost).
+    Returns (loss, mean gate, kept fraction of windows, kept fraction of the window work)."""
     g = torch.cat([s[0] for s in stats])
-    return F.relu(g.mean() - keep_ratio) + 0.5 * (g * (1 - g)).mean(), float(g.mean()), \
-        float(torch.cat([s[1].float() for s in stats]).mean())
+    kept = torch.cat([s[1].float() for s in stats])
+    if costs is None:
+        costs = [1.0] * len(stats)
+        weighted = False
+    else:
+        if len(costs) != len(stats):
+            raise ValueError("sparsity_loss: %d costs for %d blocks" % (len(costs), len(stats)))
+        weighted = True
+    den = sum(c * s[0].numel() for c, s in zip(costs, stats))
+    work = sum(c * s[0].sum() for c, s in zip(costs, stats)) / den
+    kept_work = sum(c * float(s[1].float().sum()) for c, s in zip(costs, stats)) / den
+    mean = work if weighted else g.mean()
+    return F.relu(mean - keep_ratio) + 0.5 * (g * (1 - g)).mean(), float(g.mean()), float(kept.mean()), kept_work
 
 
 @torch.no_grad()
@@ -166,6 +192,12 @@ def main():
                     help="pixel loss: l1 (default), or mse to fine-tune for PSNR (its gradients are ~2|err| times "
                          "L1's, so scale --sparsity-weight down with it)")
     ap.add_argument("--sparsity-weight", type=float, default=0.02)
+    ap.add_argument("--sparsity-mean", default="count", choices=("count", "cost"),
+                    help="what the sparsity hinge bounds by keep_ratio: the plain mean gate (count, the default "
+                         "of stages 1-11) or the mean weighted by each window's multiply-adds (cost: the fraction "
+                         "of the dense window work kept, so the deep 16x16 blocks, 7x dearer per window, count 7x)")
+    ap.add_argument("--keep-ratio", type=float, default=None,
+                    help="override the config's keep_ratio (the hinge's bound; stored in the config)")
     ap.add_argument("--ema", type=float, default=0.0, help="weight EMA decay per step (0: off), e.g. 0.999")
     ap.add_argument("--dim", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -227,6 +259,13 @@ def main():
         if not isinstance(over, dict) or not set(over) <= {"groups", "mlp_ratio"}:
             ap.error("--grow %r: expected an object with keys from groups, mlp_ratio" % a.grow)
         cfg.update(over)
+    if a.keep_ratio is not None:
+        if not 0.0 < a.keep_ratio <= 1.0:
+            ap.error("--keep-ratio must be in (0, 1], got %g" % a.keep_ratio)
+        if ck and cfg.get("keep_ratio") != a.keep_ratio:
+            log("note: --keep-ratio %g ignored, the checkpoint's config has %g" % (a.keep_ratio, cfg["keep_ratio"]))
+        elif not ck:
+            cfg["keep_ratio"] = a.keep_ratio
     torch.manual_seed(a.seed)
     model = MD.SattnSR(cfg).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=a.lr, betas=(0.9, 0.99))
@@ -265,6 +304,10 @@ def main():
             log("initialised %d/%d tensors from %s" % (len(ok), len(own), a.init))
     hp.setdefault("ema", 0.0)                   # checkpoints from before --ema
     hp.setdefault("loss", "l1")                 # checkpoints from before --loss
+    hp.setdefault("sparsity_mean", "count")     # checkpoints from before --sparsity-mean
+    blocks = [blk for grp in model.groups for blk in grp.blocks]
+    costs = ([window_cost(blk.ws, cfg["dim"], blk.fc1.out_features) for blk in blocks]
+             if hp["sparsity_mean"] == "cost" else None)
     ema = None
     if hp["ema"] > 0:
         ema = MD.SattnSR(cfg).to(device)
@@ -320,7 +363,7 @@ def main():
         out = model(x, mode=mode, stats=stats)
         l1 = F.l1_loss(out, y)                  # logged whatever the loss, so runs compare
         pixel = l1 if hp["loss"] == "l1" else F.mse_loss(out, y)
-        sl, gmean, kept = sparsity_loss(stats, cfg["keep_ratio"])
+        sl, gmean, kept, kept_work = sparsity_loss(stats, cfg["keep_ratio"], costs)
         loss = pixel + hp["sparsity_weight"] * sl
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -328,12 +371,14 @@ def main():
         if ema is not None:
             update_ema(ema, model, hp["ema"])
         step += 1
-        acc.append((float(l1), gmean, kept, mode == "dense"))
+        acc.append((float(l1), gmean, kept, mode == "dense", kept_work))
         if step % a.log_every == 0 or step == end:
             dt = (time.time() - t_log) / len(acc)
-            log("step %d lr %.2e l1 %.5f gate_mean %.3f kept %.3f (%.2f s/step)" % (
+            sparse_steps = [q for q in acc if not q[3]]
+            log("step %d lr %.2e l1 %.5f gate_mean %.3f kept %.3f work %.3f (%.2f s/step)" % (
                 step, lr_now, np.mean([q[0] for q in acc]), np.mean([q[1] for q in acc]),
-                np.mean([q[2] for q in acc if not q[3]] or [float("nan")]), dt))
+                np.mean([q[2] for q in sparse_steps] or [float("nan")]),
+                np.mean([q[4] for q in sparse_steps] or [float("nan")]), dt))
             acc, t_log = [], time.time()
         if step % a.val_every == 0 or step == end:
             model.eval()

@@ -227,3 +227,47 @@ def test_grow_from_a_checkpoint_on_the_command_line(tmp_path):
                         "--data", root, "--ckpt-dir", str(tmp_path / "y"), "--threads", "1"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--grow needs --init" in r.stderr
+
+
+def test_cost_weighted_sparsity_loss():
+    sys.path.insert(0, os.path.join(REPO, "sr", "train"))
+    import train
+    # multiply-adds of one window at C = 40, hidden = 80: L (4 C^2 + 2 C hidden) + 2 L^2 C
+    assert train.window_cost(8, 40, 80) == 64 * (4 * 1600 + 2 * 40 * 80) + 2 * 64 * 64 * 40 == 1146880
+    assert train.window_cost(16, 40, 80) == 8519680
+    g8 = torch.tensor([0.9, 0.1, 0.1, 0.1], requires_grad=True)     # cheap block: 4 windows of cost 1
+    g16 = torch.tensor([0.9], requires_grad=True)                   # dear block: 1 window of cost 6
+    stats = [(g8, g8 > 0.5), (g16, g16 > 0.5)]
+    binar = 0.5 * float((torch.cat([g8, g16]) * (1 - torch.cat([g8, g16]))).mean())
+    # count: plain mean gate 2.1 / 5 = 0.42; cost: (1.2 + 5.4) / 10 = 0.66 of the work; kept 2/5 windows, 7/10 work
+    loss, gmean, kept, kept_work = train.sparsity_loss(stats, 0.3)
+    assert abs(float(loss) - (0.42 - 0.3 + binar)) < 1e-6 and abs(gmean - 0.42) < 1e-6
+    assert abs(kept - 0.4) < 1e-6 and abs(kept_work - 0.4) < 1e-6
+    loss, gmean, kept, kept_work = train.sparsity_loss(stats, 0.3, [1.0, 6.0])
+    assert abs(float(loss) - (0.66 - 0.3 + binar)) < 1e-6 and abs(gmean - 0.42) < 1e-6
+    assert abs(kept - 0.4) < 1e-6 and abs(kept_work - 0.7) < 1e-6
+    # below the bound only the binarising term remains; the hinge's gradient per gate is proportional to its cost
+    loss, *_ = train.sparsity_loss(stats, 0.7, [1.0, 6.0])
+    assert abs(float(loss) - binar) < 1e-6
+    hinge, *_ = train.sparsity_loss([(g8, g8 > 0.5), (g16, g16 > 0.5)], 0.3, [1.0, 6.0])
+    hinge.backward()
+    d8 = g8.grad[1] - 0.5 * (1 - 2 * 0.1) / 5                       # minus the binarising term's gradient
+    d16 = g16.grad[0] - 0.5 * (1 - 2 * 0.9) / 5
+    assert abs(float(d8) - 0.1) < 1e-6 and abs(float(d16) - 0.6) < 1e-6
+    with pytest.raises(ValueError, match="2 costs for 1 blocks"):
+        train.sparsity_loss(stats[:1], 0.3, [1.0, 6.0])
+
+
+def test_sparsity_mean_and_keep_ratio_options(tmp_path):
+    root = str(tmp_path / "data")
+    make_data(root)
+    ck = run(root, str(tmp_path / "c"), "--sparsity-mean", "cost", "--keep-ratio", "0.25")
+    assert ck["hparams"]["sparsity_mean"] == "cost" and ck["config"]["keep_ratio"] == 0.25
+    log = open(str(tmp_path / "c" / "x2_train.log")).read()
+    assert " work " in log
+    plain = run(root, str(tmp_path / "p"))
+    assert plain["hparams"]["sparsity_mean"] == "count" and plain["config"]["keep_ratio"] == 0.4
+    bad = subprocess.run([sys.executable, TRAIN, "--scale", "2", "--steps", "5", "--data", root, "--ckpt-dir",
+                          str(tmp_path / "b"), "--threads", "1", "--keep-ratio", "1.5"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--keep-ratio must be in (0, 1]" in bad.stderr, bad.stderr
