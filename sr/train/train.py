@@ -246,7 +246,14 @@ def main():
     # torch >= 2.6 refuses to unpickle by default
     ck = torch.load(resume, map_location="cpu", weights_only=False) if resume else None
 
-    cfg = ck["config"] if ck else MD.default_config(a.scale)
+    init_ck = torch.load(a.init, map_location="cpu", weights_only=False) if a.init and not ck else None
+    if ck:
+        cfg = ck["config"]
+    elif init_ck is not None and "config" in init_ck:
+        # the architecture of the weights it starts from (e.g. the grown 4-group x2 model), at this run's scale
+        cfg = dict(init_ck["config"], scale=a.scale)
+    else:
+        cfg = MD.default_config(a.scale)
     if not ck and a.dim:
         cfg["dim"] = a.dim
     if a.grow and not ck:
@@ -289,7 +296,7 @@ def main():
             log("note: --steps %d ignored, the checkpoint's schedule has %d steps" % (a.steps, hp["steps"]))
         log("resumed %s at step %d" % (resume, step))
     elif a.init:
-        src = EV.shipped_weights(torch.load(a.init, map_location="cpu", weights_only=False))
+        src = EV.shipped_weights(init_ck)
         own = model.state_dict()
         if a.grow:
             try:

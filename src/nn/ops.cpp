@@ -108,19 +108,67 @@ void depthwise3x3_hwc(const float* in, int64_t H, int64_t W, int64_t C, const fl
 
 void dw_act_pw_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* dw_b, bool gelu,
                    const float* PW, const float* pw_b, const float* res, float* out, int threads) {
-  const float* p = pad1(in, H, W, C, threads);
+  // No padded copy of the whole input (a memory-bound pass as costly as the convolution): the rows are split into
+  // one contiguous band per thread, and each thread keeps its band's input rows y-1, y, y+1, zero-padded, in a
+  // 3-row ring. Row y+1 enters the ring before output row y is written, so out may alias in; the two rows that
+  // border a band belong to a neighbour band, which may overwrite them first, so they are copied beforehand.
+  // Every output row is computed the same way whatever the split (identical results for any thread count).
   int64_t P = 0;
   const std::vector<float> wt = tile_depthwise(Wd, dw_b, C, &P);
-  parallel_for(H, threads, [&](int64_t y) {
-    thread_local std::vector<float> t;
-    t.resize(size_t(W * C));
-    depthwise_row_padded(p, W, C, wt.data(), P, t.data(), y);
-    if (gelu) gelu_inplace(t.data(), W * C);
-    float* o = out + y * W * C;
-    const float* r = res + y * W * C;
-    for (int64_t x = 0; x < W; ++x)
-      for (int64_t c = 0; c < C; ++c) o[x * C + c] = r[x * C + c] + (pw_b ? pw_b[c] : 0.0f);
-    gemm_acc(t.data(), C, W, C, PW, padded_cols(C), C, o, C);
+  const int64_t rowc = W * C, rowp = (W + 2) * C;
+  const int64_t nb = std::max<int64_t>(1, std::min<int64_t>(threads, H));
+  auto band = [&](int64_t b) { return std::pair<int64_t, int64_t>{H * b / nb, H * (b + 1) / nb}; };
+  thread_local Buffer edge_buf;
+  float* edge = edge_buf.get(2 * nb * rowc);  // [band][above, below][W*C]
+  for (int64_t b = 0; b < nb; ++b) {
+    const auto [y0, y1] = band(b);
+    if (y0 > 0) std::memcpy(edge + (2 * b) * rowc, in + (y0 - 1) * rowc, size_t(rowc) * sizeof(float));
+    if (y1 < H) std::memcpy(edge + (2 * b + 1) * rowc, in + y1 * rowc, size_t(rowc) * sizeof(float));
+  }
+  parallel_region(int(nb), [&](int tid, int nt) {
+    thread_local Buffer ring_buf, t_buf;
+    float* ring = ring_buf.get(3 * rowp);
+    float* t = t_buf.get(rowc);
+    for (int64_t b = tid; b < nb; b += nt) {
+      const auto [y0, y1] = band(b);
+      // padded copy of input row r (zeros outside the image) into ring slot r mod 3
+      auto load = [&](int64_t r) {
+        float* slot = ring + ((r + 3) % 3) * rowp;
+        std::fill(slot, slot + C, 0.0f);
+        std::fill(slot + (W + 1) * C, slot + rowp, 0.0f);
+        if (r < 0 || r >= H) {
+          std::fill(slot + C, slot + (W + 1) * C, 0.0f);
+          return;
+        }
+        const float* src = r == y0 - 1 ? edge + (2 * b) * rowc : r == y1 ? edge + (2 * b + 1) * rowc : in + r * rowc;
+        std::memcpy(slot + C, src, size_t(rowc) * sizeof(float));
+      };
+      load(y0 - 1);
+      load(y0);
+      for (int64_t y = y0; y < y1; ++y) {
+        load(y + 1);
+        depthwise_row_3(ring + ((y + 2) % 3) * rowp, ring + (y % 3) * rowp, ring + ((y + 1) % 3) * rowp, W, C,
+                        wt.data(), P, t);
+        if (gelu) gelu_inplace(t, rowc);
+        float* o = out + y * rowc;
+        const float* r = res + y * rowc;
+        if (pw_b && o == r) {  // in place (the usual residual call): no aliasing question for the vectoriser
+          for (int64_t x = 0; x < W; ++x) {
+            float* __restrict ox = o + x * C;
+            for (int64_t c = 0; c < C; ++c) ox[c] += pw_b[c];
+          }
+        } else if (pw_b) {
+          for (int64_t x = 0; x < W; ++x) {
+            float* __restrict ox = o + x * C;
+            const float* __restrict rx = r + x * C;
+            for (int64_t c = 0; c < C; ++c) ox[c] = rx[c] + pw_b[c];
+          }
+        } else if (o != r) {
+          std::memmove(o, r, size_t(rowc) * sizeof(float));
+        }
+        gemm_acc(t, C, W, C, PW, padded_cols(C), C, o, C);
+      }
+    }
   });
 }
 std::vector<float> conv3x3_weight_hwc(const float* w, int64_t Cout, int64_t Cin) {

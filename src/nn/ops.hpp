@@ -66,6 +66,9 @@ void dw_act_pw_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float
 // 9 taps' weights then the bias, each tiled to `period` (a multiple of C and of 16).
 void depthwise_row_padded(const float* in, int64_t W, int64_t C, const float* Wt, int64_t period, float* out,
                           int64_t y);
+// The same from three zero-padded rows [W+2, C] anywhere in memory: above, centre, below.
+void depthwise_row_3(const float* above, const float* centre, const float* below, int64_t W, int64_t C,
+                     const float* Wt, int64_t period, float* out);
 
 // Layer norm over the last dim (biased variance, eps inside the sqrt), affine: x, y [M, C] (may alias).
 void layer_norm(const float* x, int64_t M, int64_t C, const float* gamma, const float* beta, float eps, float* y);

@@ -187,20 +187,21 @@ void GemmSegments(int nseg, const float* const* A, const int64_t* K, int64_t lda
   }
 }
 
-// One output row of a depthwise 3x3 on a zero-padded input [H+2, W+2, C]: out[x, c] = bias[c] +
-// sum_{ky,kx} in[y+ky, x+kx, c] · Wd[ky*3+kx][c]. Flat over the row's W·C values; the weights are tiled to a
+// One output row of a depthwise 3x3 from three zero-padded input rows [W+2, C] (a0 above, a1, a2 below): out[x, c]
+// = bias[c] + sum_{ky,kx} a_ky[x+kx, c] · Wd[ky*3+kx][c]. Flat over the row's W·C values; the weights are tiled to a
 // period P (a multiple of both C and the lane count) in Wt [10][P] (9 taps, then the bias).
-void DepthwiseRow(const float* in, int64_t W, int64_t C, const float* Wt, int64_t P, float* out, int64_t y) {
+void DepthwiseRow3(const float* a0, const float* a1, const float* a2, int64_t W, int64_t C, const float* Wt,
+                   int64_t P, float* out) {
   const DF d;
-  const int64_t L = int64_t(hn::Lanes(d)), R = W * C, rowp = (W + 2) * C;
-  const float* r0 = in + y * rowp;
+  const int64_t L = int64_t(hn::Lanes(d)), R = W * C;
+  const float* rows[3] = {a0, a1, a2};
   int64_t ph = 0;  // i mod P
   for (int64_t i = 0; i < R; i += L) {
     const size_t n = size_t(std::min(L, R - i));
     const auto m = hn::FirstN(d, n);
     VF acc = hn::LoadU(d, Wt + 9 * P + ph);
     for (int ky = 0; ky < 3; ++ky) {
-      const float* rp = r0 + ky * rowp + i;
+      const float* rp = rows[ky] + i;
       for (int kx = 0; kx < 3; ++kx) {
         const VF x = n == size_t(L) ? hn::LoadU(d, rp + kx * C) : hn::MaskedLoad(m, d, rp + kx * C);
         acc = hn::MulAdd(x, hn::LoadU(d, Wt + (ky * 3 + kx) * P + ph), acc);
@@ -287,7 +288,7 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace sattn::nn {
 HWY_EXPORT(GemmSegments);
-HWY_EXPORT(DepthwiseRow);
+HWY_EXPORT(DepthwiseRow3);
 HWY_EXPORT(LayerNormRows);
 HWY_EXPORT(GeluInplace);
 
@@ -306,7 +307,13 @@ void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W,
 }
 void depthwise_row_padded(const float* in, int64_t W, int64_t C, const float* Wt, int64_t period, float* out,
                           int64_t y) {
-  HWY_DYNAMIC_DISPATCH(DepthwiseRow)(in, W, C, Wt, period, out, y);
+  const int64_t rowp = (W + 2) * C;
+  const float* r0 = in + y * rowp;
+  HWY_DYNAMIC_DISPATCH(DepthwiseRow3)(r0, r0 + rowp, r0 + 2 * rowp, W, C, Wt, period, out);
+}
+void depthwise_row_3(const float* above, const float* centre, const float* below, int64_t W, int64_t C,
+                     const float* Wt, int64_t period, float* out) {
+  HWY_DYNAMIC_DISPATCH(DepthwiseRow3)(above, centre, below, W, C, Wt, period, out);
 }
 void layer_norm(const float* x, int64_t M, int64_t C, const float* gamma, const float* beta, float eps, float* y) {
   HWY_DYNAMIC_DISPATCH(LayerNormRows)(x, M, C, gamma, beta, eps, y);

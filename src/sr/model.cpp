@@ -300,6 +300,15 @@ struct BlockCtx {
   int64_t block_index = 0;
 };
 
+// out[m, c] = in[m, c] + bias[c] for m < M; in and out must not overlap.
+inline void add_row_bias(const float* in, int64_t M, int64_t C, const float* __restrict bias, float* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* __restrict i = in + m * C;
+    float* __restrict o = out + m * C;
+    for (int64_t c = 0; c < C; ++c) o[c] = i[c] + bias[c];
+  }
+}
+
 // Swin region label of a (rolled) position along one axis: 0, 1 or 2.
 inline int region(int64_t p, int64_t n, int64_t ws, int64_t s) { return p < n - ws ? 0 : (p < n - s ? 1 : 2); }
 
@@ -322,35 +331,38 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
   // 1. cheap path: y += pw(gelu(dw(y))), one fused pass per row
   nn::dw_act_pw_hwc(y, H, W, C, b.dw.data(), b.dw_b.data(), true, b.pw.data(), b.pw_b.data(), y, y, cx.threads);
   cx.clock->mark(stage_name("conv path"));
-  // f(l, pixel pointer) for the tokens l of window n in order: token (ly, lx) is pixel
-  // ((wy·ws + ly + s) mod H, (wx·ws + lx + s) mod W) of y, i.e. after the cyclic roll by (-s, -s)
-  auto for_each_token = [&](int64_t n, auto&& f) {
+  // f(l, pixel pointer, count) for the tokens of window n in order, as runs of `count` consecutive tokens l.. that
+  // are consecutive pixels: token (ly, lx) is pixel ((wy·ws + ly + s) mod H, (wx·ws + lx + s) mod W) of y, i.e.
+  // after the cyclic roll by (-s, -s); a window row is one run, or two where the roll wraps it around the edge.
+  auto for_each_run = [&](int64_t n, auto&& f) {
     const int64_t wy = n / nwx, wx = n % nwx, px0 = wx * ws + s;
+    const int64_t first = std::min(ws, W - px0);  // tokens before the wrap (px0 < W always)
     for (int64_t ly = 0; ly < ws; ++ly) {
       float* row = y + ((wy * ws + ly + s) % H) * W * C;
-      for (int64_t lx = 0; lx < ws; ++lx) {
-        const int64_t px = px0 + lx < W ? px0 + lx : px0 + lx - W;
-        f(ly * ws + lx, row + px * C);
-      }
+      f(ly * ws, row + px0 * C, first);
+      if (first < ws) f(ly * ws + first, row, ws - first);
     }
   };
-  // 2-5. router: per window mean / population std over tokens, per channel
+  // 2-5. router: per window mean / population std over tokens, per channel (two passes, as the PyTorch model)
   std::vector<float> gate(static_cast<size_t>(nW));
   parallel_for(nW, cx.threads, [&](int64_t n) {
-    std::vector<float> mean(size_t(C), 0.0f), var(size_t(C), 0.0f);
-    float* mp = mean.data();
-    float* vp = var.data();
-    for_each_token(n, [&](int64_t, const float* p) {
-      for (int64_t c = 0; c < C; ++c) mp[c] += p[c];
+    thread_local std::vector<float> stat;
+    stat.assign(size_t(2 * C), 0.0f);
+    float* __restrict mp = stat.data();
+    float* __restrict vp = stat.data() + C;
+    for_each_run(n, [&](int64_t, const float* p, int64_t count) {
+      for (int64_t t = 0; t < count; ++t, p += C)
+        for (int64_t c = 0; c < C; ++c) mp[c] += p[c];
     });
     for (int64_t c = 0; c < C; ++c) mp[c] /= float(L);
-    for_each_token(n, [&](int64_t, const float* p) {
-      for (int64_t c = 0; c < C; ++c) vp[c] += (p[c] - mp[c]) * (p[c] - mp[c]);
+    for_each_run(n, [&](int64_t, const float* p, int64_t count) {
+      for (int64_t t = 0; t < count; ++t, p += C)
+        for (int64_t c = 0; c < C; ++c) vp[c] += (p[c] - mp[c]) * (p[c] - mp[c]);
     });
     float logit = b.router_b;
     for (int64_t c = 0; c < C; ++c) {
-      const float sd = std::sqrt(var[size_t(c)] / float(L) + cx.std_eps);
-      logit += b.router_w[size_t(c)] * mean[size_t(c)] + b.router_w[size_t(C + c)] * sd;
+      const float sd = std::sqrt(vp[c] / float(L) + cx.std_eps);
+      logit += b.router_w[size_t(c)] * mp[c] + b.router_w[size_t(C + c)] * sd;
     }
     gate[size_t(n)] = 1.0f / (1.0f + std::exp(-logit));
   });
@@ -388,8 +400,8 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
     h.resize(size_t(M * hid));
     for (int64_t i = 0; i < nw; ++i) {
       float* dst = xw.data() + i * L * C;
-      for_each_token(routed[size_t(i0 + i)], [&](int64_t l, const float* p) {
-        for (int64_t c = 0; c < C; ++c) dst[l * C + c] = p[c];
+      for_each_run(routed[size_t(i0 + i)], [&](int64_t l, const float* p, int64_t count) {
+        std::memcpy(dst + l * C, p, size_t(count * C) * sizeof(float));
       });
     }
     nn::layer_norm(xw.data(), M, C, b.n1_w.data(), b.n1_b.data(), cx.ln_eps, a.data());
@@ -442,14 +454,12 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
     attend(plain, false);
     attend(masked, true);
     // t = xw + proj_b + o·Wproj; a = LN2(t); h = gelu(fc1(a)); o = t + fc2_b + h·Wfc2 (= t + mlp(t))
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t c = 0; c < C; ++c) t[size_t(m * C + c)] = xw[size_t(m * C + c)] + b.proj_b[size_t(c)];
+    add_row_bias(xw.data(), M, C, b.proj_b.data(), t.data());
     nn::gemm_acc(o.data(), C, M, C, b.proj.data(), nn::padded_cols(C), C, t.data(), C);
     nn::layer_norm(t.data(), M, C, b.n2_w.data(), b.n2_b.data(), cx.ln_eps, a.data());
     nn::linear(a.data(), M, C, b.fc1.data(), b.fc1_b.data(), hid, h.data(), 1);
     nn::gelu_inplace(h.data(), M * hid);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t c = 0; c < C; ++c) o[size_t(m * C + c)] = t[size_t(m * C + c)] + b.fc2_b[size_t(c)];
+    add_row_bias(t.data(), M, C, b.fc2_b.data(), o.data());
     nn::gemm_acc(h.data(), hid, M, hid, b.fc2.data(), nn::padded_cols(C), C, o.data(), C);
     // xw += g * (t + mlp - xw), scattered back to the (un-rolled) pixels
     for (int64_t i = 0; i < nw; ++i) {
@@ -457,8 +467,10 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
       const float g = gate[size_t(n)];
       const float* xi = xw.data() + i * L * C;
       const float* oi = o.data() + i * L * C;
-      for_each_token(n, [&](int64_t l, float* p) {
-        for (int64_t c = 0; c < C; ++c) p[c] = xi[l * C + c] + g * (oi[l * C + c] - xi[l * C + c]);
+      for_each_run(n, [&](int64_t l, float* __restrict p, int64_t count) {
+        const float* __restrict xl = xi + l * C;
+        const float* __restrict ol = oi + l * C;
+        for (int64_t j = 0; j < count * C; ++j) p[j] = xl[j] + g * (ol[j] - xl[j]);
       });
     }
   });

@@ -320,14 +320,25 @@ TEST(SrOps, GemmSegmentsAwkwardShapesAndRowIndependence) {
 
 TEST(SrOps, DepthwiseGeluPointwiseMatchesPlainLoops) {
   // out = res + pw_b + act(dw(in) + dw_b) · PW, in place on `in` (the model's cheap path) and with act = identity
-  for (auto [H, W, C] : {std::tuple{5, 7, 3}, std::tuple{1, 1, 2}, std::tuple{4, 9, 40}}) {
+  // rows are split into one band per thread: heights around the thread counts test the band borders
+  for (auto [H, W, C, threads] : {std::tuple{5, 7, 3, 2}, std::tuple{1, 1, 2, 2}, std::tuple{4, 9, 40, 2},
+                                  std::tuple{13, 6, 40, 3}, std::tuple{2, 5, 7, 3}, std::tuple{9, 4, 16, 1},
+                                  std::tuple{7, 3, 5, 7}}) {
     const auto in = randv(size_t(H * W * C), 11), res = randv(size_t(H * W * C), 12), wd = randv(size_t(9 * C), 13),
                bd = randv(size_t(C), 14), pw = randv(size_t(C * C), 15), bp = randv(size_t(C), 16);
     for (bool gelu : {true, false}) {
       std::vector<float> out = in;  // aliasing in and out
       const auto pwt = sattn::nn::transpose_weight(pw.data(), C, C);  // pw as PyTorch's [out, in]
       sattn::nn::dw_act_pw_hwc(out.data(), H, W, C, wd.data(), bd.data(), gelu, pwt.data(), bp.data(), res.data(),
-                               out.data(), 2);
+                               out.data(), threads);
+      // the same rows from a separate output buffer, and on 1 thread, are bitwise the same
+      std::vector<float> sep(in.size()), one = in;
+      sattn::nn::dw_act_pw_hwc(in.data(), H, W, C, wd.data(), bd.data(), gelu, pwt.data(), bp.data(), res.data(),
+                               sep.data(), threads);
+      sattn::nn::dw_act_pw_hwc(one.data(), H, W, C, wd.data(), bd.data(), gelu, pwt.data(), bp.data(), res.data(),
+                               one.data(), 1);
+      ASSERT_EQ(0, std::memcmp(out.data(), sep.data(), out.size() * sizeof(float))) << H << "x" << W << "x" << C;
+      ASSERT_EQ(0, std::memcmp(out.data(), one.data(), out.size() * sizeof(float))) << H << "x" << W << "x" << C;
       for (int y = 0; y < H; ++y)
         for (int x = 0; x < W; ++x) {
           std::vector<double> t(static_cast<size_t>(C));

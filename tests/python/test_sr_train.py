@@ -227,6 +227,11 @@ def test_grow_from_a_checkpoint_on_the_command_line(tmp_path):
                         "--data", root, "--ckpt-dir", str(tmp_path / "y"), "--threads", "1"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--grow needs --init" in r.stderr
+    # --init alone continues the architecture it starts from (4 groups here, all tensors), not the default 3 groups
+    cont = run(root, str(tmp_path / "c"), "--init", str(tmp_path / "g" / "x2_last.pt"), "--stop-after", "1")
+    assert cont["config"]["groups"] == [[8, 8], [8, 8], [16, 16], [8, 8]]
+    log = open(str(tmp_path / "c" / "x2_train.log")).read()
+    assert "initialised %d/%d tensors" % (len(grown["model"]), len(grown["model"])) in log
 
 
 def test_cost_weighted_sparsity_loss():
