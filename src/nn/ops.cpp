@@ -51,26 +51,55 @@ void linear(const float* x, int64_t M, int64_t K, const float* W, const float* b
 }
 
 namespace {
-// Zero-padded copy [H+2, W+2, C] of in [H, W, C] (padding 1 of the 3x3 convolutions), in a per-thread buffer
-// reused across calls (fresh multi-MB allocations cost page faults on every call): valid until the calling
-// thread's next pad1.
-const float* pad1(const float* in, int64_t H, int64_t W, int64_t C, int threads) {
-  thread_local Buffer buf;
-  const int64_t rowp = (W + 2) * C;
-  float* p = buf.get((H + 2) * rowp);
-  std::fill(p, p + rowp, 0.0f);
-  std::fill(p + (H + 1) * rowp, p + (H + 2) * rowp, 0.0f);
-  parallel_for(H, threads, [&](int64_t y) {
-    float* r = p + (y + 1) * rowp;
-    std::fill(r, r + C, 0.0f);
-    std::memcpy(r + C, in + y * W * C, size_t(W * C) * sizeof(float));
-    std::fill(r + (W + 1) * C, r + rowp, 0.0f);
+// Runs f(y, above, centre, below) for every row y of in [H, W, C]: three zero-padded rows [W+2, C] (input rows
+// y-1, y, y+1; zeros outside the image) for the 3x3 convolutions, without a padded copy of the whole input (a
+// memory-bound pass as costly as a depthwise convolution). The rows are split into one contiguous band per thread;
+// each thread keeps its band's rows y-1, y, y+1 in a 3-row ring, and row y+1 enters the ring before f(y, ...)
+// runs, so f may overwrite row y of `in` (in-place convolutions, same row size). The two rows bordering a band
+// belong to a neighbour band, which may overwrite them first, so they are copied beforehand. f is called once per
+// row, with the same rows whatever the split (results do not depend on the thread count).
+template <typename F>
+void for_each_padded_row(const float* in, int64_t H, int64_t W, int64_t C, int threads, F&& f) {
+  const int64_t rowc = W * C, rowp = (W + 2) * C;
+  const int64_t nb = std::max<int64_t>(1, std::min<int64_t>(threads, H));
+  auto band = [&](int64_t b) { return std::pair<int64_t, int64_t>{H * b / nb, H * (b + 1) / nb}; };
+  thread_local Buffer edge_buf;
+  float* edge = edge_buf.get(2 * nb * rowc);  // [band][above, below][W*C]
+  for (int64_t b = 0; b < nb; ++b) {
+    const auto [y0, y1] = band(b);
+    if (y0 > 0) std::memcpy(edge + (2 * b) * rowc, in + (y0 - 1) * rowc, size_t(rowc) * sizeof(float));
+    if (y1 < H) std::memcpy(edge + (2 * b + 1) * rowc, in + y1 * rowc, size_t(rowc) * sizeof(float));
+  }
+  parallel_region(int(nb), [&](int tid, int nt) {
+    thread_local Buffer ring_buf;
+    float* ring = ring_buf.get(3 * rowp);
+    for (int64_t b = tid; b < nb; b += nt) {
+      const auto [y0, y1] = band(b);
+      auto slot = [&](int64_t r) { return ring + ((r + 3) % 3) * rowp; };
+      auto load = [&](int64_t r) {  // padded input row r into its ring slot
+        float* d = slot(r);
+        std::fill(d, d + C, 0.0f);
+        std::fill(d + (W + 1) * C, d + rowp, 0.0f);
+        if (r < 0 || r >= H) {
+          std::fill(d + C, d + (W + 1) * C, 0.0f);
+          return;
+        }
+        const float* src = r == y0 - 1 ? edge + (2 * b) * rowc : r == y1 ? edge + (2 * b + 1) * rowc : in + r * rowc;
+        std::memcpy(d + C, src, size_t(rowc) * sizeof(float));
+      };
+      load(y0 - 1);
+      load(y0);
+      for (int64_t y = y0; y < y1; ++y) {
+        load(y + 1);
+        f(y, static_cast<const float*>(slot(y - 1)), static_cast<const float*>(slot(y)),
+          static_cast<const float*>(slot(y + 1)));
+      }
+    }
   });
-  return p;
 }
 
 // Depthwise weights [9][C] + bias [C] tiled to a period P = lcm(C, 16) (a multiple of every SIMD lane count):
-// [10][P], the bias (or zeros) last, as depthwise_row_padded reads them.
+// [10][P], the bias (or zeros) last, as depthwise_row_3 reads them.
 std::vector<float> tile_depthwise(const float* Wd, const float* bias, int64_t C, int64_t* period) {
   const int64_t P = std::lcm<int64_t>(C, 16);
   std::vector<float> t(size_t(10 * P));
@@ -84,15 +113,16 @@ std::vector<float> tile_depthwise(const float* Wd, const float* bias, int64_t C,
 
 void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float* W9, const float* bias,
                  int64_t Cout, float* out, int threads) {
-  // On the padded input, the three taps of a kernel row are 3·Cin contiguous values starting at output pixel x:
+  // On a padded input row, the three taps of a kernel row are 3·Cin contiguous values starting at output pixel x:
   // one GEMM per output row with three K = 3·Cin segments (kernel rows), A rows overlapping (lda = Cin).
-  const float* p = pad1(in, H, W, Cin, threads);
-  const int64_t rowp = (W + 2) * Cin;
-  parallel_for(H, threads, [&](int64_t y) {
+  const bool overlap = out < in + H * W * Cin && in < out + H * W * Cout;
+  check(!overlap || (out == in && Cout == Cin), ErrorKind::kInternal,
+        "conv3x3_hwc: out may alias in only exactly and with Cout == Cin (", Cout, " vs ", Cin, ")");
+  for_each_padded_row(in, H, W, Cin, threads, [&](int64_t y, const float* r0, const float* r1, const float* r2) {
     float* o = out + y * W * Cout;
     for (int64_t x = 0; x < W; ++x)
       for (int64_t c = 0; c < Cout; ++c) o[x * Cout + c] = bias ? bias[c] : 0.0f;
-    const float* a[3] = {p + y * rowp, p + (y + 1) * rowp, p + (y + 2) * rowp};
+    const float* a[3] = {r0, r1, r2};
     const int64_t k[3] = {3 * Cin, 3 * Cin, 3 * Cin};
     gemm_acc_segments(3, a, k, Cin, W, W9, padded_cols(Cout), Cout, o, Cout);
   });
@@ -100,77 +130,43 @@ void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float
 
 void depthwise3x3_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* bias,
                       float* out, int threads) {
-  const float* p = pad1(in, H, W, C, threads);
   int64_t P = 0;
   const std::vector<float> wt = tile_depthwise(Wd, bias, C, &P);
-  parallel_for(H, threads, [&](int64_t y) { depthwise_row_padded(p, W, C, wt.data(), P, out + y * W * C, y); });
+  for_each_padded_row(in, H, W, C, threads, [&](int64_t y, const float* r0, const float* r1, const float* r2) {
+    depthwise_row_3(r0, r1, r2, W, C, wt.data(), P, out + y * W * C);
+  });
 }
 
 void dw_act_pw_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* dw_b, bool gelu,
                    const float* PW, const float* pw_b, const float* res, float* out, int threads) {
-  // No padded copy of the whole input (a memory-bound pass as costly as the convolution): the rows are split into
-  // one contiguous band per thread, and each thread keeps its band's input rows y-1, y, y+1, zero-padded, in a
-  // 3-row ring. Row y+1 enters the ring before output row y is written, so out may alias in; the two rows that
-  // border a band belong to a neighbour band, which may overwrite them first, so they are copied beforehand.
-  // Every output row is computed the same way whatever the split (identical results for any thread count).
   int64_t P = 0;
   const std::vector<float> wt = tile_depthwise(Wd, dw_b, C, &P);
-  const int64_t rowc = W * C, rowp = (W + 2) * C;
-  const int64_t nb = std::max<int64_t>(1, std::min<int64_t>(threads, H));
-  auto band = [&](int64_t b) { return std::pair<int64_t, int64_t>{H * b / nb, H * (b + 1) / nb}; };
-  thread_local Buffer edge_buf;
-  float* edge = edge_buf.get(2 * nb * rowc);  // [band][above, below][W*C]
-  for (int64_t b = 0; b < nb; ++b) {
-    const auto [y0, y1] = band(b);
-    if (y0 > 0) std::memcpy(edge + (2 * b) * rowc, in + (y0 - 1) * rowc, size_t(rowc) * sizeof(float));
-    if (y1 < H) std::memcpy(edge + (2 * b + 1) * rowc, in + y1 * rowc, size_t(rowc) * sizeof(float));
-  }
-  parallel_region(int(nb), [&](int tid, int nt) {
-    thread_local Buffer ring_buf, t_buf;
-    float* ring = ring_buf.get(3 * rowp);
+  const int64_t rowc = W * C;
+  for_each_padded_row(in, H, W, C, threads, [&](int64_t y, const float* r0, const float* r1, const float* r2) {
+    thread_local Buffer t_buf;
     float* t = t_buf.get(rowc);
-    for (int64_t b = tid; b < nb; b += nt) {
-      const auto [y0, y1] = band(b);
-      // padded copy of input row r (zeros outside the image) into ring slot r mod 3
-      auto load = [&](int64_t r) {
-        float* slot = ring + ((r + 3) % 3) * rowp;
-        std::fill(slot, slot + C, 0.0f);
-        std::fill(slot + (W + 1) * C, slot + rowp, 0.0f);
-        if (r < 0 || r >= H) {
-          std::fill(slot + C, slot + (W + 1) * C, 0.0f);
-          return;
-        }
-        const float* src = r == y0 - 1 ? edge + (2 * b) * rowc : r == y1 ? edge + (2 * b + 1) * rowc : in + r * rowc;
-        std::memcpy(slot + C, src, size_t(rowc) * sizeof(float));
-      };
-      load(y0 - 1);
-      load(y0);
-      for (int64_t y = y0; y < y1; ++y) {
-        load(y + 1);
-        depthwise_row_3(ring + ((y + 2) % 3) * rowp, ring + (y % 3) * rowp, ring + ((y + 1) % 3) * rowp, W, C,
-                        wt.data(), P, t);
-        if (gelu) gelu_inplace(t, rowc);
-        float* o = out + y * rowc;
-        const float* r = res + y * rowc;
-        if (pw_b && o == r) {  // in place (the usual residual call): no aliasing question for the vectoriser
-          for (int64_t x = 0; x < W; ++x) {
-            float* __restrict ox = o + x * C;
-            for (int64_t c = 0; c < C; ++c) ox[c] += pw_b[c];
-          }
-        } else if (pw_b) {
-          for (int64_t x = 0; x < W; ++x) {
-            float* __restrict ox = o + x * C;
-            const float* __restrict rx = r + x * C;
-            for (int64_t c = 0; c < C; ++c) ox[c] = rx[c] + pw_b[c];
-          }
-        } else if (o != r) {
-          std::memmove(o, r, size_t(rowc) * sizeof(float));
-        }
-        gemm_acc(t, C, W, C, PW, padded_cols(C), C, o, C);
+    depthwise_row_3(r0, r1, r2, W, C, wt.data(), P, t);
+    if (gelu) gelu_inplace(t, rowc);
+    float* o = out + y * rowc;
+    const float* r = res + y * rowc;
+    if (pw_b && o == r) {  // in place (the usual residual call): no aliasing question for the vectoriser
+      for (int64_t x = 0; x < W; ++x) {
+        float* __restrict ox = o + x * C;
+        for (int64_t c = 0; c < C; ++c) ox[c] += pw_b[c];
       }
+    } else if (pw_b) {
+      for (int64_t x = 0; x < W; ++x) {
+        float* __restrict ox = o + x * C;
+        const float* __restrict rx = r + x * C;
+        for (int64_t c = 0; c < C; ++c) ox[c] = rx[c] + pw_b[c];
+      }
+    } else if (o != r) {
+      std::memmove(o, r, size_t(rowc) * sizeof(float));
     }
+    gemm_acc(t, C, W, C, PW, padded_cols(C), C, o, C);
   });
 }
+
 std::vector<float> conv3x3_weight_hwc(const float* w, int64_t Cout, int64_t Cin) {
   const int64_t ld = padded_cols(Cout);
   std::vector<float> r(size_t(9 * Cin * ld), 0.0f);

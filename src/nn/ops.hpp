@@ -48,12 +48,12 @@ void linear(const float* x, int64_t M, int64_t K, const float* W, const float* b
             int threads);
 
 // 3x3 convolution, padding 1 (zeros), stride 1, HWC: in [H, W, Cin], W9 [9 taps (ky*3+kx)][Cin][padded_cols(Cout)]
-// (conv3x3_weight_hwc), bias [Cout] (may be null), out [H, W, Cout] (overwritten; may alias in: the input is
-// copied to a padded buffer first). PyTorch Conv2d semantics (cross-correlation).
+// (conv3x3_weight_hwc), bias [Cout] (may be null), out [H, W, Cout] (overwritten; may be in itself when
+// Cout == Cin, never partly overlap it). PyTorch Conv2d semantics (cross-correlation).
 void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float* W9, const float* bias,
                  int64_t Cout, float* out, int threads);
 
-// Depthwise 3x3 (groups = C), padding 1: in/out [H, W, C], Wd [9][C], bias [C]. out must not alias in.
+// Depthwise 3x3 (groups = C), padding 1: in/out [H, W, C], Wd [9][C], bias [C]; out may be in (in place).
 void depthwise3x3_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* bias,
                       float* out, int threads);
 
@@ -62,11 +62,9 @@ void depthwise3x3_hwc(const float* in, int64_t H, int64_t W, int64_t C, const fl
 void dw_act_pw_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* dw_b, bool gelu,
                    const float* PW, const float* pw_b, const float* res, float* out, int threads);
 
-// One output row y of a depthwise 3x3 on a zero-padded input [H+2, W+2, C] into out [W, C]; Wt [10][period]: the
-// 9 taps' weights then the bias, each tiled to `period` (a multiple of C and of 16).
-void depthwise_row_padded(const float* in, int64_t W, int64_t C, const float* Wt, int64_t period, float* out,
-                          int64_t y);
-// The same from three zero-padded rows [W+2, C] anywhere in memory: above, centre, below.
+// One output row of a depthwise 3x3 from three zero-padded input rows [W+2, C] (above, centre, below; anywhere in
+// memory) into out [W, C]; Wt [10][period]: the 9 taps' weights then the bias, each tiled to `period` (a multiple
+// of C and of 16).
 void depthwise_row_3(const float* above, const float* centre, const float* below, int64_t W, int64_t C,
                      const float* Wt, int64_t period, float* out);
 

@@ -305,12 +305,6 @@ void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W,
   const int64_t k[1] = {K};
   gemm_acc_segments(1, a, k, lda, M, W, ldw, N, C, ldc);
 }
-void depthwise_row_padded(const float* in, int64_t W, int64_t C, const float* Wt, int64_t period, float* out,
-                          int64_t y) {
-  const int64_t rowp = (W + 2) * C;
-  const float* r0 = in + y * rowp;
-  HWY_DYNAMIC_DISPATCH(DepthwiseRow3)(r0, r0 + rowp, r0 + 2 * rowp, W, C, Wt, period, out);
-}
 void depthwise_row_3(const float* above, const float* centre, const float* below, int64_t W, int64_t C,
                      const float* Wt, int64_t period, float* out) {
   HWY_DYNAMIC_DISPATCH(DepthwiseRow3)(above, centre, below, W, C, Wt, period, out);

@@ -343,28 +343,49 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
       if (first < ws) f(ly * ws + first, row, ws - first);
     }
   };
-  // 2-5. router: per window mean / population std over tokens, per channel (two passes, as the PyTorch model)
+  // 2-5. router: per window mean / population std over tokens, per channel (two passes, as the PyTorch model).
+  // One task per row of windows, streaming its ws image rows (memory-bound otherwise); the second pass reads them
+  // from cache. Each window still sums its tokens in order, so the result does not depend on the traversal.
   std::vector<float> gate(static_cast<size_t>(nW));
-  parallel_for(nW, cx.threads, [&](int64_t n) {
+  parallel_for(nwy, cx.threads, [&](int64_t wy) {
     thread_local std::vector<float> stat;
-    stat.assign(size_t(2 * C), 0.0f);
-    float* __restrict mp = stat.data();
-    float* __restrict vp = stat.data() + C;
-    for_each_run(n, [&](int64_t, const float* p, int64_t count) {
+    stat.assign(size_t(2 * nwx * C), 0.0f);
+    float* __restrict means = stat.data();
+    float* __restrict vars = stat.data() + nwx * C;
+    // f(pixel pointer, count) over the runs of consecutive pixels of window wx in image row `row` (see for_each_run)
+    auto row_runs = [&](const float* row, int64_t wx, auto&& f) {
+      const int64_t px0 = wx * ws + s, first = std::min(ws, W - px0);
+      f(row + px0 * C, first);
+      if (first < ws) f(row, ws - first);
+    };
+    auto rows = [&](auto&& per_window) {
+      for (int64_t ly = 0; ly < ws; ++ly) {
+        const float* row = y + ((wy * ws + ly + s) % H) * W * C;
+        for (int64_t wx = 0; wx < nwx; ++wx) row_runs(row, wx, [&](const float* p, int64_t count) {
+            per_window(wx, p, count);
+          });
+      }
+    };
+    rows([&](int64_t wx, const float* p, int64_t count) {
+      float* __restrict mp = means + wx * C;
       for (int64_t t = 0; t < count; ++t, p += C)
         for (int64_t c = 0; c < C; ++c) mp[c] += p[c];
     });
-    for (int64_t c = 0; c < C; ++c) mp[c] /= float(L);
-    for_each_run(n, [&](int64_t, const float* p, int64_t count) {
+    for (int64_t i = 0; i < nwx * C; ++i) means[i] /= float(L);
+    rows([&](int64_t wx, const float* p, int64_t count) {
+      const float* __restrict mp = means + wx * C;
+      float* __restrict vp = vars + wx * C;
       for (int64_t t = 0; t < count; ++t, p += C)
         for (int64_t c = 0; c < C; ++c) vp[c] += (p[c] - mp[c]) * (p[c] - mp[c]);
     });
-    float logit = b.router_b;
-    for (int64_t c = 0; c < C; ++c) {
-      const float sd = std::sqrt(vp[c] / float(L) + cx.std_eps);
-      logit += b.router_w[size_t(c)] * mp[c] + b.router_w[size_t(C + c)] * sd;
+    for (int64_t wx = 0; wx < nwx; ++wx) {
+      float logit = b.router_b;
+      for (int64_t c = 0; c < C; ++c) {
+        const float sd = std::sqrt(vars[wx * C + c] / float(L) + cx.std_eps);
+        logit += b.router_w[size_t(c)] * means[wx * C + c] + b.router_w[size_t(C + c)] * sd;
+      }
+      gate[size_t(wy * nwx + wx)] = 1.0f / (1.0f + std::exp(-logit));
     }
-    gate[size_t(n)] = 1.0f / (1.0f + std::exp(-logit));
   });
   std::vector<int64_t> routed;
   for (int64_t n = 0; n < nW; ++n) {

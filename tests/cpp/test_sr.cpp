@@ -210,11 +210,21 @@ std::vector<float> randv(size_t n, unsigned seed) {
 }
 
 TEST(SrOps, Conv3x3AndDepthwiseMatchPlainLoops) {
-  for (auto [H, W, Ci, Co] : {std::tuple{5, 7, 3, 9}, std::tuple{1, 1, 2, 2}, std::tuple{6, 9, 40, 67}}) {
+  // rows are split into one band per thread: heights around the thread counts test the band borders
+  for (auto [H, W, Ci, Co, threads] : {std::tuple{5, 7, 3, 9, 2}, std::tuple{1, 1, 2, 2, 2},
+                                       std::tuple{6, 9, 40, 67, 2}, std::tuple{11, 4, 12, 12, 3},
+                                       std::tuple{3, 5, 8, 8, 4}}) {
     const auto in = randv(size_t(H * W * Ci), 1), w = randv(size_t(Co * Ci * 9), 2), b = randv(size_t(Co), 3);
     const auto w9 = sattn::nn::conv3x3_weight_hwc(w.data(), Co, Ci);
-    std::vector<float> out(size_t(H * W * Co));
-    sattn::nn::conv3x3_hwc(in.data(), H, W, Ci, w9.data(), b.data(), Co, out.data(), 2);
+    std::vector<float> out(size_t(H * W * Co)), one(out.size());
+    sattn::nn::conv3x3_hwc(in.data(), H, W, Ci, w9.data(), b.data(), Co, out.data(), threads);
+    sattn::nn::conv3x3_hwc(in.data(), H, W, Ci, w9.data(), b.data(), Co, one.data(), 1);
+    ASSERT_EQ(0, std::memcmp(out.data(), one.data(), out.size() * sizeof(float))) << "thread count changed results";
+    if (Ci == Co) {  // in place
+      std::vector<float> io = in;
+      sattn::nn::conv3x3_hwc(io.data(), H, W, Ci, w9.data(), b.data(), Co, io.data(), threads);
+      ASSERT_EQ(0, std::memcmp(out.data(), io.data(), out.size() * sizeof(float))) << "in place";
+    }
     for (int y = 0; y < H; ++y)
       for (int x = 0; x < W; ++x)
         for (int o = 0; o < Co; ++o) {
@@ -230,8 +240,10 @@ TEST(SrOps, Conv3x3AndDepthwiseMatchPlainLoops) {
         }
     // depthwise on the first Ci channels
     const auto wd = sattn::nn::depthwise_weight_hwc(w.data(), Ci);
-    std::vector<float> od(size_t(H * W * Ci));
-    sattn::nn::depthwise3x3_hwc(in.data(), H, W, Ci, wd.data(), b.data(), od.data(), 2);
+    std::vector<float> od(size_t(H * W * Ci)), odi = in;
+    sattn::nn::depthwise3x3_hwc(in.data(), H, W, Ci, wd.data(), b.data(), od.data(), threads);
+    sattn::nn::depthwise3x3_hwc(odi.data(), H, W, Ci, wd.data(), b.data(), odi.data(), threads);
+    ASSERT_EQ(0, std::memcmp(od.data(), odi.data(), od.size() * sizeof(float))) << "depthwise in place";
     for (int y = 0; y < H; ++y)
       for (int x = 0; x < W; ++x)
         for (int c = 0; c < Ci; ++c) {
