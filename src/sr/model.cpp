@@ -665,9 +665,11 @@ Tensor image_to_tensor_mt(const Image& image, int threads) {
   return t;
 }
 
-uint8_t to_u8(float v) {
+inline uint8_t to_u8(float v) {
   const double d = double(std::min(1.0f, std::max(0.0f, v)));  // clamp (NaN -> 0 via max)
-  return uint8_t(std::floor(d * 255.0 + 0.5));
+  // floor(255 d + 0.5), exact in double; the argument is >= 0.5, so truncation is the floor (and, unlike a call
+  // to floor() in this baseline-x86-64 translation unit, one instruction: 3 M of these per 1024x1024 output)
+  return uint8_t(int32_t(d * 255.0 + 0.5));
 }
 
 Image tensor_to_image_mt(const Tensor& chw, int threads) {
