@@ -115,7 +115,9 @@ void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float
                  int64_t Cout, float* out, int threads) {
   // On a padded input row, the three taps of a kernel row are 3·Cin contiguous values starting at output pixel x:
   // one GEMM per output row with three K = 3·Cin segments (kernel rows), A rows overlapping (lda = Cin).
-  const bool overlap = out < in + H * W * Cin && in < out + H * W * Cout;
+  const auto lo_in = reinterpret_cast<uintptr_t>(in), lo_out = reinterpret_cast<uintptr_t>(out);
+  const bool overlap = lo_out < lo_in + sizeof(float) * uintptr_t(H * W * Cin) &&
+                       lo_in < lo_out + sizeof(float) * uintptr_t(H * W * Cout);
   check(!overlap || (out == in && Cout == Cin), ErrorKind::kInternal,
         "conv3x3_hwc: out may alias in only exactly and with Cout == Cin (", Cout, " vs ", Cin, ")");
   for_each_padded_row(in, H, W, Cin, threads, [&](int64_t y, const float* r0, const float* r1, const float* r2) {
