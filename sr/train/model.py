@@ -199,6 +199,14 @@ class SattnSR(nn.Module):
         return out[:, :, : h * s, : w * s]
 
 
+def window_cost(ws, dim, hidden):
+    """Multiply-adds of one routed ws x ws window (L = ws^2 tokens): qkv, proj, fc1, fc2 (L (4 C^2 + 2 C hidden))
+    plus QK^T and AV over all heads (2 L^2 C). A 16x16 window costs about 7.4x an 8x8 one at C = 40, hidden = 80.
+    (flops.py counts the routed windows with it; train.py --sparsity-mean cost weights the gates by it.)"""
+    L = ws * ws
+    return L * (4 * dim * dim + 2 * dim * hidden) + 2 * L * L * dim
+
+
 def param_count(model):
     return sum(p.numel() for p in model.parameters())
 

@@ -113,11 +113,7 @@ def lr_at(step, total, base, warmup, floor):
     return floor + 0.5 * (base - floor) * (1.0 + math.cos(math.pi * min(1.0, t)))
 
 
-def window_cost(ws, dim, hidden):
-    """Multiply-adds of one routed ws x ws window (L = ws^2 tokens): qkv, proj, fc1, fc2 (L (4 C^2 + 2 C hidden))
-    plus QK^T and AV (2 L^2 C). A 16x16 window costs about 7.4x an 8x8 one at C = 40, hidden = 80."""
-    L = ws * ws
-    return L * (4 * dim * dim + 2 * dim * hidden) + 2 * L * L * dim
+window_cost = MD.window_cost   # multiply-adds of one routed window (model.py)
 
 
 def sparsity_loss(stats, keep_ratio, costs=None):
@@ -127,20 +123,16 @@ def sparsity_loss(stats, keep_ratio, costs=None):
     the same, so the many cheap 8x8 windows dominate it); costs = one window_cost per block: the mean weighted by
     each window's cost, i.e. the fraction of the dense window work that the gates keep (--sparsity-mean cost).
     Returns (loss, mean gate, kept fraction of windows, kept fraction of the window work)."""
+    if costs is not None and len(costs) != len(stats):
+        raise ValueError("sparsity_loss: %d costs for %d blocks" % (len(costs), len(stats)))
     g = torch.cat([s[0] for s in stats])
-    kept = torch.cat([s[1].float() for s in stats])
-    if costs is None:
-        costs = [1.0] * len(stats)
-        weighted = False
-    else:
-        if len(costs) != len(stats):
-            raise ValueError("sparsity_loss: %d costs for %d blocks" % (len(costs), len(stats)))
-        weighted = True
-    den = sum(c * s[0].numel() for c, s in zip(costs, stats))
-    work = sum(c * s[0].sum() for c, s in zip(costs, stats)) / den
-    kept_work = sum(c * float(s[1].float().sum()) for c, s in zip(costs, stats)) / den
-    mean = work if weighted else g.mean()
-    return F.relu(mean - keep_ratio) + 0.5 * (g * (1 - g)).mean(), float(g.mean()), float(kept.mean()), kept_work
+    w = costs if costs is not None else [1.0] * len(stats)
+    den = sum(c * s[0].numel() for c, s in zip(w, stats))
+    kept = [float(s[1].sum()) for s in stats]
+    kept_work = sum(c * k for c, k in zip(w, kept)) / den
+    mean = g.mean() if costs is None else sum(c * s[0].sum() for c, s in zip(w, stats)) / den
+    return F.relu(mean - keep_ratio) + 0.5 * (g * (1 - g)).mean(), float(g.mean()), sum(kept) / g.numel(), \
+        kept_work
 
 
 @torch.no_grad()

@@ -334,14 +334,15 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
   // f(l, pixel pointer, count) for the tokens of window n in order, as runs of `count` consecutive tokens l.. that
   // are consecutive pixels: token (ly, lx) is pixel ((wy·ws + ly + s) mod H, (wx·ws + lx + s) mod W) of y, i.e.
   // after the cyclic roll by (-s, -s); a window row is one run, or two where the roll wraps it around the edge.
+  // row_runs(ly, wy, wx, f): the runs of window row ly of window (wy, wx)
+  auto row_runs = [&](int64_t ly, int64_t wy, int64_t wx, auto&& f) {
+    const int64_t px0 = wx * ws + s, first = std::min(ws, W - px0);  // tokens before the wrap (px0 < W always)
+    float* row = y + ((wy * ws + ly + s) % H) * W * C;
+    f(ly * ws, row + px0 * C, first);
+    if (first < ws) f(ly * ws + first, row, ws - first);
+  };
   auto for_each_run = [&](int64_t n, auto&& f) {
-    const int64_t wy = n / nwx, wx = n % nwx, px0 = wx * ws + s;
-    const int64_t first = std::min(ws, W - px0);  // tokens before the wrap (px0 < W always)
-    for (int64_t ly = 0; ly < ws; ++ly) {
-      float* row = y + ((wy * ws + ly + s) % H) * W * C;
-      f(ly * ws, row + px0 * C, first);
-      if (first < ws) f(ly * ws + first, row, ws - first);
-    }
+    for (int64_t ly = 0; ly < ws; ++ly) row_runs(ly, n / nwx, n % nwx, f);
   };
   // 2-5. router: per window mean / population std over tokens, per channel (two passes, as the PyTorch model).
   // One task per row of windows, streaming its ws image rows (memory-bound otherwise); the second pass reads them
@@ -352,19 +353,11 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
     stat.assign(size_t(2 * nwx * C), 0.0f);
     float* __restrict means = stat.data();
     float* __restrict vars = stat.data() + nwx * C;
-    // f(pixel pointer, count) over the runs of consecutive pixels of window wx in image row `row` (see for_each_run)
-    auto row_runs = [&](const float* row, int64_t wx, auto&& f) {
-      const int64_t px0 = wx * ws + s, first = std::min(ws, W - px0);
-      f(row + px0 * C, first);
-      if (first < ws) f(row, ws - first);
-    };
+    // per_window(wx, pixel pointer, count) over the runs of the row of windows, image row by image row
     auto rows = [&](auto&& per_window) {
-      for (int64_t ly = 0; ly < ws; ++ly) {
-        const float* row = y + ((wy * ws + ly + s) % H) * W * C;
-        for (int64_t wx = 0; wx < nwx; ++wx) row_runs(row, wx, [&](const float* p, int64_t count) {
-            per_window(wx, p, count);
-          });
-      }
+      for (int64_t ly = 0; ly < ws; ++ly)
+        for (int64_t wx = 0; wx < nwx; ++wx)
+          row_runs(ly, wy, wx, [&](int64_t, const float* p, int64_t count) { per_window(wx, p, count); });
     };
     rows([&](int64_t wx, const float* p, int64_t count) {
       float* __restrict mp = means + wx * C;
