@@ -175,8 +175,13 @@ class SrModel {
   Image upscale(const Image& lr, const UpscaleOptions& options, UpscaleStats* stats = nullptr) const;
 
  private:
-  // upscale() without the rounding: sink(y, x, channel, value) receives every unclamped output value once (from
-  // several threads, for distinct pixels).
+  // upscale() without the rounding: sink(y, x0, count, r, g, b) receives every unclamped output value once, as
+  // runs of output row y, columns [x0, x0 + count), one pointer per channel (from several threads, for distinct
+  // pixels).
+  // forward() into *out_tensor (allocated here), or, when out_tensor is null, into a per-thread buffer reused by
+  // the next call on this thread (upscale: no fresh 12 MB output, and its page faults, per image or tile).
+  const float* forward_impl(const Tensor& x, const UpscaleOptions& options, UpscaleStats* stats,
+                            Tensor* out_tensor) const;
   template <typename Sink>
   void upscale_values(const Image& lr, const UpscaleOptions& options, UpscaleStats* stats, Sink&& sink) const;
   SrConfig config_;

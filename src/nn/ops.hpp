@@ -75,6 +75,10 @@ void layer_norm(const float* x, int64_t M, int64_t C, const float* gamma, const 
 // within 4.2e-7 of the true erf (PyTorch's erff is within ~1e-7).
 void gelu_inplace(float* x, int64_t n);
 
+// Three float planes (R, G, B rows of n values) -> interleaved uint8 RGB [n, 3]: floor(255 clamp(v, 0, 1) + 0.5)
+// exactly (NaN -> 0), the rounding of sr::tensor_to_image.
+void planar_to_u8_rgb(const float* r, const float* g, const float* b, int64_t n, uint8_t* out);
+
 // Re-layouts: PyTorch conv weight [Cout, Cin, 3, 3] -> [9][Cin][padded_cols(Cout)]; depthwise [C, 1, 3, 3] ->
 // [9][C]; linear / 1x1 conv [N, K(,1,1)] -> [K][padded_cols(N)] (the layouts linear / conv3x3_hwc /
 // dw_act_pw_hwc take).

@@ -281,6 +281,34 @@ void GeluInplace(float* x, int64_t n) {
   }
 }
 
+// Planar float rows -> interleaved uint8 RGB: out[3 i + c] = floor(255 clamp(v_c[i], 0, 1) + 0.5), NaN -> 0.
+// The product and the + 0.5 in double are exact (a float times 255 needs at most 32 significant bits), so the
+// result is the correctly rounded one for every input, as the scalar reference.
+void PlanarToU8Rgb(const float* r, const float* g, const float* b, int64_t n, uint8_t* out) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> df;
+  const hn::Rebind<int32_t, decltype(dd)> di;
+  const hn::Rebind<uint8_t, decltype(dd)> d8;
+  const int64_t L = int64_t(hn::Lanes(dd));
+  const auto zero = hn::Zero(df), one = hn::Set(df, 1.0f);
+  const auto k255 = hn::Set(dd, 255.0), half = hn::Set(dd, 0.5);
+  auto conv = [&](const float* p) {
+    auto v = hn::LoadU(df, p);
+    v = hn::Min(hn::IfThenElseZero(hn::Gt(v, zero), v), one);  // NaN fails v > 0: 0
+    const auto x = hn::Floor(hn::MulAdd(hn::PromoteTo(dd, v), k255, half));
+    return hn::DemoteTo(d8, hn::DemoteTo(di, x));
+  };
+  int64_t i = 0;
+  for (; i + L <= n; i += L) hn::StoreInterleaved3(conv(r + i), conv(g + i), conv(b + i), d8, out + 3 * i);
+  for (; i < n; ++i) {
+    const float* planes[3] = {r, g, b};
+    for (int c = 0; c < 3; ++c) {
+      const double v = double(std::min(1.0f, std::max(0.0f, planes[c][i])));  // std::max(0, NaN) = 0
+      out[3 * i + c] = uint8_t(std::floor(v * 255.0 + 0.5));
+    }
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace sattn::nn
 HWY_AFTER_NAMESPACE();
@@ -291,6 +319,7 @@ HWY_EXPORT(GemmSegments);
 HWY_EXPORT(DepthwiseRow3);
 HWY_EXPORT(LayerNormRows);
 HWY_EXPORT(GeluInplace);
+HWY_EXPORT(PlanarToU8Rgb);
 
 void gemm_acc_segments(int nseg, const float* const* A, const int64_t* K, int64_t lda, int64_t M, const float* W,
                        int64_t ldw, int64_t N, float* C, int64_t ldc) {
@@ -313,5 +342,8 @@ void layer_norm(const float* x, int64_t M, int64_t C, const float* gamma, const 
   HWY_DYNAMIC_DISPATCH(LayerNormRows)(x, M, C, gamma, beta, eps, y);
 }
 void gelu_inplace(float* x, int64_t n) { HWY_DYNAMIC_DISPATCH(GeluInplace)(x, n); }
+void planar_to_u8_rgb(const float* r, const float* g, const float* b, int64_t n, uint8_t* out) {
+  HWY_DYNAMIC_DISPATCH(PlanarToU8Rgb)(r, g, b, n, out);
+}
 }  // namespace sattn::nn
 #endif  // HWY_ONCE

@@ -530,6 +530,13 @@ void probe_window(const BlockW& b, const BlockCtx& cx, const float* y, int64_t n
 }  // namespace
 
 Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleStats* stats) const {
+  Tensor out;
+  forward_impl(x, options, stats, &out);
+  return out;
+}
+
+const float* SrModel::forward_impl(const Tensor& x, const UpscaleOptions& options, UpscaleStats* stats,
+                                   Tensor* out_tensor) const {
   const SrConfig& c = config_;
   const Prepared& P = *prepared_;
   check(x.dtype() == DType::kF32 && x.dim() == 3 && x.size(0) == 3, ErrorKind::kInvalidArgument,
@@ -567,7 +574,7 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
   // 1. reflect pad (bottom/right, edge not repeated), HWC
   // full-map buffers, per thread and reused across calls (and tiles): fresh multi-MB allocations page-fault
   struct Workspace {
-    nn::Buffer xp, feat, y, y_in, u;
+    nn::Buffer xp, feat, y, y_in, u, out;
   };
   thread_local Workspace ws;
   float* xp = ws.xp.get(H * W * 3);
@@ -624,8 +631,13 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
   float* u = 3 * s2 <= C ? y : ws.u.get(H * W * 3 * s2);
   // 5. up conv + nearest residual, pixel shuffle, crop
   nn::conv3x3_hwc(t, H, W, C, P.up.data(), P.up_b.data(), 3 * s2, u, threads);
-  Tensor out(DType::kF32, {3, h * s, w * s});
-  float* o = out.data<float>();
+  float* o = nullptr;
+  if (out_tensor) {
+    *out_tensor = Tensor(DType::kF32, {3, h * s, w * s});
+    o = out_tensor->data<float>();
+  } else {
+    o = ws.out.get(3 * h * s * w * s);
+  }
   parallel_for(3 * h, threads, [&](int64_t row) {
     const int64_t ch = row / h, i = row % h;
     for (int64_t j = 0; j < w; ++j) {
@@ -641,7 +653,7 @@ Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleS
     stats->windows_total += total_windows;
     stats->windows_routed += routed;
   }
-  return out;
+  return o;
 }
 
 namespace {
@@ -672,8 +684,7 @@ Image tensor_to_image_mt(const Tensor& chw, int threads) {
   Image im(h, w, 3);
   const float* p = chw.data<float>();
   parallel_for(h, threads, [&](int64_t y) {
-    for (int64_t i = y * w; i < (y + 1) * w; ++i)
-      for (int64_t c = 0; c < 3; ++c) im.data[size_t(i * 3 + c)] = to_u8(p[c * n + i]);
+    nn::planar_to_u8_rgb(p + y * w, p + n + y * w, p + 2 * n + y * w, w, &im.data[size_t(y * w * 3)]);
   });
   return im;
 }
@@ -702,9 +713,10 @@ Image SrModel::upscale(const Image& lr, const UpscaleOptions& options, UpscaleSt
   const int64_t h = lr.height, w = lr.width, s = config_.scale, ow = w * s;
   Image out(h * s, ow, 3);
   if (!options.self_ensemble) {
-    upscale_values(lr, options, stats, [&](int64_t y, int64_t x, int64_t c, float v) {
-      out.data[size_t((y * ow + x) * 3 + c)] = to_u8(v);
-    });
+    upscale_values(lr, options, stats,
+                   [&](int64_t y, int64_t x0, int64_t count, const float* r, const float* g, const float* b) {
+                     nn::planar_to_u8_rgb(r, g, b, count, &out.data[size_t((y * ow + x0) * 3)]);
+                   });
     return out;
   }
   check(!options.routing_in && !options.routing_out && !options.gates_out && !options.probe,
@@ -724,11 +736,15 @@ Image SrModel::upscale(const Image& lr, const UpscaleOptions& options, UpscaleSt
     if (options.progress)
       o.progress = [&, t](int64_t done, int64_t total) { options.progress(t * total + done, 8 * total); };
     // output pixels map one to one onto `sum`, so threads never share an element
-    upscale_values(in, o, stats, [&](int64_t y, int64_t x, int64_t c, float v) {
-      int64_t sy = 0, sx = 0;
-      dihedral_source(t, y, x, th * s, tw * s, &sy, &sx);
-      sum[size_t((sy * ow + sx) * 3 + c)] += v;
-    });
+    upscale_values(in, o, stats,
+                   [&](int64_t y, int64_t x0, int64_t count, const float* r, const float* g, const float* b) {
+                     for (int64_t j = 0; j < count; ++j) {
+                       int64_t sy = 0, sx = 0;
+                       dihedral_source(t, y, x0 + j, th * s, tw * s, &sy, &sx);
+                       float* px = &sum[size_t((sy * ow + sx) * 3)];
+                       px[0] += r[j], px[1] += g[j], px[2] += b[j];
+                     }
+                   });
   }
   const int threads = resolve_num_threads(options.num_threads);
   parallel_for(h * s, threads, [&](int64_t y) {
@@ -742,12 +758,11 @@ void SrModel::upscale_values(const Image& lr, const UpscaleOptions& options, Ups
   const int64_t h = lr.height, w = lr.width, s = config_.scale;
   if (options.tile <= 0 || (options.tile >= h && options.tile >= w)) {
     const int threads = resolve_num_threads(options.num_threads);
-    const Tensor r = forward(image_to_tensor_mt(lr, threads), options, stats);
-    const float* p = r.data<float>();
+    const float* p = forward_impl(image_to_tensor_mt(lr, threads), options, stats, nullptr);
     const int64_t n = h * s * w * s;
     parallel_for(h * s, threads, [&](int64_t y) {
-      for (int64_t x = 0; x < w * s; ++x)
-        for (int64_t c = 0; c < 3; ++c) sink(y, x, c, p[c * n + y * w * s + x]);
+      const float* row = p + y * w * s;
+      sink(y, int64_t(0), w * s, row, row + n, row + 2 * n);
     });
     if (stats) stats->tiles += 1;
     if (options.progress) options.progress(1, 1);
@@ -787,13 +802,12 @@ void SrModel::upscale_values(const Image& lr, const UpscaleOptions& options, Ups
       for (int64_t i = cy0; i < cy1; ++i)
         std::memcpy(&crop.data[size_t((i - cy0) * crop.width * 3)], &lr.data[size_t((i * w + cx0) * 3)],
                     size_t(crop.width * 3));
-      const Tensor r = forward(image_to_tensor_mt(crop, threads), options, stats);
-      const float* p = r.data<float>();
+      const float* p = forward_impl(image_to_tensor_mt(crop, threads), options, stats, nullptr);
       const int64_t rh = crop.height * s, rw = crop.width * s, rn = rh * rw;
       parallel_for((y1 - y0) * s, threads, [&](int64_t row) {
         const int64_t i = y0 * s + row;
-        for (int64_t j = x0 * s; j < x1 * s; ++j)
-          for (int64_t ch = 0; ch < 3; ++ch) sink(i, j, ch, p[ch * rn + (i - cy0 * s) * rw + (j - cx0 * s)]);
+        const float* seg = p + (i - cy0 * s) * rw + (x0 - cx0) * s;
+        sink(i, x0 * s, (x1 - x0) * s, seg, seg + rn, seg + 2 * rn);
       });
       if (stats) stats->tiles += 1;
       if (options.progress) options.progress(++done, total);

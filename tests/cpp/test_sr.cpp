@@ -330,6 +330,36 @@ TEST(SrOps, GemmSegmentsAwkwardShapesAndRowIndependence) {
   }
 }
 
+TEST(SrOps, PlanarToU8RgbRoundsExactlyAsTheScalarFormula) {
+  // floor(255 clamp(v, 0, 1) + 0.5) in double for every value (NaN -> 0), interleaved R, G, B; values at and one
+  // ulp around every rounding boundary (k + 0.5) / 255, out-of-range and non-finite values, and lengths around
+  // the vector width (the scalar tail).
+  std::vector<float> v;
+  for (int k = 0; k < 256; ++k) {
+    const float t = float((k + 0.5) / 255.0);
+    v.push_back(t), v.push_back(std::nextafter(t, 0.f)), v.push_back(std::nextafter(t, 2.f)), v.push_back(k / 255.f);
+  }
+  for (const float x : {-0.f, -1e-30f, -1.f, 1.f, 1.0000001f, 2.f, 1e30f, -INFINITY, INFINITY, NAN})
+    v.push_back(x);
+  const auto rnd = randv(1000, 11);
+  for (const float x : rnd) v.push_back(x * 0.8f + 0.5f);
+  auto ref = [](float x) {
+    const double d = double(std::min(1.0f, std::max(0.0f, x)));
+    return uint8_t(std::floor(d * 255.0 + 0.5));
+  };
+  for (const int64_t n : {int64_t(0), int64_t(1), int64_t(7), int64_t(8), int64_t(9), int64_t(17), int64_t(v.size() / 3)}) {
+    const float *r = v.data(), *g = v.data() + n, *b = v.data() + 2 * n;
+    std::vector<uint8_t> out(size_t(3 * n + 5), 77);
+    sattn::nn::planar_to_u8_rgb(r, g, b, n, out.data());
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(out[size_t(3 * i)], ref(r[i])) << "r = " << r[i];
+      ASSERT_EQ(out[size_t(3 * i + 1)], ref(g[i])) << "g = " << g[i];
+      ASSERT_EQ(out[size_t(3 * i + 2)], ref(b[i])) << "b = " << b[i];
+    }
+    for (size_t i = size_t(3 * n); i < out.size(); ++i) ASSERT_EQ(out[i], 77) << "wrote past 3 n";
+  }
+}
+
 TEST(SrOps, DepthwiseGeluPointwiseMatchesPlainLoops) {
   // out = res + pw_b + act(dw(in) + dw_b) · PW, in place on `in` (the model's cheap path) and with act = identity
   // rows are split into one band per thread: heights around the thread counts test the band borders
