@@ -75,6 +75,11 @@ void layer_norm(const float* x, int64_t M, int64_t C, const float* gamma, const 
 // within 4.2e-7 of the true erf (PyTorch's erff is within ~1e-7).
 void gelu_inplace(float* x, int64_t n);
 
+// Per-channel sums over the pixels of p [count, C], in pixel order: acc[c] += sum_t p[t, c], and
+// acc[c] += sum_t (p[t, c] - mean[c])^2 (the SR router's window mean and variance).
+void add_rows(const float* p, int64_t count, int64_t C, float* acc);
+void add_squared_deviations(const float* p, int64_t count, int64_t C, const float* mean, float* acc);
+
 // Three float planes (R, G, B rows of n values) -> interleaved uint8 RGB [n, 3]: floor(255 clamp(v, 0, 1) + 0.5)
 // exactly (NaN -> 0), the rounding of sr::tensor_to_image.
 void planar_to_u8_rgb(const float* r, const float* g, const float* b, int64_t n, uint8_t* out);

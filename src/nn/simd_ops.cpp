@@ -281,6 +281,38 @@ void GeluInplace(float* x, int64_t n) {
   }
 }
 
+// Window statistics of the SR router over a run of `count` pixels of C channels (p [count, C]), per channel in
+// pixel order: acc[c] += sum_t p[t, c] (AddRows), acc[c] += sum_t (p[t, c] - mean[c])^2 (AddSquaredDeviations,
+// the square rounded before the sum, not fused: the sums of the plain loop, so routing and outputs do not change).
+void AddRows(const float* HWY_RESTRICT p, int64_t count, int64_t C, float* HWY_RESTRICT acc) {
+  const DF d;
+  const int64_t L = int64_t(hn::Lanes(d));
+  for (int64_t c0 = 0; c0 < C; c0 += L) {
+    const auto m = hn::FirstN(d, size_t(std::min(L, C - c0)));
+    VF a = hn::MaskedLoad(m, d, acc + c0);
+    for (int64_t t = 0; t < count; ++t) a = hn::Add(a, hn::MaskedLoad(m, d, p + t * C + c0));
+    hn::BlendedStore(a, m, d, acc + c0);
+  }
+}
+#if HWY_COMPILER_GCC_ACTUAL
+__attribute__((optimize("fp-contract=off")))
+#endif
+void AddSquaredDeviations(const float* HWY_RESTRICT p, int64_t count, int64_t C, const float* HWY_RESTRICT mean,
+                          float* HWY_RESTRICT acc) {
+  const DF d;
+  const int64_t L = int64_t(hn::Lanes(d));
+  for (int64_t c0 = 0; c0 < C; c0 += L) {
+    const auto m = hn::FirstN(d, size_t(std::min(L, C - c0)));
+    VF a = hn::MaskedLoad(m, d, acc + c0);
+    const VF mu = hn::MaskedLoad(m, d, mean + c0);
+    for (int64_t t = 0; t < count; ++t) {
+      const VF dv = hn::Sub(hn::MaskedLoad(m, d, p + t * C + c0), mu);
+      a = hn::Add(a, hn::Mul(dv, dv));
+    }
+    hn::BlendedStore(a, m, d, acc + c0);
+  }
+}
+
 // Planar float rows -> interleaved uint8 RGB: out[3 i + c] = floor(255 clamp(v_c[i], 0, 1) + 0.5), NaN -> 0.
 // The product and the + 0.5 in double are exact (a float times 255 needs at most 32 significant bits), so the
 // result is the correctly rounded one for every input, as the scalar reference.
@@ -320,6 +352,8 @@ HWY_EXPORT(DepthwiseRow3);
 HWY_EXPORT(LayerNormRows);
 HWY_EXPORT(GeluInplace);
 HWY_EXPORT(PlanarToU8Rgb);
+HWY_EXPORT(AddRows);
+HWY_EXPORT(AddSquaredDeviations);
 
 void gemm_acc_segments(int nseg, const float* const* A, const int64_t* K, int64_t lda, int64_t M, const float* W,
                        int64_t ldw, int64_t N, float* C, int64_t ldc) {
@@ -342,6 +376,12 @@ void layer_norm(const float* x, int64_t M, int64_t C, const float* gamma, const 
   HWY_DYNAMIC_DISPATCH(LayerNormRows)(x, M, C, gamma, beta, eps, y);
 }
 void gelu_inplace(float* x, int64_t n) { HWY_DYNAMIC_DISPATCH(GeluInplace)(x, n); }
+void add_rows(const float* p, int64_t count, int64_t C, float* acc) {
+  HWY_DYNAMIC_DISPATCH(AddRows)(p, count, C, acc);
+}
+void add_squared_deviations(const float* p, int64_t count, int64_t C, const float* mean, float* acc) {
+  HWY_DYNAMIC_DISPATCH(AddSquaredDeviations)(p, count, C, mean, acc);
+}
 void planar_to_u8_rgb(const float* r, const float* g, const float* b, int64_t n, uint8_t* out) {
   HWY_DYNAMIC_DISPATCH(PlanarToU8Rgb)(r, g, b, n, out);
 }

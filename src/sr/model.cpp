@@ -312,11 +312,11 @@ inline void add_row_bias(const float* in, int64_t M, int64_t C, const float* __r
 // Swin region label of a (rolled) position along one axis: 0, 1 or 2.
 inline int region(int64_t p, int64_t n, int64_t ws, int64_t s) { return p < n - ws ? 0 : (p < n - s ? 1 : 2); }
 
-// One window block, in place on y [H, W, C]. `decide` fills routed[] for the block's windows (nW of them).
+// One window block: y [H, W, C] = block(src) (src == y: in place). `decide` fills routed[] for the block's windows (nW of them).
 void probe_window(const BlockW& b, const BlockCtx& cx, const float* y, int64_t n, const std::vector<float>& gate,
                   bool routed, AttentionProbe* probe);
 
-void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const uint8_t* routing_in,
+void run_block(const BlockW& b, const BlockCtx& cx, const float* src, float* y, bool dense, const uint8_t* routing_in,
                uint8_t* routed_out, float* gates_out, int64_t* n_routed) {
   const int64_t H = cx.H, W = cx.W, C = cx.C;
   const int64_t ws = b.ws, s = b.shifted ? ws / 2 : 0, L = ws * ws;
@@ -328,8 +328,9 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
     };
   };
   cx.clock->start();
-  // 1. cheap path: y += pw(gelu(dw(y))), one fused pass per row
-  nn::dw_act_pw_hwc(y, H, W, C, b.dw.data(), b.dw_b.data(), true, b.pw.data(), b.pw_b.data(), y, y, cx.threads);
+  // 1. cheap path: y = src + pw(gelu(dw(src))), one fused pass per row (src = y but for a group's first block)
+  nn::dw_act_pw_hwc(src, H, W, C, b.dw.data(), b.dw_b.data(), true, b.pw.data(), b.pw_b.data(), src, y,
+                    cx.threads);
   cx.clock->mark(stage_name("conv path"));
   // f(l, pixel pointer, count) for the tokens of window n in order, as runs of `count` consecutive tokens l.. that
   // are consecutive pixels: token (ly, lx) is pixel ((wy·ws + ly + s) mod H, (wx·ws + lx + s) mod W) of y, i.e.
@@ -359,17 +360,10 @@ void run_block(const BlockW& b, const BlockCtx& cx, float* y, bool dense, const 
         for (int64_t wx = 0; wx < nwx; ++wx)
           row_runs(ly, wy, wx, [&](int64_t, const float* p, int64_t count) { per_window(wx, p, count); });
     };
-    rows([&](int64_t wx, const float* p, int64_t count) {
-      float* __restrict mp = means + wx * C;
-      for (int64_t t = 0; t < count; ++t, p += C)
-        for (int64_t c = 0; c < C; ++c) mp[c] += p[c];
-    });
+    rows([&](int64_t wx, const float* p, int64_t count) { nn::add_rows(p, count, C, means + wx * C); });
     for (int64_t i = 0; i < nwx * C; ++i) means[i] /= float(L);
     rows([&](int64_t wx, const float* p, int64_t count) {
-      const float* __restrict mp = means + wx * C;
-      float* __restrict vp = vars + wx * C;
-      for (int64_t t = 0; t < count; ++t, p += C)
-        for (int64_t c = 0; c < C; ++c) vp[c] += (p[c] - mp[c]) * (p[c] - mp[c]);
+      nn::add_squared_deviations(p, count, C, means + wx * C, vars + wx * C);
     });
     for (int64_t wx = 0; wx < nwx; ++wx) {
       float logit = b.router_b;
@@ -595,40 +589,49 @@ const float* SrModel::forward_impl(const Tensor& x, const UpscaleOptions& option
   auto ew = [&](auto&& f) {
     parallel_for((HWC + kEw - 1) / kEw, threads, [&](int64_t blk) { f(blk * kEw, std::min(HWC, (blk + 1) * kEw)); });
   };
-  ew([&](int64_t i0, int64_t i1) { std::memcpy(y + i0, feat + i0, size_t(i1 - i0) * sizeof(float)); });
   BlockCtx cx{H, W, C, c.heads, c.head_dim, c.mlp_hidden, float(c.layer_norm_eps), float(c.router_std_eps),
               float(c.route_threshold), threads};
   cx.clock = &clock;
   int64_t offset = 0, routed = 0, block_index = 0, group_index = 0;
+  // No copies of the full map: a group reads its input `gin` (kept for the group's residual) and writes its blocks'
+  // stream to the other buffer `cur`; y and y_in alternate as group outputs, feat (the first group's input and the
+  // body skip) is never written.
+  const float* gin = feat;
+  float* cur = y;
   for (const GroupW& g : P.groups) {
-    ew([&](int64_t i0, int64_t i1) { std::memcpy(y_in + i0, y + i0, size_t(i1 - i0) * sizeof(float)); });
+    const float* x = gin;  // the next block's input
     for (const BlockW& b : g.blocks) {
       cx.probe = options.probe && options.probe->block == block_index ? options.probe : nullptr;
       cx.block_index = block_index;
       const int64_t nW = (H / b.ws) * (W / b.ws);
-      run_block(b, cx, y, dense, options.routing_in ? options.routing_in->data() + offset : nullptr,
+      run_block(b, cx, x, cur, dense, options.routing_in ? options.routing_in->data() + offset : nullptr,
                 options.routing_out ? options.routing_out->data() + offset : nullptr,
                 options.gates_out ? options.gates_out->data() + offset : nullptr, &routed);
+      x = cur;
       offset += nW;
       ++block_index;
     }
-    // group tail: y = y_in + pw(dw(y))
+    // group tail: cur = gin + pw(dw(x))
     clock.start();
-    nn::dw_act_pw_hwc(y, H, W, C, g.dw.data(), g.dw_b.data(), false, g.pw.data(), g.pw_b.data(), y_in, y, threads);
+    nn::dw_act_pw_hwc(x, H, W, C, g.dw.data(), g.dw_b.data(), false, g.pw.data(), g.pw_b.data(), gin, cur, threads);
     clock.mark([group_index] { return "group " + std::to_string(group_index) + " tail"; });
     ++group_index;
+    gin = cur;
+    cur = cur == y ? y_in : y;
   }
   // 4. body tail + feat
-  // (buffers reused: t = the body tail's output in y_in, then the up conv's output u in y when it fits)
-  float* t = y_in;
+  // (buffers reused: t = the body tail's output in `cur`, the buffer the last group did not write; then the up
+  // conv's output u in the last group's output when it fits)
+  float* body = cur == y ? y_in : y;  // == gin, writable
+  float* t = cur;
   clock.start();
-  nn::conv3x3_hwc(y, H, W, C, P.body_tail.data(), P.body_tail_b.data(), C, t, threads);
+  nn::conv3x3_hwc(body, H, W, C, P.body_tail.data(), P.body_tail_b.data(), C, t, threads);
   ew([&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) t[i] += feat[i];
   });
   clock.mark([] { return std::string("body tail conv + skip"); });
   clock.start();
-  float* u = 3 * s2 <= C ? y : ws.u.get(H * W * 3 * s2);
+  float* u = 3 * s2 <= C ? body : ws.u.get(H * W * 3 * s2);
   // 5. up conv + nearest residual, pixel shuffle, crop
   nn::conv3x3_hwc(t, H, W, C, P.up.data(), P.up_b.data(), 3 * s2, u, threads);
   float* o = nullptr;

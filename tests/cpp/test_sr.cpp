@@ -330,6 +330,28 @@ TEST(SrOps, GemmSegmentsAwkwardShapesAndRowIndependence) {
   }
 }
 
+TEST(SrOps, RouterWindowSumsEqualThePlainLoopsBitwise) {
+  // the router's per-channel sums over pixel runs (channels around the vector width, runs of 1..16 pixels):
+  // the same float sums as the plain loops, in pixel order and with the square rounded before it is added
+  for (const int64_t C : {1, 3, 16, 40, 41}) {
+    for (const int64_t count : {1, 8, 16}) {
+      const auto p = randv(size_t(count * C), 21), mean = randv(size_t(C + 2), 22), acc0 = randv(size_t(C + 2), 23);
+      auto sum = acc0, sq = acc0, sum_ref = acc0, sq_ref = acc0;
+      sattn::nn::add_rows(p.data(), count, C, sum.data());
+      sattn::nn::add_squared_deviations(p.data(), count, C, mean.data(), sq.data());
+      for (int64_t t = 0; t < count; ++t)
+        for (int64_t c = 0; c < C; ++c) {
+          const float v = p[size_t(t * C + c)], dv = v - mean[size_t(c)];
+          volatile float d2 = dv * dv;  // rounded, as the kernel does (no fused multiply-add)
+          sum_ref[size_t(c)] += v;
+          sq_ref[size_t(c)] += d2;
+        }
+      ASSERT_EQ(0, std::memcmp(sum.data(), sum_ref.data(), sum.size() * sizeof(float))) << "C " << C << " n " << count;
+      ASSERT_EQ(0, std::memcmp(sq.data(), sq_ref.data(), sq.size() * sizeof(float))) << "C " << C << " n " << count;
+    }
+  }
+}
+
 TEST(SrOps, PlanarToU8RgbRoundsExactlyAsTheScalarFormula) {
   // floor(255 clamp(v, 0, 1) + 0.5) in double for every value (NaN -> 0), interleaved R, G, B; values at and one
   // ulp around every rounding boundary (k + 0.5) / 255, out-of-range and non-finite values, and lengths around
