@@ -112,6 +112,28 @@ constexpr int kMR = 6, kNV = 2;  // 12 of 16 ymm accumulators
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kDecodeRows = 4;  // Lq up to this uses the keys-in-lanes decode kernel
 
+// e^x for the softmax's x = s - max <= 0 (Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2; e^r by Cephes'
+// expf polynomial, ~1 ulp; 2^n written into the exponent bits): 17 vector ops where hn::Exp takes ~32. x is
+// clamped to -127 ln2 first, where 2^n is built as the bits 0, i.e. +0, so -inf (masked keys) gives exactly 0
+// and results below ~1e-38 flush to 0 (they never change a softmax row, whose maximum term is e^0 = 1). Also
+// right for small x > 0 (x <= 88). NaN propagates (Max returns its second operand for NaN on x86).
+HWY_INLINE VF ExpSoftmax(DF d, VF x) {
+  const hn::RebindToSigned<DF> di;
+  x = hn::Max(hn::Set(d, -88.02969193111305f), x);
+  const VF n = hn::Round(hn::Mul(x, hn::Set(d, 1.44269504088896341f)));
+  VF r = hn::MulAdd(n, hn::Set(d, -0.693359375f), x);
+  r = hn::MulAdd(n, hn::Set(d, 2.12194440e-4f), r);
+  VF y = hn::Set(d, 1.9875691500e-4f);
+  y = hn::MulAdd(y, r, hn::Set(d, 1.3981999507e-3f));
+  y = hn::MulAdd(y, r, hn::Set(d, 8.3334519073e-3f));
+  y = hn::MulAdd(y, r, hn::Set(d, 4.1665795894e-2f));
+  y = hn::MulAdd(y, r, hn::Set(d, 1.6666665459e-1f));
+  y = hn::MulAdd(y, r, hn::Set(d, 5.0000001201e-1f));
+  y = hn::MulAdd(y, hn::Mul(r, r), hn::Add(r, hn::Set(d, 1.0f)));
+  const auto scale = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
+  return hn::Mul(y, hn::BitCast(d, scale));
+}
+
 // C[MR x NV·lanes] (+)= sum_k A(m, k) · B[k, :];  A(m, k) = A[m·sam + k·sak].
 template <int MR, int NV, bool kAcc>
 HWY_INLINE void MicroTile(const float* HWY_RESTRICT A, int64_t sam, int64_t sak, const float* HWY_RESTRICT B,
@@ -310,17 +332,22 @@ void FinishRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, i
   for (int64_t ii = 0; ii < nq; ++ii) {
     const bool empty = !(L[ii] > 0.f);
     const float inv = empty ? 0.f : 1.f / L[ii];
-    const float lse = empty ? kNegInf : M[ii] + std::log(L[ii]);
+    auto lse = [&] { return empty ? kNegInf : M[ii] + std::log(L[ii]); };  // only where it is wanted
     if (p.kv_chunk > 0) {
       const int64_t row = (b * p.Hq + h) * p.Lq + i0 + ii;
       float* po = p.part_o + (row * nchunks + chunk) * Dv;
       for (int64_t dd = 0; dd < Dv; ++dd) po[dd] = o(ii, dd) * inv;
-      p.part_lse[row * nchunks + chunk] = lse;
+      p.part_lse[row * nchunks + chunk] = lse();
       continue;
     }
     const int64_t obase = b * p.out.sb + h * p.out.sh + (i0 + ii) * p.out.sl;
-    for (int64_t dd = 0; dd < Dv; ++dd) store_elem(p.out.data, p.out.dtype, obase + dd * p.out.sd, o(ii, dd) * inv);
-    if (p.lse.data) store_elem(p.lse.data, p.lse.dtype, b * p.lse.sb + h * p.lse.sh + (i0 + ii) * p.lse.sl, lse);
+    if (p.out.dtype == DType::kF32) {
+      float* po = static_cast<float*>(p.out.data) + obase;
+      for (int64_t dd = 0; dd < Dv; ++dd) po[dd * p.out.sd] = o(ii, dd) * inv;
+    } else {
+      for (int64_t dd = 0; dd < Dv; ++dd) store_elem(p.out.data, p.out.dtype, obase + dd * p.out.sd, o(ii, dd) * inv);
+    }
+    if (p.lse.data) store_elem(p.lse.data, p.lse.dtype, b * p.lse.sb + h * p.lse.sh + (i0 + ii) * p.lse.sl, lse());
   }
 }
 
@@ -506,15 +533,24 @@ void ForwardTask(const Params& p, int64_t task) {
 
     // Online softmax, lane-wise: m' = max(m, max_j s), l' = l e^{m - m'} + sum_j e^{s - m'}, O' = O e^{m - m'}.
     for (int64_t x = 0; x < Br; x += N) {
-      VF mx = ninf;
-      for (int64_t jj = 0; jj < nk; ++jj) mx = hn::Max(mx, hn::Load(d, ST + jj * Br + x));
+      // four independent maxima: one chain would wait out Max's latency (~4 cycles) on every key
+      VF mx0 = ninf, mx1 = ninf, mx2 = ninf, mx3 = ninf;
+      int64_t jj = 0;
+      for (; jj + 4 <= nk; jj += 4) {
+        mx0 = hn::Max(mx0, hn::Load(d, ST + jj * Br + x));
+        mx1 = hn::Max(mx1, hn::Load(d, ST + (jj + 1) * Br + x));
+        mx2 = hn::Max(mx2, hn::Load(d, ST + (jj + 2) * Br + x));
+        mx3 = hn::Max(mx3, hn::Load(d, ST + (jj + 3) * Br + x));
+      }
+      for (; jj < nk; ++jj) mx0 = hn::Max(mx0, hn::Load(d, ST + jj * Br + x));
+      const VF mx = hn::Max(hn::Max(mx0, mx1), hn::Max(mx2, mx3));
       const VF m_old = hn::Load(d, M + x);
       const VF m_new = hn::Max(m_old, mx);
       const VF m_use = hn::IfThenElse(hn::Eq(m_new, ninf), zero, m_new);  // all masked so far: keep 0s
-      const VF alpha = hn::Exp(d, hn::Sub(m_old, m_use));                  // exp(-inf) = 0
+      const VF alpha = ExpSoftmax(d, hn::Sub(m_old, m_use));                  // exp(-inf) = 0
       VF sum = zero;
       for (int64_t jj = 0; jj < nk; ++jj) {
-        const VF e = hn::Exp(d, hn::Sub(hn::Load(d, ST + jj * Br + x), m_use));
+        const VF e = ExpSoftmax(d, hn::Sub(hn::Load(d, ST + jj * Br + x), m_use));
         sum = hn::Add(sum, e);
         hn::Store(e, d, ST + jj * Br + x);
       }
