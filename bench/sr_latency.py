@@ -11,7 +11,9 @@ threads 1 and 2, medians of 5. `--pause PID` sends SIGSTOP to those processes (e
 Ctrl-C or an error. C++: --rounds R (default 3) rounds of one `sattn sr upscale --repeat N` process per mode (the
 model run N times in-process, medians as the CLI reports them), the modes' order alternating between rounds; C++
 times are medians over the rounds, and the sparse-over-dense target is checked on the median of the per-round
-(paired) ratios, which a slow phase of the machine lasting a few seconds cannot tip alone; PyTorch: a warm-up forward, then N timed ones.
+(paired) ratios, which a slow phase of the machine lasting a few seconds cannot tip alone; then --pairs (15)
+in-process pairs (sattn.sr from build/python: dense and sparse back to back, order alternating; the median of the
+per-pair ratios is checked as well); PyTorch: a warm-up forward, then N timed ones.
 Timings are wall-clock ("wall") and CPU time ("cpu": process CPU time of all threads during the
 model run, as `sattn sr upscale` reports it; PyTorch's time.process_time around the forward); on a loaded machine only cpu at 1 thread is meaningful — the script prints the load
 average before and after, and flags a busy machine.
@@ -58,6 +60,11 @@ def main():
                          "(dense, sparse / sparse, dense / ...); times are medians over all rounds, and the "
                          "dense/sparse ratio is the median of the per-round ratios (paired, so a slow phase of the "
                          "machine that lasts a few seconds hits both modes of a round)")
+    ap.add_argument("--pairs", type=int, default=15,
+                    help="C++ in-process pairs per thread count (the Python module sattn.sr from build/python, "
+                         "0 = skip): dense and sparse back to back, order alternating; the median and quartiles of "
+                         "the per-pair dense/sparse ratios (each pair spans well under a second, so slow phases "
+                         "of the machine cancel better than between processes)")
     ap.add_argument("--no-torch", action="store_true", help="C++ only")
     ap.add_argument("--pause", type=int, nargs="*", default=[], help="PIDs to SIGSTOP while measuring")
     ap.add_argument("--json", help="write the table as JSON here")
@@ -146,6 +153,32 @@ def main():
             if t in round_ratio:
                 print(f"threads {t}: C++ dense/sparse per round (wall, medians of {a.repeat} each): "
                       + " ".join(f"{v:.2f}x" for v in round_ratio[t]), flush=True)
+        pair_stats = {}  # threads -> (median, q1, q3, n) of the in-process dense/sparse pair ratios
+        if a.pairs > 0:
+            sys.path.insert(0, os.path.join(REPO, "build", "python"))
+            try:
+                import sattn
+            except ImportError as e:
+                print(f"in-process pairs skipped: the sattn module is not built ({e})", flush=True)
+                sattn = None
+            if sattn is not None:
+                sm = sattn.sr.SrModel(a.weights)
+                for t in a.threads:
+                    for mode in ("dense", "sparse"):  # warm-up
+                        sm.upscale(img, attention=mode, num_threads=t, tile=0)
+                    ratios = []
+                    for i in range(a.pairs):
+                        tm = {}
+                        for mode in (("dense", "sparse") if i % 2 == 0 else ("sparse", "dense")):
+                            t0 = time.perf_counter()
+                            sm.upscale(img, attention=mode, num_threads=t, tile=0)
+                            tm[mode] = time.perf_counter() - t0
+                        ratios.append(tm["dense"] / tm["sparse"])
+                    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+                    pair_stats[t] = (statistics.median(ratios), q[0], q[2], len(ratios))
+                    print(f"threads {t}: C++ in-process dense/sparse pairs (sattn.sr, whole upscale incl. uint8 "
+                          f"conversion): median {pair_stats[t][0]:.2f}x, quartiles {q[0]:.2f}-{q[2]:.2f}x, "
+                          f"min {min(ratios):.2f}x, {len(ratios)} pairs", flush=True)
         for t in a.threads:
             set_threads(torch, t)  # and OpenBLAS's pool (bench/torch_threads.py)
             for mode in a.modes:
@@ -162,7 +195,8 @@ def main():
                 med = lambda v: statistics.median(v) if v else float("nan")
                 r = dict(threads=t, mode=mode, cpp_wall=med(cw), cpp_cpu=med(cc), torch_wall=med(pw),
                          torch_cpu=med(pc), routed=routed, cpp_wall_rounds=cw,
-                         cpp_dense_over_sparse_rounds=round_ratio.get(t, []))
+                         cpp_dense_over_sparse_rounds=round_ratio.get(t, []),
+                         cpp_dense_over_sparse_pairs=pair_stats.get(t))
                 rows.append(r)
                 print(f"threads {t} {mode:6s}: C++ {r['cpp_wall']:.3f} s (cpu {r['cpp_cpu']:.3f})  PyTorch "
                       f"{r['torch_wall']:.3f} s (cpu {r['torch_cpu']:.3f})  PyTorch/C++ wall "
@@ -207,6 +241,10 @@ def main():
                        (f"C++ >= 2x PyTorch, sparse, {t} thread(s)", s["torch_wall"] / s["cpp_wall"] >= 2)]
         checks.append((f"sparse >= 1.5x faster than dense (C++, median of the per-round ratios), {t} thread(s)",
                        paired >= 1.5))
+        if d.get("cpp_dense_over_sparse_pairs"):
+            pm = d["cpp_dense_over_sparse_pairs"][0]
+            checks.append((f"sparse >= 1.5x faster than dense (C++, median of {d['cpp_dense_over_sparse_pairs'][3]} "
+                           f"in-process pairs: {pm:.2f}x), {t} thread(s)", pm >= 1.5))
         if t == 2 and a.crop == 256 and cfg["scale"] == 2:
             checks.append(("256x256 -> 512x512 in <= 1 s on 2 threads (sparse, the default)", s["cpp_wall"] <= 1.0))
             checks.append(("256x256 -> 512x512 in <= 1 s on 2 threads (dense)", d["cpp_wall"] <= 1.0))
