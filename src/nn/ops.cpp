@@ -112,7 +112,7 @@ std::vector<float> tile_depthwise(const float* Wd, const float* bias, int64_t C,
 }  // namespace
 
 void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float* W9, const float* bias,
-                 int64_t Cout, float* out, int threads) {
+                 int64_t Cout, float* out, int threads, const float* add) {
   // On a padded input row, the three taps of a kernel row are 3·Cin contiguous values starting at output pixel x:
   // one GEMM per output row with three K = 3·Cin segments (kernel rows), A rows overlapping (lda = Cin).
   const auto lo_in = reinterpret_cast<uintptr_t>(in), lo_out = reinterpret_cast<uintptr_t>(out);
@@ -120,6 +120,10 @@ void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float
                        lo_in < lo_out + sizeof(float) * uintptr_t(H * W * Cout);
   check(!overlap || (out == in && Cout == Cin), ErrorKind::kInternal,
         "conv3x3_hwc: out may alias in only exactly and with Cout == Cin (", Cout, " vs ", Cin, ")");
+  const auto lo_add = reinterpret_cast<uintptr_t>(add);
+  check(!add || lo_add >= lo_out + sizeof(float) * uintptr_t(H * W * Cout) ||
+            lo_out >= lo_add + sizeof(float) * uintptr_t(H * W * Cout),
+        ErrorKind::kInternal, "conv3x3_hwc: add must not overlap out");
   for_each_padded_row(in, H, W, Cin, threads, [&](int64_t y, const float* r0, const float* r1, const float* r2) {
     float* o = out + y * W * Cout;
     for (int64_t x = 0; x < W; ++x)
@@ -127,6 +131,11 @@ void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float
     const float* a[3] = {r0, r1, r2};
     const int64_t k[3] = {3 * Cin, 3 * Cin, 3 * Cin};
     gemm_acc_segments(3, a, k, Cin, W, W9, padded_cols(Cout), Cout, o, Cout);
+    if (add) {
+      const float* __restrict ad = add + y * W * Cout;
+      float* __restrict oo = o;
+      for (int64_t i = 0; i < W * Cout; ++i) oo[i] += ad[i];
+    }
   });
 }
 

@@ -49,9 +49,10 @@ void linear(const float* x, int64_t M, int64_t K, const float* W, const float* b
 
 // 3x3 convolution, padding 1 (zeros), stride 1, HWC: in [H, W, Cin], W9 [9 taps (ky*3+kx)][Cin][padded_cols(Cout)]
 // (conv3x3_weight_hwc), bias [Cout] (may be null), out [H, W, Cout] (overwritten; may be in itself when
-// Cout == Cin, never partly overlap it). PyTorch Conv2d semantics (cross-correlation).
+// Cout == Cin, never partly overlap it). PyTorch Conv2d semantics (cross-correlation). With `add` [H, W, Cout]
+// (not overlapping out), out = conv(in) + bias, then + add: the residual in the same pass over each row.
 void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float* W9, const float* bias,
-                 int64_t Cout, float* out, int threads);
+                 int64_t Cout, float* out, int threads, const float* add = nullptr);
 
 // Depthwise 3x3 (groups = C), padding 1: in/out [H, W, C], Wd [9][C], bias [C]; out may be in (in place).
 void depthwise3x3_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* bias,

@@ -525,12 +525,21 @@ void probe_window(const BlockW& b, const BlockCtx& cx, const float* y, int64_t n
 
 Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleStats* stats) const {
   Tensor out;
-  forward_impl(x, options, stats, &out);
+  float* o = nullptr;
+  int64_t n = 0, ow = 0;
+  forward_impl(x, options, stats, [&](int64_t oh, int64_t width) {
+    out = Tensor(DType::kF32, {3, oh, width});
+    o = out.data<float>(), n = oh * width, ow = width;
+  }, [&](int64_t y, const float* r, const float* g, const float* b) {
+    std::memcpy(o + y * ow, r, size_t(ow) * sizeof(float));
+    std::memcpy(o + n + y * ow, g, size_t(ow) * sizeof(float));
+    std::memcpy(o + 2 * n + y * ow, b, size_t(ow) * sizeof(float));
+  });
   return out;
 }
 
-const float* SrModel::forward_impl(const Tensor& x, const UpscaleOptions& options, UpscaleStats* stats,
-                                   Tensor* out_tensor) const {
+void SrModel::forward_impl(const Tensor& x, const UpscaleOptions& options, UpscaleStats* stats,
+                           const std::function<void(int64_t, int64_t)>& begin, const RowEmit& emit) const {
   const SrConfig& c = config_;
   const Prepared& P = *prepared_;
   check(x.dtype() == DType::kF32 && x.dim() == 3 && x.size(0) == 3, ErrorKind::kInvalidArgument,
@@ -568,7 +577,7 @@ const float* SrModel::forward_impl(const Tensor& x, const UpscaleOptions& option
   // 1. reflect pad (bottom/right, edge not repeated), HWC
   // full-map buffers, per thread and reused across calls (and tiles): fresh multi-MB allocations page-fault
   struct Workspace {
-    nn::Buffer xp, feat, y, y_in, u, out;
+    nn::Buffer xp, feat, y, y_in, u;
   };
   thread_local Workspace ws;
   float* xp = ws.xp.get(H * W * 3);
@@ -584,11 +593,6 @@ const float* SrModel::forward_impl(const Tensor& x, const UpscaleOptions& option
   clock.start();
   nn::conv3x3_hwc(xp, H, W, 3, P.head.data(), P.head_b.data(), C, feat, threads);
   clock.mark([] { return std::string("head conv"); });
-  // element-wise passes over the full map, in parallel blocks
-  constexpr int64_t kEw = 1 << 16;
-  auto ew = [&](auto&& f) {
-    parallel_for((HWC + kEw - 1) / kEw, threads, [&](int64_t blk) { f(blk * kEw, std::min(HWC, (blk + 1) * kEw)); });
-  };
   BlockCtx cx{H, W, C, c.heads, c.head_dim, c.mlp_hidden, float(c.layer_norm_eps), float(c.router_std_eps),
               float(c.route_threshold), threads};
   cx.clock = &clock;
@@ -625,30 +629,26 @@ const float* SrModel::forward_impl(const Tensor& x, const UpscaleOptions& option
   float* body = cur == y ? y_in : y;  // == gin, writable
   float* t = cur;
   clock.start();
-  nn::conv3x3_hwc(body, H, W, C, P.body_tail.data(), P.body_tail_b.data(), C, t, threads);
-  ew([&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) t[i] += feat[i];
-  });
+  nn::conv3x3_hwc(body, H, W, C, P.body_tail.data(), P.body_tail_b.data(), C, t, threads, feat);
   clock.mark([] { return std::string("body tail conv + skip"); });
   clock.start();
   float* u = 3 * s2 <= C ? body : ws.u.get(H * W * 3 * s2);
-  // 5. up conv + nearest residual, pixel shuffle, crop
+  // 5. up conv, then per LR row: its s output rows (pixel shuffle + nearest residual, cropped), handed to emit
   nn::conv3x3_hwc(t, H, W, C, P.up.data(), P.up_b.data(), 3 * s2, u, threads);
-  float* o = nullptr;
-  if (out_tensor) {
-    *out_tensor = Tensor(DType::kF32, {3, h * s, w * s});
-    o = out_tensor->data<float>();
-  } else {
-    o = ws.out.get(3 * h * s * w * s);
-  }
-  parallel_for(3 * h, threads, [&](int64_t row) {
-    const int64_t ch = row / h, i = row % h;
-    for (int64_t j = 0; j < w; ++j) {
-      const float* up = u + (i * W + j) * 3 * s2 + ch * s2;
-      const float res = xp[(i * W + j) * 3 + ch];
-      for (int64_t a = 0; a < s; ++a)
-        for (int64_t bb = 0; bb < s; ++bb) o[(ch * h * s + i * s + a) * w * s + j * s + bb] = up[a * s + bb] + res;
-    }
+  begin(h * s, w * s);
+  const int64_t ow = w * s;
+  parallel_for(h, threads, [&](int64_t i) {
+    thread_local std::vector<float> rows;  // [channel][a][ow]: output rows i·s + a
+    rows.resize(size_t(3 * s * ow));
+    for (int64_t ch = 0; ch < 3; ++ch)
+      for (int64_t j = 0; j < w; ++j) {
+        const float* up = u + (i * W + j) * 3 * s2 + ch * s2;
+        const float res = xp[(i * W + j) * 3 + ch];
+        for (int64_t a = 0; a < s; ++a)
+          for (int64_t bb = 0; bb < s; ++bb) rows[size_t((ch * s + a) * ow + j * s + bb)] = up[a * s + bb] + res;
+      }
+    for (int64_t a = 0; a < s; ++a)
+      emit(i * s + a, &rows[size_t(a * ow)], &rows[size_t((s + a) * ow)], &rows[size_t((2 * s + a) * ow)]);
   });
   clock.mark([] { return std::string("upsample conv + shuffle"); });
   clock.finish();
@@ -656,7 +656,6 @@ const float* SrModel::forward_impl(const Tensor& x, const UpscaleOptions& option
     stats->windows_total += total_windows;
     stats->windows_routed += routed;
   }
-  return o;
 }
 
 namespace {
@@ -761,12 +760,8 @@ void SrModel::upscale_values(const Image& lr, const UpscaleOptions& options, Ups
   const int64_t h = lr.height, w = lr.width, s = config_.scale;
   if (options.tile <= 0 || (options.tile >= h && options.tile >= w)) {
     const int threads = resolve_num_threads(options.num_threads);
-    const float* p = forward_impl(image_to_tensor_mt(lr, threads), options, stats, nullptr);
-    const int64_t n = h * s * w * s;
-    parallel_for(h * s, threads, [&](int64_t y) {
-      const float* row = p + y * w * s;
-      sink(y, int64_t(0), w * s, row, row + n, row + 2 * n);
-    });
+    forward_impl(image_to_tensor_mt(lr, threads), options, stats, [](int64_t, int64_t) {},
+                 [&](int64_t y, const float* r, const float* g, const float* b) { sink(y, int64_t(0), w * s, r, g, b); });
     if (stats) stats->tiles += 1;
     if (options.progress) options.progress(1, 1);
     return;
@@ -805,13 +800,12 @@ void SrModel::upscale_values(const Image& lr, const UpscaleOptions& options, Ups
       for (int64_t i = cy0; i < cy1; ++i)
         std::memcpy(&crop.data[size_t((i - cy0) * crop.width * 3)], &lr.data[size_t((i * w + cx0) * 3)],
                     size_t(crop.width * 3));
-      const float* p = forward_impl(image_to_tensor_mt(crop, threads), options, stats, nullptr);
-      const int64_t rh = crop.height * s, rw = crop.width * s, rn = rh * rw;
-      parallel_for((y1 - y0) * s, threads, [&](int64_t row) {
-        const int64_t i = y0 * s + row;
-        const float* seg = p + (i - cy0 * s) * rw + (x0 - cx0) * s;
-        sink(i, x0 * s, (x1 - x0) * s, seg, seg + rn, seg + 2 * rn);
-      });
+      // the crop's output rows inside this tile's rows, columns [x0·s, x1·s)
+      forward_impl(image_to_tensor_mt(crop, threads), options, stats, [](int64_t, int64_t) {},
+                   [&](int64_t yy, const float* r, const float* g, const float* b) {
+                     const int64_t i = cy0 * s + yy, off = (x0 - cx0) * s;
+                     if (i >= y0 * s && i < y1 * s) sink(i, x0 * s, (x1 - x0) * s, r + off, g + off, b + off);
+                   });
       if (stats) stats->tiles += 1;
       if (options.progress) options.progress(++done, total);
     }
