@@ -53,15 +53,16 @@ void linear(const float* x, int64_t M, int64_t K, const float* W, const float* b
 namespace {
 // Runs f(y, above, centre, below) for every row y of in [H, W, C]: three zero-padded rows [W+2, C] (input rows
 // y-1, y, y+1; zeros outside the image) for the 3x3 convolutions, without a padded copy of the whole input (a
-// memory-bound pass as costly as a depthwise convolution). The rows are split into one contiguous band per thread;
-// each thread keeps its band's rows y-1, y, y+1 in a 3-row ring, and row y+1 enters the ring before f(y, ...)
-// runs, so f may overwrite row y of `in` (in-place convolutions, same row size). The two rows bordering a band
-// belong to a neighbour band, which may overwrite them first, so they are copied beforehand. f is called once per
-// row, with the same rows whatever the split (results do not depend on the thread count).
+// memory-bound pass as costly as a depthwise convolution). The rows are split into contiguous bands, four per
+// thread, handed out dynamically (one static band per thread left a whole convolution waiting for the slower of
+// the two vCPUs); a band's thread keeps its rows y-1, y, y+1 in a 3-row ring, and row y+1 enters the ring before
+// f(y, ...) runs, so f may overwrite row y of `in` (in-place convolutions, same row size). The two rows bordering
+// a band belong to a neighbour band, which may overwrite them first, so they are copied beforehand. f is called
+// once per row, with the same rows whatever the split (results do not depend on the thread count).
 template <typename F>
 void for_each_padded_row(const float* in, int64_t H, int64_t W, int64_t C, int threads, F&& f) {
   const int64_t rowc = W * C, rowp = (W + 2) * C;
-  const int64_t nb = std::max<int64_t>(1, std::min<int64_t>(threads, H));
+  const int64_t nb = threads <= 1 ? 1 : std::max<int64_t>(1, std::min<int64_t>(4 * int64_t(threads), H));
   auto band = [&](int64_t b) { return std::pair<int64_t, int64_t>{H * b / nb, H * (b + 1) / nb}; };
   thread_local Buffer edge_buf;
   float* edge = edge_buf.get(2 * nb * rowc);  // [band][above, below][W*C]
@@ -70,10 +71,10 @@ void for_each_padded_row(const float* in, int64_t H, int64_t W, int64_t C, int t
     if (y0 > 0) std::memcpy(edge + (2 * b) * rowc, in + (y0 - 1) * rowc, size_t(rowc) * sizeof(float));
     if (y1 < H) std::memcpy(edge + (2 * b + 1) * rowc, in + y1 * rowc, size_t(rowc) * sizeof(float));
   }
-  parallel_region(int(nb), [&](int tid, int nt) {
+  parallel_for(nb, threads, [&](int64_t b) {
     thread_local Buffer ring_buf;
     float* ring = ring_buf.get(3 * rowp);
-    for (int64_t b = tid; b < nb; b += nt) {
+    {
       const auto [y0, y1] = band(b);
       auto slot = [&](int64_t r) { return ring + ((r + 3) % 3) * rowp; };
       auto load = [&](int64_t r) {  // padded input row r into its ring slot
