@@ -8,6 +8,7 @@ to L = 4096. Benchmarks are only meaningful on an idle machine.
 
   /usr/bin/python3 bench/compare.py [--lens 1024,4096] [--dims 64] [--threads 1,2] [--reps 5] [--json out.json]
 """
+import openblas_env  # noqa: F401  (first: OpenBLAS reads OPENBLAS_CORETYPE as numpy / torch load it)
 import argparse
 import json
 import math

@@ -17,6 +17,7 @@ Usage: /usr/bin/python3 bench/sparse_peers.py [--threads 1 2] [--L 1024 4096] [-
 Needs PYTHONPATH=build/python (the sattn module) and torch. --clock thread = CPU time of the calling thread
 (1 thread only; robust to other processes' load, not to their cache pressure).
 """
+import openblas_env  # noqa: F401  (first: OpenBLAS reads OPENBLAS_CORETYPE as numpy / torch load it)
 import argparse
 import math
 import os

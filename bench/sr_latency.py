@@ -18,6 +18,7 @@ Timings are wall-clock ("wall") and CPU time ("cpu": process CPU time of all thr
 model run, as `sattn sr upscale` reports it; PyTorch's time.process_time around the forward); on a loaded machine only cpu at 1 thread is meaningful — the script prints the load
 average before and after, and flags a busy machine.
 """
+import openblas_env  # noqa: F401  (first: OpenBLAS reads OPENBLAS_CORETYPE as numpy / torch load it)
 import argparse
 import json
 import os

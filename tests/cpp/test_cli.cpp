@@ -50,9 +50,11 @@ class Cli : public ::testing::Test {
 
   std::string path(const std::string& name) const { return (tmp_ / name).string(); }
 
-  CliRun run(const std::string& args) const {
+  // env: an optional `env ...` prefix for the command
+  CliRun run(const std::string& args, const std::string& env = "") const {
     const std::string out = path("stdout.txt"), err = path("stderr.txt");
-    const std::string cmd = "'" + binary_.string() + "' " + args + " >'" + out + "' 2>'" + err + "'";
+    const std::string cmd = env + (env.empty() ? "" : " ") + "'" + binary_.string() + "' " + args + " >'" + out +
+                            "' 2>'" + err + "'";
     const int status = std::system(cmd.c_str());
     CliRun r;
     r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -112,6 +114,28 @@ TEST_F(Cli, HelpOfEverySubcommand) {
   EXPECT_EQ(r.code, 2) << "no subcommand";
   r = run("frobnicate");
   EXPECT_EQ(r.code, 2);
+}
+
+TEST_F(Cli, BenchSgemmPeerUsesTheCpusKernels) {
+  // OpenBLAS falls back to its Prescott (SSE3) kernels where a VM hides the CPU model; `sattn bench` then re-runs
+  // itself with OPENBLAS_CORETYPE from the CPU's features, so its SGEMM peer is the machine's real one. An
+  // explicit OPENBLAS_CORETYPE is respected. (Without OpenBLAS there is no core name and nothing to check.)
+  const std::string args = "bench --dims 8 --lens 16 --masks full --passes fwd --threads 1 --reps 1 --sgemm-n 64";
+  auto core_of = [](const std::string& out) {  // "... GFLOP/s (OpenBLAS <core>)  simd=..."
+    const size_t p = out.find("(OpenBLAS ");
+    if (p == std::string::npos) return std::string();
+    return out.substr(p + 10, out.find(')', p) - (p + 10));
+  };
+  const CliRun r = run(args, "env -u OPENBLAS_CORETYPE");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string core = core_of(r.out);
+  if (core.empty()) GTEST_SKIP() << "no OpenBLAS: " << r.out;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    EXPECT_NE(core, "Prescott") << r.out;
+  }
+  const CliRun forced = run(args, "env OPENBLAS_CORETYPE=Prescott");
+  ASSERT_EQ(forced.code, 0) << forced.err;
+  EXPECT_EQ(core_of(forced.out), "Prescott") << forced.out;
 }
 
 TEST_F(Cli, AttnMatchesTheLibraryBitwise) {

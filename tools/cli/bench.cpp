@@ -3,6 +3,8 @@
 // GFLOP/s: forward 4·B·H·Lq·Lk·D (half of it for causal), backward 2.5x the forward. "% sgemm" divides by the
 // cblas_sgemm rate (N=2048, same thread count) measured in the same process just before. Benchmarks are only
 // meaningful on an idle machine.
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <chrono>
 #include <ctime>
@@ -50,6 +52,14 @@ double median_ms(int reps, F&& f) {
   }
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
+}
+
+// OpenBLAS's kernel set (its core name), or "" for another BLAS / none (see fix_openblas_core in main.cpp).
+std::string blas_core() {
+  using CoreName = char* (*)();
+  const auto f = reinterpret_cast<CoreName>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
+  const char* name = f ? f() : nullptr;
+  return name ? name : "";
 }
 
 // SGEMM GFLOP/s (N x N x N, 2·N³ flops), or 0 without BLAS.
@@ -115,9 +125,10 @@ void run_bench(const BenchConfig& cfg_in) {
   for (const int64_t t : threads) {
     const double sg = sgemm_gflops(int(t), cfg.sgemm_n, cfg.reps);
     if (tty)
-      std::printf("threads=%lld  sgemm N=%lld: %.1f GFLOP/s  simd=%s\n", (long long)t, (long long)cfg.sgemm_n, sg,
-                  fused::ops().name);
-    nlohmann::json srow = {{"kind", "sgemm"}, {"threads", t}, {"n", cfg.sgemm_n}, {"gflops", sg}};
+      std::printf("threads=%lld  sgemm N=%lld: %.1f GFLOP/s%s  simd=%s\n", (long long)t, (long long)cfg.sgemm_n, sg,
+                  blas_core().empty() ? "" : (" (OpenBLAS " + blas_core() + ")").c_str(), fused::ops().name);
+    nlohmann::json srow = {{"kind", "sgemm"}, {"threads", t}, {"n", cfg.sgemm_n}, {"gflops", sg},
+                           {"blas_core", blas_core()}};
     rows.push_back(srow);
     if (tty)
       std::printf("  %-4s %6s %-6s %-3s %10s %9s %8s %10s %s\n", "D", "L", "mask", "pass", "median_ms", "GFLOP/s",
