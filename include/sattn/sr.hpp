@@ -175,15 +175,15 @@ class SrModel {
   Image upscale(const Image& lr, const UpscaleOptions& options, UpscaleStats* stats = nullptr) const;
 
  private:
-  // upscale() without the rounding: sink(y, x0, count, r, g, b) receives every unclamped output value once, as
-  // runs of output row y, columns [x0, x0 + count), one pointer per channel (from several threads, for distinct
-  // pixels).
   // forward() without the output tensor: begin(out_h, out_w) once, then emit(y, r, g, b) for every output row y
   // (the three channels' out_w values; from several threads, each row once), so that upscale() rounds rows as they
   // come instead of writing and re-reading a 12 MB float image.
   using RowEmit = std::function<void(int64_t y, const float* r, const float* g, const float* b)>;
   void forward_impl(const Tensor& x, const UpscaleOptions& options, UpscaleStats* stats,
                     const std::function<void(int64_t, int64_t)>& begin, const RowEmit& emit) const;
+  // upscale() without the rounding: sink(y, x0, count, r, g, b) receives every unclamped output value once, as
+  // runs of output row y, columns [x0, x0 + count), one pointer per channel (from several threads, for distinct
+  // pixels).
   template <typename Sink>
   void upscale_values(const Image& lr, const UpscaleOptions& options, UpscaleStats* stats, Sink&& sink) const;
   SrConfig config_;

@@ -312,12 +312,13 @@ inline void add_row_bias(const float* in, int64_t M, int64_t C, const float* __r
 // Swin region label of a (rolled) position along one axis: 0, 1 or 2.
 inline int region(int64_t p, int64_t n, int64_t ws, int64_t s) { return p < n - ws ? 0 : (p < n - s ? 1 : 2); }
 
-// One window block: y [H, W, C] = block(src) (src == y: in place). `decide` fills routed[] for the block's windows (nW of them).
+// One window block: y [H, W, C] = block(src) (src == y: in place); the routing decisions of its nW windows go to
+// routed_out / gates_out when given.
 void probe_window(const BlockW& b, const BlockCtx& cx, const float* y, int64_t n, const std::vector<float>& gate,
                   bool routed, AttentionProbe* probe);
 
-void run_block(const BlockW& b, const BlockCtx& cx, const float* src, float* y, bool dense, const uint8_t* routing_in,
-               uint8_t* routed_out, float* gates_out, int64_t* n_routed) {
+void run_block(const BlockW& b, const BlockCtx& cx, const float* src, float* y, bool dense,
+               const uint8_t* routing_in, uint8_t* routed_out, float* gates_out, int64_t* n_routed) {
   const int64_t H = cx.H, W = cx.W, C = cx.C;
   const int64_t ws = b.ws, s = b.shifted ? ws / 2 : 0, L = ws * ws;
   const int64_t nwy = H / ws, nwx = W / ws, nW = nwy * nwx;
@@ -761,7 +762,9 @@ void SrModel::upscale_values(const Image& lr, const UpscaleOptions& options, Ups
   if (options.tile <= 0 || (options.tile >= h && options.tile >= w)) {
     const int threads = resolve_num_threads(options.num_threads);
     forward_impl(image_to_tensor_mt(lr, threads), options, stats, [](int64_t, int64_t) {},
-                 [&](int64_t y, const float* r, const float* g, const float* b) { sink(y, int64_t(0), w * s, r, g, b); });
+                 [&](int64_t y, const float* r, const float* g, const float* b) {
+                   sink(y, int64_t(0), w * s, r, g, b);
+                 });
     if (stats) stats->tiles += 1;
     if (options.progress) options.progress(1, 1);
     return;

@@ -369,7 +369,8 @@ TEST(SrOps, PlanarToU8RgbRoundsExactlyAsTheScalarFormula) {
     const double d = double(std::min(1.0f, std::max(0.0f, x)));
     return uint8_t(std::floor(d * 255.0 + 0.5));
   };
-  for (const int64_t n : {int64_t(0), int64_t(1), int64_t(7), int64_t(8), int64_t(9), int64_t(17), int64_t(v.size() / 3)}) {
+  for (const int64_t n : {int64_t(0), int64_t(1), int64_t(7), int64_t(8), int64_t(9), int64_t(17),
+                          int64_t(v.size() / 3)}) {
     const float *r = v.data(), *g = v.data() + n, *b = v.data() + 2 * n;
     std::vector<uint8_t> out(size_t(3 * n + 5), 77);
     sattn::nn::planar_to_u8_rgb(r, g, b, n, out.data());

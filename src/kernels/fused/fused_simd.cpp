@@ -547,7 +547,7 @@ void ForwardTask(const Params& p, int64_t task) {
       const VF m_old = hn::Load(d, M + x);
       const VF m_new = hn::Max(m_old, mx);
       const VF m_use = hn::IfThenElse(hn::Eq(m_new, ninf), zero, m_new);  // all masked so far: keep 0s
-      const VF alpha = ExpSoftmax(d, hn::Sub(m_old, m_use));                  // exp(-inf) = 0
+      const VF alpha = ExpSoftmax(d, hn::Sub(m_old, m_use));               // exp(-inf) = 0
       VF sum = zero;
       for (int64_t jj = 0; jj < nk; ++jj) {
         const VF e = ExpSoftmax(d, hn::Sub(hn::Load(d, ST + jj * Br + x), m_use));
