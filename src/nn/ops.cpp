@@ -74,27 +74,25 @@ void for_each_padded_row(const float* in, int64_t H, int64_t W, int64_t C, int t
   parallel_for(nb, threads, [&](int64_t b) {
     thread_local Buffer ring_buf;
     float* ring = ring_buf.get(3 * rowp);
-    {
-      const auto [y0, y1] = band(b);
-      auto slot = [&](int64_t r) { return ring + ((r + 3) % 3) * rowp; };
-      auto load = [&](int64_t r) {  // padded input row r into its ring slot
-        float* d = slot(r);
-        std::fill(d, d + C, 0.0f);
-        std::fill(d + (W + 1) * C, d + rowp, 0.0f);
-        if (r < 0 || r >= H) {
-          std::fill(d + C, d + (W + 1) * C, 0.0f);
-          return;
-        }
-        const float* src = r == y0 - 1 ? edge + (2 * b) * rowc : r == y1 ? edge + (2 * b + 1) * rowc : in + r * rowc;
-        std::memcpy(d + C, src, size_t(rowc) * sizeof(float));
-      };
-      load(y0 - 1);
-      load(y0);
-      for (int64_t y = y0; y < y1; ++y) {
-        load(y + 1);
-        f(y, static_cast<const float*>(slot(y - 1)), static_cast<const float*>(slot(y)),
-          static_cast<const float*>(slot(y + 1)));
+    const auto [y0, y1] = band(b);
+    auto slot = [&](int64_t r) { return ring + ((r + 3) % 3) * rowp; };
+    auto load = [&](int64_t r) {  // padded input row r into its ring slot
+      float* d = slot(r);
+      std::fill(d, d + C, 0.0f);
+      std::fill(d + (W + 1) * C, d + rowp, 0.0f);
+      if (r < 0 || r >= H) {
+        std::fill(d + C, d + (W + 1) * C, 0.0f);
+        return;
       }
+      const float* src = r == y0 - 1 ? edge + (2 * b) * rowc : r == y1 ? edge + (2 * b + 1) * rowc : in + r * rowc;
+      std::memcpy(d + C, src, size_t(rowc) * sizeof(float));
+    };
+    load(y0 - 1);
+    load(y0);
+    for (int64_t y = y0; y < y1; ++y) {
+      load(y + 1);
+      f(y, static_cast<const float*>(slot(y - 1)), static_cast<const float*>(slot(y)),
+        static_cast<const float*>(slot(y + 1)));
     }
   });
 }

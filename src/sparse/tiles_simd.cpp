@@ -58,29 +58,7 @@ HWY_INLINE void StoreTail(VF v, DF d, MF m, float* HWY_RESTRICT p) {
 #endif
 }
 
-// exp(x) = 2^n · p(r), x = n ln2 + r, |r| <= ln2/2, degree-6 Cephes polynomial (|relative error| < 2e-7).
-// x <= -88 (incl. -inf) gives exactly 0: the clamp makes n = -127, whose exponent field 0 scales p to +0.
-// kNoUpper: the caller guarantees x <= 0 (softmax after subtracting the row max), so no upper clamp.
-template <bool kNoUpper, class D, class V = hn::Vec<D>>
-HWY_INLINE V Exp(D d, V x) {
-  const hn::RebindToSigned<D> di;
-  // Magic-number rounding: y = round(x·log2 e) + 1.5·2^23 + 127 in one FMA; its low mantissa bits are n + 127.
-  constexpr float kMagic = 12582912.0f + 127.0f;
-  V xc = hn::Max(x, hn::Set(d, -88.0f));
-  if constexpr (!kNoUpper) xc = hn::Min(xc, hn::Set(d, 88.0f));
-  const V y = hn::MulAdd(xc, hn::Set(d, 1.44269504088896341f), hn::Set(d, kMagic));
-  const V n = hn::Sub(y, hn::Set(d, kMagic));
-  // Cody-Waite: ln2 = 0.693359375 - 2.12194440e-4
-  const V r = hn::MulAdd(n, hn::Set(d, 2.12194440e-4f), hn::NegMulAdd(n, hn::Set(d, 0.693359375f), xc));
-  V p = hn::Set(d, 1.9875691500e-4f);
-  p = hn::MulAdd(p, r, hn::Set(d, 1.3981999507e-3f));
-  p = hn::MulAdd(p, r, hn::Set(d, 8.3334519073e-3f));
-  p = hn::MulAdd(p, r, hn::Set(d, 4.1665795894e-2f));
-  p = hn::MulAdd(p, r, hn::Set(d, 1.6666665459e-1f));
-  p = hn::MulAdd(p, r, hn::Set(d, 5.0000001201e-1f));
-  p = hn::Add(hn::MulAdd(p, hn::Mul(r, r), r), hn::Set(d, 1.0f));
-  return hn::Mul(p, hn::BitCast(d, hn::ShiftLeft<23>(hn::BitCast(di, y))));  // 2^n from the exponent bits
-}
+#include "kernels/simd_exp.inc"  // Exp<kNoUpper>(d, x)
 
 // The same polynomial on one lane, so that a row's rescale factor matches its probabilities.
 HWY_INLINE float ExpScalar(float x) {

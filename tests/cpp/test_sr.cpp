@@ -210,7 +210,7 @@ std::vector<float> randv(size_t n, unsigned seed) {
 }
 
 TEST(SrOps, Conv3x3AndDepthwiseMatchPlainLoops) {
-  // rows are split into one band per thread: heights around the thread counts test the band borders
+  // rows are split into four bands per thread: heights around the band counts test the band borders
   for (auto [H, W, Ci, Co, threads] : {std::tuple{5, 7, 3, 9, 2}, std::tuple{1, 1, 2, 2, 2},
                                        std::tuple{6, 9, 40, 67, 2}, std::tuple{11, 4, 12, 12, 3},
                                        std::tuple{3, 5, 8, 8, 4}}) {
@@ -220,6 +220,12 @@ TEST(SrOps, Conv3x3AndDepthwiseMatchPlainLoops) {
     sattn::nn::conv3x3_hwc(in.data(), H, W, Ci, w9.data(), b.data(), Co, out.data(), threads);
     sattn::nn::conv3x3_hwc(in.data(), H, W, Ci, w9.data(), b.data(), Co, one.data(), 1);
     ASSERT_EQ(0, std::memcmp(out.data(), one.data(), out.size() * sizeof(float))) << "thread count changed results";
+    {  // with `add`: the same convolution, then + add, element by element
+      const auto addend = randv(out.size(), 4);
+      std::vector<float> sum(out.size());
+      sattn::nn::conv3x3_hwc(in.data(), H, W, Ci, w9.data(), b.data(), Co, sum.data(), threads, addend.data());
+      for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(sum[i], out[i] + addend[i]) << "add, element " << i;
+    }
     if (Ci == Co) {  // in place
       std::vector<float> io = in;
       sattn::nn::conv3x3_hwc(io.data(), H, W, Ci, w9.data(), b.data(), Co, io.data(), threads);
@@ -385,7 +391,7 @@ TEST(SrOps, PlanarToU8RgbRoundsExactlyAsTheScalarFormula) {
 
 TEST(SrOps, DepthwiseGeluPointwiseMatchesPlainLoops) {
   // out = res + pw_b + act(dw(in) + dw_b) · PW, in place on `in` (the model's cheap path) and with act = identity
-  // rows are split into one band per thread: heights around the thread counts test the band borders
+  // rows are split into four bands per thread: heights around the band counts test the band borders
   for (auto [H, W, C, threads] : {std::tuple{5, 7, 3, 2}, std::tuple{1, 1, 2, 2}, std::tuple{4, 9, 40, 2},
                                   std::tuple{13, 6, 40, 3}, std::tuple{2, 5, 7, 3}, std::tuple{9, 4, 16, 1},
                                   std::tuple{7, 3, 5, 7}}) {

@@ -112,27 +112,7 @@ constexpr int kMR = 6, kNV = 2;  // 12 of 16 ymm accumulators
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kDecodeRows = 4;  // Lq up to this uses the keys-in-lanes decode kernel
 
-// e^x for the softmax's x = s - max <= 0 (Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2; e^r by Cephes'
-// expf polynomial, ~1 ulp; 2^n written into the exponent bits): 17 vector ops where hn::Exp takes ~32. x is
-// clamped to -127 ln2 first, where 2^n is built as the bits 0, i.e. +0, so -inf (masked keys) gives exactly 0
-// and results below ~1e-38 flush to 0 (they never change a softmax row, whose maximum term is e^0 = 1). Also
-// right for small x > 0 (x <= 88). NaN propagates (Max returns its second operand for NaN on x86).
-HWY_INLINE VF ExpSoftmax(DF d, VF x) {
-  const hn::RebindToSigned<DF> di;
-  x = hn::Max(hn::Set(d, -88.02969193111305f), x);
-  const VF n = hn::Round(hn::Mul(x, hn::Set(d, 1.44269504088896341f)));
-  VF r = hn::MulAdd(n, hn::Set(d, -0.693359375f), x);
-  r = hn::MulAdd(n, hn::Set(d, 2.12194440e-4f), r);
-  VF y = hn::Set(d, 1.9875691500e-4f);
-  y = hn::MulAdd(y, r, hn::Set(d, 1.3981999507e-3f));
-  y = hn::MulAdd(y, r, hn::Set(d, 8.3334519073e-3f));
-  y = hn::MulAdd(y, r, hn::Set(d, 4.1665795894e-2f));
-  y = hn::MulAdd(y, r, hn::Set(d, 1.6666665459e-1f));
-  y = hn::MulAdd(y, r, hn::Set(d, 5.0000001201e-1f));
-  y = hn::MulAdd(y, hn::Mul(r, r), hn::Add(r, hn::Set(d, 1.0f)));
-  const auto scale = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
-  return hn::Mul(y, hn::BitCast(d, scale));
-}
+#include "kernels/simd_exp.inc"  // Exp<kNoUpper>(d, x), shared with the sparse tiles
 
 // C[MR x NV·lanes] (+)= sum_k A(m, k) · B[k, :];  A(m, k) = A[m·sam + k·sak].
 template <int MR, int NV, bool kAcc>
@@ -425,7 +405,7 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
       VF vsum = hn::Zero(d);
       int64_t jj = 0;
       for (; jj + N <= nk; jj += N) {
-        const VF e = hn::Exp(d, hn::Sub(hn::LoadU(d, srow + jj), vm));
+        const VF e = Exp<true>(d, hn::Sub(hn::LoadU(d, srow + jj), vm));
         vsum = hn::Add(vsum, e);
         hn::StoreU(e, d, srow + jj);
       }
@@ -547,10 +527,10 @@ void ForwardTask(const Params& p, int64_t task) {
       const VF m_old = hn::Load(d, M + x);
       const VF m_new = hn::Max(m_old, mx);
       const VF m_use = hn::IfThenElse(hn::Eq(m_new, ninf), zero, m_new);  // all masked so far: keep 0s
-      const VF alpha = ExpSoftmax(d, hn::Sub(m_old, m_use));               // exp(-inf) = 0
+      const VF alpha = Exp<true>(d, hn::Sub(m_old, m_use));                // exp(-inf) = 0
       VF sum = zero;
       for (int64_t jj = 0; jj < nk; ++jj) {
-        const VF e = ExpSoftmax(d, hn::Sub(hn::Load(d, ST + jj * Br + x), m_use));
+        const VF e = Exp<true>(d, hn::Sub(hn::Load(d, ST + jj * Br + x), m_use));
         sum = hn::Add(sum, e);
         hn::Store(e, d, ST + jj * Br + x);
       }
@@ -625,7 +605,7 @@ bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, 
       for (int64_t ii = nq; ii < Br; ++ii) pdrow[ii] = 0.f;
     }
     for (int64_t x = 0; x < Br; x += N) {
-      const VF pr = hn::Exp(d, hn::Sub(hn::Load(d, srow + x), hn::Load(d, lse_t + x)));  // P
+      const VF pr = Exp<false>(d, hn::Sub(hn::Load(d, srow + x), hn::Load(d, lse_t + x)));  // P
       VF dp = hn::Load(d, dprow + x);
       VF pd = pr;  // P' = P keep/(1-p)
       if (p.dropout_p > 0) {
