@@ -42,7 +42,10 @@ AttentionOptions make_options(const TensorView& attn_mask, const TensorView& key
   return o;
 }
 
-DType result_dtype(const TensorView& q) { return q.dtype == DType::kF64 ? DType::kF64 : DType::kF32; }
+// lse and weights: float32, float64 for float64 inputs. out and the gradients keep the inputs' dtype (half precision
+// included: the kernels read and write it natively).
+DType stats_dtype(const TensorView& q) { return q.dtype == DType::kF64 ? DType::kF64 : DType::kF32; }
+DType result_dtype(const TensorView& q) { return is_floating(q.dtype) ? q.dtype : DType::kF32; }
 
 pyb::tuple forward(const pyb::object& q_obj, const pyb::object& k_obj, const pyb::object& v_obj,
                    const pyb::object& mask_obj, const pyb::object& kpm_obj, const pyb::object& len_obj,
@@ -56,9 +59,9 @@ pyb::tuple forward(const pyb::object& q_obj, const pyb::object& k_obj, const pyb
                                           strict, num_threads);
   // Validate before allocating anything (sizes come from the validated problem).
   const AttentionProblem p = describe_attention(q, k, v, o);
-  const DType dt = result_dtype(q);
+  const DType dt = stats_dtype(q);
   AttentionOutputs outs;
-  pyb::object out = new_array(dt, {p.batch, p.heads_q, p.len_q, p.head_dim_v}, &outs.out);
+  pyb::object out = new_array(result_dtype(q), {p.batch, p.heads_q, p.len_q, p.head_dim_v}, &outs.out);
   pyb::object lse = pyb::none(), weights = pyb::none();
   if (need_lse) lse = new_array(dt, {p.batch, p.heads_q, p.len_q}, &outs.lse);
   if (need_weights) {
@@ -96,7 +99,7 @@ pyb::tuple backward(const pyb::object& dout_obj, const pyb::object& q_obj, const
   AttentionGrads g;
   pyb::object dq = new_array(dt, q.shape, &g.dq), dk = new_array(dt, k.shape, &g.dk), dv = new_array(dt, v.shape, &g.dv);
   pyb::object dmask = pyb::none();
-  if (need_dmask && p.mask == MaskKind::kAdditive) dmask = new_array(dt, p.mask_shape, &g.dmask);
+  if (need_dmask && p.mask == MaskKind::kAdditive) dmask = new_array(stats_dtype(q), p.mask_shape, &g.dmask);
   KernelInfo info;
   {
     pyb::gil_scoped_release release;

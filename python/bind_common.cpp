@@ -1,8 +1,11 @@
 // Helpers shared by the Python binding files: numpy arrays <-> TensorView (see bind_common.hpp).
 #include "bind_common.hpp"
 
+#include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <string>
+#include <utility>
 
 #include "sattn/error.hpp"
 
@@ -36,9 +39,43 @@ pyb::dtype numpy_dtype(DType dtype) {
     case DType::kI64: return pyb::dtype::of<int64_t>();
     case DType::kU8: return pyb::dtype::of<uint8_t>();
     case DType::kF16: return pyb::dtype("float16");
-    case DType::kBF16: break;
+    case DType::kBF16: {
+      pyb::object ml_dtypes;
+      try {
+        ml_dtypes = pyb::module_::import("ml_dtypes");
+      } catch (const pyb::error_already_set&) {
+        fail(ErrorKind::kTypeError, "a bfloat16 result needs numpy's bfloat16 dtype from the ml_dtypes package, "
+             "which is not installed (pip install ml_dtypes)");
+      }
+      return pyb::dtype::from_args(ml_dtypes.attr("bfloat16"));
+    }
   }
   fail(ErrorKind::kTypeError, "numpy has no ", to_string(dtype), " dtype");
+}
+
+TensorView torch_view(const pyb::handle& obj, const char* name) {
+  if (obj.is_none()) return {};
+  const std::string device = pyb::str(obj.attr("device").attr("type"));
+  check(device == "cpu", ErrorKind::kUnsupported, name, ": sattn runs on the CPU, got a tensor on device '",
+        std::string(pyb::str(obj.attr("device"))), "'");
+  const std::string type = pyb::str(obj.attr("dtype"));
+  static const std::pair<const char*, DType> kTypes[] = {
+      {"torch.float32", DType::kF32}, {"torch.float64", DType::kF64}, {"torch.bfloat16", DType::kBF16},
+      {"torch.float16", DType::kF16}, {"torch.bool", DType::kBool},   {"torch.int32", DType::kI32},
+      {"torch.int64", DType::kI64},   {"torch.uint8", DType::kU8}};
+  const auto* hit = std::find_if(std::begin(kTypes), std::end(kTypes), [&](const auto& t) { return type == t.first; });
+  check(hit != std::end(kTypes), ErrorKind::kTypeError, name, ": unsupported tensor dtype ", type);
+  const DType dtype = hit->second;
+  const auto data = obj.attr("data_ptr")().cast<uintptr_t>();
+  const pyb::tuple sizes = obj.attr("shape"), steps = obj.attr("stride")();
+  Shape shape, strides;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    shape.push_back(sizes[d].cast<int64_t>());
+    strides.push_back(shape.back() == 1 ? 0 : steps[d].cast<int64_t>());
+  }
+  check(data % dtype_size(dtype) == 0 || numel(shape) == 0, ErrorKind::kInvalidArgument, name,
+        ": the data is not aligned to its element size (", dtype_size(dtype), " bytes); pass a .contiguous() copy");
+  return TensorView(reinterpret_cast<void*>(data), dtype, std::move(shape), std::move(strides));
 }
 
 namespace {
@@ -59,7 +96,7 @@ bool viewable(const pyb::array& a) {
 TensorView view_of(const pyb::object& obj, const char* name, ArrayKeeper& keeper) {
   if (obj.is_none()) return {};
   check(pyb::isinstance<pyb::array>(obj), ErrorKind::kTypeError, name, ": expected a numpy array, got ",
-        std::string(pyb::str(obj.get_type().attr("__name__"))));
+        std::string(pyb::str(pyb::type::of(obj).attr("__name__"))));
   pyb::array a = pyb::reinterpret_borrow<pyb::array>(obj);
   const DType dtype = dtype_of(a.dtype(), name);
   if (!viewable(a)) a = pyb::module_::import("numpy").attr("ascontiguousarray")(a).cast<pyb::array>();

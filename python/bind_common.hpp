@@ -23,6 +23,11 @@ struct ArrayKeeper {
 // numpy dtype -> sattn DType (TypeError naming `name` for anything else; bfloat16 = ml_dtypes.bfloat16).
 DType dtype_of(const pybind11::dtype& dt, const char* name);
 
+// A view of a torch.Tensor without a copy and without torch's headers: its data_ptr(), dtype, shape and stride()
+// (PyTorch strides are in elements, never negative). CPU tensors only (UnsupportedError naming the device).
+// The caller keeps the tensor alive while the view is used. `obj` None -> an empty view (absent).
+TensorView torch_view(const pybind11::handle& obj, const char* name);
+
 // A zero-copy view of a numpy array: numpy's byte strides become element strides. Arrays whose layout a
 // TensorView cannot express (negative or non-multiple-of-itemsize strides, misaligned data) are first copied
 // to C order. `obj` None -> an empty view (absent).
@@ -31,7 +36,7 @@ TensorView view_of(const pybind11::object& obj, const char* name, ArrayKeeper& k
 // A freshly allocated C-order numpy array and a view of it (for outputs).
 pybind11::array new_array(DType dtype, const Shape& shape, TensorView* view);
 
-// The numpy dtype of a sattn dtype (float16 included; bfloat16 has none -> sattn::Error).
+// The numpy dtype of a sattn dtype (bfloat16: ml_dtypes.bfloat16, a DTypeError when ml_dtypes is missing).
 pybind11::dtype numpy_dtype(DType dtype);
 
 // A numpy array (anything numpy.asarray accepts) kept alive together with a TensorView of it.

@@ -63,7 +63,7 @@ int resolve_python_threads(const pybind11::object& num_threads) {
   if (num_threads.is_none()) return g_default_threads.load();
   if (!pybind11::isinstance<pybind11::int_>(num_threads) || pybind11::isinstance<pybind11::bool_>(num_threads))
     throw Error(ErrorKind::kTypeError, detail::concat("num_threads: expected None or a positive int, got ",
-                                                      std::string(pybind11::str(num_threads.get_type().attr("__name__")))));
+                                                      std::string(pybind11::str(pybind11::type::of(num_threads).attr("__name__")))));
   const long n = num_threads.cast<long>();
   check(n >= 1 && n <= 4096, ErrorKind::kInvalidArgument, "num_threads: expected None or an int in [1, 4096], got ", n);
   return int(n);

@@ -168,15 +168,18 @@ gives zeros where torch gives NaN. See docs/mha.md.)doc")
         }
         pyb::dict d;
         for (const auto& [name, t] : f.tensors) {
-          check(t.dtype() != DType::kBF16, ErrorKind::kTypeError, "read_safetensors: tensor '", name,
-                "' is BF16, which numpy cannot represent (use the C++ API)");
-          d[pyb::str(name)] = to_numpy(t);
+          try {
+            d[pyb::str(name)] = to_numpy(t);  // BF16 as ml_dtypes.bfloat16
+          } catch (const Error& e) {
+            fail(e.kind(), "read_safetensors: tensor '", name, "': ", e.what());
+          }
         }
         if (!with_metadata) return d;
         return pyb::make_tuple(d, pyb::cast(f.metadata));
       },
       "path"_a, "with_metadata"_a = false,
-      "Reads a safetensors file into {name: numpy array} (and the __metadata__ dict when with_metadata).");
+      "Reads a safetensors file into {name: numpy array} (and the __metadata__ dict when with_metadata); BF16\n"
+      "tensors come back as ml_dtypes.bfloat16 arrays (a DTypeError naming the tensor without ml_dtypes).");
   m.def(
       "write_safetensors",
       [](const std::string& path, const pyb::dict& tensors, const std::optional<std::map<std::string, std::string>>& metadata) {

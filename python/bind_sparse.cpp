@@ -27,11 +27,11 @@ TensorView view_of(const pybind11::array& a, const char* name) {
   return t;
 }
 
-pybind11::array new_array(DType dt, const Shape& shape) {
-  std::vector<pybind11::ssize_t> s(shape.begin(), shape.end());
-  if (dt == DType::kF64) return pybind11::array_t<double>(s);
-  return pybind11::array_t<float>(s);
-}
+pybind11::array new_array(DType dt, const Shape& shape) { return sattn::py::new_array(dt, shape, nullptr); }
+
+// out and the gradients keep the inputs' dtype (half precision included); lse is float32 (float64 for float64).
+DType result_dtype(const TensorView& q) { return is_floating(q.dtype) ? q.dtype : DType::kF32; }
+DType stats_dtype(const TensorView& q) { return q.dtype == DType::kF64 ? DType::kF64 : DType::kF32; }
 
 TensorView out_view(pybind11::array& a) { return view_of(a, "output"); }
 
@@ -88,9 +88,8 @@ pybind11::object sparse_attention_py(const pybind11::array& q, const pybind11::a
         shape_to_string(vv.shape));
   CallOptions c = make_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias,
                                num_threads);
-  const DType odt = qv.dtype == DType::kF64 ? DType::kF64 : DType::kF32;
-  pybind11::array out = sparse_np::new_array(odt, {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]});
-  pybind11::array lse = sparse_np::new_array(odt, {qv.shape[0], qv.shape[1], qv.shape[2]});
+  pybind11::array out = sparse_np::new_array(sparse_np::result_dtype(qv), {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]});
+  pybind11::array lse = sparse_np::new_array(sparse_np::stats_dtype(qv), {qv.shape[0], qv.shape[1], qv.shape[2]});
   const TensorView ov = sparse_np::out_view(out), lv = sparse_np::out_view(lse);
   pybind11::array idx;
   TensorView iv;
@@ -122,7 +121,7 @@ pybind11::tuple sparse_attention_backward_py(
                    outv = sparse_np::view_of(out, "out"), lsev = sparse_np::view_of(lse, "lse");
   CallOptions c = make_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias,
                                num_threads);
-  const DType odt = qv.dtype == DType::kF64 ? DType::kF64 : DType::kF32;
+  const DType odt = sparse_np::result_dtype(qv);
   pybind11::array dq = sparse_np::new_array(odt, qv.shape), dk = sparse_np::new_array(odt, kv.shape),
                   dv = sparse_np::new_array(odt, vv.shape);
   sparse::SparseGrads g{sparse_np::out_view(dq), sparse_np::out_view(dk), sparse_np::out_view(dv), {}, {}, {}};
@@ -279,7 +278,7 @@ void bind_sparse(pybind11::module_& m) {
                            vv = sparse_np::view_of(v, "value");
           const auto o = linear_options(feature_map, num_features, causal, seed, enable_gqa, num_threads);
           check(qv.dim() == 4 && vv.dim() == 4, ErrorKind::kInvalidArgument, "query/value: expected 4-D arrays");
-          pybind11::array out = sparse_np::new_array(qv.dtype == DType::kF64 ? DType::kF64 : DType::kF32,
+          pybind11::array out = sparse_np::new_array(sparse_np::result_dtype(qv),
                                                      {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]});
           const TensorView ov = sparse_np::out_view(out);
           {
@@ -298,7 +297,7 @@ void bind_sparse(pybind11::module_& m) {
           const TensorView qv = sparse_np::view_of(q, "query"), kv = sparse_np::view_of(k, "key"),
                            vv = sparse_np::view_of(v, "value"), dov = sparse_np::view_of(dout, "dout");
           const auto o = linear_options(feature_map, num_features, causal, seed, enable_gqa, num_threads);
-          const DType odt = qv.dtype == DType::kF64 ? DType::kF64 : DType::kF32;
+          const DType odt = sparse_np::result_dtype(qv);
           pybind11::array dq = sparse_np::new_array(odt, qv.shape), dk = sparse_np::new_array(odt, kv.shape),
                           dv = sparse_np::new_array(odt, vv.shape);
           const TensorView a = sparse_np::out_view(dq), b = sparse_np::out_view(dk), c = sparse_np::out_view(dv);

@@ -10,4 +10,5 @@ void bind_tools(pybind11::module_& m);      // bind_tools.cpp: diagnose
 void bind_fused(pybind11::module_& m);      // bind_fused.cpp: flash_attn_varlen (+ backward)
 void bind_sparse(pybind11::module_& m);     // bind_sparse.cpp: sparse patterns, sparse_attention & co.
 void bind_sr(pybind11::module_& m);         // bind_sr.cpp: sattn.sr (SattnSR model, bicubic, metrics, images)
+void bind_torch(pybind11::module_& m);      // bind_torch.cpp: private bodies of sattn.torch's operators
 }  // namespace sattn::py

@@ -9,4 +9,5 @@ PYBIND11_MODULE(_core, m) {
   sattn::py::bind_fused(m);
   sattn::py::bind_sparse(m);
   sattn::py::bind_sr(m);
+  sattn::py::bind_torch(m);
 }

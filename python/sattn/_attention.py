@@ -56,17 +56,15 @@ def _type_error(msg):
 
 
 def _as_float_array(x, name):
-    """x as a numpy array the kernels take (float32/float64). Half precision (float16, ml_dtypes.bfloat16) is
-    up-converted to float32 here, the one place where that happens; the caller casts results back."""
+    """x as a numpy array the kernels take: float32, float64 or half precision (float16, ml_dtypes.bfloat16), which
+    the kernels read natively (no up-converted copy)."""
     if not isinstance(x, np.ndarray):
         if x is None:
             raise _type_error(f"{name}: expected a numpy array, got None")
         x = np.asarray(x)
     x = _native_byte_order(x)
-    if x.dtype in _NATIVE_FLOATS:
+    if x.dtype in _NATIVE_FLOATS or _is_half(x.dtype):
         return x
-    if _is_half(x.dtype):
-        return x.astype(np.float32)
     raise _type_error(f"{name}: expected a float32, float64, float16 or bfloat16 array, got dtype {x.dtype}")
 
 
@@ -254,7 +252,7 @@ class _Call:
         return dmask.reshape(self.mask_shape)
 
     def cast_back(self, x):
-        """Results of half-precision inputs go back to the input dtype (as PyTorch returns them)."""
+        """Weights (computed in float32 for half-precision inputs) in the input dtype, as PyTorch returns them."""
         return x.astype(self.in_dtype) if _is_half(self.in_dtype) else x
 
 
@@ -278,7 +276,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return_lse = _check_flag(return_lse, "return_lse")
     out, lse, _, name = _core._forward(call.q, call.k, call.v, **call.run_options(), need_lse=return_lse,
                                        need_weights=False)
-    out = call.cast_back(out.reshape(call.q_shape[:-1] + (call.v_shape[-1],)))
+    out = out.reshape(call.q_shape[:-1] + (call.v_shape[-1],))
     result = (out,)
     if return_lse:
         result += (lse.reshape(call.q_shape[:-1]),)
@@ -308,8 +306,7 @@ def scaled_dot_product_attention_backward(dout, query, key, value, out, lse, att
         arrays[name] = a.reshape((call.batch,) + call.q.shape[1:3] + shape[len(call.q_shape) - 1:])
     dq, dk, dv, dmask, name = _core._backward(arrays["dout"], call.q, call.k, call.v, arrays["out"], arrays["lse"],
                                               **call.run_options(), need_dmask=call.mask_is_float)
-    result = (call.cast_back(dq.reshape(call.q_shape)), call.cast_back(dk.reshape(call.k_shape)),
-              call.cast_back(dv.reshape(call.v_shape)))
+    result = (dq.reshape(call.q_shape), dk.reshape(call.k_shape), dv.reshape(call.v_shape))
     if call.mask_is_float:
         result += (call.unfold_dmask(dmask).astype(call.mask_dtype, copy=False),)
     if _check_flag(return_kernel, "return_kernel"):

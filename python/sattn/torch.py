@@ -1,0 +1,765 @@
+"""sattn.torch: sattn's kernels as PyTorch 2.x operators, with autograd, torch.compile, torch.export and autocast.
+
+    from sattn.torch import scaled_dot_product_attention
+    out = scaled_dot_product_attention(q, k, v, is_causal=True)      # torch tensors in, torch tensors out
+    out.sum().backward()                                              # dq, dk, dv (and a float attn_mask's grad)
+
+Everything here works on CPU tensors of float32, float64, bfloat16 and float16; results have the inputs' dtype.
+The public functions check and reshape their arguments and call operators registered with torch.library:
+
+    sattn::sdpa_forward / sattn::sdpa_backward        scaled_dot_product_attention, MultiheadAttention, use_sattn
+    sattn::sparse_forward / sattn::sparse_backward    sparse_attention
+    sattn::varlen_forward / sattn::varlen_backward    flash_attn_varlen_func
+
+Each forward operator has an autograd formula (its backward operator), a fake (meta) implementation for
+torch.compile / torch.export, and an autocast rule (CPU autocast runs it in bfloat16, as torch's SDPA). The tensors
+reach the C++ kernels without a copy (their data pointers and strides) and the GIL is released while they run.
+The forward saves what the backward needs (out and the log-sum-exp), so nothing is recomputed or passed by hand.
+Double backward is not implemented and raises.
+
+Dropout draws the kernels' Philox seed from torch's default CPU generator (one int64 per call), so
+torch.manual_seed(s) reproduces a run; the backward applies the same keep mask. Threads: torch.get_num_threads()
+unless num_threads is given (docs/python.md: torch and sattn each have an OpenMP pool).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from . import _core
+
+__all__ = [
+    "scaled_dot_product_attention",
+    "sparse_attention",
+    "flash_attn_varlen_func",
+    "MultiheadAttention",
+    "use_sattn",
+]
+
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_HALF = (torch.bfloat16, torch.float16)
+_ALIGNMENTS = {"top_left": "top_left", "top-left": "top_left", "bottom_right": "bottom_right",
+               "bottom-right": "bottom_right"}
+_SEED_HIGH = 2**62  # seeds are drawn in [0, 2**62) from torch's generator
+
+
+# ---- argument checks (errors are sattn.Error subclasses that are also the builtin exceptions) ----------------------
+
+def _check_tensor(x, name, floating=True):
+    if not isinstance(x, Tensor):
+        raise _core.DTypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.device.type != "cpu":
+        raise _core.UnsupportedError(f"{name}: sattn runs on the CPU, got a tensor on device '{x.device}' "
+                                     "(move it with .cpu(), or use torch's own kernels for that device)")
+    if floating and x.dtype not in _FLOATS:
+        raise _core.DTypeError(f"{name}: expected float32, float64, bfloat16 or float16, got {x.dtype}")
+    return x
+
+
+def _check_same_dtype(query, key, value):
+    if torch.is_autocast_enabled("cpu"):
+        return  # autocast casts them to one dtype
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise _core.DTypeError(f"key/value: expected the dtype of query ({query.dtype}), got key {key.dtype} and "
+                               f"value {value.dtype}")
+
+
+def _check_flag(value, name):
+    if not isinstance(value, bool):
+        raise _core.DTypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return value
+
+
+def _check_scale(scale, name="scale"):
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise _core.DTypeError(f"{name}: expected a real number or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise _core.InvalidArgumentError(f"{name}: expected a finite number or None, got {scale}")
+    return float(scale)
+
+
+def _check_dropout(dropout_p):
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise _core.DTypeError(f"dropout_p: expected a real number, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise _core.InvalidArgumentError(f"dropout_p: expected a probability in [0, 1), got {dropout_p}")
+    return float(dropout_p)
+
+
+def _threads(num_threads):
+    """The operators' num_threads argument: 0 = torch.get_num_threads() when the operator runs (read there, not
+    while torch.compile traces the caller)."""
+    if num_threads is None:
+        return 0
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int):
+        raise _core.DTypeError(f"num_threads: expected None or a positive int, got {type(num_threads).__name__}")
+    if not 1 <= num_threads <= 4096:
+        raise _core.InvalidArgumentError(f"num_threads: expected None or an int in [1, 4096], got {num_threads}")
+    return num_threads
+
+
+def _run_threads(num_threads):
+    return num_threads if num_threads > 0 else torch.get_num_threads()
+
+
+def _draw_seed(dropout_p):
+    """The kernels' dropout seed, drawn from torch's default CPU generator (a tensor, so that compiled graphs draw a
+    fresh one per call); None without dropout."""
+    if dropout_p == 0.0:
+        return None
+    return torch.randint(0, _SEED_HIGH, (), dtype=torch.int64)
+
+
+def _seed_value(seed):
+    return 0 if seed is None else int(seed.item()) % 2**64
+
+
+def _stats_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _as_stat_float(x):
+    """Masks and biases reach the kernels as float32/float64 (half precision ones, e.g. under autocast, are widened
+    here; the gradient is cast back to their dtype)."""
+    return x.float() if x is not None and x.dtype in _HALF else x
+
+
+def _contiguous_empty(shape, dtype):
+    return torch.empty(shape, dtype=dtype)
+
+
+# ---- sattn::sdpa_forward / sattn::sdpa_backward -------------------------------------------------------------------
+# 4-D query [B, Hq, Lq, E], key [B, Hkv, Lk, E], value [B, Hkv, Lk, Ev]; attn_mask bool (True = may attend) or float
+# (additive), at most 4-D and broadcastable to [B, Hq, Lq, Lk]; key_padding_mask bool [B, Lk] (True = padding);
+# causal "none" | "top_left" | "bottom_right". Returns out [B, Hq, Lq, Ev] (query's dtype) and lse [B, Hq, Lq]
+# (float32; float64 for float64 inputs).
+
+@torch.library.custom_op("sattn::sdpa_forward", mutates_args=(), device_types="cpu")
+def _sdpa_forward(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
+                  key_padding_mask: Optional[Tensor], causal: str, scale: Optional[float], dropout_p: float,
+                  seed: Optional[Tensor], num_threads: int) -> tuple[Tensor, Tensor]:
+    B, Hq, Lq, _ = query.shape
+    out = _contiguous_empty((B, Hq, Lq, value.shape[-1]), query.dtype)
+    lse = _contiguous_empty((B, Hq, Lq), _stats_dtype(query.dtype))
+    _core._torch_sdpa_forward(query, key, value, _as_stat_float(attn_mask), key_padding_mask, causal, scale,
+                              dropout_p, _seed_value(seed), _run_threads(num_threads), out, lse)
+    return out, lse
+
+
+@_sdpa_forward.register_fake
+def _sdpa_forward_fake(query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p, seed, num_threads):
+    B, Hq, Lq, _ = query.shape
+    return (query.new_empty((B, Hq, Lq, value.shape[-1])),
+            query.new_empty((B, Hq, Lq), dtype=_stats_dtype(query.dtype)))
+
+
+@torch.library.custom_op("sattn::sdpa_backward", mutates_args=(), device_types="cpu")
+def _sdpa_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
+                   attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], causal: str,
+                   scale: Optional[float], dropout_p: float, seed: Optional[Tensor], num_threads: int,
+                   need_dmask: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dq = _contiguous_empty(query.shape, query.dtype)
+    dk = _contiguous_empty(key.shape, key.dtype)
+    dv = _contiguous_empty(value.shape, value.dtype)
+    mask = _as_stat_float(attn_mask)
+    dmask = _contiguous_empty(mask.shape, mask.dtype) if need_dmask else None
+    _core._torch_sdpa_backward(grad_out, query, key, value, out, lse, mask, key_padding_mask, causal, scale,
+                               dropout_p, _seed_value(seed), _run_threads(num_threads), dq, dk, dv, dmask)
+    if dmask is None:
+        return dq, dk, dv, query.new_empty((0,))
+    return dq, dk, dv, dmask.to(attn_mask.dtype)
+
+
+@_sdpa_backward.register_fake
+def _sdpa_backward_fake(grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, causal, scale,
+                        dropout_p, seed, num_threads, need_dmask):
+    dmask = attn_mask.new_empty(attn_mask.shape) if need_dmask else query.new_empty((0,))
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dmask
+
+
+def _sdpa_setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p, seed, num_threads = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, attn_mask, key_padding_mask, seed, out, lse)
+    ctx.options = (causal, scale, dropout_p, num_threads)
+    ctx.mark_non_differentiable(lse)
+
+
+def _sdpa_autograd(ctx, grad_out, grad_lse):
+    query, key, value, attn_mask, key_padding_mask, seed, out, lse = ctx.saved_tensors
+    causal, scale, dropout_p, num_threads = ctx.options
+    need_dmask = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
+    dq, dk, dv, dmask = _sdpa_backward(grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, causal,
+                                       scale, dropout_p, seed, num_threads, need_dmask)
+    return dq, dk, dv, (dmask if need_dmask else None), None, None, None, None, None, None
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("sattn.torch: double backward (the gradient of a gradient, e.g. create_graph=True followed by "
+                       "another backward) is not implemented for sattn's attention operators")
+
+
+torch.library.register_autograd("sattn::sdpa_forward", _sdpa_autograd, setup_context=_sdpa_setup_context)
+torch.library.register_autograd("sattn::sdpa_backward", _no_double_backward,
+                                setup_context=lambda ctx, inputs, output: None)
+torch.library.register_autocast("sattn::sdpa_forward", "cpu", torch.bfloat16)
+
+
+def _to_4d(x):
+    """(L, E) -> (1, 1, L, E); (H, L, E) -> (1, H, L, E); (B, H, L, E) as is; (..., H, L, E) -> (prod(...), H, L, E)."""
+    if x.dim() == 2:
+        return x[None, None]
+    if x.dim() == 3:
+        return x[None]
+    if x.dim() == 4:
+        return x
+    return x.reshape((-1,) + tuple(x.shape[-3:]))
+
+
+def _fold_mask(mask, weights_shape):
+    """A mask broadcastable to weights_shape (..., Hq, Lq, Lk) as one of at most 4 dims broadcastable to the 4-D
+    problem [B, Hq, Lq, Lk]: size-1 dims are kept (so the kernels reduce a float mask's gradient to them); leading
+    batch dims beyond one are merged, expanding only those the mask has."""
+    if mask.dim() > len(weights_shape) or any(m != 1 and m != w for m, w in zip(reversed(mask.shape),
+                                                                                 reversed(weights_shape))):
+        raise _core.InvalidArgumentError(f"attn_mask: shape {tuple(mask.shape)} does not broadcast to the attention "
+                                         f"weights' shape {tuple(weights_shape)} (..., Hq, Lq, Lk)")
+    nlead = len(weights_shape) - 3
+    if len(weights_shape) <= 4 or mask.dim() <= 3:
+        return mask
+    mask = mask.reshape((1,) * (len(weights_shape) - mask.dim()) + tuple(mask.shape))
+    lead, tail = tuple(mask.shape[:nlead]), tuple(mask.shape[nlead:])
+    if all(s == 1 for s in lead):
+        return mask.reshape((1,) + tail)
+    return mask.expand(tuple(weights_shape[:nlead]) + tail).reshape((-1,) + tail)
+
+
+def _sdpa_unsupported(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                      enable_gqa=False):
+    """Why sattn cannot run a call of torch.nn.functional.scaled_dot_product_attention (None if it can)."""
+    for x, name in ((query, "query"), (key, "key"), (value, "value")):
+        if not isinstance(x, Tensor):
+            return f"{name} is a {type(x).__name__}, not a torch.Tensor"
+        if x.device.type != "cpu":
+            return f"{name} is on device '{x.device}' (sattn runs on the CPU)"
+        if x.dtype not in _FLOATS:
+            return f"{name} has dtype {x.dtype} (sattn takes float32, float64, bfloat16, float16)"
+        if x.is_nested or x.layout != torch.strided:
+            return f"{name} is not a dense strided tensor"
+        if x.dim() < 2:
+            return f"{name} has {x.dim()} dimensions (at least 2 needed)"
+    if not torch.is_autocast_enabled("cpu") and not (query.dtype == key.dtype == value.dtype):
+        return "query, key and value have different dtypes"
+    if not query.dim() == key.dim() == value.dim():
+        return "query, key and value have different numbers of dimensions"
+    if query.shape[:-3] != key.shape[:-3] or key.shape[:-1] != value.shape[:-1]:
+        return "the batch dimensions of query, key and value differ (sattn does not broadcast them)"
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor) or attn_mask.device.type != "cpu":
+            return "attn_mask is not a CPU tensor"
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            return f"attn_mask has dtype {attn_mask.dtype}"
+        if is_causal:
+            return "attn_mask together with is_causal (torch refuses it; sattn would intersect them)"
+    return None
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False, *, key_padding_mask=None, causal_alignment="top_left",
+                                 num_threads=None):
+    """torch.nn.functional.scaled_dot_product_attention on sattn's kernels (CPU tensors).
+
+    query (..., Hq, Lq, E), key (..., Hkv, Lk, E), value (..., Hkv, Lk, Ev) -> (..., Hq, Lq, Ev), in the inputs'
+    dtype (float32, float64, bfloat16, float16). 2-D, 3-D, 4-D or more leading batch dims (flattened).
+    attn_mask: bool (True = may attend) or float (added to the scores), broadcastable to (..., Hq, Lq, Lk);
+    differentiable when float. Hq != Hkv needs enable_gqa=True (query head h reads key/value head h // (Hq/Hkv)).
+    key_padding_mask: bool (..., Lk), True = padding. is_causal with causal_alignment "top_left" (PyTorch: key
+    j <= query i) or "bottom_right" (FlashAttention: j <= i + Lk - Lq); with attn_mask the two are intersected.
+    A query row with no allowed key gives 0 (as torch 2.x). Dropout's seed comes from torch's default generator.
+    Differentiable with respect to query, key, value and a float attn_mask.
+    """
+    for x, name in ((query, "query"), (key, "key"), (value, "value")):
+        _check_tensor(x, name)
+    _check_same_dtype(query, key, value)
+    if query.dim() < 2:
+        raise _core.InvalidArgumentError(f"query: expected at least 2 dimensions (..., Hq, Lq, E), got shape "
+                                         f"{tuple(query.shape)}")
+    for x, name in ((key, "key"), (value, "value")):
+        if x.dim() != query.dim():
+            raise _core.InvalidArgumentError(f"{name}: expected {query.dim()} dimensions like query "
+                                             f"{tuple(query.shape)}, got shape {tuple(x.shape)}")
+    lead = tuple(query.shape[:-3])
+    if tuple(key.shape[:-3]) != lead or tuple(value.shape[:-3]) != lead:
+        raise _core.InvalidArgumentError(f"key/value: expected the batch dimensions {lead} of query "
+                                         f"{tuple(query.shape)}, got key {tuple(key.shape)} and value "
+                                         f"{tuple(value.shape)}")
+    enable_gqa = _check_flag(enable_gqa, "enable_gqa")
+    if not enable_gqa and query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
+        raise _core.InvalidArgumentError(f"key/value: query has Hq = {query.shape[-3]} heads (dimension -3) but "
+                                         f"key/value have Hkv = {key.shape[-3]}; pass enable_gqa=True for "
+                                         "grouped-query attention")
+    dropout_p = _check_dropout(dropout_p)
+    scale = _check_scale(scale)
+    if not isinstance(causal_alignment, str) or causal_alignment not in _ALIGNMENTS:
+        raise _core.InvalidArgumentError(f"causal_alignment: expected 'top_left' (PyTorch's is_causal) or "
+                                         f"'bottom_right' (FlashAttention >= 2.1), got {causal_alignment!r}")
+    causal = _ALIGNMENTS[causal_alignment] if _check_flag(is_causal, "is_causal") else "none"
+    weights_shape = tuple(query.shape[:-1]) + (key.shape[-2],)
+    mask = None
+    if attn_mask is not None:
+        _check_tensor(attn_mask, "attn_mask", floating=False)
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise _core.DTypeError(f"attn_mask: expected bool (True = may attend) or a float tensor (added to the "
+                                   f"scores), got {attn_mask.dtype}")
+        mask = _fold_mask(attn_mask, weights_shape)
+    kpm = None
+    if key_padding_mask is not None:
+        _check_tensor(key_padding_mask, "key_padding_mask", floating=False)
+        want = lead + (key.shape[-2],)
+        if key_padding_mask.dtype != torch.bool:
+            raise _core.DTypeError(f"key_padding_mask: expected a bool tensor (True = padding), got "
+                                   f"{key_padding_mask.dtype}")
+        if tuple(key_padding_mask.shape) != want:
+            raise _core.InvalidArgumentError(f"key_padding_mask: expected shape {want} (query's batch dimensions, "
+                                             f"Lk), got {tuple(key_padding_mask.shape)}")
+        kpm = key_padding_mask.reshape(-1, key.shape[-2])
+    q4, k4, v4 = _to_4d(query), _to_4d(key), _to_4d(value)
+    out, _ = _sdpa_forward(q4, k4, v4, mask, kpm, causal, scale, dropout_p, _draw_seed(dropout_p),
+                           _threads(num_threads))
+    return out.reshape(tuple(query.shape[:-1]) + (value.shape[-1],))
+
+
+# ---- sattn::sparse_forward / sattn::sparse_backward ---------------------------------------------------------------
+# 4-D query [B, Hq, Lq, D], key [B, Hkv, Lk, D], value [B, Hkv, Lk, Dv]; pattern: a spec (sattn.Pattern's repr).
+# Returns out [B, Hq, Lq, Dv] (query's dtype), lse [B, Hq, Lq] (float32/float64) and indices (int64: the selection
+# of TopK / BlockTopK, else empty).
+
+def _selection_kind(pattern):
+    """("none" | "per_query" | "per_block", count): what the pattern's indices output holds per (b, h, row)."""
+    probe = 4099  # a prime: only a per-query selection (TopK, or BlockTopK with blocks of 1) has this many rows
+    shape = _core._torch_sparse_selection_shape(pattern, 1, 1, probe, probe)
+    if not shape:
+        return "none", 0
+    return ("per_query" if shape[2] == probe else "per_block"), shape[3]
+
+
+def _selection_shape(pattern, B, Hq, Lq, Lk):
+    """Shape of the indices output ((0,) when the pattern selects nothing); symbolic sizes under torch.compile."""
+    if all(isinstance(x, int) for x in (B, Hq, Lq, Lk)):
+        shape = tuple(_core._torch_sparse_selection_shape(pattern, B, Hq, Lq, Lk))
+        return shape if shape else (0,)
+    kind, count = _selection_kind(pattern)
+    if kind == "none":
+        return (0,)
+    if kind == "per_query":
+        return (B, Hq, Lq, count)
+    return (B, Hq, torch.library.get_ctx().new_dynamic_size(), count)  # query blocks aligned to Lk - Lq
+
+
+@torch.library.custom_op("sattn::sparse_forward", mutates_args=(), device_types="cpu")
+def _sparse_forward(query: Tensor, key: Tensor, value: Tensor, pattern: str, scale: Optional[float],
+                    enable_gqa: bool, key_padding_mask: Optional[Tensor], block: int,
+                    alibi_slopes: Optional[list[float]], softcap: float, bias: Optional[Tensor],
+                    rel_pos_bias: Optional[Tensor], num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
+    B, Hq, Lq, _ = query.shape
+    out = _contiguous_empty((B, Hq, Lq, value.shape[-1]), query.dtype)
+    lse = _contiguous_empty((B, Hq, Lq), _stats_dtype(query.dtype))
+    ishape = _selection_shape(pattern, B, Hq, Lq, key.shape[2])
+    indices = _contiguous_empty(ishape, torch.int64)
+    _core._torch_sparse_forward(query, key, value, pattern, scale, enable_gqa, key_padding_mask, block, alibi_slopes,
+                                softcap, _as_stat_float(bias), _as_stat_float(rel_pos_bias), _run_threads(num_threads),
+                                out, lse,
+                                indices if len(ishape) == 4 else None)
+    return out, lse, indices
+
+
+@_sparse_forward.register_fake
+def _sparse_forward_fake(query, key, value, pattern, scale, enable_gqa, key_padding_mask, block, alibi_slopes,
+                         softcap, bias, rel_pos_bias, num_threads):
+    B, Hq, Lq, _ = query.shape
+    return (query.new_empty((B, Hq, Lq, value.shape[-1])),
+            query.new_empty((B, Hq, Lq), dtype=_stats_dtype(query.dtype)),
+            query.new_empty(_selection_shape(pattern, B, Hq, Lq, key.shape[2]), dtype=torch.int64))
+
+
+@torch.library.custom_op("sattn::sparse_backward", mutates_args=(), device_types="cpu")
+def _sparse_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
+                     indices: Tensor, pattern: str, scale: Optional[float], enable_gqa: bool,
+                     key_padding_mask: Optional[Tensor], block: int, alibi_slopes: Optional[list[float]],
+                     softcap: float, bias: Optional[Tensor], rel_pos_bias: Optional[Tensor],
+                     num_threads: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dq = _contiguous_empty(query.shape, query.dtype)
+    dk = _contiguous_empty(key.shape, key.dtype)
+    dv = _contiguous_empty(value.shape, value.dtype)
+    b32, r32 = _as_stat_float(bias), _as_stat_float(rel_pos_bias)
+    dbias = _contiguous_empty(b32.shape, b32.dtype) if bias is not None else None
+    drel = _contiguous_empty(r32.shape, r32.dtype) if rel_pos_bias is not None else None
+    _core._torch_sparse_backward(grad_out, query, key, value, out, lse, pattern, scale, enable_gqa, key_padding_mask,
+                                 block, alibi_slopes, softcap, b32, r32, _run_threads(num_threads),
+                                 indices if indices.dim() == 4 else None, dq, dk, dv, dbias, drel)
+    empty = query.new_empty((0,))
+    return (dq, dk, dv, empty if dbias is None else dbias.to(bias.dtype),
+            empty if drel is None else drel.to(rel_pos_bias.dtype))
+
+
+@_sparse_backward.register_fake
+def _sparse_backward_fake(grad_out, query, key, value, out, lse, indices, pattern, scale, enable_gqa,
+                          key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias, num_threads):
+    empty = query.new_empty((0,))
+    return (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
+            empty if bias is None else bias.new_empty(bias.shape),
+            empty if rel_pos_bias is None else rel_pos_bias.new_empty(rel_pos_bias.shape))
+
+
+def _sparse_setup_context(ctx, inputs, output):
+    (query, key, value, pattern, scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias,
+     rel_pos_bias, num_threads) = inputs
+    out, lse, indices = output
+    ctx.save_for_backward(query, key, value, key_padding_mask, bias, rel_pos_bias, out, lse, indices)
+    ctx.options = (pattern, scale, enable_gqa, block, alibi_slopes, softcap, num_threads)
+    ctx.mark_non_differentiable(lse, indices)
+
+
+def _sparse_autograd(ctx, grad_out, grad_lse, grad_indices):
+    query, key, value, key_padding_mask, bias, rel_pos_bias, out, lse, indices = ctx.saved_tensors
+    pattern, scale, enable_gqa, block, alibi_slopes, softcap, num_threads = ctx.options
+    dq, dk, dv, dbias, drel = _sparse_backward(grad_out, query, key, value, out, lse, indices, pattern, scale,
+                                               enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias,
+                                               rel_pos_bias, num_threads)
+    return (dq, dk, dv, None, None, None, None, None, None, None, dbias if bias is not None else None,
+            drel if rel_pos_bias is not None else None, None)
+
+
+torch.library.register_autograd("sattn::sparse_forward", _sparse_autograd, setup_context=_sparse_setup_context)
+torch.library.register_autograd("sattn::sparse_backward", _no_double_backward,
+                                setup_context=lambda ctx, inputs, output: None)
+torch.library.register_autocast("sattn::sparse_forward", "cpu", torch.bfloat16)
+
+
+def sparse_attention(query, key, value, pattern, scale=None, enable_gqa=False, *, key_padding_mask=None,
+                     return_lse=False, return_indices=False, block=64, alibi_slopes=None, softcap=0.0, bias=None,
+                     rel_pos_bias=None, num_threads=None):
+    """sattn.sparse_attention on torch tensors, differentiable with respect to query, key, value, bias and
+    rel_pos_bias. query [B, Hq, Lq, D], key [B, Hkv, Lk, D], value [B, Hkv, Lk, Dv]; pattern: a sattn.Pattern or
+    its spec (e.g. "SlidingWindow(256, 256)", "TopK(32)"); the keyword arguments are sattn.sparse_attention's
+    (docs/sparse.md). Returns out [B, Hq, Lq, Dv] in the inputs' dtype; with return_lse=True also lse
+    [B, Hq, Lq], with return_indices=True the TopK/BlockTopK selection (int64); neither is differentiable."""
+    for x, name in ((query, "query"), (key, "key"), (value, "value")):
+        _check_tensor(x, name)
+    _check_same_dtype(query, key, value)
+    if isinstance(pattern, _core.Pattern):
+        spec = repr(pattern)
+    elif isinstance(pattern, str):
+        spec = repr(_core.parse_pattern(pattern))  # parse errors are raised here, naming the spec
+    else:
+        raise _core.DTypeError(f"pattern: expected a sattn.Pattern or a pattern spec (str), got "
+                               f"{type(pattern).__name__}")
+    if return_indices and _selection_kind(spec)[0] == "none":
+        raise _core.InvalidArgumentError(f"return_indices: only TopK and BlockTopK patterns return a selection, "
+                                         f"got {spec}")
+    for x, name in ((key_padding_mask, "key_padding_mask"), (bias, "bias"), (rel_pos_bias, "rel_pos_bias")):
+        if x is not None:
+            _check_tensor(x, name, floating=name != "key_padding_mask")
+    if alibi_slopes is not None:
+        alibi_slopes = [float(s) for s in (alibi_slopes.tolist() if isinstance(alibi_slopes, Tensor)
+                                           else alibi_slopes)]
+    if isinstance(block, bool) or not isinstance(block, int):
+        raise _core.DTypeError(f"block: expected an int, got {type(block).__name__}")
+    out, lse, indices = _sparse_forward(query, key, value, spec, _check_scale(scale), _check_flag(enable_gqa,
+                                        "enable_gqa"), key_padding_mask, block, alibi_slopes, float(softcap), bias,
+                                        rel_pos_bias, _threads(num_threads))
+    result = (out,)
+    if _check_flag(return_lse, "return_lse"):
+        result += (lse,)
+    if _check_flag(return_indices, "return_indices"):
+        result += (indices,)
+    return result[0] if len(result) == 1 else result
+
+
+# ---- sattn::varlen_forward / sattn::varlen_backward ---------------------------------------------------------------
+# Packed sequences: q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv], cu_seqlens int32/int64 [n + 1].
+# Returns out [total_q, Hq, Dv] (q's dtype) and lse [Hq, total_q] (FlashAttention's layout).
+
+@torch.library.custom_op("sattn::varlen_forward", mutates_args=(), device_types="cpu")
+def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                    max_seqlen_k: int, causal: bool, scale: Optional[float],
+                    num_threads: int) -> tuple[Tensor, Tensor]:
+    out = _contiguous_empty((q.shape[0], q.shape[1], v.shape[-1]), q.dtype)
+    lse = _contiguous_empty((q.shape[1], q.shape[0]), _stats_dtype(q.dtype))
+    _core._torch_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                                _run_threads(num_threads), out, lse)
+    return out, lse
+
+
+@_varlen_forward.register_fake
+def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                         num_threads):
+    return (q.new_empty((q.shape[0], q.shape[1], v.shape[-1])),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=_stats_dtype(q.dtype)))
+
+
+@torch.library.custom_op("sattn::varlen_backward", mutates_args=(), device_types="cpu")
+def _varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                     scale: Optional[float], num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
+    dq = _contiguous_empty(q.shape, q.dtype)
+    dk = _contiguous_empty(k.shape, k.dtype)
+    dv = _contiguous_empty(v.shape, v.dtype)
+    _core._torch_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 causal, scale, _run_threads(num_threads), dq, dk, dv)
+    return dq, dk, dv
+
+
+@_varlen_backward.register_fake
+def _varlen_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          causal, scale, num_threads):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, num_threads = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
+    ctx.options = (max_seqlen_q, max_seqlen_k, causal, scale, num_threads)
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_autograd(ctx, grad_out, grad_lse):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse = ctx.saved_tensors
+    max_seqlen_q, max_seqlen_k, causal, scale, num_threads = ctx.options
+    dq, dk, dv = _varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, causal, scale, num_threads)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("sattn::varlen_forward", _varlen_autograd, setup_context=_varlen_setup_context)
+torch.library.register_autograd("sattn::varlen_backward", _no_double_backward,
+                                setup_context=lambda ctx, inputs, output: None)
+torch.library.register_autocast("sattn::varlen_forward", "cpu", torch.bfloat16)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, *, num_threads=None):
+    """FlashAttention's flash_attn_varlen_func on sattn's fused kernel (CPU tensors), differentiable with respect
+    to q, k and v. q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv] (Hq a multiple of Hkv);
+    cu_seqlens_q/k int32 [n + 1] (sequence s owns rows cu[s]:cu[s+1]); max_seqlen_q/k >= every length. causal is
+    bottom-right within each sequence, as in FlashAttention >= 2.1. Returns out [total_q, Hq, Dv] in q's dtype.
+    Dropout is not supported (dropout_p must be 0)."""
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        _check_tensor(x, name)
+    _check_same_dtype(q, k, v)
+    for x, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
+        _check_tensor(x, name, floating=False)
+    if dropout_p != 0.0:
+        raise _core.UnsupportedError(f"dropout_p: sattn's varlen attention has no dropout; expected 0.0, got "
+                                     f"{dropout_p}")
+    for x, name in ((max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise _core.DTypeError(f"{name}: expected an int, got {type(x).__name__}")
+    out, _ = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             _check_flag(causal, "causal"), _check_scale(softmax_scale, "softmax_scale"),
+                             _threads(num_threads))
+    return out
+
+
+# ---- MultiheadAttention -------------------------------------------------------------------------------------------
+
+class MultiheadAttention(torch.nn.MultiheadAttention):
+    """torch.nn.MultiheadAttention with its attention on sattn (sattn::sdpa_forward): the same constructor,
+    parameters, state_dict, forward arguments, masks (bool True = may NOT attend / is padding; float added),
+    shapes and results. load_state_dict(torch_mha.state_dict()) gives torch's outputs and, after backward(), its
+    parameter gradients.
+
+    need_weights=True (torch's default) also returns the attention weights, computed as torch computes them
+    (materialised softmax, averaged over heads when average_attn_weights); the output still comes from sattn,
+    except in training with dropout > 0, where it is the dropped-out weights times the values as in torch (so that
+    weights and output agree). With need_weights=False nothing of size L x S is materialised: key_padding_mask and
+    a bool attn_mask reach the kernel as they are.
+    """
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        for x, name in ((query, "query"), (key, "key"), (value, "value")):
+            _check_tensor(x, name)
+        batched = query.dim() == 3
+        if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
+            raise _core.InvalidArgumentError(f"query/key/value: expected 3-D (batched) or 2-D (unbatched) tensors, "
+                                             f"got shapes {tuple(query.shape)}, {tuple(key.shape)}, "
+                                             f"{tuple(value.shape)}")
+        if not batched:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        elif self.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        L, N, E = query.shape
+        S = key.shape[0]
+        H, hd = self.num_heads, self.head_dim
+        if E != self.embed_dim:
+            raise _core.InvalidArgumentError(f"query: expected embedding size {self.embed_dim}, got shape "
+                                             f"{tuple(query.shape)}")
+        if key.shape[:2] != value.shape[:2] or key.shape[1] != N:
+            raise _core.InvalidArgumentError(f"key/value: expected [S, N, *] with N = {N} and equal S, got key "
+                                             f"{tuple(key.shape)} and value {tuple(value.shape)}")
+        kpm = _mha_mask(key_padding_mask, "key_padding_mask", query.dtype)
+        am = _mha_mask(attn_mask, "attn_mask", query.dtype)
+        if kpm is not None and tuple(kpm.shape) != (N, S):
+            raise _core.InvalidArgumentError(f"key_padding_mask: expected shape {(N, S) if batched else (S,)}, got "
+                                             f"{tuple(key_padding_mask.shape)}")
+        if is_causal and attn_mask is None:
+            raise _core.InvalidArgumentError("is_causal: a hint that attn_mask is the causal mask; it requires "
+                                             "attn_mask (as torch). Pass attn_mask = "
+                                             "torch.nn.Transformer.generate_square_subsequent_mask(L)")
+        if am is not None:
+            if am.dim() == 2 and tuple(am.shape) != (L, S):
+                raise _core.InvalidArgumentError(f"attn_mask: expected shape {(L, S)} (2-D), got {tuple(am.shape)}")
+            if am.dim() == 3 and tuple(am.shape) != (N * H, L, S):
+                raise _core.InvalidArgumentError(f"attn_mask: expected shape {(N * H, L, S)} (3-D), got "
+                                                 f"{tuple(am.shape)}")
+            if am.dim() not in (2, 3):
+                raise _core.InvalidArgumentError(f"attn_mask: expected 2 or 3 dimensions, got {am.dim()}")
+            am = am.reshape(1, 1, L, S) if am.dim() == 2 else am.reshape(N, H, L, S)
+        # torch: with is_causal, no key padding and no weights wanted, the causal hint replaces the mask.
+        causal = bool(is_causal and kpm is None and not need_weights)
+        if causal:
+            am = None
+
+        # In-projection (torch's packed form when q, k, v share one weight).
+        if self._qkv_same_embed_dim:
+            w, b = self.in_proj_weight, self.in_proj_bias
+            bq, bk, bv = (None, None, None) if b is None else b.chunk(3)
+            wq, wk, wv = w.chunk(3)
+        else:
+            wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+            bq, bk, bv = (None, None, None) if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
+        q = F.linear(query, wq, bq)
+        k = F.linear(key, wk, bk)
+        v = F.linear(value, wv, bv)
+        if self.bias_k is not None:
+            k = torch.cat([k, self.bias_k.repeat(1, N, 1)])
+            v = torch.cat([v, self.bias_v.repeat(1, N, 1)])
+            am, kpm = _pad_key(am), _pad_key(kpm)
+        q = q.reshape(L, N, H, hd).permute(1, 2, 0, 3)            # [N, H, L, hd]
+        k = k.reshape(k.shape[0], N, H, hd).permute(1, 2, 0, 3)   # [N, H, S', hd]
+        v = v.reshape(v.shape[0], N, H, hd).permute(1, 2, 0, 3)
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(N, H, 1, hd)], dim=2)
+            v = torch.cat([v, v.new_zeros(N, H, 1, hd)], dim=2)
+            am, kpm = _pad_key(am), _pad_key(kpm)
+        dropout_p = self.dropout if self.training else 0.0
+
+        # Masks as sattn takes them: a bool MHA mask (True = masked) becomes "True = may attend"; a bool padding
+        # mask goes to the kernel as key padding; a float padding mask is added to the scores.
+        sattn_mask, sattn_kpm = None, None
+        if am is not None:
+            sattn_mask = ~am if am.dtype == torch.bool else am
+        if kpm is not None:
+            if kpm.dtype == torch.bool:
+                sattn_kpm = kpm
+            else:
+                add = kpm.reshape(N, 1, 1, kpm.shape[-1])
+                if sattn_mask is None:
+                    sattn_mask = add
+                elif sattn_mask.dtype == torch.bool:
+                    sattn_mask = torch.where(sattn_mask, 0.0, float("-inf")).to(add.dtype) + add
+                else:
+                    sattn_mask = sattn_mask + add
+
+        weights = None
+        if need_weights:
+            bias = _additive(sattn_mask, sattn_kpm, q.dtype, N, H, L, k.shape[2])
+            scores = (q * (1.0 / math.sqrt(hd))) @ k.transpose(-2, -1)
+            weights = torch.softmax(scores if bias is None else scores + bias, dim=-1)
+            if dropout_p > 0.0:
+                weights = F.dropout(weights, p=dropout_p)
+                attn = weights @ v
+        if weights is None or dropout_p == 0.0:
+            attn = scaled_dot_product_attention(q, k, v, attn_mask=sattn_mask, dropout_p=dropout_p, is_causal=causal,
+                                                key_padding_mask=sattn_kpm)
+        attn = attn.permute(2, 0, 1, 3).reshape(L, N, E)
+        out = F.linear(attn, self.out_proj.weight, self.out_proj.bias)
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(dim=1)
+        if not batched:
+            out = out.squeeze(1)
+            if weights is not None:
+                weights = weights.squeeze(0)
+        elif self.batch_first:
+            out = out.transpose(0, 1)
+        return out, weights
+
+
+def _mha_mask(mask, name, dtype):
+    """torch 2.x's MHA mask rule: bool (True = masked) or a float tensor (added); anything else is refused."""
+    if mask is None:
+        return None
+    _check_tensor(mask, name, floating=False)
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise _core.DTypeError(f"{name}: expected bool (True = may NOT attend) or a float tensor (added to the "
+                               f"scores), as torch.nn.MultiheadAttention; got {mask.dtype}")
+    return mask
+
+
+def _pad_key(mask):
+    """One more key (bias_k / the zero key) that every query may attend to."""
+    if mask is None:
+        return None
+    return F.pad(mask, (0, 1), value=False if mask.dtype == torch.bool else 0.0)
+
+
+def _additive(mask, key_padding_mask, dtype, N, H, L, S):
+    """sattn's masks (bool True = may attend, float added; key padding True = padding) as one additive bias."""
+    bias = None
+    if mask is not None:
+        bias = torch.where(mask, 0.0, float("-inf")).to(dtype) if mask.dtype == torch.bool else mask.to(dtype)
+    if key_padding_mask is not None:
+        pad = torch.where(key_padding_mask.reshape(N, 1, 1, S), float("-inf"), 0.0).to(dtype)
+        bias = pad if bias is None else bias + pad
+    return bias
+
+
+# ---- use_sattn ----------------------------------------------------------------------------------------------------
+
+class use_sattn(TorchFunctionMode):
+    """Inside `with sattn.torch.use_sattn():`, torch.nn.functional.scaled_dot_product_attention runs on sattn for
+    the CPU tensors it supports, including the calls made by nn.MultiheadAttention and nn.TransformerEncoderLayer
+    (their native fast path is disabled inside, and restored on exit). Other calls go to torch; with strict=True
+    they raise sattn.UnsupportedError with the reason instead."""
+
+    def __init__(self, strict=False):
+        super().__init__()
+        self.strict = _check_flag(strict, "strict")
+        self._fastpath = None
+
+    def __enter__(self):
+        self._fastpath = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(self._fastpath)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            try:
+                why = _sdpa_unsupported(*args, **kwargs)
+            except TypeError as e:  # arguments this version of sattn does not know
+                why = f"arguments not understood ({e})"
+            if why is None:
+                return scaled_dot_product_attention(*args, **kwargs)
+            if self.strict:
+                raise _core.UnsupportedError(f"use_sattn(strict=True): scaled_dot_product_attention stays on torch: "
+                                             f"{why}")
+        return func(*args, **kwargs)
