@@ -23,6 +23,7 @@ unless num_threads is given (docs/python.md: torch and sattn each have an OpenMP
 """
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from typing import Optional, Sequence
@@ -39,6 +40,7 @@ __all__ = [
     "sparse_attention",
     "flash_attn_varlen_func",
     "MultiheadAttention",
+    "multi_head_attention_forward",
     "use_sattn",
 ]
 
@@ -405,18 +407,16 @@ def _sparse_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor
     _core._torch_sparse_backward(grad_out, query, key, value, out, lse, pattern, scale, enable_gqa, key_padding_mask,
                                  block, alibi_slopes, softcap, b32, r32, _run_threads(num_threads),
                                  indices if indices.dim() == 4 else None, dq, dk, dv, dbias, drel)
-    empty = query.new_empty((0,))
-    return (dq, dk, dv, empty if dbias is None else dbias.to(bias.dtype),
-            empty if drel is None else drel.to(rel_pos_bias.dtype))
+    return (dq, dk, dv, query.new_empty((0,)) if dbias is None else dbias.to(bias.dtype),
+            query.new_empty((0,)) if drel is None else drel.to(rel_pos_bias.dtype))
 
 
 @_sparse_backward.register_fake
 def _sparse_backward_fake(grad_out, query, key, value, out, lse, indices, pattern, scale, enable_gqa,
                           key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias, num_threads):
-    empty = query.new_empty((0,))
     return (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
-            empty if bias is None else bias.new_empty(bias.shape),
-            empty if rel_pos_bias is None else rel_pos_bias.new_empty(rel_pos_bias.shape))
+            query.new_empty((0,)) if bias is None else bias.new_empty(bias.shape),
+            query.new_empty((0,)) if rel_pos_bias is None else rel_pos_bias.new_empty(rel_pos_bias.shape))
 
 
 def _sparse_setup_context(ctx, inputs, output):
@@ -582,7 +582,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     (materialised softmax, averaged over heads when average_attn_weights); the output still comes from sattn,
     except in training with dropout > 0, where it is the dropped-out weights times the values as in torch (so that
     weights and output agree). With need_weights=False nothing of size L x S is materialised: key_padding_mask and
-    a bool attn_mask reach the kernel as they are.
+    a bool attn_mask reach the kernel as they are. A query row with no allowed key gives 0 (torch gives 0 with
+    need_weights=False and NaN with need_weights=True).
     """
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
@@ -590,114 +591,138 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         for x, name in ((query, "query"), (key, "key"), (value, "value")):
             _check_tensor(x, name)
         batched = query.dim() == 3
-        if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
-            raise _core.InvalidArgumentError(f"query/key/value: expected 3-D (batched) or 2-D (unbatched) tensors, "
-                                             f"got shapes {tuple(query.shape)}, {tuple(key.shape)}, "
-                                             f"{tuple(value.shape)}")
-        if not batched:
-            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask.unsqueeze(0)
-        elif self.batch_first:
+        if self.batch_first and batched:  # as torch: the functional form is sequence-first
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
-        L, N, E = query.shape
-        S = key.shape[0]
-        H, hd = self.num_heads, self.head_dim
-        if E != self.embed_dim:
-            raise _core.InvalidArgumentError(f"query: expected embedding size {self.embed_dim}, got shape "
-                                             f"{tuple(query.shape)}")
-        if key.shape[:2] != value.shape[:2] or key.shape[1] != N:
-            raise _core.InvalidArgumentError(f"key/value: expected [S, N, *] with N = {N} and equal S, got key "
-                                             f"{tuple(key.shape)} and value {tuple(value.shape)}")
-        kpm = _mha_mask(key_padding_mask, "key_padding_mask", query.dtype)
-        am = _mha_mask(attn_mask, "attn_mask", query.dtype)
-        if kpm is not None and tuple(kpm.shape) != (N, S):
-            raise _core.InvalidArgumentError(f"key_padding_mask: expected shape {(N, S) if batched else (S,)}, got "
-                                             f"{tuple(key_padding_mask.shape)}")
-        if is_causal and attn_mask is None:
-            raise _core.InvalidArgumentError("is_causal: a hint that attn_mask is the causal mask; it requires "
-                                             "attn_mask (as torch). Pass attn_mask = "
-                                             "torch.nn.Transformer.generate_square_subsequent_mask(L)")
-        if am is not None:
-            if am.dim() == 2 and tuple(am.shape) != (L, S):
-                raise _core.InvalidArgumentError(f"attn_mask: expected shape {(L, S)} (2-D), got {tuple(am.shape)}")
-            if am.dim() == 3 and tuple(am.shape) != (N * H, L, S):
-                raise _core.InvalidArgumentError(f"attn_mask: expected shape {(N * H, L, S)} (3-D), got "
-                                                 f"{tuple(am.shape)}")
-            if am.dim() not in (2, 3):
-                raise _core.InvalidArgumentError(f"attn_mask: expected 2 or 3 dimensions, got {am.dim()}")
-            am = am.reshape(1, 1, L, S) if am.dim() == 2 else am.reshape(N, H, L, S)
-        # torch: with is_causal, no key padding and no weights wanted, the causal hint replaces the mask.
-        causal = bool(is_causal and kpm is None and not need_weights)
-        if causal:
-            am = None
-
-        # In-projection (torch's packed form when q, k, v share one weight).
-        if self._qkv_same_embed_dim:
-            w, b = self.in_proj_weight, self.in_proj_bias
-            bq, bk, bv = (None, None, None) if b is None else b.chunk(3)
-            wq, wk, wv = w.chunk(3)
-        else:
-            wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
-            bq, bk, bv = (None, None, None) if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
-        q = F.linear(query, wq, bq)
-        k = F.linear(key, wk, bk)
-        v = F.linear(value, wv, bv)
-        if self.bias_k is not None:
-            k = torch.cat([k, self.bias_k.repeat(1, N, 1)])
-            v = torch.cat([v, self.bias_v.repeat(1, N, 1)])
-            am, kpm = _pad_key(am), _pad_key(kpm)
-        q = q.reshape(L, N, H, hd).permute(1, 2, 0, 3)            # [N, H, L, hd]
-        k = k.reshape(k.shape[0], N, H, hd).permute(1, 2, 0, 3)   # [N, H, S', hd]
-        v = v.reshape(v.shape[0], N, H, hd).permute(1, 2, 0, 3)
-        if self.add_zero_attn:
-            k = torch.cat([k, k.new_zeros(N, H, 1, hd)], dim=2)
-            v = torch.cat([v, v.new_zeros(N, H, 1, hd)], dim=2)
-            am, kpm = _pad_key(am), _pad_key(kpm)
-        dropout_p = self.dropout if self.training else 0.0
-
-        # Masks as sattn takes them: a bool MHA mask (True = masked) becomes "True = may attend"; a bool padding
-        # mask goes to the kernel as key padding; a float padding mask is added to the scores.
-        sattn_mask, sattn_kpm = None, None
-        if am is not None:
-            sattn_mask = ~am if am.dtype == torch.bool else am
-        if kpm is not None:
-            if kpm.dtype == torch.bool:
-                sattn_kpm = kpm
-            else:
-                add = kpm.reshape(N, 1, 1, kpm.shape[-1])
-                if sattn_mask is None:
-                    sattn_mask = add
-                elif sattn_mask.dtype == torch.bool:
-                    sattn_mask = torch.where(sattn_mask, 0.0, float("-inf")).to(add.dtype) + add
-                else:
-                    sattn_mask = sattn_mask + add
-
-        weights = None
-        if need_weights:
-            bias = _additive(sattn_mask, sattn_kpm, q.dtype, N, H, L, k.shape[2])
-            scores = (q * (1.0 / math.sqrt(hd))) @ k.transpose(-2, -1)
-            weights = torch.softmax(scores if bias is None else scores + bias, dim=-1)
-            if dropout_p > 0.0:
-                weights = F.dropout(weights, p=dropout_p)
-                attn = weights @ v
-        if weights is None or dropout_p == 0.0:
-            attn = scaled_dot_product_attention(q, k, v, attn_mask=sattn_mask, dropout_p=dropout_p, is_causal=causal,
-                                                key_padding_mask=sattn_kpm)
-        attn = attn.permute(2, 0, 1, 3).reshape(L, N, E)
-        out = F.linear(attn, self.out_proj.weight, self.out_proj.bias)
-        if weights is not None and average_attn_weights:
-            weights = weights.mean(dim=1)
-        if not batched:
-            out = out.squeeze(1)
-            if weights is not None:
-                weights = weights.squeeze(0)
-        elif self.batch_first:
+        separate = not self._qkv_same_embed_dim
+        out, weights = multi_head_attention_forward(
+            query, key, value, self.embed_dim, self.num_heads, self.in_proj_weight, self.in_proj_bias, self.bias_k,
+            self.bias_v, self.add_zero_attn, self.dropout, self.out_proj.weight, self.out_proj.bias,
+            training=self.training, key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
+            use_separate_proj_weight=separate, q_proj_weight=self.q_proj_weight if separate else None,
+            k_proj_weight=self.k_proj_weight if separate else None,
+            v_proj_weight=self.v_proj_weight if separate else None, average_attn_weights=average_attn_weights,
+            is_causal=is_causal)
+        if self.batch_first and batched:
             out = out.transpose(0, 1)
         return out, weights
 
 
-def _mha_mask(mask, name, dtype):
+def multi_head_attention_forward(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias,
+                                 bias_k, bias_v, add_zero_attn, dropout_p, out_proj_weight, out_proj_bias,
+                                 training=True, key_padding_mask=None, need_weights=True, attn_mask=None,
+                                 use_separate_proj_weight=False, q_proj_weight=None, k_proj_weight=None,
+                                 v_proj_weight=None, static_k=None, static_v=None, average_attn_weights=True,
+                                 is_causal=False):
+    """torch.nn.functional.multi_head_attention_forward (sequence-first: query [L, N, E] or unbatched [L, E]) with
+    the attention on sattn; see MultiheadAttention for the semantics."""
+    for x, name in ((query, "query"), (key, "key"), (value, "value")):
+        _check_tensor(x, name)
+    batched = query.dim() == 3
+    if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
+        raise _core.InvalidArgumentError(f"query/key/value: expected 3-D (batched) or 2-D (unbatched) tensors, got "
+                                         f"shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if not batched:
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+    L, N, E = query.shape
+    S = key.shape[0]
+    H = num_heads
+    hd = E // H
+    if E != embed_dim_to_check or hd * H != E:
+        raise _core.InvalidArgumentError(f"query: expected embedding size {embed_dim_to_check} divisible by "
+                                         f"num_heads = {H}, got shape {tuple(query.shape)}")
+    if key.shape[:2] != value.shape[:2] or key.shape[1] != N:
+        raise _core.InvalidArgumentError(f"key/value: expected [S, N, *] with N = {N} and equal S, got key "
+                                         f"{tuple(key.shape)} and value {tuple(value.shape)}")
+    kpm = _mha_mask(key_padding_mask, "key_padding_mask")
+    am = _mha_mask(attn_mask, "attn_mask")
+    if kpm is not None and tuple(kpm.shape) != (N, S):
+        raise _core.InvalidArgumentError(f"key_padding_mask: expected shape {(N, S) if batched else (S,)}, got "
+                                         f"{tuple(key_padding_mask.shape)}")
+    if is_causal and attn_mask is None:
+        raise _core.InvalidArgumentError("is_causal: a hint that attn_mask is the causal mask; it requires attn_mask "
+                                         "(as torch). Pass attn_mask = "
+                                         "torch.nn.Transformer.generate_square_subsequent_mask(L)")
+    if am is not None:
+        if am.dim() == 2 and tuple(am.shape) != (L, S):
+            raise _core.InvalidArgumentError(f"attn_mask: expected shape {(L, S)} (2-D), got {tuple(am.shape)}")
+        if am.dim() == 3 and tuple(am.shape) != (N * H, L, S):
+            raise _core.InvalidArgumentError(f"attn_mask: expected shape {(N * H, L, S)} (3-D), got "
+                                             f"{tuple(am.shape)}")
+        if am.dim() not in (2, 3):
+            raise _core.InvalidArgumentError(f"attn_mask: expected 2 or 3 dimensions, got {am.dim()}")
+        am = am.reshape(1, 1, L, S) if am.dim() == 2 else am.reshape(N, H, L, S)
+    # As torch: with is_causal, no key padding and no weights wanted, the causal hint replaces the mask.
+    causal = bool(is_causal and kpm is None and not need_weights)
+    if causal:
+        am = None
+
+    # In-projection.
+    if use_separate_proj_weight:
+        wq, wk, wv = q_proj_weight, k_proj_weight, v_proj_weight
+    else:
+        wq, wk, wv = in_proj_weight.chunk(3)
+    bq, bk, bv = (None, None, None) if in_proj_bias is None else in_proj_bias.chunk(3)
+    q = F.linear(query, wq, bq)
+    k = F.linear(key, wk, bk)
+    v = F.linear(value, wv, bv)
+    if bias_k is not None and bias_v is not None:
+        k = torch.cat([k, bias_k.repeat(1, N, 1)])
+        v = torch.cat([v, bias_v.repeat(1, N, 1)])
+        am, kpm = _pad_key(am), _pad_key(kpm)
+    q = q.reshape(L, N, H, hd).permute(1, 2, 0, 3)  # [N, H, L, hd]
+    k = (k.reshape(k.shape[0], N, H, hd).permute(1, 2, 0, 3) if static_k is None
+         else static_k.reshape(N, H, static_k.shape[1], hd))
+    v = (v.reshape(v.shape[0], N, H, hd).permute(1, 2, 0, 3) if static_v is None
+         else static_v.reshape(N, H, static_v.shape[1], hd))
+    if add_zero_attn:
+        k = torch.cat([k, k.new_zeros(N, H, 1, hd)], dim=2)
+        v = torch.cat([v, v.new_zeros(N, H, 1, hd)], dim=2)
+        am, kpm = _pad_key(am), _pad_key(kpm)
+    if not training:
+        dropout_p = 0.0
+
+    # Masks as sattn takes them: a bool MHA mask (True = masked) becomes "True = may attend"; a bool padding mask
+    # goes to the kernel as key padding; a float padding mask is added to the scores.
+    sattn_mask, sattn_kpm = None, None
+    if am is not None:
+        sattn_mask = ~am if am.dtype == torch.bool else am
+    if kpm is not None:
+        if kpm.dtype == torch.bool:
+            sattn_kpm = kpm
+        else:
+            add = kpm.reshape(N, 1, 1, kpm.shape[-1])
+            if sattn_mask is None:
+                sattn_mask = add
+            elif sattn_mask.dtype == torch.bool:
+                sattn_mask = torch.where(sattn_mask, 0.0, float("-inf")).to(add.dtype) + add
+            else:
+                sattn_mask = sattn_mask + add
+
+    weights = attn = None
+    if need_weights:
+        bias = _additive(sattn_mask, sattn_kpm, q.dtype, N, k.shape[2])
+        scores = (q * (1.0 / math.sqrt(hd))) @ k.transpose(-2, -1)
+        weights = torch.softmax(scores if bias is None else scores + bias, dim=-1)
+        if dropout_p > 0.0:
+            weights = F.dropout(weights, p=dropout_p)
+            attn = weights @ v
+    if attn is None:
+        attn = scaled_dot_product_attention(q, k, v, attn_mask=sattn_mask, dropout_p=dropout_p, is_causal=causal,
+                                            key_padding_mask=sattn_kpm)
+    attn = attn.permute(2, 0, 1, 3).reshape(L, N, E)
+    out = F.linear(attn, out_proj_weight, out_proj_bias)
+    if weights is not None and average_attn_weights:
+        weights = weights.mean(dim=1)
+    if not batched:
+        out = out.squeeze(1)
+        if weights is not None:
+            weights = weights.squeeze(0)
+    return out, weights
+
+
+def _mha_mask(mask, name):
     """torch 2.x's MHA mask rule: bool (True = masked) or a float tensor (added); anything else is refused."""
     if mask is None:
         return None
@@ -715,7 +740,7 @@ def _pad_key(mask):
     return F.pad(mask, (0, 1), value=False if mask.dtype == torch.bool else 0.0)
 
 
-def _additive(mask, key_padding_mask, dtype, N, H, L, S):
+def _additive(mask, key_padding_mask, dtype, N, S):
     """sattn's masks (bool True = may attend, float added; key padding True = padding) as one additive bias."""
     bias = None
     if mask is not None:
@@ -762,4 +787,23 @@ class use_sattn(TorchFunctionMode):
             if self.strict:
                 raise _core.UnsupportedError(f"use_sattn(strict=True): scaled_dot_product_attention stays on torch: "
                                              f"{why}")
+        elif func is F.multi_head_attention_forward:
+            # torch runs this function with the mode popped, so the SDPA call inside it would not be seen: run
+            # sattn's version of it instead. With need_weights torch materialises the weights and calls no SDPA;
+            # that case stays on torch as it is.
+            bound = _MHA_SIGNATURE.bind(*args, **kwargs)
+            query = bound.arguments["query"]
+            why = None
+            if bound.arguments.get("need_weights", True):
+                why = "need_weights=True (torch materialises the weights and calls no SDPA)"
+            elif not isinstance(query, Tensor) or query.device.type != "cpu" or query.dtype not in _FLOATS:
+                why = "query is not a CPU float tensor"
+            if why is None:
+                return multi_head_attention_forward(*args, **kwargs)
+            if self.strict and not why.startswith("need_weights"):
+                raise _core.UnsupportedError(f"use_sattn(strict=True): multi_head_attention_forward stays on torch: "
+                                             f"{why}")
         return func(*args, **kwargs)
+
+
+_MHA_SIGNATURE = inspect.signature(multi_head_attention_forward)

@@ -1,0 +1,609 @@
+"""sattn.torch against PyTorch 2.x: scaled_dot_product_attention's outputs and gradients against torch's own SDPA and
+torch autograd (masks, GQA, both causal alignments, scale, key padding, dropout with sattn's keep decisions),
+gradcheck in float64, opcheck on every operator, torch.compile (fullgraph, dynamic), torch.export, autocast,
+half precision, errors; sparse_attention, flash_attn_varlen_func, MultiheadAttention and use_sattn."""
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch not importable: sattn.torch NOT tested")
+
+import torch.nn.functional as F  # noqa: E402
+
+import sattn  # noqa: E402
+import sattn.torch as st  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    """Small problems: one thread each for torch and sattn (thread-count independence is tested below)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def rel_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).abs().max() / max(1.0, b.abs().max().item())).item()
+
+
+def leaves(*xs):
+    return [x.detach().clone().requires_grad_(True) for x in xs]
+
+
+def grads_of(fn, inputs, seed=0):
+    """fn's output and the gradients of <out, g> for a fixed random g, for every input that requires grad."""
+    out = fn(*inputs)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.dtype)
+    grads = torch.autograd.grad(out, [x for x in inputs if x is not None and x.requires_grad], g)
+    return out, grads
+
+
+def qkv(B=2, Hq=4, Hkv=4, Lq=33, Lk=47, E=16, Ev=12, dtype=torch.float32, seed=0, lead=None):
+    gen = torch.Generator().manual_seed(seed)
+    lead = (B,) if lead is None else lead
+    q = torch.randn(*lead, Hq, Lq, E, generator=gen, dtype=torch.float64).to(dtype)
+    k = torch.randn(*lead, Hkv, Lk, E, generator=gen, dtype=torch.float64).to(dtype)
+    v = torch.randn(*lead, Hkv, Lk, Ev, generator=gen, dtype=torch.float64).to(dtype)
+    return q, k, v
+
+
+# ---- scaled_dot_product_attention against torch's SDPA ------------------------------------------------------------
+
+MASKS = ["none", "bool_2d", "float_2d", "float_bcast_lk", "float_4d", "bool_4d_bcast"]
+
+
+def make_mask(kind, B, H, Lq, Lk, dtype, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "none":
+        return None
+    if kind == "bool_2d":
+        m = torch.rand(Lq, Lk, generator=gen) > 0.3
+        m[:, 0] = True  # no fully masked rows: torch's math path would differ in the gradient only by NaN handling
+        return m
+    if kind == "float_2d":
+        return torch.randn(Lq, Lk, generator=gen, dtype=torch.float64).to(dtype)
+    if kind == "float_bcast_lk":
+        return torch.randn(H, Lq, 1, generator=gen, dtype=torch.float64).to(dtype)
+    if kind == "float_4d":
+        return torch.randn(B, H, Lq, Lk, generator=gen, dtype=torch.float64).to(dtype)
+    m = torch.rand(B, 1, Lq, Lk, generator=gen) > 0.3
+    m[..., 0] = True
+    return m
+
+
+# torch refuses is_causal with attn_mask (sattn intersects them: tested against the manual oracle below).
+SDPA_CASES = [(m, gqa, causal, scale) for m in MASKS
+              for gqa, causal, scale in [(False, False, None), (True, False, 0.3), (False, True, None),
+                                         (True, True, 0.7)] if not (causal and m != "none")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mask_kind,gqa,causal,scale", SDPA_CASES)
+def test_sdpa_matches_torch(dtype, mask_kind, gqa, causal, scale):
+    q, k, v = qkv(Hq=4, Hkv=2 if gqa else 4, dtype=dtype)
+    mask = make_mask(mask_kind, 2, 4, 33, 47, dtype)
+    ins = leaves(q, k, v) + ([mask.requires_grad_(True)] if mask is not None and mask.is_floating_point()
+                             else [])
+    m = ins[3] if len(ins) == 4 else mask
+    kw = dict(attn_mask=m, is_causal=causal, scale=scale, enable_gqa=gqa)
+    out, g = grads_of(lambda *a: st.scaled_dot_product_attention(*a[:3], **kw), ins)
+    ref, gr = grads_of(lambda *a: F.scaled_dot_product_attention(*a[:3], **kw), ins)
+    tol = 2e-6 if dtype == torch.float32 else 1e-12
+    assert out.dtype == dtype and rel_err(out, ref) <= tol
+    for name, a, b in zip(["dq", "dk", "dv", "dmask"], g, gr):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert rel_err(a, b) <= 4 * tol, (name, rel_err(a, b))
+
+
+def manual_attention(q, k, v, bias=None, scale=None, keep=None, p=0.0):
+    """float64 attention by torch autograd: the oracle for sattn's extensions. Rows with no allowed key give 0."""
+    g = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(g, -3), v.repeat_interleave(g, -3)
+    s = q @ k.transpose(-2, -1) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if bias is not None:
+        s = s + bias
+    live = torch.isfinite(s).any(-1, keepdim=True)
+    w = torch.softmax(torch.where(live, s, torch.zeros_like(s)), -1) * live
+    if keep is not None:
+        w = w * keep / (1 - p)
+    return w @ v
+
+
+def causal_bias(Lq, Lk, alignment):
+    diag = 0 if alignment == "top_left" else Lk - Lq
+    return torch.zeros(Lq, Lk, dtype=torch.float64).masked_fill(
+        ~torch.ones(Lq, Lk, dtype=torch.bool).tril(diag), float("-inf"))
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("Lq,Lk", [(33, 47), (47, 33), (1, 64)])
+def test_causal_alignments_padding_and_mask_intersection(alignment, Lq, Lk):
+    q, k, v = qkv(Lq=Lq, Lk=Lk, dtype=torch.float64, seed=3)
+    mask = torch.randn(Lq, Lk, dtype=torch.float64)
+    kpm = torch.zeros(2, Lk, dtype=torch.bool)
+    kpm[1, Lk // 2:] = True
+    ins = leaves(q, k, v, mask)
+    out, g = grads_of(lambda *a: st.scaled_dot_product_attention(
+        *a[:3], attn_mask=a[3], is_causal=True, causal_alignment=alignment, key_padding_mask=kpm), ins)
+    bias = causal_bias(Lq, Lk, alignment) + torch.where(kpm, float("-inf"), 0.0).double()[:, None, None, :]
+    ref, gr = grads_of(lambda *a: manual_attention(*a[:3], bias=bias + a[3]), ins)
+    assert rel_err(out, ref) <= 1e-12
+    for a, b in zip(g, gr):
+        assert rel_err(a, b) <= 1e-11
+
+
+def test_leading_dims_and_unbatched_forms():
+    q, k, v = qkv(lead=(2, 3), Hq=2, Hkv=2, Lq=5, Lk=6, E=4, Ev=4, dtype=torch.float64)
+    mask = torch.randn(3, 1, 5, 6, dtype=torch.float64, requires_grad=True)
+    out = st.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert out.shape == (2, 3, 2, 5, 4) and rel_err(out, ref) <= 1e-12
+    (dm,) = torch.autograd.grad(out.sum(), mask)
+    (dr,) = torch.autograd.grad(ref.sum(), mask)
+    assert rel_err(dm, dr) <= 1e-11
+    for x in ((q[0, 0], k[0, 0], v[0, 0]), (q[0, 0, 0], k[0, 0, 0], v[0, 0, 0])):  # 3-D and 2-D
+        assert rel_err(st.scaled_dot_product_attention(*x), F.scaled_dot_product_attention(*x)) <= 1e-12
+
+
+def test_fully_masked_rows_give_zero_like_torch():
+    q, k, v = qkv(Lq=4, Lk=5, dtype=torch.float32)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    mask[1] = False
+    ins = leaves(q, k, v)
+    out, g = grads_of(lambda *a: st.scaled_dot_product_attention(*a, attn_mask=mask), ins)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.all(out[:, :, 1] == 0) and torch.all(ref[:, :, 1] == 0)
+    assert rel_err(out, ref) <= 2e-6
+    assert all(torch.isfinite(x).all() for x in g) and torch.all(g[0][:, :, 1] == 0)
+
+
+@pytest.mark.parametrize("p", [0.2, 0.6])
+def test_dropout_follows_torch_seed_and_backward_uses_the_same_mask(p):
+    """The seed comes from torch's default generator: manual_seed reproduces a call; the keep decisions are
+    sattn's Philox(seed; b, h, i, j), read back through the numpy API with the seed the wrapper drew."""
+    q, k, v = qkv(Lq=20, Lk=30, dtype=torch.float64, seed=5)
+    ins = leaves(q, k, v)
+    torch.manual_seed(123)
+    out, g = grads_of(lambda *a: st.scaled_dot_product_attention(*a, dropout_p=p), ins)
+    torch.manual_seed(123)
+    out2 = st.scaled_dot_product_attention(q, k, v, dropout_p=p)
+    assert torch.equal(out.detach(), out2)
+    torch.manual_seed(124)
+    assert not torch.equal(out.detach(), st.scaled_dot_product_attention(q, k, v, dropout_p=p))
+    torch.manual_seed(123)
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))  # what the wrapper drew
+    w0 = sattn.attention_weights(q.numpy(), k.numpy())
+    w = sattn.attention_weights(q.numpy(), k.numpy(), dropout_p=p, seed=seed)
+    keep = torch.from_numpy(w != 0)
+    assert abs(keep.double().mean().item() - (1 - p)) < 0.05 and np.all(w0 != 0)
+    ref, gr = grads_of(lambda *a: manual_attention(*a, keep=keep, p=p), ins)
+    assert rel_err(out, ref) <= 1e-12
+    for a, b in zip(g, gr):
+        assert rel_err(a, b) <= 1e-11
+
+
+def test_gradcheck_float64():
+    q, k, v = qkv(B=1, Hq=2, Hkv=1, Lq=5, Lk=7, E=4, Ev=3, dtype=torch.float64, seed=6)
+    mask = torch.randn(2, 5, 1, dtype=torch.float64)
+    ins = leaves(q, k, v, mask)
+    assert torch.autograd.gradcheck(lambda a, b, c, m: st.scaled_dot_product_attention(
+        a, b, c, attn_mask=m, is_causal=True, causal_alignment="bottom_right", enable_gqa=True), ins)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_keeps_its_dtype(dtype, monkeypatch):
+    q, k, v = qkv(Lq=40, Lk=40, E=32, Ev=32, dtype=dtype, seed=7)
+    ins = leaves(q, k, v)
+    seen = []  # the dtypes that reach the native entry points: half precision, no float32 copies
+
+    def spy(name):
+        native = getattr(st._core, name)
+
+        def call(*args):
+            seen.append((name, [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]))
+            return native(*args)
+        monkeypatch.setattr(st._core, name, call)
+    spy("_torch_sdpa_forward")
+    spy("_torch_sdpa_backward")
+    out, g = grads_of(lambda *a: st.scaled_dot_product_attention(*a, is_causal=True), ins)
+    assert out.dtype == dtype and all(x.dtype == dtype for x in g)
+    assert [n for n, _ in seen] == ["_torch_sdpa_forward", "_torch_sdpa_backward"]
+    fwd, bwd = seen[0][1], seen[1][1]
+    assert fwd == [dtype] * 4 + [torch.float32]  # q, k, v, out; lse
+    assert bwd == [dtype] * 5 + [torch.float32] + [dtype] * 3  # dout, q, k, v, out; lse; dq, dk, dv
+    monkeypatch.undo()
+    ref, gr = grads_of(lambda *a: st.scaled_dot_product_attention(*a, is_causal=True), leaves(
+        *(x.float() for x in (q, k, v))))
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3  # the float32 computation rounded once (forward)
+    assert rel_err(out, ref) <= tol
+    for a, b in zip(g, gr):
+        assert rel_err(a, b) <= 4 * tol
+
+
+def test_autocast_runs_in_bfloat16_like_torch():
+    q, k, v = qkv(Lq=16, Lk=16, E=16, Ev=16, seed=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = st.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert rel_err(out, ref) <= 2e-2
+
+
+def test_thread_counts_give_identical_results():
+    q, k, v = qkv(B=1, Hq=4, Hkv=4, Lq=300, Lk=300, E=32, Ev=32, seed=9)
+    outs = []
+    for n in (1, 2, 3):
+        ins = leaves(q, k, v)
+        outs.append(grads_of(lambda *a: st.scaled_dot_product_attention(*a, is_causal=True, num_threads=n), ins))
+    for out, g in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and all(torch.equal(a, b) for a, b in zip(g, outs[0][1]))
+
+
+def test_errors_name_the_argument():
+    q, k, v = qkv(Lq=4, Lk=4, E=4, Ev=4)
+    meta = torch.empty(2, 4, 4, 4, device="meta")
+    with pytest.raises(NotImplementedError, match="device 'meta'"):
+        st.scaled_dot_product_attention(meta, meta, meta)
+    with pytest.raises(TypeError, match="query: expected float32, float64, bfloat16 or float16, got torch.int64"):
+        st.scaled_dot_product_attention(q.long(), k, v)
+    with pytest.raises(TypeError, match="key/value: expected the dtype of query"):
+        st.scaled_dot_product_attention(q, k.double(), v)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        st.scaled_dot_product_attention(q, k[:, :2], v[:, :2])
+    with pytest.raises(ValueError, match=r"attn_mask: shape \(3, 4\) does not broadcast"):
+        st.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(3, 4))
+    with pytest.raises(TypeError, match="attn_mask: expected bool"):
+        st.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(4, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="dropout_p"):
+        st.scaled_dot_product_attention(q, k, v, dropout_p=1.0)
+    with pytest.raises(ValueError, match="causal_alignment"):
+        st.scaled_dot_product_attention(q, k, v, is_causal=True, causal_alignment="diagonal")
+    with pytest.raises(ValueError, match="key: expected head dim"):  # from the library's own validation
+        st.scaled_dot_product_attention(q, k[..., :3], v)
+    for exc in (sattn.Error,):
+        with pytest.raises(exc):
+            st.scaled_dot_product_attention(q, k, v, key_padding_mask=torch.zeros(2, 3, dtype=torch.bool))
+
+
+def test_double_backward_raises():
+    ins = leaves(*qkv(Lq=4, Lk=4, E=4, Ev=4, dtype=torch.float64))
+    out = st.scaled_dot_product_attention(*ins)
+    (gq,) = torch.autograd.grad(out.sum(), ins[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        gq.sum().backward()
+
+
+# ---- operators: opcheck ---------------------------------------------------------------------------------------------
+
+def _sdpa_op_args(dtype=torch.float32, mask=True, dropout=0.0):
+    q, k, v = leaves(*qkv(B=1, Hq=2, Hkv=1, Lq=5, Lk=7, E=8, Ev=4, dtype=dtype, seed=10))
+    m = torch.randn(2, 5, 7, dtype=dtype, requires_grad=True) if mask else None
+    seed = torch.tensor(99, dtype=torch.int64) if dropout else None
+    return (q, k, v, m, None, "bottom_right", None, dropout, seed, 1)
+
+
+@pytest.mark.parametrize("args", [dict(), dict(mask=False, dropout=0.3), dict(dtype=torch.float64)])
+def test_opcheck_sdpa(args):
+    a = _sdpa_op_args(**args)
+    torch.library.opcheck(torch.ops.sattn.sdpa_forward.default, a)
+    out, lse = torch.ops.sattn.sdpa_forward(*a)
+    bwd = (torch.randn_like(out), *(x.detach() if x is not None and x.dtype.is_floating_point else x
+                                     for x in a[:3]), out.detach(), lse, *a[3:], a[3] is not None)
+    bwd = bwd[:6] + ((a[3].detach() if a[3] is not None else None),) + bwd[7:]
+    torch.library.opcheck(torch.ops.sattn.sdpa_backward.default, bwd)
+
+
+def test_opcheck_sparse_and_varlen():
+    q, k, v = leaves(*qkv(B=1, Hq=2, Hkv=2, Lq=40, Lk=40, E=8, Ev=8, seed=11))
+    bias = torch.randn(40, 40, requires_grad=True)
+    for spec in ("SlidingWindow(4, 0)", "TopK(6)"):
+        args = (q, k, v, spec, None, False, None, 16, None, 0.0, bias if spec.startswith("S") else None, None, 1)
+        torch.library.opcheck(torch.ops.sattn.sparse_forward.default, args)
+        out, lse, idx = torch.ops.sattn.sparse_forward(*args)
+        bwd = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, idx, spec, None, False,
+               None, 16, None, 0.0, args[10].detach() if args[10] is not None else None, None, 1)
+        torch.library.opcheck(torch.ops.sattn.sparse_backward.default, bwd)
+    lens = [3, 9, 5]
+    cu = torch.tensor([0, 3, 12, 17], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(17, 2, 8, generator=gen, requires_grad=True) for _ in range(3))
+    args = (q, k, v, cu, cu, max(lens), max(lens), True, None, 1)
+    torch.library.opcheck(torch.ops.sattn.varlen_forward.default, args)
+    out, lse = torch.ops.sattn.varlen_forward(*args)
+    torch.library.opcheck(torch.ops.sattn.varlen_backward.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, cu, cu, 9, 9,
+                           True, None, 1))
+
+
+# ---- torch.compile and torch.export -------------------------------------------------------------------------------
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self, dim=32, heads=2, dropout=0.0):
+        super().__init__()
+        self.qkv, self.out, self.heads, self.dropout = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim), \
+            heads, dropout
+
+    def forward(self, x, mask):
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        o = st.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout)
+        return self.out(o.transpose(1, 2).flatten(-2))
+
+
+def _step(model, x, mask):
+    model.zero_grad()
+    mask = mask.detach().requires_grad_(True)
+    y = model(x, mask)
+    y.square().sum().backward()
+    return y.detach(), [p.grad.clone() for p in model.parameters()] + [mask.grad.clone()]
+
+
+def test_compile_fullgraph_matches_eager():
+    torch.manual_seed(13)
+    model, x, mask = TinyAttention(), torch.randn(2, 24, 32), torch.randn(24, 24)
+    y0, g0 = _step(model, x, mask)
+    compiled = torch.compile(model, fullgraph=True)  # the default backend, inductor
+    y1, g1 = _step(compiled, x, mask)
+    assert rel_err(y1, y0) <= 1e-6
+    for a, b in zip(g1, g0):
+        assert rel_err(a, b) <= 1e-6
+    # Dropout under inductor: the seed tensor is drawn by the compiled graph from torch's generator, so
+    # manual_seed reproduces compiled runs (which differ from eager ones, as any random op under inductor).
+    model.dropout = 0.25
+    runs = []
+    for s in (1, 2, 1):
+        torch.manual_seed(s)
+        runs.append(_step(compiled, x, mask))
+    assert torch.equal(runs[0][0], runs[2][0]) and all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[2][1]))
+    assert not torch.equal(runs[0][0], runs[1][0])
+
+
+def test_compile_dynamic_compiles_once_and_dropout_reproduces():
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    model = TinyAttention(dropout=0.25)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=counter)
+    outs, frames = {}, []
+    for L in (17, 29, 17):
+        x, mask = torch.randn(1, L, 32, generator=torch.Generator().manual_seed(L)), torch.zeros(L, L)
+        torch.manual_seed(L)
+        y, g = _step(compiled, x, mask)
+        if L in outs:  # manual_seed reproduces the compiled run (its own sequence of seeds)
+            assert torch.equal(y, outs[L][0]) and all(torch.equal(a, b) for a, b in zip(g, outs[L][1]))
+        outs[L] = (y, g)
+        frames.append(counter.frame_count)
+    # One compilation serves both lengths (dynamo may restart its analysis of the first call, which the backend
+    # counter sees as a second frame; a recompilation for the new length would add to it).
+    assert frames[0] >= 1 and frames == [frames[0]] * 3, frames
+
+
+def test_export_matches_eager():
+    torch.manual_seed(14)
+    model, x, mask = TinyAttention(), torch.randn(2, 24, 32), torch.randn(24, 24)
+    ep = torch.export.export(model, (x, mask))
+    assert any("sattn.sdpa_forward" in str(n.target) for n in ep.graph.nodes)
+    assert rel_err(ep.module()(x, mask), model(x, mask)) <= 1e-6
+
+
+# ---- sparse_attention ---------------------------------------------------------------------------------------------
+
+SPARSE_CASES = [
+    ("SlidingWindow(5, 3)", {}),
+    ("Dilated(3, 2)", dict(enable_gqa=True)),
+    ("BlockLocal(16)", dict(softcap=5.0)),
+    ("GlobalTokens([0, 9], SlidingWindow(2, 2))", dict(alibi_slopes=[0.5, 0.25])),
+    ("BigBird(8, 3, 1, 2, seed=4)", dict(scale=0.2)),
+    ("Neighborhood2D(8, 8, 3)", dict(key_padding_mask=True)),
+    ("WindowAttention2D(8, 8, 4, shift=2)", dict(rel_pos_bias=True)),
+    ("SlidingWindow(4, 0) | Dilated(2, 3)", dict(bias=True)),
+    ("Full()", dict(bias=True)),
+    ("TopK(6)", {}),
+    ("BlockTopK(16, 2)", {}),
+    ("ReLUAttention()", {}),
+    ("MixedAttention((0.5, -0.5))", {}),
+]
+
+
+@pytest.mark.parametrize("spec,kw", SPARSE_CASES, ids=[c[0] for c in SPARSE_CASES])
+def test_sparse_attention_matches_the_numpy_api(spec, kw):
+    """The torch op runs the same kernels as sattn.sparse_attention: results and gradients (q, k, v and the bias
+    tensors) are identical to the numpy API's, which tests/python/test_sparse.py checks against a float64 oracle."""
+    Hkv = 1 if kw.get("enable_gqa") else 2
+    q, k, v = qkv(B=1, Hq=2, Hkv=Hkv, Lq=64, Lk=64, E=8, Ev=8, seed=15)
+    kw = dict(kw)
+    extra = []
+    if kw.pop("bias", False):
+        kw["bias"] = torch.randn(64, 64, requires_grad=True)
+        extra.append("bias")
+    if kw.pop("rel_pos_bias", False):
+        kw["rel_pos_bias"] = torch.randn(49, 2, requires_grad=True)
+        extra.append("rel_pos_bias")
+    if kw.pop("key_padding_mask", False):
+        kw["key_padding_mask"] = torch.arange(64)[None] >= 60
+    ins = leaves(q, k, v)
+    out, lse = st.sparse_attention(*ins, spec, return_lse=True, block=16, **kw)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, ins + [kw[n] for n in extra], g)
+    npkw = {n: (x.detach().numpy() if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+    pattern = sattn.parse_pattern(spec)
+    ref_out, ref_lse = sattn.sparse_attention(q.numpy(), k.numpy(), v.numpy(), pattern, return_lse=True, block=16,
+                                              **npkw)
+    assert torch.equal(out, torch.from_numpy(ref_out)) and torch.equal(lse, torch.from_numpy(ref_lse))
+    rq, rk, rv, rextra = sattn.sparse_attention_backward(g.numpy(), q.numpy(), k.numpy(), v.numpy(), ref_out,
+                                                         ref_lse, pattern, block=16, **npkw)
+    for a, b in zip(grads, [rq, rk, rv] + [rextra[n] for n in extra]):
+        assert torch.equal(a, torch.from_numpy(b))
+
+
+def test_sparse_attention_against_torch_dense_masked_attention():
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Lq=50, Lk=50, E=8, Ev=8, dtype=torch.float64, seed=16)
+    bias = torch.randn(50, 50, dtype=torch.float64)
+    spec = "SlidingWindow(6, 2) | GlobalTokens([0], Full())"
+    allowed = torch.from_numpy(sattn.parse_pattern(spec).dense_mask(50))
+    ins = leaves(q, k, v, bias)
+    out, g = grads_of(lambda *a: st.sparse_attention(*a[:3], spec, bias=a[3]), ins)
+    ref, gr = grads_of(lambda *a: F.scaled_dot_product_attention(
+        *a[:3], attn_mask=a[3].masked_fill(~allowed, float("-inf"))), ins)
+    assert rel_err(out, ref) <= 2e-6  # the sparse engine computes in float32
+    for a, b in zip(g, gr):
+        assert rel_err(a, b) <= 1e-5
+
+
+def test_sparse_attention_indices_and_errors():
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Lq=32, Lk=32, E=8, Ev=8, seed=17)
+    out, idx = st.sparse_attention(q, k, v, sattn.TopK(4), return_indices=True)
+    assert idx.dtype == torch.int64 and idx.shape == (1, 2, 32, 4)
+    with pytest.raises(ValueError, match="return_indices"):
+        st.sparse_attention(q, k, v, "SlidingWindow(2, 2)", return_indices=True)
+    with pytest.raises(ValueError):
+        st.sparse_attention(q, k, v, "SlidingWindow(2,")
+    with pytest.raises(TypeError, match="pattern"):
+        st.sparse_attention(q, k, v, 3)
+
+
+# ---- flash_attn_varlen_func ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_varlen_func_matches_torch_per_sequence(causal):
+    lens_q, lens_k = [3, 9, 5], [7, 9, 2]
+    gen = torch.Generator().manual_seed(18)
+    q = torch.randn(sum(lens_q), 4, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(sum(lens_k), 2, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(sum(lens_k), 2, 6, generator=gen, dtype=torch.float64)
+    cq = torch.tensor([0, 3, 12, 17], dtype=torch.int32)
+    ck = torch.tensor([0, 7, 16, 18], dtype=torch.int32)
+    ins = leaves(q, k, v)
+    out, g = grads_of(lambda *a: st.flash_attn_varlen_func(*a, cq, ck, 9, 9, causal=causal), ins)
+
+    def per_sequence(q, k, v):
+        outs = []
+        for s in range(3):
+            qs, ks, vs = (x[c[s]:c[s + 1]].transpose(0, 1) for x, c in ((q, cq), (k, ck), (v, ck)))
+            bias = causal_bias(qs.shape[1], ks.shape[1], "bottom_right") if causal else None
+            outs.append(manual_attention(qs, ks, vs, bias=bias).transpose(0, 1))
+        return torch.cat(outs)
+    ref, gr = grads_of(per_sequence, ins)
+    assert rel_err(out, ref) <= 2e-6  # float64 inputs run the float32 fused kernel
+    for a, b in zip(g, gr):
+        assert rel_err(a, b) <= 1e-5
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        st.flash_attn_varlen_func(q, k, v, cq, ck, 9, 9, dropout_p=0.1)
+
+
+# ---- MultiheadAttention -------------------------------------------------------------------------------------------
+
+MHA_CASES = [
+    dict(),
+    dict(batch_first=True),
+    dict(kdim=6, vdim=10),
+    dict(add_bias_kv=True, add_zero_attn=True),
+    dict(bias=False),
+]
+
+
+def _mha_pair(seed, **ctor):
+    torch.manual_seed(seed)
+    ref = torch.nn.MultiheadAttention(16, 4, **ctor)
+    ours = st.MultiheadAttention(16, 4, **ctor)
+    ours.load_state_dict(ref.state_dict())
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    return ours, ref
+
+
+@pytest.mark.parametrize("ctor", MHA_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+@pytest.mark.parametrize("masks", ["none", "bool", "float", "kpm_float_attn_bool"])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_matches_torch(ctor, masks, need_weights):
+    ours, ref = _mha_pair(19, **ctor)
+    L, S, N = 6, 9, 2
+    bf = ctor.get("batch_first", False)
+    shape = (lambda n, s, e: (n, s, e)) if bf else (lambda n, s, e: (s, n, e))
+    gen = torch.Generator().manual_seed(20)
+    query = torch.randn(*shape(N, L, 16), generator=gen)
+    key = torch.randn(*shape(N, S, ctor.get("kdim", 16)), generator=gen)
+    value = torch.randn(*shape(N, S, ctor.get("vdim", 16)), generator=gen)
+    kw = {}
+    if masks == "bool":
+        kw["attn_mask"] = torch.rand(L, S, generator=gen) > 0.7
+        kw["key_padding_mask"] = torch.zeros(N, S, dtype=torch.bool)
+        kw["key_padding_mask"][1, -2:] = True
+    elif masks == "float":
+        kw["attn_mask"] = torch.randn(N * 4, L, S, generator=gen)
+    elif masks == "kpm_float_attn_bool":
+        kw["attn_mask"] = torch.rand(L, S, generator=gen) > 0.7
+        kw["key_padding_mask"] = torch.randn(N, S, generator=gen)
+    if masks in ("bool", "kpm_float_attn_bool"):
+        kw["attn_mask"][:, 0] = False  # every row keeps a key: torch's need_weights path gives NaN otherwise
+    out, w = ours(query, key, value, need_weights=need_weights, **kw)
+    rout, rw = ref(query, key, value, need_weights=need_weights, **kw)
+    assert rel_err(out, rout) <= 2e-6
+    assert (w is None) == (rw is None) and (w is None or rel_err(w, rw) <= 2e-6)
+    g = torch.randn_like(out)
+    gs = torch.autograd.grad(out, list(ours.parameters()), g)
+    rgs = torch.autograd.grad(rout, list(ref.parameters()), g)
+    for (name, _), a, b in zip(ours.named_parameters(), gs, rgs):
+        assert rel_err(a, b) <= 1e-5, name
+
+
+def test_multihead_attention_forms_and_torch_rules():
+    ours, ref = _mha_pair(21)
+    x = torch.randn(5, 16)  # unbatched
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(5)
+    for kw in (dict(), dict(attn_mask=causal, is_causal=True, need_weights=False), dict(average_attn_weights=False)):
+        out, w = ours(x, x, x, **kw)
+        rout, rw = ref(x, x, x, **kw)
+        assert rel_err(out, rout) <= 2e-6 and (w is None or rel_err(w, rw) <= 2e-6)
+    with pytest.raises(ValueError, match="is_causal"):
+        ours(x, x, x, is_causal=True)
+    with pytest.raises(TypeError, match="attn_mask: expected bool"):
+        ours(x, x, x, attn_mask=torch.zeros(5, 5, dtype=torch.uint8))
+    ours.eval()
+    ref.eval()
+    xb = torch.randn(5, 2, 16)
+    with torch.no_grad():
+        assert rel_err(ours(xb, xb, xb)[0], ref(xb, xb, xb)[0]) <= 2e-6
+
+
+# ---- use_sattn ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("train", [True, False])
+def test_use_sattn_runs_transformer_layers_on_sattn(train):
+    torch.manual_seed(22)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    layer.train(train)
+    x = torch.randn(2, 10, 32)
+    kpm = torch.zeros(2, 10, dtype=torch.bool)
+    kpm[1, 7:] = True
+    with torch.no_grad() if not train else torch.enable_grad():
+        ref = layer(x, src_key_padding_mask=kpm)
+        fast = torch.backends.mha.get_fastpath_enabled()
+        with torch.profiler.profile() as prof, st.use_sattn(strict=True):
+            assert not torch.backends.mha.get_fastpath_enabled()
+            out = layer(x, src_key_padding_mask=kpm)
+        assert torch.backends.mha.get_fastpath_enabled() == fast
+    names = {e.name for e in prof.events()}
+    assert "sattn::sdpa_forward" in names, sorted(n for n in names if "attention" in n or "sattn" in n)
+    live = ~kpm[:, :, None].expand_as(out) if not train else torch.ones_like(out, dtype=torch.bool)
+    assert rel_err(out[live], ref[live]) <= 2e-6  # eval: torch's fast path leaves padded rows unspecified
+    if train:
+        out.sum().backward()
+        assert all(p.grad is not None for p in layer.parameters())
+
+
+def test_use_sattn_falls_back_or_raises_with_the_reason():
+    q, k, v = qkv(Lq=4, Lk=4, E=4, Ev=4)
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    with st.use_sattn():
+        out = F.scaled_dot_product_attention(q.long().double(), k.double(), v.double())  # runs on sattn
+        assert out.dtype == torch.float64
+        with pytest.raises(RuntimeError):  # torch's own error: is_causal with attn_mask
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    with st.use_sattn(strict=True), pytest.raises(NotImplementedError, match="is_causal"):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    with st.use_sattn(strict=True), pytest.raises(NotImplementedError, match="dtype torch.int64"):
+        F.scaled_dot_product_attention(q.long(), k.long(), v.long())
