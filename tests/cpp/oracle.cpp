@@ -17,6 +17,7 @@ namespace sattn::testing {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kFloatLowest = std::numeric_limits<float>::lowest();
 
 // SplitMix64: a small deterministic generator (the standard distributions are not portable).
 struct Rng {
@@ -125,12 +126,15 @@ const char* to_string(MaskCase m) {
     case MaskCase::kAdd4D: return "add4d";
     case MaskCase::kAddHeadKeys: return "addH1K";
     case MaskCase::kAddKeys64: return "addK_f64";
+    case MaskCase::kAddHuge2D: return "addHuge2d";
+    case MaskCase::kAddMinB1QK: return "addMinB1QK";
   }
   return "?";
 }
 
 bool is_additive(MaskCase m) {
-  return m == MaskCase::kAdd2D || m == MaskCase::kAdd4D || m == MaskCase::kAddHeadKeys || m == MaskCase::kAddKeys64;
+  return m == MaskCase::kAdd2D || m == MaskCase::kAdd4D || m == MaskCase::kAddHeadKeys || m == MaskCase::kAddKeys64 ||
+         m == MaskCase::kAddHuge2D || m == MaskCase::kAddMinB1QK;
 }
 
 std::string Config::name() const {
@@ -312,7 +316,8 @@ Problem make_problem(const Config& c, DType dtype, uint64_t seed) {
   bool fm_done = !c.fully_masked;
   if (c.mask != MaskCase::kNone) {
     switch (c.mask) {
-      case MaskCase::kBool2D: case MaskCase::kAdd2D: p.mask_shape = {Lq, Lk}; break;
+      case MaskCase::kBool2D: case MaskCase::kAdd2D: case MaskCase::kAddHuge2D: p.mask_shape = {Lq, Lk}; break;
+      case MaskCase::kAddMinB1QK: p.mask_shape = {B, 1, Lq, Lk}; break;
       case MaskCase::kBool4D: case MaskCase::kAdd4D: p.mask_shape = {B, Hq, Lq, Lk}; break;
       case MaskCase::kBoolKeys: p.mask_shape = {B, 1, 1, Lk}; break;
       case MaskCase::kBoolRows: p.mask_shape = {Hq, Lq, 1}; break;
@@ -325,14 +330,25 @@ Problem make_problem(const Config& c, DType dtype, uint64_t seed) {
     p.mask_own.resize(size_t(numel(ms)));
     for (auto& x : p.mask_own) {
       if (!additive) x = rng.uniform() < 0.75 ? 1.0 : 0.0;
+      else if (c.mask == MaskCase::kAddMinB1QK) x = rng.uniform() < 0.3 ? double(kFloatLowest) : 0.0;
       else if (c.mask != MaskCase::kAddKeys64 && rng.uniform() < 0.15) x = -kInf;
       else x = 2.0 * rng.normal();
     }
+    // Rows with a huge finite bias on every key (the exact softmax is then uniform: the bias swallows the scores)
+    // and rows with it on some keys.
+    if (c.mask == MaskCase::kAddHuge2D)
+      for (int64_t i = 0; i < Lq; ++i)
+        for (int64_t j = 0; j < Lk; ++j)
+          if (i % 3 == 0 || (i % 3 == 1 && j % 2 == 1)) p.mask_own[size_t(i * Lk + j)] = -1e30;
+    if (c.mask == MaskCase::kAddMinB1QK)
+      for (int64_t i = 0; i < Lq; i += 2)
+        for (int64_t j = 0; j < Lk; ++j) p.mask_own[size_t(i * Lk + j)] = kFloatLowest;  // batch 0
     if (c.fully_masked) {
       const double off = additive ? -kInf : 0.0;
       const int64_t r = int64_t(ms.size());
       switch (c.mask) {
-        case MaskCase::kBool2D: case MaskCase::kAdd2D:  // one row of [Lq, Lk]
+        case MaskCase::kBool2D: case MaskCase::kAdd2D: case MaskCase::kAddHuge2D:  // one row of [Lq, Lk]
+        case MaskCase::kAddMinB1QK:  // row (b=0, i=fm_row) of [B, 1, Lq, Lk]
           for (int64_t j = 0; j < Lk; ++j) p.mask_own[size_t(fm_row * Lk + j)] = off;
           fm_done = true;
           break;
@@ -410,7 +426,8 @@ namespace {
 
 // Probabilities P (before dropout) and allowed flags of one query row, from the math:
 //   allowed_j = causal(i, j) && !padding(b, j) && bool_mask != False && additive_mask != -inf
-//   s_j = scale * q_i . k_j + additive_mask,   P_j = exp(s_j - lse),  lse = log sum_{allowed} exp(s_j).
+//   s_j = scale * q_i . k_j + additive_mask,   P_j = exp(s_j - m) / l,  m = max s,  l = sum_{allowed} exp(s_j - m),
+//   lse = m + log l  (P is not formed as exp(s_j - lse): with a huge bias on every key, lse cannot hold log l).
 // Returns false (and lse = -inf) when no key is allowed.
 bool naive_row(const Problem& p, int64_t b, int64_t h, int64_t i, std::vector<double>& prob,
                std::vector<uint8_t>& allowed, double& lse) {
@@ -454,7 +471,7 @@ bool naive_row(const Problem& p, int64_t b, int64_t h, int64_t i, std::vector<do
     if (allowed[size_t(j)]) sum += std::exp(s[size_t(j)] - mx);
   lse = mx + std::log(sum);
   for (int64_t j = 0; j < Lk; ++j)
-    if (allowed[size_t(j)]) prob[size_t(j)] = std::exp(s[size_t(j)] - lse);
+    if (allowed[size_t(j)]) prob[size_t(j)] = std::exp(s[size_t(j)] - mx) / sum;
   return true;
 }
 

@@ -37,8 +37,12 @@ enum class MaskCase : uint8_t {
   kAdd4D,       // f32 additive [B, Hq, Lq, Lk], finite biases and some -inf
   kAddHeadKeys, // f32 additive [Hq, 1, Lk], finite biases and some -inf
   kAddKeys64,   // f64 additive [Lk], finite biases only
+  kAddHuge2D,   // f32 additive [Lq, Lk]: rows i % 3 == 0 carry -1e30 on every key (a huge finite bias, so that
+                // the softmax is uniform and lse cannot hold log Lk in float), rows i % 3 == 1 on every other key
+  kAddMinB1QK,  // f32 additive [B, 1, Lq, Lk] of 0 / float lowest() ("finfo.min as mask"): in batch 0 the even
+                // rows are lowest() on every key, elsewhere 30 % of the keys are
 };
-inline constexpr int kMaskCaseCount = 9;
+inline constexpr int kMaskCaseCount = 11;
 const char* to_string(MaskCase m);
 bool is_additive(MaskCase m);
 

@@ -173,7 +173,7 @@ BwdResult run_backward(const Problem& pb, const FwdResult& fwd, const std::strin
   r.dv = Tensor(dt, pb.v.view.shape);
   sattn::AttentionGrads g{r.dq.view(), r.dk.view(), r.dv.view(), {}};
   if (pb.c.mask == 2) {
-    r.dmask = Tensor(DType::kF32, pb.mask.shape());
+    r.dmask = Tensor(dt, pb.mask.shape());
     g.dmask = r.dmask.view();
   }
   sattn::scaled_dot_product_attention_backward(pb.dout.view, pb.q.view, pb.k.view, pb.v.view, fwd.out.view(),
@@ -318,6 +318,69 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
     EXPECT_TRUE(bitwise_equal(dq, gref.dq) && bitwise_equal(dk, gref.dk) && bitwise_equal(dv, gref.dv))
         << sattn::to_string(dt) << " " << simd;
     unsetenv("SATTN_SIMD");
+  }
+}
+
+// Rows whose keys all carry the same huge finite bias (-1e30, or the float minimum used as "masked"): in float the
+// bias swallows the scores, the exact softmax is uniform, and lse = -1e30 + log Lk rounds to -1e30, so a backward
+// that forms P = exp(s - lse) gets P = 1 instead of 1/Lk. Rows i % 3 == 0 carry the bias on every key, rows
+// i % 3 == 1 on every other key. Forward (tiles and split-key decode) and backward against the fp64 reference,
+// for float32 and bfloat16 inputs and every SIMD implementation, and bitwise identical for 1 and 3 threads.
+TEST(Fused, HugeUniformBiasRowsMatchReference) {
+  const float lowest = std::numeric_limits<float>::lowest();
+  const struct {
+    int64_t Lq, Lk, D, Dv;
+    float huge;
+  } cases[] = {{70, 100, 16, 12, -1e30f}, {70, 100, 16, 12, lowest}, {1, 1100, 16, 16, lowest},
+               {3, 1100, 8, 8, -1e30f},   {9, 1100, 24, 8, lowest}};
+  // lse row by row: |got - ref| <= 2e-5 max(1, |ref|) (rel_err would scale every row by the largest, ~1e30)
+  auto lse_ok = [](const Tensor& got, const Tensor& ref) {
+    const Tensor g = got.to(DType::kF64), r = ref.to(DType::kF64);
+    for (int64_t x = 0; x < g.numel(); ++x) {
+      const double a = g.data<double>()[x], b = r.data<double>()[x];
+      if (!(a == b || std::fabs(a - b) <= 2e-5 * std::max(1.0, std::fabs(b)))) return false;
+    }
+    return true;
+  };
+  uint32_t seed = 40;
+  for (const auto& [Lq, Lk, D, Dv, huge] : cases) {
+    Case c;
+    c.B = 2, c.Hq = 4, c.Hkv = 2, c.Lq = Lq, c.Lk = Lk, c.D = D, c.Dv = Dv;
+    c.mask = 2, c.mask_shape = 1;  // additive [Lq, Lk]
+    Problem pb = make_problem(c, ++seed);
+    float* m = pb.mask.data<float>();
+    for (int64_t i = 0; i < c.Lq; ++i)
+      for (int64_t j = 0; j < c.Lk; ++j)
+        if (i % 3 == 0 || (i % 3 == 1 && j % 2 == 1)) m[i * c.Lk + j] = huge;
+    const auto simds = sattn::fused::available_simd();
+    for (DType dt : {DType::kF32, DType::kBF16}) {
+      // The fused kernel gets q, k, v in dt; the reference the same (rounded) values in float32.
+      const Tensor q = Tensor::from_view(pb.q.view).to(dt), k = Tensor::from_view(pb.k.view).to(dt),
+                   v = Tensor::from_view(pb.v.view).to(dt);
+      const Tensor qf = q.to(DType::kF32), kf = k.to(DType::kF32), vf = v.to(DType::kF32);
+      Problem in = pb, up = pb;
+      in.q.view = q.view(), in.k.view = k.view(), in.v.view = v.view();
+      up.q.view = qf.view(), up.k.view = kf.view(), up.v.view = vf.view();
+      const FwdResult ref = run_forward(up, "reference", 2);
+      const BwdResult gref = run_backward(up, ref, "reference", 2);
+      for (const std::string& simd : simds) {
+        if (dt != DType::kF32 && simd != simds.front()) continue;  // half inputs share the tile loops
+        SCOPED_TRACE(c.name() + " bias " + std::to_string(huge) + " " + simd + " " + sattn::to_string(dt));
+        setenv("SATTN_SIMD", simd.c_str(), 1);
+        const FwdResult got = run_forward(in, "fused", 2);
+        EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
+        EXPECT_TRUE(lse_ok(got.lse, ref.lse));
+        const BwdResult g1 = run_backward(in, got, "fused", 1);
+        EXPECT_LE(rel_err(g1.dq, gref.dq), 1e-4);
+        EXPECT_LE(rel_err(g1.dk, gref.dk), 1e-4);
+        EXPECT_LE(rel_err(g1.dv, gref.dv), 1e-4);
+        EXPECT_LE(rel_err(g1.dmask, gref.dmask), 1e-4);
+        const BwdResult g3 = run_backward(in, got, "fused", 3);
+        EXPECT_TRUE(bitwise_equal(g1.dq, g3.dq) && bitwise_equal(g1.dk, g3.dk) && bitwise_equal(g1.dv, g3.dv) &&
+                    bitwise_equal(g1.dmask, g3.dmask));
+        unsetenv("SATTN_SIMD");
+      }
+    }
   }
 }
 

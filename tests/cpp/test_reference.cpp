@@ -212,10 +212,13 @@ TEST_P(ReferenceFiniteDifferences, RandomDirections) { check_directional(GetPara
 
 namespace {
 std::vector<st::Config> fd_configs() {
-  // Small members of the backward sweep (finite differences cost 2 naive forwards per direction).
+  // Small members of the backward sweep (finite differences cost 2 naive forwards per direction), without the
+  // huge-bias masks: a bias of -1e30 swallows the scores and any perturbation, so the differences are 0 where the
+  // analytic gradient (of the softmax at the rounded, equal scores) is not.
   std::vector<st::Config> out;
   for (const auto& c : st::pairwise_backward_configs())
-    if (c.cost() <= 2e5) out.push_back(c);
+    if (c.cost() <= 2e5 && c.mask != st::MaskCase::kAddHuge2D && c.mask != st::MaskCase::kAddMinB1QK)
+      out.push_back(c);
   return out;
 }
 }  // namespace

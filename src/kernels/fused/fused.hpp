@@ -7,6 +7,7 @@
 // with a unit last stride, any head dimension D without padding.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -49,13 +50,16 @@ struct Params {
   int64_t Br = 64, Bc = 64;
 
   // Decode: keys split into chunks of kv_chunk (a multiple of Bc; 0 = no split) whose partial results
-  // part_o [B·Hq·Lq, nchunks, Dv] and part_lse [B·Hq·Lq, nchunks] are merged in chunk order.
+  // part_o [B·Hq·Lq, nchunks, Dv] (normalised), part_max and part_sum [B·Hq·Lq, nchunks] (the chunk's row max m
+  // and l = Σ e^(s − m), kept apart: a float lse = m + log l cannot carry log l when |m| is huge) are merged in
+  // chunk order.
   int64_t kv_chunk = 0;
   // GQA decode (group > 1, group·Lq <= 4): one forward task per (b, kv head, chunk) computes the rows of all the
   // group's query heads together, so K/V are read once per group. Results equal the per-head computation.
   bool decode_group = false;
   float* part_o = nullptr;
-  float* part_lse = nullptr;
+  float* part_max = nullptr;
+  float* part_sum = nullptr;
   int64_t num_kv_chunks() const { return kv_chunk > 0 ? (Lk + kv_chunk - 1) / kv_chunk : 1; }
 
   // Forward outputs.
@@ -70,9 +74,14 @@ struct Params {
   int64_t dm_sb = 0, dm_sh = 0, dm_sl = 0, dm_sj = 0;
   bool dmask_bcast_b = false, dmask_bcast_h = false;
   // Backward scratch shared by the passes (allocated by the driver): per (b, h, i) lse (+inf for empty rows)
-  // and Di = rowsum(dO ∘ O).
-  const float* lse_eff = nullptr;
+  // and Di = rowsum(dO ∘ O). Rows whose float lse cannot carry log l (lse_needs_row_stats) get the row max m
+  // in lse_eff and log l in row_log_sum, recomputed by row_stats_task, and P = exp((s − m) − log l); other rows
+  // have row_log_sum 0. row_log_sum is nullptr when no row needs it; block_has_log_sum[t] (query block t, as
+  // for the packed tiles) says whether block t has such a row.
+  float* lse_eff = nullptr;
   const float* delta = nullptr;
+  float* row_log_sum = nullptr;
+  const uint8_t* block_has_log_sum = nullptr;
   // Query-side tiles packed once per (b, h, q block) t = (b * Hq + h) * num_q_blocks + qb:
   // (scale Q)^T [D x Br], dO^T [Dv x Br], scale Q [Br x pad16(D)], dO [Br x pad16(Dv)].
   float *pk_qt = nullptr, *pk_dot = nullptr, *pk_qr = nullptr, *pk_dor = nullptr;
@@ -95,7 +104,19 @@ struct Ops {
   void (*backward_q_task)(const Params& p, int64_t task);
   // Fills the packed query-side tiles of one (b, h, q block) task.
   void (*pack_q_task)(const Params& p, int64_t task);
+  // Backward: recomputes the row max m and log l of the rows of one (b, h, q block) task whose lse needs it
+  // (into lse_eff and row_log_sum); needs the packed tiles.
+  void (*row_stats_task)(const Params& p, int64_t task);
 };
+
+// Whether a backward row needs its row max m and log l recomputed: float keeps lse = m + log l only to within
+// |lse|·2^-24, and every P = exp(s − lse) of the row inherits that error. From |lse| = 2^10 on it is at least
+// 2^-14 (up to 6e-5 relative in each P); with a huge finite bias on every key (−1e30, or the float minimum as
+// "masked") log l is lost entirely and P would sum to the number of keys.
+inline bool lse_needs_row_stats(float lse) {
+  const float magnitude = std::fabs(lse);
+  return magnitude >= 1024.f && magnitude <= 3.4028234663852886e38f;  // finite: empty rows have lse_eff = +inf
+}
 
 // The implementation to use: SATTN_SIMD=avx512|avx2|portable forces one (error if the CPU lacks it),
 // otherwise the best the CPU supports.

@@ -102,32 +102,40 @@ constexpr int64_t kDecodeMaxQueries = 16, kDecodeChunk = 512;
 void decode_forward(const ForwardArgs& a, Params& p, const Ops& o) {
   p.kv_chunk = (kDecodeChunk + p.Bc - 1) / p.Bc * p.Bc;
   const int64_t C = p.num_kv_chunks(), rows = p.B * p.Hq * p.Lq;
-  std::vector<float> part_o(static_cast<size_t>(rows * C * p.Dv)), part_lse(static_cast<size_t>(rows * C));
-  workspace_add(int64_t((part_o.size() + part_lse.size()) * sizeof(float)));
+  std::vector<float> part_o(static_cast<size_t>(rows * C * p.Dv)), part_max(static_cast<size_t>(rows * C)),
+      part_sum(static_cast<size_t>(rows * C));
+  const int64_t bytes = int64_t((part_o.size() + part_max.size() + part_sum.size()) * sizeof(float));
+  workspace_add(bytes);
   struct Release {
     int64_t bytes;
     ~Release() { workspace_add(-bytes); }
-  } release{int64_t((part_o.size() + part_lse.size()) * sizeof(float))};
-  p.part_o = part_o.data(), p.part_lse = part_lse.data();
+  } release{bytes};
+  p.part_o = part_o.data(), p.part_max = part_max.data(), p.part_sum = part_sum.data();
   const int64_t n = (p.decode_group ? p.B * p.Hkv : p.B * p.Hq * p.num_q_blocks()) * C;
   run_tasks(n, a.num_threads, [&](int64_t t) { o.forward_task(p, t); });
-  // lse = log sum_c exp(lse_c), out = sum_c exp(lse_c - lse) out_c (empty chunks have lse_c = -inf).
+  // The online softmax across chunks: m = max_c m_c, w_c = l_c e^(m_c − m), l = Σ_c w_c, out = Σ_c (w_c / l) out_c,
+  // lse = m + log l (empty chunks have m_c = −inf, l_c = 0).
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   run_tasks(p.B * p.Hq, a.num_threads, [&](int64_t bh) {
-    std::vector<float> acc(static_cast<size_t>(p.Dv));
+    std::vector<float> acc(static_cast<size_t>(p.Dv)), w(static_cast<size_t>(C));
     for (int64_t i = 0; i < p.Lq; ++i) {
       const int64_t row = bh * p.Lq + i;
-      const float* ls = part_lse.data() + row * C;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < C; ++c) m = std::max(m, ls[c]);
+      const float* mc = part_max.data() + row * C;
+      const float* lc = part_sum.data() + row * C;
+      float m = kNegInf;
+      for (int64_t c = 0; c < C; ++c) m = std::max(m, mc[c]);
       std::fill(acc.begin(), acc.end(), 0.f);
-      float s = 0.f;
-      if (m != -std::numeric_limits<float>::infinity()) {
-        for (int64_t c = 0; c < C; ++c) s += std::exp(ls[c] - m);
+      float l = 0.f;
+      if (m != kNegInf) {
         for (int64_t c = 0; c < C; ++c) {
-          const float w = std::exp(ls[c] - m) / s;
-          if (w == 0.f) continue;
+          w[size_t(c)] = mc[c] == kNegInf ? 0.f : lc[c] * std::exp(mc[c] - m);
+          l += w[size_t(c)];
+        }
+        for (int64_t c = 0; c < C; ++c) {
+          const float wc = w[size_t(c)] / l;
+          if (wc == 0.f) continue;
           const float* po = part_o.data() + (row * C + c) * p.Dv;
-          for (int64_t x = 0; x < p.Dv; ++x) acc[size_t(x)] += w * po[x];
+          for (int64_t x = 0; x < p.Dv; ++x) acc[size_t(x)] += wc * po[x];
         }
       }
       const int64_t b = bh / p.Hq, h = bh % p.Hq;
@@ -137,7 +145,7 @@ void decode_forward(const ForwardArgs& a, Params& p, const Ops& o) {
       }
       if (a.outputs.lse.data) {
         const int64_t idx[3] = {b, h, i};
-        a.outputs.lse.set(idx, m == -std::numeric_limits<float>::infinity() ? -HUGE_VAL : double(m + std::log(s)));
+        a.outputs.lse.set(idx, m == kNegInf ? -HUGE_VAL : double(m + std::log(l)));
       }
     }
   });
@@ -169,9 +177,10 @@ void fused_backward(const BackwardArgs& a) {
   const int threads = a.num_threads;
 
   // Row statistics: lse (+inf for rows without any allowed key, so that P = exp(s - lse) = 0) and
-  // Di = rowsum(dO ∘ O).
-  const int64_t rows = p.B * p.Hq * p.Lq;
+  // Di = rowsum(dO ∘ O); which query blocks have a row whose lse cannot carry log l.
+  const int64_t rows = p.B * p.Hq * p.Lq, nqb = p.num_q_blocks(), nqt = p.B * p.Hq * nqb;
   std::vector<float> lse_eff(static_cast<size_t>(rows)), delta(static_cast<size_t>(rows));
+  std::vector<uint8_t> block_has_log_sum(static_cast<size_t>(nqt), 0);
   workspace_add(int64_t(2 * rows * sizeof(float)));
   struct Release {
     int64_t bytes;
@@ -182,7 +191,9 @@ void fused_backward(const BackwardArgs& a) {
     for (int64_t i = 0; i < p.Lq; ++i) {
       const int64_t idx3[3] = {b, h, i};
       const double l = a.lse.get(idx3);
-      lse_eff[size_t(bh * p.Lq + i)] = l == -HUGE_VAL ? std::numeric_limits<float>::infinity() : float(l);
+      const float le = l == -HUGE_VAL ? std::numeric_limits<float>::infinity() : float(l);
+      lse_eff[size_t(bh * p.Lq + i)] = le;
+      if (lse_needs_row_stats(le)) block_has_log_sum[size_t(bh * nqb + i / p.Br)] = 1;
       float s = 0.f;
       for (int64_t x = 0; x < p.Dv; ++x) {
         const int64_t idx[4] = {b, h, i, x};
@@ -195,7 +206,6 @@ void fused_backward(const BackwardArgs& a) {
   p.delta = delta.data();
 
   // Query-side tiles, packed once (O(B·Hq·Lq·(D+Dv)) floats, like the inputs).
-  const int64_t nqt = p.B * p.Hq * p.num_q_blocks();
   const size_t pk_n = static_cast<size_t>(nqt * p.Br * (p.D + p.Dv + Params::pad16(p.D) + Params::pad16(p.Dv)));
   auto packed = hwy::AllocateAligned<float>(pk_n);  // tiles are loaded with aligned vector loads
   check(packed != nullptr, ErrorKind::kOutOfMemory, "fused attention backward: cannot allocate ", pk_n * 4,
@@ -208,19 +218,32 @@ void fused_backward(const BackwardArgs& a) {
   p.pk_dor = p.pk_qr + nqt * p.Br * Params::pad16(p.D);
   run_tasks(nqt, threads, [&](int64_t t) { o.pack_q_task(p, t); });
 
+  // Rows whose lse cannot carry log l (a huge bias on every key): the exact row max and log-sum, recomputed for
+  // the blocks that have such rows only.
+  std::vector<int64_t> stats_blocks;
+  for (int64_t t = 0; t < nqt; ++t)
+    if (block_has_log_sum[size_t(t)]) stats_blocks.push_back(t);
+  std::vector<float> row_log_sum(stats_blocks.empty() ? 0 : size_t(rows), 0.f);
+  const int64_t log_sum_bytes = int64_t(row_log_sum.size() * sizeof(float));
+  workspace_add(log_sum_bytes);
+  Release release_log_sum{log_sum_bytes};
+  if (!stats_blocks.empty()) {
+    p.row_log_sum = row_log_sum.data();
+    p.block_has_log_sum = block_has_log_sum.data();
+    run_tasks(int64_t(stats_blocks.size()), threads, [&](int64_t x) { o.row_stats_task(p, stats_blocks[size_t(x)]); });
+  }
+
   // Pass 1: dK, dV (one task per key block).
   run_tasks(p.B * p.Hkv * p.num_k_blocks(), threads, [&](int64_t t) { o.backward_kv_task(p, t); });
 
   // Pass 2: dQ (and dmask). Tasks that add into the same dmask elements (mask broadcast over batch, heads or
   // queries) form one group run in a fixed order.
-  std::vector<float> dmask;
-  const int64_t nqb = p.num_q_blocks();
   if (!pr.need_dmask) {
     run_tasks(p.B * p.Hq * nqb, threads, [&](int64_t t) { o.backward_q_task(p, t); });
     return;
   }
   const Shape& ms = pr.mask_shape;
-  dmask.assign(size_t(numel(ms)), 0.f);
+  std::vector<float> dmask(size_t(numel(ms)), 0.f);
   Shape st4(4, 0);
   {
     const Shape cs = contiguous_strides(ms);

@@ -303,8 +303,39 @@ void ApplyTileMask(const Params& p, const TileMask& t, int64_t i0, int64_t kb, i
 
 // ---- forward ---------------------------------------------------------------------------------------------
 
+// One key tile of the online softmax for the queries in lanes ST[0, N) of the rows jj < nk of S^T (row stride Br):
+// m' = max(m, max_j s_j), l' = l e^(m − m') + Σ_j e^(s_j − m'); the rows are overwritten with e^(s_j − m').
+// Returns e^(m − m'), the factor for what was accumulated with the old max.
+HWY_INLINE VF OnlineSoftmaxStep(DF d, float* HWY_RESTRICT ST, int64_t nk, int64_t Br, float* M, float* L) {
+  const VF ninf = hn::Set(d, kNegInf), zero = hn::Zero(d);
+  // four independent maxima: one chain would wait out Max's latency (~4 cycles) on every key
+  VF mx0 = ninf, mx1 = ninf, mx2 = ninf, mx3 = ninf;
+  int64_t jj = 0;
+  for (; jj + 4 <= nk; jj += 4) {
+    mx0 = hn::Max(mx0, hn::Load(d, ST + jj * Br));
+    mx1 = hn::Max(mx1, hn::Load(d, ST + (jj + 1) * Br));
+    mx2 = hn::Max(mx2, hn::Load(d, ST + (jj + 2) * Br));
+    mx3 = hn::Max(mx3, hn::Load(d, ST + (jj + 3) * Br));
+  }
+  for (; jj < nk; ++jj) mx0 = hn::Max(mx0, hn::Load(d, ST + jj * Br));
+  const VF mx = hn::Max(hn::Max(mx0, mx1), hn::Max(mx2, mx3));
+  const VF m_old = hn::Load(d, M);
+  const VF m_new = hn::Max(m_old, mx);
+  const VF m_use = hn::IfThenElse(hn::Eq(m_new, ninf), zero, m_new);  // all masked so far: keep 0s
+  const VF alpha = Exp<true>(d, hn::Sub(m_old, m_use));                // exp(-inf) = 0
+  VF sum = zero;
+  for (jj = 0; jj < nk; ++jj) {
+    const VF e = Exp<true>(d, hn::Sub(hn::Load(d, ST + jj * Br), m_use));
+    sum = hn::Add(sum, e);
+    hn::Store(e, d, ST + jj * Br);
+  }
+  hn::Store(hn::MulAdd(hn::Load(d, L), alpha, sum), d, L);
+  hn::Store(m_new, d, M);
+  return alpha;
+}
+
 // out = O / l; lse = m + log l; rows with no allowed key: out 0, lse -inf. In decode mode (kv_chunk > 0) the
-// results are partials [row][chunk][Dv] and [row][chunk], merged by the driver.
+// results are partials: O / l [row][chunk][Dv], m and l [row][chunk], merged by the driver.
 template <typename GetO>
 void FinishRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t chunk, const float* M,
                 const float* L, GetO&& o) {
@@ -317,7 +348,8 @@ void FinishRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, i
       const int64_t row = (b * p.Hq + h) * p.Lq + i0 + ii;
       float* po = p.part_o + (row * nchunks + chunk) * Dv;
       for (int64_t dd = 0; dd < Dv; ++dd) po[dd] = o(ii, dd) * inv;
-      p.part_lse[row * nchunks + chunk] = lse();
+      p.part_max[row * nchunks + chunk] = empty ? kNegInf : M[ii];
+      p.part_sum[row * nchunks + chunk] = empty ? 0.f : L[ii];
       continue;
     }
     const int64_t obase = b * p.out.sb + h * p.out.sh + (i0 + ii) * p.out.sl;
@@ -501,7 +533,6 @@ void ForwardTask(const Params& p, int64_t task) {
   std::memset(OT, 0, sizeof(float) * size_t(Dv * Br));
   if (kend > kbeg) PackTransposed(p.q, b, h, i0, nq, D, Br, p.scale, QT);
 
-  const VF ninf = hn::Set(d, kNegInf), zero = hn::Zero(d);
   const float keep_scale = p.dropout_p > 0 ? float(1.0 / (1.0 - p.dropout_p)) : 1.f;
   for (int64_t kb = kbeg; kb < kend; kb += Bc) {
     const int64_t nk = std::min(Bc, kend - kb);
@@ -513,29 +544,7 @@ void ForwardTask(const Params& p, int64_t task) {
 
     // Online softmax, lane-wise: m' = max(m, max_j s), l' = l e^{m - m'} + sum_j e^{s - m'}, O' = O e^{m - m'}.
     for (int64_t x = 0; x < Br; x += N) {
-      // four independent maxima: one chain would wait out Max's latency (~4 cycles) on every key
-      VF mx0 = ninf, mx1 = ninf, mx2 = ninf, mx3 = ninf;
-      int64_t jj = 0;
-      for (; jj + 4 <= nk; jj += 4) {
-        mx0 = hn::Max(mx0, hn::Load(d, ST + jj * Br + x));
-        mx1 = hn::Max(mx1, hn::Load(d, ST + (jj + 1) * Br + x));
-        mx2 = hn::Max(mx2, hn::Load(d, ST + (jj + 2) * Br + x));
-        mx3 = hn::Max(mx3, hn::Load(d, ST + (jj + 3) * Br + x));
-      }
-      for (; jj < nk; ++jj) mx0 = hn::Max(mx0, hn::Load(d, ST + jj * Br + x));
-      const VF mx = hn::Max(hn::Max(mx0, mx1), hn::Max(mx2, mx3));
-      const VF m_old = hn::Load(d, M + x);
-      const VF m_new = hn::Max(m_old, mx);
-      const VF m_use = hn::IfThenElse(hn::Eq(m_new, ninf), zero, m_new);  // all masked so far: keep 0s
-      const VF alpha = Exp<true>(d, hn::Sub(m_old, m_use));                // exp(-inf) = 0
-      VF sum = zero;
-      for (int64_t jj = 0; jj < nk; ++jj) {
-        const VF e = Exp<true>(d, hn::Sub(hn::Load(d, ST + jj * Br + x), m_use));
-        sum = hn::Add(sum, e);
-        hn::Store(e, d, ST + jj * Br + x);
-      }
-      hn::Store(hn::MulAdd(hn::Load(d, L + x), alpha, sum), d, L + x);
-      hn::Store(m_new, d, M + x);
+      const VF alpha = OnlineSoftmaxStep(d, ST + x, nk, Br, M + x, L + x);
       if (!hn::AllTrue(d, hn::Eq(alpha, hn::Set(d, 1.f))))
         for (int64_t dd = 0; dd < Dv; ++dd) hn::Store(hn::Mul(hn::Load(d, OT + dd * Br + x), alpha), d, OT + dd * Br + x);
     }
@@ -568,6 +577,45 @@ struct BwdTile {
   uint8_t* pad;
 };
 
+// P, P' = P·dropout factor and dS = P (dP − Di) of one tile, in place of S^T, dP'^T and PdT.
+// P = exp(S − lse); with kLogSum, P = exp((S − m) − log l): lse_t then holds the row max m (or lse for the rows
+// that do not need it, whose log_sum_t is 0).
+template <bool kLogSum>
+HWY_INLINE void TileProbabilities(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, int64_t nq,
+                                  int64_t kb, int64_t nk, const float* lse_t, const float* log_sum_t,
+                                  const float* delta_t) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d)), Br = p.Br;
+  const float keep_scale = p.dropout_p > 0 ? float(1.0 / (1.0 - p.dropout_p)) : 1.f;
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    float* srow = w.ST + jj * Br;
+    float* dprow = w.dPT + jj * Br;
+    float* pdrow = w.PdT + jj * Br;
+    if (p.dropout_p > 0) {
+      for (int64_t ii = 0; ii < nq; ++ii) {
+        const bool keep = dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(h), uint32_t(i0 + ii),
+                                       uint32_t(kb + jj));
+        pdrow[ii] = keep ? keep_scale : 0.f;  // temporarily the dropout factor
+      }
+      for (int64_t ii = nq; ii < Br; ++ii) pdrow[ii] = 0.f;
+    }
+    for (int64_t x = 0; x < Br; x += N) {
+      VF z = hn::Sub(hn::Load(d, srow + x), hn::Load(d, lse_t + x));
+      if constexpr (kLogSum) z = hn::Sub(z, hn::Load(d, log_sum_t + x));
+      const VF pr = Exp<false>(d, z);  // P
+      VF dp = hn::Load(d, dprow + x);
+      VF pd = pr;  // P' = P keep/(1-p)
+      if (p.dropout_p > 0) {
+        const VF f = hn::Load(d, pdrow + x);
+        dp = hn::Mul(dp, f);
+        pd = hn::Mul(pr, f);
+      }
+      hn::Store(pd, d, pdrow + x);
+      hn::Store(hn::Mul(pr, hn::Sub(dp, hn::Load(d, delta_t + x))), d, srow + x);  // dS^T (in place of S^T)
+    }
+  }
+}
+
 bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t kb, int64_t nk,
                  Rows* kr_out, Rows* vr_out) {
   const DF d;
@@ -584,38 +632,18 @@ bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, 
   Gemm<false>(kr.ptr, kr.stride, 1, w.QT, Br, w.ST, Br, nk, nvec, p.D);
   if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, w.bias, w.pad, w.ST);
   Gemm<false>(vr.ptr, vr.stride, 1, w.dOT, Br, w.dPT, Br, nk, nvec, p.Dv);  // dP'^T = V dO^T
-  const float* lse = p.lse_eff + (b * p.Hq + h) * p.Lq + i0;
-  const float* delta = p.delta + (b * p.Hq + h) * p.Lq + i0;
+  const int64_t row0 = (b * p.Hq + h) * p.Lq + i0;
   alignas(64) float lse_t[1024], delta_t[1024];
   for (int64_t ii = 0; ii < Br; ++ii) {
-    lse_t[ii] = ii < nq ? lse[ii] : std::numeric_limits<float>::infinity();
-    delta_t[ii] = ii < nq ? delta[ii] : 0.f;
+    lse_t[ii] = ii < nq ? p.lse_eff[row0 + ii] : std::numeric_limits<float>::infinity();
+    delta_t[ii] = ii < nq ? p.delta[row0 + ii] : 0.f;
   }
-  const float keep_scale = p.dropout_p > 0 ? float(1.0 / (1.0 - p.dropout_p)) : 1.f;
-  for (int64_t jj = 0; jj < nk; ++jj) {
-    float* srow = w.ST + jj * Br;
-    float* dprow = w.dPT + jj * Br;
-    float* pdrow = w.PdT + jj * Br;
-    if (p.dropout_p > 0) {
-      for (int64_t ii = 0; ii < nq; ++ii) {
-        const bool keep = dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(h), uint32_t(i0 + ii),
-                                       uint32_t(kb + jj));
-        pdrow[ii] = keep ? keep_scale : 0.f;  // temporarily the dropout factor
-      }
-      for (int64_t ii = nq; ii < Br; ++ii) pdrow[ii] = 0.f;
-    }
-    for (int64_t x = 0; x < Br; x += N) {
-      const VF pr = Exp<false>(d, hn::Sub(hn::Load(d, srow + x), hn::Load(d, lse_t + x)));  // P
-      VF dp = hn::Load(d, dprow + x);
-      VF pd = pr;  // P' = P keep/(1-p)
-      if (p.dropout_p > 0) {
-        const VF f = hn::Load(d, pdrow + x);
-        dp = hn::Mul(dp, f);
-        pd = hn::Mul(pr, f);
-      }
-      hn::Store(pd, d, pdrow + x);
-      hn::Store(hn::Mul(pr, hn::Sub(dp, hn::Load(d, delta_t + x))), d, srow + x);  // dS^T (in place of S^T)
-    }
+  if (p.row_log_sum && p.block_has_log_sum[t]) {
+    alignas(64) float log_sum_t[1024];
+    for (int64_t ii = 0; ii < Br; ++ii) log_sum_t[ii] = ii < nq ? p.row_log_sum[row0 + ii] : 0.f;
+    TileProbabilities<true>(p, w, b, h, i0, nq, kb, nk, lse_t, log_sum_t, delta_t);
+  } else {
+    TileProbabilities<false>(p, w, b, h, i0, nq, kb, nk, lse_t, nullptr, delta_t);
   }
   return true;
 }
@@ -718,6 +746,45 @@ void PackQTask(const Params& p, int64_t task) {
   PackRows(p.dout, b, h, i0, nq, p.Dv, Dvp, Br, 1.f, p.pk_dor + task * Br * Dvp);
 }
 
+// Backward, for the rows of one (b, h, query block) whose lse cannot carry log l (lse_needs_row_stats): the exact
+// row max m and l = Σ_j e^(s_j − m), by the forward's online softmax on the same S tiles, stored as lse_eff = m
+// and row_log_sum = log l. The block's other rows keep their lse (and row_log_sum 0).
+void RowStatsTask(const Params& p, int64_t task) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  const int64_t nqb = p.num_q_blocks(), Br = p.Br, Bc = p.Bc, nvec = Br / N;
+  const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
+  const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
+  int64_t kend = p.Lk;
+  if (p.key_len) kend = std::min(kend, p.key_len[b]);
+  if (p.causal) kend = std::min(kend, i0 + nq - 1 + p.causal_offset + 1);
+  Scratch s_st, s_ml, s_bias, s_kbuf;
+  float* ST = s_st.alloc(Bc * Br);
+  float* M = s_ml.alloc(2 * Br);
+  float* L = M + Br;
+  float* bias = p.mask != MaskKind::kNone ? s_bias.alloc(Bc * Br) : nullptr;
+  float* kbuf = p.k.dtype == DType::kF32 && p.k.sd == 1 ? nullptr : s_kbuf.alloc(Bc * p.D);
+  uint8_t pad[1024];
+  std::fill(M, M + Br, kNegInf);
+  std::fill(L, L + Br, 0.f);
+  const float* QT = p.pk_qt + task * p.D * Br;
+  for (int64_t kb = 0; kb < kend; kb += Bc) {
+    const int64_t nk = std::min(Bc, kend - kb);
+    const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, bias, pad);
+    if (tm.skip) continue;
+    const Rows kr = RowsOf(p.k, b, hk, kb, nk, p.D, kbuf);
+    Gemm<false>(kr.ptr, kr.stride, 1, QT, Br, ST, Br, nk, nvec, p.D);  // S^T = K (scale Q)^T
+    if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, bias, pad, ST);
+    for (int64_t x = 0; x < Br; x += N) OnlineSoftmaxStep(d, ST + x, nk, Br, M + x, L + x);
+  }
+  const int64_t row0 = bh * p.Lq + i0;
+  for (int64_t ii = 0; ii < nq; ++ii)
+    if (lse_needs_row_stats(p.lse_eff[row0 + ii]) && L[ii] > 0.f) {
+      p.lse_eff[row0 + ii] = M[ii];
+      p.row_log_sum[row0 + ii] = std::log(L[ii]);
+    }
+}
+
 const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
 
 }  // namespace HWY_NAMESPACE
@@ -741,15 +808,19 @@ const std::vector<Entry>& entries() {
   static const std::vector<Entry> e = [] {
     std::vector<Entry> v;
 #if HWY_TARGETS & HWY_AVX3
-    v.push_back({HWY_AVX3, {"avx512", &N_AVX3::ForwardTask, &N_AVX3::BackwardKVTask, &N_AVX3::BackwardQTask, &N_AVX3::PackQTask}});
+    v.push_back({HWY_AVX3, {"avx512", &N_AVX3::ForwardTask, &N_AVX3::BackwardKVTask, &N_AVX3::BackwardQTask,
+                               &N_AVX3::PackQTask, &N_AVX3::RowStatsTask}});
 #endif
 #if HWY_TARGETS & HWY_AVX2
-    v.push_back({HWY_AVX2, {"avx2", &N_AVX2::ForwardTask, &N_AVX2::BackwardKVTask, &N_AVX2::BackwardQTask, &N_AVX2::PackQTask}});
+    v.push_back({HWY_AVX2, {"avx2", &N_AVX2::ForwardTask, &N_AVX2::BackwardKVTask, &N_AVX2::BackwardQTask,
+                               &N_AVX2::PackQTask, &N_AVX2::RowStatsTask}});
 #endif
 #if HWY_TARGETS & HWY_EMU128
-    v.push_back({HWY_EMU128, {"portable", &N_EMU128::ForwardTask, &N_EMU128::BackwardKVTask, &N_EMU128::BackwardQTask, &N_EMU128::PackQTask}});
+    v.push_back({HWY_EMU128, {"portable", &N_EMU128::ForwardTask, &N_EMU128::BackwardKVTask, &N_EMU128::BackwardQTask,
+                                 &N_EMU128::PackQTask, &N_EMU128::RowStatsTask}});
 #elif HWY_TARGETS & HWY_SCALAR
-    v.push_back({HWY_SCALAR, {"portable", &N_SCALAR::ForwardTask, &N_SCALAR::BackwardKVTask, &N_SCALAR::BackwardQTask, &N_SCALAR::PackQTask}});
+    v.push_back({HWY_SCALAR, {"portable", &N_SCALAR::ForwardTask, &N_SCALAR::BackwardKVTask, &N_SCALAR::BackwardQTask,
+                                 &N_SCALAR::PackQTask, &N_SCALAR::RowStatsTask}});
 #endif
     return v;
   }();
