@@ -384,6 +384,62 @@ TEST(Fused, HugeUniformBiasRowsMatchReference) {
   }
 }
 
+// Median over the elements of |got - ref| / scale[n].
+double median_rel_err(const Tensor& got, const Tensor& ref, const std::vector<double>& scale) {
+  const Tensor g = got.to(DType::kF64), r = ref.to(DType::kF64);
+  std::vector<double> e(scale.size());
+  for (size_t n = 0; n < e.size(); ++n) e[n] = std::fabs(g.data<double>()[n] - r.data<double>()[n]) / scale[n];
+  std::nth_element(e.begin(), e.begin() + e.size() / 2, e.end());
+  return e[e.size() / 2];
+}
+
+// The gradient of a broadcast float mask is a long sum of dS values: over B·Hq·Lq = 32768 terms for a key bias
+// [Lk], over Lk = 4096 keys for a row bias [Lq, 1]. Median relative error against the fp64 reference.
+TEST(Fused, BroadcastMaskGradientIsAccurate) {
+  {
+    Case c;
+    c.B = 2, c.Hq = 4, c.Hkv = 4, c.Lq = 4096, c.Lk = 32, c.D = 8, c.Dv = 8;
+    Problem pb = make_problem(c, 21);
+    pb.c.mask = 2;
+    pb.mask = Tensor(DType::kF32, {c.Lk});
+    std::mt19937 rng(22);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (int64_t j = 0; j < c.Lk; ++j) pb.mask.data<float>()[j] = nd(rng);
+    pb.opt.attn_mask = pb.mask.view();
+    const FwdResult ref = run_forward(pb, "reference", 2);
+    const BwdResult gref = run_backward(pb, ref, "reference", 2);
+    const BwdResult got = run_backward(pb, run_forward(pb, "fused", 2), "fused", 2);
+    std::vector<double> scale(size_t(c.Lk));
+    for (int64_t j = 0; j < c.Lk; ++j) scale[size_t(j)] = std::fabs(gref.dmask.data<double>()[j]);
+    EXPECT_LE(median_rel_err(got.dmask, gref.dmask, scale), 1.5e-6) << "key bias [Lk]";
+  }
+  {
+    // A bias shared by all keys of a row does not change the row's softmax: the exact gradient is 0 and the
+    // reference's is rounding noise, so the error is measured against the size of the summed terms, sum_j |dS_ij|
+    // (the fp64 reference's gradient of the same bias given as a full [Lq, Lk] mask).
+    Case c;
+    c.Lq = 32, c.Lk = 4096, c.D = 16, c.Dv = 16;
+    Problem pb = make_problem(c, 23);
+    pb.c.mask = 2;
+    pb.mask = Tensor(DType::kF32, {c.Lq, 1});
+    std::mt19937 rng(24);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (int64_t i = 0; i < c.Lq; ++i) pb.mask.data<float>()[i] = nd(rng);
+    Problem full = pb;
+    full.mask = Tensor(DType::kF32, {c.Lq, c.Lk});
+    for (int64_t x = 0; x < full.mask.numel(); ++x) full.mask.data<float>()[x] = pb.mask.data<float>()[x / c.Lk];
+    full.opt.attn_mask = full.mask.view();
+    pb.opt.attn_mask = pb.mask.view();
+    const FwdResult ref = run_forward(pb, "reference", 2);
+    const BwdResult gref = run_backward(pb, ref, "reference", 2);
+    const BwdResult ds = run_backward(full, run_forward(full, "reference", 2), "reference", 2);
+    const BwdResult got = run_backward(pb, run_forward(pb, "fused", 2), "fused", 2);
+    std::vector<double> scale(size_t(c.Lq), 0.0);
+    for (int64_t x = 0; x < ds.dmask.numel(); ++x) scale[size_t(x / c.Lk)] += std::fabs(ds.dmask.data<double>()[x]);
+    EXPECT_LE(median_rel_err(got.dmask, gref.dmask, scale), 1.5e-6) << "row bias [Lq, 1]";
+  }
+}
+
 }  // namespace
 
 namespace {

@@ -70,9 +70,12 @@ struct Params {
   View4 dout, o;             // [B, Hq, Lq, Dv]
   View4 lse_in;              // [B, Hq, Lq]
   OutView4 dq, dk, dv;       // same shapes as q, k, v
-  float* dmask = nullptr;    // dense f32 buffer of the mask's own shape viewed as 4-D with strides below
+  // The additive mask's gradient, dense in the mask's own shape viewed as 4-D with the strides below: a float
+  // buffer when every element receives one dS value, a double one when the mask is broadcast (an element then
+  // sums up to B·Hq·Lq·Lk values). Exactly one of the two is set when the gradient is wanted.
+  float* dmask = nullptr;
+  double* dmask_sum = nullptr;
   int64_t dm_sb = 0, dm_sh = 0, dm_sl = 0, dm_sj = 0;
-  bool dmask_bcast_b = false, dmask_bcast_h = false;
   // Backward scratch shared by the passes (allocated by the driver): per (b, h, i) lse (+inf for empty rows)
   // and Di = rowsum(dO ∘ O). Rows whose float lse cannot carry log l (lse_needs_row_stats) get the row max m
   // in lse_eff and log l in row_log_sum, recomputed by row_stats_task, and P = exp((s − m) − log l); other rows

@@ -243,15 +243,26 @@ void fused_backward(const BackwardArgs& a) {
     return;
   }
   const Shape& ms = pr.mask_shape;
-  std::vector<float> dmask(size_t(numel(ms)), 0.f);
   Shape st4(4, 0);
   {
     const Shape cs = contiguous_strides(ms);
     const int64_t off = 4 - int64_t(ms.size());
     for (int64_t x = 0; x < int64_t(ms.size()); ++x) st4[off + x] = ms[x] == 1 ? 0 : cs[x];
   }
-  p.dmask = dmask.data();
   p.dm_sb = st4[0], p.dm_sh = st4[1], p.dm_sl = st4[2], p.dm_sj = st4[3];
+  // A broadcast mask's elements sum many dS values: accumulated in double. Otherwise each element gets one
+  // value and a float buffer holds it exactly.
+  const bool broadcast = (p.dm_sb == 0 && p.B > 1) || (p.dm_sh == 0 && p.Hq > 1) || (p.dm_sl == 0 && p.Lq > 1) ||
+                         (p.dm_sj == 0 && p.Lk > 1);
+  std::vector<float> dmask;
+  std::vector<double> dmask_sum;
+  if (broadcast) {
+    dmask_sum.assign(size_t(numel(ms)), 0.0);
+    p.dmask_sum = dmask_sum.data();
+  } else {
+    dmask.assign(size_t(numel(ms)), 0.f);
+    p.dmask = dmask.data();
+  }
   const bool share_b = p.dm_sb == 0 && p.B > 1, share_h = p.dm_sh == 0 && p.Hq > 1, share_q = p.dm_sl == 0 && nqb > 1;
   const int64_t gb = share_b ? 1 : p.B, gh = share_h ? 1 : p.Hq, gq = share_q ? 1 : nqb;
   const int64_t inner_b = share_b ? p.B : 1, inner_h = share_h ? p.Hq : 1, inner_q = share_q ? nqb : 1;
@@ -266,8 +277,8 @@ void fused_backward(const BackwardArgs& a) {
   });
   // Store the reduced gradient in the mask's own shape.
   std::vector<int64_t> idx(ms.size(), 0);
-  for (int64_t lin = 0; lin < int64_t(dmask.size()); ++lin) {
-    a.grads.dmask.set(idx.data(), double(dmask[size_t(lin)]));
+  for (int64_t lin = 0; lin < numel(ms); ++lin) {
+    a.grads.dmask.set(idx.data(), broadcast ? dmask_sum[size_t(lin)] : double(dmask[size_t(lin)]));
     for (size_t x = idx.size(); x-- > 0;) {
       if (++idx[x] < ms[x]) break;
       idx[x] = 0;

@@ -703,8 +703,31 @@ void BackwardKVTask(const Params& p, int64_t task) {
   }
 }
 
+// Adds the dS^T tile [nk x Br] of (b, h) into a broadcast mask's gradient, in double: a broadcast element sums
+// up to B·Hq·Lq·Lk values, and a float running sum over thousands of them loses several digits. A mask broadcast
+// over the keys first sums the tile's keys of each query in float lanes (at most Bc values).
+void AddMaskGradient(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t kb, int64_t nk,
+                     const float* dST, float* key_sums) {
+  double* dm = p.dmask_sum + b * p.dm_sb + h * p.dm_sh;
+  const int64_t Br = p.Br;
+  if (p.dm_sj == 0) {
+    const DF d;
+    const int64_t N = int64_t(hn::Lanes(d));
+    for (int64_t x = 0; x < Br; x += N) {
+      VF acc = hn::Zero(d);
+      for (int64_t jj = 0; jj < nk; ++jj) acc = hn::Add(acc, hn::Load(d, dST + jj * Br + x));
+      hn::Store(acc, d, key_sums + x);
+    }
+    for (int64_t ii = 0; ii < nq; ++ii) dm[(i0 + ii) * p.dm_sl] += double(key_sums[ii]);
+    return;
+  }
+  for (int64_t jj = 0; jj < nk; ++jj)
+    for (int64_t ii = 0; ii < nq; ++ii) dm[(i0 + ii) * p.dm_sl + (kb + jj) * p.dm_sj] += double(dST[jj * Br + ii]);
+}
+
 // dQ rows of (b, h, query block) and, when the additive mask has a gradient, the dS contributions to the mask
-// rows of this block. Tasks whose mask rows are shared (mask broadcast over b or h) are serialised by the driver.
+// rows of this block. Tasks whose mask rows are shared (mask broadcast over b, h or queries) are serialised by
+// the driver.
 void BackwardQTask(const Params& p, int64_t task) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
@@ -717,16 +740,19 @@ void BackwardQTask(const Params& p, int64_t task) {
   BwdScratch sc(p);
   Scratch s_dqt;
   float* dQT = s_dqt.alloc(p.D * Br);
+  alignas(64) float key_sums[1024];
   std::memset(dQT, 0, sizeof(float) * size_t(p.D * Br));
   for (int64_t kb = 0; kb < kend; kb += Bc) {
     const int64_t nk = std::min(Bc, kend - kb);
     Rows kr{};
     if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk, &kr, nullptr)) continue;
     Gemm<true>(kr.ptr, 1, kr.stride, sc.w.ST, Br, dQT, Br, p.D, nvec, nk);  // dQ^T += K^T dS^T
-    if (p.dmask) {
-      float* dm = p.dmask + (p.dmask_bcast_b ? 0 : b * p.dm_sb) + (p.dmask_bcast_h ? 0 : h * p.dm_sh);
+    if (p.dmask) {  // one dS value per element
+      float* dm = p.dmask + b * p.dm_sb + h * p.dm_sh;
       for (int64_t jj = 0; jj < nk; ++jj)
         for (int64_t ii = 0; ii < nq; ++ii) dm[(i0 + ii) * p.dm_sl + (kb + jj) * p.dm_sj] += sc.w.ST[jj * Br + ii];
+    } else if (p.dmask_sum) {
+      AddMaskGradient(p, b, h, i0, nq, kb, nk, sc.w.ST, key_sums);
     }
   }
   const int64_t base = b * p.dq.sb + h * p.dq.sh + i0 * p.dq.sl;
