@@ -1,10 +1,14 @@
 """sattn.scaled_dot_product_attention & co. against a float64 numpy transcription of PyTorch 2.x's documented SDPA
-reference (sdpa_reference.py), over random problems nobody hand-picked; against torch >= 2.1 when importable."""
+reference (sdpa_reference.py) and against torch.nn.functional.scaled_dot_product_attention itself (PyTorch 2.x,
+in float64 and float32), over random problems nobody hand-picked. Without torch (the numpy-1 run) the torch tests
+skip visibly and the rest runs (torch_oracle.py)."""
 import numpy as np
 import pytest
 
 import sattn
+import torch_oracle
 from sdpa_reference import max_rel_err, random_problem, sdpa
+from torch_oracle import needs_torch, torch
 
 N_FORWARD = 240
 TOL = {np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-10}
@@ -195,50 +199,84 @@ def test_dropout_keeps_1_minus_p_and_matches_reference(p):
     assert max_rel_err(out, ref) <= 2e-5
 
 
-# ---- torch >= 2.1 (if importable) -------------------------------------------------------------------------
+# ---- torch.nn.functional.scaled_dot_product_attention ------------------------------------------------------
+# Every random problem, given to torch's own SDPA (torch_oracle.sdpa_call: torch's arguments where it has them,
+# sattn's extensions as one torch mask). Fully masked rows are compared like every other row: torch 2.x gives 0
+# there too.
+TORCH_TOL = {np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-10}
 
 
-def _torch_sdpa_or_skip():
-    torch = pytest.importorskip("torch", reason="torch not installed: comparison with torch SDPA skipped")
-    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    if version < (2, 1) or not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
-        pytest.skip(f"torch {torch.__version__} has no scaled_dot_product_attention (need >= 2.1); compared with "
-                    "the numpy transcription of its reference instead")
-    return torch
-
-
-def _to_4d(x):
-    x = x.reshape((1,) * max(0, 4 - x.ndim) + x.shape)
-    return np.array(x.reshape((-1,) + x.shape[-3:]), order="C")  # a writable copy for torch.from_numpy
-
-
-@pytest.mark.parametrize("seed", range(0, N_FORWARD, 4))
-def test_forward_matches_torch_sdpa(seed):
-    torch = _torch_sdpa_or_skip()
-    from sdpa_reference import attn_bias
-
+def _compare_with_torch(seed, dtype):
     q, k, v, kw = random_problem(seed)
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    if dtype is not None:
+        q, k, v = (np.asarray(x, dtype) for x in (q, k, v))
     out = sattn.scaled_dot_product_attention(q, k, v, **kw)
-    # torch gets sattn's extensions (bottom-right, padding, causal + mask) as one additive float64 mask of the
-    # weights' full shape; everything goes in as 4-D (B, H, L, E).
-    bias = attn_bias(q.shape[-2], k.shape[-2], kw.get("attn_mask"), kw.get("is_causal", False),
-                     kw.get("causal_alignment", "top_left"), kw.get("key_padding_mask"), kw.get("key_lengths"))
-    weights_shape = q.shape[:-1] + (k.shape[-2],)
-    bias = np.broadcast_to(bias, np.broadcast_shapes(bias.shape, weights_shape)).reshape(weights_shape)
-    if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:  # enable_gqa needs torch 2.5: repeat instead
-        k, v = (np.repeat(x, q.shape[-3] // x.shape[-3], axis=-3) for x in (k, v))
-    q4, k4, v4, b4 = (torch.from_numpy(_to_4d(x)) for x in (q, k, v, bias))
-    sdpa_torch = torch.nn.functional.scaled_dot_product_attention
-    t = sdpa_torch(q4, k4, v4, attn_mask=b4, scale=kw.get("scale")).numpy().reshape(out.shape)
-    live = np.isfinite(t).all(axis=-1)  # torch gives NaN where sattn gives 0 (fully masked rows)
-    assert max_rel_err(out[live], t[live]) <= 1e-10
-    assert np.all(out[~live] == 0)
-    if kw.get("is_causal") and kw["causal_alignment"] == "top_left" and set(kw) <= {"is_causal", "causal_alignment",
-                                                                                      "enable_gqa", "scale"}:
-        t2 = sdpa_torch(q4, k4, v4, is_causal=True, scale=kw.get("scale")).numpy().reshape(out.shape)
-        live = np.isfinite(t2).all(axis=-1)
-        assert max_rel_err(out[live], t2[live]) <= 1e-10
+    tq, tk, tv, tkw, _ = torch_oracle.sdpa_call(q, k, v, kw)
+    ref = torch_oracle.sdpa(tq, tk, tv, tkw).numpy()
+    assert ref.shape == out.shape and ref.dtype == out.dtype
+    assert np.isfinite(ref).all(), "torch 2.x SDPA gives 0 in fully masked rows, never NaN"
+    err = max_rel_err(out, ref)
+    assert err <= TORCH_TOL[q.dtype], f"max |sattn - torch| / max(1, |torch|) = {err:.3g}"
+    _, ref_lse, _ = sdpa(q, k, v, **_reference_kwargs(kw))
+    dead = np.isneginf(ref_lse)
+    assert np.all(out[dead] == 0) and np.all(ref[dead] == 0)
+    return dead.any()
+
+
+@needs_torch
+@pytest.mark.parametrize("seed", range(N_FORWARD))
+def test_forward_matches_torch_sdpa_float64(seed):
+    """All problems in float64 (float32 ones converted exactly), torch and sattn both in float64."""
+    _compare_with_torch(seed, np.float64)
+
+
+@needs_torch
+@pytest.mark.parametrize("seed", [s for s in range(N_FORWARD) if random_problem(s)[0].dtype == np.float32])
+def test_forward_matches_torch_sdpa_float32(seed):
+    """The float32 problems as generated, torch and sattn both computing in float32."""
+    _compare_with_torch(seed, None)
+
+
+@needs_torch
+def test_torch_sweep_covers_fully_masked_rows_and_every_torch_form():
+    """The sweep above reaches torch through each of its forms and has fully masked rows (so the direct
+    comparison of those rows is exercised)."""
+    forms, dead = set(), 0
+    for seed in range(N_FORWARD):
+        q, k, v, kw = random_problem(seed)
+        _, _, _, tkw, _ = torch_oracle.sdpa_call(q, k, v, kw)
+        forms.add(torch_oracle.form(tkw))
+        forms.add(("gqa", bool(tkw.get("enable_gqa")) and q.shape[-3] != k.shape[-3]))
+        _, ref_lse, _ = sdpa(q, k, v, **_reference_kwargs(kw))
+        dead += bool(np.isneginf(ref_lse).any())
+    assert {"none", "is_causal", "causal_lower_right", "bool", "float", ("gqa", True)} <= forms, forms
+    assert dead >= 10, dead
+
+
+@needs_torch
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fully_masked_rows_match_torch(dtype):
+    """A fully masked row (bool mask, -inf float mask, all keys padded) gives 0 in torch 2.x's SDPA as in sattn,
+    and zero gradients."""
+    rng = np.random.default_rng(13)
+    q, k, v = (rng.standard_normal((2, 3, 5, 8)).astype(dtype) for _ in range(3))
+    bool_mask = rng.random((5, 5)) > 0.3
+    bool_mask[2] = False
+    float_mask = np.where(bool_mask, rng.standard_normal((5, 5)), -np.inf).astype(dtype)
+    for kw in (dict(attn_mask=bool_mask), dict(attn_mask=float_mask), dict(key_lengths=np.array([5, 0]))):
+        out, lse = sattn.scaled_dot_product_attention(q, k, v, **kw, return_lse=True)
+        tq, tk, tv, tkw, _ = torch_oracle.sdpa_call(q, k, v, kw, requires_grad=True)
+        ref = torch_oracle.sdpa(tq, tk, tv, tkw)
+        dout = rng.standard_normal(out.shape).astype(dtype)
+        ref.backward(torch.from_numpy(dout))
+        ref = ref.detach().numpy()
+        dead = np.isneginf(lse)
+        assert dead.any() and np.all(ref[dead] == 0) and np.all(out[dead] == 0)
+        assert max_rel_err(out, ref) <= TORCH_TOL[np.dtype(dtype)]
+        grads = sattn.scaled_dot_product_attention_backward(dout, q, k, v, out, lse, **kw)[:3]
+        assert np.all(tq.grad.numpy()[dead] == 0) and np.all(grads[0][dead] == 0)
+        for got, want in zip(grads, (tq.grad, tk.grad, tv.grad)):
+            assert max_rel_err(got, want.numpy()) <= (1e-4 if dtype == np.float32 else 1e-9)
 
 
 def test_strided_inputs_are_not_copied():

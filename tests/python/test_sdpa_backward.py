@@ -1,19 +1,24 @@
-"""sattn.scaled_dot_product_attention_backward against torch autograd (Debian's torch 1.13) on a float64 manual
-attention: dq, dk, dv and the gradient of a float attn_mask, over random problems (GQA, causal in both alignments,
-padding, broadcast masks, dropout with sattn's keep decisions, fully masked rows)."""
+"""sattn.scaled_dot_product_attention_backward against torch autograd (PyTorch 2.x), over random problems (GQA,
+causal in both alignments, padding, broadcast masks, dropout with sattn's keep decisions, fully masked rows): dq,
+dk, dv and the gradient of a float attn_mask.
+
+Two oracles, both in float64: autograd of torch.nn.functional.scaled_dot_product_attention itself for every
+problem without dropout (torch_oracle.sdpa_call: torch's own arguments where it has them, sattn's extensions as
+one torch mask), and autograd of a manual attention for every problem, the only one that can apply sattn's
+dropout decisions."""
 import numpy as np
 import pytest
 
 import sattn
+import torch_oracle
 from sdpa_reference import attn_bias, max_rel_err, random_problem
+from torch_oracle import needs_torch, torch
 
-torch = pytest.importorskip("torch", reason="torch not installed: backward parity with torch autograd skipped")
+pytestmark = [pytest.mark.usefixtures("one_thread"), needs_torch]
 
 N_BACKWARD = 80
 TOL = {np.dtype(np.float32): 1e-4, np.dtype(np.float64): 1e-9}
 
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def torch_manual_attention_grads(q, k, v, dout, kw, keep=None):
@@ -58,6 +63,28 @@ def sattn_keep_mask(q, k, kw):
     return np.where(w0 != 0, w != 0, True)
 
 
+def torch_sdpa_grads(q, k, v, dout, kw):
+    """Gradients by torch autograd of torch's own SDPA, in float64 (float32 problems converted exactly)."""
+    tq, tk, tv, tkw, leaf = torch_oracle.sdpa_call(q, k, v, kw, dtype=np.float64, requires_grad=True)
+    out = torch_oracle.sdpa(tq, tk, tv, tkw)
+    out.backward(torch.from_numpy(np.asarray(dout, np.float64)))
+    grads = [tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()]
+    if leaf is not None:
+        grads.append(leaf.grad.numpy())
+    return out.detach().numpy(), grads
+
+
+def check_grads(grads, ref_grads, q, mask, oracle):
+    tol = TOL[q.dtype]
+    assert len(grads) == len(ref_grads) == (4 if mask is not None and mask.dtype != np.bool_ else 3), oracle
+    for name, got, ref in zip(["dq", "dk", "dv", "dmask"], grads, ref_grads):
+        assert got.shape == ref.shape, (oracle, name)
+        assert np.all(np.isfinite(got)), (oracle, name)
+        err = max_rel_err(got, ref)
+        # dmask comes back in the mask's dtype (as in torch): a float32 mask with float64 inputs rounds to float32.
+        assert err <= (max(tol, TOL[got.dtype]) if name == "dmask" else tol), f"{oracle}: {name}: {err}"
+
+
 @pytest.mark.parametrize("seed", range(1000, 1000 + N_BACKWARD))
 def test_backward_matches_torch_autograd(seed):
     q, k, v, kw = random_problem(seed, max_len=32, max_dim=24, allow_dropout=True)
@@ -69,14 +96,11 @@ def test_backward_matches_torch_autograd(seed):
     assert max_rel_err(out, ref_out) <= tol
     grads = sattn.scaled_dot_product_attention_backward(dout, q, k, v, out, lse, **kw)
     mask = kw.get("attn_mask")
-    assert len(grads) == (4 if mask is not None and mask.dtype != np.bool_ else 3)
-    names = ["dq", "dk", "dv", "dmask"]
-    for name, got, ref in zip(names, grads, ref_grads):
-        assert got.shape == ref.shape, name
-        assert np.all(np.isfinite(got)), name
-        err = max_rel_err(got, ref)
-        # dmask comes back in the mask's dtype (as in torch): a float32 mask with float64 inputs rounds to float32.
-        assert err <= (max(tol, TOL[got.dtype]) if name == "dmask" else tol), f"{name}: {err}"
+    check_grads(grads, ref_grads, q, mask, "manual attention")
+    if keep is None:
+        sdpa_out, sdpa_grads = torch_sdpa_grads(q, k, v, dout, kw)
+        assert max_rel_err(out, sdpa_out) <= tol
+        check_grads(grads, sdpa_grads, q, mask, "torch SDPA")
     if len(grads) == 4:
         assert grads[3].dtype == mask.dtype
 
@@ -91,8 +115,11 @@ def test_backward_sweep_covers_the_options():
         seen.add(("dropout", kw.get("dropout_p", 0) > 0))
         seen.add(("causal", kw.get("is_causal", False) and kw["causal_alignment"]))
         seen.add(("pad", "key_padding_mask" in kw or "key_lengths" in kw))
+        if kw.get("dropout_p", 0) == 0:
+            seen.add(("torch form", torch_oracle.form(torch_oracle.sdpa_call(q, k, v, kw)[3])))
     for item in [("dmask", True), ("gqa", True), ("dropout", True), ("causal", "top_left"),
-                 ("causal", "bottom_right"), ("pad", True)]:
+                 ("causal", "bottom_right"), ("pad", True), ("torch form", "none"), ("torch form", "is_causal"),
+                 ("torch form", "causal_lower_right"), ("torch form", "bool"), ("torch form", "float")]:
         assert item in seen, item
 
 
@@ -107,7 +134,7 @@ def test_dmask_of_a_5d_broadcast_mask():
     out, lse = sattn.scaled_dot_product_attention(q, k, v, **kw, return_lse=True)
     dout = rng.standard_normal(out.shape)
     grads = sattn.scaled_dot_product_attention_backward(dout, q, k, v, out, lse, **kw)
-    _, ref = torch_manual_attention_grads(q, k, v, dout, kw)
-    for got, want in zip(grads, ref):
-        assert got.shape == want.shape
-        assert max_rel_err(got, want) <= 1e-9
+    for _, ref in (torch_manual_attention_grads(q, k, v, dout, kw), torch_sdpa_grads(q, k, v, dout, kw)):
+        for got, want in zip(grads, ref):
+            assert got.shape == want.shape
+            assert max_rel_err(got, want) <= 1e-9
