@@ -49,13 +49,15 @@ void bind_nn(pyb::module_& m) {
   using MHA = nn::MultiheadAttention;
 
   pyb::class_<MHA>(m, "MultiheadAttention", R"doc(
-torch.nn.MultiheadAttention (PyTorch 1.13 semantics) on sattn's exact attention; numpy in and out.
+torch.nn.MultiheadAttention (PyTorch 2.x semantics) on sattn's exact attention; numpy in and out.
 
 MultiheadAttention(embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
                    kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, seed=0)
 
-Bool masks keep torch MHA's polarity: True = may NOT attend / is padding. A query row with no allowed key
-gives zeros where torch gives NaN. See docs/mha.md.)doc")
+Masks are bool or float of the query's dtype (uint8 raises DTypeError, as torch 2.x refuses it). Bool masks
+keep torch MHA's polarity: True = may NOT attend / is padding. is_causal is a hint that attn_mask is the causal
+mask; sattn checks it. A query row with no allowed key gives attention 0 (torch 2.x: the same with
+need_weights=False outside its eval fast path, NaN otherwise). See docs/mha.md.)doc")
       .def(pyb::init([](int64_t embed_dim, int64_t num_heads, double dropout, bool bias, bool add_bias_kv,
                         bool add_zero_attn, std::optional<int64_t> kdim, std::optional<int64_t> vdim,
                         bool batch_first, const pyb::object& device, const pyb::object& dtype, uint64_t seed) {

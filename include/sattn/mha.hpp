@@ -1,18 +1,21 @@
-// nn::MultiheadAttention — PyTorch's torch.nn.MultiheadAttention (1.13 semantics) on sattn's attention.
+// nn::MultiheadAttention — PyTorch 2.x's torch.nn.MultiheadAttention on sattn's attention.
 //
 // Shapes (E = embed_dim, H = num_heads, L = target length, S = source length, N = batch):
 //   query [L, N, E] (batch_first: [N, L, E]; unbatched: [L, E]), key [S, N, kdim], value [S, N, vdim]
 //   key_padding_mask [N, S] (unbatched: [S]); bool True = padding (ignored), or float added to the scores
 //   attn_mask [L, S] or [N*H, L, S] (unbatched: [H, L, S]); bool True = may NOT attend (torch MHA's polarity,
-//     the opposite of sattn::AttentionOptions::attn_mask), uint8 nonzero = may NOT attend, or float additive
+//     the opposite of sattn::AttentionOptions::attn_mask), or float added to the scores
+//   Masks are bool or float of the query's dtype, as torch 2.x (uint8 and other dtypes: Error kTypeError).
 //   -> attn_output [L, N, E] (batch_first: [N, L, E]; unbatched: [L, E]), in the dtype of query (f32/f64)
 //   -> attn_weights (need_weights): [N, L, S'] averaged over heads or [N, H, L, S'] per head (unbatched: no N),
 //      after dropout; S' = S + add_bias_kv + add_zero_attn.
 //
-// Differences from PyTorch (see docs/mha.md): a query row with no allowed key gives attention 0 (torch: NaN);
-// dropout uses sattn's Philox stream (same distribution, not torch's random numbers); a float key_padding_mask
-// is always added (torch 2.x; torch 1.13 ignores it next to a float attn_mask and treats nonzero as masked next
-// to a bool attn_mask); is_causal is torch 2.x's hint and requires attn_mask, which is applied as given.
+// is_causal is torch 2.x's hint that attn_mask is the causal mask (True / -inf exactly where j > i): it requires
+// attn_mask, and sattn checks it (a wrong hint, or one with add_bias_kv / add_zero_attn, is an error; torch's
+// result for those depends on its execution path); a correct hint runs as top-left causal attention.
+// Differences from PyTorch (see docs/mha.md): a query row with no allowed key gives attention 0 and weights 0
+// (torch 2.x: the same with need_weights=False, except on its eval fast path; NaN with need_weights=True);
+// dropout uses sattn's Philox stream (same distribution, not torch's random numbers).
 #pragma once
 
 #include <atomic>

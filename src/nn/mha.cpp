@@ -1,6 +1,7 @@
-// nn::MultiheadAttention: torch.nn.MultiheadAttention (1.13) = in-projection, sattn::scaled_dot_product_attention,
-// out-projection. The attention itself (masks, softmax, dropout, weights) is sattn's; this file only projects,
-// lays out heads as strided views and translates torch's mask conventions into AttentionOptions.
+// nn::MultiheadAttention: torch.nn.MultiheadAttention (PyTorch 2.x) = in-projection,
+// sattn::scaled_dot_product_attention, out-projection. The attention itself (masks, softmax, dropout, weights) is
+// sattn's; this file only projects, lays out heads as strided views and translates torch's mask conventions (and
+// the is_causal hint) into AttentionOptions.
 #include "sattn/mha.hpp"
 
 #include <algorithm>
@@ -86,14 +87,58 @@ void check_mask_view(const TensorView& m, const char* name) {
           shape_to_string(m.strides));
 }
 
-// A dense copy of `m` in dtype `to` (bool/uint8 masks become 0/1 bytes).
-Tensor dense(const TensorView& m, DType to) {
+// A dense copy of `m` (bool masks become 0/1 bytes; float masks have the query's dtype, checked by forward).
+Tensor dense(const TensorView& m) {
   Tensor t = Tensor::from_view(m);
-  if (t.dtype() == DType::kU8 || t.dtype() == DType::kBool) {
+  if (t.dtype() == DType::kBool)
     for (int64_t i = 0; i < t.numel(); ++i) t.data<uint8_t>()[i] = t.data<uint8_t>()[i] != 0;
-    return t;  // read as 0/1 bytes
-  }
-  return t.dtype() == to ? t : t.to(to);
+  return t;
+}
+
+// A mask must be bool or float of the query's dtype (torch 2.x: "only bool and floating types of attn_mask are
+// supported"; a float mask of another dtype fails in its matmul, and in its SDPA unless the mask is float32).
+void check_mask_dtype(const TensorView& m, const char* name, const char* bool_meaning, DType query) {
+  check(m.dtype == DType::kBool || is_floating(m.dtype), ErrorKind::kTypeError, name, ": expected bool (",
+        bool_meaning, ") or a float mask of the query's dtype (", to_string(query),
+        ", added to the scores), got ", to_string(m.dtype), " (torch 2.x supports only bool and floating ", name,
+        ")");
+  check(m.dtype == DType::kBool || m.dtype == query, ErrorKind::kTypeError, name,
+        ": a float mask must have the query's dtype (", to_string(query), "), got ", to_string(m.dtype),
+        " (as torch 2.x's MultiheadAttention needs it with need_weights=True); convert it");
+}
+
+// is_causal is a hint that attn_mask [L, S] (or each [L, S] slice of a 3-D mask) is the causal mask: masked
+// exactly where j > i (bool True there, False elsewhere; float -inf there, 0 elsewhere). torch 2.x does not check
+// the hint, and what it computes for a wrong one depends on its execution path, so sattn refuses a wrong one.
+void check_causal_hint(const TensorView& m, int64_t L, int64_t S) {
+  const bool three = m.dim() == 3;
+  const int64_t slices = three ? m.shape[0] : 1, s0 = three ? m.strides[0] : 0;
+  const int64_t si = m.strides[three ? 1 : 0], sj = m.strides[three ? 2 : 1];
+  for (int64_t b = 0; b < slices; ++b)
+    for (int64_t i = 0; i < L; ++i)
+      for (int64_t j = 0; j < S; ++j) {
+        const int64_t off = b * s0 + i * si + j * sj;
+        const bool masked = j > i;
+        double value = 0;
+        bool ok;
+        if (m.dtype == DType::kBool) {
+          value = m.ptr<const uint8_t>()[off] != 0;
+          ok = (value != 0) == masked;
+        } else {
+          value = m.dtype == DType::kF64 ? m.ptr<const double>()[off] : double(m.ptr<const float>()[off]);
+          ok = masked ? value == -std::numeric_limits<double>::infinity() : value == 0.0;
+        }
+        if (ok) continue;
+        const std::string where =
+            three ? detail::concat("[", b, ", ", i, ", ", j, "]") : detail::concat("[", i, ", ", j, "]");
+        const bool is_bool = m.dtype == DType::kBool;
+        fail(ErrorKind::kInvalidArgument, "is_causal: a hint that attn_mask is the causal mask, but attn_mask",
+             where, " = ", is_bool ? (value != 0 ? "True" : "False") : detail::concat(value), ", expected ",
+             is_bool ? (masked ? "True" : "False") : (masked ? "-inf" : "0"), " (the causal mask is ",
+             is_bool ? "True where j > i, False elsewhere" : "-inf where j > i, 0 elsewhere",
+             "). torch 2.x does not check the hint, and its result for a wrong one depends on its execution path "
+             "(need_weights, key_padding_mask, fast path); pass is_causal=False to apply attn_mask as given");
+      }
 }
 
 struct Sizes {
@@ -104,8 +149,8 @@ template <typename T>
 std::pair<Tensor, std::optional<Tensor>> run(const MultiheadAttention& m, const Sizes& z, const Tensor& xq,
                                              const Tensor& xk, const Tensor& xv,
                                              const std::vector<std::pair<std::string, Tensor>>& params,
-                                             const TensorView& kpm, const TensorView& am, bool need_weights,
-                                             double dropout_p, uint64_t seed, int threads) {
+                                             const TensorView& kpm, const TensorView& am, bool causal,
+                                             bool need_weights, double dropout_p, uint64_t seed, int threads) {
   const DType dt = std::is_same_v<T, double> ? DType::kF64 : DType::kF32;
   const auto get = [&](const std::string& name) -> Tensor {
     for (const auto& [n, t] : params)
@@ -146,11 +191,14 @@ std::pair<Tensor, std::optional<Tensor>> run(const MultiheadAttention& m, const 
   const TensorView k4(k.data(), dt, {N, H, Sp, hd}, {Sp * E, hd, E, 1});
   const TensorView v4(v.data(), dt, {N, H, Sp, hd}, {Sp * E, hd, E, 1});
 
-  // Masks: torch MHA's bool True = may NOT attend; sattn's attn_mask bool True = may attend.
+  // Masks: torch MHA's bool True = may NOT attend; sattn's attn_mask bool True = may attend. A verified causal
+  // hint (`causal`: am is exactly the causal mask and S' == S) runs as sattn's top-left causal attention instead of
+  // reading the mask (the fused kernel then skips the masked tiles).
   AttentionOptions opts;
   opts.num_threads = threads;
   opts.dropout_p = dropout_p;
   opts.seed = seed;
+  if (causal) opts.causal = Causal::kTopLeft;
   const bool am3 = am.data && am.dim() == 3;
   const bool am_float = am.data && is_float_dtype(am.dtype);
   const bool kpm_float = kpm.data && is_float_dtype(kpm.dtype);
@@ -158,8 +206,8 @@ std::pair<Tensor, std::optional<Tensor>> run(const MultiheadAttention& m, const 
   if (am_float || kpm_float) {
     const int64_t Nm = (am3 || kpm_float) ? N : 1, Hm = am3 ? H : 1;
     mask = Tensor(dt, {Nm, Hm, L, Sp});
-    Tensor amd = am.data ? dense(am, am_float ? dt : DType::kBool) : Tensor();
-    Tensor kpd = kpm_float ? dense(kpm, dt) : Tensor();
+    Tensor amd = am.data ? dense(am) : Tensor();
+    Tensor kpd = kpm_float ? dense(kpm) : Tensor();
     T* out = mask.data<T>();
     const T kNegInf = -std::numeric_limits<T>::infinity();
     for (int64_t n = 0; n < Nm; ++n)
@@ -178,7 +226,7 @@ std::pair<Tensor, std::optional<Tensor>> run(const MultiheadAttention& m, const 
   } else if (am.data) {
     const int64_t Nm = am3 ? N : 1, Hm = am3 ? H : 1;
     mask = Tensor(DType::kBool, {Nm, Hm, L, Sp});
-    Tensor amd = dense(am, DType::kBool);
+    Tensor amd = dense(am);
     uint8_t* out = mask.data<uint8_t>();
     for (int64_t r = 0; r < Nm * Hm * L; ++r) {
       for (int64_t j = 0; j < S; ++j) out[r * Sp + j] = amd.data<uint8_t>()[r * S + j] ? 0 : 1;
@@ -188,7 +236,7 @@ std::pair<Tensor, std::optional<Tensor>> run(const MultiheadAttention& m, const 
   }
   if (kpm.data && !kpm_float) {
     kp = Tensor(DType::kBool, {N, Sp});
-    Tensor kpd = dense(kpm, DType::kBool);
+    Tensor kpd = dense(kpm);
     for (int64_t n = 0; n < N; ++n)
       for (int64_t j = 0; j < S; ++j) kp.data<uint8_t>()[n * Sp + j] = kpd.data<uint8_t>()[n * S + j];
     opts.key_padding_mask = kp.view();
@@ -472,8 +520,7 @@ std::pair<Tensor, std::optional<Tensor>> MultiheadAttention::forward(const Tenso
   if (key_padding_mask.data) {
     const TensorView& m = key_padding_mask;
     check_mask_view(m, "key_padding_mask");
-    check(m.dtype == DType::kBool || is_float_dtype(m.dtype), ErrorKind::kTypeError,
-          "key_padding_mask: expected bool (True = padding) or float32/float64 (added), got ", to_string(m.dtype));
+    check_mask_dtype(m, "key_padding_mask", "True = padding", query.dtype);
     const Shape want = batched ? Shape{z.N, z.S} : Shape{z.S};
     check(m.shape == want, ErrorKind::kInvalidArgument, "key_padding_mask: expected shape ",
           batched ? "[N, S] = " : "[S] = ", shape_to_string(want), ", got ", shape_to_string(m.shape));
@@ -481,19 +528,26 @@ std::pair<Tensor, std::optional<Tensor>> MultiheadAttention::forward(const Tenso
   if (attn_mask.data) {
     const TensorView& m = attn_mask;
     check_mask_view(m, "attn_mask");
-    check(m.dtype == DType::kBool || m.dtype == DType::kU8 || is_float_dtype(m.dtype), ErrorKind::kTypeError,
-          "attn_mask: expected bool (True = may NOT attend), uint8 or float32/float64 (added), got ",
-          to_string(m.dtype));
+    check_mask_dtype(m, "attn_mask", "True = may NOT attend", query.dtype);
     const Shape want2{z.L, z.S}, want3{z.N * z.H, z.L, z.S};
     check((m.dim() == 2 && m.shape == want2) || (m.dim() == 3 && m.shape == want3), ErrorKind::kInvalidArgument,
           "attn_mask: expected a 2-D mask [L, S] = ", shape_to_string(want2), " or a 3-D mask ",
           batched ? "[N*num_heads, L, S] = " : "[num_heads, L, S] = ", shape_to_string(want3), ", got shape ",
           shape_to_string(m.shape));
   }
-  // torch >= 2.0: "Need attn_mask if specifying the is_causal hint" (torch 1.13 has no is_causal).
-  check(!is_causal || attn_mask.data != nullptr, ErrorKind::kInvalidArgument,
-        "is_causal: a hint that attn_mask is the causal mask; it requires attn_mask (as torch >= 2.0). Pass "
-        "attn_mask = upper-triangular True [L, S], or call sattn.scaled_dot_product_attention(is_causal=True)");
+  // is_causal: torch 2.x's hint that attn_mask is the causal mask ("Need attn_mask if specifying the is_causal
+  // hint"). Checked here, because torch's result for a wrong hint depends on its execution path.
+  if (is_causal) {
+    check(attn_mask.data != nullptr, ErrorKind::kInvalidArgument,
+          "is_causal: a hint that attn_mask is the causal mask; it requires attn_mask (as torch 2.x). Pass "
+          "attn_mask = upper-triangular True [L, S], or call sattn.scaled_dot_product_attention(is_causal=True)");
+    check(!add_bias_kv_ && !add_zero_attn_, ErrorKind::kInvalidArgument,
+          "is_causal: not supported with add_bias_kv or add_zero_attn: torch 2.x hides the appended key column(s) "
+          "from queries i < S on one execution path (need_weights=False without key_padding_mask) and lets every "
+          "query attend them on the others; pass is_causal=False to apply attn_mask as given (the appended "
+          "columns allowed)");
+    check_causal_hint(attn_mask, z.L, z.S);
+  }
 
   // ---- gather inputs into dense [N, L, E] ----
   const auto canonical = [&](const TensorView& t) {
@@ -513,8 +567,10 @@ std::pair<Tensor, std::optional<Tensor>> MultiheadAttention::forward(const Tenso
   const int threads = resolve_num_threads(num_threads);
   std::shared_lock lock(mutex_);
   auto [y, w] = query.dtype == DType::kF64
-                    ? run<double>(*this, z, xq, xk, xv, params_, kpm, attn_mask, need_weights, p, seed, threads)
-                    : run<float>(*this, z, xq, xk, xv, params_, kpm, attn_mask, need_weights, p, seed, threads);
+                    ? run<double>(*this, z, xq, xk, xv, params_, kpm, is_causal ? TensorView() : attn_mask,
+                                  is_causal, need_weights, p, seed, threads)
+                    : run<float>(*this, z, xq, xk, xv, params_, kpm, is_causal ? TensorView() : attn_mask,
+                                 is_causal, need_weights, p, seed, threads);
 
   // ---- output layout ----
   const DType dt = query.dtype;

@@ -1,6 +1,7 @@
-// nn::MultiheadAttention: against a plain double-precision transcription of torch 1.13's
-// F.multi_head_attention_forward (written here, only as the test oracle), layouts, masks, errors, weights I/O.
-// Parity with torch itself is tested in tests/python/test_mha.py.
+// nn::MultiheadAttention: against a plain double-precision transcription of PyTorch 2.x's
+// F.multi_head_attention_forward on its need_weights=True path (explicit softmax; written here, only as the test
+// oracle), layouts, masks, the is_causal hint, errors, weights I/O. Parity with torch itself is tested in
+// tests/python/test_mha.py.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -44,7 +45,8 @@ struct Config {
   bool bias = true, add_bias_kv = false, add_zero_attn = false;
 };
 
-// Plain double transcription of torch 1.13's MHA math for seq-first batched input; bool masks True = masked.
+// Plain double transcription of torch 2.x's MHA math (need_weights=True path) for seq-first batched input; bool
+// masks, True = masked.
 // attn_mask: empty, [L, S] or [N*H, L, S]; kpm: empty or bool [N, S]. Returns out [L, N, E], weights [N, H, L, S'].
 std::pair<Tensor, Tensor> oracle(const MultiheadAttention& m, const Config& c, const Tensor& q, const Tensor& k,
                                  const Tensor& v, const Tensor* attn_mask, const Tensor* kpm) {
@@ -279,10 +281,94 @@ TEST(Mha, ConstructorAndForwardErrors) {
                sattn::ErrorKind::kInvalidArgument, {"attn_mask", "[3, 3]", "[4, 3, 3]", "[3, 4]"});
   expect_error([&] { m.forward(x, x, x, {}, true, {}, true, true); }, sattn::ErrorKind::kInvalidArgument,
                {"is_causal", "requires attn_mask"});
+  expect_error([&] { m.forward(x, x, x, {}, true, Tensor(DType::kI32, {3, 3})); }, sattn::ErrorKind::kTypeError,
+               {"attn_mask", "expected bool", "got int32"});
   expect_error([&] { m.forward(x.to(DType::kI32), x, x); }, sattn::ErrorKind::kTypeError, {"query"});
   expect_error([&] { m.forward(Tensor(DType::kF32, {0, 2, 8}), x, x); }, sattn::ErrorKind::kInvalidArgument,
                {"zero-size"});
   expect_error([&] { m.forward(TensorView(), x, x); }, sattn::ErrorKind::kInvalidArgument, {"query"});
+}
+
+// torch 2.x accepts only bool and floating masks ("only bool and floating types of attn_mask are supported"; uint8
+// was deprecated before), and a float mask must have the query's dtype.
+TEST(Mha, MaskDtypesAsTorch2) {
+  MultiheadAttention m(8, 2);
+  const Tensor x = randn(DType::kF32, {3, 2, 8}, 1);
+  Tensor am_u8(DType::kU8, {3, 3}), kpm_u8(DType::kU8, {2, 3});
+  expect_error([&] { m.forward(x, x, x, {}, true, am_u8); }, sattn::ErrorKind::kTypeError,
+               {"attn_mask: expected bool (True = may NOT attend) or a float mask of the query's dtype (float32",
+                "got uint8", "only bool and floating"});
+  expect_error([&] { m.forward(x, x, x, kpm_u8); }, sattn::ErrorKind::kTypeError,
+               {"key_padding_mask: expected bool (True = padding)", "got uint8"});
+  expect_error([&] { m.forward(x, x, x, {}, false, am_u8); }, sattn::ErrorKind::kTypeError, {"attn_mask", "uint8"});
+  expect_error([&] { m.forward(x, x, x, {}, true, Tensor(DType::kF64, {3, 3})); }, sattn::ErrorKind::kTypeError,
+               {"attn_mask: a float mask must have the query's dtype (float32), got float64"});
+  expect_error([&] { m.forward(x, x, x, Tensor(DType::kF16, {2, 3})); }, sattn::ErrorKind::kTypeError,
+               {"key_padding_mask: a float mask must have the query's dtype (float32), got float16"});
+  MultiheadAttention m64(8, 2, 0.0, true, false, false, std::nullopt, std::nullopt, false, DType::kF64);
+  const Tensor x64 = x.to(DType::kF64);
+  expect_error([&] { m64.forward(x64, x64, x64, Tensor(DType::kF32, {2, 3}), false); },
+               sattn::ErrorKind::kTypeError, {"key_padding_mask", "(float64), got float32"});
+  // Same-dtype float and bool masks are accepted (a bool mask with a float32 or float64 query).
+  EXPECT_NO_THROW(m64.forward(x64, x64, x64, Tensor(DType::kBool, {2, 3}), true, Tensor(DType::kF64, {3, 3})));
+  EXPECT_NO_THROW(m.forward(x, x, x, Tensor(DType::kF32, {2, 3}), true, Tensor(DType::kBool, {3, 3})));
+}
+
+// is_causal: torch 2.x's hint that attn_mask is the causal mask (masked exactly where j > i). A correct hint gives
+// the masked result (run as top-left causal attention); a wrong one, or one with appended keys, is refused.
+TEST(Mha, IsCausalHint) {
+  Config c;
+  c.L = 4;
+  c.S = 6;
+  c.kdim = 5;
+  c.vdim = 3;
+  MultiheadAttention m(c.E, c.H, 0.0, true, false, false, c.kdim, c.vdim, false, DType::kF64, 2);
+  perturb(m, 40);
+  const Tensor q = randn(DType::kF64, {c.L, c.N, c.E}, 1), k = randn(DType::kF64, {c.S, c.N, 5}, 2),
+               v = randn(DType::kF64, {c.S, c.N, 3}, 3);
+  Tensor causal(DType::kBool, {c.L, c.S}), causal_f(DType::kF64, {c.L, c.S});
+  for (int64_t i = 0; i < c.L; ++i)
+    for (int64_t j = 0; j < c.S; ++j) {
+      causal.data<uint8_t>()[i * c.S + j] = j > i;
+      causal_f.data<double>()[i * c.S + j] = j > i ? -INFINITY : 0.0;
+    }
+  const TensorView causal3(causal.data(), DType::kBool, {c.N * c.H, c.L, c.S}, {0, c.S, 1});  // every slice
+  Tensor kpm = random_bool({c.N, c.S}, 5, 0.3);
+  kpm.data<uint8_t>()[0] = kpm.data<uint8_t>()[c.S] = 0;
+  auto [ref_out, ref_w] = oracle(m, c, q, k, v, &causal, &kpm);
+  for (const TensorView& am : {causal.view(), causal_f.view(), causal3})
+    for (bool need_weights : {true, false}) {
+      auto [out, w] = m.forward(q, k, v, kpm, need_weights, am, false, /*is_causal=*/true);
+      EXPECT_LE(max_abs_diff(out, ref_out), 1e-12);
+      if (need_weights) EXPECT_LE(max_abs_diff(*w, ref_w), 1e-12);
+      auto [out_nohint, w_nohint] = m.forward(q, k, v, kpm, need_weights, am, false, false);
+      EXPECT_LE(max_abs_diff(out, out_nohint), 1e-12);
+    }
+  // A wrong hint names the first element that differs from the causal mask.
+  Tensor wrong = Tensor::from_view(causal.view());
+  wrong.data<uint8_t>()[1 * c.S + 3] = 0;
+  expect_error([&] { m.forward(q, k, v, {}, false, wrong, true, true); }, sattn::ErrorKind::kInvalidArgument,
+               {"is_causal", "attn_mask[1, 3] = False, expected True", "pass is_causal=False"});
+  Tensor bias = Tensor::from_view(causal_f.view());
+  bias.data<double>()[2 * c.S + 1] = 0.5;  // a finite bias below the diagonal: not the causal mask either
+  expect_error([&] { m.forward(q, k, v, {}, true, bias, true, true); }, sattn::ErrorKind::kInvalidArgument,
+               {"attn_mask[2, 1] = 0.5, expected 0"});
+  Tensor wrong3 = Tensor::from_view(causal3);
+  wrong3.data<uint8_t>()[(3 * c.L + 0) * c.S + 0] = 1;
+  expect_error([&] { m.forward(q, k, v, {}, true, wrong3, true, true); }, sattn::ErrorKind::kInvalidArgument,
+               {"attn_mask[3, 0, 0] = True, expected False"});
+  // The mask alone (no hint) is applied as given.
+  EXPECT_NO_THROW(m.forward(q, k, v, {}, true, wrong, true, false));
+  for (bool zero_attn : {false, true}) {
+    MultiheadAttention appended(8, 2, 0.0, true, !zero_attn, zero_attn);
+    const Tensor x = randn(DType::kF32, {4, 2, 8}, 6);
+    Tensor sq(DType::kBool, {4, 4});
+    for (int64_t i = 0; i < 4; ++i)
+      for (int64_t j = 0; j < 4; ++j) sq.data<uint8_t>()[i * 4 + j] = j > i;
+    expect_error([&] { appended.forward(x, x, x, {}, false, sq, true, true); }, sattn::ErrorKind::kInvalidArgument,
+                 {"is_causal: not supported with add_bias_kv or add_zero_attn"});
+    EXPECT_NO_THROW(appended.forward(x, x, x, {}, false, sq, true, false));
+  }
 }
 
 TEST(Mha, SafetensorsRoundTripAndDropout) {

@@ -1,9 +1,13 @@
-"""sattn.MultiheadAttention against torch.nn.MultiheadAttention (PyTorch 1.13, Debian's python3-torch).
+"""sattn.MultiheadAttention against torch.nn.MultiheadAttention (PyTorch 2.x, the outside oracle).
 
 Recipe (the seeds'): build torch's module, perturb every parameter (so biases are non-zero), copy its
 state_dict into sattn with load_state_dict, run both on the same inputs. Tolerance: max|diff| <= 1e-5 *
-max(1, max|torch|) in float32, 1e-10 in float64. Without torch the parity tests are skipped visibly.
+max(1, max|torch|) in float32, 1e-10 in float64. Where torch 2.x refuses an input (uint8 masks, float masks of
+another dtype) sattn must refuse it too; where torch's result depends on its execution path (fully masked rows,
+is_causal hints) the tests pin down torch's behaviour on each path beside sattn's. Without torch (the numpy-1
+run) the torch tests skip visibly and the rest runs (torch_oracle.py).
 """
+import contextlib
 import os
 import tempfile
 import threading
@@ -14,13 +18,7 @@ import pytest
 
 import sattn
 import safetensors_py
-
-try:
-    import torch
-except ImportError:  # pragma: no cover - CI installs python3-torch
-    torch = None
-
-needs_torch = pytest.mark.skipif(torch is None, reason="PyTorch not importable: MHA parity with torch NOT checked")
+from torch_oracle import needs_torch, torch
 
 TOL32, TOL64 = 1e-5, 1e-10
 
@@ -32,6 +30,7 @@ def assert_close(got, ref, tol, what="output"):
     if got.size == 0:
         return
     assert np.isfinite(got).all(), f"{what}: non-finite values"
+    assert np.isfinite(ref).all(), f"{what}: torch gave non-finite values"
     err = np.abs(got - ref).max()
     scale = max(1.0, np.abs(ref).max())
     assert err <= tol * scale, f"{what}: max |sattn - torch| = {err:.3g} > {tol} * {scale:.3g}"
@@ -60,7 +59,7 @@ def inputs(rng, N, L, S, E, kdim, vdim, batch_first, batched=True, dtype=np.floa
 
 def bool_attn_mask(rng, shape):
     m = rng.random(shape) < 0.35
-    m[..., 0] = False  # key 0 always allowed: no fully masked rows (sattn gives 0 where torch gives NaN)
+    m[..., 0] = False  # key 0 always allowed: no fully masked rows (tested on their own below)
     return m
 
 
@@ -84,20 +83,33 @@ def float_kpm(rng, shape, dtype=np.float32):
     return m
 
 
-def torch_forward(t, q, k, v, **kw):
+def causal_mask(L, S, kind="bool", dtype=np.float32):
+    """The mask torch's is_causal hint stands for: masked where j > i (bool True, or float -inf; else False / 0)."""
+    above = np.triu(np.ones((L, S), bool), 1)
+    return above if kind == "bool" else np.where(above, -np.inf, 0).astype(dtype)
+
+
+def torch_forward(t, q, k, v, fast_path=True, **kw):
+    """torch's forward, without autograd (so that its eval fast path can run; fast_path=False disables it)."""
     tq = torch.from_numpy(q)
     tk = tq if k is q else torch.from_numpy(k)
     tv = tk if v is k else torch.from_numpy(v)
-    kw = {name: (torch.from_numpy(x) if isinstance(x, np.ndarray) else x) for name, x in kw.items()}
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # uint8 masks are deprecated in torch
-        o, w = t(tq, tk, tv, **kw)
+    kw = {name: (torch.from_numpy(x if x.flags.writeable else x.copy()) if isinstance(x, np.ndarray) else x)
+          for name, x in kw.items()}
+    fast = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(fast_path)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            # torch 2.x deprecates a bool key_padding_mask next to a float attn_mask (and the reverse); both work.
+            warnings.filterwarnings("ignore", message="Support for mismatched key_padding_mask and attn_mask")
+            o, w = t(tq, tk, tv, **kw)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)
     return o.numpy(), (None if w is None else w.numpy())
 
 
-def check_parity(t, s, q, k, v, tol=TOL32, torch_kw=None, **kw):
-    """Runs both; torch_kw overrides what torch gets (for documented convention differences)."""
-    o_ref, w_ref = torch_forward(t, q, k, v, **(kw if torch_kw is None else torch_kw))
+def check_parity(t, s, q, k, v, tol=TOL32, fast_path=True, **kw):
+    o_ref, w_ref = torch_forward(t, q, k, v, fast_path=fast_path, **kw)
     o, w = s(q, k, v, **kw)
     assert o.dtype == q.dtype
     assert_close(o, o_ref, tol, "attn_output")
@@ -105,18 +117,8 @@ def check_parity(t, s, q, k, v, tol=TOL32, torch_kw=None, **kw):
         assert w is not None
         assert_close(w, w_ref, tol, "attn_weights")
     else:
-        assert w is None
+        assert w is None and w_ref is None
     return o, w
-
-
-def merged_float_mask(attn_mask, kpm, N, H, L, S, dtype=np.float32):
-    """torch >= 2.0's merge of attn_mask and a float key_padding_mask, as one [N*H, L, S] additive mask."""
-    m = np.zeros((N, H, L, S), dtype)
-    if attn_mask is not None:
-        a = np.where(attn_mask, -np.inf, 0.0) if attn_mask.dtype != dtype else attn_mask
-        m += a.reshape((N, H, L, S)) if a.ndim == 3 else a
-    m += kpm.reshape(N, 1, 1, S)
-    return m.reshape(N * H, L, S).astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -133,32 +135,70 @@ def test_parity_layouts_and_weights(batch_first, need_weights, average_attn_weig
                  need_weights=need_weights, average_attn_weights=average_attn_weights)
 
 
-MASKS = ["none", "bool2d", "bool3d", "float2d", "float3d", "uint8_2d", "float64_2d"]
+MASKS = ["none", "bool2d", "bool3d", "float2d", "float3d"]
 
 
 @needs_torch
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("kpm", ["none", "bool", "float"])
-def test_parity_masks(mask, kpm):
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_parity_masks(mask, kpm, need_weights):
+    """Every attn_mask / key_padding_mask combination, given to torch as is (a float key_padding_mask is added to
+    the scores, also next to a float attn_mask)."""
     rng = np.random.default_rng(3)
     N, L, S, E, H = 2, 6, 9, 12, 3
     t, s = make_pair(E, H, seed=4)
     q, k, v = inputs(rng, N, L, S, E, E, E, False)
     shape = (L, S) if mask.endswith("2d") else (N * H, L, S)
     am = {"none": None, "bool2d": bool_attn_mask(rng, shape), "bool3d": bool_attn_mask(rng, shape),
-          "float2d": float_attn_mask(rng, shape), "float3d": float_attn_mask(rng, shape),
-          "uint8_2d": bool_attn_mask(rng, shape).astype(np.uint8),
-          "float64_2d": float_attn_mask(rng, shape, np.float64)}[mask]
+          "float2d": float_attn_mask(rng, shape), "float3d": float_attn_mask(rng, shape)}[mask]
     kp = {"none": None, "bool": bool_kpm(rng, (N, S)), "float": float_kpm(rng, (N, S))}[kpm]
-    kw = dict(key_padding_mask=kp, attn_mask=am, average_attn_weights=False)
-    torch_kw = None
-    if kpm == "float" and am is not None:
-        # torch 1.13 ignores a float key_padding_mask next to a float attn_mask and treats it as bool next to a
-        # bool one; sattn adds it (torch >= 2.0). Compare with torch given the merged additive mask.
-        amb = am.astype(bool) if am.dtype == np.uint8 else am
-        torch_kw = dict(attn_mask=merged_float_mask(amb.astype(np.float32) if amb.dtype == np.float64 else amb,
-                                                    kp, N, H, L, S), average_attn_weights=False)
-    check_parity(t, s, q, k, v, torch_kw=torch_kw, **kw)
+    check_parity(t, s, q, k, v, key_padding_mask=kp, attn_mask=am, need_weights=need_weights,
+                 average_attn_weights=False)
+
+
+@needs_torch
+@pytest.mark.parametrize("which", ["attn_mask", "key_padding_mask"])
+@pytest.mark.parametrize("dtype", [np.uint8, np.int32, np.int64])
+def test_integer_masks_are_refused_as_in_torch(which, dtype):
+    """torch 2.x supports only bool and floating masks (uint8 included: it was deprecated and is now refused)."""
+    rng = np.random.default_rng(31)
+    N, L, S, E, H = 2, 4, 5, 8, 2
+    t, s = make_pair(E, H, seed=32)
+    q, k, v = inputs(rng, N, L, S, E, E, E, False)
+    mask = (bool_attn_mask(rng, (L, S)) if which == "attn_mask" else bool_kpm(rng, (N, S))).astype(dtype)
+    with pytest.raises(AssertionError, match=f"only bool and floating types of {which} are supported"):
+        torch_forward(t, q, k, v, **{which: mask})
+    name = np.dtype(dtype).name
+    with pytest.raises(sattn.DTypeError, match=rf"{which}: expected bool \(True = .*\) or a float mask of the "
+                                               rf"query's dtype \(float32, .*got {name}"):
+        s(q, k, v, **{which: mask})
+    with pytest.raises(TypeError, match=which):  # DTypeError is a TypeError
+        s(q, k, v, **{which: mask}, need_weights=False)
+
+
+@needs_torch
+@pytest.mark.parametrize("which", ["attn_mask", "key_padding_mask"])
+@pytest.mark.parametrize("query_dtype,mask_dtype", [("float32", "float64"), ("float32", "float16"),
+                                                    ("float64", "float32")])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_float_masks_of_another_dtype_are_refused(which, query_dtype, mask_dtype, need_weights):
+    """torch 2.x refuses a float mask whose dtype is not the query's ("Input dtypes must be the same" with
+    need_weights=True, SDPA's "Expected attn_mask dtype to be bool or float or to match query dtype" without),
+    except a float32 mask with float64 queries and need_weights=False, which its SDPA accepts. sattn refuses every
+    one (the documented difference)."""
+    rng = np.random.default_rng(33)
+    N, L, S, E, H = 2, 4, 5, 8, 2
+    t, s = make_pair(E, H, seed=34, dtype=query_dtype)
+    q, k, v = inputs(rng, N, L, S, E, E, E, False, dtype=np.dtype(query_dtype))
+    mask = (float_attn_mask(rng, (L, S)) if which == "attn_mask" else float_kpm(rng, (N, S))).astype(mask_dtype)
+    kw = {which: mask, "need_weights": need_weights}
+    torch_accepts = not need_weights and mask_dtype == "float32"
+    with (contextlib.nullcontext() if torch_accepts else pytest.raises(RuntimeError, match="dtype")):
+        torch_forward(t, q, k, v, **kw)
+    with pytest.raises(sattn.DTypeError, match=rf"{which}: a float mask must have the query's dtype "
+                                               rf"\({query_dtype}\), got {mask_dtype}"):
+        s(q, k, v, **kw)
 
 
 @needs_torch
@@ -187,11 +227,7 @@ def test_parity_bias_kv_zero_attn(add_bias_kv, add_zero_attn, mask, kpm):
     q, k, v = inputs(rng, N, L, S, E, E, E, False)
     am = {"none": None, "bool2d": bool_attn_mask(rng, (L, S)), "float3d": float_attn_mask(rng, (N * H, L, S))}[mask]
     kp = {"none": None, "bool": bool_kpm(rng, (N, S)), "float": float_kpm(rng, (N, S))}[kpm]
-    torch_kw = None
-    if kpm == "float" and am is not None:
-        torch_kw = dict(attn_mask=merged_float_mask(am, kp, N, H, L, S), average_attn_weights=False)
-    _, w = check_parity(t, s, q, k, v, torch_kw=torch_kw, key_padding_mask=kp, attn_mask=am,
-                        average_attn_weights=False)
+    _, w = check_parity(t, s, q, k, v, key_padding_mask=kp, attn_mask=am, average_attn_weights=False)
     assert w.shape == (N, H, L, S + add_bias_kv + add_zero_attn)
 
 
@@ -223,17 +259,21 @@ def test_parity_unbatched(mask, average_attn_weights):
 
 @needs_torch
 @pytest.mark.parametrize("kpm", ["none", "bool"])
-def test_parity_self_attention_eval_fast_path(kpm):
-    """eval + batch_first + query is key is value + no grad: torch 1.13 takes its fused fast path."""
+@pytest.mark.parametrize("mask", ["none", "bool2d"])
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_parity_self_attention_eval_fast_path(kpm, mask, fast_path):
+    """eval + batch_first + query is key is value + an even number of heads + no autograd: torch 2.x runs its
+    fast path (torch._native_multi_head_attention) unless it is disabled; sattn matches both paths."""
     rng = np.random.default_rng(13)
     N, L, E, H = 3, 7, 16, 4
     t, s = make_pair(E, H, seed=14, batch_first=True)
     t.eval()
     s.eval()
     x = rng.standard_normal((N, L, E)).astype(np.float32)
-    kp = None if kpm == "none" else bool_kpm(rng, (N, L))
-    check_parity(t, s, x, x, x, key_padding_mask=kp)
-    check_parity(t, s, x, x, x, key_padding_mask=kp, need_weights=False)
+    kw = dict(key_padding_mask=None if kpm == "none" else bool_kpm(rng, (N, L)),
+              attn_mask=None if mask == "none" else bool_attn_mask(rng, (L, L)))
+    check_parity(t, s, x, x, x, fast_path=fast_path, **kw)
+    check_parity(t, s, x, x, x, fast_path=fast_path, **kw, need_weights=False)
 
 
 @needs_torch
@@ -243,8 +283,9 @@ def test_parity_float64(batch_first):
     N, L, S, E, H = 2, 5, 8, 12, 2
     t, s = make_pair(E, H, seed=16, dtype="float64", batch_first=batch_first, add_bias_kv=True, kdim=7)
     q, k, v = inputs(rng, N, L, S, E, 7, E, batch_first, dtype=np.float64)
-    check_parity(t, s, q, k, v, tol=TOL64, key_padding_mask=bool_kpm(rng, (N, S)),
-                 attn_mask=float_attn_mask(rng, (N * H, L, S), np.float64), average_attn_weights=False)
+    for kpm in (bool_kpm(rng, (N, S)), float_kpm(rng, (N, S), np.float64)):
+        check_parity(t, s, q, k, v, tol=TOL64, key_padding_mask=kpm,
+                     attn_mask=float_attn_mask(rng, (N * H, L, S), np.float64), average_attn_weights=False)
 
 
 @needs_torch
@@ -271,55 +312,174 @@ def test_parity_random_configurations(seed):
     if self_attn:
         k = v = q
     Nm = N if batched else 1
-    mask = rng.choice(["none", "bool2d", "bool3d", "float2d", "float3d"])
+    mask = rng.choice(["none", "bool2d", "bool3d", "float2d", "float3d", "causal"])
     shape = (L, S) if mask.endswith("2d") else (Nm * H, L, S)
-    am = None if mask == "none" else (bool_attn_mask(rng, shape) if mask.startswith("bool")
-                                      else float_attn_mask(rng, shape))
+    is_causal = mask == "causal" and not (kw["add_bias_kv"] or kw["add_zero_attn"])  # the hint where sattn takes it
+    am = (None if mask == "none" else causal_mask(L, S, rng.choice(["bool", "float"])) if mask == "causal"
+          else bool_attn_mask(rng, shape) if mask.startswith("bool") else float_attn_mask(rng, shape))
     kpm_shape = (N, S) if batched else (S,)
     kpm_kind = rng.choice(["none", "bool", "float"])
     kp = {"none": None, "bool": bool_kpm(rng, kpm_shape), "float": float_kpm(rng, kpm_shape)}[kpm_kind]
     call = dict(key_padding_mask=kp, attn_mask=am, need_weights=bool(rng.random() < 0.7),
-                average_attn_weights=bool(rng.random() < 0.5))
-    torch_kw = None
-    if kpm_kind == "float" and am is not None:
-        merged = merged_float_mask(am if am.ndim == 2 else am, kp.reshape(Nm, S), Nm, H, L, S)
-        torch_kw = dict(call, key_padding_mask=None, attn_mask=merged if batched else merged.reshape(H, L, S))
-    check_parity(t, s, q, k, v, torch_kw=torch_kw, **call)
+                average_attn_weights=bool(rng.random() < 0.5), is_causal=is_causal)
+    check_parity(t, s, q, k, v, **call)
 
 
-@needs_torch
-def test_fully_masked_rows_give_zero_attention_where_torch_gives_nan():
+# ---- fully masked rows ------------------------------------------------------------------------------------
+def _fully_masked_problem():
     rng = np.random.default_rng(17)
-    N, L, S, E, H = 2, 4, 5, 8, 2
-    t, s = make_pair(E, H, seed=18)
-    q, k, v = inputs(rng, N, L, S, E, E, E, False)
-    am = bool_attn_mask(rng, (L, S))
+    N, L, E, H = 2, 4, 8, 2
+    t, s = make_pair(E, H, seed=18, batch_first=True)
+    x = rng.standard_normal((N, L, E)).astype(np.float32)
+    am = bool_attn_mask(rng, (L, L))
     am[1, :] = True  # query row 1 may attend to nothing
-    o_ref, w_ref = torch_forward(t, q, k, v, attn_mask=am)
-    o, w = s(q, k, v, attn_mask=am)
-    assert np.isnan(o_ref[1]).all() and np.isnan(w_ref[:, 1]).all()
-    bias = s.state_dict()["out_proj.bias"]
-    np.testing.assert_allclose(o[1], np.broadcast_to(bias, (N, E)), rtol=0, atol=1e-7)  # attention 0 -> out_proj.bias
-    assert (w[:, 1] == 0).all()
-    keep = [0, 2, 3]
-    assert_close(o[keep], o_ref[keep], TOL32)
-    assert_close(w[:, keep], w_ref[:, keep], TOL32)
+    kpm = np.zeros((N, L), bool)
+    kpm[1, :] = True  # batch entry 1: every key is padding
+    dead = np.zeros((N, L), bool)
+    dead[:, 1] = dead[1, :] = True
+    return t, s, x, am, kpm, dead
 
 
 @needs_torch
-def test_is_causal_is_a_hint_that_requires_attn_mask():
+@pytest.mark.parametrize("mask", ["bool", "float"])
+def test_fully_masked_rows_need_weights_false_match_torch(mask):
+    """need_weights=False: torch 2.x runs scaled_dot_product_attention, which gives attention 0 in a row with no
+    allowed key, so attn_output = out_proj.bias there, as sattn. Compared over every row, in training mode (torch
+    leaves its fast path) and in eval mode with torch's fast path disabled."""
+    t, s, x, am, kpm, dead = _fully_masked_problem()
+    if mask == "float":
+        am = np.where(am, -np.inf, 0).astype(np.float32)
+    bias = s.state_dict()["out_proj.bias"]
+    for mode in ("train", "eval"):
+        t.train(mode == "train")
+        s.train(mode == "train")
+        o, _ = check_parity(t, s, x, x, x, fast_path=False, attn_mask=am, key_padding_mask=kpm, need_weights=False)
+        np.testing.assert_allclose(o[dead], np.broadcast_to(bias, o[dead].shape), rtol=0, atol=1e-6)
+
+
+@needs_torch
+def test_fully_masked_rows_are_zero_where_torch_gives_nan():
+    """need_weights=True: torch 2.x computes softmax explicitly and gives NaN output and weights in a row with no
+    allowed key; so does its eval fast path, even with need_weights=False. sattn gives attention 0
+    (attn_output = out_proj.bias) and weights 0 there, and torch's values in every other row."""
+    t, s, x, am, kpm, dead = _fully_masked_problem()
+    bias = s.state_dict()["out_proj.bias"]
+    for mode, need_weights in (("train", True), ("eval", True), ("eval", False)):
+        t.train(mode == "train")
+        s.train(mode == "train")
+        o_ref, w_ref = torch_forward(t, x, x, x, attn_mask=am, key_padding_mask=kpm, need_weights=need_weights,
+                                     average_attn_weights=False)
+        o, w = s(x, x, x, attn_mask=am, key_padding_mask=kpm, need_weights=need_weights, average_attn_weights=False)
+        assert np.isnan(o_ref[dead]).all() and np.isfinite(o_ref[~dead]).all(), (mode, need_weights)
+        np.testing.assert_allclose(o[dead], np.broadcast_to(bias, o[dead].shape), rtol=0, atol=1e-6)
+        assert_close(o[~dead], o_ref[~dead], TOL32)
+        if need_weights:
+            w_dead = np.broadcast_to(dead[:, None, :, None], w.shape)
+            assert np.isnan(w_ref[w_dead]).all()
+            assert (w[w_dead] == 0).all()
+            assert_close(w[~w_dead], w_ref[~w_dead], TOL32, "attn_weights")
+
+
+# ---- is_causal --------------------------------------------------------------------------------------------
+@needs_torch
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("kpm", [False, True])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_is_causal_with_the_causal_mask_matches_torch(kind, need_weights, kpm, mode):
+    """A correct hint: torch 2.x gives the masked result on each of its paths (SDPA's is_causal for
+    need_weights=False without key_padding_mask, the mask otherwise; eval with batch_first and self-attention
+    runs its fast path), and sattn the same."""
     rng = np.random.default_rng(19)
     N, L, E, H = 2, 6, 8, 2
     t, s = make_pair(E, H, seed=20, batch_first=True)
+    t.train(mode == "train")
+    s.train(mode == "train")
     x = rng.standard_normal((N, L, E)).astype(np.float32)
-    with pytest.raises(ValueError, match="is_causal.*requires attn_mask"):
+    kw = dict(attn_mask=causal_mask(L, L, kind), key_padding_mask=bool_kpm(rng, (N, L)) if kpm else None,
+              need_weights=need_weights, average_attn_weights=False)
+    o, w = check_parity(t, s, x, x, x, **kw, is_causal=True)
+    o_nohint, w_nohint = s(x, x, x, **kw)
+    np.testing.assert_allclose(o, o_nohint, rtol=0, atol=1e-6)
+    if need_weights:
+        iu = np.triu_indices(L, 1)
+        assert (w[:, :, iu[0], iu[1]] == 0).all()
+
+
+@needs_torch
+def test_is_causal_l_neq_s_and_3d_masks():
+    """L != S (the top-left causal mask [L, S]) and a 3-D mask whose every slice is causal."""
+    rng = np.random.default_rng(21)
+    N, L, S, E, H = 2, 4, 7, 8, 2
+    t, s = make_pair(E, H, seed=22, kdim=5, vdim=3)
+    q, k, v = inputs(rng, N, L, S, E, 5, 3, False)
+    m3 = np.broadcast_to(causal_mask(L, S), (N * H, L, S))
+    for am in (causal_mask(L, S), causal_mask(L, S, "float"), m3):
+        for need_weights in (True, False):
+            check_parity(t, s, q, k, v, attn_mask=am, is_causal=True, need_weights=need_weights)
+
+
+@needs_torch
+def test_is_causal_requires_attn_mask():
+    rng = np.random.default_rng(23)
+    t, s = make_pair(8, 2, seed=24)
+    x = rng.standard_normal((6, 2, 8)).astype(np.float32)
+    with pytest.raises(RuntimeError, match="Need attn_mask if specifying the is_causal hint"):
+        torch_forward(t, x, x, x, is_causal=True)
+    with pytest.raises(sattn.InvalidArgumentError, match="is_causal.*requires attn_mask"):
         s(x, x, x, is_causal=True)
-    causal = np.triu(np.ones((L, L), bool), 1)  # True = may NOT attend
-    o, w = s(x, x, x, attn_mask=causal, is_causal=True)
-    o_ref, w_ref = torch_forward(t, x, x, x, attn_mask=causal)  # torch 1.13 has no is_causal argument
-    assert_close(o, o_ref, TOL32)
-    assert_close(w, w_ref, TOL32)
-    assert (w[:, np.triu_indices(L, 1)[0], np.triu_indices(L, 1)[1]] == 0).all()
+
+
+@needs_torch
+@pytest.mark.parametrize("kind", ["bool", "bool3d", "float_bias"])
+def test_is_causal_with_another_mask_is_refused(kind):
+    """A wrong hint: torch 2.x applies SDPA's causal mask instead of attn_mask on one path (need_weights=False
+    without key_padding_mask) and attn_mask on the others, so its result depends on need_weights. sattn refuses
+    it, naming the first element that differs from the causal mask."""
+    rng = np.random.default_rng(25)
+    N, L, E, H = 2, 5, 8, 2
+    t, s = make_pair(E, H, seed=26)
+    x = rng.standard_normal((L, N, E)).astype(np.float32)
+    if kind == "bool":
+        am, where = bool_attn_mask(rng, (L, L)), None
+    elif kind == "bool3d":
+        am = np.broadcast_to(causal_mask(L, L), (N * H, L, L)).copy()
+        am[3, 2, 4] = False
+        where = r"attn_mask\[3, 2, 4\] = False, expected True"
+    else:  # a causal -inf mask with finite biases below the diagonal (e.g. ALiBi)
+        am = np.where(causal_mask(L, L), -np.inf, rng.standard_normal((L, L))).astype(np.float32)
+        where = r"attn_mask\[0, 0\] = .*, expected 0"
+    kw = dict(attn_mask=am, is_causal=True)
+    o_weights, _ = torch_forward(t, x, x, x, **kw, need_weights=True)
+    o_sdpa, _ = torch_forward(t, x, x, x, **kw, need_weights=False)
+    o_mask, _ = torch_forward(t, x, x, x, attn_mask=am)
+    o_causal, _ = torch_forward(t, x, x, x, attn_mask=causal_mask(L, L), need_weights=False)
+    assert_close(o_weights, o_mask, TOL32)  # need_weights=True: attn_mask as given
+    assert_close(o_sdpa, o_causal, TOL32)  # need_weights=False: the causal mask, attn_mask ignored
+    assert np.abs(o_sdpa - o_weights).max() > 1e-3
+    with pytest.raises(sattn.InvalidArgumentError, match=where or "is_causal: a hint that attn_mask is the causal"):
+        s(x, x, x, **kw)
+    o, _ = s(x, x, x, attn_mask=am)  # without the hint: attn_mask as given, torch's result on every path
+    assert_close(o, o_mask, TOL32)
+
+
+@needs_torch
+@pytest.mark.parametrize("extra", ["add_bias_kv", "add_zero_attn"])
+def test_is_causal_with_appended_keys_is_refused(extra):
+    """add_bias_kv / add_zero_attn append a key column after the mask's S columns. With the causal hint torch
+    2.x's SDPA path (need_weights=False, no key_padding_mask) hides it from queries i < S, its other paths let
+    every query attend it: even a correct hint gives two results. sattn refuses the combination."""
+    rng = np.random.default_rng(27)
+    N, L, E, H = 2, 5, 8, 2
+    t, s = make_pair(E, H, seed=28, **{extra: True})
+    x = rng.standard_normal((L, N, E)).astype(np.float32)
+    kw = dict(attn_mask=causal_mask(L, L), is_causal=True)
+    o_weights, _ = torch_forward(t, x, x, x, **kw, need_weights=True)
+    o_sdpa, _ = torch_forward(t, x, x, x, **kw, need_weights=False)
+    assert np.abs(o_sdpa - o_weights).max() > 1e-3
+    with pytest.raises(sattn.InvalidArgumentError, match=f"is_causal: not supported with add_bias_kv or add_zero_attn"):
+        s(x, x, x, **kw)
+    check_parity(t, s, x, x, x, attn_mask=causal_mask(L, L))  # the mask alone: torch's result on every path
 
 
 @needs_torch
@@ -530,6 +690,12 @@ def test_forward_dtype_errors():
         s(x, x, x, key_padding_mask=np.zeros((1, 3), np.int64))
     with pytest.raises(TypeError, match="attn_mask"):
         s(x, x, x, attn_mask=np.zeros((3, 3), np.int32))
+    with pytest.raises(sattn.DTypeError, match="attn_mask: expected bool.*got uint8"):
+        s(x, x, x, attn_mask=np.zeros((3, 3), np.uint8))
+    with pytest.raises(sattn.DTypeError, match="key_padding_mask: expected bool.*got uint8"):
+        s(x, x, x, key_padding_mask=np.zeros((1, 3), np.uint8))
+    with pytest.raises(sattn.DTypeError, match=r"attn_mask: a float mask must have the query's dtype \(float32\)"):
+        s(x, x, x, attn_mask=np.zeros((3, 3), np.float64))
     with pytest.raises(TypeError):
         s("not an array", x, x)
 

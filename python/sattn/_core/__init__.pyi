@@ -74,13 +74,15 @@ class MixedAttention(Pattern):
 class MultiheadAttention:
     """
     
-    torch.nn.MultiheadAttention (PyTorch 1.13 semantics) on sattn's exact attention; numpy in and out.
+    torch.nn.MultiheadAttention (PyTorch 2.x semantics) on sattn's exact attention; numpy in and out.
     
     MultiheadAttention(embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
                        kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, seed=0)
     
-    Bool masks keep torch MHA's polarity: True = may NOT attend / is padding. A query row with no allowed key
-    gives zeros where torch gives NaN. See docs/mha.md.
+    Masks are bool or float of the query's dtype (uint8 raises DTypeError, as torch 2.x refuses it). Bool masks
+    keep torch MHA's polarity: True = may NOT attend / is padding. is_causal is a hint that attn_mask is the causal
+    mask; sattn checks it. A query row with no allowed key gives attention 0 (torch 2.x: the same with
+    need_weights=False outside its eval fast path, NaN otherwise). See docs/mha.md.
     """
     def __call__(self, *args, **kwargs) -> typing.Any:
         ...
