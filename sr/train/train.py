@@ -23,6 +23,7 @@ dearer 16x16 windows stay routed while the many cheap 8x8 ones are pruned (stage
 (model.grow_state): '{"groups": [...]}' appends groups, '{"mlp_ratio": R}' widens the MLPs.
 """
 import argparse
+import atexit
 import json
 import math
 import os
@@ -131,8 +132,8 @@ def sparsity_loss(stats, keep_ratio, costs=None):
     kept = [float(s[1].sum()) for s in stats]
     kept_work = sum(c * k for c, k in zip(w, kept)) / den
     mean = g.mean() if costs is None else sum(c * s[0].sum() for c, s in zip(w, stats)) / den
-    return F.relu(mean - keep_ratio) + 0.5 * (g * (1 - g)).mean(), float(g.mean()), sum(kept) / g.numel(), \
-        kept_work
+    return F.relu(mean - keep_ratio) + 0.5 * (g * (1 - g)).mean(), float(g.detach().mean()), \
+        sum(kept) / g.numel(), kept_work
 
 
 @torch.no_grad()
@@ -221,6 +222,7 @@ def main():
     os.makedirs(a.ckpt_dir, exist_ok=True)
     log_path = a.log or os.path.join(a.ckpt_dir, "x%d_train.log" % a.scale)
     logf = open(log_path, "a")
+    atexit.register(logf.close)
 
     def log(msg):
         line = time.strftime("%Y-%m-%d %H:%M:%S ") + msg
@@ -370,7 +372,7 @@ def main():
         if ema is not None:
             update_ema(ema, model, hp["ema"])
         step += 1
-        acc.append((float(l1), gmean, kept, mode == "dense", kept_work))
+        acc.append((float(l1.detach()), gmean, kept, mode == "dense", kept_work))
         if step % a.log_every == 0 or step == end:
             dt = (time.time() - t_log) / len(acc)
             sparse_steps = [q for q in acc if not q[3]]

@@ -105,7 +105,8 @@ def test_safetensors_export_roundtrip(tmp_path):
     ck = tmp_path / "ck.pt"
     torch.save(dict(model=m.state_dict(), config=m.cfg, step=7), str(ck))
     path, n = EX.export(str(ck), str(tmp_path / "w"))
-    raw = open(path, "rb").read()
+    with open(path, "rb") as f:
+        raw = f.read()
     hlen = int(np.frombuffer(raw[:8], dtype="<u8")[0])
     assert (8 + hlen) % 8 == 0
     header = json.loads(raw[8:8 + hlen])
@@ -118,7 +119,8 @@ def test_safetensors_export_roundtrip(tmp_path):
     assert ends[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ends, ends[1:])) and 8 + hlen + ends[-1][1] == len(raw)
     for k, v in sd.items():
         assert np.array_equal(tensors[k], v.numpy()), k
-    m2 = MD.SattnSR(json.loads(open(str(tmp_path / "w.json")).read()))   # builds from the exported JSON alone
+    with open(str(tmp_path / "w.json")) as f:
+        m2 = MD.SattnSR(json.loads(f.read()))   # builds from the exported JSON alone
     # the exported model (router_norm folded into the router, i.e. identity norm) computes the same function
     m2.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()})
     m2.eval()
