@@ -340,7 +340,9 @@ TEST(Mha, IsCausalHint) {
     for (bool need_weights : {true, false}) {
       auto [out, w] = m.forward(q, k, v, kpm, need_weights, am, false, /*is_causal=*/true);
       EXPECT_LE(max_abs_diff(out, ref_out), 1e-12);
-      if (need_weights) EXPECT_LE(max_abs_diff(*w, ref_w), 1e-12);
+      if (need_weights) {
+        EXPECT_LE(max_abs_diff(*w, ref_w), 1e-12);
+      }
       auto [out_nohint, w_nohint] = m.forward(q, k, v, kpm, need_weights, am, false, false);
       EXPECT_LE(max_abs_diff(out, out_nohint), 1e-12);
     }
