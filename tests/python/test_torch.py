@@ -629,3 +629,21 @@ def test_gradient_of_a_broadcast_float_mask_is_accurate():
         ref += (p * (dp - (p * dp).sum(-1, keepdim=True))).sum((0, 1))
     err = ((got.double() - ref).abs() / ref.abs()).median().item()
     assert err <= 1.5e-6, err
+
+
+@pytest.mark.parametrize("huge", [-1e30, torch.finfo(torch.float32).min])
+def test_rows_with_a_huge_bias_on_every_key_get_exact_gradients(huge):
+    """Rows whose keys all carry the same huge finite bias (a "masked" value) have a uniform softmax; in float32 the
+    log-sum-exp rounds to the bias, and a backward that forms exp(s - lse) makes those rows' gradients Lk times too
+    large (torch's CPU flash backward does). sattn's match the float64 computation."""
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Lq=70, Lk=100, E=16, Ev=16, seed=31)
+    mask = torch.randn(70, 100, dtype=torch.float64)
+    mask[5:20] = huge
+    mask[40, :50] = huge
+    out, g = grads_of(lambda *a: st.scaled_dot_product_attention(*a[:3], attn_mask=a[3]),
+                      leaves(q, k, v, mask.float()))
+    ref, gr = grads_of(lambda *a: F.scaled_dot_product_attention(*a[:3], attn_mask=a[3]),
+                       leaves(*(x.double() for x in (q, k, v)), mask))
+    assert rel_err(out, ref) <= 2e-6
+    for name, a, b in zip(["dq", "dk", "dv", "dmask"], g, gr):
+        assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
