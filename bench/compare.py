@@ -6,7 +6,7 @@ attention (softmax(q k^T * scale + mask) v, materialising the L x L scores) and,
 it, F.scaled_dot_product_attention are timed here with the same thread count. Materialising baselines run only up
 to L = 4096. Benchmarks are only meaningful on an idle machine.
 
-  /usr/bin/python3 bench/compare.py [--lens 1024,4096] [--dims 64] [--threads 1,2] [--reps 5] [--json out.json]
+  build/venv/bin/python bench/compare.py [--lens 1024,4096] [--dims 64] [--threads 1,2] [--reps 5] [--json out.json]
 """
 import openblas_env  # noqa: F401  (first: OpenBLAS reads OPENBLAS_CORETYPE as numpy / torch load it)
 import argparse

@@ -12,7 +12,7 @@ semantics (window shifted at the borders, always kernel^2 keys): F.unfold of the
 every in-grid window; each query gathers the window starting at clamp(x - kernel//2, 0, n - kernel) on both axes
 into [B*H, L, kernel^2, D], then two batched matmuls. Processed in slabs of query rows to bound memory. The outputs are compared (max |difference| is printed).
 
-Usage: /usr/bin/python3 bench/sparse_peers.py [--threads 1 2] [--L 1024 4096] [--grids 64 128 256]
+Usage: build/venv/bin/python bench/sparse_peers.py [--threads 1 2] [--L 1024 4096] [--grids 64 128 256]
        [--kernels 7 13] [--reps 3] [--clock wall|thread] [--backward] [--md results.md]
 Needs PYTHONPATH=build/python (the sattn module) and torch. --clock thread = CPU time of the calling thread
 (1 thread only; robust to other processes' load, not to their cache pressure).

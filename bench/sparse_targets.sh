@@ -7,12 +7,12 @@
 #
 # Usage (from the repository root, after `cmake --preset release && cmake --build build -j2`):
 #   bench/sparse_targets.sh [OUT.md]          # default: sparse_targets_results.md
-# Env: SATTN_BIN (default build/sattn), PYTHON (default /usr/bin/python3), QUICK=1 (small sizes: a smoke test).
+# Env: SATTN_BIN (default build/sattn), PYTHON (default build/venv/bin/python), QUICK=1 (small sizes: a smoke test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-sparse_targets_results.md}
 BIN=${SATTN_BIN:-build/sattn}
-PY=${PYTHON:-/usr/bin/python3}
+PY=${PYTHON:-build/venv/bin/python}
 export PYTHONPATH=build/python${PYTHONPATH:+:$PYTHONPATH}
 LOG=$(mktemp -d)
 trap 'rm -rf "$LOG"' EXIT

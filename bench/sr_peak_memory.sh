@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 T=${1:-1}
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-/usr/bin/python3 - "$TMP/big.png" <<'PY'
+build/venv/bin/python - "$TMP/big.png" <<'PY'
 import os, struct, sys, zlib
 import numpy as np
 sys.path.insert(0, os.path.join("sr", "train"))

@@ -13,6 +13,6 @@ cd "$(dirname "$0")/.."
 cmake --build build -j2 --target sattn_cli
 for s in 2 4; do
   # shellcheck disable=SC2046
-  /usr/bin/python3 bench/sr_latency.py --weights sr/weights/sattn_sr_x$s.safetensors --threads 1 2 --repeat 5 --rounds 5 \
+  build/venv/bin/python bench/sr_latency.py --weights sr/weights/sattn_sr_x$s.safetensors --threads 1 2 --repeat 5 --rounds 5 \
     --pause $(pgrep -f sr/train/train.py || true) "$@"
 done
