@@ -19,7 +19,7 @@ def sample_tensors(rng):
         "i32": rng.integers(-1000, 1000, (7,)).astype(np.int32),
         "bool": rng.random((2, 3)) < 0.5,
         "u8": rng.integers(0, 255, (4,)).astype(np.uint8),
-        "scalar": np.float32(2.5).reshape(()),
+        "scalar": np.array(2.5, np.float32),  # a 0-d array (a numpy scalar has no buffer interface of its own)
         "empty": np.zeros((0, 3), np.float32),
     }
 
@@ -111,7 +111,7 @@ def test_good_handcrafted_file_reads(tmp_path):
 
 
 def test_against_pypi_safetensors_when_installed(tmp_path):
-    """Optional third implementation: the reference `safetensors` package (not a dependency)."""
+    """A third implementation: the reference `safetensors` package (pinned in python/requirements-dev.txt)."""
     st = pytest.importorskip("safetensors.numpy", reason="PyPI safetensors not installed: cross-check skipped")
     ts = {k: v for k, v in sample_tensors(np.random.default_rng(2)).items()}
     a = str(tmp_path / "ref.safetensors")

@@ -515,6 +515,7 @@ def _mha_pair(seed, **ctor):
     return ours, ref
 
 
+@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask and attn_mask is deprecated")
 @pytest.mark.parametrize("ctor", MHA_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
 @pytest.mark.parametrize("masks", ["none", "bool", "float", "kpm_float_attn_bool"])
 @pytest.mark.parametrize("need_weights", [False, True])
