@@ -62,8 +62,9 @@ int default_num_threads() { return g_default_threads.load(); }
 int resolve_python_threads(const pybind11::object& num_threads) {
   if (num_threads.is_none()) return g_default_threads.load();
   if (!pybind11::isinstance<pybind11::int_>(num_threads) || pybind11::isinstance<pybind11::bool_>(num_threads))
-    throw Error(ErrorKind::kTypeError, detail::concat("num_threads: expected None or a positive int, got ",
-                                                      std::string(pybind11::str(pybind11::type::of(num_threads).attr("__name__")))));
+    throw Error(ErrorKind::kTypeError,
+                detail::concat("num_threads: expected None or a positive int, got ",
+                               std::string(pybind11::str(pybind11::type::of(num_threads).attr("__name__")))));
   const long n = num_threads.cast<long>();
   check(n >= 1 && n <= 4096, ErrorKind::kInvalidArgument, "num_threads: expected None or an int in [1, 4096], got ", n);
   return int(n);

@@ -88,7 +88,8 @@ pybind11::object sparse_attention_py(const pybind11::array& q, const pybind11::a
         shape_to_string(vv.shape));
   CallOptions c = make_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias,
                                num_threads);
-  pybind11::array out = sparse_np::new_array(sparse_np::result_dtype(qv), {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]});
+  pybind11::array out =
+      sparse_np::new_array(sparse_np::result_dtype(qv), {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]});
   pybind11::array lse = sparse_np::new_array(sparse_np::stats_dtype(qv), {qv.shape[0], qv.shape[1], qv.shape[2]});
   const TensorView ov = sparse_np::out_view(out), lv = sparse_np::out_view(lse);
   pybind11::array idx;
