@@ -25,17 +25,29 @@ struct Image {
   uint8_t at(int64_t y, int64_t x, int64_t c) const { return data[size_t((y * width + x) * channels + c)]; }
 };
 
-// Default limit on width * height checked from the file header before any pixel is decoded.
-inline constexpr int64_t kDefaultMaxPixels = int64_t(1) << 27;  // 134 M pixels (e.g. 16384 x 8192)
+// Default limit on the pixels an image may make: width * height * scale^2 of an upscale's output (a 3840 x 2160
+// input at x4, 132.7 M pixels, fits), or width * height of a decoded file.
+inline constexpr int64_t kDefaultMaxPixels = int64_t(1) << 27;
+// height * width * scale^2, the pixels these limits count; INT64_MAX when that overflows.
+int64_t output_pixels(int64_t height, int64_t width, int64_t scale);
 
-// Reads a PNG or JPEG file as 8-bit RGB: gray (and gray+alpha) is replicated to RGB, alpha dropped,
-// 16-bit PNG reduced to 8 bit. Throws sattn::Error(kIO) naming the file and the problem: missing/unreadable,
-// unsupported format (anything but PNG/JPEG), corrupt or truncated data, width*height over `max_pixels`.
-Image read_image(const std::string& path, int64_t max_pixels = kDefaultMaxPixels);
-// Same, from bytes in memory; `name` is used in error messages.
-Image decode_image(const void* data, size_t size, const std::string& name, int64_t max_pixels = kDefaultMaxPixels);
+// Reads a PNG (libpng) or JPEG (libjpeg-turbo) file as 8-bit RGB: gray (and gray+alpha) is replicated to RGB,
+// alpha dropped, 16-bit PNG reduced to its high byte, palettes expanded, CMYK JPEG converted (R = C K / 255).
+// `max_pixels` limits width * height * scale^2 (the output of an upscale by `scale`; scale 1: the image itself),
+// checked from the header before any pixel buffer is allocated. Throws sattn::Error(kIO) naming the file and the
+// problem: missing/unreadable, unsupported format (anything but PNG/JPEG), corrupt or truncated data (libjpeg-turbo's
+// corrupt-data warnings included), a progressive JPEG of more than 500 scans, or over the limit.
+Image read_image(const std::string& path, int64_t max_pixels = kDefaultMaxPixels, int scale = 1);
+// Same, from the bytes of a file in memory; `name` is used in error messages. The decoders' errors never abort the
+// process: they come back as sattn::Error, whatever the bytes.
+Image decode_image(const void* data, size_t size, const std::string& name, int64_t max_pixels = kDefaultMaxPixels,
+                   int scale = 1);
 
-// Writes an 8-bit PNG (1 or 3 channels). Throws sattn::Error(kIO) when the file cannot be written.
+// 8-bit PNG (libpng) of an image with 1 or 3 channels, in memory.
+std::vector<uint8_t> encode_png(const Image& image);
+// Same from interleaved pixels: height rows of width * channels bytes.
+std::vector<uint8_t> encode_png(const uint8_t* pixels, int64_t height, int64_t width, int64_t channels);
+// encode_png, written to `path`. Throws sattn::Error(kIO) naming the file when it cannot be written.
 void write_png(const std::string& path, const Image& image);
 
 // MATLAB imresize(img, scale, 'bicubic') on doubles, exactly as sr/train/imresize.py: output index x (1-based)
@@ -93,6 +105,9 @@ struct AttentionProbe {
 
 struct UpscaleOptions {
   AttentionMode mode = AttentionMode::kSparse;
+  // Largest output (s*h x s*w pixels) upscale() and forward() accept; larger inputs are refused before the output
+  // is allocated (sattn::Error kInvalidArgument).
+  int64_t max_output_pixels = kDefaultMaxPixels;
   int num_threads = 0;  // 0 = SATTN_NUM_THREADS or all cores
   // Tiling (LR pixels): 0 = whole image at once. Tiles of tile x tile with `overlap` extra context on each side
   // (clipped at the image border, its origin aligned down to the window grid); only each tile's centre is kept.

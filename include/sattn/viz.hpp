@@ -1,6 +1,6 @@
-// sattn::viz — a small imaging library for looking at attention: RGB images, PNG output (stb_image_write from
-// Debian's libstb), perceptual colour maps, an embedded bitmap font (stb_easy_font), heatmaps with axes and a
-// colour bar, grids of heads, query-focus views, line plots (SVG or PNG) with log axes, and base64 for HTML.
+// sattn::viz — a small imaging library for looking at attention: RGB images, PNG output (libpng), perceptual
+// colour maps, an embedded stroke font (stb_easy_font's glyphs), heatmaps with axes and a colour bar, grids of
+// heads, query-focus views, line plots (SVG or PNG) with log axes, and base64 for HTML.
 //
 // Everything is drawn by C++ code; nothing here needs Python or a network.
 #pragma once
@@ -46,7 +46,7 @@ class Image {
   std::vector<uint8_t> pixels_;
 };
 
-// PNG encoding through stb_image_write. Throws sattn::Error(kIO) naming the path when writing fails.
+// PNG encoding (sr::encode_png). Throws sattn::Error(kIO) naming the path when writing fails.
 std::vector<uint8_t> encode_png(const Image& image);
 void write_png(const std::string& path, const Image& image);
 
@@ -57,7 +57,7 @@ const char* to_string(Colormap cmap);
 // Colour at t in [0, 1] (clamped); NaN gives kMaskedGrey. Tables are matplotlib's at 9 stops, interpolated.
 Rgb colormap(Colormap cmap, double t);
 
-// ---- text (stb_easy_font, a 5x7-ish stroke font drawn as pixel quads) ----------------------------------------
+// ---- text (stb_easy_font's 5x7-ish stroke font, drawn as pixel rectangles) -----------------------------------
 // `scale` multiplies the font's pixel grid (1: ~7 px capitals, 2: ~14 px). Only printable ASCII.
 void draw_text(Image& image, int x, int y, const std::string& text, Rgb colour, int scale = 1);
 int text_width(const std::string& text, int scale = 1);

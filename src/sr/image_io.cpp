@@ -1,98 +1,303 @@
-// PNG/JPEG decoding (stb_image) and PNG writing (stb_image_write), with the header checked before decoding.
-#include <cstdio>
+// PNG and JPEG decoding (libpng, libjpeg-turbo) and PNG encoding (libpng), in memory, with the pixel limit checked
+// from the header before any pixel buffer is allocated.
+//
+// Both libraries report errors by longjmp to a setjmp of their caller, the documented way (a C++ exception must
+// not cross their C frames). The functions that call setjmp (the *_step functions) own no C++ object with a
+// destructor and keep all their state in a plain struct passed by pointer, so the longjmp skips no destructor and
+// no local has to be volatile; their callers turn the saved message into sattn::Error.
+#include <cerrno>
+#include <csetjmp>
+#include <cstdio>  // before jpeglib.h, which needs FILE
 #include <cstring>
 #include <fstream>
-#include <memory>
 
+#include <jpeglib.h>
+#include <png.h>
+
+#include "core/write_file.hpp"
 #include "sattn/error.hpp"
 #include "sattn/sr.hpp"
-#include "stb_image.h"
-#include "stb_image_write.h"
 
 namespace sattn::sr {
 namespace {
 
-bool is_png(const unsigned char* p, size_t n) {
-  static const unsigned char sig[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
-  return n >= 8 && std::memcmp(p, sig, 8) == 0;
-}
-bool is_jpeg(const unsigned char* p, size_t n) { return n >= 3 && p[0] == 0xFF && p[1] == 0xD8 && p[2] == 0xFF; }
+// A progressive JPEG has about 10 scans; thousands of tiny scans make a small file decode for minutes (libjpeg-turbo's
+// own fuzz targets stop at 500 too).
+constexpr int kMaxJpegScans = 500;
 
-// A baseline/progressive JPEG ends with the EOI marker FF D9 (possibly followed by padding); stb_image decodes
-// truncated scans silently (filling grey), so truncation is detected here.
-bool jpeg_has_eoi(const unsigned char* p, size_t n) {
-  const size_t start = n > 4096 ? n - 4096 : 2;
-  for (size_t i = n; i-- > start + 1;)
-    if (p[i - 1] == 0xFF && p[i] == 0xD9) return true;
-  return false;
+bool is_png(const uint8_t* p, size_t n) { return n >= 8 && png_sig_cmp(p, 0, 8) == 0; }
+bool is_jpeg(const uint8_t* p, size_t n) { return n >= 3 && p[0] == 0xFF && p[1] == 0xD8 && p[2] == 0xFF; }
+
+void check_pixel_limit(const std::string& name, int64_t width, int64_t height, int scale, int64_t max_pixels) {
+  const int64_t n = output_pixels(height, width, scale);
+  if (n <= max_pixels) return;
+  if (scale == 1)
+    fail(ErrorKind::kIO, "image '", name, "': ", width, "x", height, " = ", n, " pixels is over the limit of ",
+         max_pixels, " pixels");
+  fail(ErrorKind::kIO, "image '", name, "': ", width, "x", height, " at x", scale, " = ", n,
+       " output pixels is over the limit of ", max_pixels, " output pixels (max_output_pixels)");
+}
+
+// ---- PNG ---------------------------------------------------------------------------------------------------
+
+struct PngCodec {
+  png_structp png = nullptr;
+  png_infop info = nullptr;
+  const uint8_t* data = nullptr;  // reading: the file
+  size_t size = 0, pos = 0;
+  std::vector<uint8_t>* out = nullptr;  // writing
+  bool out_of_memory = false;
+  png_uint_32 width = 0, height = 0;
+  int file_channels = 0;
+  char message[256] = "";
+};
+
+void png_on_error(png_structp png, png_const_charp msg) {
+  auto* c = static_cast<PngCodec*>(png_get_error_ptr(png));
+  std::snprintf(c->message, sizeof c->message, "%s", msg);
+  png_longjmp(png, 1);
+}
+void png_on_warning(png_structp, png_const_charp) {}  // an ancillary chunk was dropped: the pixels are intact
+
+void png_on_read(png_structp png, png_bytep out, size_t n) {
+  auto* c = static_cast<PngCodec*>(png_get_io_ptr(png));
+  if (n > c->size - c->pos) png_error(png, "unexpected end of file");
+  std::memcpy(out, c->data + c->pos, n);
+  c->pos += n;
+}
+
+void png_on_write(png_structp png, png_bytep data, size_t n) {
+  auto* c = static_cast<PngCodec*>(png_get_io_ptr(png));
+  try {
+    c->out->insert(c->out->end(), data, data + n);
+  } catch (...) {
+    c->out_of_memory = true;
+  }
+  if (c->out_of_memory) png_error(png, "out of memory");  // outside the handler: it longjmps
+}
+void png_on_flush(png_structp) {}
+
+// Reads the header and sets up the transforms to 8-bit RGB. false: c->message says why.
+bool png_header_step(PngCodec* c) {
+  if (setjmp(png_jmpbuf(c->png))) return false;
+  png_set_read_fn(c->png, c, png_on_read);
+  png_read_info(c->png, c->info);
+  int depth = 0, color = 0;
+  png_get_IHDR(c->png, c->info, &c->width, &c->height, &depth, &color, nullptr, nullptr, nullptr);
+  const int alpha = (color & PNG_COLOR_MASK_ALPHA) || png_get_valid(c->png, c->info, PNG_INFO_tRNS) ? 1 : 0;
+  c->file_channels = (color & PNG_COLOR_MASK_COLOR ? 3 : 1) + alpha;
+  if (color == PNG_COLOR_TYPE_PALETTE) png_set_palette_to_rgb(c->png);
+  if (!(color & PNG_COLOR_MASK_COLOR)) {
+    if (depth < 8) png_set_expand_gray_1_2_4_to_8(c->png);
+    png_set_gray_to_rgb(c->png);
+  }
+  if (depth == 16) png_set_strip_16(c->png);  // the high byte of each sample
+  png_set_strip_alpha(c->png);                 // also the alpha a palette's tRNS expands to
+  png_set_interlace_handling(c->png);
+  png_read_update_info(c->png, c->info);
+  if (png_get_rowbytes(c->png, c->info) != size_t(c->width) * 3) png_error(c->png, "unsupported pixel layout");
+  return true;
+}
+
+bool png_pixels_step(PngCodec* c, png_bytep* rows) {
+  if (setjmp(png_jmpbuf(c->png))) return false;
+  png_read_image(c->png, rows);
+  png_read_end(c->png, nullptr);  // up to IEND: a file cut after the pixels is still an error
+  return true;
+}
+
+bool png_encode_step(PngCodec* c, const uint8_t* pixels, int channels) {
+  if (setjmp(png_jmpbuf(c->png))) return false;
+  png_set_write_fn(c->png, c, png_on_write, png_on_flush);
+  png_set_IHDR(c->png, c->info, c->width, c->height, 8, channels == 3 ? PNG_COLOR_TYPE_RGB : PNG_COLOR_TYPE_GRAY,
+               PNG_INTERLACE_NONE, PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
+  png_write_info(c->png, c->info);
+  const size_t stride = size_t(c->width) * size_t(channels);
+  for (png_uint_32 y = 0; y < c->height; ++y) png_write_row(c->png, pixels + y * stride);
+  png_write_end(c->png, nullptr);
+  return true;
+}
+
+Image decode_png(const uint8_t* data, size_t size, const std::string& name, int64_t max_pixels, int scale) {
+  PngCodec c;
+  c.data = data;
+  c.size = size;
+  c.png = png_create_read_struct(PNG_LIBPNG_VER_STRING, &c, png_on_error, png_on_warning);
+  check(c.png != nullptr, ErrorKind::kOutOfMemory, "image '", name, "': cannot create a PNG decoder");
+  struct Free {
+    PngCodec& c;
+    ~Free() { png_destroy_read_struct(&c.png, &c.info, nullptr); }
+  } free_codec{c};
+  c.info = png_create_info_struct(c.png);
+  check(c.info != nullptr, ErrorKind::kOutOfMemory, "image '", name, "': cannot create a PNG decoder");
+  if (!png_header_step(&c)) fail(ErrorKind::kIO, "image '", name, "': corrupt or truncated PNG (libpng: ", c.message, ")");
+  check_pixel_limit(name, c.width, c.height, scale, max_pixels);
+  Image img(c.height, c.width, 3);
+  img.source_channels = c.file_channels;
+  std::vector<png_bytep> rows(c.height);
+  for (size_t y = 0; y < rows.size(); ++y) rows[y] = img.data.data() + y * size_t(c.width) * 3;
+  if (!png_pixels_step(&c, rows.data()))
+    fail(ErrorKind::kIO, "image '", name, "': corrupt or truncated PNG (libpng: ", c.message, ")");
+  return img;
+}
+
+// ---- JPEG --------------------------------------------------------------------------------------------------
+
+struct JpegDecoder {
+  jpeg_decompress_struct cinfo;
+  jpeg_error_mgr err;
+  jpeg_progress_mgr progress;
+  std::jmp_buf jump;
+  char message[JMSG_LENGTH_MAX];
+};
+
+[[noreturn]] void jpeg_stop(JpegDecoder* d, const char* why) {
+  std::snprintf(d->message, sizeof d->message, "%s", why);
+  std::longjmp(d->jump, 1);
+}
+[[noreturn]] void jpeg_on_error(j_common_ptr cinfo) {
+  auto* d = static_cast<JpegDecoder*>(cinfo->client_data);
+  cinfo->err->format_message(cinfo, d->message);
+  std::longjmp(d->jump, 1);
+}
+// Level -1 is a corrupt-data warning: libjpeg would go on with made-up pixels (a truncated scan comes out grey), so
+// it stops there, as TurboJPEG's "stop on warning" does. Levels >= 0 are trace messages.
+void jpeg_on_message(j_common_ptr cinfo, int level) {
+  if (level < 0) jpeg_on_error(cinfo);
+}
+void jpeg_on_progress(j_common_ptr cinfo) {
+  auto* d = static_cast<JpegDecoder*>(cinfo->client_data);
+  if (d->cinfo.input_scan_number <= kMaxJpegScans) return;
+  std::snprintf(d->message, sizeof d->message, "more than %d scans", kMaxJpegScans);
+  std::longjmp(d->jump, 1);
+}
+
+bool jpeg_header_step(JpegDecoder* d, const uint8_t* data, size_t size) {
+  if (setjmp(d->jump)) return false;
+  jpeg_create_decompress(&d->cinfo);
+  d->cinfo.progress = &d->progress;
+  jpeg_mem_src(&d->cinfo, data, size);
+  jpeg_read_header(&d->cinfo, TRUE);
+  const J_COLOR_SPACE in = d->cinfo.jpeg_color_space;
+  d->cinfo.out_color_space = in == JCS_CMYK || in == JCS_YCCK ? JCS_CMYK : JCS_RGB;
+  jpeg_calc_output_dimensions(&d->cinfo);
+  return true;
+}
+
+// Adobe CMYK is stored inverted (255 = no ink): R = C K / 255, rounded.
+uint8_t ink_product(unsigned a, unsigned b) {
+  const unsigned t = a * b + 128;
+  return uint8_t((t + (t >> 8)) >> 8);
+}
+
+// Decodes every row into `rgb` (3 * width bytes per row); CMYK rows go through `cmyk_row` (4 * width bytes).
+bool jpeg_pixels_step(JpegDecoder* d, uint8_t* rgb, uint8_t* cmyk_row) {
+  if (setjmp(d->jump)) return false;
+  jpeg_start_decompress(&d->cinfo);
+  const size_t width = d->cinfo.output_width;
+  while (d->cinfo.output_scanline < d->cinfo.output_height) {
+    uint8_t* out = rgb + size_t(d->cinfo.output_scanline) * width * 3;
+    JSAMPROW row = cmyk_row ? cmyk_row : out;
+    if (jpeg_read_scanlines(&d->cinfo, &row, 1) != 1) jpeg_stop(d, "no scanline read");
+    if (cmyk_row)
+      for (size_t x = 0; x < width; ++x)
+        for (size_t k = 0; k < 3; ++k) out[3 * x + k] = ink_product(cmyk_row[4 * x + k], cmyk_row[4 * x + 3]);
+  }
+  jpeg_finish_decompress(&d->cinfo);
+  return true;
+}
+
+Image decode_jpeg(const uint8_t* data, size_t size, const std::string& name, int64_t max_pixels, int scale) {
+  JpegDecoder d{};
+  d.cinfo.err = jpeg_std_error(&d.err);
+  d.err.error_exit = jpeg_on_error;
+  d.err.emit_message = jpeg_on_message;
+  d.progress.progress_monitor = jpeg_on_progress;
+  d.cinfo.client_data = &d;
+  struct Free {
+    JpegDecoder& d;
+    ~Free() { jpeg_destroy_decompress(&d.cinfo); }
+  } free_decoder{d};
+  if (!jpeg_header_step(&d, data, size))
+    fail(ErrorKind::kIO, "image '", name, "': corrupt or truncated JPEG (libjpeg-turbo: ", d.message, ")");
+  const jpeg_decompress_struct& ci = d.cinfo;
+  check_pixel_limit(name, ci.output_width, ci.output_height, scale, max_pixels);
+  const bool cmyk = ci.out_color_space == JCS_CMYK;
+  check(ci.output_components == (cmyk ? 4 : 3), ErrorKind::kIO, "image '", name, "': unsupported JPEG with ",
+        ci.num_components, " components");
+  Image img(ci.output_height, ci.output_width, 3);
+  img.source_channels = ci.num_components;
+  std::vector<uint8_t> cmyk_row(cmyk ? size_t(ci.output_width) * 4 : 0);
+  if (!jpeg_pixels_step(&d, img.data.data(), cmyk ? cmyk_row.data() : nullptr))
+    fail(ErrorKind::kIO, "image '", name, "': corrupt or truncated JPEG (libjpeg-turbo: ", d.message, ")");
+  return img;
 }
 
 }  // namespace
 
-Image decode_image(const void* data, size_t size, const std::string& name, int64_t max_pixels) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  check(size > 0, ErrorKind::kIO, "image '", name, "': empty file");
-  const bool png = is_png(p, size), jpeg = is_jpeg(p, size);
-  check(png || jpeg, ErrorKind::kIO, "image '", name, "': unsupported format (expected PNG or JPEG by signature)");
-  check(size <= size_t(INT32_MAX), ErrorKind::kIO, "image '", name, "': file too large (", size, " bytes)");
-  int w = 0, h = 0, c = 0;
-  if (!stbi_info_from_memory(p, int(size), &w, &h, &c))
-    fail(ErrorKind::kIO, "image '", name, "': corrupt ", png ? "PNG" : "JPEG", " header (", stbi_failure_reason(),
-         ")");
-  check(w > 0 && h > 0, ErrorKind::kIO, "image '", name, "': invalid size ", w, "x", h);
-  check(int64_t(w) * int64_t(h) <= max_pixels, ErrorKind::kIO, "image '", name, "': ", w, "x", h, " = ",
-        int64_t(w) * h, " pixels is over the limit of ", max_pixels, " pixels");
-  check(c >= 1 && c <= 4, ErrorKind::kIO, "image '", name, "': unsupported channel count ", c);
-  if (jpeg)
-    check(jpeg_has_eoi(p, size), ErrorKind::kIO, "image '", name, "': truncated JPEG (no end-of-image marker)");
-  int w2 = 0, h2 = 0, c2 = 0;
-  std::unique_ptr<unsigned char, void (*)(void*)> pix(stbi_load_from_memory(p, int(size), &w2, &h2, &c2, 0),
-                                                      stbi_image_free);
-  if (!pix)
-    fail(ErrorKind::kIO, "image '", name, "': corrupt or truncated ", png ? "PNG" : "JPEG", " data (",
-         stbi_failure_reason(), ")");
-  check(w2 == w && h2 == h && c2 == c, ErrorKind::kIO, "image '", name, "': header and data disagree");
-  Image img(h, w, 3);
-  img.source_channels = c;
-  const unsigned char* s = pix.get();
-  const size_t n = size_t(w) * size_t(h);
-  for (size_t i = 0; i < n; ++i) {
-    const unsigned char* px = s + i * size_t(c);
-    uint8_t* o = img.data.data() + i * 3;
-    if (c >= 3) {
-      o[0] = px[0], o[1] = px[1], o[2] = px[2];
-    } else {
-      o[0] = o[1] = o[2] = px[0];  // gray (+alpha): replicated to RGB, alpha dropped
-    }
-  }
-  return img;
+int64_t output_pixels(int64_t height, int64_t width, int64_t scale) {
+  int64_t n = 0;
+  if (__builtin_mul_overflow(height, width, &n) || __builtin_mul_overflow(n, scale, &n) ||
+      __builtin_mul_overflow(n, scale, &n))
+    return INT64_MAX;
+  return n;
 }
 
-Image read_image(const std::string& path, int64_t max_pixels) {
+Image decode_image(const void* data, size_t size, const std::string& name, int64_t max_pixels, int scale) {
+  check(scale >= 1 && scale <= 16, ErrorKind::kInvalidArgument, "decode_image: scale must be in [1, 16], given ",
+        scale);
+  const auto* p = static_cast<const uint8_t*>(data);
+  check(size > 0, ErrorKind::kIO, "image '", name, "': empty file");
+  if (is_png(p, size)) return decode_png(p, size, name, max_pixels, scale);
+  if (is_jpeg(p, size)) return decode_jpeg(p, size, name, max_pixels, scale);
+  fail(ErrorKind::kIO, "image '", name, "': unsupported format (expected PNG or JPEG by signature)");
+}
+
+Image read_image(const std::string& path, int64_t max_pixels, int scale) {
   std::ifstream f(path, std::ios::binary | std::ios::ate);
   check(bool(f), ErrorKind::kIO, "image '", path, "': cannot open (", std::strerror(errno), ")");
   const std::streamoff n = f.tellg();
   check(n >= 0, ErrorKind::kIO, "image '", path, "': cannot read (not a regular file?)");
   check(n <= std::streamoff(INT32_MAX), ErrorKind::kIO, "image '", path, "': file too large (", int64_t(n),
         " bytes)");
-  std::vector<unsigned char> buf(static_cast<size_t>(n));
+  std::vector<uint8_t> buf(static_cast<size_t>(n));
   f.seekg(0);
   if (n > 0) f.read(reinterpret_cast<char*>(buf.data()), n);
   check(bool(f), ErrorKind::kIO, "image '", path, "': read error");
-  return decode_image(buf.data(), buf.size(), path, max_pixels);
+  return decode_image(buf.data(), buf.size(), path, max_pixels, scale);
 }
 
-void write_png(const std::string& path, const Image& image) {
-  check(image.channels == 1 || image.channels == 3, ErrorKind::kInvalidArgument,
-        "write_png: image channels must be 1 or 3, given ", image.channels);
-  check(image.height > 0 && image.width > 0 && image.width <= INT32_MAX / 4 && image.height <= INT32_MAX,
-        ErrorKind::kInvalidArgument, "write_png: invalid image size ", image.width, "x", image.height);
-  check(image.data.size() == size_t(image.height * image.width * image.channels), ErrorKind::kInvalidArgument,
-        "write_png: image data size ", image.data.size(), " does not match ", image.width, "x", image.height, "x",
-        image.channels);
-  const int ok = stbi_write_png(path.c_str(), int(image.width), int(image.height), int(image.channels),
-                                image.data.data(), int(image.width * image.channels));
-  check(ok != 0, ErrorKind::kIO, "image '", path, "': cannot write PNG (", std::strerror(errno), ")");
+std::vector<uint8_t> encode_png(const uint8_t* pixels, int64_t height, int64_t width, int64_t channels) {
+  check(channels == 1 || channels == 3, ErrorKind::kInvalidArgument, "encode_png: channels must be 1 or 3, given ",
+        channels);
+  check(height > 0 && width > 0 && height <= PNG_UINT_31_MAX && width <= PNG_UINT_31_MAX / 3,
+        ErrorKind::kInvalidArgument, "encode_png: invalid image size ", width, "x", height);
+  std::vector<uint8_t> bytes;
+  PngCodec c;
+  c.out = &bytes;
+  c.width = png_uint_32(width);
+  c.height = png_uint_32(height);
+  c.png = png_create_write_struct(PNG_LIBPNG_VER_STRING, &c, png_on_error, png_on_warning);
+  check(c.png != nullptr, ErrorKind::kOutOfMemory, "encode_png: cannot create a PNG encoder");
+  struct Free {
+    PngCodec& c;
+    ~Free() { png_destroy_write_struct(&c.png, &c.info); }
+  } free_codec{c};
+  c.info = png_create_info_struct(c.png);
+  check(c.info != nullptr, ErrorKind::kOutOfMemory, "encode_png: cannot create a PNG encoder");
+  if (!png_encode_step(&c, pixels, int(channels)))
+    fail(c.out_of_memory ? ErrorKind::kOutOfMemory : ErrorKind::kInternal, "encode_png: ", width, "x", height,
+         " image: ", c.message);
+  return bytes;
 }
+
+std::vector<uint8_t> encode_png(const Image& image) {
+  check(image.data.size() == size_t(image.height * image.width * image.channels), ErrorKind::kInvalidArgument,
+        "encode_png: image data size ", image.data.size(), " does not match ", image.width, "x", image.height, "x",
+        image.channels);
+  return encode_png(image.data.data(), image.height, image.width, image.channels);
+}
+
+void write_png(const std::string& path, const Image& image) { write_file(path, encode_png(image)); }
 
 }  // namespace sattn::sr

@@ -522,6 +522,15 @@ void probe_window(const BlockW& b, const BlockCtx& cx, const float* y, int64_t n
   probe->gate = gate[size_t(n)];
 }
 
+// Refuses, before anything is allocated, an output of more than options.max_output_pixels.
+void check_output_pixels(int64_t h, int64_t w, int64_t s, const UpscaleOptions& options, const char* fn) {
+  check(options.max_output_pixels >= 1, ErrorKind::kInvalidArgument, fn, ": max_output_pixels must be >= 1, given ",
+        options.max_output_pixels);
+  const int64_t n = output_pixels(h, w, s);
+  check(n <= options.max_output_pixels, ErrorKind::kInvalidArgument, fn, ": a ", w, "x", h, " input at x", s,
+        " makes ", n, " output pixels, over max_output_pixels = ", options.max_output_pixels);
+}
+
 }  // namespace
 
 Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleStats* stats) const {
@@ -550,6 +559,7 @@ void SrModel::forward_impl(const Tensor& x, const UpscaleOptions& options, Upsca
   check(h > ph && w > pw && h > 0 && w > 0, ErrorKind::kInvalidArgument, "SrModel::forward: image ", w, "x", h,
         " too small for the reflect padding to a multiple of ", pm, " (each side must exceed its padding; ",
         "at least ", pm / 2 + 1, " px always works)");
+  check_output_pixels(h, w, c.scale, options, "SrModel::forward");
   const int64_t H = h + ph, W = w + pw, C = c.dim, s = c.scale, s2 = s * s;
   const int threads = resolve_num_threads(options.num_threads);
   const bool dense = options.mode == AttentionMode::kDense;
@@ -714,6 +724,7 @@ Image SrModel::upscale(const Image& lr, const UpscaleOptions& options, UpscaleSt
   check(lr.channels == 3, ErrorKind::kInvalidArgument, "upscale: RGB image expected, given ", lr.channels,
         " channels");
   const int64_t h = lr.height, w = lr.width, s = config_.scale, ow = w * s;
+  check_output_pixels(h, w, s, options, "upscale");
   Image out(h * s, ow, 3);
   if (!options.self_ensemble) {
     upscale_values(lr, options, stats,

@@ -1,22 +1,12 @@
-// Image buffer, PNG output (stb_image_write, implementation from Debian's libstb.so), colour maps, text and base64.
+// Image buffer, PNG output, colour maps, text (a small stroke font) and base64.
 #include <algorithm>
 #include <array>
-#include <cerrno>
 #include <cmath>
-#include <cstdio>
-#include <cstring>
 
+#include "core/write_file.hpp"
 #include "sattn/error.hpp"
+#include "sattn/sr.hpp"
 #include "sattn/viz.hpp"
-
-// The implementation of stb_image_write lives in libstb (linked in CMake); only declarations are needed here.
-#include <stb/stb_image_write.h>
-// stb_easy_font is header-only with static functions (Debian does not precompile it).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-function"
-#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
-#include <stb/stb_easy_font.h>
-#pragma GCC diagnostic pop
 
 namespace sattn::viz {
 
@@ -93,33 +83,12 @@ Image Image::rotated_ccw() const {
 
 // ---- PNG ---------------------------------------------------------------------------------------------------
 
-namespace {
-void append_bytes(void* context, void* data, int size) {
-  auto* out = static_cast<std::vector<uint8_t>*>(context);
-  const auto* p = static_cast<const uint8_t*>(data);
-  out->insert(out->end(), p, p + size);
-}
-}  // namespace
-
 std::vector<uint8_t> encode_png(const Image& image) {
   check(image.width() > 0 && image.height() > 0, ErrorKind::kInvalidArgument, "image: cannot encode an empty image");
-  std::vector<uint8_t> bytes;
-  const int ok = stbi_write_png_to_func(append_bytes, &bytes, image.width(), image.height(), 3,
-                                        image.pixels().data(), image.width() * 3);
-  check(ok != 0 && !bytes.empty(), ErrorKind::kInternal, "PNG encoding failed for a ", image.width(), "x",
-        image.height(), " image");
-  return bytes;
+  return sr::encode_png(image.pixels().data(), image.height(), image.width(), 3);
 }
 
-void write_png(const std::string& path, const Image& image) {
-  const std::vector<uint8_t> bytes = encode_png(image);
-  FILE* f = std::fopen(path.c_str(), "wb");
-  check(f != nullptr, ErrorKind::kIO, "cannot open '", path, "' for writing: ", std::strerror(errno));
-  const size_t written = std::fwrite(bytes.data(), 1, bytes.size(), f);
-  const bool closed = std::fclose(f) == 0;
-  check(written == bytes.size() && closed, ErrorKind::kIO, "cannot write '", path, "' (", written, " of ",
-        bytes.size(), " bytes written)");
-}
+void write_png(const std::string& path, const Image& image) { write_file(path, encode_png(image)); }
 
 // ---- colour maps -------------------------------------------------------------------------------------------
 
@@ -179,35 +148,92 @@ Rgb colormap(Colormap cmap, double t) {
 // ---- text --------------------------------------------------------------------------------------------------
 
 namespace {
+// The stroke font of stb_easy_font 1.1 (Sean Barrett, public domain): per printable ASCII character its advance
+// (low 4 bits; bit 4 moves the glyph one pixel down) and where its horizontal and vertical segments start in
+// kHSeg / kVSeg (a character's segments end where the next character's begin). A segment byte holds its length
+// in bits 0-2 (0: none), in bit 3 a one-pixel step right taken before it, and its row in bits 4-7.
+struct Glyph {
+  uint8_t advance, h_seg, v_seg;
+};
+constexpr Glyph kGlyphs[96] = {
+    {6, 0, 0}, {3, 0, 0}, {5, 1, 1}, {7, 1, 4}, {7, 3, 7}, {7, 6, 12}, {7, 8, 19}, {4, 16, 21}, {4, 17, 22},
+    {4, 19, 23}, {23, 21, 24}, {23, 22, 31}, {20, 23, 34}, {22, 23, 36}, {19, 24, 36}, {21, 25, 36}, {6, 25, 39},
+    {6, 27, 43}, {6, 28, 45}, {6, 30, 49}, {6, 33, 53}, {6, 34, 57}, {6, 40, 58}, {6, 46, 59}, {6, 47, 62},
+    {6, 55, 64}, {19, 57, 68}, {20, 59, 68}, {21, 61, 69}, {22, 66, 69}, {21, 68, 69}, {7, 73, 69}, {9, 75, 74},
+    {6, 78, 81}, {6, 80, 85}, {6, 83, 90}, {6, 85, 91}, {6, 87, 95}, {6, 90, 96}, {7, 92, 97}, {6, 96, 102},
+    {5, 97, 106}, {6, 99, 107}, {6, 100, 110}, {6, 100, 115}, {7, 101, 116}, {6, 101, 121}, {6, 101, 125},
+    {6, 102, 129}, {7, 103, 133}, {6, 104, 140}, {6, 105, 145}, {7, 107, 149}, {6, 108, 151}, {7, 109, 155},
+    {7, 109, 160}, {7, 109, 165}, {7, 118, 167}, {6, 118, 172}, {4, 120, 176}, {6, 122, 177}, {4, 122, 181},
+    {23, 124, 182}, {22, 129, 182}, {4, 130, 182}, {22, 131, 183}, {6, 133, 187}, {22, 135, 191}, {6, 137, 192},
+    {22, 139, 196}, {6, 144, 197}, {22, 147, 198}, {6, 150, 202}, {19, 151, 206}, {21, 152, 207}, {6, 155, 209},
+    {3, 160, 210}, {23, 160, 211}, {22, 164, 216}, {22, 165, 220}, {22, 167, 224}, {22, 169, 228}, {21, 171, 232},
+    {21, 173, 233}, {5, 178, 233}, {22, 179, 234}, {23, 180, 238}, {23, 180, 243}, {23, 180, 248}, {22, 189, 248},
+    {22, 191, 252}, {5, 196, 252}, {3, 203, 252}, {5, 203, 253}, {22, 210, 253}, {0, 214, 253},
+};
+constexpr uint8_t kHSeg[214] = {
+    97, 37, 69, 84, 28, 51, 2, 18, 10, 49, 98, 41, 65, 25, 81, 105, 33, 9, 97, 1,
+    97, 37, 37, 36, 81, 10, 98, 107, 3, 100, 3, 99, 58, 51, 4, 99, 58, 8, 73, 81,
+    10, 50, 98, 8, 73, 81, 4, 10, 50, 98, 8, 25, 33, 65, 81, 10, 50, 17, 65, 97,
+    25, 33, 25, 49, 9, 65, 20, 68, 1, 65, 25, 49, 41, 11, 105, 13, 101, 76, 10, 50,
+    10, 50, 98, 11, 99, 10, 98, 11, 50, 99, 11, 50, 11, 99, 8, 57, 58, 3, 99, 99,
+    107, 10, 10, 11, 10, 99, 11, 5, 100, 41, 65, 57, 41, 65, 9, 17, 81, 97, 3, 107,
+    9, 97, 1, 97, 33, 25, 9, 25, 41, 100, 41, 26, 82, 42, 98, 27, 83, 42, 98, 26,
+    51, 82, 8, 41, 35, 8, 10, 26, 82, 114, 42, 1, 114, 8, 9, 73, 57, 81, 41, 97,
+    18, 8, 8, 25, 26, 26, 82, 26, 82, 26, 82, 41, 25, 33, 82, 26, 49, 73, 35, 90,
+    17, 81, 41, 65, 57, 41, 65, 25, 81, 90, 114, 20, 84, 73, 57, 41, 49, 25, 33, 65,
+    81, 9, 97, 1, 97, 25, 33, 65, 81, 57, 33, 25, 41, 25,
+};
+constexpr uint8_t kVSeg[253] = {
+    4, 2, 8, 10, 15, 8, 15, 33, 8, 15, 8, 73, 82, 73, 57, 41, 82, 10, 82, 18,
+    66, 10, 21, 29, 1, 65, 27, 8, 27, 9, 65, 8, 10, 50, 97, 74, 66, 42, 10, 21,
+    57, 41, 29, 25, 14, 81, 73, 57, 26, 8, 8, 26, 66, 3, 8, 8, 15, 19, 21, 90,
+    58, 26, 18, 66, 18, 105, 89, 28, 74, 17, 8, 73, 57, 26, 21, 8, 42, 41, 42, 8,
+    28, 22, 8, 8, 30, 7, 8, 8, 26, 66, 21, 7, 8, 8, 29, 7, 7, 21, 8, 8,
+    8, 59, 7, 8, 8, 15, 29, 8, 8, 14, 7, 57, 43, 10, 82, 7, 7, 25, 42, 25,
+    15, 7, 25, 41, 15, 21, 105, 105, 29, 7, 57, 57, 26, 21, 105, 73, 97, 89, 28, 97,
+    7, 57, 58, 26, 82, 18, 57, 57, 74, 8, 30, 6, 8, 8, 14, 3, 58, 90, 58, 11,
+    7, 74, 43, 74, 15, 2, 82, 2, 42, 75, 42, 10, 67, 57, 41, 10, 7, 2, 42, 74,
+    106, 15, 2, 35, 8, 8, 29, 7, 8, 8, 59, 35, 51, 8, 8, 15, 35, 30, 35, 8,
+    8, 30, 7, 8, 8, 60, 36, 8, 45, 7, 7, 36, 8, 43, 8, 44, 21, 8, 8, 44,
+    35, 8, 8, 43, 23, 8, 8, 43, 35, 8, 8, 31, 21, 15, 20, 8, 8, 28, 18, 58,
+    89, 58, 26, 21, 89, 73, 89, 29, 20, 8, 8, 30, 7,
+};
+
 std::string printable(const std::string& text) {
   std::string s = text;
   for (char& c : s)
     if (c < 32 || c > 126) c = '?';
   return s;
 }
+
+void draw_segments(Image& image, int x, int y, const uint8_t* segments, int count, bool vertical, Rgb colour,
+                   int scale) {
+  int dx = 0;
+  for (int i = 0; i < count; ++i) {
+    const int length = segments[i] & 7, row = segments[i] >> 4;
+    dx += (segments[i] >> 3) & 1;
+    if (length == 0) continue;
+    image.fill_rect(x + dx * scale, y + row * scale, (vertical ? 1 : length) * scale, (vertical ? length : 1) * scale,
+                    colour);
+  }
+}
 }  // namespace
 
 void draw_text(Image& image, int x, int y, const std::string& text, Rgb colour, int scale) {
-  if (text.empty()) return;
-  std::string s = printable(text);
-  // ~270 bytes per character (the header's estimate); 16 bytes per vertex, 4 vertices per quad.
-  std::vector<char> buffer(s.size() * 400 + 64);
-  const int quads = stb_easy_font_print(0, 0, s.data(), nullptr, buffer.data(), int(buffer.size()));
-  for (int q = 0; q < quads; ++q) {
-    float v[4][2];
-    for (int c = 0; c < 4; ++c) std::memcpy(v[c], buffer.data() + (size_t(q) * 4 + c) * 16, sizeof(float) * 2);
-    const float qx0 = std::min({v[0][0], v[1][0], v[2][0], v[3][0]}), qx1 = std::max({v[0][0], v[1][0], v[2][0], v[3][0]});
-    const float qy0 = std::min({v[0][1], v[1][1], v[2][1], v[3][1]}), qy1 = std::max({v[0][1], v[1][1], v[2][1], v[3][1]});
-    const int px0 = x + int(std::lround(qx0 * scale)), px1 = x + int(std::lround(qx1 * scale));
-    const int py0 = y + int(std::lround(qy0 * scale)), py1 = y + int(std::lround(qy1 * scale));
-    image.fill_rect(px0, py0, std::max(px1 - px0, 1), std::max(py1 - py0, 1), colour);
+  for (const char ch : printable(text)) {
+    const size_t c = size_t(ch - 32);  // printable: c + 1 <= 95
+    const Glyph& g = kGlyphs[c];
+    const int gy = y + (g.advance & 16 ? scale : 0);
+    draw_segments(image, x, gy, kHSeg + g.h_seg, kGlyphs[c + 1].h_seg - g.h_seg, false, colour, scale);
+    draw_segments(image, x, gy, kVSeg + g.v_seg, kGlyphs[c + 1].v_seg - g.v_seg, true, colour, scale);
+    x += (g.advance & 15) * scale;
   }
 }
 
 int text_width(const std::string& text, int scale) {
-  if (text.empty()) return 0;
-  std::string s = printable(text);
-  return stb_easy_font_width(s.data()) * scale;
+  int width = 0;
+  for (const char ch : printable(text)) width += kGlyphs[size_t(ch - 32)].advance & 15;
+  return width * scale;
 }
 
 int text_height(int scale) { return 7 * scale; }

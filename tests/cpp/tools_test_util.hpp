@@ -13,8 +13,9 @@
 #include <vector>
 
 #include <gtest/gtest.h>
-#include <stb/stb_image.h>  // implementation in Debian's libstb (linked through sattn)
 
+#include "sattn/error.hpp"
+#include "sattn/sr.hpp"
 #include "sattn/tensor.hpp"
 
 namespace sattn::testing_tools {
@@ -47,12 +48,13 @@ struct Decoded {
 
 inline Decoded decode_png_bytes(const std::vector<uint8_t>& bytes) {
   Decoded d;
-  int n = 0;
-  unsigned char* px = stbi_load_from_memory(bytes.data(), int(bytes.size()), &d.width, &d.height, &n, 3);
-  if (!px) return d;
-  d.rgb.assign(px, px + size_t(d.width) * size_t(d.height) * 3);
-  stbi_image_free(px);
-  d.ok = true;
+  try {
+    sr::Image im = sr::decode_image(bytes.data(), bytes.size(), "png bytes");
+    d.width = int(im.width), d.height = int(im.height);
+    d.rgb = std::move(im.data);
+    d.ok = true;
+  } catch (const Error&) {
+  }
   return d;
 }
 

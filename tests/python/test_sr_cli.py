@@ -121,6 +121,44 @@ def test_bad_images_give_clear_errors(tmp_path):
     assert r.returncode == 2 and "attention" in r.stderr
 
 
+def jpeg_header_declaring(width, height):
+    """A baseline JPEG header (SOI, DQT, SOF0 with this size, DHT, SOS) and a few bytes of scan: the start of a
+    decompression bomb."""
+    dqt = b"\xff\xdb\x00\x43\x00" + bytes([1] * 64)
+    sof = b"\xff\xc0\x00\x0b\x08" + height.to_bytes(2, "big") + width.to_bytes(2, "big") + b"\x01\x01\x11\x00"
+    dht = b"\xff\xc4\x00\x14\x00" + bytes([1] + [0] * 15) + b"\x00"             # one DC code: category 0
+    sos = b"\xff\xda\x00\x08\x01\x01\x00\x00\x3f\x00"
+    return b"\xff\xd8" + dqt + sof + dht + sos + b"\x00" * 16 + b"\xff\xd9"
+
+
+def test_output_pixel_limit_refuses_bombs_from_the_header(tmp_path):
+    """--max-output-pixels (default 2^27) counts the output, width x height x scale^2, and refuses from the header,
+    before the weights are loaded or any pixel is decoded: a file declaring 11000 x 11000 fails at once."""
+    bomb = tmp_path / "bomb.jpg"
+    bomb.write_bytes(jpeg_header_declaring(11000, 11000))
+    out = str(tmp_path / "o.png")
+    for s in ("2", "4"):
+        r = run("upscale", str(bomb), out, "--scale", s, ok=False)
+        assert r.returncode == 2, r.stderr
+        n = 121000000 * int(s) ** 2
+        assert f"'{bomb}': 11000x11000 at x{s} = {n} output pixels is over the limit of 134217728" in r.stderr
+        assert r.stderr.count("\n") == 1 and not os.path.exists(out)
+    small = str(tmp_path / "small.png")
+    sr_png.write_png(small, synth(20, 30, 9))                     # x2: 2400 output pixels
+    r = run("upscale", small, out, "--scale", "2", "--max-output-pixels", "2399", ok=False)
+    assert r.returncode == 2 and "over the limit of 2399 output pixels" in r.stderr, r.stderr
+    r = run("upscale", small, out, "--scale", "2", "--max-output-pixels", "0", ok=False)
+    assert r.returncode == 2 and "--max-output-pixels: expected >= 1, given 0" in r.stderr, r.stderr
+    # eval: the outputs are HR-sized, so the HR image is what the limit counts
+    data = tmp_path / "hr"
+    data.mkdir()
+    sr_png.write_png(str(data / "a.png"), synth(20, 30, 10))
+    r = run("eval", "--scale", "2", "--data", str(data), "--attention", "bicubic", "--max-output-pixels", "599",
+            ok=False)
+    assert r.returncode == 2 and "30x20 = 600 pixels is over the limit of 599" in r.stderr, r.stderr
+    run("eval", "--scale", "2", "--data", str(data), "--attention", "bicubic", "--max-output-pixels", "600")
+
+
 def test_upscale_repeat_reports_median_and_same_output(tmp_path):
     """`sr upscale --repeat N` (benchmarking) runs the model N times in one process: same PNG as one run, the summary
     says it, and the model's CPU and wall seconds are reported; --repeat 0 is refused."""

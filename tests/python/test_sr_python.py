@@ -155,3 +155,41 @@ def test_bad_input_gives_clear_errors(tmp_path):
             m.upscale(img, tile=8)
         with pytest.raises(ValueError, match="tile: expected -1"):
             m.upscale(img, tile=-2)
+
+
+@needs_weights
+def test_max_output_pixels_refuses_before_any_work(model):
+    img = synth(20, 30, 6)                                       # x2: 40 x 60 = 2400 output pixels
+    assert model.upscale(img, max_output_pixels=2400).shape == (40, 60, 3)
+    with pytest.raises(ValueError, match="30x20 input at x2 makes 2400 output pixels, over max_output_pixels = 2399"):
+        model.upscale(img, max_output_pixels=2399)
+    big = np.zeros((4096, 2049, 3), np.uint8)                   # x2: 33.6 M pixels, under the default 2^27
+    with pytest.raises(ValueError, match="over max_output_pixels = 33554432"):
+        model.upscale(big, max_output_pixels=2 ** 25)
+
+
+def test_jpeg_pixels_are_pillows():
+    """JPEG is decoded by libjpeg-turbo with its defaults (accurate integer IDCT, fancy upsampling), as Pillow does.
+    Debian's python3-pil is there for /usr/bin/python3 (scripts/test's numpy-1 stage); build/venv has no Pillow."""
+    Image = pytest.importorskip("PIL.Image", reason="Pillow (Debian python3-pil) not installed for this Python")
+    import io
+    import tempfile
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "t.jpg")
+        for h, w in ((1, 1), (7, 13), (123, 77)):
+            for img in (synth(h, w, 7), rng.integers(0, 256, (h, w, 3), dtype=np.uint8)):
+                for mode in ("RGB", "L"):
+                    for opts in ({"quality": 75}, {"quality": 95, "subsampling": 0},
+                                 {"quality": 85, "progressive": True}):
+                        buf = io.BytesIO()
+                        Image.fromarray(img).convert(mode).save(buf, "JPEG", **opts)
+                        with open(p, "wb") as f:
+                            f.write(buf.getvalue())
+                        want = np.asarray(Image.open(p).convert("RGB"))
+                        assert np.array_equal(sr.read_image(p), want), (h, w, mode, opts)
+        # and sattn's PNGs are read back by Pillow's own decoder as written
+        img = synth(37, 29, 8)
+        q = os.path.join(d, "t.png")
+        sr.write_png(q, img)
+        assert np.array_equal(np.asarray(Image.open(q).convert("RGB")), img)

@@ -50,6 +50,10 @@ void check_scale(int s) {
   check(s == 2 || s == 3 || s == 4, ErrorKind::kInvalidArgument, "--scale: expected 2, 3 or 4, given ", s);
 }
 
+void check_max_output_pixels(int64_t n) {
+  check(n >= 1, ErrorKind::kInvalidArgument, "--max-output-pixels: expected >= 1, given ", n);
+}
+
 std::function<void(int64_t, int64_t)> progress_bar(const char* what) {
   if (!isatty(STDERR_FILENO)) return {};
   return [what](int64_t done, int64_t total) {
@@ -81,7 +85,7 @@ std::vector<uint8_t> read_routing(const std::string& path) {
 struct UpscaleArgs {
   std::string in, out, weights, attention = "sparse", float_out, routing_in, routing_out, gates_out;
   int scale = 2, threads = 0, repeat = 1;
-  int64_t tile = -1, overlap = -1;
+  int64_t tile = -1, overlap = -1, max_output_pixels = sr::kDefaultMaxPixels;
   bool self_ensemble = false, profile = false;
 };
 
@@ -136,7 +140,9 @@ void run_upscale(const UpscaleArgs& a) {
   sr::UpscaleOptions opt;
   opt.mode = sr::parse_attention_mode(a.attention);
   opt.num_threads = a.threads;
-  const sr::Image lr = sr::read_image(a.in);
+  check_max_output_pixels(a.max_output_pixels);
+  opt.max_output_pixels = a.max_output_pixels;
+  const sr::Image lr = sr::read_image(a.in, a.max_output_pixels, a.scale);
   opt.tile = auto_tile(a.tile, lr);
   opt.overlap = a.overlap;
   opt.self_ensemble = a.self_ensemble;
@@ -198,7 +204,7 @@ void run_upscale(const UpscaleArgs& a) {
 struct EvalArgs {
   std::string data, weights, attention = "both";
   int scale = 2, threads = 0;
-  int64_t tile = -1, limit = 0;
+  int64_t tile = -1, limit = 0, max_output_pixels = sr::kDefaultMaxPixels;
   bool json = false, self_ensemble = false;
 };
 
@@ -209,6 +215,7 @@ struct ModeResult {
 
 void run_eval(const EvalArgs& a) {
   check_scale(a.scale);
+  check_max_output_pixels(a.max_output_pixels);
   check(fs::is_directory(a.data), ErrorKind::kIO, "--data: '", a.data, "' is not a directory");
   std::vector<fs::path> files;
   for (const auto& e : fs::directory_iterator(a.data)) {
@@ -244,7 +251,8 @@ void run_eval(const EvalArgs& a) {
     std::printf("\n");
   }
   for (const auto& f : files) {
-    const sr::Image hr = sr::mod_crop(sr::read_image(f.string()), a.scale);
+    // the outputs are HR-sized: the limit applies to the HR image itself
+    const sr::Image hr = sr::mod_crop(sr::read_image(f.string(), a.max_output_pixels), a.scale);
     const sr::Image lr = sr::downscale(hr, a.scale);
     nlohmann::json row;
     row["name"] = f.filename().string();
@@ -261,6 +269,7 @@ void run_eval(const EvalArgs& a) {
         opt.num_threads = a.threads;
         opt.tile = auto_tile(a.tile, lr);
         opt.self_ensemble = a.self_ensemble;
+        opt.max_output_pixels = a.max_output_pixels;
         out = model->upscale(lr, opt, &st);
       }
       const double secs = seconds_since(t0);
@@ -318,6 +327,10 @@ void add_sr_command(CLI::App& app) {
                  "context around each tile in LR pixels (-1 = the model's receptive radius: tiled == untiled)")
       ->capture_default_str();
   up->add_option("--weights", ua->weights, "safetensors weights (default: embedded / sr/weights/)");
+  up->add_option("--max-output-pixels", ua->max_output_pixels,
+                 "refuse inputs whose output (width x height x scale^2) has more pixels, checked from the file "
+                 "header before decoding")
+      ->capture_default_str();
   up->add_option("--float-out", ua->float_out, "also write the unclamped float output [3, sH, sW] as .npy");
   up->add_option("--routing-in", ua->routing_in, ".npy of per-window routing decisions to use (sparse, untiled)");
   up->add_option("--routing-out", ua->routing_out, "write the per-window routing decisions (.npy, uint8)");
@@ -353,6 +366,9 @@ void add_sr_command(CLI::App& app) {
   ev->add_option("--threads", ea->threads, "threads (0 = all)");
   ev->add_option("--tile", ea->tile, "tile size (0 = whole image; -1 = auto as in upscale)")->capture_default_str();
   ev->add_option("--limit", ea->limit, "evaluate only the first N images (sorted by name)");
+  ev->add_option("--max-output-pixels", ea->max_output_pixels,
+                 "refuse HR images with more pixels (the outputs are HR-sized), checked from the file header")
+      ->capture_default_str();
   ev->add_flag("--json", ea->json, "print JSON (per image and mean) instead of the table");
   ev->add_flag("--self-ensemble", ea->self_ensemble, "model rows with the x8 geometric self-ensemble (8x the time)");
   ev->callback([ea] {
