@@ -35,7 +35,8 @@ Image read_image(const std::string& path, int64_t max_pixels = kDefaultMaxPixels
 // Same, from bytes in memory; `name` is used in error messages.
 Image decode_image(const void* data, size_t size, const std::string& name, int64_t max_pixels = kDefaultMaxPixels);
 
-// Writes an 8-bit PNG (1 or 3 channels). Throws sattn::Error(kIO) when the file cannot be written.
+// Writes an 8-bit PNG (1 or 3 channels), replacing a regular file atomically (docs/reliability.md). Throws
+// sattn::Error(kIO) naming the file when it cannot be written; the old file is then untouched.
 void write_png(const std::string& path, const Image& image);
 
 // MATLAB imresize(img, scale, 'bicubic') on doubles, exactly as sr/train/imresize.py: output index x (1-based)

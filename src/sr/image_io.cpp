@@ -4,6 +4,7 @@
 #include <fstream>
 #include <memory>
 
+#include "io/writers.hpp"
 #include "sattn/error.hpp"
 #include "sattn/sr.hpp"
 #include "stb_image.h"
@@ -82,7 +83,7 @@ Image read_image(const std::string& path, int64_t max_pixels) {
   return decode_image(buf.data(), buf.size(), path, max_pixels);
 }
 
-void write_png(const std::string& path, const Image& image) {
+std::vector<uint8_t> encode_png(const Image& image) {
   check(image.channels == 1 || image.channels == 3, ErrorKind::kInvalidArgument,
         "write_png: image channels must be 1 or 3, given ", image.channels);
   check(image.height > 0 && image.width > 0 && image.width <= INT32_MAX / 4 && image.height <= INT32_MAX,
@@ -90,9 +91,27 @@ void write_png(const std::string& path, const Image& image) {
   check(image.data.size() == size_t(image.height * image.width * image.channels), ErrorKind::kInvalidArgument,
         "write_png: image data size ", image.data.size(), " does not match ", image.width, "x", image.height, "x",
         image.channels);
-  const int ok = stbi_write_png(path.c_str(), int(image.width), int(image.height), int(image.channels),
-                                image.data.data(), int(image.width * image.channels));
-  check(ok != 0, ErrorKind::kIO, "image '", path, "': cannot write PNG (", std::strerror(errno), ")");
+  std::vector<uint8_t> bytes;
+  const auto append = [](void* context, void* data, int size) {
+    auto* out = static_cast<std::vector<uint8_t>*>(context);
+    out->insert(out->end(), static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + size);
+  };
+  const int ok = stbi_write_png_to_func(append, &bytes, int(image.width), int(image.height), int(image.channels),
+                                        image.data.data(), int(image.width * image.channels));
+  check(ok != 0 && !bytes.empty(), ErrorKind::kInternal, "write_png: PNG encoding failed for a ", image.width, "x",
+        image.height, " image");
+  return bytes;
+}
+
+void write_png(io::OutputFile& out, const Image& image) {
+  const std::vector<uint8_t> png = encode_png(image);
+  out.write(png.data(), png.size());
+}
+
+void write_png(const std::string& path, const Image& image) {
+  io::OutputFile out(path);
+  write_png(out, image);
+  out.commit();
 }
 
 }  // namespace sattn::sr

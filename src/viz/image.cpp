@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "io/writers.hpp"
 #include "sattn/error.hpp"
 #include "sattn/viz.hpp"
 
@@ -111,14 +112,15 @@ std::vector<uint8_t> encode_png(const Image& image) {
   return bytes;
 }
 
+void write_png(io::OutputFile& out, const Image& image) {
+  const std::vector<uint8_t> png = encode_png(image);
+  out.write(png.data(), png.size());
+}
+
 void write_png(const std::string& path, const Image& image) {
-  const std::vector<uint8_t> bytes = encode_png(image);
-  FILE* f = std::fopen(path.c_str(), "wb");
-  check(f != nullptr, ErrorKind::kIO, "cannot open '", path, "' for writing: ", std::strerror(errno));
-  const size_t written = std::fwrite(bytes.data(), 1, bytes.size(), f);
-  const bool closed = std::fclose(f) == 0;
-  check(written == bytes.size() && closed, ErrorKind::kIO, "cannot write '", path, "' (", written, " of ",
-        bytes.size(), " bytes written)");
+  io::OutputFile out(path);
+  write_png(out, image);
+  out.commit();
 }
 
 // ---- colour maps -------------------------------------------------------------------------------------------
