@@ -59,12 +59,19 @@ OutputFile::OutputFile(std::string path, std::string label)
     const fs::path p(target);
     const std::string name = p.filename().string();
     if (name.empty() || name == "." || name == "..")
-      fail("cannot write '" + path_ + "': expected a file name, given a directory", 0);
+      fail("cannot write '" + path_ + "': expected a file name", 0);
     const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
     std::unique_ptr<char, decltype(&std::free)> real(::realpath(dir.c_str(), nullptr), &std::free);
     if (!real) fail("cannot write '" + path_ + "': directory '" + dir + "'", errno);
     const std::string real_dir = real.get();
     if (under_proc(real_dir)) {
+      // /dev/stdout, /dev/fd/N: this process's own descriptor, so that an append (>>) or an offset is honoured.
+      if (real_dir == "/proc/" + std::to_string(::getpid()) + "/fd" &&
+          name.find_first_not_of("0123456789") == std::string::npos) {
+        fd_ = ::fcntl(std::atoi(name.c_str()), F_DUPFD_CLOEXEC, 0);
+        if (fd_ < 0) fail("cannot write '" + path_ + "'", errno);
+        return;
+      }
       direct = true;
       break;
     }

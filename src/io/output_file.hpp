@@ -7,7 +7,8 @@
 // the old file as it was, and a killed process leaves the old file (plus, at worst, a temporary). The new file
 // keeps the permission bits of the file it replaces; a symbolic link is followed and its target replaced.
 // Destinations that are not regular files (character devices such as /dev/null or /dev/full, FIFOs, /dev/stdout
-// and the other /proc/self/fd links) are written directly, every write and the close checked.
+// and the other /proc/self/fd links, these through the process's own descriptor) are written directly, every
+// write and the close checked.
 // Every failure throws sattn::Error(kIO) naming the destination.
 #pragma once
 

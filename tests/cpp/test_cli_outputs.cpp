@@ -243,11 +243,13 @@ TEST_F(CliOutputs, SrUpscaleKilledAnywhereLeavesEachOutputOldOrNew) {
     for (const auto& o : outputs) put(path(o), old[o]);
     ::chmod(path("o.png").c_str(), 0640);
   };
+  int old_left = 0, new_left = 0;  // how the kills left o.png: both must happen
   auto check_outputs = [&](const std::string& point) {
     for (const auto& o : outputs) {
       const std::string now = slurp(path(o));
       EXPECT_TRUE(now == old[o] || now == fresh[o])
           << point << ": " << o << " is neither the old file nor the complete output (" << now.size() << " bytes)";
+      if (o == "o.png") (now == old[o] ? old_left : new_left) += 1;
     }
     struct stat st {};
     ASSERT_EQ(::stat(path("o.png").c_str(), &st), 0);
@@ -294,15 +296,14 @@ TEST_F(CliOutputs, SrUpscaleKilledAnywhereLeavesEachOutputOldOrNew) {
     check_outputs(point);
   }
   // And at moments of the computation, without strace.
+  const std::string shell_cmd = "exec '" + binary_.string() + "' " + args + " >/dev/null 2>&1";
   for (int ms : {0, 20, 60}) {
     restore_old();
     std::fflush(nullptr);
     const pid_t pid = ::fork();
     ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      std::freopen("/dev/null", "w", stdout);
-      std::freopen("/dev/null", "w", stderr);
-      ::execl("/bin/sh", "sh", "-c", ("exec '" + binary_.string() + "' " + args).c_str(), (char*)nullptr);
+    if (pid == 0) {  // nothing but exec in the child of a threaded process
+      ::execl("/bin/sh", "sh", "-c", shell_cmd.c_str(), (char*)nullptr);
       ::_exit(127);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
@@ -311,6 +312,8 @@ TEST_F(CliOutputs, SrUpscaleKilledAnywhereLeavesEachOutputOldOrNew) {
     ::waitpid(pid, &status, 0);
     check_outputs("SIGKILL after " + std::to_string(ms) + " ms");
   }
+  EXPECT_GT(old_left, 0) << "no kill left the old o.png";
+  EXPECT_GT(new_left, 0) << "no kill left the new o.png";
   EXPECT_FALSE(temporaries().empty()) << "the kills inside the writes should have left temporaries";
   restore_old();
   r = run(args);

@@ -1,6 +1,7 @@
 // io::OutputFile and io::OutputFiles: regular files replaced atomically (new, existing with its mode, through a
 // symbolic link), devices written directly with errors reported, failures leave the old file and no temporary.
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -153,13 +154,32 @@ TEST_F(OutputFileTest, DevicesAreWrittenDirectlyAndTheirErrorsReported) {
   EXPECT_EQ(m, "I/O error: --out: cannot write '/dev/full': No space left on device");
 }
 
+// /dev/fd/N and /dev/stdout write to the descriptor itself: a file opened for appending (>>) keeps its contents.
+TEST_F(OutputFileTest, OwnDescriptorsAreWrittenInPlace) {
+  const std::string p = path("log.txt");
+  put(p, "before ");
+  const int fd = ::open(p.c_str(), O_WRONLY | O_APPEND);
+  ASSERT_GE(fd, 0);
+  {
+    OutputFile f("/dev/fd/" + std::to_string(fd));
+    EXPECT_TRUE(f.destination().empty());
+    f.write("after");
+    f.commit();
+  }
+  EXPECT_EQ(::write(fd, "!", 1), 1) << "the descriptor itself stays open";
+  ::close(fd);
+  EXPECT_EQ(slurp(p), "before after!");
+  EXPECT_EQ(entries(), std::vector<std::string>{"log.txt"});
+}
+
 TEST_F(OutputFileTest, UnwritableDestinationsFailWhenOpened) {
   const std::string missing = path("no_dir/x.npy");
   EXPECT_EQ(message_of([&] { OutputFile f(missing, "--lse"); }),
             "I/O error: --lse: cannot write '" + missing + "': directory '" + path("no_dir") +
                 "': No such file or directory");
   EXPECT_EQ(message_of([&] { OutputFile f(dir_.string() + "/"); }),
-            "I/O error: cannot write '" + dir_.string() + "/': expected a file name, given a directory");
+            "I/O error: cannot write '" + dir_.string() + "/': expected a file name");
+  EXPECT_EQ(message_of([] { OutputFile f(""); }), "I/O error: cannot write '': expected a file name");
   fs::create_directories(dir_ / "sub");
   EXPECT_EQ(message_of([&] { OutputFile f(path("sub")); }),
             "I/O error: cannot write '" + path("sub") + "': Is a directory");
