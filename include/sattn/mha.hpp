@@ -71,6 +71,7 @@ class MultiheadAttention {
   void load_state_dict(const std::map<std::string, Tensor>& tensors);
   // Loads a torch state_dict saved with safetensors (e.g. safetensors.torch.save_file(m.state_dict(), path)).
   void load_safetensors(const std::string& path);
+  // Writes the state_dict with write_safetensors (atomically, as every writer).
   void save_safetensors(const std::string& path) const;
   // Re-initialises the parameters as torch does (xavier_uniform in-projections, zero biases, kaiming-uniform
   // out_proj.weight, xavier_normal bias_k/bias_v), from a counter-based generator keyed by `seed`.

@@ -28,7 +28,8 @@ SafetensorsFile read_safetensors(const std::string& path);
 SafetensorsFile parse_safetensors(const void* data, size_t size, const std::string& name = "<memory>");
 
 // Writes `tensors` (any strides; dtypes as above) in name order, header padded with spaces to 8 bytes.
-// Throws sattn::Error(kIO) when the file cannot be written.
+// A regular file is replaced atomically (docs/reliability.md). Throws sattn::Error(kIO) naming the file when it
+// cannot be written; the old file is then untouched.
 void write_safetensors(const std::string& path, const std::map<std::string, TensorView>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 

@@ -47,7 +47,8 @@ Image decode_image(const void* data, size_t size, const std::string& name, int64
 std::vector<uint8_t> encode_png(const Image& image);
 // Same from interleaved pixels: height rows of width * channels bytes.
 std::vector<uint8_t> encode_png(const uint8_t* pixels, int64_t height, int64_t width, int64_t channels);
-// encode_png, written to `path`. Throws sattn::Error(kIO) naming the file when it cannot be written.
+// encode_png, written to `path`, replacing a regular file atomically (docs/reliability.md). Throws sattn::Error(kIO)
+// naming the file when it cannot be written; the old file is then untouched.
 void write_png(const std::string& path, const Image& image);
 
 // MATLAB imresize(img, scale, 'bicubic') on doubles, exactly as sr/train/imresize.py: output index x (1-based)

@@ -46,7 +46,8 @@ class Image {
   std::vector<uint8_t> pixels_;
 };
 
-// PNG encoding (sr::encode_png). Throws sattn::Error(kIO) naming the path when writing fails.
+// PNG encoding (sr::encode_png). write_png replaces a regular file atomically (docs/reliability.md) and throws
+// sattn::Error(kIO) naming the path when writing fails; the old file is then untouched.
 std::vector<uint8_t> encode_png(const Image& image);
 void write_png(const std::string& path, const Image& image);
 

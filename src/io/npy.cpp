@@ -4,6 +4,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "io/writers.hpp"
 #include "sattn/io.hpp"
 
 namespace sattn {
@@ -136,7 +137,7 @@ Tensor read_npy(const std::string& path) {
   return t;
 }
 
-void write_npy(const std::string& path, const TensorView& tensor) {
+void write_npy(io::OutputFile& out, const TensorView& tensor) {
   check(tensor.dtype != DType::kBF16, ErrorKind::kTypeError, "write_npy: bfloat16 has no .npy dtype; convert first");
   const Tensor dense = Tensor::from_view(tensor);
   std::string shape = "(";
@@ -149,15 +150,16 @@ void write_npy(const std::string& path, const TensorView& tensor) {
   const size_t unpadded = 10 + header.size() + 1;
   header.append((64 - unpadded % 64) % 64, ' ');
   header += '\n';
-  std::ofstream f(path, std::ios::binary);
-  if (!f) fail(ErrorKind::kIO, "npy file '", path, "': cannot open for writing");
   const uint16_t len = uint16_t(header.size());
-  f.write("\x93NUMPY\x01\x00", 8);
   const char lb[2] = {char(len & 0xff), char(len >> 8)};
-  f.write(lb, 2);
-  f.write(header.data(), std::streamsize(header.size()));
-  f.write(static_cast<const char*>(dense.data()), std::streamsize(dense.nbytes()));
-  if (!f) fail(ErrorKind::kIO, "npy file '", path, "': write failed");
+  out.write(std::string("\x93NUMPY\x01\x00", 8) + std::string(lb, 2) + header);
+  out.write(dense.data(), dense.nbytes());
+}
+
+void write_npy(const std::string& path, const TensorView& tensor) {
+  io::OutputFile out(path);
+  write_npy(out, tensor);
+  out.commit();
 }
 
 }  // namespace sattn

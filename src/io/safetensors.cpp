@@ -9,6 +9,8 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "io/writers.hpp"
+
 namespace sattn {
 namespace {
 
@@ -202,7 +204,7 @@ SafetensorsFile read_safetensors(const std::string& path) {
   return out;
 }
 
-void write_safetensors(const std::string& path, const std::map<std::string, TensorView>& tensors,
+void write_safetensors(io::OutputFile& out, const std::map<std::string, TensorView>& tensors,
                        const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
@@ -220,14 +222,17 @@ void write_safetensors(const std::string& path, const std::map<std::string, Tens
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // keep the buffer 8-byte aligned, as the reference writer
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f) bad(path, "cannot open for writing");
-  unsigned char lb[8];
-  for (int i = 0; i < 8; ++i) lb[i] = static_cast<unsigned char>(uint64_t(text.size()) >> (8 * i));
-  f.write(reinterpret_cast<const char*>(lb), 8);
-  f.write(text.data(), std::streamsize(text.size()));
-  for (const Tensor& t : dense) f.write(static_cast<const char*>(t.data()), std::streamsize(t.nbytes()));
-  if (!f) bad(path, "write failed");
+  std::string head(8, '\0');
+  for (int i = 0; i < 8; ++i) head[size_t(i)] = static_cast<char>(uint64_t(text.size()) >> (8 * i));
+  out.write(head + text);
+  for (const Tensor& t : dense) out.write(t.data(), t.nbytes());
+}
+
+void write_safetensors(const std::string& path, const std::map<std::string, TensorView>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  io::OutputFile out(path);
+  write_safetensors(out, tensors, metadata);
+  out.commit();
 }
 
 }  // namespace sattn

@@ -14,7 +14,7 @@
 #include <jpeglib.h>
 #include <png.h>
 
-#include "core/write_file.hpp"
+#include "io/writers.hpp"
 #include "sattn/error.hpp"
 #include "sattn/sr.hpp"
 
@@ -298,6 +298,15 @@ std::vector<uint8_t> encode_png(const Image& image) {
   return encode_png(image.data.data(), image.height, image.width, image.channels);
 }
 
-void write_png(const std::string& path, const Image& image) { write_file(path, encode_png(image)); }
+void write_png(io::OutputFile& out, const Image& image) {
+  const std::vector<uint8_t> png = encode_png(image);
+  out.write(png.data(), png.size());
+}
+
+void write_png(const std::string& path, const Image& image) {
+  io::OutputFile out(path);
+  write_png(out, image);
+  out.commit();
+}
 
 }  // namespace sattn::sr

@@ -3,7 +3,7 @@
 #include <array>
 #include <cmath>
 
-#include "core/write_file.hpp"
+#include "io/writers.hpp"
 #include "sattn/error.hpp"
 #include "sattn/sr.hpp"
 #include "sattn/viz.hpp"
@@ -88,7 +88,16 @@ std::vector<uint8_t> encode_png(const Image& image) {
   return sr::encode_png(image.pixels().data(), image.height(), image.width(), 3);
 }
 
-void write_png(const std::string& path, const Image& image) { write_file(path, encode_png(image)); }
+void write_png(io::OutputFile& out, const Image& image) {
+  const std::vector<uint8_t> png = encode_png(image);
+  out.write(png.data(), png.size());
+}
+
+void write_png(const std::string& path, const Image& image) {
+  io::OutputFile out(path);
+  write_png(out, image);
+  out.commit();
+}
 
 // ---- colour maps -------------------------------------------------------------------------------------------
 

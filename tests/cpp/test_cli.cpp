@@ -209,7 +209,9 @@ TEST_F(Cli, AttnBadInputsExit2WithAMessage) {
       {"attn " + qkv() + " --kernel warp9" + o, "unknown kernel 'warp9'"},
       {"attn " + qkv(), "--out"},
       {"attn " + qkv() + " --bogus 1" + o, "--bogus"},
-      {"attn " + qkv() + " --out " + path("no_such_dir/o.npy"), "cannot open for writing"},
+      {"attn " + qkv() + " --out " + path("no_such_dir/o.npy"),
+       "--out: cannot write '" + path("no_such_dir/o.npy") + "': directory '" + path("no_such_dir") +
+           "': No such file or directory"},
   };
   for (const auto& cs : cases) {
     const CliRun r = run(cs.args);

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cli/commands.hpp"
+#include "io/writers.hpp"
 #include "sattn/attention.hpp"
 #include "sattn/io.hpp"
 
@@ -43,6 +44,10 @@ Tensor read_input(const std::string& option, const std::string& path) {
 }
 
 void run_attn(const AttnArgs& a) {
+  io::OutputFiles outputs;  // opened first: an unwritable output fails before any work
+  io::OutputFile& out = outputs.add(a.out, "--out");
+  io::OutputFile* lse = a.lse.empty() ? nullptr : &outputs.add(a.lse, "--lse");
+  io::OutputFile* weights = a.weights.empty() ? nullptr : &outputs.add(a.weights, "--weights");
   const Tensor q = read_input("--q", a.q), k = read_input("--k", a.k), v = read_input("--v", a.v);
   AttentionOptions o;
   Tensor mask, kpm, lengths;
@@ -57,9 +62,10 @@ void run_attn(const AttnArgs& a) {
   o.num_threads = a.threads;
   o.accumulate_fp64 = a.fp64;
   const AttentionResult r = attention(q, k, v, o, !a.lse.empty(), !a.weights.empty());
-  write_npy(a.out, r.out);
-  if (!a.lse.empty()) write_npy(a.lse, r.lse);
-  if (!a.weights.empty()) write_npy(a.weights, r.weights);
+  write_npy(out, r.out);
+  if (lse) write_npy(*lse, r.lse);
+  if (weights) write_npy(*weights, r.weights);
+  outputs.commit();
   if (a.verbose) {
     std::cerr << "sattn attn: kernel " << r.info.kernel << "\n";
     for (const auto& [name, why] : r.info.rejected) std::cerr << "  not " << name << ": " << why << "\n";

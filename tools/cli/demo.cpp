@@ -6,11 +6,9 @@
 // `sattn demo --attention`: attention on generated inputs with the registry's chosen kernel, checked against the
 // reference in float64, with timing. Exit 0 when the check passes, 1 when it fails, 2 on bad options.
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <optional>
@@ -18,6 +16,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/sr_weights.hpp"
+#include "io/writers.hpp"
 #include "sattn/attention.hpp"
 #include "sattn/error.hpp"
 #include "sattn/sr.hpp"
@@ -240,10 +239,7 @@ int run_sr_demo(const DemoArgs& a, const sr::SrModel& model) {
   const int s = 2;
   check(model.scale() == s, ErrorKind::kInvalidArgument, "demo: --weights: expected x2 weights, given x", model.scale(),
         " ('", model.name(), "')");
-  // Fail before the work if --out cannot be written (append mode: an existing file is left as it is until the end).
-  std::FILE* probe = std::fopen(a.out.c_str(), "ab");
-  check(probe != nullptr, ErrorKind::kIO, "demo: --out: cannot open '", a.out, "' for writing: ", std::strerror(errno));
-  std::fclose(probe);
+  io::OutputFile out(a.out, "demo: --out");  // before the work: an unwritable path fails at once
   const sr::Image hr = draw_scene(a.size);
   const sr::Image lr = sr::downscale(hr, s);
   const sr::Image bic = sr::upscale_bicubic(lr, s);
@@ -293,7 +289,8 @@ int run_sr_demo(const DemoArgs& a, const sr::SrModel& model) {
   std::snprintf(b1, sizeof b1, "bicubic %.2f dB", p_bic);
   std::snprintf(b2, sizeof b2, "sparse %.2f dB", p_sparse);
   const viz::Image png = side_by_side({nearest_upscale(lr, s), bic, sparse, hr}, {"LR (nearest)", b1, b2, "HR"});
-  viz::write_png(a.out, png);
+  viz::write_png(out, png);
+  out.commit();
   std::printf("wrote:      %s (%dx%d: LR nearest | bicubic | sparse model | HR)\n", a.out.c_str(), png.width(),
               png.height());
   return 0;

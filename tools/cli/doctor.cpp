@@ -2,9 +2,11 @@
 // Exit 0 when healthy, 1 when there are findings, 2 on bad usage or input.
 #include <cstdlib>
 #include <iostream>
+#include <optional>
 
 #include "cli/commands.hpp"
 #include "cli/tool_inputs.hpp"
+#include "io/writers.hpp"
 #include "sattn/diagnose.hpp"
 #include "sattn/error.hpp"
 #include "sattn/io.hpp"
@@ -26,6 +28,10 @@ void run_doctor(const DoctorArgs& a) {
         "--q, --k and --v: all three are required (or --example)");
   check(!a.example || (a.q.empty() && a.k.empty() && a.v.empty()), ErrorKind::kInvalidArgument,
         "--example: replaces --q/--k/--v, give one or the other");
+  check(a.plot.empty() || (a.plot.size() > 4 && a.plot.ends_with(".png")), ErrorKind::kInvalidArgument,
+        "--plot: expected a file name ending in .png, given '", a.plot, "'");
+  std::optional<io::OutputFile> plot;  // opened before the work
+  if (!a.plot.empty()) plot.emplace(a.plot, "--plot");
   Tensor q, k, v;
   if (a.example) {
     viz::ExampleInputs ex = viz::example_inputs(1, 4, 48, 32, 7);
@@ -36,10 +42,11 @@ void run_doctor(const DoctorArgs& a) {
   LoadedMasks m = load_masks(a.masks);
   DiagnoseOptions d;
   d.expect = parse_expectation(a.expect);
-  check(a.plot.empty() || (a.plot.size() > 4 && a.plot.ends_with(".png")), ErrorKind::kInvalidArgument,
-        "--plot: expected a file name ending in .png, given '", a.plot, "'");
   const Diagnosis dg = diagnose(q, k, v, m.options, d);
-  if (!a.plot.empty()) viz::write_png(a.plot, render_diagnosis(dg, d));
+  if (plot) {
+    viz::write_png(*plot, render_diagnosis(dg, d));
+    plot->commit();
+  }
   if (a.json) std::cout << diagnosis_to_json(dg, 2) << "\n";
   else std::cout << diagnosis_to_text(dg);
   std::cout.flush();

@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <iostream>
 #include <string>
@@ -38,6 +41,14 @@ void fix_openblas_core(int argc, char** argv) {
   execv("/proc/self/exe", argv);  // returns only on failure: go on with the detected kernels
   unsetenv("OPENBLAS_CORETYPE");
 }
+
+// What was printed must reach standard output: a full disk there is an error, not exit 0.
+int flush_stdout(int code) {
+  std::cout.flush();
+  if (std::fflush(stdout) == 0 && !std::ferror(stdout)) return code;
+  std::cerr << "sattn: error: cannot write standard output: " << std::strerror(errno) << "\n";
+  return code == 0 ? 2 : code;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -58,10 +69,10 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {  // a subcommand's own exit code (e.g. demo: 1 = check failed)
-    return e.get_exit_code();
+    return flush_stdout(e.get_exit_code());
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e);
-    return code == 0 ? 0 : 2;
+    return flush_stdout(code == 0 ? 0 : 2);
   } catch (const sattn::Error& e) {
     std::cerr << "sattn: error: " << e.what() << "\n";
     return 2;
@@ -69,5 +80,5 @@ int main(int argc, char** argv) {
     std::cerr << "sattn: error: " << e.what() << "\n";
     return 2;
   }
-  return 0;
+  return flush_stdout(0);
 }

@@ -1,33 +1,21 @@
 // `sattn profile`: forward time and peak memory against L and heads, per kernel, beside the analytic
 // B·h·L²·4 bytes; a terminal table, CSV and plots (SVG or PNG by the file name). Method: include/sattn/profile.hpp.
-#include <fstream>
 #include <iostream>
 
 #include "cli/commands.hpp"
 #include "cli/tool_inputs.hpp"
+#include "io/writers.hpp"
 #include "sattn/error.hpp"
 #include "sattn/profile.hpp"
 #include "sattn/viz.hpp"
 
 namespace sattn::cli {
 
-// Writes the plots of `points` to `path`: .svg as SVG text, .png as PNG. Shared with `report`.
-void write_profile_plot(const std::string& path, const std::vector<ProfilePoint>& points) {
+// Writes the plots of `points` into `out`: PNG when its name ends in .png, else SVG text.
+void write_profile_plot(io::OutputFile& out, const std::vector<ProfilePoint>& points) {
   const auto specs = profile_plot_specs(points);
-  auto ends_with = [&](const char* s) {
-    const std::string e = s;
-    return path.size() >= e.size() && path.compare(path.size() - e.size(), e.size(), e) == 0;
-  };
-  if (ends_with(".png")) {
-    viz::write_png(path, viz::render_plots_png(specs));
-    return;
-  }
-  check(ends_with(".svg"), ErrorKind::kInvalidArgument, "--plot: expected a file name ending in .svg or .png, got '",
-        path, "'");
-  std::ofstream f(path);
-  check(f.good(), ErrorKind::kIO, "--plot: cannot open '", path, "' for writing");
-  f << viz::render_plots_svg(specs);
-  check(f.good(), ErrorKind::kIO, "--plot: cannot write '", path, "'");
+  if (out.path().ends_with(".png")) viz::write_png(out, viz::render_plots_png(specs));
+  else out.write(viz::render_plots_svg(specs));
 }
 
 ProfileOptions profile_options_with_progress(ProfileOptions o) {
@@ -51,18 +39,17 @@ void run_profile_command(const ProfileArgs& a) {
     const bool ok = a.plot.size() > 4 && (a.plot.ends_with(".svg") || a.plot.ends_with(".png"));
     check(ok, ErrorKind::kInvalidArgument, "--plot: expected a file name ending in .svg or .png, got '", a.plot, "'");
   }
+  io::OutputFiles outputs;  // and on an unwritable output
+  io::OutputFile* csv = a.csv.empty() ? nullptr : &outputs.add(a.csv, "--csv");
+  io::OutputFile* plot = a.plot.empty() ? nullptr : &outputs.add(a.plot, "--plot");
   const auto points = run_profile(profile_options_with_progress(a.o));
   std::cout << profile_to_table(points);
   if (!points.empty() && !points.front().memory_method.empty())
     std::cout << "peak MiB: extra resident memory of one forward call in a fresh child process ("
               << points.front().memory_method << "); analytic: B*h*L^2*4 bytes\n";
-  if (!a.csv.empty()) {
-    std::ofstream f(a.csv);
-    check(f.good(), ErrorKind::kIO, "--csv: cannot open '", a.csv, "' for writing");
-    f << profile_to_csv(points);
-    check(f.good(), ErrorKind::kIO, "--csv: cannot write '", a.csv, "'");
-  }
-  if (!a.plot.empty()) write_profile_plot(a.plot, points);
+  if (csv) csv->write(profile_to_csv(points));
+  if (plot) write_profile_plot(*plot, points);
+  outputs.commit();
 }
 
 }  // namespace

@@ -1,12 +1,12 @@
 // `sattn report out.html`: one static HTML file — no server, no network; PNGs as data: URIs, SVG inline — with
 // profile plots, attention maps and a doctor summary for the given q/k/v (or a generated example).
-#include <fstream>
 #include <iostream>
 #include <sstream>
 
 #include "cli/commands.hpp"
 #include "cli/tool_inputs.hpp"
 #include "cli/viz_image.hpp"
+#include "io/writers.hpp"
 #include "sattn/diagnose.hpp"
 #include "sattn/error.hpp"
 #include "sattn/io.hpp"
@@ -32,6 +32,7 @@ void run_report(ReportArgs a) {
   const bool have_inputs = !a.q.empty() || !a.k.empty() || !a.v.empty();
   check(!have_inputs || (!a.q.empty() && !a.k.empty() && !a.v.empty()), ErrorKind::kInvalidArgument,
         "--q/--k/--v: give all three, or none for a generated example");
+  io::OutputFile out(a.out, "report");  // before the work: an unwritable path fails at once
   // Profile first: it forks, and libgomp must not have started its threads yet (see profile.hpp).
   std::vector<ProfilePoint> points;
   if (!a.no_profile) points = run_profile(profile_options_with_progress(a.o));
@@ -124,10 +125,8 @@ void run_report(ReportArgs a) {
          "one fp32 score matrix.</p>\n";
   }
   h << "</body></html>\n";
-  std::ofstream f(a.out);
-  check(f.good(), ErrorKind::kIO, "report: cannot open '", a.out, "' for writing");
-  f << h.str();
-  check(f.good(), ErrorKind::kIO, "report: cannot write '", a.out, "'");
+  out.write(h.str());
+  out.commit();
   std::cout << a.out << "\n";
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cli/commands.hpp"
+#include "io/writers.hpp"
 #include "sattn/attention.hpp"
 #include "sattn/error.hpp"
 #include "sattn/io.hpp"
@@ -141,6 +142,10 @@ void add_sparse_command(CLI::App& app) {
     cmd->add_option("--lse", lse, "log-sum-exp output .npy [B, Hq, Lq]");
     cmd->add_option("--indices", indices, "selected key (block) indices .npy (TopK / BlockTopK)");
     cmd->callback([] {
+      io::OutputFiles outputs;  // opened first: an unwritable output fails before any work
+      io::OutputFile& out_file = outputs.add(out, "--out");
+      io::OutputFile* lse_file = lse.empty() ? nullptr : &outputs.add(lse, "--lse");
+      io::OutputFile* indices_file = indices.empty() ? nullptr : &outputs.add(indices, "--indices");
       const sparse::Pattern p = sparse::Pattern::parse(pattern);
       const Tensor tq = read_npy(q), tk = read_npy(k), tv = read_npy(v);
       sparse::SparseOptions o;
@@ -152,9 +157,10 @@ void add_sparse_command(CLI::App& app) {
       Tensor ti;
       if (!indices.empty()) ti = Tensor(DType::kI64, sparse::selection_shape(p, tq.size(0), tq.size(1), tq.size(2), tk.size(2)));
       sparse::sparse_attention(tq, tk, tv, p, o, to, tl, indices.empty() ? TensorView{} : ti.view());
-      write_npy(out, to);
-      if (!lse.empty()) write_npy(lse, tl);
-      if (!indices.empty()) write_npy(indices, ti);
+      write_npy(out_file, to);
+      if (lse_file) write_npy(*lse_file, tl);
+      if (indices_file) write_npy(*indices_file, ti);
+      outputs.commit();
     });
   }
   {

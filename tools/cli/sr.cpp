@@ -11,11 +11,13 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
 #include "cli/sr_weights.hpp"
+#include "io/writers.hpp"
 #include "sattn/error.hpp"
 #include "sattn/io.hpp"
 #include "sattn/sr.hpp"
@@ -140,14 +142,19 @@ void run_upscale(const UpscaleArgs& a) {
   sr::UpscaleOptions opt;
   opt.mode = sr::parse_attention_mode(a.attention);
   opt.num_threads = a.threads;
+  check(!a.self_ensemble || (a.float_out.empty() && a.routing_in.empty() && a.routing_out.empty() && a.gates_out.empty()),
+        ErrorKind::kInvalidArgument, "--self-ensemble: not with --float-out, --routing-in, --routing-out or --gates-out");
   check_max_output_pixels(a.max_output_pixels);
   opt.max_output_pixels = a.max_output_pixels;
+  io::OutputFiles outputs;  // opened before the work: an unwritable output fails at once; OUT may be IN
+  io::OutputFile& out_file = outputs.add(a.out, "OUT");
+  io::OutputFile* float_file = a.float_out.empty() ? nullptr : &outputs.add(a.float_out, "--float-out");
+  io::OutputFile* routing_file = a.routing_out.empty() ? nullptr : &outputs.add(a.routing_out, "--routing-out");
+  io::OutputFile* gates_file = a.gates_out.empty() ? nullptr : &outputs.add(a.gates_out, "--gates-out");
   const sr::Image lr = sr::read_image(a.in, a.max_output_pixels, a.scale);
   opt.tile = auto_tile(a.tile, lr);
   opt.overlap = a.overlap;
   opt.self_ensemble = a.self_ensemble;
-  check(!a.self_ensemble || (a.float_out.empty() && a.routing_in.empty() && a.routing_out.empty() && a.gates_out.empty()),
-        ErrorKind::kInvalidArgument, "--self-ensemble: not with --float-out, --routing-in, --routing-out or --gates-out");
   const auto model = load_model(a.weights, a.scale, true);
   std::vector<uint8_t> rin, rout;
   std::vector<float> gout;
@@ -172,7 +179,7 @@ void run_upscale(const UpscaleArgs& a) {
       check(opt.tile == 0, ErrorKind::kInvalidArgument, "--float-out needs an untiled run (--tile 0)");
       const Tensor f = model->forward(sr::image_to_tensor(lr), opt, &st);
       st.tiles = 1;
-      if (run + 1 == a.repeat) write_npy(a.float_out, f);
+      if (run + 1 == a.repeat) write_npy(*float_file, f);
       out = sr::tensor_to_image(f);
     } else {
       out = model->upscale(lr, opt, &st);
@@ -182,22 +189,25 @@ void run_upscale(const UpscaleArgs& a) {
     if (a.profile) profiles.push_back(st.stages);
   }
   const double secs = median(walls), cpu_secs = median(cpus);
-  sr::write_png(a.out, out);
-  if (!a.routing_out.empty()) {
+  sr::write_png(out_file, out);
+  if (routing_file) {
     Tensor t(DType::kU8, {int64_t(rout.size())});
     std::copy(rout.begin(), rout.end(), t.data<uint8_t>());
-    write_npy(a.routing_out, t);
+    write_npy(*routing_file, t);
   }
-  if (!a.gates_out.empty()) {
+  if (gates_file) {
     Tensor t(DType::kF32, {int64_t(gout.size())});
     std::copy(gout.begin(), gout.end(), t.data<float>());
-    write_npy(a.gates_out, t);
+    write_npy(*gates_file, t);
   }
-  std::cerr << "sr upscale: " << lr.width << "x" << lr.height << " -> " << out.width << "x" << out.height << " x"
-            << a.scale << " " << a.attention << (a.self_ensemble ? " x8 self-ensemble" : "") << ", " << st.tiles << " tile(s), windows routed " << st.windows_routed
-            << "/" << st.windows_total << ", weights " << model->name()
-            << (a.repeat > 1 ? ", median of " + std::to_string(a.repeat) + " runs" : "")
-            << ", cpu " << cpu_secs << " s, " << secs << " s\n";
+  outputs.commit();
+  std::ostringstream summary;  // one write to the unbuffered stderr, not one per piece
+  summary << "sr upscale: " << lr.width << "x" << lr.height << " -> " << out.width << "x" << out.height << " x"
+          << a.scale << " " << a.attention << (a.self_ensemble ? " x8 self-ensemble" : "") << ", " << st.tiles << " tile(s), windows routed " << st.windows_routed
+          << "/" << st.windows_total << ", weights " << model->name()
+          << (a.repeat > 1 ? ", median of " + std::to_string(a.repeat) + " runs" : "")
+          << ", cpu " << cpu_secs << " s, " << secs << " s\n";
+  std::cerr << summary.str();
   if (a.profile) print_profile(profiles, secs, a);
 }
 
@@ -352,8 +362,10 @@ void add_sr_command(CLI::App& app) {
   down->callback([da] {
     const int s = std::get<2>(*da);
     check(s >= 1 && s <= 16, ErrorKind::kInvalidArgument, "--scale: expected 1..16, given ", s);
+    io::OutputFile out(std::get<1>(*da), "OUT");  // before the work; OUT may be IN
     const sr::Image hr = sr::mod_crop(sr::read_image(std::get<0>(*da)), s);
-    sr::write_png(std::get<1>(*da), sr::downscale(hr, s));
+    sr::write_png(out, sr::downscale(hr, s));
+    out.commit();
   });
 
   auto ea = std::make_shared<EvalArgs>();

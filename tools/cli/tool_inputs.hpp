@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -61,6 +62,13 @@ inline LoadedMasks load_masks(const MaskArgs& a) {
   if (!a.causal.empty()) m.options.causal = parse_causal(a.causal, "--causal");
   if (a.has_scale) m.options.scale = a.scale;
   return m;
+}
+
+// --out DIR of the commands that write a folder of files: created with its parents.
+inline void create_output_directory(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  check(!ec, ErrorKind::kIO, "--out: cannot create the directory '", dir, "': ", ec.message());
 }
 
 // Progress on stderr only when it is a terminal; quiet when piped or redirected.

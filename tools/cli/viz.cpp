@@ -8,6 +8,7 @@
 #include "cli/commands.hpp"
 #include "cli/tool_inputs.hpp"
 #include "cli/viz_image.hpp"
+#include "io/writers.hpp"
 #include "sattn/error.hpp"
 #include "sattn/io.hpp"
 #include "sattn/mha.hpp"
@@ -211,6 +212,10 @@ void run_viz(const VizArgs& a) {
   }
   check(a.img.window < 0 && a.img.at.empty() && a.img.crop.empty() && a.img.block.empty() && a.img.weights.empty(),
         ErrorKind::kInvalidArgument, "--block/--window/--at/--crop/--weights: only with --image");
+  create_output_directory(a.out);
+  io::OutputFiles outputs;  // heads.png is opened before the work: an unwritable folder fails at once
+  const std::string heads_path = (std::filesystem::path(a.out) / "heads.png").string();
+  io::OutputFile& heads_file = outputs.add(heads_path, "--out");
   viz::HeatmapStyle style;
   style.cmap = viz::parse_colormap(a.cmap);
   if (a.has_vmax) style.vmax = a.vmax;
@@ -237,12 +242,13 @@ void run_viz(const VizArgs& a) {
     }
     maps = viz::attention_maps(q, k, m.options);
   }
-  std::filesystem::create_directories(a.out);
-
   std::vector<std::string> written;
   auto save = [&](const std::string& name, const viz::Image& img) {
     const std::string path = (std::filesystem::path(a.out) / name).string();
-    viz::write_png(path, img);
+    if (std::find(written.begin(), written.end(), path) != written.end()) return;  // a --query given twice
+    io::OutputFile& f = path == heads_path ? heads_file : outputs.add(path, "--out");
+    viz::write_png(f, img);
+    f.close();  // one open file at a time; the renames wait for commit()
     written.push_back(path);
   };
   for (const auto& [name, img] : pp.images) save(name, img);
@@ -285,6 +291,7 @@ void run_viz(const VizArgs& a) {
     save("query_" + std::to_string(qi) + ".png",
          viz::render_query_focus(rows, labels, "keys attended by query " + std::to_string(qi), s));
   }
+  outputs.commit();
   for (const auto& p : written) std::cout << p << "\n";
 }
 

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <limits>
 #include <optional>
@@ -16,6 +15,8 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/sr_weights.hpp"
+#include "cli/tool_inputs.hpp"
+#include "io/writers.hpp"
 #include "sattn/error.hpp"
 #include "sattn/sr.hpp"
 #include "sattn/viz.hpp"
@@ -376,20 +377,22 @@ VizImagePictures render_viz_image(const VizImageArgs& a) {
 }
 
 void run_viz_image(const VizImageArgs& a) {
+  create_output_directory(a.out);
+  io::OutputFiles outputs;  // routing.json is opened before the work: an unwritable folder fails at once
+  const std::string json_path = (fs::path(a.out) / "routing.json").string();
+  io::OutputFile& json = outputs.add(json_path, "--out");
   const VizImagePictures r = render_viz_image(a);
-  fs::create_directories(a.out);
   std::vector<std::string> written;
   for (const auto& [name, img] : r.pictures) {
     const std::string path = (fs::path(a.out) / name).string();
-    viz::write_png(path, img);
+    io::OutputFile& f = outputs.add(path, "--out");
+    viz::write_png(f, img);
+    f.close();  // one open file at a time; the renames wait for commit()
     written.push_back(path);
   }
-  const std::string path = (fs::path(a.out) / "routing.json").string();
-  std::ofstream f(path);
-  check(f.good(), ErrorKind::kIO, "--out: cannot write '", path, "'");
-  f << r.json;
-  check(f.good(), ErrorKind::kIO, "--out: cannot write '", path, "'");
-  written.push_back(path);
+  json.write(r.json);
+  written.push_back(json_path);
+  outputs.commit();
   for (const auto& p : written) std::cout << p << "\n";
 }
 
