@@ -70,14 +70,14 @@ std::shared_ptr<AdaptiveNode> make_node(AdaptiveNode::Kind kind) {
   return n;
 }
 std::shared_ptr<AdaptiveNode> topk_node(int64_t k) {
-  check(k >= 1, ErrorKind::kInvalidArgument, "TopK: expected k >= 1, got ", k);
+  detail::check_param("TopK", "k", k, 1);
   auto n = make_node(AdaptiveNode::kTopK);
   n->k = k;
   return n;
 }
 std::shared_ptr<AdaptiveNode> blocktopk_node(int64_t block, int64_t k_blocks, bool local, bool causal) {
-  check(block >= 1, ErrorKind::kInvalidArgument, "BlockTopK: expected block >= 1, got ", block);
-  check(k_blocks >= 1, ErrorKind::kInvalidArgument, "BlockTopK: expected k_blocks >= 1, got ", k_blocks);
+  detail::check_param("BlockTopK", "block", block, 1);
+  detail::check_param("BlockTopK", "k_blocks", k_blocks, 1);
   auto n = make_node(AdaptiveNode::kBlockTopK);
   n->block = block;
   n->k_blocks = k_blocks;
