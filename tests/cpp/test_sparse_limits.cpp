@@ -185,6 +185,50 @@ TEST(PatternLimits, LargestAcceptedParametersGiveExactMasks) {
   EXPECT_EQ(m.computed_pairs(0), 4096);
 }
 
+// Content-adaptive patterns with the largest k, block or k_blocks run in the memory of their lengths and give the
+// results of the equivalent small parameters (k >= Lk keeps every key; one block covers every position).
+TEST(PatternLimits, LargestAdaptiveParametersMatchTheirSmallEquivalents) {
+  const int64_t L = 24, D = 8;
+  const Tensor q = sparse_test::randn({1, 2, L, D}, 11), k = sparse_test::randn({1, 2, L, D}, 12),
+               v = sparse_test::randn({1, 2, L, D}, 13), dout = sparse_test::randn({1, 2, L, D}, 14);
+  struct Run {
+    Tensor out, lse, dq, dk, dv;
+  };
+  auto run = [&](const Pattern& p) {
+    SCOPED_TRACE(p.repr());
+    Run r{Tensor(DType::kF32, {1, 2, L, D}), Tensor(DType::kF32, {1, 2, L}), Tensor(DType::kF32, q.shape()),
+          Tensor(DType::kF32, k.shape()), Tensor(DType::kF32, v.shape())};
+    sparse_attention(q, k, v, p, {}, r.out, r.lse);
+    sparse_attention_backward(dout, q, k, v, r.out, r.lse, p, {}, {r.dq.view(), r.dk.view(), r.dv.view(), {}, {}, {}});
+    return r;
+  };
+  auto expect_same = [&](const Pattern& big, const Pattern& small) {
+    SCOPED_TRACE(big.repr() + " vs " + small.repr());
+    const Run a = run(big), b = run(small);
+    EXPECT_EQ(sparse_test::rel_err(a.out, b.out), 0.0);
+    EXPECT_EQ(sparse_test::rel_err(a.lse, b.lse), 0.0);
+    EXPECT_EQ(sparse_test::rel_err(a.dq, b.dq), 0.0);
+    EXPECT_EQ(sparse_test::rel_err(a.dk, b.dk), 0.0);
+    EXPECT_EQ(sparse_test::rel_err(a.dv, b.dv), 0.0);
+  };
+  expect_same(TopK(kMax), TopK(L));
+  expect_same(TopK(kMax) & SlidingWindow(3, 3), TopK(L) & SlidingWindow(3, 3));
+  expect_same(BlockTopK(kMax, 1), BlockTopK(L, 1));
+  expect_same(BlockTopK(kMax, 1, true, true), BlockTopK(L, 1, true, true));
+  expect_same(BlockTopK(kMax, 2) & SlidingWindow(-1, 0), BlockTopK(L, 2) & SlidingWindow(-1, 0));
+  expect_same(BlockTopK(4, kMax), BlockTopK(4, L / 4));
+  expect_same(BlockTopK(4, kMax, false, true) & SlidingWindow(8, 0), BlockTopK(4, L / 4, false, true) & SlidingWindow(8, 0));
+  // The indices of k_blocks beyond the number of key blocks: the same blocks, then -1.
+  Tensor wide(DType::kI64, {1, 2, L / 4, 100}), narrow(DType::kI64, {1, 2, L / 4, L / 4});
+  Tensor out(DType::kF32, {1, 2, L, D});
+  sparse_attention(q, k, v, BlockTopK(4, 100), {}, out, {}, wide);
+  sparse_attention(q, k, v, BlockTopK(4, L / 4), {}, out, {}, narrow);
+  for (int64_t row = 0; row < 2 * (L / 4); ++row)
+    for (int64_t y = 0; y < 100; ++y)
+      ASSERT_EQ(wide.data<int64_t>()[row * 100 + y], y < L / 4 ? narrow.data<int64_t>()[row * (L / 4) + y] : -1)
+          << "row " << row << " column " << y;
+}
+
 TEST(PatternLimits, SpecsAreAtMost65536CharactersAndNestAtMost256Deep) {
   // A 10^6-term union used to parse and then overflow the stack when freed: now refused before parsing.
   const std::string huge = "Full()" + repeat(" | Full()", 999999);
