@@ -6,7 +6,7 @@
 //   arg   := [ident '='] value         value := int | float | 'string' | "string" | True | False | [int, ...] | expr
 #include <cctype>
 #include <charconv>
-#include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <map>
@@ -267,7 +267,7 @@ class Parser {
         while (true) {
           Value x = value();
           if (x.kind != Value::kInt && x.kind != Value::kFloat) error("expected a number in the tuple", x.pos);
-          v.tuple.push_back(x.kind == Value::kFloat ? x.f : std::stod(x.s));
+          v.tuple.push_back(as_double(x));
           if (peek(',')) {
             ++i_;
             if (peek(')')) break;
@@ -342,6 +342,8 @@ class Parser {
     v.u = v.in_uint64 ? magnitude : 0;
     if (v.in_int64) v.i = negative ? int64_t(0 - magnitude) : int64_t(magnitude);
   }
+  // A number as a double (an integer beyond the double range: +-inf, which the constructors refuse).
+  static double as_double(const Value& v) { return v.kind == Value::kFloat ? v.f : std::strtod(v.s.c_str(), nullptr); }
   static std::string describe(const Value& v) {
     switch (v.kind) {
       case Value::kInt:
@@ -391,7 +393,7 @@ class Parser {
     auto it = a.find(k);
     if (it == a.end()) return dflt;
     const Value& v = it->second;
-    if (v.kind == Value::kInt) return std::stod(v.s);
+    if (v.kind == Value::kInt) return as_double(v);
     if (v.kind != Value::kFloat)
       error(sattn::detail::concat("argument '", k, "': expected a number, got ", describe(v)), v.pos);
     return v.f;

@@ -382,6 +382,12 @@ TEST(PatternLimits, SpecArgumentsThatAreNotInRangeIntegersAreNamed) {
   EXPECT_NE(m.find("power"), std::string::npos) << m;
   m = spec_error("MixedAttention(logits=(nan, 0))");
   EXPECT_NE(m.find("finite logits"), std::string::npos) << m;
+  m = spec_error("MixedAttention(logits=(1" + std::string(400, '0') + ", 0))");  // beyond the double range
+  EXPECT_NE(m.find("finite logits, got (inf, 0)"), std::string::npos) << m;
+  m = spec_error("ReLUAttention(power=1" + std::string(400, '0') + ")");
+  EXPECT_NE(m.find("expected power >= 1, got inf"), std::string::npos) << m;
+  m = spec_error("ReLUAttention(power=1e400)");
+  EXPECT_NE(m.find("number '1e400' is out of the range of a double"), std::string::npos) << m;
   m = spec_error("SlidingWindow(1, 99999999999999999999)");
   EXPECT_NE(m.find("argument 'right': expected an integer in -9223372036854775808..9223372036854775807, got "
                    "99999999999999999999"),
