@@ -299,7 +299,7 @@ struct DilatedNode final : Pattern::Node {
     const int64_t diff = i + align_offset(al, lq, lk) - j;
     return std::abs(diff) <= window * dilation && floor_mod(diff, dilation) == 0;
   }
-  // In the residue layout (see block_mask): residue r's keys sit at [kstart(r), kstart(r) + count(r)).
+  // In the residue layout (see block_mask): residue r's keys sit at [key_start(r), key_start(r) + key_count(r)).
   int64_t key_start(int64_t r, int64_t lk) const { return r * (lk / dilation) + std::min(r, lk % dilation); }
   int64_t key_count(int64_t r, int64_t lk) const { return lk / dilation + (r < lk % dilation ? 1 : 0); }
   bool layout_interval(int64_t, int64_t i, int64_t, int64_t, int64_t lq, int64_t lk, int64_t& lo,
