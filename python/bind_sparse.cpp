@@ -4,6 +4,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <limits>
 #include <optional>
 
 #include "bind_common.hpp"
@@ -13,7 +14,61 @@
 #include "sattn/sparse.hpp"
 
 namespace sattn::py {
+// An integer argument of a pattern constructor: any Python object, converted by int_arg / uint64_arg, whose errors
+// name the argument (pybind11's own conversion refuses a float, NaN or an int beyond 64 bits with a multi-line
+// TypeError that lists the signatures).
+struct IntArg {
+  pybind11::object value;
+};
+}  // namespace sattn::py
+
+namespace pybind11::detail {
+template <>
+struct type_caster<sattn::py::IntArg> {
+  PYBIND11_TYPE_CASTER(sattn::py::IntArg, make_caster<int64_t>::name);  // an int in signatures and stubs
+  bool load(handle src, bool) {
+    value.value = reinterpret_borrow<object>(src);
+    return true;
+  }
+  static handle cast(const sattn::py::IntArg& x, return_value_policy, handle) { return x.value.inc_ref(); }
+};
+}  // namespace pybind11::detail
+
+namespace sattn::py {
 namespace {
+
+// x as a Python int (ints and objects with __index__, e.g. numpy integers; not floats): a TypeError naming the
+// argument otherwise.
+pybind11::object python_int(const IntArg& x, const char* pattern, const char* name) {
+  PyObject* index = pybind11::isinstance<pybind11::float_>(x.value) ? nullptr : PyNumber_Index(x.value.ptr());
+  if (index == nullptr) {
+    PyErr_Clear();
+    fail(ErrorKind::kTypeError, pattern, ": expected ", name, " to be an int, got ",
+         std::string(pybind11::str(pybind11::type::of(x.value).attr("__name__"))), " ",
+         std::string(pybind11::repr(x.value)));
+  }
+  return pybind11::reinterpret_steal<pybind11::object>(index);
+}
+
+int64_t int_arg(const IntArg& x, const char* pattern, const char* name) {
+  const pybind11::object v = python_int(x, pattern, name);
+  int overflow = 0;
+  const long long i = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+  check(overflow == 0, ErrorKind::kInvalidArgument, pattern, ": expected ", name, " in ",
+        std::numeric_limits<int64_t>::min(), "..", std::numeric_limits<int64_t>::max(), ", got ",
+        [&] { return std::string(pybind11::str(v)); });
+  return int64_t(i);
+}
+
+uint64_t uint64_arg(const IntArg& x, const char* pattern, const char* name) {
+  const pybind11::object v = python_int(x, pattern, name);
+  const unsigned long long u = PyLong_AsUnsignedLongLong(v.ptr());
+  const bool out_of_range = PyErr_Occurred() != nullptr;
+  if (out_of_range) PyErr_Clear();
+  check(!out_of_range, ErrorKind::kInvalidArgument, pattern, ": expected ", name, " in 0..",
+        std::numeric_limits<uint64_t>::max(), ", got ", [&] { return std::string(pybind11::str(v)); });
+  return uint64_t(u);
+}
 
 namespace sparse_np {
 
@@ -223,34 +278,54 @@ void bind_sparse(pybind11::module_& m) {
       .def_property_readonly("head_dependent", &Pattern::head_dependent);
 
   pybind11::class_<sparse::SlidingWindow, Pattern>(m, "SlidingWindow")
-      .def(pybind11::init([](int64_t l, int64_t r, const std::string& al) {
-             return sparse::SlidingWindow(l, r, parse_alignment(al));
+      .def(pybind11::init([](const IntArg& l, const IntArg& r, const std::string& al) {
+             return sparse::SlidingWindow(int_arg(l, "SlidingWindow", "left"), int_arg(r, "SlidingWindow", "right"),
+                                          parse_alignment(al));
            }), "left"_a, "right"_a, "alignment"_a = "bottom_right");
   pybind11::class_<sparse::Dilated, Pattern>(m, "Dilated")
-      .def(pybind11::init([](int64_t w, int64_t d, const std::string& al) {
-             return sparse::Dilated(w, d, parse_alignment(al));
+      .def(pybind11::init([](const IntArg& w, const IntArg& d, const std::string& al) {
+             return sparse::Dilated(int_arg(w, "Dilated", "window"), int_arg(d, "Dilated", "dilation"),
+                                    parse_alignment(al));
            }), "window"_a, "dilation"_a, "alignment"_a = "bottom_right");
   pybind11::class_<sparse::BlockLocal, Pattern>(m, "BlockLocal")
-      .def(pybind11::init([](int64_t b, const std::string& al) { return sparse::BlockLocal(b, parse_alignment(al)); }),
-           "block"_a, "alignment"_a = "bottom_right");
+      .def(pybind11::init([](const IntArg& b, const std::string& al) {
+             return sparse::BlockLocal(int_arg(b, "BlockLocal", "block"), parse_alignment(al));
+           }), "block"_a, "alignment"_a = "bottom_right");
   pybind11::class_<sparse::GlobalTokens, Pattern>(m, "GlobalTokens")
-      .def(pybind11::init([](std::vector<int64_t> idx, const Pattern& base, const std::string& al) {
-             return sparse::GlobalTokens(std::move(idx), base, parse_alignment(al));
+      .def(pybind11::init([](const std::vector<IntArg>& idx, const Pattern& base, const std::string& al) {
+             std::vector<int64_t> indices;
+             for (const IntArg& x : idx) indices.push_back(int_arg(x, "GlobalTokens", "indices"));
+             return sparse::GlobalTokens(std::move(indices), base, parse_alignment(al));
            }), "indices"_a, "base"_a, "alignment"_a = "bottom_right");
   pybind11::class_<sparse::BigBird, Pattern>(m, "BigBird")
-      .def(pybind11::init([](int64_t b, int64_t w, int64_t g, int64_t r, uint64_t seed, const std::string& al) {
-             return sparse::BigBird(b, w, g, r, seed, parse_alignment(al));
+      .def(pybind11::init([](const IntArg& b, const IntArg& w, const IntArg& g, const IntArg& r, const IntArg& seed,
+                             const std::string& al) {
+             return sparse::BigBird(int_arg(b, "BigBird", "block"), int_arg(w, "BigBird", "window_blocks"),
+                                    int_arg(g, "BigBird", "global_blocks"), int_arg(r, "BigBird", "random_blocks"),
+                                    uint64_arg(seed, "BigBird", "seed"), parse_alignment(al));
            }), "block"_a, "window_blocks"_a, "global_blocks"_a, "random_blocks"_a, "seed"_a = 0,
            "alignment"_a = "bottom_right");
   pybind11::class_<sparse::Neighborhood2D, Pattern>(m, "Neighborhood2D")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, bool>(), "height"_a, "width"_a, "kernel"_a,
-           "dilation"_a = 1, "causal"_a = false);
+      .def(pybind11::init([](const IntArg& h, const IntArg& w, const IntArg& k, const IntArg& d, bool causal) {
+             return sparse::Neighborhood2D(int_arg(h, "Neighborhood2D", "height"), int_arg(w, "Neighborhood2D", "width"),
+                                           int_arg(k, "Neighborhood2D", "kernel"),
+                                           int_arg(d, "Neighborhood2D", "dilation"), causal);
+           }), "height"_a, "width"_a, "kernel"_a, "dilation"_a = 1, "causal"_a = false);
   pybind11::class_<sparse::WindowAttention2D, Pattern>(m, "WindowAttention2D")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t>(), "height"_a, "width"_a, "window"_a, "shift"_a = 0);
+      .def(pybind11::init([](const IntArg& h, const IntArg& w, const IntArg& win, const IntArg& shift) {
+             return sparse::WindowAttention2D(int_arg(h, "WindowAttention2D", "height"),
+                                              int_arg(w, "WindowAttention2D", "width"),
+                                              int_arg(win, "WindowAttention2D", "window"),
+                                              int_arg(shift, "WindowAttention2D", "shift"));
+           }), "height"_a, "width"_a, "window"_a, "shift"_a = 0);
   pybind11::class_<sparse::Full, Pattern>(m, "Full").def(pybind11::init<>());
-  pybind11::class_<sparse::TopK, Pattern>(m, "TopK").def(pybind11::init<int64_t>(), "k"_a);
+  pybind11::class_<sparse::TopK, Pattern>(m, "TopK")
+      .def(pybind11::init([](const IntArg& k) { return sparse::TopK(int_arg(k, "TopK", "k")); }), "k"_a);
   pybind11::class_<sparse::BlockTopK, Pattern>(m, "BlockTopK")
-      .def(pybind11::init<int64_t, int64_t, bool, bool>(), "block"_a, "k_blocks"_a, "local"_a = true, "causal"_a = false);
+      .def(pybind11::init([](const IntArg& b, const IntArg& kb, bool local, bool causal) {
+             return sparse::BlockTopK(int_arg(b, "BlockTopK", "block"), int_arg(kb, "BlockTopK", "k_blocks"), local,
+                                      causal);
+           }), "block"_a, "k_blocks"_a, "local"_a = true, "causal"_a = false);
   pybind11::class_<sparse::ReLUAttention, Pattern>(m, "ReLUAttention")
       .def(pybind11::init<double, const std::string&>(), "power"_a = 2.0, "normalize"_a = "none");
   pybind11::class_<sparse::MixedAttention, Pattern>(m, "MixedAttention")

@@ -9,6 +9,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace sattn {
 
@@ -33,15 +34,25 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
+// Writes one part of a message; a part that is a function with no arguments (e.g. [&] { return p.repr(); }) is
+// called here, so that a costly part is computed only when the message is built.
+template <typename T>
+void write_part(std::ostringstream& os, const T& part) {
+  if constexpr (std::is_invocable_v<const T&>)
+    os << part();
+  else
+    os << part;
+}
 template <typename... Args>
 std::string concat(const Args&... args) {
   std::ostringstream os;
-  (os << ... << args);
+  (write_part(os, args), ...);
   return os.str();
 }
 }  // namespace detail
 
-// Throws sattn::Error(kind, concat(args...)) when `cond` is false.
+// Throws sattn::Error(kind, concat(args...)) when `cond` is false. The message is built only then; its arguments
+// are evaluated by the caller, so pass a costly part as a function (see detail::write_part).
 template <typename... Args>
 inline void check(bool cond, ErrorKind kind, const Args&... args) {
   if (!cond) throw Error(kind, detail::concat(args...));

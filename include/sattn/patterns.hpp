@@ -96,6 +96,16 @@ class Pattern {
   std::shared_ptr<const Node> node_;
 };
 
+// Limits of the pattern constructors and specs. Sizes, windows, dilations, block sizes and block counts lie in
+// 1..kMaxPatternSize (windows and block counts also 0 where a pattern allows it; window sides also -1 =
+// unbounded); seeds are any uint64. Pattern trees nest at most kMaxPatternDepth deep: a leaf has depth 1,
+// GlobalTokens adds 1 to its base's, and | and & add 1 to their operands' except along a chain of the same
+// operator on the left (a | b | c | ... has depth 2 however long). A spec has at most kMaxSpecLength characters.
+// Out of range: sattn::Error (kInvalidArgument) naming the parameter, its range and the value.
+inline constexpr int64_t kMaxPatternSize = (int64_t(1) << 31) - 1;
+inline constexpr int kMaxPatternDepth = 256;
+inline constexpr size_t kMaxSpecLength = 65536;
+
 // Unions and intersections of patterns.
 Pattern operator|(const Pattern& a, const Pattern& b);
 Pattern operator&(const Pattern& a, const Pattern& b);

@@ -70,14 +70,14 @@ std::shared_ptr<AdaptiveNode> make_node(AdaptiveNode::Kind kind) {
   return n;
 }
 std::shared_ptr<AdaptiveNode> topk_node(int64_t k) {
-  check(k >= 1, ErrorKind::kInvalidArgument, "TopK: expected k >= 1, got ", k);
+  detail::check_param("TopK", "k", k, 1);
   auto n = make_node(AdaptiveNode::kTopK);
   n->k = k;
   return n;
 }
 std::shared_ptr<AdaptiveNode> blocktopk_node(int64_t block, int64_t k_blocks, bool local, bool causal) {
-  check(block >= 1, ErrorKind::kInvalidArgument, "BlockTopK: expected block >= 1, got ", block);
-  check(k_blocks >= 1, ErrorKind::kInvalidArgument, "BlockTopK: expected k_blocks >= 1, got ", k_blocks);
+  detail::check_param("BlockTopK", "block", block, 1);
+  detail::check_param("BlockTopK", "k_blocks", k_blocks, 1);
   auto n = make_node(AdaptiveNode::kBlockTopK);
   n->block = block;
   n->k_blocks = k_blocks;
@@ -323,15 +323,19 @@ void topk_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView&
 void topk_backward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& dout, const TensorView& q,
                    const TensorView& k, const TensorView& v, const TensorView& lse, const SparseOptions& o,
                    const SparseGrads& g, const TensorView& indices_in) {
-  const int64_t B = q.shape[0], hq = q.shape[1], lq = q.shape[2], lk = k.shape[2], K = a.k;
-  // The selection: the given indices, or recomputed (deterministically) by the forward pass.
+  const int64_t B = q.shape[0], hq = q.shape[1], lq = q.shape[2], lk = k.shape[2];
+  // The selection: the given indices, or recomputed (deterministically) by the forward pass, with at most Lk
+  // columns (a k beyond Lk keeps every allowed key, as k = Lk does).
+  const int64_t K = indices_in.data ? a.k : std::min(a.k, lk);
   Tensor idx_t, out_t, lse_t;
   TensorView indices = indices_in;
   if (!indices.data) {
+    AdaptiveNode at_most_lk = a;
+    at_most_lk.k = K;
     idx_t = Tensor(DType::kI64, {B, hq, lq, K});
     out_t = Tensor(DType::kF32, {B, hq, lq, v.shape[3]});
     lse_t = Tensor(DType::kF32, {B, hq, lq});
-    topk_forward(a, fixed, q, k, v, o, out_t, lse_t, idx_t);
+    topk_forward(at_most_lk, fixed, q, k, v, o, out_t, lse_t, idx_t);
     indices = idx_t.view();
   }
   const BlockMask ident = Full().block_mask(lq, lk, 1, o.block);  // identity layout for packing
@@ -401,8 +405,12 @@ void topk_backward(const AdaptiveNode& a, const Pattern& fixed, const TensorView
 // ---- BlockTopK -------------------------------------------------------------------------------------------------
 
 struct BlockSelection {
-  BlockMask mask;              // heads = Hq, identity layout, query blocks = aligned blocks
-  std::vector<int64_t> chosen;  // [Hq, nqb, k_blocks], -1 fill
+  BlockMask mask;               // heads = Hq, identity layout, query blocks = aligned blocks
+  int64_t nqb = 0, width = 0;   // min(k_blocks, number of key blocks) (at least 1): no more can be chosen
+  std::vector<int64_t> chosen;  // [Hq, nqb, width], -1 fill
+  const int64_t* row(int64_t h, int64_t qb) const { return &chosen[size_t((h * nqb + qb) * width)]; }
+  // The y-th chosen key block of (h, qb) as the indices output reports it ([..., k_blocks], -1 fill).
+  int64_t index(int64_t h, int64_t qb, int64_t y) const { return y < width ? row(h, qb)[y] : -1; }
 };
 
 std::vector<int32_t> aligned_bounds(int64_t lq, int64_t off, int64_t block) {
@@ -435,8 +443,10 @@ BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const d
                             const int64_t* given, bool with_mask = true) {
   const int64_t lq = p.Lq, lk = p.Lk, off = lk - lq, blk = a.block, nkb = (lk + blk - 1) / blk, D = p.D;
   const std::vector<int32_t> bounds = aligned_bounds(lq, off, blk);
-  const int64_t nqb = int64_t(bounds.size()), KB = a.k_blocks;
+  const int64_t nqb = int64_t(bounds.size()), KB = std::max<int64_t>(1, std::min(a.k_blocks, nkb));
   BlockSelection sel;
+  sel.nqb = nqb;
+  sel.width = KB;
   sel.chosen.assign(size_t(p.Hq * nqb * KB), -1);
   const std::vector<int32_t> qbounds = [&] {
     std::vector<int32_t> x = {0};
@@ -447,12 +457,13 @@ BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const d
     for (int64_t h = 0; h < p.Hq; ++h)
       for (int64_t qb = 0; qb < nqb; ++qb) {
         std::vector<int64_t> picks;
-        for (int64_t x = 0; x < KB; ++x) {
-          const int64_t kb = given[(h * nqb + qb) * KB + x];
+        for (int64_t x = 0; x < a.k_blocks; ++x) {
+          const int64_t kb = given[(h * nqb + qb) * a.k_blocks + x];
           check(kb >= -1 && kb < nkb, ErrorKind::kInvalidArgument, "indices: key block ", kb, " out of range");
           if (kb >= 0) picks.push_back(kb);
         }
         std::sort(picks.begin(), picks.end());
+        picks.erase(std::unique(picks.begin(), picks.end()), picks.end());  // (so at most `width` of them)
         std::copy(picks.begin(), picks.end(), &sel.chosen[size_t((h * nqb + qb) * KB)]);
       }
   } else {
@@ -682,7 +693,7 @@ void blocktopk_run(const AdaptiveNode& a, const Pattern& fixed, const TensorView
     if (indices.data && !indices_given)
       for (int64_t h = 0; h < p.Hq; ++h)
         for (int64_t x = 0; x < nqb; ++x)
-          for (int64_t y = 0; y < KB; ++y) idx_at(indices, b, h, x, y) = sel.chosen[size_t((h * nqb + x) * KB + y)];
+          for (int64_t y = 0; y < KB; ++y) idx_at(indices, b, h, x, y) = sel.index(h, x, y);
     run(b, sel.mask, batch_options(o, b));
   }
 }
@@ -701,9 +712,10 @@ void blocktopk_forward_direct(const AdaptiveNode& a, const TensorView& q, const 
   detail::check_outputs(p, out, lse);
   const int64_t nqb = blocktopk_nqb(a, lq, lk), KB = a.k_blocks, blk = a.block, nkb = (lk + blk - 1) / blk;
   const int64_t D = p.D, Dv = p.Dv, off = lk - lq;
+  const int64_t bw = std::min(blk, lk);  // columns of a key block in memory (one block of Lk keys when blk > Lk)
   if (indices.data) check_indices(indices, {p.B, p.Hq, nqb, KB}, "[B, Hq, num_query_blocks, k_blocks]");
-  // K of one (b, kv head) at a time as transposed key blocks [nkb][D][block] (one head's worth of memory).
-  detail::HugeVector<float> kt(static_cast<size_t>(nkb * D * blk));
+  // K of one (b, kv head) at a time as transposed key blocks [nkb][D][bw] (one head's worth of memory).
+  detail::HugeVector<float> kt(static_cast<size_t>(nkb * D * bw));
   std::vector<int32_t> qbounds = {0};
   for (int32_t x : aligned_bounds(lq, off, blk)) qbounds.push_back(x);
   for (int64_t b = 0; b < p.B; ++b) {
@@ -711,29 +723,29 @@ void blocktopk_forward_direct(const AdaptiveNode& a, const TensorView& q, const 
     if (indices.data)
       for (int64_t h = 0; h < p.Hq; ++h)
         for (int64_t x = 0; x < nqb; ++x)
-          for (int64_t y = 0; y < KB; ++y) idx_at(indices, b, h, x, y) = sel.chosen[size_t((h * nqb + x) * KB + y)];
+          for (int64_t y = 0; y < KB; ++y) idx_at(indices, b, h, x, y) = sel.index(h, x, y);
     for (int64_t hk = 0; hk < p.Hkv; ++hk) {
       const int64_t bh = b * p.Hkv + hk;
       auto pack = [&](int64_t kb) {
         tiles::transpose_rows(&p.k[size_t((bh * lk + kb * blk) * D)], D, std::min(blk, lk - kb * blk), D,
-                              &kt[size_t(kb * D * blk)], blk);
+                              &kt[size_t(kb * D * bw)], bw);
       };
       detail::parallel(nkb, p.threads, pack);
       auto item = [&](int64_t it) {
         const int64_t h = hk * p.group + it / nqb, qb = it % nqb;
         const int64_t q0 = qbounds[size_t(qb)], m = qbounds[size_t(qb + 1)] - q0, t = floor_div(q0 + off, blk);
         thread_local std::vector<float> s, acc, mx, sum;
-        s.resize(size_t(m * blk));
+        s.resize(size_t(m * bw));
         acc.assign(size_t(m * Dv), 0.0f);
         mx.assign(size_t(m), kNegInf);
         sum.assign(size_t(m), 0.0f);
         const float* qt = &p.q[size_t(((b * p.Hq + h) * lq + q0) * D)];
-        const int64_t* ch = &sel.chosen[size_t((h * nqb + qb) * KB)];
-        for (int64_t x = 0; x < KB && ch[x] >= 0; ++x) {
+        const int64_t* ch = sel.row(h, qb);
+        for (int64_t x = 0; x < sel.width && ch[x] >= 0; ++x) {
           const int64_t kb = ch[x], j0 = kb * blk, n = std::min(blk, lk - j0);
-          const float* ktb = &kt[size_t(kb * D * blk)];
+          const float* ktb = &kt[size_t(kb * D * bw)];
           const float* vb = &p.v[size_t((bh * lk + j0) * Dv)];
-          tiles::qk(qt, m, D, ktb, blk, n, p.scale, s.data());
+          tiles::qk(qt, m, D, ktb, bw, n, p.scale, s.data());
           if (a.causal && kb == t)  // key j allowed iff j <= i + off
             for (int64_t r = 0; r < m; ++r)
               for (int64_t c = std::max<int64_t>(0, q0 + r + off - j0 + 1); c < n; ++c) s[size_t(r * n + c)] = kNegInf;

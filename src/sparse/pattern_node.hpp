@@ -10,6 +10,9 @@ namespace sattn::sparse {
 
 struct Pattern::Node {
   virtual ~Node() = default;
+  // Nesting depth of the tree under this node (see kMaxPatternDepth); every walk of a tree recurses at most this
+  // deep.
+  int depth = 1;
   virtual std::string repr() const = 0;
   // 0 for a leaf pattern; 1 for '&'; 2 for '|' (Python precedence: & binds tighter than |).
   virtual int precedence() const { return 0; }
@@ -59,6 +62,10 @@ struct AdaptiveNode final : Pattern::Node {
 void split_adaptive(const Pattern& p, const AdaptiveNode*& adaptive, Pattern& fixed);
 
 namespace detail {
+// Throws sattn::Error (kInvalidArgument) "<pattern>: expected <name> in <lo>..<hi><note>, got <value>" unless
+// lo <= value <= hi.
+void check_param(const char* pattern, const char* name, int64_t value, int64_t lo, int64_t hi = kMaxPatternSize,
+                 const char* note = "");
 // Appends [lo, hi) split into pieces of at most `block` keys (nothing when lo >= hi).
 void emit_range(std::vector<KeyRange>& out, int64_t lo, int64_t hi, bool full, int64_t block);
 // Union (op '|') or intersection (op '&') of two sorted disjoint range lists, re-split to `block`.

@@ -47,6 +47,11 @@ void check_len32(int64_t len, const char* name) {
 
 namespace detail {
 
+void check_param(const char* pattern, const char* name, int64_t value, int64_t lo, int64_t hi, const char* note) {
+  check(value >= lo && value <= hi, ErrorKind::kInvalidArgument, pattern, ": expected ", name, " in ", lo, "..", hi,
+        note, ", got ", value);
+}
+
 void emit_range(std::vector<KeyRange>& out, int64_t lo, int64_t hi, bool full, int64_t block) {
   for (int64_t s = lo; s < hi; s += block) {
     const int64_t e = std::min(hi, s + block);
@@ -294,11 +299,13 @@ struct DilatedNode final : Pattern::Node {
     const int64_t diff = i + align_offset(al, lq, lk) - j;
     return std::abs(diff) <= window * dilation && floor_mod(diff, dilation) == 0;
   }
-  // In the residue layout (see block_mask): residue r's keys sit at [kstart(r), kstart(r) + count(r)).
+  // In the residue layout (see block_mask): residue r's keys sit at [key_start(r), key_start(r) + key_count(r)).
+  int64_t key_start(int64_t r, int64_t lk) const { return r * (lk / dilation) + std::min(r, lk % dilation); }
+  int64_t key_count(int64_t r, int64_t lk) const { return lk / dilation + (r < lk % dilation ? 1 : 0); }
   bool layout_interval(int64_t, int64_t i, int64_t, int64_t, int64_t lq, int64_t lk, int64_t& lo,
                        int64_t& hi) const override {
     const int64_t d = dilation, a = i + align_offset(al, lq, lk), r = floor_mod(a, d), c = floor_div(a, d);
-    const int64_t start = r * (lk / d) + std::min(r, lk % d), count = lk / d + (r < lk % d ? 1 : 0);
+    const int64_t start = key_start(r, lk), count = key_count(r, lk);
     lo = start + std::max<int64_t>(0, c - window);
     hi = start + std::min(count, c + window + 1);
     if (hi < lo) hi = lo;
@@ -318,27 +325,34 @@ struct DilatedNode final : Pattern::Node {
     m.len_q = lq;
     m.len_k = lk;
     m.heads = 1;
-    std::vector<int64_t> kstart(size_t(d) + 1, 0);
-    for (int64_t r = 0; r < d; ++r) {
-      kstart[r + 1] = kstart[r] + (lk > r ? (lk - r + d - 1) / d : 0);
+    for (int64_t r = 0; r < std::min(d, lk); ++r)
       for (int64_t j = r; j < lk; j += d) m.k_perm.push_back(int32_t(j));
+    // The residues that hold queries, ascending: all of them when d <= Lq, else the Lq distinct ones of the
+    // queries (so the work stays O(Lq + Lk) for any dilation).
+    std::vector<int64_t> residues;
+    if (d <= lq) {
+      residues.resize(size_t(d));
+      std::iota(residues.begin(), residues.end(), int64_t(0));
+    } else {
+      for (int64_t i = 0; i < lq; ++i) residues.push_back(floor_mod(i + off, d));
+      std::sort(residues.begin(), residues.end());
     }
     m.q_block_start.push_back(0);
     m.row_ptr.push_back(0);
-    for (int64_t r = 0; r < d; ++r) {
+    for (int64_t r : residues) {
       // Queries with floor_mod(i + off, d) == r, in increasing order.
       const int64_t first = floor_mod(r - off, d);
       const int64_t group_begin = int64_t(m.q_perm.size());
       for (int64_t i = first; i < lq; i += d) m.q_perm.push_back(int32_t(i));
       const int64_t group_end = int64_t(m.q_perm.size());
-      const int64_t nk = kstart[r + 1] - kstart[r];
+      const int64_t nk = key_count(r, lk);
       for (int64_t p0 = group_begin; p0 < group_end; p0 += block) {
         const int64_t p1 = std::min(group_end, p0 + block);
         const int64_t c0 = floor_div(m.q_perm[p0] + off, d), c1 = floor_div(m.q_perm[p1 - 1] + off, d);
         // Sliding window (window, window) over compressed keys [0, nk).
         const int64_t u0 = std::max<int64_t>(0, c0 - window), u1 = std::min(nk - 1, c1 + window);
         const int64_t f0 = std::max<int64_t>(0, c1 - window), f1 = std::min(nk - 1, c0 + window);
-        const int64_t base = kstart[r];
+        const int64_t base = key_start(r, lk);
         if (u0 <= u1) {
           if (f0 > f1) {
             detail::emit_range(m.ranges, base + u0, base + u1 + 1, false, block);
@@ -393,7 +407,9 @@ struct GlobalTokensNode final : Pattern::Node {
   std::vector<int64_t> indices;  // sorted, unique
   Pattern base;
   Alignment al;
-  GlobalTokensNode(std::vector<int64_t> idx, Pattern b, Alignment a) : indices(std::move(idx)), base(std::move(b)), al(a) {}
+  GlobalTokensNode(std::vector<int64_t> idx, Pattern b, Alignment a) : indices(std::move(idx)), base(std::move(b)), al(a) {
+    depth = base.node().depth + 1;
+  }
   std::string repr() const override {
     std::string s = "GlobalTokens([";
     for (size_t x = 0; x < indices.size(); ++x) s += (x ? ", " : "") + std::to_string(indices[x]);
@@ -815,38 +831,90 @@ struct FullNode final : Pattern::Node {
 
 // ---- Union / intersection ------------------------------------------------------------------------------------
 
+// A union or intersection. A chain of the same operator on the left (((a | b) | c) | d, what `a | b | c | d` and
+// repeated `p = p | x` build) can be as long as memory allows: it is walked and freed with loops, never by
+// recursion; every other link adds 1 to the depth (kMaxPatternDepth), which bounds the recursion.
 struct CombineNode final : Pattern::Node {
   Pattern a, b;
   char op;  // '|' or '&'
-  CombineNode(Pattern a_, Pattern b_, char o) : a(std::move(a_)), b(std::move(b_)), op(o) {}
+  const CombineNode* chain;  // a's node when it is a CombineNode with the same operator, else null
+  bool any_head_dependent, any_adaptive, has_window2d;
+  int64_t w2d_width = 0, w2d_window = 0;  // the first WindowAttention2D's, left to right
+
+  CombineNode(Pattern a_, Pattern b_, char o) : a(std::move(a_)), b(std::move(b_)), op(o) {
+    const auto* left = dynamic_cast<const CombineNode*>(&a.node());
+    chain = left && left->op == op ? left : nullptr;
+    depth = std::max(chain ? a.node().depth : a.node().depth + 1, b.node().depth + 1);
+    any_head_dependent = a.head_dependent() || b.head_dependent();
+    any_adaptive = a.node().contains_adaptive() || b.node().contains_adaptive();
+    has_window2d = a.node().window2d(w2d_width, w2d_window) || b.node().window2d(w2d_width, w2d_window);
+  }
+  ~CombineNode() override {
+    // Frees the left operands one after the other: a CombineNode whose last owner is this chain gives up its own
+    // left operand before it is freed, so no destructor recurses along the chain.
+    Pattern next = std::move(a);
+    while (next.defined() && next.node_ptr().use_count() == 1) {
+      auto* left = const_cast<CombineNode*>(dynamic_cast<const CombineNode*>(&next.node()));
+      if (!left) break;
+      Pattern after = std::move(left->a);
+      next = std::move(after);
+    }
+  }
+  // The operands of the chain this node ends, left to right: a1 op a2 op ... op an.
+  std::vector<const Pattern*> operands() const {
+    std::vector<const Pattern*> v;
+    const CombineNode* n = this;
+    for (; n->chain; n = n->chain) v.push_back(&n->b);
+    v.push_back(&n->b);
+    v.push_back(&n->a);
+    std::reverse(v.begin(), v.end());
+    return v;
+  }
   int precedence() const override { return op == '|' ? 2 : 1; }
   std::string repr() const override {
     const int p = precedence();
-    std::string ls = a.repr(), rs = b.repr();
-    if (a.node().precedence() > p) ls = "(" + ls + ")";
-    if (b.node().precedence() >= p) rs = "(" + rs + ")";
-    return ls + (op == '|' ? " | " : " & ") + rs;
+    const auto ops = operands();
+    std::string s;
+    for (size_t x = 0; x < ops.size(); ++x) {
+      const int q = ops[x]->node().precedence();
+      if (x > 0) s += op == '|' ? " | " : " & ";
+      // (the first operand needs parentheses only for a looser operator; the others also for the same one)
+      const bool parenthesize = x == 0 ? q > p : q >= p;
+      if (parenthesize) s += '(';
+      s += ops[x]->repr();
+      if (parenthesize) s += ')';
+    }
+    return s;
   }
-  bool head_dependent() const override { return a.head_dependent() || b.head_dependent(); }
+  bool head_dependent() const override { return any_head_dependent; }
   bool window2d(int64_t& w, int64_t& win) const override {
-    return a.node().window2d(w, win) || b.node().window2d(w, win);
+    if (has_window2d) w = w2d_width, win = w2d_window;
+    return has_window2d;
   }
-  bool contains_adaptive() const override { return a.node().contains_adaptive() || b.node().contains_adaptive(); }
+  bool contains_adaptive() const override { return any_adaptive; }
   void check_lengths(int64_t lq, int64_t lk) const override {
-    a.node().check_lengths(lq, lk);
-    b.node().check_lengths(lq, lk);
+    for (const Pattern* x : operands()) x->node().check_lengths(lq, lk);
   }
+  // Right to left along the chain, stopping at the first operand that decides (no allocation: this runs per pair).
   bool allowed(int64_t h, int64_t i, int64_t j, int64_t lq, int64_t lk) const override {
-    const bool x = a.node().allowed(h, i, j, lq, lk);
-    return op == '|' ? (x || b.node().allowed(h, i, j, lq, lk)) : (x && b.node().allowed(h, i, j, lq, lk));
+    const bool decides = op == '|';
+    const CombineNode* n = this;
+    for (; n->chain; n = n->chain)
+      if (n->b.node().allowed(h, i, j, lq, lk) == decides) return decides;
+    if (n->b.node().allowed(h, i, j, lq, lk) == decides) return decides;
+    return n->a.node().allowed(h, i, j, lq, lk);
   }
   void ranges_for(int64_t h, int64_t q0, int64_t q1, int64_t lq, int64_t lk, int64_t block,
                   std::vector<KeyRange>& out) const override {
-    std::vector<KeyRange> ra, rb;
-    a.node().ranges_for(h, q0, q1, lq, lk, block, ra);
-    b.node().ranges_for(h, q0, q1, lq, lk, block, rb);
-    auto merged = detail::merge_ranges(ra, rb, op, block);
-    out.insert(out.end(), merged.begin(), merged.end());
+    const auto ops = operands();
+    std::vector<KeyRange> acc, next;
+    ops[0]->node().ranges_for(h, q0, q1, lq, lk, block, acc);
+    for (size_t x = 1; x < ops.size(); ++x) {
+      next.clear();
+      ops[x]->node().ranges_for(h, q0, q1, lq, lk, block, next);
+      acc = detail::merge_ranges(acc, next, op, block);
+    }
+    out.insert(out.end(), acc.begin(), acc.end());
   }
 };
 
@@ -854,82 +922,120 @@ struct CombineNode final : Pattern::Node {
 
 // ---- constructors -------------------------------------------------------------------------------------------------
 
-SlidingWindow::SlidingWindow(int64_t left, int64_t right, Alignment alignment)
-    : Pattern(std::make_shared<SlidingWindowNode>(left, right, alignment)) {
-  check(left >= -1 && right >= -1, ErrorKind::kInvalidArgument,
-        "SlidingWindow: expected left, right >= -1 (-1 = unbounded), got left = ", left, ", right = ", right);
-}
-
-Dilated::Dilated(int64_t window, int64_t dilation, Alignment alignment)
-    : Pattern(std::make_shared<DilatedNode>(window, dilation, alignment)) {
-  check(window >= 0, ErrorKind::kInvalidArgument, "Dilated: expected window >= 0, got ", window);
-  check(dilation >= 1 && dilation < (1 << 20), ErrorKind::kInvalidArgument, "Dilated: expected dilation >= 1, got ",
-        dilation);
-}
-
-BlockLocal::BlockLocal(int64_t block, Alignment alignment)
-    : Pattern(std::make_shared<BlockLocalNode>(block, alignment)) {
-  check(block >= 1, ErrorKind::kInvalidArgument, "BlockLocal: expected block >= 1, got ", block);
-}
-
 namespace {
-std::vector<int64_t> sorted_unique(std::vector<int64_t> v) {
-  for (int64_t x : v)
-    check(x >= 0, ErrorKind::kInvalidArgument, "GlobalTokens: expected indices >= 0, got ", x);
-  std::sort(v.begin(), v.end());
-  v.erase(std::unique(v.begin(), v.end()), v.end());
-  return v;
-}
-}  // namespace
 
-GlobalTokens::GlobalTokens(std::vector<int64_t> indices, const Pattern& base, Alignment alignment)
-    : Pattern(std::make_shared<GlobalTokensNode>(sorted_unique(std::move(indices)), base, alignment)) {
+using detail::check_param;
+
+void check_depth(const char* what, const Pattern::Node& node) {
+  check(node.depth <= kMaxPatternDepth, ErrorKind::kInvalidArgument, what, ": expected patterns nested at most ",
+        kMaxPatternDepth, " deep, got ", node.depth);
+}
+
+std::shared_ptr<const Pattern::Node> sliding_window_node(int64_t left, int64_t right, Alignment al) {
+  check_param("SlidingWindow", "left", left, -1, kMaxPatternSize, " (-1 = unbounded)");
+  check_param("SlidingWindow", "right", right, -1, kMaxPatternSize, " (-1 = unbounded)");
+  return std::make_shared<SlidingWindowNode>(left, right, al);
+}
+
+std::shared_ptr<const Pattern::Node> dilated_node(int64_t window, int64_t dilation, Alignment al) {
+  check_param("Dilated", "window", window, 0);
+  check_param("Dilated", "dilation", dilation, 1);
+  return std::make_shared<DilatedNode>(window, dilation, al);
+}
+
+std::shared_ptr<const Pattern::Node> block_local_node(int64_t block, Alignment al) {
+  check_param("BlockLocal", "block", block, 1);
+  return std::make_shared<BlockLocalNode>(block, al);
+}
+
+std::shared_ptr<const Pattern::Node> global_tokens_node(std::vector<int64_t> indices, const Pattern& base,
+                                                        Alignment al) {
+  for (int64_t x : indices) check_param("GlobalTokens", "indices", x, 0);
+  std::sort(indices.begin(), indices.end());
+  indices.erase(std::unique(indices.begin(), indices.end()), indices.end());
   check(base.defined(), ErrorKind::kInvalidArgument, "GlobalTokens: expected a base pattern");
   check(!base.node().contains_adaptive(), ErrorKind::kInvalidArgument,
-        "GlobalTokens: the base must be a fixed pattern, got ", base.repr());
+        "GlobalTokens: the base must be a fixed pattern, got ", [&] { return base.repr(); });
+  auto node = std::make_shared<GlobalTokensNode>(std::move(indices), base, al);
+  check_depth("GlobalTokens", *node);
+  return node;
 }
 
-BigBird::BigBird(int64_t block, int64_t window_blocks, int64_t global_blocks, int64_t random_blocks, uint64_t seed,
-                 Alignment alignment)
-    : Pattern(std::make_shared<BigBirdNode>(block, window_blocks, global_blocks, random_blocks, seed, alignment)) {
-  check(block >= 1, ErrorKind::kInvalidArgument, "BigBird: expected block >= 1, got ", block);
-  check(window_blocks >= 0 && global_blocks >= 0 && random_blocks >= 0, ErrorKind::kInvalidArgument,
-        "BigBird: expected window_blocks, global_blocks, random_blocks >= 0, got ", window_blocks, ", ",
-        global_blocks, ", ", random_blocks);
+std::shared_ptr<const Pattern::Node> big_bird_node(int64_t block, int64_t window_blocks, int64_t global_blocks,
+                                                   int64_t random_blocks, uint64_t seed, Alignment al) {
+  check_param("BigBird", "block", block, 1);
+  check_param("BigBird", "window_blocks", window_blocks, 0);
+  check_param("BigBird", "global_blocks", global_blocks, 0);
+  check_param("BigBird", "random_blocks", random_blocks, 0);
+  return std::make_shared<BigBirdNode>(block, window_blocks, global_blocks, random_blocks, seed, al);
 }
 
-Neighborhood2D::Neighborhood2D(int64_t height, int64_t width, int64_t kernel, int64_t dilation, bool causal)
-    : Pattern(std::make_shared<Neighborhood2DNode>(height, width, kernel, dilation, causal)) {
-  check(kernel >= 1 && kernel % 2 == 1, ErrorKind::kInvalidArgument, "Neighborhood2D: expected an odd kernel >= 1, got ",
-        kernel);
-  check(dilation >= 1, ErrorKind::kInvalidArgument, "Neighborhood2D: expected dilation >= 1, got ", dilation);
+// The grid of the 2-D patterns: Lq = Lk = height * width must stay below 2^31.
+void check_grid_size(const char* pattern, int64_t height, int64_t width) {
+  check_param(pattern, "height", height, 1);
+  check_param(pattern, "width", width, 1);
+  check(height <= kMaxPatternSize / width, ErrorKind::kInvalidArgument, pattern, ": expected height * width <= ",
+        kMaxPatternSize, ", got ", height * width, " (height = ", height, ", width = ", width, ")");
+}
+
+std::shared_ptr<const Pattern::Node> neighborhood_2d_node(int64_t height, int64_t width, int64_t kernel,
+                                                          int64_t dilation, bool causal) {
+  check_grid_size("Neighborhood2D", height, width);
+  check_param("Neighborhood2D", "kernel", kernel, 1);
+  check(kernel % 2 == 1, ErrorKind::kInvalidArgument, "Neighborhood2D: expected an odd kernel, got ", kernel);
+  check_param("Neighborhood2D", "dilation", dilation, 1);
   check(height >= kernel * dilation && width >= kernel * dilation, ErrorKind::kInvalidArgument,
         "Neighborhood2D: expected height and width >= kernel * dilation = ", kernel * dilation, ", got height = ",
         height, ", width = ", width);
-  check(height * width < (int64_t(1) << 31), ErrorKind::kInvalidArgument, "Neighborhood2D: grid too large");
+  return std::make_shared<Neighborhood2DNode>(height, width, kernel, dilation, causal);
 }
 
-WindowAttention2D::WindowAttention2D(int64_t height, int64_t width, int64_t window, int64_t shift)
-    : Pattern(std::make_shared<WindowAttention2DNode>(height, width, window, shift)) {
-  check(window >= 1, ErrorKind::kInvalidArgument, "WindowAttention2D: expected window >= 1, got ", window);
-  check(height >= 1 && width >= 1 && height % window == 0 && width % window == 0, ErrorKind::kInvalidArgument,
-        "WindowAttention2D: expected height and width to be positive multiples of window = ", window, ", got height = ",
-        height, ", width = ", width);
-  check(shift >= 0 && shift < window, ErrorKind::kInvalidArgument, "WindowAttention2D: expected 0 <= shift < window = ",
-        window, ", got shift = ", shift);
-  check(height * width < (int64_t(1) << 31), ErrorKind::kInvalidArgument, "WindowAttention2D: grid too large");
+std::shared_ptr<const Pattern::Node> window_attention_2d_node(int64_t height, int64_t width, int64_t window,
+                                                              int64_t shift) {
+  check_grid_size("WindowAttention2D", height, width);
+  check_param("WindowAttention2D", "window", window, 1);
+  check(height % window == 0 && width % window == 0, ErrorKind::kInvalidArgument,
+        "WindowAttention2D: expected height and width to be positive multiples of window = ", window,
+        ", got height = ", height, ", width = ", width);
+  check_param("WindowAttention2D", "shift", shift, 0, window - 1);
+  return std::make_shared<WindowAttention2DNode>(height, width, window, shift);
 }
+
+std::shared_ptr<const Pattern::Node> combine_node(const Pattern& a, const Pattern& b, char op) {
+  const char* what = op == '|' ? "pattern |" : "pattern &";
+  check(a.defined() && b.defined(), ErrorKind::kInvalidArgument, what, ": both operands must be patterns");
+  auto node = std::make_shared<CombineNode>(a, b, op);
+  check_depth(what, *node);
+  return node;
+}
+
+}  // namespace
+
+SlidingWindow::SlidingWindow(int64_t left, int64_t right, Alignment alignment)
+    : Pattern(sliding_window_node(left, right, alignment)) {}
+
+Dilated::Dilated(int64_t window, int64_t dilation, Alignment alignment)
+    : Pattern(dilated_node(window, dilation, alignment)) {}
+
+BlockLocal::BlockLocal(int64_t block, Alignment alignment) : Pattern(block_local_node(block, alignment)) {}
+
+GlobalTokens::GlobalTokens(std::vector<int64_t> indices, const Pattern& base, Alignment alignment)
+    : Pattern(global_tokens_node(std::move(indices), base, alignment)) {}
+
+BigBird::BigBird(int64_t block, int64_t window_blocks, int64_t global_blocks, int64_t random_blocks, uint64_t seed,
+                 Alignment alignment)
+    : Pattern(big_bird_node(block, window_blocks, global_blocks, random_blocks, seed, alignment)) {}
+
+Neighborhood2D::Neighborhood2D(int64_t height, int64_t width, int64_t kernel, int64_t dilation, bool causal)
+    : Pattern(neighborhood_2d_node(height, width, kernel, dilation, causal)) {}
+
+WindowAttention2D::WindowAttention2D(int64_t height, int64_t width, int64_t window, int64_t shift)
+    : Pattern(window_attention_2d_node(height, width, window, shift)) {}
 
 Full::Full() : Pattern(std::make_shared<FullNode>()) {}
 
-Pattern operator|(const Pattern& a, const Pattern& b) {
-  check(a.defined() && b.defined(), ErrorKind::kInvalidArgument, "pattern |: both operands must be patterns");
-  return Pattern(std::make_shared<CombineNode>(a, b, '|'));
-}
-Pattern operator&(const Pattern& a, const Pattern& b) {
-  check(a.defined() && b.defined(), ErrorKind::kInvalidArgument, "pattern &: both operands must be patterns");
-  return Pattern(std::make_shared<CombineNode>(a, b, '&'));
-}
+Pattern operator|(const Pattern& a, const Pattern& b) { return Pattern(combine_node(a, b, '|')); }
+Pattern operator&(const Pattern& a, const Pattern& b) { return Pattern(combine_node(a, b, '&')); }
 
 // ---- dense -> block mask ----------------------------------------------------------------------------------------
 

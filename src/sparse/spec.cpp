@@ -5,7 +5,10 @@
 //   atom  := '(' expr ')' | Name '(' [arg (',' arg)*] ')'
 //   arg   := [ident '='] value         value := int | float | 'string' | "string" | True | False | [int, ...] | expr
 #include <cctype>
+#include <charconv>
+#include <cstdlib>
 #include <functional>
+#include <limits>
 #include <map>
 
 #include "sattn/error.hpp"
@@ -19,18 +22,42 @@ struct Value {
   enum Kind { kInt, kFloat, kStr, kBool, kList, kTuple, kPattern } kind = kInt;
   std::vector<double> tuple;
   int64_t i = 0;
+  // kInt: whether the integer fits int64 (then it is `i`) and whether it fits uint64 (then it is `u`).
+  bool in_int64 = true, in_uint64 = true;
+  uint64_t u = 0;
   double f = 0;
-  std::string s;
+  std::string s;  // kStr: the string; kInt, kFloat: the number as written
   std::vector<int64_t> list;
   Pattern p;
   size_t pos = 0;
 };
+
+bool is_name_char(char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; }
+
+// The length of a non-finite float literal at t[pos] (Python's repr: nan, inf, -inf; also +inf, infinity, any
+// case), or 0.
+size_t special_float_length(const std::string& t, size_t pos, double& value) {
+  size_t x = pos;
+  double sign = 1.0;
+  if (x < t.size() && (t[x] == '-' || t[x] == '+')) sign = t[x++] == '-' ? -1.0 : 1.0;
+  size_t e = x;
+  while (e < t.size() && is_name_char(t[e])) ++e;
+  std::string word = t.substr(x, e - x);
+  for (char& c : word) c = char(std::tolower(static_cast<unsigned char>(c)));
+  if (word == "nan") value = std::numeric_limits<double>::quiet_NaN();
+  else if (word == "inf" || word == "infinity") value = sign * std::numeric_limits<double>::infinity();
+  else return 0;
+  return e - pos;
+}
 
 class Parser {
  public:
   explicit Parser(const std::string& text) : t_(text) {}
 
   Pattern parse() {
+    if (t_.size() > kMaxSpecLength)
+      fail(ErrorKind::kInvalidArgument, "pattern spec: expected at most ", kMaxSpecLength, " characters, got ",
+           t_.size());
     skip();
     if (at_end()) error("empty pattern spec", 0);
     Pattern p = expr();
@@ -42,10 +69,36 @@ class Parser {
  private:
   const std::string& t_;
   size_t i_ = 0;
+  int depth_ = 0;  // open parentheses and nested pattern arguments
 
+  // One line: the message, the position and the text there.
   [[noreturn]] void error(const std::string& msg, size_t pos) const {
-    fail(ErrorKind::kInvalidArgument, "pattern spec: ", msg, " at position ", pos, "\n  ", t_, "\n  ",
-         std::string(pos, ' '), "^");
+    const size_t shown = 24;
+    std::string near;
+    if (pos < t_.size()) {
+      near = t_.substr(pos, shown);
+      for (char& c : near)
+        if (std::iscntrl(static_cast<unsigned char>(c))) c = ' ';
+      near = sattn::detail::concat(" (near \"", near, pos + shown < t_.size() ? "...\")" : "\")");
+    }
+    fail(ErrorKind::kInvalidArgument, "pattern spec: ", msg, " at position ", pos, near);
+  }
+  // Counts one more level of nesting while alive (at most kMaxPatternDepth, so the parser's recursion is bounded).
+  struct Nesting {
+    Parser& parser;
+    Nesting(Parser& p, size_t pos) : parser(p) {
+      if (++parser.depth_ > kMaxPatternDepth)
+        parser.error(sattn::detail::concat("expected patterns nested at most ", kMaxPatternDepth, " deep"), pos);
+    }
+    ~Nesting() { --parser.depth_; }
+  };
+  // a | b or a & b, an error at the operator's position (a tree nested too deep).
+  Pattern combine(const Pattern& a, const Pattern& b, char op, size_t pos) const {
+    try {
+      return op == '|' ? a | b : a & b;
+    } catch (const Error& e) {
+      error(e.what(), pos);
+    }
   }
   bool at_end() const { return i_ >= t_.size(); }
   void skip() {
@@ -72,22 +125,23 @@ class Parser {
   Pattern expr() {
     Pattern p = term();
     while (peek('|')) {
-      ++i_;
-      p = p | term();
+      const size_t op_pos = i_++;
+      p = combine(p, term(), '|', op_pos);
     }
     return p;
   }
   Pattern term() {
     Pattern p = atom();
     while (peek('&')) {
-      ++i_;
-      p = p & atom();
+      const size_t op_pos = i_++;
+      p = combine(p, atom(), '&', op_pos);
     }
     return p;
   }
   Pattern atom() {
     skip();
     if (peek('(')) {
+      const Nesting nesting(*this, i_);
       ++i_;
       Pattern p = expr();
       expect(')');
@@ -156,7 +210,8 @@ class Parser {
       }
       while (true) {
         Value x = value();
-        if (x.kind != Value::kInt) error("expected an integer in the list", x.pos);
+        if (x.kind != Value::kInt || !x.in_int64)
+          error(sattn::detail::concat("expected a 64-bit integer in the list, got ", describe(x)), x.pos);
         v.list.push_back(x.i);
         if (peek(',')) {
           ++i_;
@@ -168,6 +223,12 @@ class Parser {
       expect(']');
       return v;
     }
+    if (const size_t n = special_float_length(t_, i_, v.f)) {
+      v.kind = Value::kFloat;
+      v.s = t_.substr(i_, n);
+      i_ += n;
+      return v;
+    }
     if (std::isdigit(static_cast<unsigned char>(c)) || c == '-' || c == '+' || c == '.') {
       const size_t s = i_;
       ++i_;
@@ -177,19 +238,20 @@ class Parser {
         if (t_[i_] == '.' || t_[i_] == 'e' || t_[i_] == 'E') is_float = true;
         ++i_;
       }
-      const std::string num = t_.substr(s, i_ - s);
-      try {
-        size_t used = 0;
-        if (is_float) {
-          v.kind = Value::kFloat;
-          v.f = std::stod(num, &used);
-        } else {
-          v.kind = Value::kInt;
-          v.i = std::stoll(num, &used);
+      v.s = t_.substr(s, i_ - s);
+      if (is_float) {
+        v.kind = Value::kFloat;
+        try {
+          size_t used = 0;
+          v.f = std::stod(v.s, &used);
+          if (used != v.s.size()) throw std::invalid_argument(v.s);
+        } catch (const std::out_of_range&) {
+          error(sattn::detail::concat("number '", v.s, "' is out of the range of a double"), s);
+        } catch (const std::exception&) {
+          error(sattn::detail::concat("malformed number '", v.s, "'"), s);
         }
-        if (used != num.size()) throw std::invalid_argument(num);
-      } catch (const std::exception&) {
-        error(sattn::detail::concat("malformed number '", num, "'"), s);
+      } else {
+        parse_integer(v, s);
       }
       return v;
     }
@@ -197,14 +259,15 @@ class Parser {
     if (c == '(') {
       size_t look = i_ + 1;
       while (look < t_.size() && std::isspace(static_cast<unsigned char>(t_[look]))) ++look;
+      double unused;
       if (look < t_.size() && (std::isdigit(static_cast<unsigned char>(t_[look])) || t_[look] == '-' ||
-                               t_[look] == '+' || t_[look] == '.')) {
+                               t_[look] == '+' || t_[look] == '.' || special_float_length(t_, look, unused))) {
         ++i_;
         v.kind = Value::kTuple;
         while (true) {
           Value x = value();
           if (x.kind != Value::kInt && x.kind != Value::kFloat) error("expected a number in the tuple", x.pos);
-          v.tuple.push_back(x.kind == Value::kInt ? double(x.i) : x.f);
+          v.tuple.push_back(as_double(x));
           if (peek(',')) {
             ++i_;
             if (peek(')')) break;
@@ -229,6 +292,7 @@ class Parser {
         i_ = s;
       }
       v.kind = Value::kPattern;
+      const Nesting nesting(*this, i_);
       v.p = expr();
       return v;
     }
@@ -262,26 +326,77 @@ class Parser {
     return out;
   }
 
+  // An integer literal (digits with an optional sign) into v (kInt).
+  void parse_integer(Value& v, size_t pos) const {
+    v.kind = Value::kInt;
+    const bool negative = v.s[0] == '-';
+    const size_t digits = v.s[0] == '-' || v.s[0] == '+' ? 1 : 0;
+    const char* end = v.s.data() + v.s.size();
+    uint64_t magnitude = 0;
+    const auto [ptr, ec] = std::from_chars(v.s.data() + digits, end, magnitude);
+    if (ptr != end || (ec != std::errc() && ec != std::errc::result_out_of_range))
+      error(sattn::detail::concat("malformed number '", v.s, "'"), pos);
+    const uint64_t int64_limit = uint64_t(std::numeric_limits<int64_t>::max()) + (negative ? 1 : 0);
+    v.in_uint64 = ec == std::errc() && (!negative || magnitude == 0);
+    v.in_int64 = ec == std::errc() && magnitude <= int64_limit;
+    v.u = v.in_uint64 ? magnitude : 0;
+    if (v.in_int64) v.i = negative ? int64_t(0 - magnitude) : int64_t(magnitude);
+  }
+  // A number as a double (an integer beyond the double range: +-inf, which the constructors refuse).
+  static double as_double(const Value& v) { return v.kind == Value::kFloat ? v.f : std::strtod(v.s.c_str(), nullptr); }
+  static std::string describe(const Value& v) {
+    switch (v.kind) {
+      case Value::kInt:
+      case Value::kFloat: return v.s;
+      case Value::kStr: return "'" + v.s + "'";
+      case Value::kBool: return v.i ? "True" : "False";
+      case Value::kList: return "a list";
+      case Value::kTuple: return "a tuple";
+      case Value::kPattern: return "a pattern";
+    }
+    return "?";
+  }
   int64_t get_int(const std::map<std::string, Value>& a, const char* k, int64_t dflt) const {
     auto it = a.find(k);
     if (it == a.end()) return dflt;
-    if (it->second.kind == Value::kBool) return it->second.i;
-    if (it->second.kind != Value::kInt) error(sattn::detail::concat("argument '", k, "': expected an integer"), it->second.pos);
-    return it->second.i;
+    const Value& v = it->second;
+    if (v.kind == Value::kBool) return v.i;
+    if (v.kind != Value::kInt)
+      error(sattn::detail::concat("argument '", k, "': expected an integer, got ", describe(v)), v.pos);
+    if (!v.in_int64)
+      error(sattn::detail::concat("argument '", k, "': expected an integer in ", std::numeric_limits<int64_t>::min(),
+                                  "..", std::numeric_limits<int64_t>::max(), ", got ", v.s),
+            v.pos);
+    return v.i;
+  }
+  uint64_t get_uint64(const std::map<std::string, Value>& a, const char* k, uint64_t dflt) const {
+    auto it = a.find(k);
+    if (it == a.end()) return dflt;
+    const Value& v = it->second;
+    if (v.kind != Value::kInt)
+      error(sattn::detail::concat("argument '", k, "': expected an integer, got ", describe(v)), v.pos);
+    if (!v.in_uint64)
+      error(sattn::detail::concat("argument '", k, "': expected an integer in 0..",
+                                  std::numeric_limits<uint64_t>::max(), ", got ", v.s),
+            v.pos);
+    return v.u;
   }
   bool get_bool(const std::map<std::string, Value>& a, const char* k, bool dflt) const {
     auto it = a.find(k);
     if (it == a.end()) return dflt;
-    if (it->second.kind != Value::kBool && !(it->second.kind == Value::kInt && (it->second.i == 0 || it->second.i == 1)))
-      error(sattn::detail::concat("argument '", k, "': expected True or False"), it->second.pos);
-    return it->second.i != 0;
+    const Value& v = it->second;
+    if (v.kind != Value::kBool && !(v.kind == Value::kInt && v.in_int64 && (v.i == 0 || v.i == 1)))
+      error(sattn::detail::concat("argument '", k, "': expected True or False, got ", describe(v)), v.pos);
+    return v.i != 0;
   }
   double get_double(const std::map<std::string, Value>& a, const char* k, double dflt) const {
     auto it = a.find(k);
     if (it == a.end()) return dflt;
-    if (it->second.kind == Value::kInt) return double(it->second.i);
-    if (it->second.kind != Value::kFloat) error(sattn::detail::concat("argument '", k, "': expected a number"), it->second.pos);
-    return it->second.f;
+    const Value& v = it->second;
+    if (v.kind == Value::kInt) return as_double(v);
+    if (v.kind != Value::kFloat)
+      error(sattn::detail::concat("argument '", k, "': expected a number, got ", describe(v)), v.pos);
+    return v.f;
   }
   std::string get_str(const std::map<std::string, Value>& a, const char* k, const std::string& dflt) const {
     auto it = a.find(k);
@@ -323,7 +438,7 @@ class Parser {
         const Value& iv = a.at("indices");
         std::vector<int64_t> idx;
         if (iv.kind == Value::kList) idx = iv.list;
-        else if (iv.kind == Value::kInt) idx = {iv.i};
+        else if (iv.kind == Value::kInt) idx = {get_int(a, "indices", 0)};
         else error("argument 'indices': expected a list of integers", iv.pos);
         return GlobalTokens(idx, get_pattern(a, "base"), get_alignment(a));
       }
@@ -333,7 +448,7 @@ class Parser {
                        {"seed", false}, {"alignment", false}},
                       positional, keywords);
         return BigBird(get_int(a, "block", 1), get_int(a, "window_blocks", 0), get_int(a, "global_blocks", 0),
-                       get_int(a, "random_blocks", 0), uint64_t(get_int(a, "seed", 0)), get_alignment(a));
+                       get_int(a, "random_blocks", 0), get_uint64(a, "seed", 0), get_alignment(a));
       }
       if (name == "Neighborhood2D") {
         auto a = bind(name, pos,
