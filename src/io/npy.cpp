@@ -64,77 +64,115 @@ std::string dict_value(const std::string& path, const std::string& header, const
   return header.substr(p, e - p);
 }
 
+// What the start of a .npy file says: the dtype, shape and order of the data and where the data starts.
+struct Header {
+  DType dtype = DType::kF32;
+  Shape shape;
+  bool fortran = false;
+  size_t data_start = 0;
+};
+
+// The magic string, version and length fields, then a header dict of at most 1 MiB.
+constexpr size_t kMaxPreambleBytes = 12 + (size_t(1) << 20);
+
+// Parses the header from the first `size` bytes of a .npy file (at least up to the data, or the whole file).
+Header parse_header(const std::string& path, const char* bytes, size_t size) {
+  if (size < 8 || std::memcmp(bytes, "\x93NUMPY", 6) != 0) bad(path, "not a .npy file (bad magic)");
+  const auto* b = reinterpret_cast<const unsigned char*>(bytes);
+  const int major = b[6];
+  size_t header_len = 0, dict_start = 0;
+  if (major == 1) {
+    dict_start = 10;
+    if (size < dict_start) bad(path, "truncated header");
+    header_len = b[8] | (size_t(b[9]) << 8);
+  } else if (major == 2 || major == 3) {
+    dict_start = 12;
+    if (size < dict_start) bad(path, "truncated header");
+    header_len = b[8] | (size_t(b[9]) << 8) | (size_t(b[10]) << 16) | (size_t(b[11]) << 24);
+  } else {
+    bad(path, "unsupported format version " + std::to_string(major));
+  }
+  if (header_len > kMaxPreambleBytes - 12) bad(path, "header too long");
+  if (size - dict_start < header_len) bad(path, "truncated header");
+  const std::string header(bytes + dict_start, header_len);
+  Header h;
+  h.data_start = dict_start + header_len;
+  h.dtype = parse_descr(path, dict_value(path, header, "descr"));
+  const std::string order = dict_value(path, header, "fortran_order");
+  if (order.rfind("True", 0) == 0) h.fortran = true;
+  else if (order.rfind("False", 0) == 0) h.fortran = false;
+  else bad(path, "bad fortran_order '" + order + "'");
+  std::stringstream ss(dict_value(path, header, "shape"));
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    size_t a = item.find_first_not_of(" "), e = item.find_last_not_of(" L");
+    if (a == std::string::npos) continue;
+    const std::string num = item.substr(a, e - a + 1);
+    char* end = nullptr;
+    const long long v = std::strtoll(num.c_str(), &end, 10);
+    if (num.empty() || *end != '\0' || v < 0 || v > (1LL << 40)) bad(path, "bad shape entry '" + num + "'");
+    h.shape.push_back(v);
+  }
+  if (h.shape.size() > 32) bad(path, "too many dimensions (" + std::to_string(h.shape.size()) + ")");
+  double extent = 1.0;
+  for (int64_t d : h.shape) extent *= double(d > 0 ? d : 1);
+  // Even an empty array must have strides that fit in int64.
+  if (extent > double(int64_t(1) << 52)) bad(path, "shape " + shape_to_string(h.shape) + " is too large");
+  return h;
+}
+
+// Checks the payload size against the bytes after the header before anything is allocated (no absurd
+// allocations from a bad header).
+void check_data_size(const std::string& path, const Header& h, double available) {
+  double total = double(dtype_size(h.dtype));
+  for (int64_t d : h.shape) total *= double(d);
+  if (total > available) {
+    std::ostringstream os;
+    os << "truncated data: shape " << shape_to_string(h.shape) << " of " << to_string(h.dtype) << " needs " << total
+       << " bytes, the file has " << available;
+    bad(path, os.str());
+  }
+}
+
+// The tensor as numpy means it, from `t` holding the file's data bytes.
+Tensor finish(Tensor t, const Header& h) {
+  if (h.dtype == DType::kBool)
+    for (int64_t i = 0; i < t.numel(); ++i) t.data<uint8_t>()[i] = t.data<uint8_t>()[i] != 0;
+  if (h.fortran && h.shape.size() > 1) {
+    // Reinterpret as the reversed shape in C order, then transpose into C order.
+    Shape rev(h.shape.rbegin(), h.shape.rend());
+    Shape rev_strides = contiguous_strides(rev);
+    Shape strides(rev_strides.rbegin(), rev_strides.rend());
+    t = Tensor::from_view(TensorView(t.data(), h.dtype, h.shape, strides));
+  }
+  return t;
+}
+
 }  // namespace
+
+Tensor parse_npy(const void* data, size_t size, const std::string& name) {
+  const char* bytes = static_cast<const char*>(data);
+  const Header h = parse_header(name, bytes, size);
+  check_data_size(name, h, double(size - h.data_start));
+  Tensor t(h.dtype, h.shape);
+  if (t.nbytes()) std::memcpy(t.data(), bytes + h.data_start, t.nbytes());
+  return finish(std::move(t), h);
+}
 
 Tensor read_npy(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   if (!f) bad(path, "cannot open for reading");
-  char magic[8];
-  if (!f.read(magic, 8) || std::memcmp(magic, "\x93NUMPY", 6) != 0) bad(path, "not a .npy file (bad magic)");
-  const int major = static_cast<unsigned char>(magic[6]);
-  uint32_t header_len = 0;
-  if (major == 1) {
-    unsigned char b[2];
-    if (!f.read(reinterpret_cast<char*>(b), 2)) bad(path, "truncated header");
-    header_len = b[0] | (uint32_t(b[1]) << 8);
-  } else if (major == 2 || major == 3) {
-    unsigned char b[4];
-    if (!f.read(reinterpret_cast<char*>(b), 4)) bad(path, "truncated header");
-    header_len = b[0] | (uint32_t(b[1]) << 8) | (uint32_t(b[2]) << 16) | (uint32_t(b[3]) << 24);
-  } else {
-    bad(path, "unsupported format version " + std::to_string(major));
-  }
-  if (header_len > (1u << 20)) bad(path, "header too long");
-  std::string header(header_len, '\0');
-  if (!f.read(header.data(), header_len)) bad(path, "truncated header");
-  const DType dtype = parse_descr(path, dict_value(path, header, "descr"));
-  const std::string order = dict_value(path, header, "fortran_order");
-  bool fortran;
-  if (order.rfind("True", 0) == 0) fortran = true;
-  else if (order.rfind("False", 0) == 0) fortran = false;
-  else bad(path, "bad fortran_order '" + order + "'");
-  Shape shape;
-  {
-    std::stringstream ss(dict_value(path, header, "shape"));
-    std::string item;
-    while (std::getline(ss, item, ',')) {
-      size_t a = item.find_first_not_of(" "), b = item.find_last_not_of(" L");
-      if (a == std::string::npos) continue;
-      const std::string num = item.substr(a, b - a + 1);
-      char* end = nullptr;
-      const long long v = std::strtoll(num.c_str(), &end, 10);
-      if (num.empty() || *end != '\0' || v < 0 || v > (1LL << 40)) bad(path, "bad shape entry '" + num + "'");
-      shape.push_back(v);
-    }
-  }
-  if (shape.size() > 32) bad(path, "too many dimensions (" + std::to_string(shape.size()) + ")");
-  double total = double(dtype_size(dtype)), extent = 1.0;
-  for (int64_t d : shape) total *= double(d), extent *= double(d > 0 ? d : 1);
-  // Even an empty array must have strides that fit in int64.
-  if (extent > double(int64_t(1) << 52)) bad(path, "shape " + shape_to_string(shape) + " is too large");
-  // Check the payload size against the file before allocating (no absurd allocations from a bad header).
-  const auto data_start = f.tellg();
+  std::string preamble(kMaxPreambleBytes, '\0');
+  f.read(preamble.data(), std::streamsize(preamble.size()));
+  preamble.resize(size_t(f.gcount()));
+  const Header h = parse_header(path, preamble.data(), preamble.size());
+  f.clear();
   f.seekg(0, std::ios::end);
-  const double available = double(f.tellg() - data_start);
-  if (total > available) {
-    std::ostringstream os;
-    os << "truncated data: shape " << shape_to_string(shape) << " of " << to_string(dtype) << " needs " << total
-       << " bytes, the file has " << available;
-    bad(path, os.str());
-  }
-  f.seekg(data_start);
-  Tensor t(dtype, shape);
+  check_data_size(path, h, double(f.tellg()) - double(h.data_start));
+  f.seekg(std::streamoff(h.data_start));
+  Tensor t(h.dtype, h.shape);
   if (t.nbytes() && !f.read(static_cast<char*>(t.data()), std::streamsize(t.nbytes()))) bad(path, "truncated data");
-  if (dtype == DType::kBool)
-    for (int64_t i = 0; i < t.numel(); ++i) t.data<uint8_t>()[i] = t.data<uint8_t>()[i] != 0;
-  if (fortran && shape.size() > 1) {
-    // Reinterpret as the reversed shape in C order, then transpose into C order.
-    Shape rev(shape.rbegin(), shape.rend());
-    Shape rev_strides = contiguous_strides(rev);
-    Shape strides(rev_strides.rbegin(), rev_strides.rend());
-    t = Tensor::from_view(TensorView(t.data(), dtype, shape, strides));
-  }
-  return t;
+  return finish(std::move(t), h);
 }
 
 void write_npy(io::OutputFile& out, const TensorView& tensor) {

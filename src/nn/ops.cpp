@@ -74,7 +74,8 @@ void for_each_padded_row(const float* in, int64_t H, int64_t W, int64_t C, int t
   parallel_for(nb, threads, [&](int64_t b) {
     thread_local Buffer ring_buf;
     float* ring = ring_buf.get(3 * rowp);
-    const auto [y0, y1] = band(b);
+    // Plain variables, not a structured binding: clang before 16 cannot capture those in the lambdas below.
+    const int64_t y0 = band(b).first, y1 = band(b).second;
     auto slot = [&](int64_t r) { return ring + ((r + 3) % 3) * rowp; };
     auto load = [&](int64_t r) {  // padded input row r into its ring slot
       float* d = slot(r);

@@ -1,10 +1,11 @@
 // .npy round trips (every dtype, 0-d / 1-d / n-d, strided sources, Fortran order, format 2.0) and malformed
-// or truncated files -> sattn::Error(kIO) naming the file.
+// or truncated files -> sattn::Error(kIO) naming the file; parse_npy (from memory) agrees with read_npy.
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 
 #include <unistd.h>
@@ -45,14 +46,46 @@ std::string npy_bytes(const std::string& dict, const std::string& payload, int m
   return out + header + payload;
 }
 
+std::string file_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+// read_npy(path), checked against parse_npy of the file's bytes (the same tensor).
+Tensor read_both(const std::string& path) {
+  const Tensor t = sattn::read_npy(path);
+  const std::string bytes = file_bytes(path);
+  const Tensor m = sattn::parse_npy(bytes.data(), bytes.size(), path);
+  EXPECT_EQ(m.dtype(), t.dtype());
+  EXPECT_EQ(m.shape(), t.shape());
+  EXPECT_EQ(m.nbytes(), t.nbytes());
+  if (m.nbytes() == t.nbytes()) {
+    EXPECT_EQ(0, std::memcmp(m.data(), t.data(), t.nbytes())) << path;
+  }
+  return t;
+}
+
+// read_npy(path) throws kIO naming the file and containing `needle`; for a regular file parse_npy of its bytes
+// throws the same message.
 void expect_io_error(const std::string& path, const std::string& needle) {
+  std::string message;
   try {
     sattn::read_npy(path);
     ADD_FAILURE() << path << ": no error (expected '" << needle << "')";
   } catch (const sattn::Error& e) {
+    message = e.what();
     EXPECT_EQ(e.kind(), ErrorKind::kIO) << e.what();
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << "message should name the file: " << e.what();
+    EXPECT_NE(message.find(needle), std::string::npos) << e.what();
+    EXPECT_NE(message.find(path), std::string::npos) << "message should name the file: " << e.what();
+  }
+  if (!std::filesystem::is_regular_file(path)) return;
+  const std::string bytes = file_bytes(path);
+  try {
+    sattn::parse_npy(bytes.data(), bytes.size(), path);
+    ADD_FAILURE() << path << ": parse_npy gave no error (expected '" << needle << "')";
+  } catch (const sattn::Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kIO) << e.what();
+    EXPECT_EQ(std::string(e.what()), message);
   }
 }
 
@@ -70,7 +103,7 @@ TEST(Npy, RoundTripEveryDtypeAndRank) {
       }
       const std::string path = temp_path("rt.npy");
       sattn::write_npy(path, t);
-      const Tensor r = sattn::read_npy(path);
+      const Tensor r = read_both(path);
       EXPECT_EQ(r.dtype(), dt);
       ASSERT_EQ(r.shape(), shape) << sattn::to_string(dt);
       EXPECT_EQ(0, std::memcmp(r.data(), t.data(), t.nbytes())) << sattn::to_string(dt) << sattn::shape_to_string(shape);
@@ -111,7 +144,7 @@ TEST(Npy, ReadsFortranOrderAndFormat2) {
   for (double x : {0.0, 3.0, 1.0, 4.0, 2.0, 5.0}) payload.append(reinterpret_cast<const char*>(&x), 8);
   const std::string path = temp_path("fortran.npy");
   write_bytes(path, npy_bytes("{'descr': '<f8', 'fortran_order': True, 'shape': (2, 3), }", payload));
-  const Tensor t = sattn::read_npy(path);
+  const Tensor t = read_both(path);
   ASSERT_EQ(t.shape(), (sattn::Shape{2, 3}));
   for (int n = 0; n < 6; ++n) EXPECT_EQ(t.data<double>()[n], double(n));
   // Fortran order of a 3-D array: element (i, j, l) at i + 2 j + 6 l.
@@ -122,18 +155,18 @@ TEST(Npy, ReadsFortranOrderAndFormat2) {
     p3.append(reinterpret_cast<const char*>(&value), 4);
   }
   write_bytes(path, npy_bytes("{'descr': '<i4', 'fortran_order': True, 'shape': (2, 3, 4), }", p3));
-  const Tensor t3 = sattn::read_npy(path);
+  const Tensor t3 = read_both(path);
   for (int n = 0; n < 24; ++n) EXPECT_EQ(t3.data<int32_t>()[n], n);
   // Format 2.0 (4-byte header length), 1-d.
   const float f[3] = {1.5f, -2.f, 3.f};
   write_bytes(path, npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (3,), }",
                               std::string(reinterpret_cast<const char*>(f), 12), 2));
-  const Tensor t2 = sattn::read_npy(path);
+  const Tensor t2 = read_both(path);
   ASSERT_EQ(t2.shape(), (sattn::Shape{3}));
   EXPECT_EQ(t2.data<float>()[1], -2.f);
   // Bool bytes other than 0/1 are normalised.
   write_bytes(path, npy_bytes("{'descr': '|b1', 'fortran_order': False, 'shape': (2,), }", std::string("\x00\x07", 2)));
-  const Tensor b = sattn::read_npy(path);
+  const Tensor b = read_both(path);
   EXPECT_EQ(b.data<uint8_t>()[0], 0);
   EXPECT_EQ(b.data<uint8_t>()[1], 1);
 }
