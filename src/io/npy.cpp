@@ -107,10 +107,9 @@ Tensor read_npy(const std::string& path) {
     }
   }
   if (shape.size() > 32) bad(path, "too many dimensions (" + std::to_string(shape.size()) + ")");
-  double total = double(dtype_size(dtype)), extent = 1.0;
-  for (int64_t d : shape) total *= double(d), extent *= double(d > 0 ? d : 1);
-  // Even an empty array must have strides that fit in int64.
-  if (extent > double(int64_t(1) << 52)) bad(path, "shape " + shape_to_string(shape) + " is too large");
+  double total = double(dtype_size(dtype));
+  for (int64_t d : shape) total *= double(d);
+  if (!strides_fit(shape)) bad(path, "shape " + shape_to_string(shape) + " is too large (its strides exceed 2^52)");
   // Check the payload size against the file before allocating (no absurd allocations from a bad header).
   const auto data_start = f.tellg();
   f.seekg(0, std::ios::end);
