@@ -8,9 +8,12 @@
 //   kUnsupported     -> sattn.UnsupportedError(sattn.Error, NotImplementedError)
 //   kIO              -> sattn.FileFormatError(sattn.Error, ValueError, OSError)
 //   kInternal        -> sattn.InternalError(sattn.Error, RuntimeError)
+// std::bad_alloc and std::length_error (a size past what a buffer can hold) become sattn.OutOfMemoryError too.
 #include <pybind11/stl.h>
 
 #include <atomic>
+#include <new>
+#include <stdexcept>
 #include <string>
 
 #include "bindings.hpp"
@@ -101,6 +104,9 @@ void bind_core(pybind11::module_& m) {
       PyErr_SetString(cls, e.what());
     } catch (const std::bad_alloc&) {
       PyErr_SetString(g_memory, "sattn: out of memory (std::bad_alloc)");
+    } catch (const std::length_error& e) {  // a size past what a buffer can hold ("larger than max_size()")
+      PyErr_SetString(g_memory, detail::concat("sattn: out of memory: a buffer larger than any this machine can "
+                                               "address was asked for (std::length_error: ", e.what(), ")").c_str());
     }
   });
 

@@ -1,6 +1,6 @@
 // Python bindings of the sparse area: pattern classes, sparse_attention(_backward), block_mask_from_dense.
 //
-// numpy <-> TensorView: bind_common.hpp (sparse_np below only adapts it to arrays the caller keeps alive).
+// numpy <-> TensorView: bind_common.hpp (inputs whose layout a view cannot express are copied, as for SDPA).
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
@@ -72,23 +72,19 @@ uint64_t uint64_arg(const IntArg& x, const char* pattern, const char* name) {
 
 namespace sparse_np {
 
-// A view of a numpy array without a copy (bind_common's conversion; layouts that would need a copy are refused
-// here because the caller keeps only `a` alive).
-TensorView view_of(const pybind11::array& a, const char* name) {
-  ArrayKeeper keeper;
-  const TensorView t = sattn::py::view_of(a, name, keeper);
-  check(keeper.arrays.back().ptr() == a.ptr(), ErrorKind::kInvalidArgument, name,
-        ": negative or unaligned strides are not supported (pass a contiguous copy)");
-  return t;
-}
-
 pybind11::array new_array(DType dt, const Shape& shape) { return sattn::py::new_array(dt, shape, nullptr); }
 
 // out and the gradients keep the inputs' dtype (half precision included); lse is float32 (float64 for float64).
 DType result_dtype(const TensorView& q) { return is_floating(q.dtype) ? q.dtype : DType::kF32; }
 DType stats_dtype(const TensorView& q) { return q.dtype == DType::kF64 ? DType::kF64 : DType::kF32; }
 
-TensorView out_view(pybind11::array& a) { return view_of(a, "output"); }
+// A view of an array allocated here by new_array (C order: never copied, so the kernel writes into `a`).
+TensorView out_view(pybind11::array& a) {
+  ArrayKeeper keeper;
+  const TensorView t = view_of(a, "output", keeper);
+  check(keeper.arrays.back().ptr() == a.ptr(), ErrorKind::kInternal, "output: an array allocated here needs a copy");
+  return t;
+}
 
 }  // namespace sparse_np
 
@@ -98,9 +94,9 @@ sparse::Alignment parse_alignment(const std::string& s) {
   fail(ErrorKind::kInvalidArgument, "alignment: expected 'bottom_right' or 'top_left', got '", s, "'");
 }
 
-// Keeps numpy arrays alive and fills SparseOptions.
+// Keeps numpy arrays (and copies of those with negative or unaligned strides) alive and fills SparseOptions.
 struct CallOptions {
-  std::vector<pybind11::array> keep;
+  ArrayKeeper keeper;
   sparse::SparseOptions o;
 };
 
@@ -115,18 +111,9 @@ CallOptions make_options(std::optional<double> scale, bool enable_gqa, const std
   c.o.num_threads = num_threads;
   c.o.softcap = softcap;
   if (alibi) c.o.alibi_slopes = *alibi;
-  if (kpm) {
-    c.keep.push_back(*kpm);
-    c.o.key_padding_mask = sparse_np::view_of(*kpm, "key_padding_mask");
-  }
-  if (bias) {
-    c.keep.push_back(*bias);
-    c.o.bias = sparse_np::view_of(*bias, "bias");
-  }
-  if (rel_pos_bias) {
-    c.keep.push_back(*rel_pos_bias);
-    c.o.rel_pos_bias = sparse_np::view_of(*rel_pos_bias, "rel_pos_bias");
-  }
+  if (kpm) c.o.key_padding_mask = view_of(*kpm, "key_padding_mask", c.keeper);
+  if (bias) c.o.bias = view_of(*bias, "bias", c.keeper);
+  if (rel_pos_bias) c.o.rel_pos_bias = view_of(*rel_pos_bias, "rel_pos_bias", c.keeper);
   return c;
 }
 
@@ -136,8 +123,8 @@ pybind11::object sparse_attention_py(const pybind11::array& q, const pybind11::a
                                      bool return_indices, int64_t block, const std::optional<std::vector<float>>& alibi_slopes,
                                      double softcap, const std::optional<pybind11::array>& bias,
                                      const std::optional<pybind11::array>& rel_pos_bias, int num_threads) {
-  const TensorView qv = sparse_np::view_of(q, "query"), kv = sparse_np::view_of(k, "key"),
-                   vv = sparse_np::view_of(v, "value");
+  ArrayKeeper keeper;
+  const TensorView qv = view_of(q, "query", keeper), kv = view_of(k, "key", keeper), vv = view_of(v, "value", keeper);
   check(qv.dim() == 4 && vv.dim() == 4, ErrorKind::kInvalidArgument,
         "query/value: expected 4-D arrays [B, H, L, D], got query ", shape_to_string(qv.shape), " and value ",
         shape_to_string(vv.shape));
@@ -154,7 +141,7 @@ pybind11::object sparse_attention_py(const pybind11::array& q, const pybind11::a
     check(!is.empty(), ErrorKind::kInvalidArgument, "return_indices: only TopK and BlockTopK patterns return a "
           "selection, got ", pattern.repr());
     idx = pybind11::array_t<int64_t>(std::vector<pybind11::ssize_t>(is.begin(), is.end()));
-    iv = sparse_np::view_of(idx, "indices");
+    iv = sparse_np::out_view(idx);
   }
   {
     pybind11::gil_scoped_release nogil;
@@ -172,9 +159,10 @@ pybind11::tuple sparse_attention_backward_py(
     bool enable_gqa, const std::optional<pybind11::array>& key_padding_mask, int64_t block,
     const std::optional<std::vector<float>>& alibi_slopes, double softcap, const std::optional<pybind11::array>& bias,
     const std::optional<pybind11::array>& rel_pos_bias, int num_threads, const std::optional<pybind11::array>& indices) {
-  const TensorView qv = sparse_np::view_of(q, "query"), kv = sparse_np::view_of(k, "key"),
-                   vv = sparse_np::view_of(v, "value"), dov = sparse_np::view_of(dout, "dout"),
-                   outv = sparse_np::view_of(out, "out"), lsev = sparse_np::view_of(lse, "lse");
+  ArrayKeeper keeper;
+  const TensorView qv = view_of(q, "query", keeper), kv = view_of(k, "key", keeper), vv = view_of(v, "value", keeper),
+                   dov = view_of(dout, "dout", keeper), outv = view_of(out, "out", keeper),
+                   lsev = view_of(lse, "lse", keeper);
   CallOptions c = make_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias,
                                num_threads);
   const DType odt = sparse_np::result_dtype(qv);
@@ -200,7 +188,7 @@ pybind11::tuple sparse_attention_backward_py(
     extra["logits"] = dlogits;
   }
   TensorView iv;
-  if (indices) iv = sparse_np::view_of(*indices, "indices");
+  if (indices) iv = view_of(*indices, "indices", keeper);
   {
     pybind11::gil_scoped_release nogil;
     sparse::sparse_attention_backward(dov, qv, kv, vv, outv, lsev, pattern, c.o, g, iv);
@@ -333,7 +321,8 @@ void bind_sparse(pybind11::module_& m) {
            "logits"_a = std::pair<double, double>(0.0, 0.0));
   m.def("selection_mask",
         [](const Pattern& p, const pybind11::array& indices, int64_t lq, int64_t lk) {
-          return to_numpy(sparse::selection_mask(p, sparse_np::view_of(indices, "indices"), lq, lk));
+          ArrayKeeper keeper;
+          return to_numpy(sparse::selection_mask(p, view_of(indices, "indices", keeper), lq, lk));
         },
         "pattern"_a, "indices"_a, "len_q"_a, "len_k"_a,
         "Bool [B, Hq, Lq, Lk] mask of the selection returned by sparse_attention(..., return_indices=True).");
@@ -342,7 +331,8 @@ void bind_sparse(pybind11::module_& m) {
   m.def("alibi_slopes", &sparse::alibi_slopes, "heads"_a);
   m.def("block_mask_from_dense",
         [](const pybind11::array& mask, int64_t block, std::optional<int64_t> block_k) {
-          return sparse::block_mask_from_dense(sparse_np::view_of(mask, "mask"), block, block_k.value_or(block));
+          ArrayKeeper keeper;
+          return sparse::block_mask_from_dense(view_of(mask, "mask", keeper), block, block_k.value_or(block));
         },
         "mask"_a, "block"_a = 64, "block_k"_a = pybind11::none(),
         "FlexAttention's create_block_mask: bool [Lq, Lk] or [H, Lq, Lk] (True = may attend) -> BlockMask.");
@@ -350,8 +340,9 @@ void bind_sparse(pybind11::module_& m) {
   m.def("linear_attention",
         [](const pybind11::array& q, const pybind11::array& k, const pybind11::array& v, const std::string& feature_map,
            std::optional<int64_t> num_features, bool causal, uint64_t seed, bool enable_gqa, int num_threads) {
-          const TensorView qv = sparse_np::view_of(q, "query"), kv = sparse_np::view_of(k, "key"),
-                           vv = sparse_np::view_of(v, "value");
+          ArrayKeeper keeper;
+          const TensorView qv = view_of(q, "query", keeper), kv = view_of(k, "key", keeper),
+                           vv = view_of(v, "value", keeper);
           const auto o = linear_options(feature_map, num_features, causal, seed, enable_gqa, num_threads);
           check(qv.dim() == 4 && vv.dim() == 4, ErrorKind::kInvalidArgument, "query/value: expected 4-D arrays");
           pybind11::array out = sparse_np::new_array(sparse_np::result_dtype(qv),
@@ -370,8 +361,9 @@ void bind_sparse(pybind11::module_& m) {
         [](const pybind11::array& dout, const pybind11::array& q, const pybind11::array& k, const pybind11::array& v,
            const std::string& feature_map, std::optional<int64_t> num_features, bool causal, uint64_t seed,
            bool enable_gqa, int num_threads) {
-          const TensorView qv = sparse_np::view_of(q, "query"), kv = sparse_np::view_of(k, "key"),
-                           vv = sparse_np::view_of(v, "value"), dov = sparse_np::view_of(dout, "dout");
+          ArrayKeeper keeper;
+          const TensorView qv = view_of(q, "query", keeper), kv = view_of(k, "key", keeper),
+                           vv = view_of(v, "value", keeper), dov = view_of(dout, "dout", keeper);
           const auto o = linear_options(feature_map, num_features, causal, seed, enable_gqa, num_threads);
           const DType odt = sparse_np::result_dtype(qv);
           pybind11::array dq = sparse_np::new_array(odt, qv.shape), dk = sparse_np::new_array(odt, kv.shape),

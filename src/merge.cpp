@@ -56,10 +56,15 @@ void merge_attention_partials(const std::vector<TensorView>& outs, const std::ve
   std::vector<int64_t> idx(lshape.size(), 0), full(oshape.size(), 0);
   do {
     double m = -HUGE_VAL;
-    for (size_t c = 0; c < C; ++c) m = std::max(m, lses[c].get(idx.data()));
-    std::fill(acc.begin(), acc.end(), 0.0);
-    double s = 0;
-    if (m != -HUGE_VAL) {
+    bool nan = false;  // a partial of a NaN row (lse NaN) makes the merged row NaN
+    for (size_t c = 0; c < C; ++c) {
+      const double l = lses[c].get(idx.data());
+      m = std::max(m, l), nan |= std::isnan(l);
+    }
+    constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+    std::fill(acc.begin(), acc.end(), nan ? kNaN : 0.0);
+    double s = nan ? kNaN : 0.0;
+    if (m != -HUGE_VAL && !nan) {
       for (size_t c = 0; c < C; ++c) {
         const double l = lses[c].get(idx.data());
         w[c] = l == -HUGE_VAL ? 0.0 : std::exp(l - m);  // ignored when -inf
@@ -79,7 +84,7 @@ void merge_attention_partials(const std::vector<TensorView>& outs, const std::ve
       full.back() = x;
       out.set(full.data(), acc[size_t(x)]);
     }
-    lse.set(idx.data(), m == -HUGE_VAL ? -HUGE_VAL : m + std::log(s));
+    lse.set(idx.data(), m == -HUGE_VAL && !nan ? -HUGE_VAL : m + std::log(s));
   } while (!lshape.empty() && next_index(idx, lshape));
 }
 

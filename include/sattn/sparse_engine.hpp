@@ -4,9 +4,10 @@
 //
 // Shapes: q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] (any strides, f32/f64/bf16/f16),
 // out [B, Hq, Lq, Dv], lse [B, Hq, Lq] (optional). Query head h reads kv head h / (Hq / Hkv).
-// Rows with no allowed key: out = 0, lse = -inf, zero gradients. Deterministic: every output element has one
-// writer (forward: per query block; backward: dK/dV per key block, dQ per query block, in separate passes) and
-// the work split does not depend on the thread count.
+// Rows with no allowed key: out = 0, lse = -inf, zero gradients. Rows with a NaN among their allowed scores: out and
+// lse NaN, NaN gradients through their allowed keys only (never across a mask). Deterministic: every output
+// element has one writer (forward: per query block; backward: dK/dV per key block, dQ per query block, in separate
+// passes) and the work split does not depend on the thread count.
 //
 // MaskMod: bool operator()(b, h, i, j) (original indices); optionally
 //   bool interval(b, h, i, kp0, kp1, int64_t& lo, int64_t& hi) const: the allowed layout key positions of row i in

@@ -27,6 +27,9 @@ std::string shape_to_string(const Shape& shape);
 // Row-major (C-order) strides for `shape`.
 Shape contiguous_strides(const Shape& shape);
 int64_t numel(const Shape& shape);
+// Whether the row-major strides of `shape` (a 0 dimension counted as 1) stay within 2^52 elements. The file
+// readers refuse other shapes, empty ones included, so that no stride or offset computed from them overflows.
+bool strides_fit(const Shape& shape);
 
 struct TensorView {
   void* data = nullptr;

@@ -69,6 +69,14 @@ Shape contiguous_strides(const Shape& shape) {
   return strides;
 }
 
+bool strides_fit(const Shape& shape) {
+  uint64_t extent = 1;
+  for (int64_t d : shape)
+    if (d < 0 || __builtin_mul_overflow(extent, uint64_t(d > 0 ? d : 1), &extent) || extent > (uint64_t(1) << 52))
+      return false;
+  return true;
+}
+
 int64_t numel(const Shape& shape) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;

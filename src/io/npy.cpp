@@ -114,10 +114,8 @@ Header parse_header(const std::string& path, const char* bytes, size_t size) {
     h.shape.push_back(v);
   }
   if (h.shape.size() > 32) bad(path, "too many dimensions (" + std::to_string(h.shape.size()) + ")");
-  double extent = 1.0;
-  for (int64_t d : h.shape) extent *= double(d > 0 ? d : 1);
   // Even an empty array must have strides that fit in int64.
-  if (extent > double(int64_t(1) << 52)) bad(path, "shape " + shape_to_string(h.shape) + " is too large");
+  if (!strides_fit(h.shape)) bad(path, "shape " + shape_to_string(h.shape) + " is too large (its strides exceed 2^52)");
   return h;
 }
 

@@ -100,6 +100,7 @@ std::vector<Entry> parse_header(const std::string& file, const std::string& text
       bad(file, where + "data_offsets span " + std::to_string(e.end - e.begin) + " bytes but shape " + sh.dump() +
                     " of " + dt.get<std::string>() + " needs " +
                     (saturated ? std::string("more than 2^64") : std::to_string(bytes)));
+    if (!strides_fit(e.shape)) bad(file, where + "shape " + sh.dump() + " is too large (its strides exceed 2^52)");
     entries.push_back(std::move(e));
   }
   // Tensors must tile the buffer exactly: no overlaps, no holes, no trailing bytes.

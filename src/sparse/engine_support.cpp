@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <new>
 #include <unordered_map>
@@ -254,6 +255,33 @@ void check_grads(const Packed&, const TensorView& q, const TensorView& k, const 
   check_output_view(dv, "dv", v.shape);
 }
 
+namespace {
+bool has_nan(const float* x, size_t n) {
+  unsigned nan = 0;  // no branch: the scan vectorises
+  for (size_t i = 0; i < n; ++i) nan |= unsigned(x[i] != x[i]);
+  return nan != 0;
+}
+
+// Zeroes the rows [rows x width] of buf that hold a NaN (copying buf first when it is a view of the caller's
+// tensor); returns which rows they were (empty when none, found by one scan of buf).
+std::vector<uint8_t> zero_nan_rows(FloatBuf& buf, int64_t rows, int64_t width) {
+  if (!has_nan(buf.ptr, buf.n)) return {};
+  if (buf.own.empty()) {
+    buf.own.assign(buf.ptr, buf.ptr + buf.n);
+    buf.ptr = buf.own.data();
+  }
+  std::vector<uint8_t> nan(size_t(rows), 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = &buf.own[size_t(r * width)];
+    if (has_nan(row, size_t(width))) {
+      nan[size_t(r)] = 1;
+      std::fill_n(row, width, 0.0f);
+    }
+  }
+  return nan;
+}
+}  // namespace
+
 void pack_backward(Packed& p, const BlockMask& mask, const TensorView& dout, const TensorView& out,
                    const TensorView& lse) {
   check_input(dout, "dout", "[B, Hq, Lq, Dv]");
@@ -288,6 +316,17 @@ void pack_backward(Packed& p, const BlockMask& mask, const TensorView& dout, con
         }
         p.delta[r] = float(acc);
       }
+  // NaN rows (lse NaN, or a NaN in q): tiles::probabilities gives them P = NaN at every allowed key and 0 at the
+  // masked ones, and delta = 0, so that dS = P · (dP - delta) is 0 at the masked keys. The q and k rows holding a
+  // NaN are zeroed in the packed copies, since the tile products multiply masked entries too (0 · NaN would carry
+  // the NaN across the mask): a NaN then reaches the gradients only through the NaN rows' allowed keys.
+  const std::vector<uint8_t> nan_q = zero_nan_rows(p.q, p.B * p.Hq * p.Lq, p.D);
+  zero_nan_rows(p.k, p.B * p.Hkv * p.Lk, p.D);
+  for (size_t r = 0; r < p.lse.size(); ++r)
+    if (std::isnan(p.lse[r]) || (!nan_q.empty() && nan_q[r])) {
+      p.lse[r] = std::numeric_limits<float>::quiet_NaN();
+      p.delta[r] = 0.0f;
+    }
 }
 
 void store_row(const TensorView& t, int64_t b, int64_t h, int64_t i, const float* src, int64_t n) {

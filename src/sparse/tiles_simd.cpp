@@ -14,6 +14,7 @@
 
 #include <hwy/highway.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -183,7 +184,10 @@ void SoftmaxUpdate(float* s, int64_t m, int64_t n, float* row_max, float* row_su
     if (j < n) vm = hn::Max(vm, hn::IfThenElse(tail, LoadTail(d, tail, si + j), ninf));
     const float tile_max = hn::GetLane(hn::MaxOfLanes(d, vm));
     const float mx = tile_max > row_max[i] ? tile_max : row_max[i];
-    if (mx == kNegInf) {
+    if (mx == kNegInf) {  // every score masked, or NaN (lost by the max): a NaN makes the row NaN
+      bool nan = false;
+      for (int64_t c = 0; c < n; ++c) nan |= std::isnan(si[c]);
+      if (nan) row_sum[i] = std::numeric_limits<float>::quiet_NaN();
       std::memset(si, 0, sizeof(float) * size_t(n));
       continue;
     }
@@ -238,6 +242,10 @@ void Probabilities(float* s, int64_t m, int64_t n, const float* lse) {
     float* si = s + i * n;
     if (lse[i] == kNegInf) {
       std::memset(si, 0, sizeof(float) * size_t(n));
+      continue;
+    }
+    if (std::isnan(lse[i])) {  // a NaN row: NaN at every allowed key, 0 at the masked ones
+      for (int64_t j = 0; j < n; ++j) si[j] = si[j] == kNegInf ? 0.0f : std::numeric_limits<float>::quiet_NaN();
       continue;
     }
     const VF l = hn::Set(d, lse[i]);

@@ -6,10 +6,13 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <sstream>
 
+#include "kernels/fused/fused.hpp"
 #include "sattn/random.hpp"
 
 namespace sattn::testing {
@@ -17,6 +20,7 @@ namespace sattn::testing {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kFloatLowest = std::numeric_limits<float>::lowest();
 
 // SplitMix64: a small deterministic generator (the standard distributions are not portable).
@@ -132,6 +136,16 @@ const char* to_string(MaskCase m) {
   return "?";
 }
 
+const char* to_string(NanCase n) {
+  switch (n) {
+    case NanCase::kNone: return "";
+    case NanCase::kQuery: return "nanQ";
+    case NanCase::kKey: return "nanK";
+    case NanCase::kMask: return "nanMask";
+  }
+  return "?";
+}
+
 bool is_additive(MaskCase m) {
   return m == MaskCase::kAdd2D || m == MaskCase::kAdd4D || m == MaskCase::kAddHeadKeys || m == MaskCase::kAddKeys64 ||
          m == MaskCase::kAddHuge2D || m == MaskCase::kAddMinB1QK;
@@ -148,6 +162,7 @@ std::string Config::name() const {
   if (fully_masked) os << "_fullymasked";
   if (dropout_p > 0) os << "_dropout";
   if (custom_scale) os << "_scale";
+  if (nan != NanCase::kNone) os << "_" << to_string(nan);
   return os.str();
 }
 
@@ -236,6 +251,47 @@ std::vector<Config> pairwise_backward_configs() {
   return pairwise_configs(6.0e5);
 }
 
+std::vector<Config> nan_row_configs() {
+  auto config = [](NanCase nan, int64_t B, int64_t Hq, int64_t Hkv, int64_t Lq, int64_t Lk, int64_t D, int64_t Dv) {
+    Config c;
+    c.nan = nan;
+    c.batch = B, c.heads_q = Hq, c.heads_kv = Hkv, c.len_q = Lq, c.len_k = Lk, c.head_dim = D, c.head_dim_v = Dv;
+    return c;
+  };
+  std::vector<Config> cs;
+  cs.push_back(config(NanCase::kQuery, 1, 1, 1, 7, 7, 8, 8));  // one tile, no mask
+  // Several query and key tiles: the NaN must not leak into rows or keys that the masks separate from it.
+  Config c = config(NanCase::kKey, 2, 8, 2, 129, 129, 16, 8);
+  c.mask = MaskCase::kAdd2D, c.causal = Causal::kTopLeft, c.strided = true;
+  cs.push_back(c);
+  c = config(NanCase::kQuery, 1, 2, 2, 64, 129, 64, 64);
+  c.mask = MaskCase::kBool4D, c.key_padding = KeyPaddingKind::kBool, c.dropout_p = 0.2;
+  cs.push_back(c);
+  c = config(NanCase::kMask, 2, 2, 1, 129, 64, 8, 16);
+  c.mask = MaskCase::kAdd4D, c.key_padding = KeyPaddingKind::kLengths, c.causal = Causal::kTopLeft;
+  cs.push_back(c);
+  c = config(NanCase::kKey, 1, 1, 1, 70, 201, 8, 8);
+  c.key_padding = KeyPaddingKind::kBool, c.custom_scale = true;
+  cs.push_back(c);
+  c = config(NanCase::kQuery, 2, 2, 2, 7, 7, 8, 8);  // the NaN row (0, 0, 3) is also fully masked: out 0, lse -inf
+  c.mask = MaskCase::kBool2D, c.fully_masked = true;
+  cs.push_back(c);
+  // The decode paths: keys in lanes (Lq <= 4), grouped query heads (group * Lq <= 4), split keys (Lk >= 1024).
+  c = config(NanCase::kQuery, 1, 2, 2, 3, 1100, 16, 16);
+  c.mask = MaskCase::kAddHeadKeys, c.causal = Causal::kBottomRight;
+  cs.push_back(c);
+  c = config(NanCase::kKey, 2, 8, 2, 1, 1111, 16, 8);
+  c.key_padding = KeyPaddingKind::kLengths, c.dropout_p = 0.2;
+  cs.push_back(c);
+  c = config(NanCase::kMask, 1, 4, 4, 9, 1100, 8, 8);
+  c.mask = MaskCase::kAddKeys64;
+  cs.push_back(c);
+  c = config(NanCase::kMask, 1, 2, 2, 16, 300, 16, 16);
+  c.mask = MaskCase::kAddHuge2D, c.causal = Causal::kBottomRight;
+  cs.push_back(c);
+  return cs;
+}
+
 std::vector<double> random_normal(size_t n, uint64_t seed) {
   Rng rng(seed);
   std::vector<double> v(n);
@@ -304,6 +360,18 @@ Problem make_problem(const Config& c, DType dtype, uint64_t seed) {
   make_input(rng, {c.batch, c.heads_q, c.len_q, c.head_dim}, dtype, c.strided, p.q_store, p.q, p.qd);
   make_input(rng, {c.batch, c.heads_kv, c.len_k, c.head_dim}, dtype, c.strided, p.k_store, p.k, p.kd);
   make_input(rng, {c.batch, c.heads_kv, c.len_k, c.head_dim_v}, dtype, c.strided, p.v_store, p.v, p.vd);
+  if (c.nan == NanCase::kQuery) {
+    const int64_t at[2][4] = {{0, 0, c.len_q / 2, 0}, {c.batch - 1, c.heads_q - 1, c.len_q - 1, c.head_dim - 1}};
+    for (const auto& idx : at) {
+      p.q.set(idx, kNaN);
+      p.qd[size_t(((idx[0] * c.heads_q + idx[1]) * c.len_q + idx[2]) * c.head_dim + idx[3])] = kNaN;
+    }
+  }
+  if (c.nan == NanCase::kKey) {
+    const int64_t idx[4] = {0, 0, c.len_k / 3, c.head_dim - 1};  // batch 0, kv head 0: the first rows of kd
+    p.k.set(idx, kNaN);
+    p.kd[size_t(idx[2] * c.head_dim + idx[3])] = kNaN;
+  }
   const int64_t B = c.batch, Hq = c.heads_q, Lq = c.len_q, Lk = c.len_k;
   p.scale = c.custom_scale ? 0.37 : 1.0 / std::sqrt(double(c.head_dim));
   if (c.custom_scale) p.options.scale = 0.37;
@@ -368,6 +436,7 @@ Problem make_problem(const Config& c, DType dtype, uint64_t seed) {
       }
       (void)r;
     }
+    if (c.nan == NanCase::kMask) p.mask_own[p.mask_own.size() / 2] = kNaN;
     // Storage: dtype f64 for kAddKeys64, f32 for other additive masks, bool otherwise; strided configs view
     // every other element of the last dimension.
     const DType mdt = !additive ? DType::kBool : c.mask == MaskCase::kAddKeys64 ? DType::kF64 : DType::kF32;
@@ -428,7 +497,7 @@ namespace {
 //   allowed_j = causal(i, j) && !padding(b, j) && bool_mask != False && additive_mask != -inf
 //   s_j = scale * q_i . k_j + additive_mask,   P_j = exp(s_j - m) / l,  m = max s,  l = sum_{allowed} exp(s_j - m),
 //   lse = m + log l  (P is not formed as exp(s_j - lse): with a huge bias on every key, lse cannot hold log l).
-// Returns false (and lse = -inf) when no key is allowed.
+// A NaN score makes every allowed P_j and lse NaN. Returns false (and lse = -inf) when no key is allowed.
 bool naive_row(const Problem& p, int64_t b, int64_t h, int64_t i, std::vector<double>& prob,
                std::vector<uint8_t>& allowed, double& lse) {
   const Config& c = p.config;
@@ -436,7 +505,7 @@ bool naive_row(const Problem& p, int64_t b, int64_t h, int64_t i, std::vector<do
   const bool additive = is_additive(c.mask);
   std::vector<double> s(size_t(Lk), 0.0);
   double mx = -kInf;
-  bool any = false;
+  bool any = false, nan = false;
   for (int64_t j = 0; j < Lk; ++j) {
     bool ok = true;
     if (c.causal == Causal::kTopLeft) ok = j <= i;
@@ -459,12 +528,19 @@ bool naive_row(const Problem& p, int64_t b, int64_t h, int64_t i, std::vector<do
       dot += p.qd[size_t(((b * c.heads_q + h) * Lq + i) * D + d)] * p.kd[size_t(((b * c.heads_kv + hk) * Lk + j) * D + d)];
     s[size_t(j)] = p.scale * dot + bias;
     mx = std::max(mx, s[size_t(j)]);
+    nan |= std::isnan(s[size_t(j)]);
     any = true;
   }
   std::fill(prob.begin(), prob.end(), 0.0);
   if (!any) {
     lse = -kInf;
     return false;
+  }
+  if (nan) {
+    lse = kNaN;
+    for (int64_t j = 0; j < Lk; ++j)
+      if (allowed[size_t(j)]) prob[size_t(j)] = kNaN;
+    return true;
   }
   double sum = 0.0;
   for (int64_t j = 0; j < Lk; ++j)
@@ -503,6 +579,7 @@ NaiveForward naive_forward(const Problem& p) {
           ++r.fully_masked_rows;
           continue;
         }
+        r.nan_rows += std::isnan(r.lse[row]);
         for (int64_t j = 0; j < Lk; ++j) {
           const double w = prob[size_t(j)] * drop_factor(p, b, h, i, j);
           r.weights[row * size_t(Lk) + size_t(j)] = w;
@@ -565,8 +642,9 @@ NaiveGrads naive_backward(const Problem& p, const std::vector<double>& dout) {
   size_t worst = 0;
   for (size_t n = 0; n < expected.size(); ++n) {
     const double a = actual[n], e = expected[n];
-    if (std::isnan(a))
-      return ::testing::AssertionFailure() << what << ": NaN at flat index " << n << " (expected " << e << ")";
+    if (std::isnan(a) != std::isnan(e))
+      return ::testing::AssertionFailure() << what << ": at flat index " << n << " got " << a << ", expected " << e;
+    if (std::isnan(a)) continue;
     if (!std::isfinite(e) || !std::isfinite(a)) {
       if (a != e)
         return ::testing::AssertionFailure() << what << ": at flat index " << n << " got " << a << ", expected " << e;
@@ -716,6 +794,43 @@ AttentionOptions run_options(const Problem& p, const CheckOptions& o) {
   if (auto r = all_close(dv.view(), ref.dv, tol, "dv"); !r) return r << where;
   if (additive)
     if (auto r = all_close(dmask.view(), ref.dmask, tol, "dmask"); !r) return r << where;
+  return ::testing::AssertionSuccess();
+}
+
+}  // namespace sattn::testing
+
+namespace sattn::testing {
+
+namespace {
+// Sets an environment variable for its lifetime and then restores the old value.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (old_) setenv(name_, old_->c_str(), 1);
+    else unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+}  // namespace
+
+::testing::AssertionResult check_every_simd_target(const Problem& p, const CheckOptions& o, bool* skipped) {
+  if (skipped) *skipped = true;
+  for (const std::string& simd : fused::available_simd()) {
+    const ScopedEnv env("SATTN_SIMD", simd);
+    bool fwd_skipped = false, bwd_skipped = false;
+    if (auto r = check_forward(p, o, &fwd_skipped); !r) return r << " (SATTN_SIMD=" << simd << ")";
+    if (auto r = check_backward(p, o, &bwd_skipped); !r) return r << " (SATTN_SIMD=" << simd << ")";
+    if (skipped) *skipped = *skipped && fwd_skipped && bwd_skipped;
+  }
   return ::testing::AssertionSuccess();
 }
 

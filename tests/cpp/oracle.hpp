@@ -6,13 +6,14 @@
 //
 //   SATTN_ORACLE_SWEEP(FusedOracle, "fused", sattn::DType::kF32)
 //
-// which instantiates FusedOracleForward (pairwise_configs(), out + lse + weights where the kernel returns them)
-// and FusedOracleBackward (pairwise_backward_configs(), dq/dk/dv/dmask); configurations the kernel does not
-// support are reported as skipped. For other tolerances or options, call make_problem + check_forward /
+// which instantiates FusedOracleForward (pairwise_configs(), out + lse + weights where the kernel returns them),
+// FusedOracleBackward (pairwise_backward_configs(), dq/dk/dv/dmask) and FusedOracleNanRows (nan_row_configs(),
+// forward and backward on every SIMD target of the CPU); configurations the kernel does not support are reported
+// as skipped. For other tolerances or options, call make_problem + check_forward /
 // check_backward from your own TEST_P (see SATTN_ORACLE_SWEEP below).
 //
 // Tolerances are relative: ||actual - expected||_inf <= tol * max(1, ||expected||_inf); non-finite values
-// (lse = -inf of a fully masked row) must match exactly and a NaN is always a failure.
+// (lse = -inf of a fully masked row, NaN of a row whose scores contain NaN) must match exactly.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -46,6 +47,15 @@ inline constexpr int kMaskCaseCount = 11;
 const char* to_string(MaskCase m);
 bool is_additive(MaskCase m);
 
+// Where a configuration puts a NaN (nan_row_configs()); a NaN score makes its whole query row NaN.
+enum class NanCase : uint8_t {
+  kNone,
+  kQuery,  // q rows (b 0, h 0, i Lq/2) and (B-1, Hq-1, Lq-1)
+  kKey,    // k row (b 0, kv head 0, j Lk/3): NaN in every row that may attend to it
+  kMask,   // the additive mask's middle element (of its own shape)
+};
+const char* to_string(NanCase n);
+
 struct Config {
   int64_t batch = 1, heads_q = 1, heads_kv = 1, len_q = 7, len_k = 7, head_dim = 8, head_dim_v = 8;
   bool strided = false;            // q/k/v (and the mask) are non-contiguous views
@@ -55,6 +65,7 @@ struct Config {
   bool fully_masked = false;       // force at least one fully masked row (needs a mask or key padding)
   double dropout_p = 0.0;
   bool custom_scale = false;       // scale = 0.37 instead of 1/sqrt(D)
+  NanCase nan = NanCase::kNone;
 
   std::string name() const;        // a gtest-safe identifier
   double cost() const { return double(batch) * heads_q * len_q * len_k * (head_dim + head_dim_v); }
@@ -76,6 +87,9 @@ struct ConfigName {
 std::vector<Config> pairwise_configs(double max_cost = 2.5e7);
 // A smaller pairwise list (L <= 64) for backward sweeps.
 std::vector<Config> pairwise_backward_configs();
+// A short list with a NaN in q, k or the mask, over masks, causality, padding, dropout, GQA, several query and
+// key tiles and the decode paths (forward and backward).
+std::vector<Config> nan_row_configs();
 
 // One generated problem: storage, the views the library sees, and the exact same values in double.
 struct Problem {
@@ -104,6 +118,7 @@ Problem make_problem(const Config& config, DType dtype = DType::kF32, uint64_t s
 struct NaiveForward {
   std::vector<double> out, lse, weights;  // dense, row-major
   int64_t fully_masked_rows = 0;
+  int64_t nan_rows = 0;  // rows with a NaN score (all NaN: out, lse, the allowed weights)
 };
 NaiveForward naive_forward(const Problem& problem);
 
@@ -140,6 +155,9 @@ double default_tolerance(DType dtype);
 // Runs forward + backward with a random dout and compares dq, dk, dv (and dmask) with naive_backward.
 ::testing::AssertionResult check_backward(const Problem& problem, const CheckOptions& options,
                                           bool* skipped = nullptr);
+// check_forward and check_backward under each SIMD target the CPU has (SATTN_SIMD), then the default.
+::testing::AssertionResult check_every_simd_target(const Problem& problem, const CheckOptions& options,
+                                                   bool* skipped = nullptr);
 
 }  // namespace sattn::testing
 
@@ -168,4 +186,15 @@ double default_tolerance(DType dtype);
   }                                                                                                           \
   INSTANTIATE_TEST_SUITE_P(Pairwise, Suite##Backward,                                                         \
                            ::testing::ValuesIn(::sattn::testing::pairwise_backward_configs()),                \
+                           ::sattn::testing::ConfigName());                                                   \
+  class Suite##NanRows : public ::testing::TestWithParam<::sattn::testing::Config> {};                        \
+  TEST_P(Suite##NanRows, MatchNaiveFp64OnEverySimdTarget) {                                                   \
+    const auto problem = ::sattn::testing::make_problem(GetParam(), dtype);                                   \
+    ::sattn::testing::CheckOptions co;                                                                        \
+    co.kernel = kernel_name;                                                                                  \
+    bool skipped = false;                                                                                     \
+    EXPECT_TRUE(::sattn::testing::check_every_simd_target(problem, co, &skipped));                            \
+    if (skipped) GTEST_SKIP() << kernel_name << " does not support " << GetParam().name();                    \
+  }                                                                                                           \
+  INSTANTIATE_TEST_SUITE_P(Listed, Suite##NanRows, ::testing::ValuesIn(::sattn::testing::nan_row_configs()),  \
                            ::sattn::testing::ConfigName())

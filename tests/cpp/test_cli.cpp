@@ -12,6 +12,8 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "oracle.hpp"
 #include "sattn/attention.hpp"
@@ -218,6 +220,55 @@ TEST_F(Cli, AttnBadInputsExit2WithAMessage) {
     EXPECT_EQ(r.code, 2) << cs.args << "\nstderr: " << r.err;
     EXPECT_NE(r.err.find(cs.needle), std::string::npos) << cs.args << "\nstderr: " << r.err;
   }
+}
+
+// Exit 2 and one line on stderr, "sattn: error: ...", containing every needle (the option and the value given).
+void expect_one_line_error(const CliRun& r, const std::string& args, const std::vector<std::string>& needles) {
+  EXPECT_EQ(r.code, 2) << args << "\nstderr: " << r.err;
+  EXPECT_EQ(r.err.rfind("sattn: error: ", 0), 0u) << args << "\nstderr: " << r.err;
+  EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << args << " (one line)\nstderr: " << r.err;
+  for (const std::string& needle : needles)
+    EXPECT_NE(r.err.find(needle), std::string::npos) << args << ": no '" << needle << "' in\n" << r.err;
+}
+
+// --threads: 0 (default) or 1 .. 1024 in every subcommand that has it; --seed: 0 .. 2^64-1 (never -1 read as
+// 2^64-1); parse errors: one line naming the option and the value.
+TEST_F(Cli, ThreadAndSeedRangesAndParseErrorsGiveOneLine) {
+  sattn::testing::Config c;
+  c.len_q = c.len_k = 4;
+  write_problem(c);
+  const std::string attn = "attn " + qkv() + " --out " + path("o.npy");
+  const std::string sparse_bench = "sparse-bench --pattern 'SlidingWindow(1, 1)' --L 16 --H 1 --D 8 --reps 1";
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {attn + " --threads -3", {"--threads", "-3", "1024"}},
+      {attn + " --threads 100000", {"--threads", "100000"}},
+      {attn + " --threads 1025", {"--threads", "1025"}},
+      {attn + " --seed -1", {"--seed", "-1"}},
+      {attn + " --seed 18446744073709551616", {"--seed", "18446744073709551616"}},
+      {attn + " --bogus 1", {"--bogus"}},
+      {"attn " + qkv(), {"--out"}},
+      {"demo --attention --seed -1", {"--seed", "-1"}},
+      {"demo --attention --threads 5000", {"--threads", "5000"}},
+      {"sr upscale " + path("in.png") + " " + path("out.png") + " --scale 2 --threads -3", {"--threads", "-3"}},
+      {"sr upscale " + path("in.png") + " " + path("out.png") + " --scale 2 --threads 100000", {"--threads", "100000"}},
+      {"sr eval --scale 2 --data " + tmp_.string() + " --threads -1", {"--threads", "-1"}},
+      {"profile --L 16 --threads -2", {"--threads", "-2"}},
+      {"bench --lens 16 --threads 1,-3", {"--threads", "-3"}},
+      {"bench --lens 16 --threads 1,x", {"--threads", "1,x"}},
+      {sparse_bench + " --threads 2000", {"--threads", "2000"}},
+      {"frobnicate", {"frobnicate"}},
+  };
+  for (const auto& [args, needles] : cases) expect_one_line_error(run(args), args, needles);
+}
+
+// A size past the machine's memory gives one line naming the size, exit 2 (pattern sizes are bounded and run in
+// the memory of the lengths, so the sizes that get this far are the tensors' own).
+TEST_F(Cli, OutOfMemoryGivesOneLine) {
+#ifdef __SANITIZE_ADDRESS__
+  GTEST_SKIP() << "AddressSanitizer reports a huge allocation instead of failing it";
+#endif
+  const std::string args = "demo --attention --len 1000000000 --heads 64 --dim 64 --repeat 1";
+  expect_one_line_error(run(args), args, {"cannot allocate", "float32[1, 64, 1000000000, 64]"});
 }
 
 TEST_F(Cli, DemoChecksAgainstTheReference) {

@@ -511,6 +511,15 @@ TEST(MergePartials, MatchesAttentionOverTheUnion) {
   EXPECT_EQ(max_abs(none.out), 0.0);
   EXPECT_EQ(none.lse.data<float>()[0], -std::numeric_limits<float>::infinity());
   EXPECT_THROW(sattn::merge_attention_partials({empty_out.view()}, {}), sattn::Error);
+  // A partial of a NaN row (lse NaN) makes the row NaN, next to a normal partial and next to an empty one.
+  Tensor nan_lse = lses[0].to(DType::kF32);
+  nan_lse.data<float>()[1] = std::numeric_limits<float>::quiet_NaN();
+  for (const Tensor& other : {lses[1], empty_lse}) {
+    const auto m = sattn::merge_attention_partials({outs[0].view(), empty_out.view()}, {nan_lse.view(), other.view()});
+    EXPECT_TRUE(std::isnan(m.lse.data<float>()[1]));
+    for (int64_t x = 0; x < c.Dv; ++x) EXPECT_TRUE(std::isnan(m.out.data<float>()[c.Dv + x]));
+    EXPECT_FALSE(std::isnan(m.lse.data<float>()[0]));
+  }
 }
 
 }  // namespace

@@ -56,6 +56,10 @@ TEST(OracleHarness, FullyMaskedConfigsHaveFullyMaskedRows) {
   }
 }
 
+TEST(OracleHarness, NanConfigsHaveNanRows) {
+  for (const auto& c : st::nan_row_configs()) EXPECT_GT(st::naive_forward(st::make_problem(c)).nan_rows, 0) << c.name();
+}
+
 TEST(OracleHarness, CompareHelperIsRelativeAndStrictOnNonFinite) {
   EXPECT_TRUE(st::all_close({1.0, 2.0}, {1.0, 2.0 + 1e-6}, 1e-6, "x"));
   EXPECT_FALSE(st::all_close({1.0, 2.0}, {1.0, 2.0 + 3e-6}, 1e-6, "x"));
@@ -64,6 +68,9 @@ TEST(OracleHarness, CompareHelperIsRelativeAndStrictOnNonFinite) {
   EXPECT_TRUE(st::all_close({-kInf, 0.5}, {-kInf, 0.5}, 1e-6, "x"));
   EXPECT_FALSE(st::all_close({-1e30, 0.5}, {-kInf, 0.5}, 1e-6, "x"));
   EXPECT_FALSE(st::all_close({std::nan(""), 0.5}, {0.0, 0.5}, 1e-6, "x"));
+  EXPECT_FALSE(st::all_close({0.0, 0.5}, {std::nan(""), 0.5}, 1e-6, "x"));
+  EXPECT_FALSE(st::all_close({-kInf, 0.5}, {std::nan(""), 0.5}, 1e-6, "x"));
+  EXPECT_TRUE(st::all_close({std::nan(""), 0.5}, {std::nan(""), 0.5}, 1e-6, "x"));
   EXPECT_FALSE(st::all_close({1.0}, {1.0, 2.0}, 1e-6, "x"));
 }
 

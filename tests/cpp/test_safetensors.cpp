@@ -110,6 +110,11 @@ TEST(Safetensors, MalformedFilesGiveClearErrors) {
                               R"("data_offsets":[0,8]}})",
                               std::string(8, '\0')),
                   "more than 2^64");
+  // An empty tensor whose strides would overflow int64 (as the .npy reader, refused even though it holds no byte).
+  expect_io_error(with_header(R"({"a":{"dtype":"F32","shape":[0,4611686018427387904,4611686018427387904],)"
+                              R"("data_offsets":[0,0]}})",
+                              ""),
+                  "is too large");
   expect_io_error(with_header(R"({"a":{"dtype":"F32","shape":[2]}})", std::string(8, '\0')), "missing field");
   expect_io_error(with_header(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0]}})", std::string(8, '\0')),
                   "data_offsets");

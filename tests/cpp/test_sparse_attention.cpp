@@ -10,11 +10,13 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "sattn/attention.hpp"
 #include "sattn/error.hpp"
 #include "sattn/sparse.hpp"
+#include "sattn/sparse_tiles.hpp"
 #include "sparse_test_util.hpp"
 
 using namespace sattn;
@@ -32,6 +34,9 @@ struct Case {
   int64_t block = 64;
   int padding = 0;  // 0 none, 1 lengths, 2 bool mask
   bool alibi = false, bias = false, rel_pos = false;
+  // 1: a NaN in q row (B-1, 0, Lq/2); 2: NaN in k rows (0, Hkv-1, Lk/3) and (0, Hkv-1, Lk-1); 3: a NaN in the
+  // bias at an allowed (h, i, j) of row Lq/2 and at a masked one of row Lq/3 (needs bias)
+  int nan = 0;
 };
 
 struct Result {
@@ -48,7 +53,10 @@ Tensor reference_mask(const Case& c, const Pattern& p, const Tensor& bias, const
     for (int64_t i = 0; i < c.Lq; ++i)
       for (int64_t j = 0; j < c.Lk; ++j) {
         const int64_t hs = dm.size(0) == 1 ? 0 : h;
-        double v = dm.data<uint8_t>()[(hs * c.Lq + i) * c.Lk + j] ? 0.0 : -kInf;
+        double& v = m.data<double>()[(h * c.Lq + i) * c.Lk + j];
+        v = -kInf;  // the pattern masks the pair whatever its score mods (a NaN bias included)
+        if (!dm.data<uint8_t>()[(hs * c.Lq + i) * c.Lk + j]) continue;
+        v = 0.0;
         if (c.alibi) v -= slopes[h] * std::abs(double(i + c.Lk - c.Lq - j));
         if (c.bias) v += bias.data<float>()[((bias.size(0) == 1 ? 0 : h) * c.Lq + i) * c.Lk + j];
         if (c.rel_pos) {
@@ -56,7 +64,6 @@ Tensor reference_mask(const Case& c, const Pattern& p, const Tensor& bias, const
           if (std::abs(dr) < win && std::abs(dc) < win)
             v += rel.data<float>()[((dr + win - 1) * (2 * win - 1) + dc + win - 1) * c.Hq + h];
         }
-        m.data<double>()[(h * c.Lq + i) * c.Lk + j] = v;
       }
   return m;
 }
@@ -64,11 +71,15 @@ Tensor reference_mask(const Case& c, const Pattern& p, const Tensor& bias, const
 void run_case(const Case& c) {
   SCOPED_TRACE(c.spec + " B=" + std::to_string(c.B) + " Hq=" + std::to_string(c.Hq) + " Hkv=" + std::to_string(c.Hkv) +
                " Lq=" + std::to_string(c.Lq) + " Lk=" + std::to_string(c.Lk) + " D=" + std::to_string(c.D) +
-               " Dv=" + std::to_string(c.Dv) + " block=" + std::to_string(c.block) + " pad=" + std::to_string(c.padding));
+               " Dv=" + std::to_string(c.Dv) + " block=" + std::to_string(c.block) +
+               " pad=" + std::to_string(c.padding) + " nan=" + std::to_string(c.nan));
   const Pattern p = Pattern::parse(c.spec);
   const uint64_t seed = std::hash<std::string>{}(c.spec) ^ uint64_t(c.Lq * 131 + c.Lk);
   const Tensor q = randn({c.B, c.Hq, c.Lq, c.D}, seed + 1), k = randn({c.B, c.Hkv, c.Lk, c.D}, seed + 2),
                v = randn({c.B, c.Hkv, c.Lk, c.Dv}, seed + 3), dout = randn({c.B, c.Hq, c.Lq, c.Dv}, seed + 4);
+  if (c.nan == 1) q.data<float>()[(((c.B - 1) * c.Hq) * c.Lq + c.Lq / 2) * c.D + 1] = std::nanf("");
+  if (c.nan == 2)
+    for (int64_t j : {c.Lk / 3, c.Lk - 1}) k.data<float>()[((c.Hkv - 1) * c.Lk + j) * c.D + 1] = std::nanf("");
   SparseOptions so;
   so.block = c.block;
   so.num_threads = 2;
@@ -87,6 +98,16 @@ void run_case(const Case& c) {
   if (c.alibi) so.alibi_slopes = alibi_slopes(c.Hq);
   const Tensor bias = randn({c.Hq, c.Lq, c.Lk}, seed + 5, 0.5);
   if (c.bias) so.bias = bias.view();
+  if (c.nan == 3) {
+    const Tensor dm = p.dense_mask(c.Lq, c.Lk, c.Hq);
+    const int64_t h = dm.size(0) - 1;
+    for (const auto& [i, allowed] : {std::pair{c.Lq / 2, true}, std::pair{c.Lq / 3, false}}) {
+      const uint8_t* row = dm.data<uint8_t>() + (h * c.Lq + i) * c.Lk;
+      const int64_t j = std::find(row, row + c.Lk, allowed ? 1 : 0) - row;
+      ASSERT_LT(j, c.Lk) << "row " << i << " has no " << (allowed ? "allowed" : "masked") << " key";
+      bias.data<float>()[(h * c.Lq + i) * c.Lk + j] = std::nanf("");
+    }
+  }
   int64_t width = 0, win = 0;
   Tensor rel;
   if (c.rel_pos) {
@@ -171,6 +192,39 @@ TEST(SparseAttention, FixedPatternsMatchReference) {
       {"Full()", 1, 2, 2, 65, 64, 80, 24, 64, 2},
   };
   for (const Case& c : cases) run_case(c);
+}
+
+// A NaN in q, k or the bias: the rows whose allowed scores hold it are NaN (out, lse, dq, and dk, dv, dbias of
+// their allowed keys), and nothing else is, as in the reference: a NaN that only masked pairs see (a query row with
+// no allowed key, a padding key, a masked bias entry) changes nothing. Both backward forms, ALiBi and bias,
+// padding, every tile build.
+TEST(SparseAttention, NanRowsMatchReference) {
+  std::vector<Case> cases = {
+      {"SlidingWindow(5, 3)", 2, 4, 2, 67, 67, 16, 24, 16},
+      {"SlidingWindow(2, 0)", 1, 3, 3, 100, 40, 16, 16},  // rows < 60 see no key
+      {"Dilated(2, 2) | GlobalTokens([0, 5], BlockLocal(16))", 2, 4, 1, 70, 100, 16, 8, 16, 2},
+      {"BigBird(8, 3, 1, 1, seed=3)", 2, 2, 2, 63, 90, 8, 16, 16, 1, true, true},
+      {"Neighborhood2D(8, 9, 3, dilation=2)", 1, 2, 2, 72, 72, 16, 16, 64, 0, false, true},
+      {"Full()", 2, 2, 1, 1, 77, 16, 16},
+  };
+  for (size_t x = 0, n = cases.size(); x < n; ++x)
+    for (int nan : {2, 3}) {
+      if (nan == 3 && !cases[x].bias) continue;
+      cases.push_back(cases[x]);
+      cases.back().nan = nan;
+    }
+  for (Case& c : cases)
+    if (c.nan == 0) c.nan = 1;
+  const std::string saved = tiles::isa();
+  for (const std::string& isa : tiles::available_isas())
+    for (const char* form : {"one_pass", "two_pass"}) {
+      SCOPED_TRACE(isa + " " + form);
+      ASSERT_TRUE(tiles::set_isa(isa));
+      setenv("SATTN_SPARSE_BACKWARD", form, 1);
+      for (const Case& c : cases) run_case(c);
+    }
+  unsetenv("SATTN_SPARSE_BACKWARD");
+  tiles::set_isa(saved);
 }
 
 // The backward's one-pass form (coloured query blocks) and two-pass form, each forced, against the reference.

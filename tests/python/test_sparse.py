@@ -245,3 +245,41 @@ def test_linear_attention(feature_map, causal):
     # dv is linear: (a / rowsum)^T dout.
     assert rel(dv, (a / a.sum(-1, keepdims=True)).transpose(0, 1, 3, 2) @ dout.astype(np.float64)) <= 1e-4
     assert dq.shape == q.shape and dk.shape == k.shape
+
+
+def test_negative_strides_are_copied_as_in_sdpa():
+    """Reversed or otherwise negatively strided inputs give the results of their contiguous copies."""
+    rng = np.random.default_rng(6)
+    q, k, v, dout = (rng.standard_normal((1, 2, 40, 8)).astype(np.float32) for _ in range(4))
+    kpm = rng.random((1, 40)) < 0.2
+    bias = rng.standard_normal((2, 40, 40)).astype(np.float32)
+    rq, rk, rv, rdout = (x[:, :, ::-1] for x in (q, k, v, dout))
+    rkpm, rbias = kpm[:, ::-1], bias[:, ::-1, ::-1]
+    assert rq.strides[2] < 0
+    c = [np.ascontiguousarray(x) for x in (rq, rk, rv, rdout, rkpm, rbias)]
+    p = sattn.SlidingWindow(5, 5)
+    want, want_lse = sattn.sparse_attention(c[0], c[1], c[2], p, key_padding_mask=c[4], bias=c[5], return_lse=True)
+    out, lse = sattn.sparse_attention(rq, rk, rv, p, key_padding_mask=rkpm, bias=rbias, return_lse=True)
+    assert np.array_equal(out, want) and np.array_equal(lse, want_lse)
+    def reversed_view(x):  # the same values, with a negative stride along the sequence
+        return np.flip(np.ascontiguousarray(np.flip(x, 2)), 2)
+
+    grads = sattn.sparse_attention_backward(rdout, rq, rk, rv, reversed_view(out), reversed_view(lse), p,
+                                            key_padding_mask=rkpm, bias=rbias)
+    want_grads = sattn.sparse_attention_backward(c[3], c[0], c[1], c[2], want, want_lse, p, key_padding_mask=c[4],
+                                                 bias=c[5])
+    for g, w in zip(grads[:3], want_grads[:3]):
+        assert np.array_equal(g, w)
+    assert np.array_equal(grads[3]["bias"], want_grads[3]["bias"])
+    assert np.array_equal(sattn.linear_attention(rq, rk, rv), sattn.linear_attention(c[0], c[1], c[2]))
+    for g, w in zip(sattn.linear_attention_backward(rdout, rq, rk, rv),
+                    sattn.linear_attention_backward(c[3], c[0], c[1], c[2])):
+        assert np.array_equal(g, w)
+
+
+def test_a_size_past_what_a_buffer_can_hold_is_a_sattn_error():
+    """k_blocks = 2^61 asks for a selection buffer larger than std::vector can hold: a sattn.Error, never a bare
+    ValueError about std::vector."""
+    q = np.zeros((1, 1, 8, 4), np.float32)
+    with pytest.raises(sattn.Error):
+        sattn.sparse_attention(q, q, q, sattn.BlockTopK(4, 2**61))

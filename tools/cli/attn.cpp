@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cli/commands.hpp"
+#include "cli/options.hpp"
 #include "io/writers.hpp"
 #include "sattn/attention.hpp"
 #include "sattn/io.hpp"
@@ -104,10 +105,10 @@ void add_attn_command(CLI::App& app) {
   cmd->add_option("--scale", a->scale, "Score scale (default 1/sqrt(D))");
   cmd->add_option("--dropout", a->dropout, "Dropout probability in [0, 1) (Philox keep rule, see docs/semantics.md)")
       ->default_str("0");
-  cmd->add_option("--seed", a->seed, "Dropout seed")->default_str("0");
+  cmd->add_option("--seed", a->seed, "Dropout seed")->check(seed_range())->default_str("0");
   cmd->add_option("--kernel", a->kernel, "Kernel name (default: the registry's choice; see `sattn version`)");
   cmd->add_option("--threads", a->threads, "Threads (0 = SATTN_NUM_THREADS or all cores)")
-      ->check(CLI::Range(0, 4096))
+      ->check(thread_range())
       ->default_str("0");
   cmd->add_flag("--fp64", a->fp64, "Accumulate in float64 (reference kernel) even for float32 inputs");
   cmd->add_option("--out", a->out, "Output .npy [B, Hq, Lq, Dv]")->required();

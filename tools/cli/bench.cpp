@@ -6,6 +6,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <ctime>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/options.hpp"
 #include "kernels/fused/fused.hpp"
 #include "sattn/attention.hpp"
 
@@ -83,12 +85,18 @@ double sgemm_gflops(int threads, int64_t n, int reps) {
 #endif
 }
 
-std::vector<int64_t> parse_list(const std::string& s) {
+std::vector<int64_t> parse_list(const std::string& s, const char* option) {
   std::vector<int64_t> v;
   std::stringstream ss(s);
   std::string item;
-  while (std::getline(ss, item, ','))
-    if (!item.empty()) v.push_back(std::stoll(item));
+  while (std::getline(ss, item, ',')) {
+    if (item.empty()) continue;
+    int64_t x = 0;
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), x);
+    check(ec == std::errc() && end == item.data() + item.size(), ErrorKind::kInvalidArgument, option,
+          ": expected comma-separated integers, got '", s, "'");
+    v.push_back(x);
+  }
   return v;
 }
 std::vector<std::string> parse_words(const std::string& s) {
@@ -115,7 +123,9 @@ void run_bench(const BenchConfig& cfg_in) {
   g_thread_clock = cfg.clock == "thread";
   if (g_thread_clock) cfg.threads = "1";
   if (cfg.all) cfg.dims = "64,128", cfg.lens = "512,1024,4096,16384";
-  const auto dims = parse_list(cfg.dims), lens = parse_list(cfg.lens), threads = parse_list(cfg.threads);
+  const auto dims = parse_list(cfg.dims, "--dims"), lens = parse_list(cfg.lens, "--lens"),
+             threads = parse_list(cfg.threads, "--threads");
+  for (const int64_t t : threads) check_thread_count(t);
   const auto masks = parse_words(cfg.masks), passes = parse_words(cfg.passes);
   check(cfg.dtype == "f32" || cfg.dtype == "bf16" || cfg.dtype == "f16", ErrorKind::kInvalidArgument,
         "--dtype: expected f32, bf16 or f16, got '", cfg.dtype, "'");

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cli/commands.hpp"
+#include "cli/options.hpp"
 #include "cli/sr_weights.hpp"
 #include "io/writers.hpp"
 #include "sattn/attention.hpp"
@@ -333,14 +334,16 @@ void add_demo_command(CLI::App& app) {
   attention_only.push_back(
       cmd->add_option("--kernel", a->kernel, "Attention: force a kernel by name (default: the registry's choice)"));
   attention_only.push_back(
-      cmd->add_option("--seed", a->seed, "Attention: seed of the generated inputs")->default_str("0"));
+      cmd->add_option("--seed", a->seed, "Attention: seed of the generated inputs")
+          ->check(seed_range())
+          ->default_str("0"));
   attention_only.push_back(
       cmd->add_option("--tol", a->tol, "Attention: relative tolerance: max|out - ref| <= tol * max(1, max|ref|)")
           ->check(CLI::Range(1e-15, 1.0))
           ->default_str("1e-4"));
   // both
   cmd->add_option("--threads", a->threads, "Threads (0 = SATTN_NUM_THREADS or all cores)")
-      ->check(CLI::Range(0, 4096))
+      ->check(thread_range())
       ->default_str("0");
   cmd->add_option("--repeat", a->repeat, "Timed runs (the median is reported)")
       ->check(CLI::Range(1, 1000))

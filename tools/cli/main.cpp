@@ -11,6 +11,8 @@
 #include <cstring>
 #include <exception>
 #include <iostream>
+#include <new>
+#include <stdexcept>
 #include <string>
 
 #include "cli/commands.hpp"
@@ -49,6 +51,24 @@ int flush_stdout(int code) {
   std::cerr << "sattn: error: cannot write standard output: " << std::strerror(errno) << "\n";
   return code == 0 ? 2 : code;
 }
+
+// The subcommands given, e.g. "sr upscale" (empty before the first one is parsed).
+std::string command_path(const CLI::App& app) {
+  std::string path;
+  for (const CLI::App* a = &app; !a->get_subcommands().empty();) {
+    a = a->get_subcommands().front();
+    path += (path.empty() ? "" : " ") + a->get_name();
+  }
+  return path;
+}
+
+// "sattn: error: MESSAGE" on one line of stderr (a message's own line breaks become "; ").
+int error_line(const std::string& where, std::string message) {
+  for (size_t p = 0; (p = message.find('\n', p)) != std::string::npos;)
+    message.replace(p, 1, p + 1 < message.size() ? "; " : "");
+  std::cerr << "sattn: error: " << (where.empty() ? "" : where + ": ") << message << "\n";
+  return 2;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -70,15 +90,26 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {  // a subcommand's own exit code (e.g. demo: 1 = check failed)
     return flush_stdout(e.get_exit_code());
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return flush_stdout(code == 0 ? 0 : 2);
+  } catch (const CLI::Success& e) {  // --help, --help-all
+    return flush_stdout(app.exit(e));
+  } catch (const CLI::ParseError& e) {  // names the option: "--threads: Value -3 not in range 0 to 1024"
+    if (app.get_subcommands().empty() && argc > 1 && argv[1][0] != '-') {
+      std::string names;
+      for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))
+        names += (names.empty() ? "" : ", ") + sub->get_name();
+      return error_line("", std::string("unknown subcommand '") + argv[1] + "' (expected one of " + names + ")");
+    }
+    return error_line("", e.what());
   } catch (const sattn::Error& e) {
-    std::cerr << "sattn: error: " << e.what() << "\n";
-    return 2;
+    return error_line("", e.what());
+  } catch (const std::bad_alloc&) {
+    return error_line(command_path(app), "out of memory (std::bad_alloc): the sizes its arguments ask for do not "
+                                         "fit in this machine's memory");
+  } catch (const std::length_error& e) {
+    return error_line(command_path(app), std::string("the sizes its arguments ask for exceed what a buffer can "
+                                                     "hold (std::length_error: ") + e.what() + ")");
   } catch (const std::exception& e) {
-    std::cerr << "sattn: error: " << e.what() << "\n";
-    return 2;
+    return error_line(command_path(app), e.what());
   }
   return flush_stdout(0);
 }

@@ -3,6 +3,7 @@
 #include <iostream>
 
 #include "cli/commands.hpp"
+#include "cli/options.hpp"
 #include "cli/tool_inputs.hpp"
 #include "io/writers.hpp"
 #include "sattn/error.hpp"
@@ -70,7 +71,7 @@ void add_profile_command(CLI::App& app) {
   cmd->add_option("--D", a->o.head_dim, "head dimension")->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--repeats", a->o.repeats, "timed runs per point (median reported)")->capture_default_str()
       ->check(CLI::Range(1, 1000));
-  cmd->add_option("--threads", a->o.num_threads, "threads (0: library default)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--threads", a->o.num_threads, "threads (0: library default)")->check(thread_range());
   cmd->add_flag("--causal", a->o.causal, "profile with a causal (top-left) mask");
   cmd->add_option("--csv", a->csv, "write kernel,L,heads,ms,peak_mib,analytic_mib here");
   cmd->add_option("--plot", a->plot, "write time and memory plots here (.svg or .png)");

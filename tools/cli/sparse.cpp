@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cli/commands.hpp"
+#include "cli/options.hpp"
 #include "io/writers.hpp"
 #include "sattn/attention.hpp"
 #include "sattn/error.hpp"
@@ -175,7 +176,7 @@ void add_sparse_command(CLI::App& app) {
     cmd->add_option("--pattern", patterns,
                     "pattern specs (2-D patterns fix L), or linear:elu / linear:favor+ [/causal]");
     cmd->add_option("--L", lengths, "sequence lengths (ignored for 2-D patterns)");
-    cmd->add_option("--threads", threads, "thread counts");
+    cmd->add_option("--threads", threads, "thread counts (0 = SATTN_NUM_THREADS or all cores)")->check(thread_range());
     cmd->add_option("--B", B, "batch");
     cmd->add_option("--H", H, "heads");
     cmd->add_option("--D", D, "head dim");

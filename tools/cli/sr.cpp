@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/options.hpp"
 #include "cli/sr_weights.hpp"
 #include "io/writers.hpp"
 #include "sattn/error.hpp"
@@ -329,7 +330,7 @@ void add_sr_command(CLI::App& app) {
   up->add_option("--scale", ua->scale, "2 or 4 (must match the weights)")->required();
   up->add_option("--attention", ua->attention, "dense (every window) or sparse (routed windows only)")
       ->capture_default_str();
-  up->add_option("--threads", ua->threads, "threads (0 = SATTN_NUM_THREADS or all cores)");
+  up->add_option("--threads", ua->threads, "threads (0 = SATTN_NUM_THREADS or all cores)")->check(thread_range());
   up->add_option("--tile", ua->tile,
                  "tile size in LR pixels (>= 16; 0 = whole image; -1 = whole image up to 512x512, else 256)")
       ->capture_default_str();
@@ -375,7 +376,7 @@ void add_sr_command(CLI::App& app) {
   ev->add_option("--attention", ea->attention, "dense, sparse, both (model modes next to bicubic) or bicubic (only)")
       ->capture_default_str();
   ev->add_option("--weights", ea->weights, "safetensors weights (default: embedded / sr/weights/)");
-  ev->add_option("--threads", ea->threads, "threads (0 = all)");
+  ev->add_option("--threads", ea->threads, "threads (0 = SATTN_NUM_THREADS or all cores)")->check(thread_range());
   ev->add_option("--tile", ea->tile, "tile size (0 = whole image; -1 = auto as in upscale)")->capture_default_str();
   ev->add_option("--limit", ea->limit, "evaluate only the first N images (sorted by name)");
   ev->add_option("--max-output-pixels", ea->max_output_pixels,

@@ -82,9 +82,18 @@ struct Params {
   // have row_log_sum 0. row_log_sum is nullptr when no row needs it; block_has_log_sum[t] (query block t, as
   // for the packed tiles) says whether block t has such a row.
   float* lse_eff = nullptr;
-  const float* delta = nullptr;
+  float* delta = nullptr;
   float* row_log_sum = nullptr;
   const uint8_t* block_has_log_sum = nullptr;
+  // NaN rows (lse NaN, or a NaN in q): as in the reference, their P and dS are NaN at every allowed key and 0 at
+  // the others. The driver and pack_q_task mark them in nan_row [B·Hq·Lq] and block_has_nan_row (per query block
+  // t) and give them lse_eff = +inf and Di = 0 (P = dS = 0); the tiles then set the allowed scores of those rows to
+  // NaN, and pack_q_task zeroes their packed q. K rows with a NaN are zeroed in the products of the key blocks
+  // marked in nan_key_block [(b·Hkv + hk)·num_k_blocks + kb] (nullptr when K has none): a NaN key then reaches
+  // the gradients only through the rows that may attend to it, whose lse is NaN.
+  uint8_t* nan_row = nullptr;
+  uint8_t* block_has_nan_row = nullptr;
+  const uint8_t* nan_key_block = nullptr;
   // Query-side tiles packed once per (b, h, q block) t = (b * Hq + h) * num_q_blocks + qb:
   // (scale Q)^T [D x Br], dO^T [Dv x Br], scale Q [Br x pad16(D)], dO [Br x pad16(Dv)].
   float *pk_qt = nullptr, *pk_dot = nullptr, *pk_qr = nullptr, *pk_dor = nullptr;

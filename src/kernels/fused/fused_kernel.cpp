@@ -81,6 +81,30 @@ void run_tasks(int64_t n, int threads, F&& f) {
   if (error) std::rethrow_exception(error);
 }
 
+// Marks the key blocks (b, kv head, key block of Bc keys) whose K rows hold a NaN; empty when there is none.
+std::vector<uint8_t> nan_key_blocks(const TensorView& k, const Params& p, int threads) {
+  const int64_t nkb = p.num_k_blocks();
+  std::vector<uint8_t> marks(size_t(p.B * p.Hkv * nkb), 0), any(size_t(p.B * p.Hkv), 0);
+  run_tasks(p.B * p.Hkv, threads, [&](int64_t bhk) {
+    const int64_t b = bhk / p.Hkv, hk = bhk % p.Hkv;
+    for (int64_t j = 0; j < p.Lk; ++j) {
+      bool nan = false;
+      if (p.k.dtype == DType::kF32 && p.k.sd == 1) {
+        const float* row = static_cast<const float*>(p.k.data) + b * p.k.sb + hk * p.k.sh + j * p.k.sl;
+        for (int64_t x = 0; x < p.D; ++x) nan |= std::isnan(row[x]);
+      } else {
+        for (int64_t x = 0; x < p.D; ++x) {
+          const int64_t idx[4] = {b, hk, j, x};
+          nan |= std::isnan(k.get(idx));
+        }
+      }
+      if (nan) marks[size_t(bhk * nkb + j / p.Bc)] = any[size_t(bhk)] = 1;
+    }
+  });
+  if (std::find(any.begin(), any.end(), 1) == any.end()) marks.clear();
+  return marks;
+}
+
 bool fused_supports(const AttentionProblem& p, std::string* why) {
   auto no = [&](const char* reason) {
     if (why) *why = reason;
@@ -114,8 +138,8 @@ void decode_forward(const ForwardArgs& a, Params& p, const Ops& o) {
   const int64_t n = (p.decode_group ? p.B * p.Hkv : p.B * p.Hq * p.num_q_blocks()) * C;
   run_tasks(n, a.num_threads, [&](int64_t t) { o.forward_task(p, t); });
   // The online softmax across chunks: m = max_c m_c, w_c = l_c e^(m_c − m), l = Σ_c w_c, out = Σ_c (w_c / l) out_c,
-  // lse = m + log l (empty chunks have m_c = −inf, l_c = 0).
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  // lse = m + log l (empty chunks have m_c = −inf, l_c = 0; a chunk with a NaN score has l_c = NaN: a NaN row).
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity(), kNaN = std::numeric_limits<float>::quiet_NaN();
   run_tasks(p.B * p.Hq, a.num_threads, [&](int64_t bh) {
     std::vector<float> acc(static_cast<size_t>(p.Dv)), w(static_cast<size_t>(C));
     for (int64_t i = 0; i < p.Lq; ++i) {
@@ -123,10 +147,11 @@ void decode_forward(const ForwardArgs& a, Params& p, const Ops& o) {
       const float* mc = part_max.data() + row * C;
       const float* lc = part_sum.data() + row * C;
       float m = kNegInf;
-      for (int64_t c = 0; c < C; ++c) m = std::max(m, mc[c]);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      float l = 0.f;
-      if (m != kNegInf) {
+      bool nan = false;
+      for (int64_t c = 0; c < C; ++c) m = std::max(m, mc[c]), nan |= std::isnan(lc[c]);
+      std::fill(acc.begin(), acc.end(), nan ? kNaN : 0.f);
+      float l = nan ? kNaN : 0.f;
+      if (m != kNegInf && !nan) {
         for (int64_t c = 0; c < C; ++c) {
           w[size_t(c)] = mc[c] == kNegInf ? 0.f : lc[c] * std::exp(mc[c] - m);
           l += w[size_t(c)];
@@ -145,7 +170,7 @@ void decode_forward(const ForwardArgs& a, Params& p, const Ops& o) {
       }
       if (a.outputs.lse.data) {
         const int64_t idx[3] = {b, h, i};
-        a.outputs.lse.set(idx, m == kNegInf ? -HUGE_VAL : double(m + std::log(l)));
+        a.outputs.lse.set(idx, m == kNegInf && !nan ? -HUGE_VAL : double(m + std::log(l)));
       }
     }
   });
@@ -177,10 +202,11 @@ void fused_backward(const BackwardArgs& a) {
   const int threads = a.num_threads;
 
   // Row statistics: lse (+inf for rows without any allowed key, so that P = exp(s - lse) = 0) and
-  // Di = rowsum(dO ∘ O); which query blocks have a row whose lse cannot carry log l.
+  // Di = rowsum(dO ∘ O); which query blocks have a row whose lse cannot carry log l; the NaN rows (see Params).
   const int64_t rows = p.B * p.Hq * p.Lq, nqb = p.num_q_blocks(), nqt = p.B * p.Hq * nqb;
   std::vector<float> lse_eff(static_cast<size_t>(rows)), delta(static_cast<size_t>(rows));
-  std::vector<uint8_t> block_has_log_sum(static_cast<size_t>(nqt), 0);
+  std::vector<uint8_t> block_has_log_sum(static_cast<size_t>(nqt), 0), nan_row(static_cast<size_t>(rows), 0),
+      block_has_nan_row(static_cast<size_t>(nqt), 0);
   workspace_add(int64_t(2 * rows * sizeof(float)));
   struct Release {
     int64_t bytes;
@@ -191,6 +217,12 @@ void fused_backward(const BackwardArgs& a) {
     for (int64_t i = 0; i < p.Lq; ++i) {
       const int64_t idx3[3] = {b, h, i};
       const double l = a.lse.get(idx3);
+      if (std::isnan(l)) {
+        lse_eff[size_t(bh * p.Lq + i)] = std::numeric_limits<float>::infinity();
+        delta[size_t(bh * p.Lq + i)] = 0.f;
+        nan_row[size_t(bh * p.Lq + i)] = block_has_nan_row[size_t(bh * nqb + i / p.Br)] = 1;
+        continue;
+      }
       const float le = l == -HUGE_VAL ? std::numeric_limits<float>::infinity() : float(l);
       lse_eff[size_t(bh * p.Lq + i)] = le;
       if (lse_needs_row_stats(le)) block_has_log_sum[size_t(bh * nqb + i / p.Br)] = 1;
@@ -204,6 +236,10 @@ void fused_backward(const BackwardArgs& a) {
   });
   p.lse_eff = lse_eff.data();
   p.delta = delta.data();
+  p.nan_row = nan_row.data();
+  p.block_has_nan_row = block_has_nan_row.data();
+  const std::vector<uint8_t> nan_keys = nan_key_blocks(a.k, p, threads);
+  if (!nan_keys.empty()) p.nan_key_block = nan_keys.data();
 
   // Query-side tiles, packed once (O(B·Hq·Lq·(D+Dv)) floats, like the inputs).
   const size_t pk_n = static_cast<size_t>(nqt * p.Br * (p.D + p.Dv + Params::pad16(p.D) + Params::pad16(p.Dv)));

@@ -281,7 +281,10 @@ void ApplyTileMask(const Params& p, const TileMask& t, int64_t i0, int64_t kb, i
       continue;
     }
     if (t.has_bias)
-      for (int64_t x = 0; x < Br; x += N) hn::Store(hn::Add(hn::Load(d, row + x), hn::Load(d, bias + jj * Br + x)), d, row + x);
+      for (int64_t x = 0; x < Br; x += N) {  // s + bias, and -inf wherever bias is -inf (even for a NaN s)
+        const VF bv = hn::Load(d, bias + jj * Br + x);
+        hn::Store(hn::IfThenElse(hn::Eq(bv, ninf), ninf, hn::Add(hn::Load(d, row + x), bv)), d, row + x);
+      }
     if (t.causal_partial) {
       // allowed iff kb + jj <= i0 + ii + offset  <=>  ii >= kb + jj - offset - i0
       const int64_t first = kb + jj - p.causal_offset - i0;
@@ -334,14 +337,15 @@ HWY_INLINE VF OnlineSoftmaxStep(DF d, float* HWY_RESTRICT ST, int64_t nk, int64_
   return alpha;
 }
 
-// out = O / l; lse = m + log l; rows with no allowed key: out 0, lse -inf. In decode mode (kv_chunk > 0) the
-// results are partials: O / l [row][chunk][Dv], m and l [row][chunk], merged by the driver.
+// out = O / l; lse = m + log l; rows with no allowed key (l = 0): out 0, lse -inf; rows with a NaN score have
+// l = NaN and get NaN. In decode mode (kv_chunk > 0) the results are partials: O / l [row][chunk][Dv], m and l
+// [row][chunk], merged by the driver.
 template <typename GetO>
 void FinishRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t chunk, const float* M,
                 const float* L, GetO&& o) {
   const int64_t Dv = p.Dv, nchunks = p.num_kv_chunks();
   for (int64_t ii = 0; ii < nq; ++ii) {
-    const bool empty = !(L[ii] > 0.f);
+    const bool empty = L[ii] == 0.f;
     const float inv = empty ? 0.f : 1.f / L[ii];
     auto lse = [&] { return empty ? kNegInf : M[ii] + std::log(L[ii]); };  // only where it is wanted
     if (p.kv_chunk > 0) {
@@ -424,7 +428,10 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
           float& x = S[ii * Bc + jj];
           if (t.skip || (t.has_pad && pad[jj])) x = kNegInf;
           else if (t.causal_partial && kb + jj > ri[ii] + p.causal_offset) x = kNegInf;
-          else if (t.has_bias) x += bias[ii * Bc * Br + jj * Br];
+          else if (t.has_bias) {
+            const float bv = bias[ii * Bc * Br + jj * Br];
+            x = bv == kNegInf ? bv : x + bv;  // -inf stays -inf (even for a NaN score)
+          }
         }
     for (int ii = 0; ii < NQ; ++ii) {  // online softmax of row ii over the tile's keys
       float* srow = S + ii * Bc;
@@ -616,6 +623,19 @@ HWY_INLINE void TileProbabilities(const Params& p, BwdTile& w, int64_t b, int64_
   }
 }
 
+// The rows [n x width] with a NaN replaced by zeros, in buf.
+Rows ZeroNanRows(const Rows& r, int64_t n, int64_t width, float* buf) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* src = r.ptr + j * r.stride;
+    float* dst = buf + j * width;
+    bool nan = false;
+    for (int64_t x = 0; x < width; ++x) nan |= std::isnan(src[x]);
+    if (nan) std::fill(dst, dst + width, 0.f);
+    else if (dst != src) std::copy(src, src + width, dst);
+  }
+  return {buf, width};
+}
+
 bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t kb, int64_t nk,
                  Rows* kr_out, Rows* vr_out) {
   const DF d;
@@ -625,7 +645,9 @@ bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, 
   const int64_t t = (b * p.Hq + h) * p.num_q_blocks() + i0 / Br;
   w.QT = p.pk_qt + t * p.D * Br;
   w.dOT = p.pk_dot + t * p.Dv * Br;
-  const Rows kr = RowsOf(p.k, b, hk, kb, nk, p.D, w.kbuf);
+  Rows kr = RowsOf(p.k, b, hk, kb, nk, p.D, w.kbuf);
+  if (p.nan_key_block && p.nan_key_block[(b * p.Hkv + hk) * p.num_k_blocks() + kb / p.Bc])
+    kr = ZeroNanRows(kr, nk, p.D, w.kbuf);
   const Rows vr = RowsOf(p.v, b, hk, kb, nk, p.Dv, w.vbuf);
   if (kr_out) *kr_out = kr;
   if (vr_out) *vr_out = vr;
@@ -633,6 +655,13 @@ bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, 
   if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, w.bias, w.pad, w.ST);
   Gemm<false>(vr.ptr, vr.stride, 1, w.dOT, Br, w.dPT, Br, nk, nvec, p.Dv);  // dP'^T = V dO^T
   const int64_t row0 = (b * p.Hq + h) * p.Lq + i0;
+  if (p.block_has_nan_row[t])  // NaN rows: a NaN score at every allowed key (lse_eff = +inf, Di = 0 elsewhere)
+    for (int64_t ii = 0; ii < nq; ++ii)
+      if (p.nan_row[row0 + ii])
+        for (int64_t jj = 0; jj < nk; ++jj) {
+          float& s = w.ST[jj * Br + ii];
+          if (s != kNegInf) s = std::numeric_limits<float>::quiet_NaN();
+        }
   alignas(64) float lse_t[1024], delta_t[1024];
   for (int64_t ii = 0; ii < Br; ++ii) {
     lse_t[ii] = ii < nq ? p.lse_eff[row0 + ii] : std::numeric_limits<float>::infinity();
@@ -766,10 +795,23 @@ void PackQTask(const Params& p, int64_t task) {
   const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq;
   const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
   const int64_t Dp = Params::pad16(p.D), Dvp = Params::pad16(p.Dv);
-  PackTransposed(p.q, b, h, i0, nq, p.D, Br, p.scale, p.pk_qt + task * p.D * Br);
+  float *qt = p.pk_qt + task * p.D * Br, *qr = p.pk_qr + task * Br * Dp;
+  PackTransposed(p.q, b, h, i0, nq, p.D, Br, p.scale, qt);
   PackTransposed(p.dout, b, h, i0, nq, p.Dv, Br, 1.f, p.pk_dot + task * p.Dv * Br);
-  PackRows(p.q, b, h, i0, nq, p.D, Dp, Br, p.scale, p.pk_qr + task * Br * Dp);
+  PackRows(p.q, b, h, i0, nq, p.D, Dp, Br, p.scale, qr);
   PackRows(p.dout, b, h, i0, nq, p.Dv, Dvp, Br, 1.f, p.pk_dor + task * Br * Dvp);
+  // A NaN in q makes the row a NaN row; its packed q is zeroed (0 · NaN would reach dK through masked keys).
+  const int64_t row0 = bh * p.Lq + i0;
+  for (int64_t ii = 0; ii < nq; ++ii) {
+    bool nan = false;
+    for (int64_t x = 0; x < p.D; ++x) nan |= std::isnan(qr[ii * Dp + x]);
+    if (!nan) continue;
+    for (int64_t x = 0; x < p.D; ++x) qr[ii * Dp + x] = qt[x * Br + ii] = 0.f;
+    p.nan_row[row0 + ii] = 1;
+    p.lse_eff[row0 + ii] = std::numeric_limits<float>::infinity();
+    p.delta[row0 + ii] = 0.f;
+    p.block_has_nan_row[task] = 1;
+  }
 }
 
 // Backward, for the rows of one (b, h, query block) whose lse cannot carry log l (lse_needs_row_stats): the exact
