@@ -72,31 +72,41 @@ struct Header {
   size_t data_start = 0;
 };
 
-// The magic string, version and length fields, then a header dict of at most 1 MiB.
-constexpr size_t kMaxPreambleBytes = 12 + (size_t(1) << 20);
+// The header dict is at most 1 MiB.
+constexpr size_t kMaxHeaderBytes = size_t(1) << 20;
 
-// Parses the header from the first `size` bytes of a .npy file (at least up to the data, or the whole file).
-Header parse_header(const std::string& path, const char* bytes, size_t size) {
+// Where the header dict lies, from the magic string, version and length fields at the start of the file (its
+// first 12 bytes, or all of a shorter file).
+struct DictRange {
+  size_t start = 0, length = 0;
+};
+DictRange dict_range(const std::string& path, const char* bytes, size_t size) {
   if (size < 8 || std::memcmp(bytes, "\x93NUMPY", 6) != 0) bad(path, "not a .npy file (bad magic)");
   const auto* b = reinterpret_cast<const unsigned char*>(bytes);
   const int major = b[6];
-  size_t header_len = 0, dict_start = 0;
+  DictRange r;
   if (major == 1) {
-    dict_start = 10;
-    if (size < dict_start) bad(path, "truncated header");
-    header_len = b[8] | (size_t(b[9]) << 8);
+    r.start = 10;
+    if (size < r.start) bad(path, "truncated header");
+    r.length = b[8] | (size_t(b[9]) << 8);
   } else if (major == 2 || major == 3) {
-    dict_start = 12;
-    if (size < dict_start) bad(path, "truncated header");
-    header_len = b[8] | (size_t(b[9]) << 8) | (size_t(b[10]) << 16) | (size_t(b[11]) << 24);
+    r.start = 12;
+    if (size < r.start) bad(path, "truncated header");
+    r.length = b[8] | (size_t(b[9]) << 8) | (size_t(b[10]) << 16) | (size_t(b[11]) << 24);
   } else {
     bad(path, "unsupported format version " + std::to_string(major));
   }
-  if (header_len > kMaxPreambleBytes - 12) bad(path, "header too long");
-  if (size - dict_start < header_len) bad(path, "truncated header");
-  const std::string header(bytes + dict_start, header_len);
+  if (r.length > kMaxHeaderBytes) bad(path, "header too long");
+  return r;
+}
+
+// Parses the header from the first `size` bytes of a .npy file (at least up to the data, or the whole file).
+Header parse_header(const std::string& path, const char* bytes, size_t size) {
+  const DictRange r = dict_range(path, bytes, size);
+  if (size - r.start < r.length) bad(path, "truncated header");
+  const std::string header(bytes + r.start, r.length);
   Header h;
-  h.data_start = dict_start + header_len;
+  h.data_start = r.start + r.length;
   h.dtype = parse_descr(path, dict_value(path, header, "descr"));
   const std::string order = dict_value(path, header, "fortran_order");
   if (order.rfind("True", 0) == 0) h.fortran = true;
@@ -160,7 +170,13 @@ Tensor parse_npy(const void* data, size_t size, const std::string& name) {
 Tensor read_npy(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   if (!f) bad(path, "cannot open for reading");
-  std::string preamble(kMaxPreambleBytes, '\0');
+  // The fixed fields first, then the header they announce (the data is read once, into the tensor).
+  std::string preamble(12, '\0');
+  f.read(preamble.data(), std::streamsize(preamble.size()));
+  const DictRange r = dict_range(path, preamble.data(), size_t(f.gcount()));
+  preamble.resize(r.start + r.length);
+  f.clear();
+  f.seekg(0);
   f.read(preamble.data(), std::streamsize(preamble.size()));
   preamble.resize(size_t(f.gcount()));
   const Header h = parse_header(path, preamble.data(), preamble.size());
@@ -193,9 +209,7 @@ void write_npy(io::OutputFile& out, const TensorView& tensor) {
 }
 
 void write_npy(const std::string& path, const TensorView& tensor) {
-  io::OutputFile out(path);
-  write_npy(out, tensor);
-  out.commit();
+  io::write_file(path, [&](io::OutputFile& out) { write_npy(out, tensor); });
 }
 
 }  // namespace sattn

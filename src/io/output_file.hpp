@@ -15,9 +15,11 @@
 #include <sys/types.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace sattn::io {
 
@@ -31,6 +33,7 @@ class OutputFile {
 
   void write(const void* data, size_t size);
   void write(std::string_view text) { write(text.data(), text.size()); }
+  void write(const std::vector<uint8_t>& bytes) { write(bytes.data(), bytes.size()); }
   // Flushes the data to disk and closes the file; a regular destination is not replaced yet.
   void close();
   // close(), then renames the temporary over the destination.
@@ -63,5 +66,13 @@ class OutputFiles {
  private:
   std::deque<OutputFile> files_;  // a deque: the references add() returns stay valid
 };
+
+// Writes the file at `path` whole: `fill(out)` writes into an OutputFile, which is then committed.
+template <typename Fill>
+void write_file(const std::string& path, Fill&& fill) {
+  OutputFile out(path);
+  fill(out);
+  out.commit();
+}
 
 }  // namespace sattn::io

@@ -231,9 +231,7 @@ void write_safetensors(io::OutputFile& out, const std::map<std::string, TensorVi
 
 void write_safetensors(const std::string& path, const std::map<std::string, TensorView>& tensors,
                        const std::map<std::string, std::string>& metadata) {
-  io::OutputFile out(path);
-  write_safetensors(out, tensors, metadata);
-  out.commit();
+  io::write_file(path, [&](io::OutputFile& out) { write_safetensors(out, tensors, metadata); });
 }
 
 }  // namespace sattn

@@ -298,15 +298,10 @@ std::vector<uint8_t> encode_png(const Image& image) {
   return encode_png(image.data.data(), image.height, image.width, image.channels);
 }
 
-void write_png(io::OutputFile& out, const Image& image) {
-  const std::vector<uint8_t> png = encode_png(image);
-  out.write(png.data(), png.size());
-}
+void write_png(io::OutputFile& out, const Image& image) { out.write(encode_png(image)); }
 
 void write_png(const std::string& path, const Image& image) {
-  io::OutputFile out(path);
-  write_png(out, image);
-  out.commit();
+  io::write_file(path, [&](io::OutputFile& out) { write_png(out, image); });
 }
 
 }  // namespace sattn::sr
