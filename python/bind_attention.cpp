@@ -10,14 +10,12 @@
 
 #include "bind_common.hpp"
 #include "bindings.hpp"
+#include "core/memory.hpp"
 #include "sattn/attention.hpp"
 #include "sattn/error.hpp"
 
 namespace pyb = pybind11;
 
-namespace sattn {
-int64_t physical_memory_bytes();  // src/core/threads.hpp (not included: it needs OpenMP flags)
-}  // namespace sattn
 
 namespace sattn::py {
 
@@ -65,11 +63,11 @@ pyb::tuple forward(const pyb::object& q_obj, const pyb::object& k_obj, const pyb
   pyb::object lse = pyb::none(), weights = pyb::none();
   if (need_lse) lse = new_array(dt, {p.batch, p.heads_q, p.len_q}, &outs.lse);
   if (need_weights) {
-    // The same limit as the reference kernel's (half of physical memory), checked before numpy allocates.
-    const double bytes = p.score_matrix_bytes(dtype_size(dt)), limit = double(physical_memory_bytes()) / 2;
+    // The same limit as the reference kernel's, checked before numpy allocates.
+    const double bytes = p.score_matrix_bytes(dtype_size(dt)), limit = double(memory_limit_bytes(o.memory_limit_bytes));
     check(bytes <= limit, ErrorKind::kOutOfMemory, "attention weights: [B, Hq, Lq, Lk] = ",
           shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}), " needs ", bytes / (1 << 20),
-          " MiB, over the memory limit of ", limit / (1 << 20), " MiB (half of physical memory)");
+          " MiB, over the memory limit of ", limit / (1 << 20), " MiB (default: half of physical memory)");
     weights = new_array(dt, {p.batch, p.heads_q, p.len_q, p.len_k}, &outs.weights);
   }
   KernelInfo info;

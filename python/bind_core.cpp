@@ -20,6 +20,7 @@
 #include "bind_common.hpp"
 #include "sattn/attention.hpp"
 #include "sattn/error.hpp"
+#include "sattn/simd.hpp"
 
 #ifndef SATTN_VERSION
 #define SATTN_VERSION "unknown"
@@ -115,6 +116,27 @@ void bind_core(pybind11::module_& m) {
   m.def("kernel_names", &sattn::kernel_names,
         "Names of the registered attention kernels, in the order the registry tries them (reference last).");
 
+  m.def(
+      "simd_targets",
+      [] {
+        const SimdTargets t = sattn::simd_targets();
+        pybind11::dict d;
+        d["selected"] = t.selected;
+        d["available"] = t.available;
+        d["fused"] = t.fused;
+        d["sparse_tiles"] = t.sparse_tiles;
+        d["topk"] = t.topk;
+        d["nn"] = t.nn;
+        return d;
+      },
+      "The SIMD target selected for the process ('selected': $SATTN_SIMD, set_simd_target()'s, or the widest this "
+      "CPU runs), the targets this CPU runs ('available', widest first), and the build each component runs "
+      "('fused', 'sparse_tiles', 'topk', 'nn': the widest it was compiled for, no wider than 'selected').");
+  m.def(
+      "set_simd_target", [](const std::string& name) { sattn::set_simd_target(name); }, pybind11::arg("name"),
+      "Selects the SIMD target of every component: 'avx512', 'avx2', 'sse4', 'portable' or 'auto' (the widest this "
+      "CPU runs). Raises InvalidArgumentError for an unknown name and UnsupportedError when this CPU cannot run it. "
+      "Takes effect for calls that start after it returns.");
   m.def(
       "get_num_threads",
       []() { return resolve_num_threads(g_default_threads.load()); },

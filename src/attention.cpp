@@ -7,6 +7,8 @@
 #include <cstring>
 #include <limits>
 
+#include "core/env.hpp"
+#include "core/memory.hpp"
 #include "core/threads.hpp"
 #include "kernels/kernel.hpp"
 
@@ -228,17 +230,11 @@ MaskData make_mask_data(const AttentionProblem& p, const AttentionOptions& o) {
 
 namespace {
 
-bool env_flag(const char* name) {
-  const char* v = std::getenv(name);
-  return v && *v && std::strcmp(v, "0") != 0;
-}
-
 // Picks the kernel for `p` and records the choice in `info`.
 const KernelEntry& choose_kernel(const AttentionProblem& p, const AttentionOptions& o, KernelInfo* info) {
   std::string forced = o.kernel;
-  if (forced.empty())
-    if (const char* env = std::getenv("SATTN_KERNEL")) forced = env;
-  const bool strict = o.strict || env_flag("SATTN_STRICT");
+  if (forced.empty()) forced = env::get("SATTN_KERNEL").value_or("");
+  const bool strict = o.strict || env::get_flag("SATTN_STRICT");
   const auto& kernels = registered_kernels();
   KernelInfo local;
   KernelInfo& inf = info ? *info : local;
@@ -330,8 +326,7 @@ AttentionResult attention(const TensorView& q, const TensorView& k, const Tensor
   if (need_weights) {
     // Refuse before allocating (and touching) a weights tensor that the memory limit would not allow.
     const double bytes = p.score_matrix_bytes(dtype_size(out_dtype));
-    const double limit = options.memory_limit_bytes > 0 ? double(options.memory_limit_bytes)
-                                                        : double(physical_memory_bytes()) / 2;
+    const double limit = double(memory_limit_bytes(options.memory_limit_bytes));
     check(bytes <= limit, ErrorKind::kOutOfMemory, "weights: the attention weights [B, Hq, Lq, Lk] = ",
           shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}), " need ", bytes / (1 << 20),
           " MiB, over the memory limit of ", limit / (1 << 20),

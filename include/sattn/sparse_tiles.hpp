@@ -1,12 +1,11 @@
 // The inner tile operations of the block-sparse engine (sparse_engine.hpp): a few functions on contiguous fp32
 // tiles, the boundary where SIMD micro-kernels plug in. The implementations (src/sparse/tiles_simd.cpp) are
-// register-blocked Highway micro-kernels compiled for AVX-512, AVX2+FMA and a portable baseline, chosen at run time
-// (SATTN_SPARSE_ISA=avx2 or base caps the choice), so the library runs on any x86-64 CPU.
+// register-blocked Highway micro-kernels compiled for AVX-512, AVX2+FMA, SSE4 and a portable baseline, chosen at run
+// time with every other SIMD component (SATTN_SIMD, sattn::set_simd_target in simd.hpp), so the library runs on any
+// x86-64 CPU.
 #pragma once
 
 #include <cstdint>
-#include <string>
-#include <vector>
 
 namespace sattn::sparse::tiles {
 
@@ -29,15 +28,8 @@ void softmax_backward(const float* p, float* dp, int64_t m, int64_t n, const flo
 // P = exp(S - lse_i) in place for a tile whose rows have a final log-sum-exp (rows with lse = -inf get 0).
 void probabilities(float* s, int64_t m, int64_t n, const float* lse);
 
-// "avx512", "avx2+fma" or "base": the build of these functions in use.
-const char* isa();
-
-// The builds this CPU can run, widest first (the last is "base").
-std::vector<std::string> available_isas();
-
-// Switches to the build named (as listed by available_isas; "avx2" names "avx2+fma") for tests and benchmarks;
-// false (and no change) if this CPU cannot run it. Not to be called while tile operations run on other threads.
-bool set_isa(const std::string& name);
+// The SIMD target of the build of these functions in use ("avx512", "avx2", "sse4" or "portable").
+const char* simd_build();
 
 // dst[d x n] (row stride ldd) = src[n rows x d] (row stride lds) transposed.
 void transpose_rows(const float* src, int64_t lds, int64_t n, int64_t d, float* dst, int64_t ldd);

@@ -1,7 +1,8 @@
 """sattn: self-attention, exact and sparse (Python bindings)."""
 from . import _core  # noqa: F401
 from ._core import (__version__, Error, InvalidArgumentError, DTypeError, OutOfMemoryError, UnsupportedError,  # noqa: F401,E501
-                    FileFormatError, InternalError, kernel_names, get_num_threads, set_num_threads)
+                    FileFormatError, InternalError, kernel_names, get_num_threads, set_num_threads,
+                    simd_targets, set_simd_target)
 from ._attention import (scaled_dot_product_attention, scaled_dot_product_attention_backward,  # noqa: F401
                          attention_weights, explain_kernels, KernelReport)
 from ._core import MultiheadAttention, read_safetensors, write_safetensors  # noqa: F401,E402  (bind_nn.cpp)

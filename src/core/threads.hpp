@@ -14,7 +14,7 @@ namespace sattn {
 
 int hardware_threads();
 int resolve_num_threads(int requested);  // never < 1
-int64_t physical_memory_bytes();
+
 
 // Runs f(i) for i in [0, n) on up to `threads` threads (dynamic schedule: items may differ in cost).
 template <typename F>

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <set>
 
+#include "core/memory.hpp"
 #include "core/threads.hpp"
 #include "sattn/attention.hpp"
 #include "sattn/random.hpp"
@@ -246,7 +247,7 @@ std::pair<Tensor, std::optional<Tensor>> run(const MultiheadAttention& m, const 
   Tensor attn(dt, {N, L, E});
   if (need_weights) {  // refuse before allocating (the kernel would refuse its own L x L buffers the same way)
     const double bytes = double(N) * double(H) * double(L) * double(Sp) * double(sizeof(T));
-    const double limit = 0.5 * double(physical_memory_bytes());
+    const double limit = double(memory_limit_bytes());
     check(bytes <= limit, ErrorKind::kOutOfMemory, "need_weights: the attention weights [N, H, L, S'] = [", N, ", ",
           H, ", ", L, ", ", Sp, "] need ", bytes / 1e9, " GB, over half of physical memory (", limit / 1e9,
           " GB); call with need_weights=False");

@@ -26,6 +26,9 @@ class Buffer {
   int64_t cap_ = 0;
 };
 
+// The SIMD target of the build of these kernels in use (simd/target.hpp).
+const char* simd_build();
+
 // Row stride of the re-laid-out weights below ([K][padded_cols(N)], zeros past N): whole SIMD vectors of a
 // weight row can be loaded without masks.
 inline int64_t padded_cols(int64_t n) { return (n + 15) / 16 * 16; }

@@ -1,4 +1,5 @@
-// SIMD kernels of nn/ops (Highway, compiled per target — AVX-512, AVX2+FMA, portable — and picked at run time):
+// SIMD kernels of nn/ops (Highway, compiled per target of simd/hwy_targets.hpp and picked at run time from the one
+// target table, simd/target.hpp):
 // the register-blocked GEMM, the flat depthwise 3x3 row, layer norm and GELU.
 //
 // Determinism: every output element of the GEMM is one fused-multiply-add chain over k in a fixed order (segments
@@ -6,9 +7,7 @@
 // or the thread count — so results do not depend on how rows are batched (tiled == untiled, 1 == 2 threads).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "nn/simd_ops.cpp"
-#ifndef HWY_DISABLED_TARGETS
-#define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_SSE4)
-#endif
+#include "simd/hwy_targets.hpp"
 #include <hwy/foreach_target.h>  // must come before highway.h
 
 #include <hwy/highway.h>
@@ -28,14 +27,7 @@ namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 
-// Register blocking: kMR rows of A (scalar broadcasts) x up to kNV vectors of columns.
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3_ZEN4
-constexpr int kMR = 6, kNV = 4;  // 24 of 32 zmm accumulators
-#elif HWY_TARGET == HWY_SCALAR || HWY_TARGET == HWY_EMU128
-constexpr int kMR = 4, kNV = 4;
-#else
-constexpr int kMR = 6, kNV = 2;  // 12 of 16 ymm accumulators
-#endif
+#include "simd/blocking.inc"  // kMR, kNV
 
 // C[MR rows, NV vectors] += sum_s A_s[m, :K_s] · W rows (row stride ldw); the last vector of C masked to `rem`
 // lanes when kMask, and its W loads too when kMaskW (else W rows are readable up to the full vector: padded).
@@ -346,21 +338,37 @@ void PlanarToU8Rgb(const float* r, const float* g, const float* b, int64_t n, ui
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
+#include "simd/dispatch.hpp"
+
 namespace sattn::nn {
-HWY_EXPORT(GemmSegments);
-HWY_EXPORT(DepthwiseRow3);
-HWY_EXPORT(LayerNormRows);
-HWY_EXPORT(GeluInplace);
-HWY_EXPORT(PlanarToU8Rgb);
-HWY_EXPORT(AddRows);
-HWY_EXPORT(AddSquaredDeviations);
+namespace {
+struct Ops {
+  void (*gemm_segments)(int, const float* const*, const int64_t*, int64_t, int64_t, const float*, int64_t, int64_t,
+                        float*, int64_t);
+  void (*depthwise_row_3)(const float*, const float*, const float*, int64_t, int64_t, const float*, int64_t, float*);
+  void (*layer_norm_rows)(const float*, int64_t, int64_t, const float*, const float*, float, float*);
+  void (*gelu_inplace)(float*, int64_t);
+  void (*planar_to_u8_rgb)(const float*, const float*, const float*, int64_t, uint8_t*);
+  void (*add_rows)(const float*, int64_t, int64_t, float*);
+  void (*add_squared_deviations)(const float*, int64_t, int64_t, const float*, float*);
+};
+#define SATTN_NN_OPS(NS)                                                                                 \
+  Ops {                                                                                                  \
+    &NS::GemmSegments, &NS::DepthwiseRow3, &NS::LayerNormRows, &NS::GeluInplace, &NS::PlanarToU8Rgb, \
+        &NS::AddRows, &NS::AddSquaredDeviations                                                          \
+  }
+const simd::Build<Ops> kBuilds[] = {SATTN_SIMD_BUILDS(SATTN_NN_OPS)};
+const Ops& ops() { return simd::pick(kBuilds).ops; }
+}  // namespace
+
+const char* simd_build() { return simd::name(simd::pick(kBuilds).target); }
 
 void gemm_acc_segments(int nseg, const float* const* A, const int64_t* K, int64_t lda, int64_t M, const float* W,
                        int64_t ldw, int64_t N, float* C, int64_t ldc) {
   check(nseg >= 1 && nseg <= 16, ErrorKind::kInternal, "gemm_acc_segments: nseg must be 1..16, given ", nseg);
   if (M <= 0 || N <= 0) return;
   check(ldw >= N, ErrorKind::kInternal, "gemm_acc_segments: ldw ", ldw, " < N ", N);
-  HWY_DYNAMIC_DISPATCH(GemmSegments)(nseg, A, K, lda, M, W, ldw, N, C, ldc);
+  ops().gemm_segments(nseg, A, K, lda, M, W, ldw, N, C, ldc);
 }
 void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W, int64_t ldw, int64_t N, float* C,
               int64_t ldc) {
@@ -370,20 +378,20 @@ void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W,
 }
 void depthwise_row_3(const float* above, const float* centre, const float* below, int64_t W, int64_t C,
                      const float* Wt, int64_t period, float* out) {
-  HWY_DYNAMIC_DISPATCH(DepthwiseRow3)(above, centre, below, W, C, Wt, period, out);
+  ops().depthwise_row_3(above, centre, below, W, C, Wt, period, out);
 }
 void layer_norm(const float* x, int64_t M, int64_t C, const float* gamma, const float* beta, float eps, float* y) {
-  HWY_DYNAMIC_DISPATCH(LayerNormRows)(x, M, C, gamma, beta, eps, y);
+  ops().layer_norm_rows(x, M, C, gamma, beta, eps, y);
 }
-void gelu_inplace(float* x, int64_t n) { HWY_DYNAMIC_DISPATCH(GeluInplace)(x, n); }
+void gelu_inplace(float* x, int64_t n) { ops().gelu_inplace(x, n); }
 void add_rows(const float* p, int64_t count, int64_t C, float* acc) {
-  HWY_DYNAMIC_DISPATCH(AddRows)(p, count, C, acc);
+  ops().add_rows(p, count, C, acc);
 }
 void add_squared_deviations(const float* p, int64_t count, int64_t C, const float* mean, float* acc) {
-  HWY_DYNAMIC_DISPATCH(AddSquaredDeviations)(p, count, C, mean, acc);
+  ops().add_squared_deviations(p, count, C, mean, acc);
 }
 void planar_to_u8_rgb(const float* r, const float* g, const float* b, int64_t n, uint8_t* out) {
-  HWY_DYNAMIC_DISPATCH(PlanarToU8Rgb)(r, g, b, n, out);
+  ops().planar_to_u8_rgb(r, g, b, n, out);
 }
 }  // namespace sattn::nn
 #endif  // HWY_ONCE

@@ -14,6 +14,7 @@
 #include <sys/mman.h>
 #endif
 
+#include "core/env.hpp"
 #include "core/threads.hpp"
 #include "sattn/error.hpp"
 #include "sattn/sparse_engine.hpp"
@@ -31,10 +32,7 @@ struct BlockCache {
   std::vector<std::pair<void*, size_t>> blocks;  // (pointer, size), oldest first
   std::unordered_map<void*, size_t> sizes;       // every live or cached large block
   size_t cached = 0;
-  size_t limit = [] {
-    const char* env = std::getenv("SATTN_SPARSE_CACHE_MB");
-    return (env ? size_t(std::strtoull(env, nullptr, 10)) : size_t(1024)) << 20;
-  }();
+  size_t limit = size_t(env::get_integer("SATTN_SPARSE_CACHE_MB", 0, int64_t(1) << 30, 1024)) << 20;
 };
 BlockCache& block_cache() {
   static BlockCache* c = new BlockCache;  // never destroyed: blocks may be freed during static destruction
@@ -375,9 +373,11 @@ bool colour_query_blocks(const BlockMask& bm, int64_t batch_heads, std::vector<i
                          std::vector<int32_t>& runs, std::vector<int32_t>& run_ends) {
   const int64_t nqb = bm.num_q_blocks();
   // SATTN_SPARSE_BACKWARD=two_pass / one_pass forces a form (for tests and measurements).
-  const char* env = std::getenv("SATTN_SPARSE_BACKWARD");
-  if (env && std::strcmp(env, "two_pass") == 0) return false;
-  const bool force = env && std::strcmp(env, "one_pass") == 0;
+  const std::string form = env::get("SATTN_SPARSE_BACKWARD").value_or("auto");
+  check(form == "auto" || form == "one_pass" || form == "two_pass", ErrorKind::kInvalidArgument,
+        "SATTN_SPARSE_BACKWARD: expected auto, one_pass or two_pass, got '", form, "'");
+  if (form == "two_pass") return false;
+  const bool force = form == "one_pass";
   // Key hull [lo, hi) of each query block over every head slot (empty blocks: lo = hi = 0).
   std::vector<int64_t> lo(size_t(nqb), INT64_MAX), hi(size_t(nqb), 0);
   for (int64_t s = 0; s < bm.heads; ++s)

@@ -1,15 +1,13 @@
 // The tile operations of the block-sparse engine (sparse_tiles.hpp), compiled once per SIMD target by Highway
-// (AVX-512, AVX2+FMA, SSE4, portable) and chosen at run time (see the table at the end; SATTN_SPARSE_ISA=avx2,
-// sse4 or base caps the choice). Every matrix product is one register-blocked micro-kernel, the same scheme as the dense
+// (simd/hwy_targets.hpp) and chosen at run time from the one target table (simd/target.hpp; see the end). Every
+// matrix product is one register-blocked micro-kernel, the same scheme as the dense
 // fused kernel (fused_simd.cpp):  C[M x N] = alpha · A(M x K) · B[K x N] (+ C),  A read by scalar broadcasts through
 // two strides (so Q, P and Pᵀ are read in place), B and C in lanes, the last vector of a row masked when N is not a
 // multiple of the vector width. The exponential is a polynomial (Cephes expf, |relative error| < 2e-7) that gives
 // exactly 0 for -inf.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "sparse/tiles_simd.cpp"
-#ifndef HWY_DISABLED_TARGETS
-#define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_AVX3_DL)  // AVX3_DL: nothing to gain here
-#endif
+#include "simd/hwy_targets.hpp"
 #include <hwy/foreach_target.h>  // must come before highway.h
 
 #include <hwy/highway.h>
@@ -32,7 +30,7 @@ using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 using MF = hn::Mask<DF>;
 
-#include "sparse/register_blocking.inc"  // kMR, kNV
+#include "simd/blocking.inc"  // kMR, kNV
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -59,7 +57,7 @@ HWY_INLINE void StoreTail(VF v, DF d, MF m, float* HWY_RESTRICT p) {
 #endif
 }
 
-#include "kernels/simd_exp.inc"  // Exp<kNoUpper>(d, x)
+#include "simd/exp.inc"  // Exp<kNoUpper>(d, x)
 
 // The same polynomial on one lane, so that a row's rescale factor matches its probabilities.
 HWY_INLINE float ExpScalar(float x) {
@@ -305,15 +303,13 @@ void TransposeRows(const float* HWY_RESTRICT src, int64_t lds, int64_t n, int64_
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
-#include <atomic>
-#include <cstdlib>
+#include "simd/dispatch.hpp"
 
 namespace sattn::sparse::tiles {
 
 namespace {
 
 struct Ops {
-  const char* name;
   void (*qk)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float, float*);
   void (*softmax_update)(float*, int64_t, int64_t, float*, float*, float*, int64_t);
   void (*pv)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float, float*);
@@ -323,79 +319,15 @@ struct Ops {
   void (*transpose_rows)(const float*, int64_t, int64_t, int64_t, float*, int64_t);
 };
 
-#define SATTN_TILE_OPS(name, ns) \
-  Ops { name, &ns::Qk, &ns::SoftmaxUpdate, &ns::Pv, &ns::Atx, &ns::SoftmaxBackward, &ns::Probabilities, &ns::TransposeRows }
+#define SATTN_TILE_OPS(NS) \
+  Ops { &NS::Qk, &NS::SoftmaxUpdate, &NS::Pv, &NS::Atx, &NS::SoftmaxBackward, &NS::Probabilities, &NS::TransposeRows }
+const simd::Build<Ops> kBuilds[] = {SATTN_SIMD_BUILDS(SATTN_TILE_OPS)};
 
-struct Entry {
-  int64_t target;
-  Ops ops;
-};
-
-// Widest first; the last entry is the portable build.
-const Entry kEntries[] = {
-#if HWY_TARGETS & HWY_AVX3
-    {HWY_AVX3, SATTN_TILE_OPS("avx512", N_AVX3)},
-#endif
-#if HWY_TARGETS & HWY_AVX2
-    {HWY_AVX2, SATTN_TILE_OPS("avx2+fma", N_AVX2)},
-#endif
-#if HWY_TARGETS & HWY_SSE4
-    {HWY_SSE4, SATTN_TILE_OPS("sse4", N_SSE4)},
-#endif
-#if HWY_TARGETS & HWY_EMU128
-    {HWY_EMU128, SATTN_TILE_OPS("base", N_EMU128)},
-#elif HWY_TARGETS & HWY_SCALAR
-    {HWY_SCALAR, SATTN_TILE_OPS("base", N_SCALAR)},
-#endif
-};
-
-bool cpu_has(int64_t target) {
-  return target == HWY_SCALAR || target == HWY_EMU128 || (hwy::SupportedTargets() & target) != 0;
-}
-
-// Index of the build named `name` ("avx2" also names "avx2+fma"), or -1.
-int find_entry(const char* name) {
-  const size_t len = std::strlen(name);
-  for (size_t e = 0; e < sizeof(kEntries) / sizeof(kEntries[0]); ++e) {
-    const char* en = kEntries[e].ops.name;
-    if (len > 0 && std::strncmp(name, en, len) == 0 && (en[len] == '\0' || en[len] == '+')) return int(e);
-  }
-  return -1;
-}
-
-// Chosen once per process (results are deterministic for a given machine and any thread count): the widest build
-// the CPU runs, or with SATTN_SPARSE_ISA=<name> the widest one no wider than <name> ("base" = portable).
-std::atomic<const Ops*>& current() {
-  static std::atomic<const Ops*> chosen{[] {
-    const size_t n = sizeof(kEntries) / sizeof(kEntries[0]);
-    const char* env = std::getenv("SATTN_SPARSE_ISA");
-    const int named = env ? find_entry(env) : -1;
-    for (size_t e = named < 0 ? 0 : size_t(named); e < n; ++e)
-      if (cpu_has(kEntries[e].target)) return &kEntries[e].ops;
-    return &kEntries[n - 1].ops;
-  }()};
-  return chosen;
-}
-
-const Ops& ops() { return *current().load(std::memory_order_relaxed); }
+const Ops& ops() { return simd::pick(kBuilds).ops; }
 
 }  // namespace
 
-const char* isa() { return ops().name; }
-
-std::vector<std::string> available_isas() {
-  std::vector<std::string> names;
-  for (const Entry& e : kEntries)
-    if (cpu_has(e.target)) names.emplace_back(e.ops.name);
-  return names;
-}
-
-bool set_isa(const std::string& name) {
-  const int e = find_entry(name.c_str());
-  if (e < 0 || !cpu_has(kEntries[e].target)) return false;
-  current().store(&kEntries[e].ops);
-  return true;
-}
+const char* simd_build() { return simd::name(simd::pick(kBuilds).target); }
 
 void qk(const float* q, int64_t m, int64_t d, const float* kt, int64_t ldk, int64_t n, float scale, float* s) {
   ops().qk(q, m, d, kt, ldk, n, scale, s);

@@ -1,13 +1,11 @@
-// TopK's scoring pass (topk_scan.hpp), compiled once per SIMD target by Highway (AVX-512, AVX2+FMA, portable) and
-// chosen at run time. Scores are computed in register tiles S[MR rows x W keys] from packed key tiles [d x W]
+// TopK's scoring pass (topk_scan.hpp), compiled once per SIMD target by Highway (simd/hwy_targets.hpp) and
+// chosen at run time from the one target table (simd/target.hpp). Scores are computed in register tiles S[MR rows x W keys] from packed key tiles [d x W]
 // (W = kNV vectors, keys in lanes, queries broadcast), the way the fused kernel's micro-kernel does. Each score
 // vector is compared with its row's threshold in registers and the survivors are appended with Compress (no branch
 // per key); a row whose buffer fills is shrunk with a sampled threshold that is verified by a vector count.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "sparse/topk_scan.cpp"
-#ifndef HWY_DISABLED_TARGETS
-#define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_SSE4)
-#endif
+#include "simd/hwy_targets.hpp"
 #include <hwy/foreach_target.h>  // must come before highway.h
 
 #include <hwy/highway.h>
@@ -64,7 +62,7 @@ using DF = hn::ScalableTag<float>;
 using DI = hn::RebindToSigned<DF>;
 using VF = hn::Vec<DF>;
 
-#include "sparse/register_blocking.inc"  // kMR, kNV
+#include "simd/blocking.inc"  // kMR, kNV
 
 int64_t TileWidth() { return int64_t(kNV) * int64_t(hn::Lanes(DF())); }
 
@@ -280,17 +278,29 @@ void WeightedRows(const float* w, const int32_t* j, int64_t c, const float* v, i
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
+#include "simd/dispatch.hpp"
+
 namespace sattn::sparse::topk {
 
-HWY_EXPORT(TileWidth);
-HWY_EXPORT(Scan);
-HWY_EXPORT(WeightedRows);
+namespace {
+struct Ops {
+  int64_t (*tile_width)();
+  void (*scan)(const float*, int64_t, int64_t, const float*, int64_t, float, const float*, int64_t, float*, int32_t*,
+               int64_t*, float*, float*);
+  void (*weighted_rows)(const float*, const int32_t*, int64_t, const float*, int64_t, float*);
+};
+#define SATTN_TOPK_OPS(NS) \
+  Ops { &NS::TileWidth, &NS::Scan, &NS::WeightedRows }
+const simd::Build<Ops> kBuilds[] = {SATTN_SIMD_BUILDS(SATTN_TOPK_OPS)};
+const Ops& ops() { return simd::pick(kBuilds).ops; }
+}  // namespace
 
-int64_t tile_width() { return HWY_DYNAMIC_DISPATCH(TileWidth)(); }
+const char* simd_build() { return simd::name(simd::pick(kBuilds).target); }
+int64_t tile_width() { return ops().tile_width(); }
 int64_t row_stride(int64_t k, int64_t n) { return detail::stride_for(k, n); }
 
 void weighted_rows(const float* w, const int32_t* j, int64_t c, const float* v, int64_t dv, float* o) {
-  HWY_DYNAMIC_DISPATCH(WeightedRows)(w, j, c, v, dv, o);
+  ops().weighted_rows(w, j, c, v, dv, o);
 }
 
 void pack_keys(const float* k, int64_t n, int64_t d, int64_t ld_in, float* out) {
@@ -305,7 +315,7 @@ void pack_keys(const float* k, int64_t n, int64_t d, int64_t ld_in, float* out) 
 
 void scan(const float* q, int64_t m, int64_t d, const float* kpacked, int64_t n, float scale, const float* key_bias,
           int64_t k, float* cs, int32_t* cj, int64_t* cnt, float* thr, float* tmp) {
-  HWY_DYNAMIC_DISPATCH(Scan)(q, m, d, kpacked, n, scale, key_bias, k, cs, cj, cnt, thr, tmp);
+  ops().scan(q, m, d, kpacked, n, scale, key_bias, k, cs, cj, cnt, thr, tmp);
 }
 
 }  // namespace sattn::sparse::topk

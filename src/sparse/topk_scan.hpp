@@ -1,11 +1,14 @@
 // Streaming top-k scoring pass of TopK (used only by adaptive.cpp): scores of a query block against all keys of a
-// head, computed with register-blocked SIMD tiles (Highway: AVX-512, AVX2+FMA or portable, chosen at run time),
+// head, computed with register-blocked SIMD tiles (Highway, chosen at run time from the one target table),
 // each tile row compared against the row's running threshold so that only the few survivors are inserted.
 #pragma once
 
 #include <cstdint>
 
 namespace sattn::sparse::topk {
+
+// The SIMD target of the build in use (simd/target.hpp).
+const char* simd_build();
 
 // Keys per packed tile of the SIMD target in use.
 int64_t tile_width();

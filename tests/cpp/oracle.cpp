@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "kernels/fused/fused.hpp"
+#include "scoped.hpp"
 #include "sattn/random.hpp"
 
 namespace sattn::testing {
@@ -801,34 +802,13 @@ AttentionOptions run_options(const Problem& p, const CheckOptions& o) {
 
 namespace sattn::testing {
 
-namespace {
-// Sets an environment variable for its lifetime and then restores the old value.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const std::string& value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    setenv(name, value.c_str(), 1);
-  }
-  ~ScopedEnv() {
-    if (old_) setenv(name_, old_->c_str(), 1);
-    else unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
-}  // namespace
-
 ::testing::AssertionResult check_every_simd_target(const Problem& p, const CheckOptions& o, bool* skipped) {
   if (skipped) *skipped = true;
-  for (const std::string& simd : fused::available_simd()) {
-    const ScopedEnv env("SATTN_SIMD", simd);
+  for (const std::string& simd : simd_target_names()) {
+    const ScopedSimdTarget target(simd);
     bool fwd_skipped = false, bwd_skipped = false;
-    if (auto r = check_forward(p, o, &fwd_skipped); !r) return r << " (SATTN_SIMD=" << simd << ")";
-    if (auto r = check_backward(p, o, &bwd_skipped); !r) return r << " (SATTN_SIMD=" << simd << ")";
+    if (auto r = check_forward(p, o, &fwd_skipped); !r) return r << " (SIMD target " << simd << ")";
+    if (auto r = check_backward(p, o, &bwd_skipped); !r) return r << " (SIMD target " << simd << ")";
     if (skipped) *skipped = *skipped && fwd_skipped && bwd_skipped;
   }
   return ::testing::AssertionSuccess();

@@ -155,7 +155,7 @@ double default_tolerance(DType dtype);
 // Runs forward + backward with a random dout and compares dq, dk, dv (and dmask) with naive_backward.
 ::testing::AssertionResult check_backward(const Problem& problem, const CheckOptions& options,
                                           bool* skipped = nullptr);
-// check_forward and check_backward under each SIMD target the CPU has (SATTN_SIMD), then the default.
+// check_forward and check_backward under each SIMD target the CPU has (set_simd_target), then the default.
 ::testing::AssertionResult check_every_simd_target(const Problem& problem, const CheckOptions& options,
                                                    bool* skipped = nullptr);
 

@@ -7,11 +7,13 @@
 #include <cstring>
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "kernels/fused/fused.hpp"
+#include "scoped.hpp"
 #include "sattn/attention.hpp"
 #include "sattn/merge.hpp"
 
@@ -214,12 +216,13 @@ std::vector<Case> sweep() {
 class FusedSweep : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    const auto avail = sattn::fused::available_simd();
+    const auto avail = sattn::testing::simd_target_names();
     if (std::find(avail.begin(), avail.end(), GetParam()) == avail.end())
       GTEST_SKIP() << "this CPU has no " << GetParam();
-    setenv("SATTN_SIMD", GetParam().c_str(), 1);
+    target_.emplace(GetParam());
   }
-  void TearDown() override { unsetenv("SATTN_SIMD"); }
+  void TearDown() override { target_.reset(); }
+  std::optional<sattn::testing::ScopedSimdTarget> target_;
 };
 
 TEST_P(FusedSweep, ForwardAndBackwardMatchReference) {
@@ -245,7 +248,7 @@ TEST_P(FusedSweep, ForwardAndBackwardMatchReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Simd, FusedSweep, ::testing::Values("avx512", "avx2", "portable"),
+INSTANTIATE_TEST_SUITE_P(Simd, FusedSweep, ::testing::Values("avx512", "avx2", "sse4", "portable"),
                          [](const auto& info) { return info.param; });
 
 TEST(Fused, ChosenAutomaticallyAndExplainsWeights) {
@@ -296,9 +299,9 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
   Case c;
   c.Hq = 2, c.Hkv = 2, c.Lq = 77, c.Lk = 90, c.D = 32, c.Dv = 32, c.causal = sattn::Causal::kTopLeft;
   const Problem pb = make_problem(c, 5);
-  for (const std::string& simd : sattn::fused::available_simd())
+  for (const std::string& simd : sattn::testing::simd_target_names())
   for (DType dt : {DType::kBF16, DType::kF16}) {
-    setenv("SATTN_SIMD", simd.c_str(), 1);
+    const sattn::testing::ScopedSimdTarget simd_target(simd);
     const Tensor q = Tensor::from_view(pb.q.view).to(dt), k = Tensor::from_view(pb.k.view).to(dt),
                  v = Tensor::from_view(pb.v.view).to(dt);
     Problem up = pb;
@@ -317,7 +320,6 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
                                                  {dq.view(), dk.view(), dv.view(), {}});
     EXPECT_TRUE(bitwise_equal(dq, gref.dq) && bitwise_equal(dk, gref.dk) && bitwise_equal(dv, gref.dv))
         << sattn::to_string(dt) << " " << simd;
-    unsetenv("SATTN_SIMD");
   }
 }
 
@@ -352,7 +354,7 @@ TEST(Fused, HugeUniformBiasRowsMatchReference) {
     for (int64_t i = 0; i < c.Lq; ++i)
       for (int64_t j = 0; j < c.Lk; ++j)
         if (i % 3 == 0 || (i % 3 == 1 && j % 2 == 1)) m[i * c.Lk + j] = huge;
-    const auto simds = sattn::fused::available_simd();
+    const auto simds = sattn::testing::simd_target_names();
     for (DType dt : {DType::kF32, DType::kBF16}) {
       // The fused kernel gets q, k, v in dt; the reference the same (rounded) values in float32.
       const Tensor q = Tensor::from_view(pb.q.view).to(dt), k = Tensor::from_view(pb.k.view).to(dt),
@@ -366,7 +368,7 @@ TEST(Fused, HugeUniformBiasRowsMatchReference) {
       for (const std::string& simd : simds) {
         if (dt != DType::kF32 && simd != simds.front()) continue;  // half inputs share the tile loops
         SCOPED_TRACE(c.name() + " bias " + std::to_string(huge) + " " + simd + " " + sattn::to_string(dt));
-        setenv("SATTN_SIMD", simd.c_str(), 1);
+        const sattn::testing::ScopedSimdTarget simd_target(simd);
         const FwdResult got = run_forward(in, "fused", 2);
         EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
         EXPECT_TRUE(lse_ok(got.lse, ref.lse));
@@ -378,7 +380,6 @@ TEST(Fused, HugeUniformBiasRowsMatchReference) {
         const BwdResult g3 = run_backward(in, got, "fused", 3);
         EXPECT_TRUE(bitwise_equal(g1.dq, g3.dq) && bitwise_equal(g1.dk, g3.dk) && bitwise_equal(g1.dv, g3.dv) &&
                     bitwise_equal(g1.dmask, g3.dmask));
-        unsetenv("SATTN_SIMD");
       }
     }
   }
@@ -463,16 +464,15 @@ TEST(FusedDecode, SplitKeysMatchReference) {
   for (const Case& c : cs) {
     const Problem pb = make_problem(c, ++seed);
     const FwdResult ref = run_forward(pb, "reference", 2);
-    for (const std::string& simd : sattn::fused::available_simd()) {
+    for (const std::string& simd : sattn::testing::simd_target_names()) {
     SCOPED_TRACE(c.name() + " " + simd);
-    setenv("SATTN_SIMD", simd.c_str(), 1);
+    const sattn::testing::ScopedSimdTarget simd_target(simd);
     const FwdResult got = run_forward(pb, "fused", 2);
     EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
     EXPECT_LE(rel_err(got.lse, ref.lse), 2e-5);
     const FwdResult one = run_forward(pb, "fused", 1), three = run_forward(pb, "fused", 3);
     EXPECT_TRUE(bitwise_equal(one.out, got.out) && bitwise_equal(three.out, got.out));
     EXPECT_TRUE(bitwise_equal(one.lse, got.lse) && bitwise_equal(three.lse, got.lse));
-    unsetenv("SATTN_SIMD");
     }
   }
 }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "sattn/attention.hpp"
+#include "scoped.hpp"
 
 using sattn::AttentionOptions;
 using sattn::DType;
@@ -44,22 +45,7 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
   sattn::scaled_dot_product_attention(q, k, v, o, outs);
 }
 
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) setenv(name_, old_.c_str(), 1);
-    else unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::string old_;
-  bool had_ = false;
-};
+using sattn::testing::ScopedEnv;
 
 }  // namespace
 

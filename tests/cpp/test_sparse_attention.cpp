@@ -17,6 +17,7 @@
 #include "sattn/error.hpp"
 #include "sattn/sparse.hpp"
 #include "sattn/sparse_tiles.hpp"
+#include "scoped.hpp"
 #include "sparse_test_util.hpp"
 
 using namespace sattn;
@@ -215,16 +216,13 @@ TEST(SparseAttention, NanRowsMatchReference) {
     }
   for (Case& c : cases)
     if (c.nan == 0) c.nan = 1;
-  const std::string saved = tiles::isa();
-  for (const std::string& isa : tiles::available_isas())
+  for (const std::string& isa : sattn::testing::simd_target_names())
     for (const char* form : {"one_pass", "two_pass"}) {
       SCOPED_TRACE(isa + " " + form);
-      ASSERT_TRUE(tiles::set_isa(isa));
-      setenv("SATTN_SPARSE_BACKWARD", form, 1);
+      const sattn::testing::ScopedSimdTarget target(isa);
+      const sattn::testing::ScopedEnv env("SATTN_SPARSE_BACKWARD", form);
       for (const Case& c : cases) run_case(c);
     }
-  unsetenv("SATTN_SPARSE_BACKWARD");
-  tiles::set_isa(saved);
 }
 
 // The backward's one-pass form (coloured query blocks) and two-pass form, each forced, against the reference.
@@ -244,10 +242,9 @@ TEST(SparseAttention, BackwardFormsMatchReference) {
   };
   for (const char* form : {"one_pass", "two_pass"}) {
     SCOPED_TRACE(form);
-    setenv("SATTN_SPARSE_BACKWARD", form, 1);
+    const sattn::testing::ScopedEnv env("SATTN_SPARSE_BACKWARD", form);
     for (const Case& c : cases) run_case(c);
   }
-  unsetenv("SATTN_SPARSE_BACKWARD");
 }
 
 TEST(SparseAttention, ScoreModsMatchReference) {
@@ -391,7 +388,8 @@ TEST(SparseAttention, DeterministicAcrossThreadCounts) {
                            "Neighborhood2D(16, 12, 5)"}) {
     SCOPED_TRACE(spec);
     const Pattern p = Pattern::parse(spec);
-    if (std::string(spec) == "Neighborhood2D(16, 12, 5)") setenv("SATTN_SPARSE_BACKWARD", "one_pass", 1);
+    const sattn::testing::ScopedEnv env("SATTN_SPARSE_BACKWARD",
+                                        std::string(spec) == "Neighborhood2D(16, 12, 5)" ? "one_pass" : "auto");
     const int64_t L = 192, D = 16;
     const Tensor q = randn({2, 4, L, D}, 1), k = randn({2, 2, L, D}, 2), v = randn({2, 2, L, D}, 3),
                  dout = randn({2, 4, L, D}, 4);
@@ -408,7 +406,6 @@ TEST(SparseAttention, DeterministicAcrossThreadCounts) {
       sparse_attention_backward(dout, q, k, v, outs[t], lse, p, so,
                                 {dqs[t].view(), dks[t].view(), dvs[t].view(), {}, {}, {}});
     }
-    unsetenv("SATTN_SPARSE_BACKWARD");
     for (int t = 1; t < 3; ++t) {
       EXPECT_EQ(std::memcmp(outs[0].data(), outs[t].data(), outs[0].nbytes()), 0);
       EXPECT_EQ(std::memcmp(dqs[0].data(), dqs[t].data(), dqs[0].nbytes()), 0);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "sattn/sparse_tiles.hpp"
+#include "scoped.hpp"
 
 namespace tiles = sattn::sparse::tiles;
 
@@ -25,24 +26,17 @@ std::vector<float> randv(size_t n, uint64_t seed) {
   return x;
 }
 
-// Restores the default build after each test.
-struct IsaGuard {
-  std::string saved = tiles::isa();
-  ~IsaGuard() { tiles::set_isa(saved); }
-};
 
 const int64_t kSizes[][3] = {{1, 1, 1}, {5, 7, 3}, {6, 16, 16}, {13, 17, 19}, {7, 33, 64},
                              {64, 64, 64}, {64, 49, 32}, {12, 65, 8}, {3, 100, 5}};
 
 TEST(SparseTiles, ProductsMatchFp64InEveryBuild) {
-  IsaGuard guard;
-  const auto isas = tiles::available_isas();
+  const auto isas = sattn::testing::simd_target_names();
   ASSERT_FALSE(isas.empty());
-  EXPECT_EQ(isas.back(), "base");
-  EXPECT_FALSE(tiles::set_isa("no-such-isa"));
+  EXPECT_EQ(isas.back(), "portable");
   for (const std::string& isa : isas) {
-    ASSERT_TRUE(tiles::set_isa(isa));
-    ASSERT_EQ(isa, tiles::isa());
+    const sattn::testing::ScopedSimdTarget target(isa);
+    ASSERT_EQ(isa, tiles::simd_build());
     uint64_t seed = 1;
     for (const auto& sz : kSizes) {
       const int64_t m = sz[0], n = sz[1], d = sz[2], pad = 3;
@@ -107,10 +101,9 @@ TEST(SparseTiles, ProductsMatchFp64InEveryBuild) {
 }
 
 TEST(SparseTiles, SoftmaxOperationsMatchFp64InEveryBuild) {
-  IsaGuard guard;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  for (const std::string& isa : tiles::available_isas()) {
-    ASSERT_TRUE(tiles::set_isa(isa));
+  for (const std::string& isa : sattn::testing::simd_target_names()) {
+    const sattn::testing::ScopedSimdTarget target(isa);
     uint64_t seed = 100;
     for (const auto& sz : kSizes) {
       const int64_t m = sz[0], n = sz[1], dv = sz[2];

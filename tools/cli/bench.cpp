@@ -136,7 +136,7 @@ void run_bench(const BenchConfig& cfg_in) {
     const double sg = sgemm_gflops(int(t), cfg.sgemm_n, cfg.reps);
     if (tty)
       std::printf("threads=%lld  sgemm N=%lld: %.1f GFLOP/s%s  simd=%s\n", (long long)t, (long long)cfg.sgemm_n, sg,
-                  blas_core().empty() ? "" : (" (OpenBLAS " + blas_core() + ")").c_str(), fused::ops().name);
+                  blas_core().empty() ? "" : (" (OpenBLAS " + blas_core() + ")").c_str(), fused::simd_build());
     nlohmann::json srow = {{"kind", "sgemm"}, {"threads", t}, {"n", cfg.sgemm_n}, {"gflops", sg},
                            {"blas_core", blas_core()}};
     rows.push_back(srow);
@@ -195,7 +195,7 @@ void run_bench(const BenchConfig& cfg_in) {
             rows.push_back({{"kind", "attention"}, {"threads", t}, {"B", cfg.batch}, {"H", cfg.heads}, {"Lq", Lq}, {"L", L},
                             {"D", D}, {"mask", mask}, {"pass", pass}, {"dtype", cfg.dtype}, {"median_ms", ms},
                             {"gflops", gf}, {"pct_sgemm", pct}, {"workspace_peak_bytes", fused::workspace_peak_bytes()},
-                            {"kernel", info.kernel}, {"simd", fused::ops().name}});
+                            {"kernel", info.kernel}, {"simd", fused::simd_build()}});
           }
       }
   }

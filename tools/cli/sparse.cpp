@@ -192,7 +192,7 @@ void add_sparse_command(CLI::App& app) {
       check(!patterns.empty() || dense, ErrorKind::kInvalidArgument, "--pattern: expected at least one spec (or --dense)");
       check(!g_thread_clock || (threads.size() == 1 && threads[0] == 1), ErrorKind::kInvalidArgument,
             "--clock thread: only with --threads 1");
-      std::printf("# tiles: %s, clock: %s\n", sparse::tiles::isa(), clock_kind.c_str());
+      std::printf("# tiles: %s, clock: %s\n", sparse::tiles::simd_build(), clock_kind.c_str());
       std::printf("%-44s %7s %3s %10s %10s %9s %9s %10s %8s\n", "pattern", "L", "thr", "fwd_ms", "bwd_ms",
                   "GF/s_all", "GF/s_cmp", "cmp/all", "sgemm");
       for (int th : threads) {

@@ -14,7 +14,7 @@ from sattn import OutOfMemoryError
 from sattn import UnsupportedError
 import typing
 from . import sr
-__all__: list[str] = ['BigBird', 'BlockLocal', 'BlockMask', 'BlockTopK', 'DTypeError', 'Dilated', 'Error', 'FileFormatError', 'Full', 'GlobalTokens', 'InternalError', 'InvalidArgumentError', 'MixedAttention', 'MultiheadAttention', 'Neighborhood2D', 'OutOfMemoryError', 'Pattern', 'ReLUAttention', 'SlidingWindow', 'TopK', 'UnsupportedError', 'WindowAttention2D', 'alibi_slopes', 'block_mask_from_dense', 'diagnose', 'favor_projection', 'flash_attn_varlen', 'flash_attn_varlen_backward', 'get_num_threads', 'kernel_names', 'linear_attention', 'linear_attention_backward', 'parse_pattern', 'read_safetensors', 'selection_mask', 'set_num_threads', 'sparse_attention', 'sparse_attention_backward', 'sr', 'write_safetensors']
+__all__: list[str] = ['BigBird', 'BlockLocal', 'BlockMask', 'BlockTopK', 'DTypeError', 'Dilated', 'Error', 'FileFormatError', 'Full', 'GlobalTokens', 'InternalError', 'InvalidArgumentError', 'MixedAttention', 'MultiheadAttention', 'Neighborhood2D', 'OutOfMemoryError', 'Pattern', 'ReLUAttention', 'SlidingWindow', 'TopK', 'UnsupportedError', 'WindowAttention2D', 'alibi_slopes', 'block_mask_from_dense', 'diagnose', 'favor_projection', 'flash_attn_varlen', 'flash_attn_varlen_backward', 'get_num_threads', 'kernel_names', 'linear_attention', 'linear_attention_backward', 'parse_pattern', 'read_safetensors', 'selection_mask', 'set_num_threads', 'set_simd_target', 'simd_targets', 'sparse_attention', 'sparse_attention_backward', 'sr', 'write_safetensors']
 class BigBird(Pattern):
     def __init__(self, block: typing.SupportsInt | typing.SupportsIndex, window_blocks: typing.SupportsInt | typing.SupportsIndex, global_blocks: typing.SupportsInt | typing.SupportsIndex, random_blocks: typing.SupportsInt | typing.SupportsIndex, seed: typing.SupportsInt | typing.SupportsIndex = 0, alignment: str = 'bottom_right') -> None:
         ...
@@ -299,6 +299,14 @@ def selection_mask(pattern: Pattern, indices: numpy.ndarray[typing.Any, numpy.dt
 def set_num_threads(num_threads: typing.Any) -> None:
     """
     Sets the default thread count of calls made with num_threads=None (process-wide). None or 0 restores the default ($SATTN_NUM_THREADS, else the number of online cores).
+    """
+def set_simd_target(name: str) -> None:
+    """
+    Selects the SIMD target of every component: 'avx512', 'avx2', 'sse4', 'portable' or 'auto' (the widest this CPU runs). Raises InvalidArgumentError for an unknown name and UnsupportedError when this CPU cannot run it. Takes effect for calls that start after it returns.
+    """
+def simd_targets() -> dict:
+    """
+    The SIMD target selected for the process ('selected': $SATTN_SIMD, set_simd_target()'s, or the widest this CPU runs), the targets this CPU runs ('available', widest first), and the build each component runs ('fused', 'sparse_tiles', 'topk', 'nn': the widest it was compiled for, no wider than 'selected').
     """
 def sparse_attention(query: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], key: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], value: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], pattern: Pattern, scale: typing.SupportsFloat | typing.SupportsIndex | None = None, enable_gqa: bool = False, *, key_padding_mask: numpy.ndarray | None = None, return_lse: bool = False, return_indices: bool = False, block: typing.SupportsInt | typing.SupportsIndex = 64, alibi_slopes: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] | None = None, softcap: typing.SupportsFloat | typing.SupportsIndex = 0.0, bias: numpy.ndarray | None = None, rel_pos_bias: numpy.ndarray | None = None, num_threads: typing.SupportsInt | typing.SupportsIndex = 0) -> typing.Any:
     """

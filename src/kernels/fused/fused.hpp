@@ -106,7 +106,6 @@ struct Params {
 
 // One SIMD implementation of the tile loops.
 struct Ops {
-  const char* name;
   // Forward of one (b, h, q block[, key chunk]) task: task = ((b * Hq + h) * num_q_blocks + qb) * chunks + c
   // (with decode_group: (b * Hkv + hk) * chunks + c).
   void (*forward_task)(const Params& p, int64_t task);
@@ -130,11 +129,9 @@ inline bool lse_needs_row_stats(float lse) {
   return magnitude >= 1024.f && magnitude <= 3.4028234663852886e38f;  // finite: empty rows have lse_eff = +inf
 }
 
-// The implementation to use: SATTN_SIMD=avx512|avx2|portable forces one (error if the CPU lacks it),
-// otherwise the best the CPU supports.
+// The build of the tile loops for the selected SIMD target (simd/target.hpp), and its target's name.
 const Ops& ops();
-const Ops& ops_named(const std::string& name);  // throws sattn::Error for an unknown/unsupported name
-std::vector<std::string> available_simd();       // best first
+const char* simd_build();
 
 // Workspace accounting (bytes currently held by fused kernels and the high-water mark since the last reset).
 void workspace_add(int64_t bytes);

@@ -11,6 +11,7 @@
 
 #include <hwy/aligned_allocator.h>
 
+#include "core/env.hpp"
 #include "core/threads.hpp"
 #include "kernels/fused/fused.hpp"
 #include "kernels/kernel.hpp"
@@ -20,12 +21,8 @@ namespace fused {
 namespace {
 
 int64_t env_tile(const char* name, int64_t fallback) {
-  const char* env = std::getenv(name);
-  if (!env || !*env) return fallback;
-  char* end = nullptr;
-  const long v = std::strtol(env, &end, 10);
-  check(end && *end == '\0' && v >= 16 && v <= 1024 && v % 16 == 0, ErrorKind::kInvalidArgument, name,
-        ": expected a multiple of 16 in [16, 1024], got '", env, "'");
+  const int64_t v = env::get_integer(name, 16, 1024, fallback);
+  check(v % 16 == 0, ErrorKind::kInvalidArgument, name, ": expected a multiple of 16 in [16, 1024], got ", v);
   return v;
 }
 

@@ -1,5 +1,5 @@
-// The fused kernel's tile loops, compiled once per SIMD target by Highway (AVX-512, AVX2+FMA, portable
-// scalar) and chosen at run time (see ops() at the end). Everything here works on one task (a query block
+// The fused kernel's tile loops, compiled once per SIMD target by Highway (simd/hwy_targets.hpp) and chosen at run
+// time from the one target table (simd/target.hpp; see ops() at the end). Everything here works on one task (a query block
 // for the forward and the dQ pass, a key block for the dK/dV pass) so that results never depend on the
 // number of threads: the driver (fused_kernel.cpp) only decides which thread runs which task.
 //
@@ -8,9 +8,7 @@
 // broadcasts through two strides (so K, V, K^T and V^T are all read in place) and B/C in lanes.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/fused/fused_simd.cpp"
-#ifndef HWY_DISABLED_TARGETS
-#define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_SSE4)
-#endif
+#include "simd/hwy_targets.hpp"
 #include <hwy/foreach_target.h>  // must come before highway.h
 
 #include <hwy/aligned_allocator.h>
@@ -100,19 +98,12 @@ using namespace sattn::fused::detail;
 using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 
-// Register blocking of the micro-kernel: kMR rows of A (broadcasts) x kNV vectors of B.
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-constexpr int kMR = 6, kNV = 4;  // 24 of 32 zmm accumulators
-#elif HWY_TARGET == HWY_SCALAR || HWY_TARGET == HWY_EMU128
-constexpr int kMR = 4, kNV = 4;
-#else
-constexpr int kMR = 6, kNV = 2;  // 12 of 16 ymm accumulators
-#endif
+#include "simd/blocking.inc"  // kMR, kNV
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kDecodeRows = 4;  // Lq up to this uses the keys-in-lanes decode kernel
 
-#include "kernels/simd_exp.inc"  // Exp<kNoUpper>(d, x), shared with the sparse tiles
+#include "simd/exp.inc"  // Exp<kNoUpper>(d, x)
 
 // C[MR x NV·lanes] (+)= sum_k A(m, k) · B[k, :];  A(m, k) = A[m·sam + k·sak].
 template <int MR, int NV, bool kAcc>
@@ -861,70 +852,21 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 #include <atomic>
-#include <cstdlib>
+
+#include "simd/dispatch.hpp"
+
 namespace sattn::fused {
 
 namespace {
 std::atomic<int64_t> g_workspace{0}, g_workspace_peak{0};
 
-struct Entry {
-  int64_t target;
-  Ops ops;
-};
-
-const std::vector<Entry>& entries() {
-  static const std::vector<Entry> e = [] {
-    std::vector<Entry> v;
-#if HWY_TARGETS & HWY_AVX3
-    v.push_back({HWY_AVX3, {"avx512", &N_AVX3::ForwardTask, &N_AVX3::BackwardKVTask, &N_AVX3::BackwardQTask,
-                               &N_AVX3::PackQTask, &N_AVX3::RowStatsTask}});
-#endif
-#if HWY_TARGETS & HWY_AVX2
-    v.push_back({HWY_AVX2, {"avx2", &N_AVX2::ForwardTask, &N_AVX2::BackwardKVTask, &N_AVX2::BackwardQTask,
-                               &N_AVX2::PackQTask, &N_AVX2::RowStatsTask}});
-#endif
-#if HWY_TARGETS & HWY_EMU128
-    v.push_back({HWY_EMU128, {"portable", &N_EMU128::ForwardTask, &N_EMU128::BackwardKVTask, &N_EMU128::BackwardQTask,
-                                 &N_EMU128::PackQTask, &N_EMU128::RowStatsTask}});
-#elif HWY_TARGETS & HWY_SCALAR
-    v.push_back({HWY_SCALAR, {"portable", &N_SCALAR::ForwardTask, &N_SCALAR::BackwardKVTask, &N_SCALAR::BackwardQTask,
-                                 &N_SCALAR::PackQTask, &N_SCALAR::RowStatsTask}});
-#endif
-    return v;
-  }();
-  return e;
-}
-
-bool cpu_has(int64_t target) {
-  return target == HWY_SCALAR || target == HWY_EMU128 || (hwy::SupportedTargets() & target) != 0;
-}
+#define SATTN_FUSED_OPS(NS) \
+  Ops { &NS::ForwardTask, &NS::BackwardKVTask, &NS::BackwardQTask, &NS::PackQTask, &NS::RowStatsTask }
+const simd::Build<Ops> kBuilds[] = {SATTN_SIMD_BUILDS(SATTN_FUSED_OPS)};
 }  // namespace
 
-std::vector<std::string> available_simd() {
-  std::vector<std::string> names;
-  for (const auto& e : entries())
-    if (cpu_has(e.target)) names.emplace_back(e.ops.name);
-  return names;
-}
-
-const Ops& ops_named(const std::string& name) {
-  std::string all;
-  for (const auto& e : entries()) {
-    if (name == e.ops.name) {
-      check(cpu_has(e.target), ErrorKind::kUnsupported, "SATTN_SIMD: this CPU does not support '", name, "'");
-      return e.ops;
-    }
-    all += std::string(all.empty() ? "" : ", ") + e.ops.name;
-  }
-  fail(ErrorKind::kInvalidArgument, "SATTN_SIMD: expected one of auto, ", all, "; got '", name, "'");
-}
-
-const Ops& ops() {
-  if (const char* env = std::getenv("SATTN_SIMD"); env && *env && std::string(env) != "auto") return ops_named(env);
-  for (const auto& e : entries())
-    if (cpu_has(e.target)) return e.ops;
-  return entries().back().ops;
-}
+const Ops& ops() { return simd::pick(kBuilds).ops; }
+const char* simd_build() { return simd::name(simd::pick(kBuilds).target); }
 
 void workspace_add(int64_t bytes) {
   const int64_t now = g_workspace.fetch_add(bytes) + bytes;

@@ -6,6 +6,7 @@
 #include <new>
 #include <vector>
 
+#include "core/memory.hpp"
 #include "core/threads.hpp"
 #include "kernels/kernel.hpp"
 #include "sattn/random.hpp"
@@ -13,9 +14,7 @@
 namespace sattn {
 namespace {
 
-int64_t memory_limit_bytes(const AttentionOptions& o) {
-  return o.memory_limit_bytes > 0 ? o.memory_limit_bytes : physical_memory_bytes() / 2;
-}
+int64_t memory_limit_bytes(const AttentionOptions& o) { return sattn::memory_limit_bytes(o.memory_limit_bytes); }
 
 // Dense row-major copy of a (possibly strided, any float dtype) 4-D view in type T.
 template <typename T>

@@ -1,0 +1,25 @@
+// SIMD targets: every kernel with SIMD code (the fused kernel, the sparse tiles, TopK's scoring, the nn/SR kernels)
+// runs the build for the target selected for the process. The selection is made once, on first use: the widest
+// target this CPU runs, or SATTN_SIMD=<name>; set_simd_target changes it, for tests and measurements.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace sattn {
+
+struct SimdTargets {
+  std::string selected;                // the target selected for the process
+  std::vector<std::string> available;  // the targets this CPU runs, widest first ("portable" last)
+  // The build each component runs under `selected`: the widest it was compiled for, no wider than `selected`.
+  std::string fused, sparse_tiles, topk, nn;
+};
+
+SimdTargets simd_targets();
+
+// Selects a target by name: "avx512", "avx2", "sse4", "portable" or "auto" (the widest this CPU runs); the names
+// "avx2+fma", "base" and "scalar" are accepted too. Throws sattn::Error: InvalidArgument for an unknown name,
+// Unsupported when this CPU cannot run it. Takes effect for calls that start after it returns.
+void set_simd_target(const std::string& name);
+
+}  // namespace sattn

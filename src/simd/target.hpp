@@ -1,0 +1,37 @@
+// The SIMD targets of the library, in one table: every SIMD component (the fused kernel, the sparse tiles, the
+// TopK scan, the nn/SR kernels) is compiled for some of them and runs the widest of its builds that is no wider
+// than the one selected for the process. The selection is made once, on first use: SATTN_SIMD=<name>, else the
+// widest target this CPU runs; sattn::set_simd_target changes it (for tests and measurements).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace sattn::simd {
+
+// Widest first; each target's instructions include those of the targets after it.
+enum class Target : int { kAvx512 = 0, kAvx2 = 1, kSse4 = 2, kPortable = 3 };
+inline constexpr int kNumTargets = 4;
+
+// "avx512", "avx2", "sse4", "portable".
+const char* name(Target t);
+
+// Whether this CPU runs code built for `t` (portable: always).
+bool cpu_runs(Target t);
+
+// The target named `name`: one of the names above, "auto" (the widest this CPU runs), or an older name
+// ("avx2+fma", "base", "scalar", "emu128"). Throws sattn::Error: InvalidArgument for an unknown name, Unsupported
+// when this CPU cannot run it. `what` names the source of the name in the message ("SATTN_SIMD", ...).
+Target parse(const std::string& name, const char* what);
+
+// The target selected for the process (first use: SATTN_SIMD, else the widest this CPU runs). An invalid
+// SATTN_SIMD is an error on every call that needs a target.
+Target selected();
+
+// Selects `t` for calls that start after this returns (a call already running may use either).
+void select(Target t);
+
+// The targets this CPU runs, widest first.
+std::vector<Target> available();
+
+}  // namespace sattn::simd
