@@ -1,5 +1,5 @@
 // The fused kernel's tile loops, compiled once per SIMD target by Highway (AVX-512, AVX2+FMA, portable
-// scalar) and chosen at run time (see ops() at the end). Everything here works on one task (a query block
+// EMU128) and chosen at run time (see ops() at the end). Everything here works on one task (a query block
 // for the forward and the dQ pass, a key block for the dK/dV pass) so that results never depend on the
 // number of threads: the driver (fused_kernel.cpp) only decides which thread runs which task.
 //
