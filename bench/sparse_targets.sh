@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Every measurement behind issue 4's targets, in one run (meant for an idle machine; about 6-8 minutes on the
-# 2-core dev machine): sattn sparse-bench for 1 and 2 threads (1-D patterns and linear attention at
-# L = 4096, 16384, 65536 with B=1 H=8 D=64; Neighborhood2D / WindowAttention2D on 64/128/256 grids with H=4 D=32;
-# the dense fused kernel; OpenBLAS SGEMM with the same thread count), then the PyTorch peers
+# Every measurement behind the sparse-attention targets (docs/PERFORMANCE.md), in one run (meant for an idle machine;
+# about 6-8 minutes on the 2-core dev machine): sattn sparse-bench for 1 and 2 threads (1-D patterns and linear
+# attention at L = 4096, 16384, 65536 with B=1 H=8 D=64; Neighborhood2D / WindowAttention2D on 64/128/256 grids with H=4
+# D=32; the dense fused kernel; OpenBLAS SGEMM with the same thread count), then the PyTorch peers
 # (bench/sparse_peers.py), then a summary of every target (bench/sparse_targets_summary.py).
 #
 # Usage (from the repository root, after `cmake --preset release && cmake --build build -j2`):
@@ -31,7 +31,7 @@ done
 FIRST_L=${LS%% *}
 
 {
-  echo "# sattn sparse-attention targets (issue 4)"
+  echo "# sattn sparse-attention targets"
   echo
   echo "Run: \`bench/sparse_targets.sh\` on $(hostname) at $(date -u +'%Y-%m-%d %H:%M UTC'), git $(git rev-parse --short HEAD 2>/dev/null || echo '?')."
   echo "Load before the run: \`$(uptime)\`."

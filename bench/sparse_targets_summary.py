@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Summarises bench/sparse_targets.sh's logs against issue 4's targets (a markdown table per thread count).
+"""Summarises bench/sparse_targets.sh's logs against the sparse-attention targets (a markdown table per thread count).
 
 Usage: sparse_targets_summary.py BENCH_TXT PEERS_MD [--long 65536] [--mid 16384] [--short 4096]
 BENCH_TXT: the concatenated output of `sattn sparse-bench` (columns pattern, L, thr, fwd_ms, bwd_ms, GF/s_all,

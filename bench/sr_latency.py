@@ -249,7 +249,7 @@ def main():
         if t == 2 and a.crop == 256 and cfg["scale"] == 2:
             checks.append(("256x256 -> 512x512 in <= 1 s on 2 threads (sparse, the default)", s["cpp_wall"] <= 1.0))
             checks.append(("256x256 -> 512x512 in <= 1 s on 2 threads (dense)", d["cpp_wall"] <= 1.0))
-    print("\ntargets (issue 5):")
+    print("\ntargets:")
     for name, ok in checks:
         print(f"  [{'PASS' if ok else 'FAIL'}] {name}")
     # the 1-minute load average before the run should be near 0 on an idle machine (paused jobs leave the run

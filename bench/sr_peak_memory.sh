@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Peak resident memory of `sattn sr upscale` on a 3840x2160 input (issue 5): Set14 baboon tiled to 3840x2160,
-# written as PNG, then upscaled x2 (default tiling) under /usr/bin/time -v. Prints the CLI summary line, wall time
-# and maximum resident set size. Usage: bench/sr_peak_memory.sh [THREADS] (default 1).
+# Peak resident memory of `sattn sr upscale` on a 3840x2160 input (the SR memory target): Set14 baboon tiled to
+# 3840x2160, written as PNG, then upscaled x2 (default tiling) under /usr/bin/time -v. Prints the CLI summary line, wall
+# time and maximum resident set size. Usage: bench/sr_peak_memory.sh [THREADS] (default 1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T=${1:-1}

@@ -60,7 +60,7 @@ def evaluate(pairs, scale, mode, model=None):
 def shipped_weights(ck):
     """The weights a checkpoint ships: the EMA ones when training kept them (train.py --ema), else the trained; a
     checkpoint marked ck["ship"] = "trained" (set by hand when the trained weights were the ones exported, as for
-    the x2 stage-11 checkpoint) ships the trained ones."""
+    the committed x2 checkpoint, sr/checkpoints/x2_last.pt) ships the trained ones."""
     if ck.get("ship") == "trained":
         return ck["model"]
     return ck["model_ema"] if "model_ema" in ck else ck["model"]

@@ -14,11 +14,11 @@ M minutes after its first step (the cosine recomputed as with --reschedule; the 
 Memory: glibc's heap can grow without bound here (--patch 96 --batch 8 reached 12.3 GiB) and spends a quarter of
 the CPU time on page faults. Run the trainer under jemalloc with purging off (Debian libjemalloc2):
   LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1 python3 ...
-(stage 11: 1.5-1.8 GiB per trainer, no kernel time, faster; sr/README.md). MALLOC_MMAP_THRESHOLD_=1048576 also
-bounds the memory but was slower (stage 10).
+(1.5-1.8 GiB per trainer, no kernel time, faster; sr/README.md). MALLOC_MMAP_THRESHOLD_=1048576 also bounds the
+memory but is slower.
 --sparsity-mean cost (with --keep-ratio R) bounds the fraction of the dense window work the gates keep (each gate
 weighted by its window's multiply-adds, window_cost) instead of the plain mean gate: the mean gate lets the few, 7x
-dearer 16x16 windows stay routed while the many cheap 8x8 ones are pruned (stage 12, sr/README.md).
+dearer 16x16 windows stay routed while the many cheap 8x8 ones are pruned (sr/README.md).
 --grow JSON with --init builds a larger model than the --init one and loads it function-preservingly
 (model.grow_state): '{"groups": [...]}' appends groups, '{"mlp_ratio": R}' widens the MLPs.
 """
@@ -186,9 +186,10 @@ def main():
                          "L1's, so scale --sparsity-weight down with it)")
     ap.add_argument("--sparsity-weight", type=float, default=0.02)
     ap.add_argument("--sparsity-mean", default="count", choices=("count", "cost"),
-                    help="what the sparsity hinge bounds by keep_ratio: the plain mean gate (count, the default "
-                         "of stages 1-11) or the mean weighted by each window's multiply-adds (cost: the fraction "
-                         "of the dense window work kept, so the deep 16x16 blocks, 7x dearer per window, count 7x)")
+                    help="what the sparsity hinge bounds by keep_ratio: the plain mean gate (count, the default, "
+                         "which the shipped weights were trained with) or the mean weighted by each window's "
+                         "multiply-adds (cost: the fraction of the dense window work kept, so the deep 16x16 "
+                         "blocks, 7x dearer per window, count 7x)")
     ap.add_argument("--keep-ratio", type=float, default=None,
                     help="override the config's keep_ratio (the hinge's bound; stored in the config)")
     ap.add_argument("--ema", type=float, default=0.0, help="weight EMA decay per step (0: off), e.g. 0.999")

@@ -264,7 +264,7 @@ Diagnosis diagnose(const TensorView& q, const TensorView& k, const TensorView& v
 
   // Determinism: the kernel the user would get, twice, compared bit for bit.
   {
-    // Two runs as configured, and (without a custom runner) a third on one thread: the library promises the
+    // Two runs as configured, and (without a custom runner) one more on one thread: the library promises the
     // same bits for any thread count, so a difference there is a determinism bug too.
     Tensor a, c, one;
     if (dopt.runner) {

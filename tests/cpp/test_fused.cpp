@@ -497,7 +497,7 @@ TEST(MergePartials, MatchesAttentionOverTheUnion) {
     sattn::scaled_dot_product_attention(pb.q.view, slice(pb.k.view), slice(pb.v.view), o, {out.view(), lse.view(), {}});
     outs.push_back(out), lses.push_back(lse);
   }
-  // A third partial with no allowed key is ignored.
+  // One more partial, with no allowed key, is ignored.
   Tensor empty_out(DType::kF32, {c.B, c.Hq, c.Lq, c.Dv}), empty_lse(DType::kF32, {c.B, c.Hq, c.Lq});
   for (int64_t x = 0; x < empty_lse.numel(); ++x) empty_lse.data<float>()[x] = -std::numeric_limits<float>::infinity();
   for (int64_t x = 0; x < empty_out.numel(); ++x) empty_out.data<float>()[x] = 123.f;

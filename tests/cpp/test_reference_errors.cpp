@@ -1,5 +1,5 @@
-// Every bad input of issue 2 item 8 gives a sattn::Error of the right kind whose message names the argument
-// and what was expected / given. Never a crash.
+// Every bad input (shapes, dtypes, strides, masks, options, outputs) gives a sattn::Error of the right kind whose
+// message names the argument and what was expected / given. Never a crash.
 #include <gtest/gtest.h>
 
 #include <cmath>

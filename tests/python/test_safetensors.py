@@ -111,7 +111,7 @@ def test_good_handcrafted_file_reads(tmp_path):
 
 
 def test_against_pypi_safetensors_when_installed(tmp_path):
-    """A third implementation: the reference `safetensors` package (pinned in python/requirements-dev.txt)."""
+    """An independent implementation: the reference `safetensors` package (pinned in python/requirements-dev.txt)."""
     st = pytest.importorskip("safetensors.numpy", reason="PyPI safetensors not installed: cross-check skipped")
     ts = {k: v for k, v in sample_tensors(np.random.default_rng(2)).items()}
     a = str(tmp_path / "ref.safetensors")

@@ -1,7 +1,7 @@
 // The fused kernel's tile loops, compiled once per SIMD target by Highway (simd/hwy_targets.hpp) and chosen at run
-// time from the one target table (simd/target.hpp; see ops() at the end). Everything here works on one task (a query block
-// for the forward and the dQ pass, a key block for the dK/dV pass) so that results never depend on the
-// number of threads: the driver (fused_kernel.cpp) only decides which thread runs which task.
+// time from the one target table (simd/target.hpp; see ops() at the end). Everything here works on one task (a
+// query block for the forward and the dQ pass, a key block for the dK/dV pass) so that results never depend on
+// the number of threads: the driver (fused_kernel.cpp) only decides which thread runs which task.
 //
 // Tile layout (queries in lanes): Q^T [D x Br] (pre-scaled), S^T [Bc x Br], O^T [Dv x Br]. Every matrix
 // product is one register-blocked micro-kernel  C[M x N] (+)= A(m, k) · B[k x N]  with A read by scalar
