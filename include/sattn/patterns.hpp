@@ -6,7 +6,7 @@
 //     structured patterns, never by evaluating the predicate on all Lq x Lk pairs)
 //
 // Positions are 0-based. When Lq != Lk a query i is aligned to key position a = i + Lk - Lq (bottom-right,
-// FlashAttention's convention) unless the pattern was built with Alignment::kTopLeft (a = i).
+// FlashAttention's convention) unless the pattern was built with Causal::kTopLeft (a = i, PyTorch's is_causal).
 // Patterns are immutable values (a shared pointer to an immutable node); copying is cheap.
 #pragma once
 
@@ -15,11 +15,14 @@
 #include <string>
 #include <vector>
 
+#include "sattn/problem.hpp"
 #include "sattn/tensor.hpp"
 
 namespace sattn::sparse {
 
-enum class Alignment : uint8_t { kBottomRight, kTopLeft };
+// How a pattern aligns query i with the keys when Lq != Lk: the one causal-alignment enum of the library
+// (problem.hpp), Causal::kBottomRight (the patterns' default) or Causal::kTopLeft; Causal::kNone is refused.
+using Alignment = Causal;
 
 // One visited key range of a query block, in layout key order (see BlockMask::k_perm).
 // full: every (query of the block, key of the range) pair is allowed, so the kernel applies no element mask.

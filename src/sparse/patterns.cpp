@@ -931,25 +931,35 @@ void check_depth(const char* what, const Pattern::Node& node) {
         kMaxPatternDepth, " deep, got ", node.depth);
 }
 
+// Patterns align top-left or bottom-right; Causal::kNone is not an alignment.
+void check_alignment(const char* pattern, Alignment al) {
+  check(al == Alignment::kTopLeft || al == Alignment::kBottomRight, ErrorKind::kInvalidArgument, pattern,
+        ": alignment: expected Causal::kTopLeft or Causal::kBottomRight, got ", to_string(al));
+}
+
 std::shared_ptr<const Pattern::Node> sliding_window_node(int64_t left, int64_t right, Alignment al) {
+  check_alignment("SlidingWindow", al);
   check_param("SlidingWindow", "left", left, -1, kMaxPatternSize, " (-1 = unbounded)");
   check_param("SlidingWindow", "right", right, -1, kMaxPatternSize, " (-1 = unbounded)");
   return std::make_shared<SlidingWindowNode>(left, right, al);
 }
 
 std::shared_ptr<const Pattern::Node> dilated_node(int64_t window, int64_t dilation, Alignment al) {
+  check_alignment("Dilated", al);
   check_param("Dilated", "window", window, 0);
   check_param("Dilated", "dilation", dilation, 1);
   return std::make_shared<DilatedNode>(window, dilation, al);
 }
 
 std::shared_ptr<const Pattern::Node> block_local_node(int64_t block, Alignment al) {
+  check_alignment("BlockLocal", al);
   check_param("BlockLocal", "block", block, 1);
   return std::make_shared<BlockLocalNode>(block, al);
 }
 
 std::shared_ptr<const Pattern::Node> global_tokens_node(std::vector<int64_t> indices, const Pattern& base,
                                                         Alignment al) {
+  check_alignment("GlobalTokens", al);
   for (int64_t x : indices) check_param("GlobalTokens", "indices", x, 0);
   std::sort(indices.begin(), indices.end());
   indices.erase(std::unique(indices.begin(), indices.end()), indices.end());
@@ -963,6 +973,7 @@ std::shared_ptr<const Pattern::Node> global_tokens_node(std::vector<int64_t> ind
 
 std::shared_ptr<const Pattern::Node> big_bird_node(int64_t block, int64_t window_blocks, int64_t global_blocks,
                                                    int64_t random_blocks, uint64_t seed, Alignment al) {
+  check_alignment("BigBird", al);
   check_param("BigBird", "block", block, 1);
   check_param("BigBird", "window_blocks", window_blocks, 0);
   check_param("BigBird", "global_blocks", global_blocks, 0);

@@ -1,7 +1,9 @@
 // Patterns: block masks agree with the element predicate; specs parse and round-trip; bad specs name the position.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "block_mask_check.hpp"
@@ -120,6 +122,33 @@ TEST(SparsePatterns, ReprRoundTrips) {
   EXPECT_EQ(Pattern::parse("Neighborhood2D(64,64,7,dilation=2) | GlobalTokens([0],SlidingWindow(8,8))").repr(),
             "Neighborhood2D(64, 64, 7, dilation=2) | GlobalTokens([0], SlidingWindow(8, 8))");
   EXPECT_EQ(Pattern::parse("SlidingWindow(right=3, left=2)").repr(), "SlidingWindow(2, 3)");
+}
+
+// Patterns and the dense API share one causal-alignment enum; a pattern's default stays bottom-right (the dense
+// is_causal's top-left is an explicit choice), and kNone is not an alignment.
+TEST(SparsePatterns, AlignmentIsTheDenseCausalEnum) {
+  static_assert(std::is_same_v<Alignment, Causal>);
+  const Pattern causal = SlidingWindow(-1, 0);                     // bottom-right: Lq = 2, Lk = 4
+  const Pattern top_left = SlidingWindow(-1, 0, Causal::kTopLeft);  // PyTorch's is_causal
+  EXPECT_TRUE(causal.allowed(0, 0, 0, 2, 2, 4));
+  EXPECT_FALSE(top_left.allowed(0, 0, 0, 2, 2, 4));
+  EXPECT_TRUE(top_left.allowed(0, 0, 0, 0, 2, 4));
+  EXPECT_EQ(top_left.repr(), "SlidingWindow(-1, 0, alignment='top_left')");
+  for (const auto& make : std::vector<std::function<Pattern()>>{
+           [] { return SlidingWindow(1, 1, Causal::kNone); }, [] { return Dilated(2, 2, Causal::kNone); },
+           [] { return BlockLocal(4, Causal::kNone); },
+           [] { return GlobalTokens({0}, SlidingWindow(1, 1), Causal::kNone); },
+           [] { return BigBird(4, 1, 1, 1, 0, Causal::kNone); }}) {
+    try {
+      make();
+      ADD_FAILURE() << "Causal::kNone accepted as an alignment";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("alignment: expected Causal::kTopLeft or Causal::kBottomRight"),
+                std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 TEST(SparsePatterns, BadSpecsNameThePosition) {
