@@ -18,71 +18,20 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli/bench_timing.hpp"
 #include "cli/commands.hpp"
 #include "cli/options.hpp"
 #include "kernels/fused/fused.hpp"
 #include "sattn/attention.hpp"
 
-#ifdef SATTN_HAVE_CBLAS
-#include <cblas.h>
-extern "C" void openblas_set_num_threads(int) __attribute__((weak));
-#endif
 
 namespace sattn::cli {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-bool g_thread_clock = false;  // --clock thread: CPU time of the calling thread (1-thread runs on a busy machine)
-
-double now_ms() {
-  if (g_thread_clock) {
-    timespec ts{};
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return double(ts.tv_sec) * 1e3 + double(ts.tv_nsec) * 1e-6;
-  }
-  return std::chrono::duration<double, std::milli>(Clock::now().time_since_epoch()).count();
-}
-
+// The median time in milliseconds of `reps` calls of f (bench_timing.hpp).
 template <typename F>
 double median_ms(int reps, F&& f) {
-  f();  // warm-up
-  std::vector<double> t;
-  for (int r = 0; r < reps; ++r) {
-    const double t0 = now_ms();
-    f();
-    t.push_back(now_ms() - t0);
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
-// OpenBLAS's kernel set (its core name), or "" for another BLAS / none (see fix_openblas_core in main.cpp).
-std::string blas_core() {
-  using CoreName = char* (*)();
-  const auto f = reinterpret_cast<CoreName>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
-  const char* name = f ? f() : nullptr;
-  return name ? name : "";
-}
-
-// SGEMM GFLOP/s (N x N x N, 2·N³ flops), or 0 without BLAS.
-double sgemm_gflops(int threads, int64_t n, int reps) {
-  if (n <= 0) return 0.0;  // --sgemm-n 0: skip
-#ifdef SATTN_HAVE_CBLAS
-  if (openblas_set_num_threads) openblas_set_num_threads(threads);
-  std::vector<float> a(size_t(n * n)), b(size_t(n * n)), c(size_t(n * n));
-  std::mt19937 rng(1);
-  std::uniform_real_distribution<float> u(-1, 1);
-  for (auto& x : a) x = u(rng);
-  for (auto& x : b) x = u(rng);
-  const double ms = median_ms(reps, [&] {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(n), int(n), int(n), 1.f, a.data(), int(n), b.data(),
-                int(n), 0.f, c.data(), int(n));
-  });
-  return 2.0 * double(n) * n * n / (ms * 1e6);
-#else
-  (void)threads, (void)n, (void)reps;
-  return 0.0;
-#endif
+  return 1e3 * median_seconds(reps, std::forward<F>(f));
 }
 
 std::vector<int64_t> parse_list(const std::string& s, const char* option) {
@@ -120,8 +69,8 @@ void run_bench(const BenchConfig& cfg_in) {
   BenchConfig cfg = cfg_in;
   check(cfg.clock == "wall" || cfg.clock == "thread", ErrorKind::kInvalidArgument, "--clock: expected wall or thread, got '",
         cfg.clock, "'");
-  g_thread_clock = cfg.clock == "thread";
-  if (g_thread_clock) cfg.threads = "1";
+  set_bench_thread_clock(cfg.clock == "thread");
+  if (cfg.clock == "thread") cfg.threads = "1";
   if (cfg.all) cfg.dims = "64,128", cfg.lens = "512,1024,4096,16384";
   const auto dims = parse_list(cfg.dims, "--dims"), lens = parse_list(cfg.lens, "--lens"),
              threads = parse_list(cfg.threads, "--threads");

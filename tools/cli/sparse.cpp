@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/bench_timing.hpp"
 #include "cli/commands.hpp"
 #include "cli/options.hpp"
 #include "io/writers.hpp"
@@ -20,38 +21,10 @@
 #include "sattn/linear.hpp"
 #include "sattn/sparse.hpp"
 
-#ifdef SATTN_HAVE_CBLAS
-#include <cblas.h>
-extern "C" void openblas_set_num_threads(int) __attribute__((weak));
-#endif
 
 namespace sattn::cli {
 
 namespace {
-
-bool g_thread_clock = false;  // --clock thread: CPU time of the calling thread (meaningful with --threads 1 only)
-
-double now_s() {
-  if (g_thread_clock) {
-    timespec t;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-    return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
-  }
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-template <typename F>
-double median_time(int reps, F&& f) {
-  f();  // warm-up
-  std::vector<double> t;
-  for (int r = 0; r < reps; ++r) {
-    const double t0 = now_s();
-    f();
-    t.push_back(now_s() - t0);
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
 
 Tensor randn(Shape s, uint64_t seed) {
   Tensor t(DType::kF32, std::move(s));
@@ -108,21 +81,6 @@ double selected_pairs(const sparse::Pattern& p, const Tensor& q, const Tensor& k
     pairs += causal && x[e] == qb ? double(rows) * double(rows + 1) / 2 : double(rows) * double(keys);
   }
   return pairs;
-}
-
-double sgemm_gflops(int threads) {
-#ifdef SATTN_HAVE_CBLAS
-  if (openblas_set_num_threads) openblas_set_num_threads(threads);  // the same thread count as the kernels
-  const int n = 2048;
-  std::vector<float> a(size_t(n) * n, 1.0f), b(size_t(n) * n, 0.5f), c(size_t(n) * n);
-  const double t = median_time(3, [&] {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
-  });
-  return 2.0 * n * n * double(n) / t / 1e9;
-#else
-  (void)threads;
-  return 0.0;
-#endif
 }
 
 }  // namespace
@@ -188,9 +146,9 @@ void add_sparse_command(CLI::App& app) {
         ->check(CLI::IsMember({"wall", "thread"}));
     cmd->add_flag("--dense", dense, "also time dense exact attention (the registry's fused kernel) at each L");
     cmd->callback([] {
-      g_thread_clock = clock_kind == "thread";
+      set_bench_thread_clock(clock_kind == "thread");
       check(!patterns.empty() || dense, ErrorKind::kInvalidArgument, "--pattern: expected at least one spec (or --dense)");
-      check(!g_thread_clock || (threads.size() == 1 && threads[0] == 1), ErrorKind::kInvalidArgument,
+      check(clock_kind != "thread" || (threads.size() == 1 && threads[0] == 1), ErrorKind::kInvalidArgument,
             "--clock thread: only with --threads 1");
       std::printf("# tiles: %s, clock: %s\n", sparse::tiles::simd_build(), clock_kind.c_str());
       std::printf("%-44s %7s %3s %10s %10s %9s %9s %10s %8s\n", "pattern", "L", "thr", "fwd_ms", "bwd_ms",
@@ -223,14 +181,14 @@ void add_sparse_command(CLI::App& app) {
               lo.feature_map = spec.find("favor") != std::string::npos ? "favor+" : "elu";
               lo.causal = spec.find("causal") != std::string::npos;
               lo.num_threads = th;
-              tf = median_time(reps, [&] { sparse::linear_attention(q, k, v, lo, out); });
-              if (backward) tb = median_time(reps, [&] { sparse::linear_attention_backward(g, q, k, v, lo, dq, dk, dv); });
+              tf = median_seconds(reps, [&] { sparse::linear_attention(q, k, v, lo, out); });
+              if (backward) tb = median_seconds(reps, [&] { sparse::linear_attention_backward(g, q, k, v, lo, dq, dk, dv); });
             } else {
               sparse::SparseOptions o;
               o.num_threads = th;
-              tf = median_time(reps, [&] { sparse::sparse_attention(q, k, v, p, o, out, lse); });
+              tf = median_seconds(reps, [&] { sparse::sparse_attention(q, k, v, p, o, out, lse); });
               if (backward)
-                tb = median_time(reps, [&] {
+                tb = median_seconds(reps, [&] {
                   sparse::sparse_attention_backward(g, q, k, v, out, lse, p, o, {dq.view(), dk.view(), dv.view(), {}, {}, {}});
                 });
               if (!sparse::selection_shape(p, 1, 1, L, L).empty()) {
@@ -264,12 +222,12 @@ void add_sparse_command(CLI::App& app) {
             AttentionOptions ao;
             ao.num_threads = th;
             KernelInfo info;
-            const double tf = median_time(reps, [&] {
+            const double tf = median_seconds(reps, [&] {
               scaled_dot_product_attention(q, k, v, ao, {out.view(), lse.view(), {}}, &info);
             });
             double tb = 0;
             if (backward)
-              tb = median_time(reps, [&] {
+              tb = median_seconds(reps, [&] {
                 scaled_dot_product_attention_backward(g, q, k, v, out, lse, ao, {dq.view(), dk.view(), dv.view(), {}});
               });
             const double pairs = double(L) * L * B * H;
