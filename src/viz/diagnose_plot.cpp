@@ -135,7 +135,8 @@ viz::Image render_diagnosis(const Diagnosis& d, const DiagnoseOptions& options) 
       const bool flag = named(d, mt.codes, d.heads[i].batch, d.heads[i].head);
       img.fill_rect(x0, oy + panel_h - bh, std::max(1, x1 - x0), bh, flag ? kFlag : kOk);
       if (n <= 16 && bw >= 10) {
-        const std::string lab = "h" + std::to_string(d.heads[i].head);
+        std::string lab = "h";  // appended, not "h" + to_string(...): GCC 12's -Wrestrict misfires on that
+        lab += std::to_string(d.heads[i].head);
         viz::draw_text(img, (x0 + x1 - viz::text_width(lab, small)) / 2, oy + panel_h + 5, lab, kText, small);
       }
     }
