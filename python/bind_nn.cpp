@@ -155,7 +155,7 @@ need_weights=False outside its eval fast path, NaN otherwise). See docs/mha.md.)
       .def("reset_parameters", &MHA::reset_parameters, "seed"_a = 0)
       .def("set_dropout_seed", &MHA::set_dropout_seed, "seed"_a)
       .def("__repr__", [](const MHA& self) {
-        return detail::concat("MultiheadAttention(embed_dim=", self.embed_dim(), ", num_heads=", self.num_heads(),
+        return message::concat("MultiheadAttention(embed_dim=", self.embed_dim(), ", num_heads=", self.num_heads(),
                               ", dropout=", self.dropout(), ", kdim=", self.kdim(), ", vdim=", self.vdim(),
                               ", batch_first=", self.batch_first() ? "True" : "False", ")");
       });

@@ -32,14 +32,14 @@ Causal parse_causal(const std::string& text, const char* argument_name) {
 }
 
 std::string AttentionProblem::to_string() const {
-  std::string s = detail::concat("B=", batch, " Hq=", heads_q, " Hkv=", heads_kv, " Lq=", len_q, " Lk=", len_k,
+  std::string s = message::concat("B=", batch, " Hq=", heads_q, " Hkv=", heads_kv, " Lq=", len_q, " Lk=", len_k,
                                  " D=", head_dim, " Dv=", head_dim_v, " ", sattn::to_string(dtype_q));
   if (mask == MaskKind::kBool) s += " mask=bool" + shape_to_string(mask_shape);
   if (mask == MaskKind::kAdditive) s += " mask=additive" + shape_to_string(mask_shape);
   if (key_padding == KeyPaddingKind::kBool) s += " key_padding=bool";
   if (key_padding == KeyPaddingKind::kLengths) s += " key_padding=lengths";
   if (causal != Causal::kNone) s += std::string(" causal=") + sattn::to_string(causal);
-  if (dropout_p > 0) s += detail::concat(" dropout=", dropout_p);
+  if (dropout_p > 0) s += message::concat(" dropout=", dropout_p);
   if (backward) s += " backward";
   return s;
 }
@@ -257,7 +257,7 @@ const KernelEntry& choose_kernel(const AttentionProblem& p, const AttentionOptio
     if (k.supports(p, &why)) {
       if (strict && std::string(k.name) == "reference") {
         std::string reasons;
-        for (const auto& [n, w] : inf.rejected) reasons += detail::concat("\n  ", n, ": ", w);
+        for (const auto& [n, w] : inf.rejected) reasons += message::concat("\n  ", n, ": ", w);
         fail(ErrorKind::kUnsupported, "strict mode (SATTN_STRICT / strict=True): no fast kernel supports ",
              p.to_string(), ", and falling back to the O(L^2) reference is forbidden", reasons);
       }

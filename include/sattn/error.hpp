@@ -33,7 +33,8 @@ class Error : public std::runtime_error {
   ErrorKind kind_;
 };
 
-namespace detail {
+// Message building for check and fail, usable on its own: message::concat("x = ", x) streams each part.
+namespace message {
 // Writes one part of a message; a part that is a function with no arguments (e.g. [&] { return p.repr(); }) is
 // called here, so that a costly part is computed only when the message is built.
 template <typename T>
@@ -49,17 +50,17 @@ std::string concat(const Args&... args) {
   (write_part(os, args), ...);
   return os.str();
 }
-}  // namespace detail
+}  // namespace message
 
 // Throws sattn::Error(kind, concat(args...)) when `cond` is false. The message is built only then; its arguments
-// are evaluated by the caller, so pass a costly part as a function (see detail::write_part).
+// are evaluated by the caller, so pass a costly part as a function (see message::write_part).
 template <typename... Args>
 inline void check(bool cond, ErrorKind kind, const Args&... args) {
-  if (!cond) throw Error(kind, detail::concat(args...));
+  if (!cond) throw Error(kind, message::concat(args...));
 }
 template <typename... Args>
 [[noreturn]] inline void fail(ErrorKind kind, const Args&... args) {
-  throw Error(kind, detail::concat(args...));
+  throw Error(kind, message::concat(args...));
 }
 
 }  // namespace sattn

@@ -131,10 +131,10 @@ void check_causal_hint(const TensorView& m, int64_t L, int64_t S) {
         }
         if (ok) continue;
         const std::string where =
-            three ? detail::concat("[", b, ", ", i, ", ", j, "]") : detail::concat("[", i, ", ", j, "]");
+            three ? message::concat("[", b, ", ", i, ", ", j, "]") : message::concat("[", i, ", ", j, "]");
         const bool is_bool = m.dtype == DType::kBool;
         fail(ErrorKind::kInvalidArgument, "is_causal: a hint that attn_mask is the causal mask, but attn_mask",
-             where, " = ", is_bool ? (value != 0 ? "True" : "False") : detail::concat(value), ", expected ",
+             where, " = ", is_bool ? (value != 0 ? "True" : "False") : message::concat(value), ", expected ",
              is_bool ? (masked ? "True" : "False") : (masked ? "-inf" : "0"), " (the causal mask is ",
              is_bool ? "True where j > i, False elsewhere" : "-inf where j > i, 0 elsewhere",
              "). torch 2.x does not check the hint, and its result for a wrong one depends on its execution path "

@@ -11,9 +11,9 @@ namespace sattn::sparse {
 
 std::string AdaptiveNode::repr() const {
   switch (kind) {
-    case kTopK: return sattn::detail::concat("TopK(", k, ")");
+    case kTopK: return sattn::message::concat("TopK(", k, ")");
     case kBlockTopK: {
-      std::string s = sattn::detail::concat("BlockTopK(", block, ", ", k_blocks);
+      std::string s = sattn::message::concat("BlockTopK(", block, ", ", k_blocks);
       if (!local) s += ", local=False";
       if (causal) s += ", causal=True";
       return s + ")";
@@ -22,7 +22,7 @@ std::string AdaptiveNode::repr() const {
       std::string s = "ReLUAttention(";
       bool any = false;
       if (power != 2.0) {
-        s += sattn::detail::concat("power=", format_double(power));
+        s += sattn::message::concat("power=", format_double(power));
         any = true;
       }
       if (normalize != 0) s += std::string(any ? ", " : "") + "normalize='" + (normalize == 1 ? "sum" : "length") + "'";

@@ -254,7 +254,7 @@ struct SlidingWindowNode final : Pattern::Node {
   Alignment al;
   SlidingWindowNode(int64_t l, int64_t r, Alignment a) : left(l), right(r), al(a) {}
   std::string repr() const override {
-    return sattn::detail::concat("SlidingWindow(", left, ", ", right, alignment_suffix(al), ")");
+    return sattn::message::concat("SlidingWindow(", left, ", ", right, alignment_suffix(al), ")");
   }
   bool allowed(int64_t, int64_t i, int64_t j, int64_t lq, int64_t lk) const override {
     const int64_t a = i + align_offset(al, lq, lk);
@@ -293,7 +293,7 @@ struct DilatedNode final : Pattern::Node {
   Alignment al;
   DilatedNode(int64_t w, int64_t d, Alignment a) : window(w), dilation(d), al(a) {}
   std::string repr() const override {
-    return sattn::detail::concat("Dilated(", window, ", ", dilation, alignment_suffix(al), ")");
+    return sattn::message::concat("Dilated(", window, ", ", dilation, alignment_suffix(al), ")");
   }
   bool allowed(int64_t, int64_t i, int64_t j, int64_t lq, int64_t lk) const override {
     const int64_t diff = i + align_offset(al, lq, lk) - j;
@@ -377,7 +377,7 @@ struct BlockLocalNode final : Pattern::Node {
   int64_t blk;
   Alignment al;
   BlockLocalNode(int64_t b, Alignment a) : blk(b), al(a) {}
-  std::string repr() const override { return sattn::detail::concat("BlockLocal(", blk, alignment_suffix(al), ")"); }
+  std::string repr() const override { return sattn::message::concat("BlockLocal(", blk, alignment_suffix(al), ")"); }
   bool allowed(int64_t, int64_t i, int64_t j, int64_t lq, int64_t lk) const override {
     return floor_div(i + align_offset(al, lq, lk), blk) == floor_div(j, blk);
   }
@@ -471,8 +471,8 @@ struct BigBirdNode final : Pattern::Node {
   BigBirdNode(int64_t b, int64_t w, int64_t g, int64_t r, uint64_t s, Alignment a)
       : blk(b), window_blocks(w), global_blocks(g), random_blocks(r), seed(s), al(a) {}
   std::string repr() const override {
-    return sattn::detail::concat("BigBird(", blk, ", ", window_blocks, ", ", global_blocks, ", ", random_blocks,
-                                 seed != 0 ? sattn::detail::concat(", seed=", seed) : std::string(),
+    return sattn::message::concat("BigBird(", blk, ", ", window_blocks, ", ", global_blocks, ", ", random_blocks,
+                                 seed != 0 ? sattn::message::concat(", seed=", seed) : std::string(),
                                  alignment_suffix(al), ")");
   }
   bool head_dependent() const override { return random_blocks > 0; }
@@ -566,8 +566,8 @@ struct Neighborhood2DNode final : Pattern::Node {
   Neighborhood2DNode(int64_t h, int64_t w, int64_t k, int64_t d, bool c)
       : height(h), width(w), kernel(k), dilation(d), causal(c) {}
   std::string repr() const override {
-    std::string s = sattn::detail::concat("Neighborhood2D(", height, ", ", width, ", ", kernel);
-    if (dilation != 1) s += sattn::detail::concat(", dilation=", dilation);
+    std::string s = sattn::message::concat("Neighborhood2D(", height, ", ", width, ", ", kernel);
+    if (dilation != 1) s += sattn::message::concat(", dilation=", dilation);
     if (causal) s += ", causal=True";
     return s + ")";
   }
@@ -768,8 +768,8 @@ struct WindowAttention2DNode final : Pattern::Node {
   int64_t height, width, win, shift;
   WindowAttention2DNode(int64_t h, int64_t w, int64_t win_, int64_t s) : height(h), width(w), win(win_), shift(s) {}
   std::string repr() const override {
-    std::string s = sattn::detail::concat("WindowAttention2D(", height, ", ", width, ", ", win);
-    if (shift != 0) s += sattn::detail::concat(", shift=", shift);
+    std::string s = sattn::message::concat("WindowAttention2D(", height, ", ", width, ", ", win);
+    if (shift != 0) s += sattn::message::concat(", shift=", shift);
     return s + ")";
   }
   void check_lengths(int64_t lq, int64_t lk) const override {

@@ -62,7 +62,7 @@ class Parser {
     if (at_end()) error("empty pattern spec", 0);
     Pattern p = expr();
     skip();
-    if (!at_end()) error(sattn::detail::concat("unexpected '", t_[i_], "'"), i_);
+    if (!at_end()) error(sattn::message::concat("unexpected '", t_[i_], "'"), i_);
     return p;
   }
 
@@ -79,7 +79,7 @@ class Parser {
       near = t_.substr(pos, shown);
       for (char& c : near)
         if (std::iscntrl(static_cast<unsigned char>(c))) c = ' ';
-      near = sattn::detail::concat(" (near \"", near, pos + shown < t_.size() ? "...\")" : "\")");
+      near = sattn::message::concat(" (near \"", near, pos + shown < t_.size() ? "...\")" : "\")");
     }
     fail(ErrorKind::kInvalidArgument, "pattern spec: ", msg, " at position ", pos, near);
   }
@@ -88,7 +88,7 @@ class Parser {
     Parser& parser;
     Nesting(Parser& p, size_t pos) : parser(p) {
       if (++parser.depth_ > kMaxPatternDepth)
-        parser.error(sattn::detail::concat("expected patterns nested at most ", kMaxPatternDepth, " deep"), pos);
+        parser.error(sattn::message::concat("expected patterns nested at most ", kMaxPatternDepth, " deep"), pos);
     }
     ~Nesting() { --parser.depth_; }
   };
@@ -110,15 +110,15 @@ class Parser {
   }
   void expect(char c) {
     skip();
-    if (at_end()) error(sattn::detail::concat("expected '", c, "', got the end of the spec"), i_);
-    if (t_[i_] != c) error(sattn::detail::concat("expected '", c, "', got '", t_[i_], "'"), i_);
+    if (at_end()) error(sattn::message::concat("expected '", c, "', got the end of the spec"), i_);
+    if (t_[i_] != c) error(sattn::message::concat("expected '", c, "', got '", t_[i_], "'"), i_);
     ++i_;
   }
   std::string ident() {
     skip();
     const size_t s = i_;
     while (!at_end() && (std::isalnum(static_cast<unsigned char>(t_[i_])) || t_[i_] == '_')) ++i_;
-    if (s == i_) error(at_end() ? "expected a name, got the end of the spec" : sattn::detail::concat("expected a name, got '", t_[i_], "'"), s);
+    if (s == i_) error(at_end() ? "expected a name, got the end of the spec" : sattn::message::concat("expected a name, got '", t_[i_], "'"), s);
     return t_.substr(s, i_ - s);
   }
 
@@ -149,7 +149,7 @@ class Parser {
     }
     const size_t name_pos = i_;
     if (at_end() || !(std::isalpha(static_cast<unsigned char>(t_[i_])) || t_[i_] == '_'))
-      error(at_end() ? "expected a pattern, got the end of the spec" : sattn::detail::concat("expected a pattern, got '", t_[i_], "'"), i_);
+      error(at_end() ? "expected a pattern, got the end of the spec" : sattn::message::concat("expected a pattern, got '", t_[i_], "'"), i_);
     const std::string name = ident();
     expect('(');
     std::vector<Value> positional;
@@ -211,7 +211,7 @@ class Parser {
       while (true) {
         Value x = value();
         if (x.kind != Value::kInt || !x.in_int64)
-          error(sattn::detail::concat("expected a 64-bit integer in the list, got ", describe(x)), x.pos);
+          error(sattn::message::concat("expected a 64-bit integer in the list, got ", describe(x)), x.pos);
         v.list.push_back(x.i);
         if (peek(',')) {
           ++i_;
@@ -246,9 +246,9 @@ class Parser {
           v.f = std::stod(v.s, &used);
           if (used != v.s.size()) throw std::invalid_argument(v.s);
         } catch (const std::out_of_range&) {
-          error(sattn::detail::concat("number '", v.s, "' is out of the range of a double"), s);
+          error(sattn::message::concat("number '", v.s, "' is out of the range of a double"), s);
         } catch (const std::exception&) {
-          error(sattn::detail::concat("malformed number '", v.s, "'"), s);
+          error(sattn::message::concat("malformed number '", v.s, "'"), s);
         }
       } else {
         parse_integer(v, s);
@@ -296,7 +296,7 @@ class Parser {
       v.p = expr();
       return v;
     }
-    error(sattn::detail::concat("unexpected '", c, "'"), i_);
+    error(sattn::message::concat("unexpected '", c, "'"), i_);
   }
 
   struct Param {
@@ -310,19 +310,19 @@ class Parser {
                                     const std::vector<std::pair<std::string, Value>>& keywords) const {
     std::map<std::string, Value> out;
     if (positional.size() > params.size())
-      error(sattn::detail::concat(name, "() takes at most ", params.size(), " arguments, got ", positional.size()),
+      error(sattn::message::concat(name, "() takes at most ", params.size(), " arguments, got ", positional.size()),
             positional[params.size()].pos);
     for (size_t x = 0; x < positional.size(); ++x) out[params[x].name] = positional[x];
     for (const auto& [k, v] : keywords) {
       bool known = false;
       for (const auto& p : params) known = known || k == p.name;
-      if (!known) error(sattn::detail::concat(name, "() has no argument '", k, "'"), v.pos);
-      if (out.count(k)) error(sattn::detail::concat(name, "() got argument '", k, "' twice"), v.pos);
+      if (!known) error(sattn::message::concat(name, "() has no argument '", k, "'"), v.pos);
+      if (out.count(k)) error(sattn::message::concat(name, "() got argument '", k, "' twice"), v.pos);
       out[k] = v;
     }
     for (const auto& p : params)
       if (p.required && !out.count(p.name))
-        error(sattn::detail::concat(name, "() is missing the argument '", p.name, "'"), name_pos);
+        error(sattn::message::concat(name, "() is missing the argument '", p.name, "'"), name_pos);
     return out;
   }
 
@@ -335,7 +335,7 @@ class Parser {
     uint64_t magnitude = 0;
     const auto [ptr, ec] = std::from_chars(v.s.data() + digits, end, magnitude);
     if (ptr != end || (ec != std::errc() && ec != std::errc::result_out_of_range))
-      error(sattn::detail::concat("malformed number '", v.s, "'"), pos);
+      error(sattn::message::concat("malformed number '", v.s, "'"), pos);
     const uint64_t int64_limit = uint64_t(std::numeric_limits<int64_t>::max()) + (negative ? 1 : 0);
     v.in_uint64 = ec == std::errc() && (!negative || magnitude == 0);
     v.in_int64 = ec == std::errc() && magnitude <= int64_limit;
@@ -362,9 +362,9 @@ class Parser {
     const Value& v = it->second;
     if (v.kind == Value::kBool) return v.i;
     if (v.kind != Value::kInt)
-      error(sattn::detail::concat("argument '", k, "': expected an integer, got ", describe(v)), v.pos);
+      error(sattn::message::concat("argument '", k, "': expected an integer, got ", describe(v)), v.pos);
     if (!v.in_int64)
-      error(sattn::detail::concat("argument '", k, "': expected an integer in ", std::numeric_limits<int64_t>::min(),
+      error(sattn::message::concat("argument '", k, "': expected an integer in ", std::numeric_limits<int64_t>::min(),
                                   "..", std::numeric_limits<int64_t>::max(), ", got ", v.s),
             v.pos);
     return v.i;
@@ -374,9 +374,9 @@ class Parser {
     if (it == a.end()) return dflt;
     const Value& v = it->second;
     if (v.kind != Value::kInt)
-      error(sattn::detail::concat("argument '", k, "': expected an integer, got ", describe(v)), v.pos);
+      error(sattn::message::concat("argument '", k, "': expected an integer, got ", describe(v)), v.pos);
     if (!v.in_uint64)
-      error(sattn::detail::concat("argument '", k, "': expected an integer in 0..",
+      error(sattn::message::concat("argument '", k, "': expected an integer in 0..",
                                   std::numeric_limits<uint64_t>::max(), ", got ", v.s),
             v.pos);
     return v.u;
@@ -386,7 +386,7 @@ class Parser {
     if (it == a.end()) return dflt;
     const Value& v = it->second;
     if (v.kind != Value::kBool && !(v.kind == Value::kInt && v.in_int64 && (v.i == 0 || v.i == 1)))
-      error(sattn::detail::concat("argument '", k, "': expected True or False, got ", describe(v)), v.pos);
+      error(sattn::message::concat("argument '", k, "': expected True or False, got ", describe(v)), v.pos);
     return v.i != 0;
   }
   double get_double(const std::map<std::string, Value>& a, const char* k, double dflt) const {
@@ -395,13 +395,13 @@ class Parser {
     const Value& v = it->second;
     if (v.kind == Value::kInt) return as_double(v);
     if (v.kind != Value::kFloat)
-      error(sattn::detail::concat("argument '", k, "': expected a number, got ", describe(v)), v.pos);
+      error(sattn::message::concat("argument '", k, "': expected a number, got ", describe(v)), v.pos);
     return v.f;
   }
   std::string get_str(const std::map<std::string, Value>& a, const char* k, const std::string& dflt) const {
     auto it = a.find(k);
     if (it == a.end()) return dflt;
-    if (it->second.kind != Value::kStr) error(sattn::detail::concat("argument '", k, "': expected a string"), it->second.pos);
+    if (it->second.kind != Value::kStr) error(sattn::message::concat("argument '", k, "': expected a string"), it->second.pos);
     return it->second.s;
   }
   Alignment get_alignment(const std::map<std::string, Value>& a) const {
@@ -414,7 +414,7 @@ class Parser {
   }
   const Pattern& get_pattern(const std::map<std::string, Value>& a, const char* k) const {
     const Value& v = a.at(k);
-    if (v.kind != Value::kPattern) error(sattn::detail::concat("argument '", k, "': expected a pattern"), v.pos);
+    if (v.kind != Value::kPattern) error(sattn::message::concat("argument '", k, "': expected a pattern"), v.pos);
     return v.p;
   }
 
@@ -496,7 +496,7 @@ class Parser {
       if (std::string(e.what()).rfind("pattern spec:", 0) == 0) throw;
       error(e.what(), pos);
     }
-    error(sattn::detail::concat("unknown pattern '", name,
+    error(sattn::message::concat("unknown pattern '", name,
                          "' (expected SlidingWindow, Dilated, BlockLocal, GlobalTokens, BigBird, Neighborhood2D, "
                          "WindowAttention2D, Full, TopK, BlockTopK, ReLUAttention or MixedAttention)"),
           pos);

@@ -17,7 +17,7 @@ namespace sattn::sparse {
 // violation.
 inline std::string block_mask_mismatch(const Pattern& p, int64_t lq, int64_t lk, int64_t heads, int64_t block,
                                        bool exact) {
-  using sattn::detail::concat;
+  using sattn::message::concat;
   const std::string where = concat(p.repr(), " Lq=", lq, " Lk=", lk, " heads=", heads, " block=", block, ": ");
   BlockMask m;
   try {

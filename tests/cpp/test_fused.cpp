@@ -33,7 +33,7 @@ struct Case {
   double dropout = 0.0;
   bool strided = false;  // q/k/v as [B, L, H, D] memory viewed as [B, H, L, D]
   std::string name() const {
-    return sattn::detail::concat("B", B, " H", Hq, "/", Hkv, " L", Lq, "x", Lk, " D", D, "/", Dv, " mask", mask, ":",
+    return sattn::message::concat("B", B, " H", Hq, "/", Hkv, " L", Lq, "x", Lk, " D", D, "/", Dv, " mask", mask, ":",
                                  mask_shape, " pad", padding, " causal=", sattn::to_string(causal), " drop", dropout,
                                  strided ? " strided" : "");
   }

@@ -15,7 +15,7 @@ namespace sattn::fuzz {
 // Reports a finding and aborts; libFuzzer then saves the input (crash-*) and stops.
 template <typename... Args>
 [[noreturn]] void finding(const Args&... args) {
-  std::fprintf(stderr, "fuzz finding: %s\n", sattn::detail::concat(args...).c_str());
+  std::fprintf(stderr, "fuzz finding: %s\n", sattn::message::concat(args...).c_str());
   std::abort();
 }
 
