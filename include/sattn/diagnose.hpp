@@ -15,9 +15,6 @@
 #include "sattn/attention.hpp"
 
 namespace sattn {
-namespace viz {
-class Image;
-}  // namespace viz
 
 // What the masks were meant to do, so that a leak can be told apart from intent.
 enum class Expectation : uint8_t {
@@ -90,11 +87,6 @@ struct Diagnosis {
 // Runs every check. Throws sattn::Error for invalid inputs (as scaled_dot_product_attention would).
 Diagnosis diagnose(const TensorView& q, const TensorView& k, const TensorView& v, const AttentionOptions& options,
                    const DiagnoseOptions& diagnose_options = {});
-
-// The findings as a picture (sattn doctor --plot): a header listing the findings, then bar charts with one bar per
-// (batch, head) — normalised entropy, mean max weight, saturated rows, scaled-score std, leak — red where the head
-// is named by the finding the statistic explains, with the flag thresholds of `options` dashed. (src/viz)
-viz::Image render_diagnosis(const Diagnosis& d, const DiagnoseOptions& options = {});
 
 // {"findings": [{"code", "heads": [[b, h], ...], "message"}], "stats": {...}} as a JSON string.
 std::string diagnosis_to_json(const Diagnosis& d, int indent = 2);

@@ -17,7 +17,6 @@
 #include <string>
 #include <vector>
 
-#include "sattn/viz.hpp"
 
 namespace sattn {
 
@@ -58,8 +57,5 @@ std::vector<ProfilePoint> run_profile(const ProfileOptions& options);
 std::string profile_to_csv(const std::vector<ProfilePoint>& points);
 // A fixed-width table for the terminal.
 std::string profile_to_table(const std::vector<ProfilePoint>& points);
-// Two panels on log-log axes: time vs L and peak memory vs L (measured solid, analytic dashed), a series per
-// (kernel, heads). Render with viz::render_plots_svg / render_plots_png.
-std::vector<viz::PlotSpec> profile_plot_specs(const std::vector<ProfilePoint>& points);
 
 }  // namespace sattn

@@ -12,6 +12,8 @@ struct SimdTargets {
   std::string selected;                // the target selected for the process
   std::vector<std::string> available;  // the targets this CPU runs, widest first ("portable" last)
   // The build each component runs under `selected`: the widest it was compiled for, no wider than `selected`.
+  // fused is in sattn::core; sparse_tiles and topk are "" in a program that does not link sattn::sparse, nn in one
+  // that does not link sattn::nn (the umbrella sattn::sattn links both).
   std::string fused, sparse_tiles, topk, nn;
 };
 

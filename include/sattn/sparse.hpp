@@ -1,5 +1,5 @@
-// Sparse attention: a Pattern (patterns.hpp) run by the block-sparse engine (sparse_engine.hpp) — only the
-// tiles the pattern's block mask lists are computed; forward and backward.
+// Sparse attention: a Pattern (patterns.hpp) run by the library's block-sparse engine — only the tiles the
+// pattern's block mask lists are computed; forward and backward.
 //
 // Shapes: q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] (any strides; f32, f64, bf16, f16; computed in
 // fp32), out [B, Hq, Lq, Dv], lse [B, Hq, Lq]. Query head h reads kv head h / (Hq / Hkv).
@@ -11,10 +11,17 @@
 #include <vector>
 
 #include "sattn/patterns.hpp"
-#include "sattn/sparse_engine.hpp"
 #include "sattn/tensor.hpp"
 
 namespace sattn::sparse {
+
+// Options common to every sparse entry.
+struct EngineOptions {
+  std::optional<double> scale;  // default 1/sqrt(D)
+  TensorView key_padding_mask;  // bool [B, Lk], True = padding
+  TensorView key_lengths;       // int32/int64 [B]: keys j >= key_lengths[b] are padding
+  int num_threads = 0;          // 0 = SATTN_NUM_THREADS or the hardware's
+};
 
 // Score modifications of the pattern API, applied to s = scale * q·k in this order:
 //   s = softcap > 0 ? softcap * tanh(s / softcap) : s

@@ -28,8 +28,9 @@
 #include <vector>
 
 #include "sattn/patterns.hpp"
-#include "sattn/sparse_tiles.hpp"
+#include "sattn/sparse.hpp"  // EngineOptions
 #include "sattn/tensor.hpp"
+#include "sparse/tiles.hpp"
 
 namespace sattn::sparse {
 
@@ -42,14 +43,6 @@ struct NoScoreMod {
 
 struct AllowAll {
   bool operator()(int64_t, int64_t, int64_t, int64_t) const { return true; }
-};
-
-// Options of the engine and of the pattern API.
-struct EngineOptions {
-  std::optional<double> scale;  // default 1/sqrt(D)
-  TensorView key_padding_mask;  // bool [B, Lk], True = padding
-  TensorView key_lengths;       // int32/int64 [B]: keys j >= key_lengths[b] are padding
-  int num_threads = 0;          // 0 = SATTN_NUM_THREADS or the hardware's
 };
 
 namespace detail {

@@ -339,6 +339,7 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 #include "simd/dispatch.hpp"
+#include "simd/target.hpp"
 
 namespace sattn::nn {
 namespace {
@@ -362,6 +363,9 @@ const Ops& ops() { return simd::pick(kBuilds).ops; }
 }  // namespace
 
 const char* simd_build() { return simd::name(simd::pick(kBuilds).target); }
+// Registered for simd_targets(); the symbol has C linkage so that the umbrella target sattn::sattn can make the
+// linker keep this file (CMakeLists.txt).
+extern "C" const bool sattn_simd_registered_nn = simd::register_build(simd::Component::kNn, &simd_build);
 
 void gemm_acc_segments(int nseg, const float* const* A, const int64_t* K, int64_t lda, int64_t M, const float* W,
                        int64_t ldw, int64_t N, float* C, int64_t ldc) {

@@ -34,4 +34,11 @@ void select(Target t);
 // The targets this CPU runs, widest first.
 std::vector<Target> available();
 
+// The SIMD components outside the fused kernel, each in its own library (sattn::sparse, sattn::nn). A component
+// registers the function that names the build it runs (during static initialisation of the file that holds its
+// kernels), and simd_targets() reports it; a component that is not linked into the program reports "".
+enum class Component : int { kSparseTiles = 0, kTopK = 1, kNn = 2 };
+inline constexpr int kNumComponents = 3;
+bool register_build(Component c, const char* (*build)());
+
 }  // namespace sattn::simd

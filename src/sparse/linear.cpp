@@ -12,7 +12,7 @@
 #include "core/threads.hpp"
 #include "sattn/error.hpp"
 #include "sattn/random.hpp"
-#include "sattn/sparse_tiles.hpp"
+#include "sparse/tiles.hpp"
 
 namespace sattn::sparse {
 
@@ -113,7 +113,7 @@ Problem describe(const TensorView& q, const TensorView& k, const TensorView& v, 
   return p;
 }
 
-// fp32 matrix products on the sparse engine's tile operations (sparse_tiles.hpp); sums over many rows are cut into
+// fp32 matrix products on the sparse engine's tile operations (sparse/tiles.hpp); sums over many rows are cut into
 // slabs whose fp32 partial products are added into float64 totals (fp64 only where long sums need it).
 constexpr int64_t kSlab = 256;
 

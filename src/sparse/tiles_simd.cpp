@@ -1,4 +1,4 @@
-// The tile operations of the block-sparse engine (sparse_tiles.hpp), compiled once per SIMD target by Highway
+// The tile operations of the block-sparse engine (sparse/tiles.hpp), compiled once per SIMD target by Highway
 // (simd/hwy_targets.hpp) and chosen at run time from the one target table (simd/target.hpp; see the end). Every
 // matrix product is one register-blocked micro-kernel, the same scheme as the dense
 // fused kernel (fused_simd.cpp):  C[M x N] = alpha · A(M x K) · B[K x N] (+ C),  A read by scalar broadcasts through
@@ -17,7 +17,7 @@
 #include <cstring>
 #include <limits>
 
-#include "sattn/sparse_tiles.hpp"
+#include "sparse/tiles.hpp"
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
@@ -304,6 +304,7 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 #include "simd/dispatch.hpp"
+#include "simd/target.hpp"
 
 namespace sattn::sparse::tiles {
 
@@ -328,6 +329,10 @@ const Ops& ops() { return simd::pick(kBuilds).ops; }
 }  // namespace
 
 const char* simd_build() { return simd::name(simd::pick(kBuilds).target); }
+// Registered for simd_targets(); the symbol has C linkage so that the umbrella target sattn::sattn can make the
+// linker keep this file (CMakeLists.txt).
+extern "C" const bool sattn_simd_registered_sparse_tiles =
+    simd::register_build(simd::Component::kSparseTiles, &simd_build);
 
 void qk(const float* q, int64_t m, int64_t d, const float* kt, int64_t ldk, int64_t n, float scale, float* s) {
   ops().qk(q, m, d, kt, ldk, n, scale, s);

@@ -15,7 +15,7 @@
 #include <functional>
 #include <limits>
 
-#include "sattn/sparse_tiles.hpp"
+#include "sparse/tiles.hpp"
 #include "sparse/topk_scan.hpp"
 
 #ifndef SATTN_TOPK_SCAN_HELPERS
@@ -279,6 +279,7 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 #include "simd/dispatch.hpp"
+#include "simd/target.hpp"
 
 namespace sattn::sparse::topk {
 
@@ -296,6 +297,9 @@ const Ops& ops() { return simd::pick(kBuilds).ops; }
 }  // namespace
 
 const char* simd_build() { return simd::name(simd::pick(kBuilds).target); }
+// Registered for simd_targets(); the symbol has C linkage so that the umbrella target sattn::sattn can make the
+// linker keep this file (CMakeLists.txt).
+extern "C" const bool sattn_simd_registered_topk = simd::register_build(simd::Component::kTopK, &simd_build);
 int64_t tile_width() { return ops().tile_width(); }
 int64_t row_stride(int64_t k, int64_t n) { return detail::stride_for(k, n); }
 

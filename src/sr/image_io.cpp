@@ -14,7 +14,7 @@
 #include <jpeglib.h>
 #include <png.h>
 
-#include "io/writers.hpp"
+#include "sr/png_writer.hpp"
 #include "sattn/error.hpp"
 #include "sattn/sr.hpp"
 

@@ -11,7 +11,7 @@
 #include <sstream>
 
 #include "kernels/kernel.hpp"
-#include "sattn/viz.hpp"
+#include "viz/viz.hpp"
 
 namespace sattn {
 

@@ -6,7 +6,7 @@
 
 #include "sattn/diagnose.hpp"
 #include "sattn/error.hpp"
-#include "sattn/viz.hpp"
+#include "viz/viz.hpp"
 
 namespace sattn {
 namespace {

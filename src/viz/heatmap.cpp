@@ -4,7 +4,7 @@
 #include <cstdio>
 
 #include "sattn/error.hpp"
-#include "sattn/viz.hpp"
+#include "viz/viz.hpp"
 
 namespace sattn::viz {
 namespace {

@@ -3,10 +3,9 @@
 #include <array>
 #include <cmath>
 
-#include "io/writers.hpp"
 #include "sattn/error.hpp"
 #include "sattn/sr.hpp"
-#include "sattn/viz.hpp"
+#include "viz/viz.hpp"
 
 namespace sattn::viz {
 

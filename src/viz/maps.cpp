@@ -5,7 +5,7 @@
 
 #include "kernels/kernel.hpp"
 #include "sattn/random.hpp"
-#include "sattn/viz.hpp"
+#include "viz/viz.hpp"
 
 namespace sattn::viz {
 

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "sattn/error.hpp"
-#include "sattn/viz.hpp"
+#include "viz/viz.hpp"
 
 namespace sattn::viz {
 

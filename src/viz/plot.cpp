@@ -7,7 +7,7 @@
 #include <sstream>
 
 #include "sattn/error.hpp"
-#include "sattn/viz.hpp"
+#include "viz/viz.hpp"
 
 namespace sattn::viz {
 namespace {

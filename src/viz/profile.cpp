@@ -18,6 +18,7 @@
 #include "sattn/linear.hpp"
 #include "sattn/patterns.hpp"
 #include "sattn/sparse.hpp"
+#include "viz/viz.hpp"
 
 namespace sattn {
 namespace {

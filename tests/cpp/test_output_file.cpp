@@ -21,7 +21,7 @@
 #include "sattn/io.hpp"
 #include "sattn/safetensors.hpp"
 #include "sattn/sr.hpp"
-#include "sattn/viz.hpp"
+#include "viz/viz.hpp"
 
 namespace fs = std::filesystem;
 using sattn::Error;

@@ -1,4 +1,4 @@
-// The sparse engine's tile operations (sparse_tiles.hpp) against fp64 loops, in every build this CPU runs
+// The sparse engine's tile operations (sparse/tiles.hpp) against fp64 loops, in every build this CPU runs
 // (AVX-512, AVX2, portable), on sizes that are not multiples of the vector width and with row strides wider than
 // the rows: results within fp32 rounding, and nothing written outside the tile.
 #include <gtest/gtest.h>
@@ -9,7 +9,7 @@
 #include <random>
 #include <vector>
 
-#include "sattn/sparse_tiles.hpp"
+#include "sparse/tiles.hpp"
 #include "scoped.hpp"
 
 namespace tiles = sattn::sparse::tiles;

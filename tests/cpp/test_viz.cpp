@@ -5,7 +5,7 @@
 
 #include "sattn/attention.hpp"
 #include "sattn/profile.hpp"
-#include "sattn/viz.hpp"
+#include "viz/viz.hpp"
 #include "tools_test_util.hpp"
 
 using namespace sattn;

@@ -21,7 +21,7 @@
 #include "sattn/attention.hpp"
 #include "sattn/error.hpp"
 #include "sattn/sr.hpp"
-#include "sattn/viz.hpp"
+#include "viz/viz.hpp"
 
 namespace sattn::cli {
 namespace {

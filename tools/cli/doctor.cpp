@@ -10,7 +10,7 @@
 #include "sattn/diagnose.hpp"
 #include "sattn/error.hpp"
 #include "sattn/io.hpp"
-#include "sattn/viz.hpp"
+#include "viz/viz.hpp"
 
 namespace sattn::cli {
 namespace {

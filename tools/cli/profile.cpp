@@ -8,7 +8,7 @@
 #include "io/writers.hpp"
 #include "sattn/error.hpp"
 #include "sattn/profile.hpp"
-#include "sattn/viz.hpp"
+#include "viz/viz.hpp"
 
 namespace sattn::cli {
 

@@ -11,7 +11,7 @@
 #include "sattn/error.hpp"
 #include "sattn/io.hpp"
 #include "sattn/profile.hpp"
-#include "sattn/viz.hpp"
+#include "viz/viz.hpp"
 
 namespace sattn::cli {
 

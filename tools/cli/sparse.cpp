@@ -20,6 +20,7 @@
 #include "sattn/io.hpp"
 #include "sattn/linear.hpp"
 #include "sattn/sparse.hpp"
+#include "sparse/tiles.hpp"
 
 
 namespace sattn::cli {

@@ -19,6 +19,7 @@
 #include "cli/options.hpp"
 #include "cli/sr_weights.hpp"
 #include "io/writers.hpp"
+#include "sr/png_writer.hpp"
 #include "sattn/error.hpp"
 #include "sattn/io.hpp"
 #include "sattn/sr.hpp"

@@ -15,7 +15,7 @@
 #include "sattn/patterns.hpp"
 #include "sattn/safetensors.hpp"
 #include "sattn/sparse.hpp"
-#include "sattn/viz.hpp"
+#include "viz/viz.hpp"
 
 namespace sattn::cli {
 namespace {

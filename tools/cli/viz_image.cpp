@@ -19,7 +19,7 @@
 #include "io/writers.hpp"
 #include "sattn/error.hpp"
 #include "sattn/sr.hpp"
-#include "sattn/viz.hpp"
+#include "viz/viz.hpp"
 
 namespace sattn::cli {
 namespace {

@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-#include "sattn/viz.hpp"
+#include "viz/viz.hpp"
 
 namespace sattn::cli {
 

@@ -10,7 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "io/output_file.hpp"
 #include "sattn/attention.hpp"
+#include "sattn/diagnose.hpp"
+#include "sattn/profile.hpp"
 #include "sattn/tensor.hpp"
 
 namespace sattn::viz {
@@ -50,6 +53,7 @@ class Image {
 // sattn::Error(kIO) naming the path when writing fails; the old file is then untouched.
 std::vector<uint8_t> encode_png(const Image& image);
 void write_png(const std::string& path, const Image& image);
+void write_png(io::OutputFile& out, const Image& image);  // into a file the caller opened (io/output_file.hpp)
 
 // ---- colour maps ------------------------------------------------------------------------------------------
 enum class Colormap { kViridis, kMagma, kGray };
@@ -174,3 +178,16 @@ struct ExampleInputs {
 ExampleInputs example_inputs(int64_t batch, int64_t heads, int64_t len, int64_t dim, uint64_t seed = 0);
 
 }  // namespace sattn::viz
+
+namespace sattn {
+
+// The findings of diagnose() as a picture (sattn doctor --plot): a header listing the findings, then bar charts with
+// one bar per (batch, head) — normalised entropy, mean max weight, saturated rows, scaled-score std, leak — red where
+// the head is named by the finding the statistic explains, with the flag thresholds of `options` dashed.
+viz::Image render_diagnosis(const Diagnosis& d, const DiagnoseOptions& options = {});
+
+// The profile (run_profile) as two panels on log-log axes: time vs L and peak memory vs L (measured solid, analytic
+// dashed), a series per (kernel, heads). Render with viz::render_plots_svg / render_plots_png.
+std::vector<viz::PlotSpec> profile_plot_specs(const std::vector<ProfilePoint>& points);
+
+}  // namespace sattn
