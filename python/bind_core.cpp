@@ -68,7 +68,7 @@ int resolve_python_threads(const pybind11::object& num_threads) {
   if (!pybind11::isinstance<pybind11::int_>(num_threads) || pybind11::isinstance<pybind11::bool_>(num_threads))
     throw Error(ErrorKind::kTypeError,
                 message::concat("num_threads: expected None or a positive int, got ",
-                               std::string(pybind11::str(pybind11::type::of(num_threads).attr("__name__")))));
+                                std::string(pybind11::str(pybind11::type::of(num_threads).attr("__name__")))));
   const long n = num_threads.cast<long>();
   check(n >= 1 && n <= 4096, ErrorKind::kInvalidArgument, "num_threads: expected None or an int in [1, 4096], got ", n);
   return int(n);
@@ -107,7 +107,7 @@ void bind_core(pybind11::module_& m) {
       PyErr_SetString(g_memory, "sattn: out of memory (std::bad_alloc)");
     } catch (const std::length_error& e) {  // a size past what a buffer can hold ("larger than max_size()")
       PyErr_SetString(g_memory, message::concat("sattn: out of memory: a buffer larger than any this machine can "
-                                               "address was asked for (std::length_error: ", e.what(), ")").c_str());
+                                                "address was asked for (std::length_error: ", e.what(), ")").c_str());
     }
   });
 

@@ -156,8 +156,8 @@ need_weights=False outside its eval fast path, NaN otherwise). See docs/mha.md.)
       .def("set_dropout_seed", &MHA::set_dropout_seed, "seed"_a)
       .def("__repr__", [](const MHA& self) {
         return message::concat("MultiheadAttention(embed_dim=", self.embed_dim(), ", num_heads=", self.num_heads(),
-                              ", dropout=", self.dropout(), ", kdim=", self.kdim(), ", vdim=", self.vdim(),
-                              ", batch_first=", self.batch_first() ? "True" : "False", ")");
+                               ", dropout=", self.dropout(), ", kdim=", self.kdim(), ", vdim=", self.vdim(),
+                               ", batch_first=", self.batch_first() ? "True" : "False", ")");
       });
 
   m.def(

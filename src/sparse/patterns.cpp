@@ -472,8 +472,8 @@ struct BigBirdNode final : Pattern::Node {
       : blk(b), window_blocks(w), global_blocks(g), random_blocks(r), seed(s), al(a) {}
   std::string repr() const override {
     return sattn::message::concat("BigBird(", blk, ", ", window_blocks, ", ", global_blocks, ", ", random_blocks,
-                                 seed != 0 ? sattn::message::concat(", seed=", seed) : std::string(),
-                                 alignment_suffix(al), ")");
+                                  seed != 0 ? sattn::message::concat(", seed=", seed) : std::string(),
+                                  alignment_suffix(al), ")");
   }
   bool head_dependent() const override { return random_blocks > 0; }
   int64_t win_lo(int64_t qb) const { return qb - window_blocks / 2; }

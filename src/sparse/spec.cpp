@@ -365,7 +365,7 @@ class Parser {
       error(sattn::message::concat("argument '", k, "': expected an integer, got ", describe(v)), v.pos);
     if (!v.in_int64)
       error(sattn::message::concat("argument '", k, "': expected an integer in ", std::numeric_limits<int64_t>::min(),
-                                  "..", std::numeric_limits<int64_t>::max(), ", got ", v.s),
+                                   "..", std::numeric_limits<int64_t>::max(), ", got ", v.s),
             v.pos);
     return v.i;
   }
@@ -377,7 +377,7 @@ class Parser {
       error(sattn::message::concat("argument '", k, "': expected an integer, got ", describe(v)), v.pos);
     if (!v.in_uint64)
       error(sattn::message::concat("argument '", k, "': expected an integer in 0..",
-                                  std::numeric_limits<uint64_t>::max(), ", got ", v.s),
+                                   std::numeric_limits<uint64_t>::max(), ", got ", v.s),
             v.pos);
     return v.u;
   }

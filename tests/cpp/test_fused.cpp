@@ -34,8 +34,8 @@ struct Case {
   bool strided = false;  // q/k/v as [B, L, H, D] memory viewed as [B, H, L, D]
   std::string name() const {
     return sattn::message::concat("B", B, " H", Hq, "/", Hkv, " L", Lq, "x", Lk, " D", D, "/", Dv, " mask", mask, ":",
-                                 mask_shape, " pad", padding, " causal=", sattn::to_string(causal), " drop", dropout,
-                                 strided ? " strided" : "");
+                                  mask_shape, " pad", padding, " causal=", sattn::to_string(causal), " drop", dropout,
+                                  strided ? " strided" : "");
   }
 };
 

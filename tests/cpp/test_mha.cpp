@@ -180,7 +180,7 @@ INSTANTIATE_TEST_SUITE_P(Variants, MhaOracle,
                          ::testing::Combine(::testing::Range(0, 6), ::testing::Values(DType::kF32, DType::kF64)),
                          [](const auto& info) {
                            return sattn::message::concat("v", std::get<0>(info.param),
-                                                        std::get<1>(info.param) == DType::kF64 ? "_f64" : "_f32");
+                                                         std::get<1>(info.param) == DType::kF64 ? "_f64" : "_f32");
                          });
 
 TEST(Mha, LayoutsAgree) {
