@@ -14,26 +14,9 @@
 
 namespace sattn {
 
-const char* to_string(Causal causal) {
-  switch (causal) {
-    case Causal::kNone: return "none";
-    case Causal::kTopLeft: return "top_left";
-    case Causal::kBottomRight: return "bottom_right";
-  }
-  return "?";
-}
-
-Causal parse_causal(const std::string& text, const char* argument_name) {
-  if (text == "none" || text.empty()) return Causal::kNone;
-  if (text == "top_left" || text == "top-left") return Causal::kTopLeft;
-  if (text == "bottom_right" || text == "bottom-right") return Causal::kBottomRight;
-  fail(ErrorKind::kInvalidArgument, argument_name, ": expected 'none', 'top_left' or 'bottom_right', got '", text,
-       "'");
-}
-
 std::string AttentionProblem::to_string() const {
   std::string s = message::concat("B=", batch, " Hq=", heads_q, " Hkv=", heads_kv, " Lq=", len_q, " Lk=", len_k,
-                                 " D=", head_dim, " Dv=", head_dim_v, " ", sattn::to_string(dtype_q));
+                                  " D=", head_dim, " Dv=", head_dim_v, " ", sattn::to_string(dtype_q));
   if (mask == MaskKind::kBool) s += " mask=bool" + shape_to_string(mask_shape);
   if (mask == MaskKind::kAdditive) s += " mask=additive" + shape_to_string(mask_shape);
   if (key_padding == KeyPaddingKind::kBool) s += " key_padding=bool";

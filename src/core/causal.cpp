@@ -1,0 +1,26 @@
+// Causal's names (sattn/problem.hpp), apart from the attention entry points: the pattern parsers use them too.
+#include <string>
+
+#include "sattn/error.hpp"
+#include "sattn/problem.hpp"
+
+namespace sattn {
+
+const char* to_string(Causal causal) {
+  switch (causal) {
+    case Causal::kNone: return "none";
+    case Causal::kTopLeft: return "top_left";
+    case Causal::kBottomRight: return "bottom_right";
+  }
+  return "?";
+}
+
+Causal parse_causal(const std::string& text, const char* argument_name) {
+  if (text == "none" || text.empty()) return Causal::kNone;
+  if (text == "top_left" || text == "top-left") return Causal::kTopLeft;
+  if (text == "bottom_right" || text == "bottom-right") return Causal::kBottomRight;
+  fail(ErrorKind::kInvalidArgument, argument_name, ": expected 'none', 'top_left' or 'bottom_right', got '", text,
+       "'");
+}
+
+}  // namespace sattn
