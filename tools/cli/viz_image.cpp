@@ -29,23 +29,12 @@ constexpr viz::Rgb kQueryMark{230, 30, 30};
 constexpr viz::Rgb kEdge{30, 30, 30};
 
 // --weights FILE, else the embedded weights, else the source tree's sr/weights/ file (as `sattn sr`).
+// --sr-scale 0: the file's own scale, or x2 for the default weights.
 sr::SrModel load_sr_model(const std::string& weights, int scale) {
-  std::optional<sr::SrModel> m;
-  if (!weights.empty()) {
-    m = sr::SrModel::load(weights);
-    if (scale == 0) return std::move(*m);
-  } else if (scale == 0) {
-    return load_sr_model(weights, 2);
-  } else if (auto e = embedded_sr_weights(scale); e.data) {
-    m = sr::SrModel::from_memory(e.data, e.size, std::string("embedded:") + e.origin);
-  } else {
-    const std::string f = source_tree_sr_weights(scale);
-    check(fs::exists(f), ErrorKind::kIO, "--image: no SR weights for x", scale, ": none embedded at build time and '",
-          f, "' does not exist (pass --weights FILE)");
-    m = sr::SrModel::load(f);
-  }
-  check(m->scale() == scale, ErrorKind::kInvalidArgument, "--sr-scale: ", scale, " but the weights '", m->name(),
-        "' are for x", m->scale());
+  const int want = scale == 0 && weights.empty() ? 2 : scale;
+  std::optional<sr::SrModel> m = find_sr_model(weights, want, "--sr-scale");
+  check(m.has_value(), ErrorKind::kIO, "--image: no SR weights for x", want, ": ",
+        [&] { return missing_sr_weights(want); }, " (pass --weights FILE)");
   return std::move(*m);
 }
 
