@@ -542,9 +542,16 @@ using Check = void (*)(const DiagnoseContext&, Diagnosis&);
 
 // The checks in the order their findings are reported.
 constexpr Check kChecks[] = {
-    check_determinism,  check_unscaled_scores, check_saturated_softmax,  check_fully_masked_rows,
-    check_nan_or_inf,   check_causal_leak,     check_padding_leak,       check_bool_mask_polarity,
-    check_key_padding_polarity,                check_float_mask_polarity,
+    check_determinism,
+    check_unscaled_scores,
+    check_saturated_softmax,
+    check_fully_masked_rows,
+    check_nan_or_inf,
+    check_causal_leak,
+    check_padding_leak,
+    check_bool_mask_polarity,
+    check_key_padding_polarity,
+    check_float_mask_polarity,
 };
 
 }  // namespace
