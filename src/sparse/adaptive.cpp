@@ -337,6 +337,284 @@ inline double block_score64(const double* qm, const double* km, int64_t D) {
   return (s4[0] + s4[1]) + (s4[2] + s4[3]);
 }
 
+// The shape of one batch entry's selection: aligned query blocks (bounds, with qbounds = {0, bounds...}) against
+// key blocks of a.block positions.
+struct SelectGeometry {
+  const AdaptiveNode& a;
+  const Pattern& fixed;
+  const detail::Packed& p;
+  int64_t b, lq, lk, off, blk, nkb, D, nqb, KB;
+  const std::vector<int32_t>& qbounds;
+};
+
+// Key-block means over valid keys of one batch entry, per kv head (fp64), their fp32 transposes and norms.
+struct KeyBlockMeans {
+  std::vector<double> kmean;      // [Hkv, nkb, D]
+  std::vector<int64_t> kvalid;    // [nkb] valid keys per block
+  std::vector<float> kmt;         // [Hkv, D, nkb]
+  std::vector<double> knorm_max;  // [Hkv] largest norm of a block mean with a valid key
+};
+
+// The chosen blocks as given (indices [Hq, nqb, k_blocks], -1 = none): sorted, duplicates dropped.
+void select_given(const SelectGeometry& g, const int64_t* given, BlockSelection& sel) {
+  const AdaptiveNode& a = g.a;
+  for (int64_t h = 0; h < g.p.Hq; ++h)
+    for (int64_t qb = 0; qb < g.nqb; ++qb) {
+      std::vector<int64_t> picks;
+      for (int64_t x = 0; x < a.k_blocks; ++x) {
+        const int64_t kb = given[(h * g.nqb + qb) * a.k_blocks + x];
+        check(kb >= -1 && kb < g.nkb, ErrorKind::kInvalidArgument, "indices: key block ", kb, " out of range");
+        if (kb >= 0) picks.push_back(kb);
+      }
+      std::sort(picks.begin(), picks.end());
+      picks.erase(std::unique(picks.begin(), picks.end()), picks.end());  // (so at most `width` of them)
+      std::copy(picks.begin(), picks.end(), &sel.chosen[size_t((h * g.nqb + qb) * g.KB)]);
+    }
+}
+
+KeyBlockMeans key_block_means(const SelectGeometry& g) {
+  const detail::Packed& p = g.p;
+  const int64_t b = g.b, lk = g.lk, blk = g.blk, nkb = g.nkb, D = g.D;
+  KeyBlockMeans km;
+  km.kmean.assign(static_cast<size_t>(p.Hkv * nkb * D), 0.0);
+  km.kvalid.assign(static_cast<size_t>(nkb), 0);
+  std::vector<double>& kmean = km.kmean;
+  for (int64_t j = 0; j < lk; ++j)
+    if (p.key_valid.empty() || p.key_valid[size_t(b * lk + j)]) km.kvalid[size_t(j / blk)]++;
+  // Sums per (kv head, run of 16 key blocks) in parallel; each block's sum is in key order for any thread count.
+  constexpr int64_t kSumBlocks = 16;
+  const int64_t sum_runs = (nkb + kSumBlocks - 1) / kSumBlocks;
+  auto sum_keys = [&](int64_t it) {
+    const int64_t hk = it / sum_runs, j_lo = (it % sum_runs) * kSumBlocks * blk;
+    const int64_t j_hi = std::min(lk, j_lo + kSumBlocks * blk);
+    for (int64_t j = j_lo; j < j_hi; ++j) {
+      if (!(p.key_valid.empty() || p.key_valid[size_t(b * lk + j)])) continue;
+      const float* kr = &p.k[size_t(((b * p.Hkv + hk) * lk + j) * D)];
+      double* m = &kmean[size_t((hk * nkb + j / blk) * D)];
+      for (int64_t d = 0; d < D; ++d) m[d] += kr[d];
+    }
+  };
+  detail::parallel(p.Hkv * sum_runs, p.threads, sum_keys);
+  km.kmt.resize(static_cast<size_t>(p.Hkv * D * nkb));
+  km.knorm_max.assign(static_cast<size_t>(p.Hkv), 0.0);
+  for (int64_t hk = 0; hk < p.Hkv; ++hk)
+    for (int64_t kb = 0; kb < nkb; ++kb) {
+      double* m = &kmean[size_t((hk * nkb + kb) * D)];
+      double n2 = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        if (km.kvalid[size_t(kb)] > 0) m[d] /= double(km.kvalid[size_t(kb)]);
+        km.kmt[size_t((hk * D + d) * nkb + kb)] = float(m[d]);
+        n2 += m[d] * m[d];
+      }
+      if (km.kvalid[size_t(kb)] > 0) km.knorm_max[size_t(hk)] = std::max(km.knorm_max[size_t(hk)], std::sqrt(n2));
+    }
+  return km;
+}
+
+// The fixed pattern's key ranges per (head, query block), gathered serially (Pattern nodes need not be
+// thread-safe). Empty without a fixed pattern.
+std::vector<std::vector<KeyRange>> fixed_key_ranges(const SelectGeometry& g) {
+  std::vector<std::vector<KeyRange>> franges;
+  if (!g.fixed.defined()) return franges;
+  franges.resize(size_t(g.p.Hq * g.nqb));
+  for (int64_t h = 0; h < g.p.Hq; ++h)
+    for (int64_t qb = 0; qb < g.nqb; ++qb)
+      g.fixed.node().ranges_for(g.fixed.head_dependent() ? h : 0, g.qbounds[size_t(qb)], g.qbounds[size_t(qb + 1)],
+                                g.lq, g.lk, g.blk, franges[size_t(h * g.nqb + qb)]);
+  return franges;
+}
+
+// Query-block means of head h, blocks [c0, c0 + rows): fp64 into qm [rows x D] and their fp32 copies into qmf.
+void query_block_means(const SelectGeometry& g, int64_t h, int64_t c0, int64_t rows, double* qm, float* qmf) {
+  const int64_t D = g.D;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t q0 = g.qbounds[size_t(c0 + r)], q1 = g.qbounds[size_t(c0 + r + 1)];
+    double* m = &qm[size_t(r * D)];
+    for (int64_t i = q0; i < q1; ++i) {
+      const float* qr = &g.p.q[size_t(((g.b * g.p.Hq + h) * g.lq + i) * D)];
+      for (int64_t d = 0; d < D; ++d) m[d] += qr[d];
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      m[d] /= double(q1 - q0);
+      qmf[size_t(r * D + d)] = float(m[d]);
+    }
+  }
+}
+
+// One query block's selection: the candidates it may choose from and where its picks go.
+struct RowChoice {
+  int64_t t = 0;       // the key block of the query block's first position (its own block)
+  int64_t kb_end = 0;  // candidates are key blocks < kb_end
+  bool own = false;    // the own block is picked first (local)
+  bool every_block_usable = false;
+  const uint8_t* cand = nullptr;  // [nkb] allowed by the fixed pattern (unused when every_block_usable)
+  const int64_t* kvalid = nullptr;
+  const float* sr = nullptr;  // fp32 block scores [nkb]
+  int64_t* ch = nullptr;      // the picks, sorted at the end
+  int64_t npick = 0;
+  bool usable(int64_t kb) const {
+    return (every_block_usable || (cand[size_t(kb)] && kvalid[size_t(kb)] > 0)) && !(own && kb == t);
+  }
+};
+
+// Ranking of fp32 block scores: higher score first, ties to the lower block (a closure type, inlined into the sort).
+constexpr auto better32 = [](const std::pair<float, int32_t>& x, const std::pair<float, int32_t>& y) {
+  return x.first > y.first || (x.first == y.first && x.second < y.second);
+};
+
+// Pass 1: the need-th best fp32 score by a streaming threshold (a buffer of 4·need, cut to its best need when
+// full): O(nkb) compares, a few small nth_elements. Leaves the surviving candidates in scored; returns the number
+// of usable blocks and whether all their scores are finite.
+int64_t threshold_pass(const RowChoice& rc, int64_t need, std::vector<std::pair<float, int32_t>>& scored,
+                       bool& all_finite) {
+  const float* sr = rc.sr;
+  const int64_t kb_end = rc.kb_end, t = rc.t;
+  const bool own = rc.own;
+  int64_t n_usable = 0;
+  float thr = -std::numeric_limits<float>::infinity();
+  auto offer = [&](float x, int64_t kb) {
+    scored.emplace_back(x, int32_t(kb));
+    if (int64_t(scored.size()) == 4 * need) {
+      std::nth_element(scored.begin(), scored.begin() + (need - 1), scored.end(), better32);
+      scored.resize(size_t(need));
+      thr = scored.back().first;
+    }
+  };
+  if (rc.every_block_usable) {
+    // No fixed pattern and no padding: every block before kb_end but the own one is a candidate. Runs of
+    // 16 scores: their maximum (NaN-free: std::max keeps the first operand) and finiteness in one
+    // branch-free pass; a run is scanned only when its maximum passes the threshold.
+    n_usable = kb_end - (own ? 1 : 0);
+    for (int64_t c0 = 0; c0 < kb_end; c0 += 16) {
+      const int64_t c1 = std::min(kb_end, c0 + 16);
+      float mx = -std::numeric_limits<float>::infinity();
+      bool fin = true;
+      for (int64_t kb = c0; kb < c1; ++kb) {
+        mx = std::max(mx, sr[kb]);
+        fin &= sr[kb] - sr[kb] == 0.0f;
+      }
+      all_finite &= fin;
+      if (mx > thr)
+        for (int64_t kb = c0; kb < c1; ++kb)
+          if (sr[kb] > thr && !(own && kb == t)) offer(sr[kb], kb);
+    }
+  } else {
+    for (int64_t kb = 0; kb < kb_end; ++kb) {
+      if (!rc.usable(kb)) continue;
+      ++n_usable;
+      const float x = sr[kb];
+      all_finite &= std::isfinite(x);
+      if (x > thr) offer(x, kb);
+    }
+  }
+  return n_usable;
+}
+
+// Pass 2: with cut the need-th best fp32 score, every block below cut - 2E is below all `need` blocks at or above
+// the cut in fp64 too; the others (about `need`) are rescored in fp64 (query-block mean m against the key-block
+// means kmean of the kv head) and ranked exactly (higher score, ties to the lower block).
+void rescore_pass(RowChoice& rc, int64_t need, std::vector<std::pair<float, int32_t>>& scored, bool all_finite,
+                  const double* m, const double* kmean, double knorm_max, int64_t D,
+                  std::vector<std::pair<double, int64_t>>& exact) {
+  const float* sr = rc.sr;
+  const int64_t kb_end = rc.kb_end;
+  // (A non-finite score, possible only for huge inputs, sends the row to the exact fp64 ranking of all.)
+  all_finite &= int64_t(scored.size()) >= need;
+  float cut = 0.0f;
+  if (all_finite) {
+    std::nth_element(scored.begin(), scored.begin() + (need - 1), scored.end(), better32);
+    cut = scored[size_t(need - 1)].first;
+  }
+  double n2 = 0;
+  for (int64_t d = 0; d < D; ++d) n2 += m[d] * m[d];
+  // |fp32 score - fp64 score| <= E: products of D fp32-rounded terms, FMA sums (<= (D + 3)·2^-24·|qm|·|km|).
+  const double E = double(D + 4) * 0x1p-23 * std::sqrt(n2) * knorm_max;
+  const bool finite = all_finite && std::isfinite(E);
+  exact.clear();
+  const double bound = double(cut) - 2.0 * E;
+  for (int64_t c0 = 0; c0 < kb_end; c0 += 16) {  // runs of 16 whose maximum is below the bound are skipped
+    const int64_t c1 = std::min(kb_end, c0 + 16);
+    if (finite) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t kb = c0; kb < c1; ++kb) mx = std::max(mx, sr[kb]);
+      if (double(mx) < bound) continue;
+    }
+    for (int64_t kb = c0; kb < c1; ++kb)
+      if (rc.usable(kb) && (!finite || double(sr[kb]) >= bound))
+        exact.emplace_back(-block_score64(m, &kmean[size_t(kb * D)], D), kb);
+  }
+  const size_t cutn = std::min(exact.size(), size_t(need));
+  std::nth_element(exact.begin(), exact.begin() + std::ptrdiff_t(cutn - 1), exact.end());
+  for (size_t x = 0; x < cutn; ++x) rc.ch[rc.npick++] = exact[x].second;
+}
+
+// Selection of head h's query blocks [c0, c0 + rows): block scores (one fp32 product of query-block means and
+// key-block means), then per query block its candidates, pass 1 (select) and pass 2 (rescore).
+void select_chunk(const SelectGeometry& g, const KeyBlockMeans& km,
+                  const std::vector<std::vector<KeyRange>>& franges, int64_t h, int64_t c0, int64_t rows,
+                  BlockSelection& sel) {
+  const AdaptiveNode& a = g.a;
+  const int64_t D = g.D, nkb = g.nkb, blk = g.blk, hk = h / g.p.group;
+  const bool every_block_usable = !g.fixed.defined() && g.p.key_valid.empty();
+  thread_local std::vector<double> qm;
+  thread_local std::vector<float> qmf, s;
+  thread_local std::vector<uint8_t> cand;
+  thread_local std::vector<std::pair<float, int32_t>> scored;
+  thread_local std::vector<std::pair<double, int64_t>> exact;
+  qm.assign(size_t(rows * D), 0.0);
+  qmf.resize(size_t(rows * D));
+  s.resize(size_t(rows * nkb));
+  query_block_means(g, h, c0, rows, qm.data(), qmf.data());
+  tiles::qk(qmf.data(), rows, D, &km.kmt[size_t(hk * D * nkb)], nkb, nkb, 1.0f, s.data());
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t qb = c0 + r, q0 = g.qbounds[size_t(qb)], t = floor_div(q0 + g.off, blk);
+    // Candidates: key blocks with a valid key, allowed by the fixed pattern, not after the query block if causal.
+    if (!every_block_usable) cand.assign(size_t(nkb), g.fixed.defined() ? 0 : 1);
+    if (g.fixed.defined())
+      for (const auto& fr : franges[size_t(h * g.nqb + qb)])
+        for (int64_t kb = fr.begin / blk; kb * blk < fr.end; ++kb) cand[size_t(kb)] = 1;
+    RowChoice rc;
+    rc.t = t;
+    rc.kb_end = a.causal ? std::min(nkb, t + 1) : nkb;
+    rc.every_block_usable = every_block_usable;
+    rc.cand = cand.data();
+    rc.kvalid = km.kvalid.data();
+    rc.sr = &s[size_t(r * nkb)];
+    rc.ch = &sel.chosen[size_t((h * g.nqb + qb) * g.KB)];
+    rc.own = a.local && t >= 0 && t < rc.kb_end &&
+             (every_block_usable || (cand[size_t(t)] && km.kvalid[size_t(t)] > 0));
+    if (rc.own) rc.ch[rc.npick++] = t;
+    const int64_t need = g.KB - rc.npick;
+    int64_t n_usable = 0;
+    bool all_finite = true;
+    scored.clear();
+    if (need > 0) n_usable = threshold_pass(rc, need, scored, all_finite);
+    if (need > 0 && n_usable <= need) {
+      for (int64_t kb = 0; kb < rc.kb_end; ++kb)
+        if (rc.usable(kb)) rc.ch[rc.npick++] = kb;
+    } else if (need > 0) {
+      rescore_pass(rc, need, scored, all_finite, &qm[size_t(r * D)], &km.kmean[size_t(hk * nkb * D)],
+                   km.knorm_max[size_t(hk)], D, exact);
+    }
+    std::sort(rc.ch, rc.ch + rc.npick);
+  }
+}
+
+// The block mask of a selection: each query block's chosen key blocks (full but where the fixed pattern or the
+// causal diagonal needs the mask).
+BlockMask selection_mask(const SelectGeometry& g, const std::vector<int32_t>& bounds, const BlockSelection& sel) {
+  const int64_t blk = g.blk, lk = g.lk;
+  return detail::build_identity_layout(
+      g.lq, lk, g.p.Hq, bounds, [&](int64_t h, int64_t q0, int64_t, std::vector<KeyRange>& out) {
+        const int64_t qb = std::lower_bound(g.qbounds.begin(), g.qbounds.end(), int32_t(q0)) - g.qbounds.begin();
+        const int64_t t = floor_div(q0 + g.off, blk);
+        const int64_t* ch = &sel.chosen[size_t((h * g.nqb + qb) * g.KB)];
+        for (int64_t x = 0; x < g.KB && ch[x] >= 0; ++x)
+          detail::emit_range(out, ch[x] * blk, std::min(lk, (ch[x] + 1) * blk),
+                             !g.fixed.defined() && !(g.a.causal && ch[x] == t), blk);
+      });
+}
+
 // Selection for batch entry b (q, k: 4-D views of that entry, [1, H, L, D]); `given` (optional) = [Hq, nqb, kb].
 // Block means are computed once (fp64, O(L·D)); all block scores of a head are one fp32 matrix product
 // (query-block means x key-block means, tiles::qk), and each query block picks its best candidates with a
@@ -357,203 +635,21 @@ BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const d
     x.insert(x.end(), bounds.begin(), bounds.end());
     return x;
   }();
+  const SelectGeometry g{a, fixed, p, b, lq, lk, off, blk, nkb, D, nqb, KB, qbounds};
   if (given) {
-    for (int64_t h = 0; h < p.Hq; ++h)
-      for (int64_t qb = 0; qb < nqb; ++qb) {
-        std::vector<int64_t> picks;
-        for (int64_t x = 0; x < a.k_blocks; ++x) {
-          const int64_t kb = given[(h * nqb + qb) * a.k_blocks + x];
-          check(kb >= -1 && kb < nkb, ErrorKind::kInvalidArgument, "indices: key block ", kb, " out of range");
-          if (kb >= 0) picks.push_back(kb);
-        }
-        std::sort(picks.begin(), picks.end());
-        picks.erase(std::unique(picks.begin(), picks.end()), picks.end());  // (so at most `width` of them)
-        std::copy(picks.begin(), picks.end(), &sel.chosen[size_t((h * nqb + qb) * KB)]);
-      }
+    select_given(g, given, sel);
   } else {
-    // Key-block means over valid keys, per kv head (fp64), their fp32 transposes [D x nkb] and norms.
-    std::vector<double> kmean(static_cast<size_t>(p.Hkv * nkb * D), 0.0);
-    std::vector<int64_t> kvalid(static_cast<size_t>(nkb), 0);
-    for (int64_t j = 0; j < lk; ++j)
-      if (p.key_valid.empty() || p.key_valid[size_t(b * lk + j)]) kvalid[size_t(j / blk)]++;
-    // Sums per (kv head, run of 16 key blocks) in parallel; each block's sum is in key order for any thread count.
-    constexpr int64_t kSumBlocks = 16;
-    const int64_t sum_runs = (nkb + kSumBlocks - 1) / kSumBlocks;
-    auto sum_keys = [&](int64_t it) {
-      const int64_t hk = it / sum_runs, j_lo = (it % sum_runs) * kSumBlocks * blk;
-      const int64_t j_hi = std::min(lk, j_lo + kSumBlocks * blk);
-      for (int64_t j = j_lo; j < j_hi; ++j) {
-        if (!(p.key_valid.empty() || p.key_valid[size_t(b * lk + j)])) continue;
-        const float* kr = &p.k[size_t(((b * p.Hkv + hk) * lk + j) * D)];
-        double* km = &kmean[size_t((hk * nkb + j / blk) * D)];
-        for (int64_t d = 0; d < D; ++d) km[d] += kr[d];
-      }
-    };
-    detail::parallel(p.Hkv * sum_runs, p.threads, sum_keys);
-    std::vector<float> kmt(static_cast<size_t>(p.Hkv * D * nkb));
-    std::vector<double> knorm_max(static_cast<size_t>(p.Hkv), 0.0);
-    for (int64_t hk = 0; hk < p.Hkv; ++hk)
-      for (int64_t kb = 0; kb < nkb; ++kb) {
-        double* km = &kmean[size_t((hk * nkb + kb) * D)];
-        double n2 = 0;
-        for (int64_t d = 0; d < D; ++d) {
-          if (kvalid[size_t(kb)] > 0) km[d] /= double(kvalid[size_t(kb)]);
-          kmt[size_t((hk * D + d) * nkb + kb)] = float(km[d]);
-          n2 += km[d] * km[d];
-        }
-        if (kvalid[size_t(kb)] > 0) knorm_max[size_t(hk)] = std::max(knorm_max[size_t(hk)], std::sqrt(n2));
-      }
-    // The fixed pattern's key ranges per (head, query block), gathered serially (Pattern nodes need not be
-    // thread-safe).
-    std::vector<std::vector<KeyRange>> franges;
-    if (fixed.defined()) {
-      franges.resize(size_t(p.Hq * nqb));
-      for (int64_t h = 0; h < p.Hq; ++h)
-        for (int64_t qb = 0; qb < nqb; ++qb)
-          fixed.node().ranges_for(fixed.head_dependent() ? h : 0, qbounds[size_t(qb)], qbounds[size_t(qb + 1)], lq, lk,
-                                  blk, franges[size_t(h * nqb + qb)]);
-    }
-    const bool every_block_usable = !fixed.defined() && p.key_valid.empty();
+    const KeyBlockMeans km = key_block_means(g);
+    const std::vector<std::vector<KeyRange>> franges = fixed_key_ranges(g);
     constexpr int64_t kRows = 32;  // query blocks per work item (scores: kRows x nkb floats)
     const int64_t chunks = (nqb + kRows - 1) / kRows;
     auto item = [&](int64_t it) {
-      const int64_t h = it / chunks, c0 = (it % chunks) * kRows, rows = std::min(kRows, nqb - c0), hk = h / p.group;
-      thread_local std::vector<double> qm;
-      thread_local std::vector<float> qmf, s;
-      thread_local std::vector<uint8_t> cand;
-      thread_local std::vector<std::pair<float, int32_t>> scored;
-      thread_local std::vector<std::pair<double, int64_t>> exact;
-      qm.assign(size_t(rows * D), 0.0);
-      qmf.resize(size_t(rows * D));
-      s.resize(size_t(rows * nkb));
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t q0 = qbounds[size_t(c0 + r)], q1 = qbounds[size_t(c0 + r + 1)];
-        double* m = &qm[size_t(r * D)];
-        for (int64_t i = q0; i < q1; ++i) {
-          const float* qr = &p.q[size_t(((b * p.Hq + h) * lq + i) * D)];
-          for (int64_t d = 0; d < D; ++d) m[d] += qr[d];
-        }
-        for (int64_t d = 0; d < D; ++d) {
-          m[d] /= double(q1 - q0);
-          qmf[size_t(r * D + d)] = float(m[d]);
-        }
-      }
-      tiles::qk(qmf.data(), rows, D, &kmt[size_t(hk * D * nkb)], nkb, nkb, 1.0f, s.data());
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t qb = c0 + r, q0 = qbounds[size_t(qb)], t = floor_div(q0 + off, blk);
-        const double* m = &qm[size_t(r * D)];
-        // Candidates: key blocks with a valid key, allowed by the fixed pattern, not after the query block if causal.
-        if (!every_block_usable) cand.assign(size_t(nkb), fixed.defined() ? 0 : 1);
-        if (fixed.defined())
-          for (const auto& fr : franges[size_t(h * nqb + qb)])
-            for (int64_t kb = fr.begin / blk; kb * blk < fr.end; ++kb) cand[size_t(kb)] = 1;
-        const int64_t kb_end = a.causal ? std::min(nkb, t + 1) : nkb;
-        int64_t* ch = &sel.chosen[size_t((h * nqb + qb) * KB)];
-        int64_t npick = 0;
-        const bool own =
-            a.local && t >= 0 && t < kb_end && (every_block_usable || (cand[size_t(t)] && kvalid[size_t(t)] > 0));
-        if (own) ch[npick++] = t;
-        const int64_t need = KB - npick;
-        auto usable = [&](int64_t kb) {
-          return (every_block_usable || (cand[size_t(kb)] && kvalid[size_t(kb)] > 0)) && !(own && kb == t);
-        };
-        const float* sr = &s[size_t(r * nkb)];
-        // Pass 1: the need-th best fp32 score by a streaming threshold (a buffer of 4·need, cut to its best need
-        // when full): O(nkb) compares, a few small nth_elements.
-        auto better32 = [](const std::pair<float, int32_t>& x, const std::pair<float, int32_t>& y) {
-          return x.first > y.first || (x.first == y.first && x.second < y.second);
-        };
-        int64_t n_usable = 0;
-        bool all_finite = true;
-        scored.clear();
-        if (need > 0) {
-          float thr = -std::numeric_limits<float>::infinity();
-          auto offer = [&](float x, int64_t kb) {
-            scored.emplace_back(x, int32_t(kb));
-            if (int64_t(scored.size()) == 4 * need) {
-              std::nth_element(scored.begin(), scored.begin() + (need - 1), scored.end(), better32);
-              scored.resize(size_t(need));
-              thr = scored.back().first;
-            }
-          };
-          if (every_block_usable) {
-            // No fixed pattern and no padding: every block before kb_end but the own one is a candidate. Runs of
-            // 16 scores: their maximum (NaN-free: std::max keeps the first operand) and finiteness in one
-            // branch-free pass; a run is scanned only when its maximum passes the threshold.
-            n_usable = kb_end - (own ? 1 : 0);
-            for (int64_t c0 = 0; c0 < kb_end; c0 += 16) {
-              const int64_t c1 = std::min(kb_end, c0 + 16);
-              float mx = -std::numeric_limits<float>::infinity();
-              bool fin = true;
-              for (int64_t kb = c0; kb < c1; ++kb) {
-                mx = std::max(mx, sr[kb]);
-                fin &= sr[kb] - sr[kb] == 0.0f;
-              }
-              all_finite &= fin;
-              if (mx > thr)
-                for (int64_t kb = c0; kb < c1; ++kb)
-                  if (sr[kb] > thr && !(own && kb == t)) offer(sr[kb], kb);
-            }
-          } else {
-            for (int64_t kb = 0; kb < kb_end; ++kb) {
-              if (!usable(kb)) continue;
-              ++n_usable;
-              const float x = sr[kb];
-              all_finite &= std::isfinite(x);
-              if (x > thr) offer(x, kb);
-            }
-          }
-        }
-        if (need > 0 && n_usable <= need) {
-          for (int64_t kb = 0; kb < kb_end; ++kb)
-            if (usable(kb)) ch[npick++] = kb;
-        } else if (need > 0) {
-          // (A non-finite score, possible only for huge inputs, sends the row to the exact fp64 ranking of all.)
-          all_finite &= int64_t(scored.size()) >= need;
-          float cut = 0.0f;
-          if (all_finite) {
-            std::nth_element(scored.begin(), scored.begin() + (need - 1), scored.end(), better32);
-            cut = scored[size_t(need - 1)].first;
-          }
-          double n2 = 0;
-          for (int64_t d = 0; d < D; ++d) n2 += m[d] * m[d];
-          // |fp32 score - fp64 score| <= E: products of D fp32-rounded terms, FMA sums (<= (D + 3)·2^-24·|qm|·|km|).
-          const double E = double(D + 4) * 0x1p-23 * std::sqrt(n2) * knorm_max[size_t(hk)];
-          const bool finite = all_finite && std::isfinite(E);
-          // Pass 2: every block below cut - 2E is below all `need` blocks at or above the cut in fp64 too; the
-          // others (about `need`) are rescored in fp64 and ranked exactly (higher score, ties to the lower block).
-          exact.clear();
-          const double bound = double(cut) - 2.0 * E;
-          for (int64_t c0 = 0; c0 < kb_end; c0 += 16) {  // runs of 16 whose maximum is below the bound are skipped
-            const int64_t c1 = std::min(kb_end, c0 + 16);
-            if (finite) {
-              float mx = -std::numeric_limits<float>::infinity();
-              for (int64_t kb = c0; kb < c1; ++kb) mx = std::max(mx, sr[kb]);
-              if (double(mx) < bound) continue;
-            }
-            for (int64_t kb = c0; kb < c1; ++kb)
-              if (usable(kb) && (!finite || double(sr[kb]) >= bound))
-                exact.emplace_back(-block_score64(m, &kmean[size_t((hk * nkb + kb) * D)], D), kb);
-          }
-          const size_t cutn = std::min(exact.size(), size_t(need));
-          std::nth_element(exact.begin(), exact.begin() + std::ptrdiff_t(cutn - 1), exact.end());
-          for (size_t x = 0; x < cutn; ++x) ch[npick++] = exact[x].second;
-        }
-        std::sort(ch, ch + npick);
-      }
+      const int64_t h = it / chunks, c0 = (it % chunks) * kRows;
+      select_chunk(g, km, franges, h, c0, std::min(kRows, nqb - c0), sel);
     };
     detail::parallel(p.Hq * chunks, p.threads, item);
   }
-  if (!with_mask) return sel;
-  sel.mask = detail::build_identity_layout(
-      lq, lk, p.Hq, bounds, [&](int64_t h, int64_t q0, int64_t, std::vector<KeyRange>& out) {
-        const int64_t qb = std::lower_bound(qbounds.begin(), qbounds.end(), int32_t(q0)) - qbounds.begin();
-        const int64_t t = floor_div(q0 + off, blk);
-        const int64_t* ch = &sel.chosen[size_t((h * nqb + qb) * KB)];
-        for (int64_t x = 0; x < KB && ch[x] >= 0; ++x)
-          detail::emit_range(out, ch[x] * blk, std::min(lk, (ch[x] + 1) * blk),
-                             !fixed.defined() && !(a.causal && ch[x] == t), blk);
-      });
+  if (with_mask) sel.mask = selection_mask(g, bounds, sel);
   return sel;
 }
 
