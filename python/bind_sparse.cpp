@@ -217,11 +217,8 @@ sparse::LinearOptions linear_options(const std::string& feature_map, std::option
   return o;
 }
 
-}  // namespace
-
-void bind_sparse(pybind11::module_& m) {
+void bind_block_mask(pybind11::module_& m) {
   using namespace pybind11::literals;
-  using sparse::Pattern;
   pybind11::class_<sparse::BlockMask>(m, "BlockMask", "Work list of the block-sparse kernel (see docs/sparse.md).")
       .def_readonly("len_q", &sparse::BlockMask::len_q)
       .def_readonly("len_k", &sparse::BlockMask::len_k)
@@ -247,7 +244,12 @@ void bind_sparse(pybind11::module_& m) {
                              })
       .def("computed_pairs", &sparse::BlockMask::computed_pairs, "head_slot"_a = 0)
       .def("partial_pairs", &sparse::BlockMask::partial_pairs, "head_slot"_a = 0);
+}
 
+// Pattern and its constructors (Python names and keywords as in the spec syntax, docs/sparse.md).
+void bind_patterns(pybind11::module_& m) {
+  using namespace pybind11::literals;
+  using sparse::Pattern;
   pybind11::class_<Pattern>(m, "Pattern", "A sparse attention pattern; combine with | and &.")
       .def_static("parse", &Pattern::parse, "spec"_a, "Parse a pattern spec such as 'SlidingWindow(256, 256)'.")
       .def("__repr__", &Pattern::repr)
@@ -319,6 +321,12 @@ void bind_sparse(pybind11::module_& m) {
   pybind11::class_<sparse::MixedAttention, Pattern>(m, "MixedAttention")
       .def(pybind11::init([](std::pair<double, double> logits) { return sparse::MixedAttention(logits.first, logits.second); }),
            "logits"_a = std::pair<double, double>(0.0, 0.0));
+}
+
+// The functions: sparse and linear attention forward and backward, selections, masks, helpers.
+void bind_sparse_functions(pybind11::module_& m) {
+  using namespace pybind11::literals;
+  using sparse::Pattern;
   m.def("selection_mask",
         [](const Pattern& p, const pybind11::array& indices, int64_t lq, int64_t lk) {
           ArrayKeeper keeper;
@@ -400,6 +408,14 @@ void bind_sparse(pybind11::module_& m) {
         "indices"_a = pybind11::none(),
         "Backward of sparse_attention: returns (dq, dk, dv, grads) with grads a dict of parameter gradients "
         "('bias', 'rel_pos_bias', 'logits' for MixedAttention) for the options given.");
+}
+
+}  // namespace
+
+void bind_sparse(pybind11::module_& m) {
+  bind_block_mask(m);
+  bind_patterns(m);
+  bind_sparse_functions(m);
 }
 
 }  // namespace sattn::py

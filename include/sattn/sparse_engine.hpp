@@ -308,6 +308,314 @@ void block_sparse_attention(const TensorView& q, const TensorView& k, const Tens
   parallel(p.B * p.Hq * nqb, p.threads, item);
 }
 
+namespace detail {
+
+// One-pass backward, one query block qb of (b, kv head hk): recomputes P and dS once per chunk, writes dQ of the
+// block's rows (every query head of the group) and adds dK/dV into the layout-order key gradients gk, gv.
+template <typename MaskMod, typename ScoreMod>
+void one_pass_block(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
+                    const TensorView& dq, int64_t qb, int64_t b, int64_t hk, float* gk, float* gv) {
+  const int64_t nqb = bm.num_q_blocks(), D = p.D, Dv = p.Dv;
+  const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
+  thread_local Scratch sc;
+  thread_local std::vector<float> dkc, dvc;
+  sc.ensure(m, D, Dv);
+  dkc.resize(size_t(kChunk * D));
+  dvc.resize(size_t(kChunk * Dv));
+  const size_t kv0 = size_t((b * p.Hkv + hk) * p.Lk);
+  const float* kbase = &p.k[kv0 * D];
+  const float* vbase = &p.v[kv0 * Dv];
+  float* gkb = &gk[kv0 * D];
+  float* gvb = &gv[kv0 * Dv];
+  for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
+    const size_t qrow = size_t((b * p.Hq + h) * p.Lq + q0);
+    const float* qt = &p.q[qrow * D];
+    const float* dot = &p.dout[qrow * Dv];
+    const float* lse_t = &p.lse[qrow];
+    const float* delta = &p.delta[qrow];
+    std::fill_n(sc.dq.data(), m * D, 0.0f);
+    const int64_t row = bm.slot(h) * nqb + qb;
+    for_each_chunk(&bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
+                   [&](const Segment* segs, int64_t nseg, int64_t n) {
+                     const int64_t qa = segs[0].q_first(m), mm = segs[0].q_last(m) - qa;  // computed rows
+                     if (mm <= 0) return;
+                     const float* qa_t = qt + qa * D;
+                     const float* qa_do = dot + qa * Dv;
+                     const float* kp = nullptr;
+                     gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, true, &kp, true);
+                     float* s = sc.s.data();
+                     float* dp = sc.p2.data();
+                     tiles::qk(qa_t, mm, D, sc.kt.data(), n, n, p.scale, s);
+                     mod_and_mask(s, nullptr, mm, n, segs, nseg, bm, q0 + qa, b, h, p, mask_mod, score_mod);
+                     tiles::probabilities(s, mm, n, lse_t + qa);
+                     tiles::qk(qa_do, mm, Dv, sc.vt.data(), n, n, 1.0f, dp);
+                     tiles::softmax_backward(s, dp, mm, n, delta + qa);
+                     tiles::pv(dp, mm, n, kp, D, D, p.scale, sc.dq.data() + qa * D);
+                     if (nseg == 1) {  // contiguous keys: accumulate in place
+                       tiles::atx(s, mm, n, qa_do, Dv, Dv, 1.0f, gvb + int64_t(segs[0].begin) * Dv);
+                       tiles::atx(dp, mm, n, qa_t, D, D, p.scale, gkb + int64_t(segs[0].begin) * D);
+                       return;
+                     }
+                     std::fill_n(dvc.data(), n * Dv, 0.0f);
+                     std::fill_n(dkc.data(), n * D, 0.0f);
+                     tiles::atx(s, mm, n, qa_do, Dv, Dv, 1.0f, dvc.data());
+                     tiles::atx(dp, mm, n, qa_t, D, D, p.scale, dkc.data());
+                     for (int64_t g = 0; g < nseg; ++g) {
+                       const int64_t len = segs[g].end - segs[g].begin;
+                       float* ov = gvb + int64_t(segs[g].begin) * Dv;
+                       const float* iv = dvc.data() + int64_t(segs[g].col) * Dv;
+                       for (int64_t e = 0; e < len * Dv; ++e) ov[e] += iv[e];
+                       float* ok = gkb + int64_t(segs[g].begin) * D;
+                       const float* ik = dkc.data() + int64_t(segs[g].col) * D;
+                       for (int64_t e = 0; e < len * D; ++e) ok[e] += ik[e];
+                     }
+                   });
+    for (int64_t r = 0; r < m; ++r) store_row(dq, b, h, bm.q_index(q0 + r), sc.dq.data() + r * D, D);
+  }
+}
+
+// Stores the layout-order key gradients gk [B, Hkv, Lk, D], gv [B, Hkv, Lk, Dv] into dk, dv.
+inline void store_key_grads(const Packed& p, const BlockMask& bm, const float* gk, const float* gv,
+                            const TensorView& dk, const TensorView& dv) {
+  const int64_t D = p.D, Dv = p.Dv;
+  auto store = [&](int64_t bhk) {
+    const int64_t b = bhk / p.Hkv, hk = bhk % p.Hkv;
+    const size_t kv0 = size_t(bhk * p.Lk);
+    // Keys in their own order and fp32 outputs with contiguous rows: one copy per (b, kv head).
+    const auto contiguous = [&](const TensorView& t, int64_t d) {
+      return t.dtype == DType::kF32 && (d == 1 || t.strides[3] == 1) && (p.Lk == 1 || t.strides[2] == d);
+    };
+    if (bm.k_perm.empty() && contiguous(dk, D) && contiguous(dv, Dv)) {
+      std::copy_n(&gk[kv0 * size_t(D)], p.Lk * D,
+                  static_cast<float*>(dk.data) + b * dk.strides[0] + hk * dk.strides[1]);
+      std::copy_n(&gv[kv0 * size_t(Dv)], p.Lk * Dv,
+                  static_cast<float*>(dv.data) + b * dv.strides[0] + hk * dv.strides[1]);
+      return;
+    }
+    for (int64_t kp = 0; kp < p.Lk; ++kp) {
+      const int64_t j = bm.k_index(kp);
+      store_row(dk, b, hk, j, &gk[(kv0 + size_t(kp)) * size_t(D)], D);
+      store_row(dv, b, hk, j, &gv[(kv0 + size_t(kp)) * size_t(Dv)], Dv);
+    }
+  };
+  parallel(p.B * p.Hkv, p.threads, store);
+}
+
+// One-pass form (FlashAttention-2's five tile products instead of seven): when the query blocks can be coloured
+// so that the blocks of a colour touch disjoint keys, one item per (b, kv head, query block) recomputes P and dS
+// once and writes dQ of its rows and adds dK/dV into the (layout-order) key gradients; the colours run one after
+// the other. Each key's gradient is summed in a fixed order (colour, then head, then chunk) with one writer at a
+// time, so the result does not depend on the thread count.
+template <typename MaskMod, typename ScoreMod>
+void backward_one_pass(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
+                       const std::vector<int64_t>& colour_start, const std::vector<int32_t>& colour_runs,
+                       const std::vector<int32_t>& run_ends, const TensorView& dq, const TensorView& dk,
+                       const TensorView& dv) {
+  HugeVector<float> gk(size_t(p.B * p.Hkv * p.Lk * p.D), 0.0f), gv(size_t(p.B * p.Hkv * p.Lk * p.Dv), 0.0f);
+  int64_t c_lo = 0, c_n = 0;
+  // One item: a run of consecutive query blocks of one colour for one (b, kv head), block after block.
+  auto item = [&](int64_t x) {
+    const int64_t run = c_lo + x % c_n, bhk = x / c_n, b = bhk / p.Hkv, hk = bhk % p.Hkv;
+    for (int64_t qb = colour_runs[size_t(run)]; qb < run_ends[size_t(run)]; ++qb)
+      one_pass_block(p, bm, mask_mod, score_mod, dq, qb, b, hk, gk.data(), gv.data());
+  };
+  for (size_t c = 0; c + 1 < colour_start.size(); ++c) {
+    c_lo = colour_start[c];
+    c_n = colour_start[c + 1] - c_lo;
+    if (c_n > 0) parallel(p.B * p.Hkv * c_n, p.threads, item);
+  }
+  store_key_grads(p, bm, gk.data(), gv.data(), dk, dv);
+}
+
+// dS of a chunk through the score_mod backward (entries with P = 0 get none): dp [mm x n] from the raw
+// (pre-score_mod) scores; parameter gradients are added into g when given.
+template <typename ScoreMod>
+void score_mod_backward_chunk(const ScoreMod& score_mod, const BlockMask& bm, const Segment* segs, int64_t nseg,
+                              int64_t n, int64_t mm, int64_t q0, int64_t b, int64_t h, const float* s,
+                              const float* raw, float* dp, float* g) {
+  for (int64_t x = 0; x < nseg; ++x)
+    for (int64_t r = 0; r < mm; ++r) {
+      const int64_t i = bm.q_index(q0 + r);
+      for (int32_t c = segs[x].col; c < segs[x].col + (segs[x].end - segs[x].begin); ++c) {
+        float& d = dp[r * n + c];
+        if (s[r * n + c] == 0.0f) {
+          d = 0.0f;
+          continue;
+        }
+        d = score_mod.backward(raw[size_t(r * n + c)], d, b, h, i, bm.k_index(segs[x].begin + (c - segs[x].col)), g);
+      }
+    }
+}
+
+// Two-pass form, dQ of one (b, h, query block) item; score-mod parameter gradients added into g.
+template <typename MaskMod, typename ScoreMod>
+void dq_item(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod, const TensorView& dq,
+             int64_t it, float* g) {
+  const int64_t nqb = bm.num_q_blocks(), D = p.D, Dv = p.Dv;
+  const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
+  const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
+  thread_local Scratch sc;
+  sc.ensure(m, D, Dv);
+  const size_t qrow = size_t((b * p.Hq + h) * p.Lq + q0);
+  const float* qt = &p.q[qrow * D];
+  const float* dot = &p.dout[qrow * Dv];
+  const float* lse_t = &p.lse[qrow];
+  const float* delta = &p.delta[qrow];
+  const float* kbase = &p.k[size_t((b * p.Hkv + hk) * p.Lk * D)];
+  const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
+  std::fill_n(sc.dq.data(), m * D, 0.0f);
+  const int64_t row = bm.slot(h) * nqb + qb;
+  // Raw (pre-score_mod) scores for the score_mod backward: reused thread-local storage, no allocation per item.
+  thread_local std::vector<float> raw_buf;
+  float* raw = nullptr;
+  if (!score_mod.identity()) {
+    if (raw_buf.size() < size_t(m * kChunk)) raw_buf.resize(size_t(m * kChunk));
+    raw = raw_buf.data();
+  }
+  for_each_chunk(&bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
+                 [&](const Segment* segs, int64_t nseg, int64_t n) {
+                   const int64_t qa = segs[0].q_first(m), mm = segs[0].q_last(m) - qa;  // computed rows
+                   if (mm <= 0) return;
+                   const float* kp = nullptr;
+                   gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, true, &kp, true);
+                   float* s = sc.s.data();
+                   float* dp = sc.p2.data();
+                   tiles::qk(qt + qa * D, mm, D, sc.kt.data(), n, n, p.scale, s);
+                   mod_and_mask(s, raw, mm, n, segs, nseg, bm, q0 + qa, b, h, p, mask_mod, score_mod);
+                   tiles::probabilities(s, mm, n, lse_t + qa);
+                   tiles::qk(dot + qa * Dv, mm, Dv, sc.vt.data(), n, n, 1.0f, dp);
+                   tiles::softmax_backward(s, dp, mm, n, delta + qa);
+                   if (!score_mod.identity())
+                     score_mod_backward_chunk(score_mod, bm, segs, nseg, n, mm, q0 + qa, b, h, s, raw, dp, g);
+                   tiles::pv(dp, mm, n, kp, D, D, p.scale, sc.dq.data() + qa * D);
+                 });
+  for (int64_t r = 0; r < m; ++r) store_row(dq, b, h, bm.q_index(q0 + r), sc.dq.data() + r * D, D);
+}
+
+// Two-pass form, dQ pass (and score-mod parameter gradients): one item per (b, h, query block).
+template <typename MaskMod, typename ScoreMod>
+void backward_dq_pass(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
+                      const TensorView& dq, float* param_grad) {
+  const int64_t nparams = score_mod.num_params();
+  const int64_t n_items = p.B * p.Hq * bm.num_q_blocks();
+  // Parameter gradients: a fixed number of item groups, each with its own buffer, reduced in order.
+  // (At most 16 groups, and at most 2^26 floats of buffers; the split depends only on the sizes.)
+  const int64_t n_groups =
+      nparams > 0 ? std::max<int64_t>(1, std::min<int64_t>({n_items, 16, (int64_t(1) << 26) / nparams})) : 0;
+  std::vector<float> gbuf(size_t(n_groups * nparams), 0.0f);
+  if (n_groups == 0) {
+    auto f = [&](int64_t it) { dq_item(p, bm, mask_mod, score_mod, dq, it, nullptr); };
+    parallel(n_items, p.threads, f);
+  } else {
+    auto f = [&](int64_t gi) {
+      const int64_t lo = gi * n_items / n_groups, hi = (gi + 1) * n_items / n_groups;
+      for (int64_t it = lo; it < hi; ++it) dq_item(p, bm, mask_mod, score_mod, dq, it, &gbuf[size_t(gi * nparams)]);
+    };
+    parallel(n_groups, p.threads, f);
+    if (param_grad)
+      for (int64_t gi = 0; gi < n_groups; ++gi)
+        for (int64_t x = 0; x < nparams; ++x) param_grad[x] += gbuf[size_t(gi * nparams + x)];
+  }
+}
+
+// A (query block, key sub-range) pair that touches a key block: the block mask transposed for the dK/dV pass.
+struct KeyBlockEntry {
+  int32_t qb, begin, end;
+  bool full;
+  uint16_t q_lo, q_hi;
+};
+
+// For each head slot and key block of kChunk layout positions, the (query block, key sub-range) pairs that touch
+// it: [slot * nkb + key block].
+inline std::vector<std::vector<KeyBlockEntry>> transpose_block_mask(const BlockMask& bm, int64_t nkb) {
+  const int64_t nqb = bm.num_q_blocks();
+  std::vector<std::vector<KeyBlockEntry>> tr(size_t(bm.heads * nkb));
+  for (int64_t s = 0; s < bm.heads; ++s)
+    for (int64_t qb = 0; qb < nqb; ++qb)
+      for (int64_t r = bm.row_ptr[s * nqb + qb]; r < bm.row_ptr[s * nqb + qb + 1]; ++r) {
+        const KeyRange& kr = bm.ranges[size_t(r)];
+        for (int64_t kb = kr.begin / kChunk; kb * kChunk < kr.end; ++kb)
+          tr[size_t(s * nkb + kb)].push_back({int32_t(qb), int32_t(std::max<int64_t>(kr.begin, kb * kChunk)),
+                                              int32_t(std::min<int64_t>(kr.end, (kb + 1) * kChunk)), kr.full != 0,
+                                              kr.q_lo, kr.q_hi});
+      }
+  return tr;
+}
+
+// Two-pass form, dK/dV of one (b, kv head, key block of kChunk layout positions) item.
+template <typename MaskMod, typename ScoreMod>
+void kv_item(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
+             const std::vector<std::vector<KeyBlockEntry>>& tr, int64_t nkb, int64_t max_m, const TensorView& dk,
+             const TensorView& dv, int64_t it) {
+  const int64_t D = p.D, Dv = p.Dv;
+  const int64_t kb = it % nkb, bhk = it / nkb, b = bhk / p.Hkv, hk = bhk % p.Hkv;
+  const int64_t k0 = kb * kChunk, nk = std::min(p.Lk, k0 + kChunk) - k0;
+  thread_local Scratch sc;
+  thread_local std::vector<float> dkacc, dvacc, raw;
+  sc.ensure(max_m, D, Dv);
+  dkacc.assign(size_t(nk * D), 0.0f);
+  dvacc.assign(size_t(nk * Dv), 0.0f);
+  raw.resize(size_t(max_m * kChunk));
+  const float* kbase = &p.k[size_t(((b * p.Hkv + hk) * p.Lk + k0) * D)];
+  const float* vbase = &p.v[size_t(((b * p.Hkv + hk) * p.Lk + k0) * Dv)];
+  tiles::transpose_rows(kbase, D, nk, D, sc.kt.data(), nk);
+  tiles::transpose_rows(vbase, Dv, nk, Dv, sc.vt.data(), nk);
+  for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
+    for (const KeyBlockEntry& e : tr[size_t(bm.slot(h) * nkb + kb)]) {
+      const int64_t qbeg = bm.q_block_start[e.qb], mb = bm.q_block_start[e.qb + 1] - qbeg;
+      const Segment seg{e.begin, e.end, 0, e.full, e.q_lo, e.q_hi};
+      const int64_t q0 = qbeg + seg.q_first(mb), m = seg.q_last(mb) - seg.q_first(mb);  // the computed rows
+      if (m <= 0) continue;
+      const int64_t n = e.end - e.begin, c0 = e.begin - k0;
+      if (p.invalid_in(b, e.begin, e.end) == n) continue;
+      const size_t qrow = size_t((b * p.Hq + h) * p.Lq + q0);
+      const float* qt = &p.q[qrow * D];
+      const float* dot = &p.dout[qrow * Dv];
+      float* s = sc.s.data();
+      float* dp = sc.p2.data();
+      tiles::qk(qt, m, D, sc.kt.data() + c0, nk, n, p.scale, s);
+      mod_and_mask(s, score_mod.identity() ? nullptr : raw.data(), m, n, &seg, 1, bm, q0, b, h, p, mask_mod,
+                   score_mod);
+      tiles::probabilities(s, m, n, &p.lse[qrow]);
+      tiles::atx(s, m, n, dot, Dv, Dv, 1.0f, dvacc.data() + c0 * Dv);
+      tiles::qk(dot, m, Dv, sc.vt.data() + c0, nk, n, 1.0f, dp);
+      tiles::softmax_backward(s, dp, m, n, &p.delta[qrow]);
+      if (!score_mod.identity())
+        for (int64_t r = 0; r < m; ++r) {
+          const int64_t i = bm.q_index(q0 + r);
+          for (int64_t c = 0; c < n; ++c) {
+            float& d = dp[r * n + c];
+            d = s[r * n + c] == 0.0f ? 0.0f
+                                     : score_mod.backward(raw[size_t(r * n + c)], d, b, h, i,
+                                                          bm.k_index(e.begin + c), nullptr);
+          }
+        }
+      tiles::atx(dp, m, n, qt, D, D, p.scale, dkacc.data() + c0 * D);
+    }
+  }
+  for (int64_t c = 0; c < nk; ++c) {
+    const int64_t j = bm.k_index(k0 + c);
+    store_row(dk, b, hk, j, dkacc.data() + c * D, D);
+    store_row(dv, b, hk, j, dvacc.data() + c * Dv, Dv);
+  }
+}
+
+// Two-pass form, dK/dV pass: one item per (b, kv head, key block of kChunk layout positions); entries transposed
+// from the block mask: for each head slot and key block, the (query block, key sub-range) pairs that touch it.
+template <typename MaskMod, typename ScoreMod>
+void backward_dkv_pass(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
+                       const TensorView& dk, const TensorView& dv) {
+  const int64_t nqb = bm.num_q_blocks();
+  const int64_t nkb = (p.Lk + kChunk - 1) / kChunk;
+  const std::vector<std::vector<KeyBlockEntry>> tr = transpose_block_mask(bm, nkb);
+  int64_t max_m = 0;
+  for (int64_t x = 0; x < nqb; ++x) max_m = std::max<int64_t>(max_m, bm.q_block_start[x + 1] - bm.q_block_start[x]);
+  auto item = [&](int64_t it) { kv_item(p, bm, mask_mod, score_mod, tr, nkb, max_m, dk, dv, it); };
+  parallel(p.B * p.Hkv * nkb, p.threads, item);
+}
+
+}  // namespace detail
+
 // Backward from the saved out and lse: dq, dk, dv (same shapes as q, k, v; any float dtype) and, when the score
 // mod has parameters, their gradient added into param_grad[0 .. score_mod.num_params()).
 template <typename MaskMod, typename ScoreMod = NoScoreMod>
@@ -320,258 +628,14 @@ void block_sparse_attention_backward(const TensorView& dout, const TensorView& q
   Packed p = pack_inputs(q, k, v, bm, options, enable_gqa);
   check_grads(p, q, k, v, dq, dk, dv);
   pack_backward(p, bm, dout, out, lse);
-  const int64_t nqb = bm.num_q_blocks(), D = p.D, Dv = p.Dv;
-  const int64_t nparams = score_mod.num_params();
-
-  // One-pass form (FlashAttention-2's five tile products instead of seven): when the query blocks can be coloured
-  // so that the blocks of a colour touch disjoint keys, one item per (b, kv head, query block) recomputes P and dS
-  // once and writes dQ of its rows and adds dK/dV into the (layout-order) key gradients; the colours run one after
-  // the other. Each key's gradient is summed in a fixed order (colour, then head, then chunk) with one writer at a
-  // time, so the result does not depend on the thread count.
   std::vector<int64_t> colour_start;
   std::vector<int32_t> colour_runs, run_ends;
   if (score_mod.identity() && colour_query_blocks(bm, p.B * p.Hkv, colour_start, colour_runs, run_ends)) {
-    HugeVector<float> gk(size_t(p.B * p.Hkv * p.Lk * D), 0.0f), gv(size_t(p.B * p.Hkv * p.Lk * Dv), 0.0f);
-    int64_t c_lo = 0, c_n = 0;
-    auto block_item = [&](int64_t qb, int64_t b, int64_t hk) {
-      const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
-      thread_local Scratch sc;
-      thread_local std::vector<float> dkc, dvc;
-      sc.ensure(m, D, Dv);
-      dkc.resize(size_t(kChunk * D));
-      dvc.resize(size_t(kChunk * Dv));
-      const size_t kv0 = size_t((b * p.Hkv + hk) * p.Lk);
-      const float* kbase = &p.k[kv0 * D];
-      const float* vbase = &p.v[kv0 * Dv];
-      float* gkb = &gk[kv0 * D];
-      float* gvb = &gv[kv0 * Dv];
-      for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
-        const size_t qrow = size_t((b * p.Hq + h) * p.Lq + q0);
-        const float* qt = &p.q[qrow * D];
-        const float* dot = &p.dout[qrow * Dv];
-        const float* lse_t = &p.lse[qrow];
-        const float* delta = &p.delta[qrow];
-        std::fill_n(sc.dq.data(), m * D, 0.0f);
-        const int64_t row = bm.slot(h) * nqb + qb;
-        for_each_chunk(&bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
-                       [&](const Segment* segs, int64_t nseg, int64_t n) {
-                         const int64_t qa = segs[0].q_first(m), mm = segs[0].q_last(m) - qa;  // computed rows
-                         if (mm <= 0) return;
-                         const float* qa_t = qt + qa * D;
-                         const float* qa_do = dot + qa * Dv;
-                         const float* kp = nullptr;
-                         gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, true, &kp, true);
-                         float* s = sc.s.data();
-                         float* dp = sc.p2.data();
-                         tiles::qk(qa_t, mm, D, sc.kt.data(), n, n, p.scale, s);
-                         mod_and_mask(s, nullptr, mm, n, segs, nseg, bm, q0 + qa, b, h, p, mask_mod, score_mod);
-                         tiles::probabilities(s, mm, n, lse_t + qa);
-                         tiles::qk(qa_do, mm, Dv, sc.vt.data(), n, n, 1.0f, dp);
-                         tiles::softmax_backward(s, dp, mm, n, delta + qa);
-                         tiles::pv(dp, mm, n, kp, D, D, p.scale, sc.dq.data() + qa * D);
-                         if (nseg == 1) {  // contiguous keys: accumulate in place
-                           tiles::atx(s, mm, n, qa_do, Dv, Dv, 1.0f, gvb + int64_t(segs[0].begin) * Dv);
-                           tiles::atx(dp, mm, n, qa_t, D, D, p.scale, gkb + int64_t(segs[0].begin) * D);
-                           return;
-                         }
-                         std::fill_n(dvc.data(), n * Dv, 0.0f);
-                         std::fill_n(dkc.data(), n * D, 0.0f);
-                         tiles::atx(s, mm, n, qa_do, Dv, Dv, 1.0f, dvc.data());
-                         tiles::atx(dp, mm, n, qa_t, D, D, p.scale, dkc.data());
-                         for (int64_t g = 0; g < nseg; ++g) {
-                           const int64_t len = segs[g].end - segs[g].begin;
-                           float* ov = gvb + int64_t(segs[g].begin) * Dv;
-                           const float* iv = dvc.data() + int64_t(segs[g].col) * Dv;
-                           for (int64_t e = 0; e < len * Dv; ++e) ov[e] += iv[e];
-                           float* ok = gkb + int64_t(segs[g].begin) * D;
-                           const float* ik = dkc.data() + int64_t(segs[g].col) * D;
-                           for (int64_t e = 0; e < len * D; ++e) ok[e] += ik[e];
-                         }
-                       });
-        for (int64_t r = 0; r < m; ++r) store_row(dq, b, h, bm.q_index(q0 + r), sc.dq.data() + r * D, D);
-      }
-    };
-    // One item: a run of consecutive query blocks of one colour for one (b, kv head), block after block.
-    auto item = [&](int64_t x) {
-      const int64_t run = c_lo + x % c_n, bhk = x / c_n, b = bhk / p.Hkv, hk = bhk % p.Hkv;
-      for (int64_t qb = colour_runs[size_t(run)]; qb < run_ends[size_t(run)]; ++qb) block_item(qb, b, hk);
-    };
-    for (size_t c = 0; c + 1 < colour_start.size(); ++c) {
-      c_lo = colour_start[c];
-      c_n = colour_start[c + 1] - c_lo;
-      if (c_n > 0) parallel(p.B * p.Hkv * c_n, p.threads, item);
-    }
-    auto store = [&](int64_t bhk) {
-      const int64_t b = bhk / p.Hkv, hk = bhk % p.Hkv;
-      const size_t kv0 = size_t(bhk * p.Lk);
-      // Keys in their own order and fp32 outputs with contiguous rows: one copy per (b, kv head).
-      const auto contiguous = [&](const TensorView& t, int64_t d) {
-        return t.dtype == DType::kF32 && (d == 1 || t.strides[3] == 1) && (p.Lk == 1 || t.strides[2] == d);
-      };
-      if (bm.k_perm.empty() && contiguous(dk, D) && contiguous(dv, Dv)) {
-        std::copy_n(&gk[kv0 * size_t(D)], p.Lk * D,
-                    static_cast<float*>(dk.data) + b * dk.strides[0] + hk * dk.strides[1]);
-        std::copy_n(&gv[kv0 * size_t(Dv)], p.Lk * Dv,
-                    static_cast<float*>(dv.data) + b * dv.strides[0] + hk * dv.strides[1]);
-        return;
-      }
-      for (int64_t kp = 0; kp < p.Lk; ++kp) {
-        const int64_t j = bm.k_index(kp);
-        store_row(dk, b, hk, j, &gk[(kv0 + size_t(kp)) * size_t(D)], D);
-        store_row(dv, b, hk, j, &gv[(kv0 + size_t(kp)) * size_t(Dv)], Dv);
-      }
-    };
-    parallel(p.B * p.Hkv, p.threads, store);
+    backward_one_pass(p, bm, mask_mod, score_mod, colour_start, colour_runs, run_ends, dq, dk, dv);
     return;
   }
-
-  // dQ pass (and score-mod parameter gradients): one item per (b, h, query block).
-  const int64_t n_items = p.B * p.Hq * nqb;
-  // Parameter gradients: a fixed number of item groups, each with its own buffer, reduced in order.
-  // (At most 16 groups, and at most 2^26 floats of buffers; the split depends only on the sizes.)
-  const int64_t n_groups =
-      nparams > 0 ? std::max<int64_t>(1, std::min<int64_t>({n_items, 16, (int64_t(1) << 26) / nparams})) : 0;
-  std::vector<float> gbuf(size_t(n_groups * nparams), 0.0f);
-  auto dq_item = [&](int64_t it, float* g) {
-    const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
-    const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
-    thread_local Scratch sc;
-    sc.ensure(m, D, Dv);
-    const size_t qrow = size_t((b * p.Hq + h) * p.Lq + q0);
-    const float* qt = &p.q[qrow * D];
-    const float* dot = &p.dout[qrow * Dv];
-    const float* lse_t = &p.lse[qrow];
-    const float* delta = &p.delta[qrow];
-    const float* kbase = &p.k[size_t((b * p.Hkv + hk) * p.Lk * D)];
-    const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
-    std::fill_n(sc.dq.data(), m * D, 0.0f);
-    const int64_t row = bm.slot(h) * nqb + qb;
-    // Raw (pre-score_mod) scores for the score_mod backward: reused thread-local storage, no allocation per item.
-    thread_local std::vector<float> raw_buf;
-    float* raw = nullptr;
-    if (!score_mod.identity()) {
-      if (raw_buf.size() < size_t(m * kChunk)) raw_buf.resize(size_t(m * kChunk));
-      raw = raw_buf.data();
-    }
-    for_each_chunk(&bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
-                   [&](const Segment* segs, int64_t nseg, int64_t n) {
-                     const int64_t qa = segs[0].q_first(m), mm = segs[0].q_last(m) - qa;  // computed rows
-                     if (mm <= 0) return;
-                     const float* kp = nullptr;
-                     gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, true, &kp, true);
-                     float* s = sc.s.data();
-                     float* dp = sc.p2.data();
-                     tiles::qk(qt + qa * D, mm, D, sc.kt.data(), n, n, p.scale, s);
-                     mod_and_mask(s, raw, mm, n, segs, nseg, bm, q0 + qa, b, h, p, mask_mod,
-                                  score_mod);
-                     tiles::probabilities(s, mm, n, lse_t + qa);
-                     tiles::qk(dot + qa * Dv, mm, Dv, sc.vt.data(), n, n, 1.0f, dp);
-                     tiles::softmax_backward(s, dp, mm, n, delta + qa);
-                     if (!score_mod.identity())
-                       for (int64_t x = 0; x < nseg; ++x)
-                         for (int64_t r = 0; r < mm; ++r) {
-                           const int64_t i = bm.q_index(q0 + qa + r);
-                           for (int32_t c = segs[x].col; c < segs[x].col + (segs[x].end - segs[x].begin); ++c) {
-                             float& d = dp[r * n + c];
-                             if (s[r * n + c] == 0.0f) {
-                               d = 0.0f;
-                               continue;
-                             }
-                             d = score_mod.backward(raw[size_t(r * n + c)], d, b, h, i,
-                                                    bm.k_index(segs[x].begin + (c - segs[x].col)), g);
-                           }
-                         }
-                     tiles::pv(dp, mm, n, kp, D, D, p.scale, sc.dq.data() + qa * D);
-                   });
-    for (int64_t r = 0; r < m; ++r) store_row(dq, b, h, bm.q_index(q0 + r), sc.dq.data() + r * D, D);
-  };
-  if (n_groups == 0) {
-    auto f = [&](int64_t it) { dq_item(it, nullptr); };
-    parallel(n_items, p.threads, f);
-  } else {
-    auto f = [&](int64_t gi) {
-      const int64_t lo = gi * n_items / n_groups, hi = (gi + 1) * n_items / n_groups;
-      for (int64_t it = lo; it < hi; ++it) dq_item(it, &gbuf[size_t(gi * nparams)]);
-    };
-    parallel(n_groups, p.threads, f);
-    if (param_grad)
-      for (int64_t gi = 0; gi < n_groups; ++gi)
-        for (int64_t x = 0; x < nparams; ++x) param_grad[x] += gbuf[size_t(gi * nparams + x)];
-  }
-
-  // dK/dV pass: one item per (b, kv head, key block of kChunk layout positions); entries transposed from the
-  // block mask: for each head slot and key block, the (query block, key sub-range) pairs that touch it.
-  struct Entry {
-    int32_t qb, begin, end;
-    bool full;
-    uint16_t q_lo, q_hi;
-  };
-  const int64_t nkb = (p.Lk + kChunk - 1) / kChunk;
-  std::vector<std::vector<Entry>> tr(size_t(bm.heads * nkb));
-  for (int64_t s = 0; s < bm.heads; ++s)
-    for (int64_t qb = 0; qb < nqb; ++qb)
-      for (int64_t r = bm.row_ptr[s * nqb + qb]; r < bm.row_ptr[s * nqb + qb + 1]; ++r) {
-        const KeyRange& kr = bm.ranges[size_t(r)];
-        for (int64_t kb = kr.begin / kChunk; kb * kChunk < kr.end; ++kb)
-          tr[size_t(s * nkb + kb)].push_back({int32_t(qb), int32_t(std::max<int64_t>(kr.begin, kb * kChunk)),
-                                              int32_t(std::min<int64_t>(kr.end, (kb + 1) * kChunk)), kr.full != 0,
-                                              kr.q_lo, kr.q_hi});
-      }
-  int64_t max_m = 0;
-  for (int64_t x = 0; x < nqb; ++x) max_m = std::max<int64_t>(max_m, bm.q_block_start[x + 1] - bm.q_block_start[x]);
-  auto kv_item = [&](int64_t it) {
-    const int64_t kb = it % nkb, bhk = it / nkb, b = bhk / p.Hkv, hk = bhk % p.Hkv;
-    const int64_t k0 = kb * kChunk, nk = std::min(p.Lk, k0 + kChunk) - k0;
-    thread_local Scratch sc;
-    thread_local std::vector<float> dkacc, dvacc, raw;
-    sc.ensure(max_m, D, Dv);
-    dkacc.assign(size_t(nk * D), 0.0f);
-    dvacc.assign(size_t(nk * Dv), 0.0f);
-    raw.resize(size_t(max_m * kChunk));
-    const float* kbase = &p.k[size_t(((b * p.Hkv + hk) * p.Lk + k0) * D)];
-    const float* vbase = &p.v[size_t(((b * p.Hkv + hk) * p.Lk + k0) * Dv)];
-    tiles::transpose_rows(kbase, D, nk, D, sc.kt.data(), nk);
-    tiles::transpose_rows(vbase, Dv, nk, Dv, sc.vt.data(), nk);
-    for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
-      for (const Entry& e : tr[size_t(bm.slot(h) * nkb + kb)]) {
-        const int64_t qbeg = bm.q_block_start[e.qb], mb = bm.q_block_start[e.qb + 1] - qbeg;
-        const Segment seg{e.begin, e.end, 0, e.full, e.q_lo, e.q_hi};
-        const int64_t q0 = qbeg + seg.q_first(mb), m = seg.q_last(mb) - seg.q_first(mb);  // the computed rows
-        if (m <= 0) continue;
-        const int64_t n = e.end - e.begin, c0 = e.begin - k0;
-        if (p.invalid_in(b, e.begin, e.end) == n) continue;
-        const size_t qrow = size_t((b * p.Hq + h) * p.Lq + q0);
-        const float* qt = &p.q[qrow * D];
-        const float* dot = &p.dout[qrow * Dv];
-        float* s = sc.s.data();
-        float* dp = sc.p2.data();
-        tiles::qk(qt, m, D, sc.kt.data() + c0, nk, n, p.scale, s);
-        mod_and_mask(s, score_mod.identity() ? nullptr : raw.data(), m, n, &seg, 1, bm, q0, b, h, p, mask_mod,
-                     score_mod);
-        tiles::probabilities(s, m, n, &p.lse[qrow]);
-        tiles::atx(s, m, n, dot, Dv, Dv, 1.0f, dvacc.data() + c0 * Dv);
-        tiles::qk(dot, m, Dv, sc.vt.data() + c0, nk, n, 1.0f, dp);
-        tiles::softmax_backward(s, dp, m, n, &p.delta[qrow]);
-        if (!score_mod.identity())
-          for (int64_t r = 0; r < m; ++r) {
-            const int64_t i = bm.q_index(q0 + r);
-            for (int64_t c = 0; c < n; ++c) {
-              float& d = dp[r * n + c];
-              d = s[r * n + c] == 0.0f ? 0.0f
-                                       : score_mod.backward(raw[size_t(r * n + c)], d, b, h, i,
-                                                            bm.k_index(e.begin + c), nullptr);
-            }
-          }
-        tiles::atx(dp, m, n, qt, D, D, p.scale, dkacc.data() + c0 * D);
-      }
-    }
-    for (int64_t c = 0; c < nk; ++c) {
-      const int64_t j = bm.k_index(k0 + c);
-      store_row(dk, b, hk, j, dkacc.data() + c * D, D);
-      store_row(dv, b, hk, j, dvacc.data() + c * Dv, Dv);
-    }
-  };
-  parallel(p.B * p.Hkv * nkb, p.threads, kv_item);
+  backward_dq_pass(p, bm, mask_mod, score_mod, dq, param_grad);
+  backward_dkv_pass(p, bm, mask_mod, score_mod, dk, dv);
 }
 
 }  // namespace sattn::sparse

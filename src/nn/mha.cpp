@@ -54,8 +54,8 @@ Tensor normal_tensor(const Shape& shape, double stddev, uint64_t seed, uint32_t 
 // (vectorises without reassociating sums); blocks of kRows rows share each pass over W. The summation order
 // does not depend on the thread count.
 template <typename T>
-void linear(const T* x, int64_t rows, int64_t in, const T* w, const T* b, int64_t out, T* y, int64_t y_stride,
-            int threads) {
+void linear_fp64_accumulate(const T* x, int64_t rows, int64_t in, const T* w, const T* b, int64_t out, T* y,
+                            int64_t y_stride, int threads) {
   constexpr int64_t kRows = 8;
   std::vector<double> wt(size_t(in * out));
   for (int64_t o = 0; o < out; ++o)
@@ -174,10 +174,10 @@ std::pair<Tensor, std::optional<Tensor>> run(const MultiheadAttention& m, const 
 
   // In-projections into [N, L, E] and [N, S', E]; rows S.. of K/V hold bias_k/bias_v and the zero key.
   Tensor q(dt, {N, L, E}), k(dt, {N, Sp, E}), v(dt, {N, Sp, E});
-  linear<T>(xq.data<T>(), N * L, m.embed_dim(), pwq, pbq, E, q.data<T>(), E, threads);
+  linear_fp64_accumulate<T>(xq.data<T>(), N * L, m.embed_dim(), pwq, pbq, E, q.data<T>(), E, threads);
   for (int64_t n = 0; n < N; ++n) {
-    linear<T>(xk.data<T>() + n * S * m.kdim(), S, m.kdim(), pwk, pbk, E, k.data<T>() + n * Sp * E, E, threads);
-    linear<T>(xv.data<T>() + n * S * m.vdim(), S, m.vdim(), pwv, pbv, E, v.data<T>() + n * Sp * E, E, threads);
+    linear_fp64_accumulate<T>(xk.data<T>() + n * S * m.kdim(), S, m.kdim(), pwk, pbk, E, k.data<T>() + n * Sp * E, E, threads);
+    linear_fp64_accumulate<T>(xv.data<T>() + n * S * m.vdim(), S, m.vdim(), pwv, pbv, E, v.data<T>() + n * Sp * E, E, threads);
   }
   if (m.add_bias_kv()) {
     Tensor bk = get("bias_k"), bv = get("bias_v");
@@ -261,7 +261,7 @@ std::pair<Tensor, std::optional<Tensor>> run(const MultiheadAttention& m, const 
   Tensor wo = get("out_proj.weight");
   Tensor bo = m.has_bias() ? get("out_proj.bias") : Tensor();
   Tensor y(dt, {N, L, E});
-  linear<T>(attn.data<T>(), N * L, E, wo.data<T>(), m.has_bias() ? bo.data<T>() : nullptr, E, y.data<T>(), E, threads);
+  linear_fp64_accumulate<T>(attn.data<T>(), N * L, E, wo.data<T>(), m.has_bias() ? bo.data<T>() : nullptr, E, y.data<T>(), E, threads);
 
   std::optional<Tensor> w_out;
   if (need_weights) w_out = std::move(weights);

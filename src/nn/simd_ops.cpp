@@ -26,8 +26,10 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
+using MF = hn::Mask<DF>;
 
 #include "simd/blocking.inc"  // kMR, kNV
+#include "simd/gemm.inc"      // MicroKernel, MicroKernelHalf
 
 // C[MR rows, NV vectors] += sum_s A_s[m, :K_s] · W rows (row stride ldw); the last vector of C masked to `rem`
 // lanes when kMask, and its W loads too when kMaskW (else W rows are readable up to the full vector: padded).
@@ -44,18 +46,11 @@ HWY_NOINLINE void Tile(int nseg, const float* const* A, const int64_t* K, int64_
       acc[m][v] = (kMask && v == NV - 1) ? hn::MaskedLoad(mask, d, p) : hn::LoadU(d, p);
     }
   const float* w = W;
-  for (int s = 0; s < nseg; ++s) {
-    const float* HWY_RESTRICT a = A[s];
-    const int64_t Ks = K[s];
-    for (int64_t k = 0; k < Ks; ++k, w += ldw) {
-      VF b[NV];
-      for (int v = 0; v < NV; ++v)
-        b[v] = (kMaskW && v == NV - 1) ? hn::MaskedLoad(mask, d, w + v * L) : hn::LoadU(d, w + v * L);
-      for (int m = 0; m < MR; ++m) {
-        const VF av = hn::Set(d, a[m * lda + k]);
-        for (int v = 0; v < NV; ++v) acc[m][v] = hn::MulAdd(av, b[v], acc[m][v]);
-      }
-    }
+  for (int s = 0; s < nseg; ++s) {  // segment s: A_s [MR x K_s] times the next K_s rows of W
+    MicroKernel<MR, NV>(acc, A[s], lda, 1, w, ldw, K[s], [&](const float* row, int v) {
+      return (kMaskW && v == NV - 1) ? hn::MaskedLoad(mask, d, row + v * L) : hn::LoadU(d, row + v * L);
+    });
+    w += K[s] * ldw;
   }
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) {
@@ -86,18 +81,8 @@ HWY_NOINLINE void TileHalf(int nseg, const float* const* A, const int64_t* K, in
   }
   const float* w = W;
   for (int s = 0; s < nseg; ++s) {
-    const float* HWY_RESTRICT a = A[s];
-    const int64_t Ks = K[s];
-    for (int64_t k = 0; k < Ks; ++k, w += ldw) {
-      VF b[NVF > 0 ? NVF : 1];
-      for (int v = 0; v < NVF; ++v) b[v] = hn::LoadU(d, w + v * L);
-      const VH bh = hn::LoadU(dh, w + NVF * L);
-      for (int m = 0; m < MR; ++m) {
-        const VF av = hn::Set(d, a[m * lda + k]);
-        for (int v = 0; v < NVF; ++v) acc[m][v] = hn::MulAdd(av, b[v], acc[m][v]);
-        acch[m] = hn::MulAdd(hn::LowerHalf(dh, av), bh, acch[m]);
-      }
-    }
+    MicroKernelHalf<MR, NVF>(acc, acch, A[s], lda, 1, w, ldw, K[s]);
+    w += K[s] * ldw;
   }
   for (int m = 0; m < MR; ++m) {
     for (int v = 0; v < NVF; ++v) hn::StoreU(acc[m][v], d, C + m * ldc + v * L);

@@ -34,30 +34,9 @@ using MF = hn::Mask<DF>;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Loads / stores of the first lanes of a vector (m = FirstN) that touch no memory past them: Highway's MaskedLoad and
-// BlendedStore do so on AVX2 and AVX-512 (maskload / masked moves); elsewhere they may read the whole vector, so copy.
-HWY_INLINE VF LoadTail(DF d, MF m, const float* HWY_RESTRICT p) {
-#if HWY_TARGET != HWY_AVX2 && HWY_TARGET != HWY_AVX3 && HWY_TARGET != HWY_AVX3_DL
-  alignas(64) float buf[16] = {};
-  const size_t count = hn::CountTrue(d, m);
-  for (size_t x = 0; x < count; ++x) buf[x] = p[x];
-  return hn::Load(d, buf);
-#else
-  return hn::MaskedLoad(m, d, p);
-#endif
-}
-HWY_INLINE void StoreTail(VF v, DF d, MF m, float* HWY_RESTRICT p) {
-#if HWY_TARGET != HWY_AVX2 && HWY_TARGET != HWY_AVX3 && HWY_TARGET != HWY_AVX3_DL
-  alignas(64) float buf[16];
-  hn::Store(v, d, buf);
-  const size_t count = hn::CountTrue(d, m);
-  for (size_t x = 0; x < count; ++x) p[x] = buf[x];
-#else
-  hn::BlendedStore(v, m, d, p);
-#endif
-}
 
-#include "simd/exp.inc"  // Exp<kNoUpper>(d, x)
+#include "simd/exp.inc"   // Exp<kNoUpper>(d, x)
+#include "simd/gemm.inc"  // MicroKernel, LoadTail, StoreTail
 
 // The same polynomial on one lane, so that a row's rescale factor matches its probabilities.
 HWY_INLINE float ExpScalar(float x) {
@@ -75,17 +54,9 @@ HWY_INLINE void Micro(const float* HWY_RESTRICT A, int64_t sam, int64_t sak, con
   VF c[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NV; ++n) c[m][n] = hn::Zero(d);
-  for (int64_t k = 0; k < K; ++k) {
-    VF bv[NV];
-    const float* bk = B + k * ldb;
-    for (int n = 0; n < NV; ++n)
-      bv[n] = (kMasked && n == NV - 1) ? LoadTail(d, tail, bk + n * N) : hn::LoadU(d, bk + n * N);
-    const float* a = A + k * sak;
-    for (int m = 0; m < MR; ++m) {
-      const VF av = hn::Set(d, a[m * sam]);
-      for (int n = 0; n < NV; ++n) c[m][n] = hn::MulAdd(av, bv[n], c[m][n]);
-    }
-  }
+  MicroKernel<MR, NV>(c, A, sam, sak, B, ldb, K, [&](const float* row, int v) {
+    return (kMasked && v == NV - 1) ? LoadTail(d, tail, row + v * N) : hn::LoadU(d, row + v * N);
+  });
   const VF va = hn::Set(d, alpha);
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NV; ++n) {

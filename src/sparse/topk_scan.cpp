@@ -61,8 +61,10 @@ namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
 using DI = hn::RebindToSigned<DF>;
 using VF = hn::Vec<DF>;
+using MF = hn::Mask<DF>;
 
 #include "simd/blocking.inc"  // kMR, kNV
+#include "simd/gemm.inc"      // MicroKernel
 
 int64_t TileWidth() { return int64_t(kNV) * int64_t(hn::Lanes(DF())); }
 
@@ -174,14 +176,8 @@ HWY_INLINE void Tile(const float* HWY_RESTRICT q, int64_t d, const float* HWY_RE
   VF acc[MR][kNV];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < kNV; ++v) acc[r][v] = hn::Zero(df);
-  for (int64_t c = 0; c < d; ++c) {
-    VF bv[kNV];
-    for (int v = 0; v < kNV; ++v) bv[v] = hn::Load(df, kt + c * kNV * N + v * N);
-    for (int r = 0; r < MR; ++r) {
-      const VF av = hn::Set(df, q[r * d + c]);
-      for (int v = 0; v < kNV; ++v) acc[r][v] = hn::MulAdd(av, bv[v], acc[r][v]);
-    }
-  }
+  // Scores of the tile: Q rows (d apart) times the packed key tile [d x kNV vectors].
+  MicroKernel<MR, kNV>(acc, q, d, 1, kt, kNV * N, d, [&](const float* row, int v) { return hn::Load(df, row + v * N); });
   const VF vscale = hn::Set(df, scale);
   const VF zero = hn::Zero(df);
   VF bias[kNV];  // 0 for usable keys, -inf for padding and for lanes past n

@@ -312,54 +312,55 @@ inline void add_row_bias(const float* in, int64_t M, int64_t C, const float* __r
 // Swin region label of a (rolled) position along one axis: 0, 1 or 2.
 inline int region(int64_t p, int64_t n, int64_t ws, int64_t s) { return p < n - ws ? 0 : (p < n - s ? 1 : 2); }
 
-// One window block: y [H, W, C] = block(src) (src == y: in place); the routing decisions of its nW windows go to
-// routed_out / gates_out when given.
 void probe_window(const BlockW& b, const BlockCtx& cx, const float* y, int64_t n, const std::vector<float>& gate,
                   bool routed, AttentionProbe* probe);
 
-void run_block(const BlockW& b, const BlockCtx& cx, const float* src, float* y, bool dense,
-               const uint8_t* routing_in, uint8_t* routed_out, float* gates_out, int64_t* n_routed) {
-  const int64_t H = cx.H, W = cx.W, C = cx.C;
-  const int64_t ws = b.ws, s = b.shifted ? ws / 2 : 0, L = ws * ws;
-  const int64_t nwy = H / ws, nwx = W / ws, nW = nwy * nwx;
-  const auto stage_name = [&](const char* what) {
-    return [&cx, ws, what] {
-      return "block " + std::to_string(cx.block_index) + " (" + std::to_string(ws) + "x" + std::to_string(ws) +
-             "): " + what;
-    };
-  };
-  cx.clock->start();
-  // 1. cheap path: y = src + pw(gelu(dw(src))), one fused pass per row (src = y but for a group's first block)
-  nn::dw_act_pw_hwc(src, H, W, C, b.dw.data(), b.dw_b.data(), true, b.pw.data(), b.pw_b.data(), src, y,
-                    cx.threads);
-  cx.clock->mark(stage_name("conv path"));
-  // f(l, pixel pointer, count) for the tokens of window n in order, as runs of `count` consecutive tokens l.. that
-  // are consecutive pixels: token (ly, lx) is pixel ((wy·ws + ly + s) mod H, (wx·ws + lx + s) mod W) of y, i.e.
-  // after the cyclic roll by (-s, -s); a window row is one run, or two where the roll wraps it around the edge.
-  // row_runs(ly, wy, wx, f): the runs of window row ly of window (wy, wx)
-  auto row_runs = [&](int64_t ly, int64_t wy, int64_t wx, auto&& f) {
+// The windows of a block over y [H, W, C]: window n = (n / nwx, n % nwx) of ws x ws tokens, after the cyclic roll
+// by (-s, -s).
+struct WindowGrid {
+  float* y;
+  int64_t H, W, C, ws, s, L, nwy, nwx, nW;
+  // row_runs(ly, wy, wx, f): the runs of window row ly of window (wy, wx) as f(l, pixel pointer, count), `count`
+  // consecutive tokens l.. that are consecutive pixels: token (ly, lx) is pixel ((wy·ws + ly + s) mod H,
+  // (wx·ws + lx + s) mod W) of y; a window row is one run, or two where the roll wraps it around the edge.
+  template <typename F>
+  void row_runs(int64_t ly, int64_t wy, int64_t wx, F&& f) const {
     const int64_t px0 = wx * ws + s, first = std::min(ws, W - px0);  // tokens before the wrap (px0 < W always)
     float* row = y + ((wy * ws + ly + s) % H) * W * C;
     f(ly * ws, row + px0 * C, first);
     if (first < ws) f(ly * ws + first, row, ws - first);
-  };
-  auto for_each_run = [&](int64_t n, auto&& f) {
+  }
+  // f(l, pixel pointer, count) for the tokens of window n in order
+  template <typename F>
+  void for_each_run(int64_t n, F&& f) const {
     for (int64_t ly = 0; ly < ws; ++ly) row_runs(ly, n / nwx, n % nwx, f);
-  };
-  // 2-5. router: per window mean / population std over tokens, per channel (two passes, as the PyTorch model).
-  // One task per row of windows, streaming its ws image rows (memory-bound otherwise); the second pass reads them
-  // from cache. Each window still sums its tokens in order, so the result does not depend on the traversal.
-  std::vector<float> gate(static_cast<size_t>(nW));
-  parallel_for(nwy, cx.threads, [&](int64_t wy) {
+  }
+  // Swin mask: a window needs one iff it touches the last window row/column of a shifted block.
+  bool needs_mask(int64_t n) const { return s > 0 && (n / nwx == nwy - 1 || n % nwx == nwx - 1); }
+};
+
+// Per-thread scratch of a chunk of routed windows, reused across chunks and blocks.
+struct WindowScratch {
+  std::vector<float> xw, a, qkv, o, t, h, qb, ob;
+  std::vector<uint8_t> mask;
+};
+
+// Router: per window mean / population std over tokens, per channel (two passes, as the PyTorch model), and the
+// gate sigmoid(router(mean, std)) into gate[nW]. One task per row of windows, streaming its ws image rows
+// (memory-bound otherwise); the second pass reads them from cache. Each window still sums its tokens in order, so
+// the result does not depend on the traversal.
+void route_windows(const BlockW& b, const BlockCtx& cx, const WindowGrid& wg, float* gate) {
+  const int64_t C = wg.C, L = wg.L, nwx = wg.nwx;
+  parallel_for(wg.nwy, cx.threads, [&](int64_t wy) {
     thread_local std::vector<float> stat;
     stat.assign(size_t(2 * nwx * C), 0.0f);
     float* __restrict means = stat.data();
     float* __restrict vars = stat.data() + nwx * C;
     // per_window(wx, pixel pointer, count) over the runs of the row of windows, image row by image row
     auto rows = [&](auto&& per_window) {
-      for (int64_t ly = 0; ly < ws; ++ly)
+      for (int64_t ly = 0; ly < wg.ws; ++ly)
         for (int64_t wx = 0; wx < nwx; ++wx)
-          row_runs(ly, wy, wx, [&](int64_t, const float* p, int64_t count) { per_window(wx, p, count); });
+          wg.row_runs(ly, wy, wx, [&](int64_t, const float* p, int64_t count) { per_window(wx, p, count); });
     };
     rows([&](int64_t wx, const float* p, int64_t count) { nn::add_rows(p, count, C, means + wx * C); });
     for (int64_t i = 0; i < nwx * C; ++i) means[i] /= float(L);
@@ -375,6 +376,131 @@ void run_block(const BlockW& b, const BlockCtx& cx, const float* src, float* y, 
       gate[size_t(wy * nwx + wx)] = 1.0f / (1.0f + std::exp(-logit));
     }
   });
+}
+
+// Attention of the chunk's windows `list` (indices into the chunk; windows[i] is the window index of chunk entry
+// i): q, k, v read from sc.qkv [nw, L, 3C], the result written to sc.o [nw, L, C]; with_mask: the Swin mask.
+void attend_windows(const BlockCtx& cx, const WindowGrid& wg, const int64_t* windows,
+                    const std::vector<int64_t>& list, bool with_mask, WindowScratch& sc) {
+  if (list.empty()) return;
+  const int64_t L = wg.L, C = wg.C, ws = wg.ws, s = wg.s, nwx = wg.nwx, heads = cx.heads, hd = cx.hd;
+  const int64_t nb = int64_t(list.size());
+  // a contiguous run of the chunk's windows is read/written in place, otherwise gathered
+  const bool run = list.back() - list.front() == nb - 1;
+  const float* qsrc = sc.qkv.data() + list.front() * L * 3 * C;
+  float* odst = sc.o.data() + list.front() * L * C;
+  if (!run) {
+    sc.qb.resize(size_t(nb * L * 3 * C));
+    sc.ob.resize(size_t(nb * L * C));
+    for (int64_t j = 0; j < nb; ++j)
+      std::memcpy(&sc.qb[size_t(j * L * 3 * C)], &sc.qkv[size_t(list[size_t(j)] * L * 3 * C)],
+                  size_t(L * 3 * C) * sizeof(float));
+    qsrc = sc.qb.data();
+    odst = sc.ob.data();
+  }
+  // qkv channel index = which*C + head*hd + d, token-major: q [nb, heads, L, hd] strided
+  const Shape shape{nb, heads, L, hd}, strides{L * 3 * C, hd, 3 * C, 1};
+  float* qp = const_cast<float*>(qsrc);
+  TensorView q(qp, DType::kF32, shape, strides), k(qp + C, DType::kF32, shape, strides),
+      v(qp + 2 * C, DType::kF32, shape, strides);
+  TensorView out(odst, DType::kF32, shape, Shape{L * C, hd, C, 1});
+  AttentionOptions opt;
+  opt.num_threads = 1;
+  if (with_mask) {
+    sc.mask.resize(size_t(nb * L * L));
+    std::vector<int> lab(static_cast<size_t>(L));
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t n = windows[list[size_t(j)]], wy = n / nwx, wx = n % nwx;
+      for (int64_t l = 0; l < L; ++l)
+        lab[size_t(l)] = 3 * region(wy * ws + l / ws, wg.H, ws, s) + region(wx * ws + l % ws, wg.W, ws, s);
+      uint8_t* m = &sc.mask[size_t(j * L * L)];
+      for (int64_t qi = 0; qi < L; ++qi)
+        for (int64_t kj = 0; kj < L; ++kj) m[qi * L + kj] = lab[size_t(qi)] == lab[size_t(kj)];
+    }
+    opt.attn_mask = TensorView(sc.mask.data(), DType::kBool, Shape{nb, 1, L, L});
+  }
+  scaled_dot_product_attention(q, k, v, opt, AttentionOutputs{out, {}, {}});
+  if (!run)
+    for (int64_t j = 0; j < nb; ++j)
+      std::memcpy(&sc.o[size_t(list[size_t(j)] * L * C)], &sc.ob[size_t(j * L * C)], size_t(L * C) * sizeof(float));
+}
+
+// The rest of the block for the chunk's nw windows (window indices windows[0..nw)), from sc.xw (tokens) and sc.o
+// (attention): projection, MLP and the gated update scattered back to the (un-rolled) pixels of y.
+void mlp_and_scatter(const BlockW& b, const BlockCtx& cx, const WindowGrid& wg, const int64_t* windows, int64_t nw,
+                     const float* gate, WindowScratch& sc) {
+  const int64_t L = wg.L, C = wg.C, M = nw * L, hid = cx.hid;
+  // t = xw + proj_b + o·Wproj; a = LN2(t); h = gelu(fc1(a)); o = t + fc2_b + h·Wfc2 (= t + mlp(t))
+  add_row_bias(sc.xw.data(), M, C, b.proj_b.data(), sc.t.data());
+  nn::gemm_acc(sc.o.data(), C, M, C, b.proj.data(), nn::padded_cols(C), C, sc.t.data(), C);
+  nn::layer_norm(sc.t.data(), M, C, b.n2_w.data(), b.n2_b.data(), cx.ln_eps, sc.a.data());
+  nn::linear(sc.a.data(), M, C, b.fc1.data(), b.fc1_b.data(), hid, sc.h.data(), 1);
+  nn::gelu_inplace(sc.h.data(), M * hid);
+  add_row_bias(sc.t.data(), M, C, b.fc2_b.data(), sc.o.data());
+  nn::gemm_acc(sc.h.data(), hid, M, hid, b.fc2.data(), nn::padded_cols(C), C, sc.o.data(), C);
+  // xw += g * (t + mlp - xw), scattered back to the (un-rolled) pixels
+  for (int64_t i = 0; i < nw; ++i) {
+    const int64_t n = windows[i];
+    const float g = gate[size_t(n)];
+    const float* xi = sc.xw.data() + i * L * C;
+    const float* oi = sc.o.data() + i * L * C;
+    wg.for_each_run(n, [&](int64_t l, float* __restrict p, int64_t count) {
+      const float* __restrict xl = xi + l * C;
+      const float* __restrict ol = oi + l * C;
+      for (int64_t j = 0; j < count * C; ++j) p[j] = xl[j] + g * (ol[j] - xl[j]);
+    });
+  }
+}
+
+// One chunk of routed windows (window indices windows[0..nw)), serial: gather, LayerNorm 1, qkv, attention (windows
+// without a mask in one call, masked windows in another), then MLP and scatter.
+void run_window_chunk(const BlockW& b, const BlockCtx& cx, const WindowGrid& wg, const int64_t* windows, int64_t nw,
+                      const float* gate) {
+  const int64_t L = wg.L, C = wg.C, M = nw * L, hid = cx.hid;
+  thread_local WindowScratch sc;
+  sc.xw.resize(size_t(M * C));
+  sc.a.resize(size_t(M * C));
+  sc.qkv.resize(size_t(M * 3 * C));
+  sc.o.resize(size_t(M * C));
+  sc.t.resize(size_t(M * C));
+  sc.h.resize(size_t(M * hid));
+  for (int64_t i = 0; i < nw; ++i) {
+    float* dst = sc.xw.data() + i * L * C;
+    wg.for_each_run(windows[i], [&](int64_t l, const float* p, int64_t count) {
+      std::memcpy(dst + l * C, p, size_t(count * C) * sizeof(float));
+    });
+  }
+  nn::layer_norm(sc.xw.data(), M, C, b.n1_w.data(), b.n1_b.data(), cx.ln_eps, sc.a.data());
+  nn::linear(sc.a.data(), M, C, b.qkv.data(), b.qkv_b.data(), 3 * C, sc.qkv.data(), 1);
+  std::vector<int64_t> plain, masked;
+  for (int64_t i = 0; i < nw; ++i) (wg.needs_mask(windows[i]) ? masked : plain).push_back(i);
+  attend_windows(cx, wg, windows, plain, false, sc);
+  attend_windows(cx, wg, windows, masked, true, sc);
+  mlp_and_scatter(b, cx, wg, windows, nw, gate, sc);
+}
+
+// One window block: y [H, W, C] = block(src) (src == y: in place); the routing decisions of its nW windows go to
+// routed_out / gates_out when given. Route (conv path and router), attend the routed windows, MLP and scatter.
+void run_block(const BlockW& b, const BlockCtx& cx, const float* src, float* y, bool dense,
+               const uint8_t* routing_in, uint8_t* routed_out, float* gates_out, int64_t* n_routed) {
+  const int64_t H = cx.H, W = cx.W, C = cx.C;
+  const int64_t ws = b.ws, s = b.shifted ? ws / 2 : 0, L = ws * ws;
+  const int64_t nwy = H / ws, nwx = W / ws, nW = nwy * nwx;
+  const WindowGrid wg{y, H, W, C, ws, s, L, nwy, nwx, nW};
+  const auto stage_name = [&](const char* what) {
+    return [&cx, ws, what] {
+      return "block " + std::to_string(cx.block_index) + " (" + std::to_string(ws) + "x" + std::to_string(ws) +
+             "): " + what;
+    };
+  };
+  cx.clock->start();
+  // 1. cheap path: y = src + pw(gelu(dw(src))), one fused pass per row (src = y but for a group's first block)
+  nn::dw_act_pw_hwc(src, H, W, C, b.dw.data(), b.dw_b.data(), true, b.pw.data(), b.pw_b.data(), src, y,
+                    cx.threads);
+  cx.clock->mark(stage_name("conv path"));
+  // 2-5. router
+  std::vector<float> gate(static_cast<size_t>(nW));
+  route_windows(b, cx, wg, gate.data());
   std::vector<int64_t> routed;
   for (int64_t n = 0; n < nW; ++n) {
     bool r = dense ? true : (routing_in ? routing_in[n] != 0 : gate[size_t(n)] > cx.threshold);
@@ -388,100 +514,13 @@ void run_block(const BlockW& b, const BlockCtx& cx, const float* src, float* y, 
     probe_window(b, cx, y, n, gate, std::binary_search(routed.begin(), routed.end(), n), cx.probe);
   }
   cx.clock->mark(stage_name("router"));
-  // Swin mask: a window needs one iff it touches the last window row/column of a shifted block.
-  auto needs_mask = [&](int64_t n) { return s > 0 && (n / nwx == nwy - 1 || n % nwx == nwx - 1); };
   // 6. routed windows, in chunks of ~1024 tokens (each chunk serial inside; chunks in parallel). Results do not
   // depend on the chunking: every GEMM row and every attention window is computed the same way wherever it sits.
   const int64_t per_chunk = std::max<int64_t>(1, 1024 / L);
   const int64_t nchunks = (int64_t(routed.size()) + per_chunk - 1) / per_chunk;
-  const int64_t hd = cx.hd, heads = cx.heads, hid = cx.hid;
   parallel_for(nchunks, cx.threads, [&](int64_t ch) {
     const int64_t i0 = ch * per_chunk, i1 = std::min<int64_t>(int64_t(routed.size()), i0 + per_chunk);
-    const int64_t nw = i1 - i0, M = nw * L;
-    // per-thread scratch, reused across chunks and blocks
-    thread_local std::vector<float> xw, a, qkv, o, t, h, qb, ob;
-    thread_local std::vector<uint8_t> mask;
-    xw.resize(size_t(M * C));
-    a.resize(size_t(M * C));
-    qkv.resize(size_t(M * 3 * C));
-    o.resize(size_t(M * C));
-    t.resize(size_t(M * C));
-    h.resize(size_t(M * hid));
-    for (int64_t i = 0; i < nw; ++i) {
-      float* dst = xw.data() + i * L * C;
-      for_each_run(routed[size_t(i0 + i)], [&](int64_t l, const float* p, int64_t count) {
-        std::memcpy(dst + l * C, p, size_t(count * C) * sizeof(float));
-      });
-    }
-    nn::layer_norm(xw.data(), M, C, b.n1_w.data(), b.n1_b.data(), cx.ln_eps, a.data());
-    nn::linear(a.data(), M, C, b.qkv.data(), b.qkv_b.data(), 3 * C, qkv.data(), 1);
-    // attention: windows without a mask in one call, masked windows in another
-    std::vector<int64_t> plain, masked;
-    for (int64_t i = 0; i < nw; ++i) (needs_mask(routed[size_t(i0 + i)]) ? masked : plain).push_back(i);
-    auto attend = [&](const std::vector<int64_t>& list, bool with_mask) {
-      if (list.empty()) return;
-      const int64_t nb = int64_t(list.size());
-      // a contiguous run of the chunk's windows is read/written in place, otherwise gathered
-      const bool run = list.back() - list.front() == nb - 1;
-      const float* qsrc = qkv.data() + list.front() * L * 3 * C;
-      float* odst = o.data() + list.front() * L * C;
-      if (!run) {
-        qb.resize(size_t(nb * L * 3 * C));
-        ob.resize(size_t(nb * L * C));
-        for (int64_t j = 0; j < nb; ++j)
-          std::memcpy(&qb[size_t(j * L * 3 * C)], &qkv[size_t(list[size_t(j)] * L * 3 * C)],
-                      size_t(L * 3 * C) * sizeof(float));
-        qsrc = qb.data();
-        odst = ob.data();
-      }
-      // qkv channel index = which*C + head*hd + d, token-major: q [nb, heads, L, hd] strided
-      const Shape shape{nb, heads, L, hd}, strides{L * 3 * C, hd, 3 * C, 1};
-      float* qp = const_cast<float*>(qsrc);
-      TensorView q(qp, DType::kF32, shape, strides), k(qp + C, DType::kF32, shape, strides),
-          v(qp + 2 * C, DType::kF32, shape, strides);
-      TensorView out(odst, DType::kF32, shape, Shape{L * C, hd, C, 1});
-      AttentionOptions opt;
-      opt.num_threads = 1;
-      if (with_mask) {
-        mask.resize(size_t(nb * L * L));
-        std::vector<int> lab(static_cast<size_t>(L));
-        for (int64_t j = 0; j < nb; ++j) {
-          const int64_t n = routed[size_t(i0 + list[size_t(j)])], wy = n / nwx, wx = n % nwx;
-          for (int64_t l = 0; l < L; ++l)
-            lab[size_t(l)] = 3 * region(wy * ws + l / ws, H, ws, s) + region(wx * ws + l % ws, W, ws, s);
-          uint8_t* m = &mask[size_t(j * L * L)];
-          for (int64_t qi = 0; qi < L; ++qi)
-            for (int64_t kj = 0; kj < L; ++kj) m[qi * L + kj] = lab[size_t(qi)] == lab[size_t(kj)];
-        }
-        opt.attn_mask = TensorView(mask.data(), DType::kBool, Shape{nb, 1, L, L});
-      }
-      scaled_dot_product_attention(q, k, v, opt, AttentionOutputs{out, {}, {}});
-      if (!run)
-        for (int64_t j = 0; j < nb; ++j)
-          std::memcpy(&o[size_t(list[size_t(j)] * L * C)], &ob[size_t(j * L * C)], size_t(L * C) * sizeof(float));
-    };
-    attend(plain, false);
-    attend(masked, true);
-    // t = xw + proj_b + o·Wproj; a = LN2(t); h = gelu(fc1(a)); o = t + fc2_b + h·Wfc2 (= t + mlp(t))
-    add_row_bias(xw.data(), M, C, b.proj_b.data(), t.data());
-    nn::gemm_acc(o.data(), C, M, C, b.proj.data(), nn::padded_cols(C), C, t.data(), C);
-    nn::layer_norm(t.data(), M, C, b.n2_w.data(), b.n2_b.data(), cx.ln_eps, a.data());
-    nn::linear(a.data(), M, C, b.fc1.data(), b.fc1_b.data(), hid, h.data(), 1);
-    nn::gelu_inplace(h.data(), M * hid);
-    add_row_bias(t.data(), M, C, b.fc2_b.data(), o.data());
-    nn::gemm_acc(h.data(), hid, M, hid, b.fc2.data(), nn::padded_cols(C), C, o.data(), C);
-    // xw += g * (t + mlp - xw), scattered back to the (un-rolled) pixels
-    for (int64_t i = 0; i < nw; ++i) {
-      const int64_t n = routed[size_t(i0 + i)];
-      const float g = gate[size_t(n)];
-      const float* xi = xw.data() + i * L * C;
-      const float* oi = o.data() + i * L * C;
-      for_each_run(n, [&](int64_t l, float* __restrict p, int64_t count) {
-        const float* __restrict xl = xi + l * C;
-        const float* __restrict ol = oi + l * C;
-        for (int64_t j = 0; j < count * C; ++j) p[j] = xl[j] + g * (ol[j] - xl[j]);
-      });
-    }
+    run_window_chunk(b, cx, wg, routed.data() + i0, i1 - i0, gate.data());
   });
   cx.clock->mark(stage_name("attention windows"), nW, int64_t(routed.size()));
 }

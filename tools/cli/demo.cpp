@@ -228,11 +228,7 @@ viz::Image side_by_side(const std::vector<sr::Image>& panels, const std::vector<
 
 // The x2 weights: --weights FILE, else the embedded ones, else the source tree's file; nullopt when none.
 std::optional<sr::SrModel> demo_model(const std::string& weights) {
-  if (!weights.empty()) return sr::SrModel::load(weights);
-  if (const auto e = embedded_sr_weights(2); e.data)
-    return sr::SrModel::from_memory(e.data, e.size, std::string("embedded:") + e.origin);
-  if (const std::string f = source_tree_sr_weights(2); std::filesystem::exists(f)) return sr::SrModel::load(f);
-  return std::nullopt;
+  return find_sr_model(weights, 2, "demo (an x2 upscale)");
 }
 
 int run_sr_demo(const DemoArgs& a, const sr::SrModel& model) {

@@ -84,162 +84,195 @@ double selected_pairs(const sparse::Pattern& p, const Tensor& q, const Tensor& k
   return pairs;
 }
 
+struct SparseArgs {
+  std::string q, k, v, out, lse, pattern, indices;
+  double scale = 0;
+  bool gqa = true;
+};
+
+void run_sparse(const SparseArgs& a) {
+  io::OutputFiles outputs;  // opened first: an unwritable output fails before any work
+  io::OutputFile& out_file = outputs.add(a.out, "--out");
+  io::OutputFile* lse_file = a.lse.empty() ? nullptr : &outputs.add(a.lse, "--lse");
+  io::OutputFile* indices_file = a.indices.empty() ? nullptr : &outputs.add(a.indices, "--indices");
+  const sparse::Pattern p = sparse::Pattern::parse(a.pattern);
+  const Tensor tq = read_npy(a.q), tk = read_npy(a.k), tv = read_npy(a.v);
+  sparse::SparseOptions o;
+  if (a.scale != 0) o.scale = a.scale;
+  o.enable_gqa = a.gqa;
+  check(tq.dim() == 4 && tv.dim() == 4, ErrorKind::kInvalidArgument, "--q/--v: expected 4-D arrays");
+  Tensor to(tq.dtype() == DType::kF64 ? DType::kF64 : DType::kF32, {tq.size(0), tq.size(1), tq.size(2), tv.size(3)});
+  Tensor tl(to.dtype(), {tq.size(0), tq.size(1), tq.size(2)});
+  Tensor ti;
+  if (!a.indices.empty())
+    ti = Tensor(DType::kI64, sparse::selection_shape(p, tq.size(0), tq.size(1), tq.size(2), tk.size(2)));
+  sparse::sparse_attention(tq, tk, tv, p, o, to, tl, a.indices.empty() ? TensorView{} : ti.view());
+  write_npy(out_file, to);
+  if (lse_file) write_npy(*lse_file, tl);
+  if (indices_file) write_npy(*indices_file, ti);
+  outputs.commit();
+}
+
+void add_sparse_run(CLI::App& app) {
+  auto* cmd = app.add_subcommand("sparse", "Sparse attention of .npy inputs under a pattern spec");
+  static SparseArgs a;
+  cmd->add_option("--q", a.q, "query .npy [B, Hq, Lq, D]")->required();
+  cmd->add_option("--k", a.k, "key .npy [B, Hkv, Lk, D]")->required();
+  cmd->add_option("--v", a.v, "value .npy [B, Hkv, Lk, Dv]")->required();
+  cmd->add_option("--pattern", a.pattern, "pattern spec, e.g. \"SlidingWindow(256, 256)\" (see docs/sparse.md)")
+      ->required();
+  cmd->add_option("--scale", a.scale, "softmax scale (default 1/sqrt(D))");
+  cmd->add_option("--out", a.out, "output .npy [B, Hq, Lq, Dv]")->required();
+  cmd->add_option("--lse", a.lse, "log-sum-exp output .npy [B, Hq, Lq]");
+  cmd->add_option("--indices", a.indices, "selected key (block) indices .npy (TopK / BlockTopK)");
+  cmd->callback([] { run_sparse(a); });
+}
+
+struct SparseBenchArgs {
+  std::vector<std::string> patterns;
+  std::vector<int64_t> lengths = {4096};
+  std::vector<int> threads = {1};
+  int64_t B = 1, H = 8, D = 64;
+  int reps = 3;
+  bool backward = false, dense = false;
+  std::string clock_kind = "wall";
+};
+
+// The lengths to time a spec at: --L, but a 2-D pattern's grid fixes L; sorted, without duplicates.
+std::vector<int64_t> bench_lengths(const std::string& spec, bool linear, const std::vector<int64_t>& lengths) {
+  std::vector<int64_t> ls = lengths;
+  for (int64_t& L : ls) {
+    // 2-D patterns: their grid fixes L.
+    if (!linear && spec.find("2D(") != std::string::npos) {
+      int64_t hh = 0, ww = 0;
+      std::sscanf(spec.c_str() + spec.find("2D(") + 3, "%ld, %ld", &hh, &ww);
+      L = hh * ww;
+    }
+  }
+  std::sort(ls.begin(), ls.end());
+  ls.erase(std::unique(ls.begin(), ls.end()), ls.end());
+  return ls;
+}
+
+// One table row: a sparse pattern or linear attention spec at length L on th threads.
+void bench_spec(const SparseBenchArgs& a, const std::string& spec, const sparse::Pattern& p, bool linear, int64_t L,
+                int th, double peak) {
+  const int64_t B = a.B, H = a.H, D = a.D;
+  const int reps = a.reps;
+  const Tensor q = randn({B, H, L, D}, 1), k = randn({B, H, L, D}, 2), v = randn({B, H, L, D}, 3),
+               g = randn({B, H, L, D}, 4);
+  Tensor out(DType::kF32, {B, H, L, D}), lse(DType::kF32, {B, H, L}), dq(DType::kF32, q.shape()),
+      dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
+  double tf = 0, tb = 0, allowed = 0, computed = 0;
+  if (linear) {
+    sparse::LinearOptions lo;
+    lo.feature_map = spec.find("favor") != std::string::npos ? "favor+" : "elu";
+    lo.causal = spec.find("causal") != std::string::npos;
+    lo.num_threads = th;
+    tf = median_seconds(reps, [&] { sparse::linear_attention(q, k, v, lo, out); });
+    if (a.backward) tb = median_seconds(reps, [&] { sparse::linear_attention_backward(g, q, k, v, lo, dq, dk, dv); });
+  } else {
+    sparse::SparseOptions o;
+    o.num_threads = th;
+    tf = median_seconds(reps, [&] { sparse::sparse_attention(q, k, v, p, o, out, lse); });
+    if (a.backward)
+      tb = median_seconds(reps, [&] {
+        sparse::sparse_attention_backward(g, q, k, v, out, lse, p, o, {dq.view(), dk.view(), dv.view(), {}, {}, {}});
+      });
+    if (!sparse::selection_shape(p, 1, 1, L, L).empty()) {
+      // TopK also scores every key (q·k only: half a pair's 4·D flops each); BlockTopK's block scores are
+      // (L / block)² and not counted.
+      allowed = computed = selected_pairs(p, q, k, v, o);
+      if (allowed > 0 && p.repr().rfind("TopK(", 0) == 0) computed += 0.5 * double(L) * double(L) * B * H;
+    } else if (p.node_ptr() && !sparse::has_logits(p)) {
+      try {
+        const sparse::BlockMask m = p.block_mask(L, L, H, 64);
+        allowed = allowed_pairs(p, m, L, L) * B * H;
+        computed = double(m.computed_pairs(0)) * B * H;
+      } catch (const Error&) {
+      }
+    }
+  }
+  const double fl_all = 4.0 * D * allowed, fl_cmp = 4.0 * D * computed;
+  std::printf("%-44s %7ld %3d %10.3f %10.3f %9.2f %9.2f %10.3f %8.1f\n", spec.c_str(), long(L), th, tf * 1e3,
+              tb * 1e3, allowed > 0 ? fl_all / tf / 1e9 : 0.0, computed > 0 ? fl_cmp / tf / 1e9 : 0.0,
+              allowed > 0 ? computed / allowed : 0.0, peak);
+  std::fflush(stdout);
+}
+
+// One table row for the dense peer: the library's exact attention (the registry picks the fused kernel for fp32).
+void bench_dense(const SparseBenchArgs& a, int64_t L, int th, double peak) {
+  const int64_t B = a.B, H = a.H, D = a.D;
+  const int reps = a.reps;
+  const Tensor q = randn({B, H, L, D}, 1), k = randn({B, H, L, D}, 2), v = randn({B, H, L, D}, 3),
+               g = randn({B, H, L, D}, 4);
+  Tensor out(DType::kF32, {B, H, L, D}), lse(DType::kF32, {B, H, L}), dq(DType::kF32, q.shape()),
+      dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
+  AttentionOptions ao;
+  ao.num_threads = th;
+  KernelInfo info;
+  const double tf = median_seconds(reps, [&] {
+    scaled_dot_product_attention(q, k, v, ao, {out.view(), lse.view(), {}}, &info);
+  });
+  double tb = 0;
+  if (a.backward)
+    tb = median_seconds(reps, [&] {
+      scaled_dot_product_attention_backward(g, q, k, v, out, lse, ao, {dq.view(), dk.view(), dv.view(), {}});
+    });
+  const double pairs = double(L) * L * B * H;
+  const std::string name = "dense (" + info.kernel + " kernel)";
+  std::printf("%-44s %7ld %3d %10.3f %10.3f %9.2f %9.2f %10.3f %8.1f\n", name.c_str(), long(L), th, tf * 1e3,
+              tb * 1e3, 4.0 * D * pairs / tf / 1e9, 4.0 * D * pairs / tf / 1e9, 1.0, peak);
+  std::fflush(stdout);
+}
+
+void run_sparse_bench(const SparseBenchArgs& a) {
+  set_bench_thread_clock(a.clock_kind == "thread");
+  check(!a.patterns.empty() || a.dense, ErrorKind::kInvalidArgument,
+        "--pattern: expected at least one spec (or --dense)");
+  check(a.clock_kind != "thread" || (a.threads.size() == 1 && a.threads[0] == 1), ErrorKind::kInvalidArgument,
+        "--clock thread: only with --threads 1");
+  std::printf("# tiles: %s, clock: %s\n", sparse::tiles::simd_build(), a.clock_kind.c_str());
+  std::printf("%-44s %7s %3s %10s %10s %9s %9s %10s %8s\n", "pattern", "L", "thr", "fwd_ms", "bwd_ms", "GF/s_all",
+              "GF/s_cmp", "cmp/all", "sgemm");
+  for (int th : a.threads) {
+    const double peak = sgemm_gflops(th);
+    for (const std::string& spec : a.patterns) {
+      const bool linear = spec.rfind("linear:", 0) == 0;
+      sparse::Pattern p;
+      if (!linear) p = sparse::Pattern::parse(spec);
+      for (int64_t L : bench_lengths(spec, linear, a.lengths)) bench_spec(a, spec, p, linear, L, th, peak);
+    }
+    if (a.dense)
+      for (int64_t L : a.lengths) bench_dense(a, L, th, peak);
+  }
+}
+
+void add_sparse_bench(CLI::App& app) {
+  auto* cmd = app.add_subcommand("sparse-bench", "Time sparse / linear attention (a program, not a test)");
+  static SparseBenchArgs a;
+  cmd->add_option("--pattern", a.patterns,
+                  "pattern specs (2-D patterns fix L), or linear:elu / linear:favor+ [/causal]");
+  cmd->add_option("--L", a.lengths, "sequence lengths (ignored for 2-D patterns)");
+  cmd->add_option("--threads", a.threads, "thread counts (0 = SATTN_NUM_THREADS or all cores)")->check(thread_range());
+  cmd->add_option("--B", a.B, "batch");
+  cmd->add_option("--H", a.H, "heads");
+  cmd->add_option("--D", a.D, "head dim");
+  cmd->add_option("--reps", a.reps, "repetitions (median)");
+  cmd->add_flag("--backward", a.backward, "also time the backward");
+  cmd->add_option("--clock", a.clock_kind,
+                  "wall, or thread (CPU time of the calling thread: less sensitive to other load; 1 thread only, "
+                  "run with OPENBLAS_NUM_THREADS=1 for the SGEMM column)")
+      ->check(CLI::IsMember({"wall", "thread"}));
+  cmd->add_flag("--dense", a.dense, "also time dense exact attention (the registry's fused kernel) at each L");
+  cmd->callback([] { run_sparse_bench(a); });
+}
+
 }  // namespace
 
 void add_sparse_command(CLI::App& app) {
-  {
-    auto* cmd = app.add_subcommand("sparse", "Sparse attention of .npy inputs under a pattern spec");
-    static std::string q, k, v, out, lse, pattern, indices;
-    static double scale = 0;
-    static bool gqa = true;
-    cmd->add_option("--q", q, "query .npy [B, Hq, Lq, D]")->required();
-    cmd->add_option("--k", k, "key .npy [B, Hkv, Lk, D]")->required();
-    cmd->add_option("--v", v, "value .npy [B, Hkv, Lk, Dv]")->required();
-    cmd->add_option("--pattern", pattern, "pattern spec, e.g. \"SlidingWindow(256, 256)\" (see docs/sparse.md)")
-        ->required();
-    cmd->add_option("--scale", scale, "softmax scale (default 1/sqrt(D))");
-    cmd->add_option("--out", out, "output .npy [B, Hq, Lq, Dv]")->required();
-    cmd->add_option("--lse", lse, "log-sum-exp output .npy [B, Hq, Lq]");
-    cmd->add_option("--indices", indices, "selected key (block) indices .npy (TopK / BlockTopK)");
-    cmd->callback([] {
-      io::OutputFiles outputs;  // opened first: an unwritable output fails before any work
-      io::OutputFile& out_file = outputs.add(out, "--out");
-      io::OutputFile* lse_file = lse.empty() ? nullptr : &outputs.add(lse, "--lse");
-      io::OutputFile* indices_file = indices.empty() ? nullptr : &outputs.add(indices, "--indices");
-      const sparse::Pattern p = sparse::Pattern::parse(pattern);
-      const Tensor tq = read_npy(q), tk = read_npy(k), tv = read_npy(v);
-      sparse::SparseOptions o;
-      if (scale != 0) o.scale = scale;
-      o.enable_gqa = gqa;
-      check(tq.dim() == 4 && tv.dim() == 4, ErrorKind::kInvalidArgument, "--q/--v: expected 4-D arrays");
-      Tensor to(tq.dtype() == DType::kF64 ? DType::kF64 : DType::kF32, {tq.size(0), tq.size(1), tq.size(2), tv.size(3)});
-      Tensor tl(to.dtype(), {tq.size(0), tq.size(1), tq.size(2)});
-      Tensor ti;
-      if (!indices.empty()) ti = Tensor(DType::kI64, sparse::selection_shape(p, tq.size(0), tq.size(1), tq.size(2), tk.size(2)));
-      sparse::sparse_attention(tq, tk, tv, p, o, to, tl, indices.empty() ? TensorView{} : ti.view());
-      write_npy(out_file, to);
-      if (lse_file) write_npy(*lse_file, tl);
-      if (indices_file) write_npy(*indices_file, ti);
-      outputs.commit();
-    });
-  }
-  {
-    auto* cmd = app.add_subcommand("sparse-bench", "Time sparse / linear attention (a program, not a test)");
-    static std::vector<std::string> patterns;
-    static std::vector<int64_t> lengths = {4096};
-    static std::vector<int> threads = {1};
-    static int64_t B = 1, H = 8, D = 64;
-    static int reps = 3;
-    static bool backward = false, dense = false;
-    static std::string clock_kind = "wall";
-    cmd->add_option("--pattern", patterns,
-                    "pattern specs (2-D patterns fix L), or linear:elu / linear:favor+ [/causal]");
-    cmd->add_option("--L", lengths, "sequence lengths (ignored for 2-D patterns)");
-    cmd->add_option("--threads", threads, "thread counts (0 = SATTN_NUM_THREADS or all cores)")->check(thread_range());
-    cmd->add_option("--B", B, "batch");
-    cmd->add_option("--H", H, "heads");
-    cmd->add_option("--D", D, "head dim");
-    cmd->add_option("--reps", reps, "repetitions (median)");
-    cmd->add_flag("--backward", backward, "also time the backward");
-    cmd->add_option("--clock", clock_kind,
-                    "wall, or thread (CPU time of the calling thread: less sensitive to other load; 1 thread only, "
-                    "run with OPENBLAS_NUM_THREADS=1 for the SGEMM column)")
-        ->check(CLI::IsMember({"wall", "thread"}));
-    cmd->add_flag("--dense", dense, "also time dense exact attention (the registry's fused kernel) at each L");
-    cmd->callback([] {
-      set_bench_thread_clock(clock_kind == "thread");
-      check(!patterns.empty() || dense, ErrorKind::kInvalidArgument, "--pattern: expected at least one spec (or --dense)");
-      check(clock_kind != "thread" || (threads.size() == 1 && threads[0] == 1), ErrorKind::kInvalidArgument,
-            "--clock thread: only with --threads 1");
-      std::printf("# tiles: %s, clock: %s\n", sparse::tiles::simd_build(), clock_kind.c_str());
-      std::printf("%-44s %7s %3s %10s %10s %9s %9s %10s %8s\n", "pattern", "L", "thr", "fwd_ms", "bwd_ms",
-                  "GF/s_all", "GF/s_cmp", "cmp/all", "sgemm");
-      for (int th : threads) {
-        const double peak = sgemm_gflops(th);
-        for (const std::string& spec : patterns) {
-          const bool linear = spec.rfind("linear:", 0) == 0;
-          sparse::Pattern p;
-          if (!linear) p = sparse::Pattern::parse(spec);
-          std::vector<int64_t> ls = lengths;
-          for (int64_t& L : ls) {
-            // 2-D patterns: their grid fixes L.
-            if (!linear && spec.find("2D(") != std::string::npos) {
-              int64_t hh = 0, ww = 0;
-              std::sscanf(spec.c_str() + spec.find("2D(") + 3, "%ld, %ld", &hh, &ww);
-              L = hh * ww;
-            }
-          }
-          std::sort(ls.begin(), ls.end());
-          ls.erase(std::unique(ls.begin(), ls.end()), ls.end());
-          for (int64_t L : ls) {
-            const Tensor q = randn({B, H, L, D}, 1), k = randn({B, H, L, D}, 2), v = randn({B, H, L, D}, 3),
-                         g = randn({B, H, L, D}, 4);
-            Tensor out(DType::kF32, {B, H, L, D}), lse(DType::kF32, {B, H, L}), dq(DType::kF32, q.shape()),
-                dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
-            double tf = 0, tb = 0, allowed = 0, computed = 0;
-            if (linear) {
-              sparse::LinearOptions lo;
-              lo.feature_map = spec.find("favor") != std::string::npos ? "favor+" : "elu";
-              lo.causal = spec.find("causal") != std::string::npos;
-              lo.num_threads = th;
-              tf = median_seconds(reps, [&] { sparse::linear_attention(q, k, v, lo, out); });
-              if (backward) tb = median_seconds(reps, [&] { sparse::linear_attention_backward(g, q, k, v, lo, dq, dk, dv); });
-            } else {
-              sparse::SparseOptions o;
-              o.num_threads = th;
-              tf = median_seconds(reps, [&] { sparse::sparse_attention(q, k, v, p, o, out, lse); });
-              if (backward)
-                tb = median_seconds(reps, [&] {
-                  sparse::sparse_attention_backward(g, q, k, v, out, lse, p, o, {dq.view(), dk.view(), dv.view(), {}, {}, {}});
-                });
-              if (!sparse::selection_shape(p, 1, 1, L, L).empty()) {
-                // TopK also scores every key (q·k only: half a pair's 4·D flops each); BlockTopK's block scores are
-                // (L / block)² and not counted.
-                allowed = computed = selected_pairs(p, q, k, v, o);
-                if (allowed > 0 && p.repr().rfind("TopK(", 0) == 0) computed += 0.5 * double(L) * double(L) * B * H;
-              } else if (p.node_ptr() && !sparse::has_logits(p)) {
-                try {
-                  const sparse::BlockMask m = p.block_mask(L, L, H, 64);
-                  allowed = allowed_pairs(p, m, L, L) * B * H;
-                  computed = double(m.computed_pairs(0)) * B * H;
-                } catch (const Error&) {
-                }
-              }
-            }
-            const double fl_all = 4.0 * D * allowed, fl_cmp = 4.0 * D * computed;
-            std::printf("%-44s %7ld %3d %10.3f %10.3f %9.2f %9.2f %10.3f %8.1f\n", spec.c_str(), long(L), th, tf * 1e3,
-                        tb * 1e3, allowed > 0 ? fl_all / tf / 1e9 : 0.0, computed > 0 ? fl_cmp / tf / 1e9 : 0.0,
-                        allowed > 0 ? computed / allowed : 0.0, peak);
-            std::fflush(stdout);
-          }
-        }
-        if (dense)
-          for (int64_t L : lengths) {
-            // The dense peer: the library's exact attention (the registry picks the fused kernel for fp32).
-            const Tensor q = randn({B, H, L, D}, 1), k = randn({B, H, L, D}, 2), v = randn({B, H, L, D}, 3),
-                         g = randn({B, H, L, D}, 4);
-            Tensor out(DType::kF32, {B, H, L, D}), lse(DType::kF32, {B, H, L}), dq(DType::kF32, q.shape()),
-                dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
-            AttentionOptions ao;
-            ao.num_threads = th;
-            KernelInfo info;
-            const double tf = median_seconds(reps, [&] {
-              scaled_dot_product_attention(q, k, v, ao, {out.view(), lse.view(), {}}, &info);
-            });
-            double tb = 0;
-            if (backward)
-              tb = median_seconds(reps, [&] {
-                scaled_dot_product_attention_backward(g, q, k, v, out, lse, ao, {dq.view(), dk.view(), dv.view(), {}});
-              });
-            const double pairs = double(L) * L * B * H;
-            const std::string name = "dense (" + info.kernel + " kernel)";
-            std::printf("%-44s %7ld %3d %10.3f %10.3f %9.2f %9.2f %10.3f %8.1f\n", name.c_str(), long(L), th, tf * 1e3,
-                        tb * 1e3, 4.0 * D * pairs / tf / 1e9, 4.0 * D * pairs / tf / 1e9, 1.0, peak);
-            std::fflush(stdout);
-          }
-      }
-    });
-  }
+  add_sparse_run(app);
+  add_sparse_bench(app);
 }
 
 }  // namespace sattn::cli

@@ -33,20 +33,9 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 
 // --weights FILE, else the embedded weights, else the source tree's sr/weights/ file.
 std::optional<sr::SrModel> load_model(const std::string& weights, int scale, bool required) {
-  std::optional<sr::SrModel> m;
-  if (!weights.empty()) {
-    m = sr::SrModel::load(weights);
-  } else if (auto e = embedded_sr_weights(scale); e.data) {
-    m = sr::SrModel::from_memory(e.data, e.size, std::string("embedded:") + e.origin);
-  } else if (const std::string f = source_tree_sr_weights(scale); fs::exists(f)) {
-    m = sr::SrModel::load(f);
-  } else {
-    check(!required, ErrorKind::kIO, "sr: no weights for x", scale, ": none embedded at build time and '", f,
-          "' does not exist (train and export them, see sr/README.md, or pass --weights FILE)");
-    return std::nullopt;
-  }
-  check(m->scale() == scale, ErrorKind::kInvalidArgument, "sr: --scale ", scale, " but the weights are for x",
-        m->scale());
+  std::optional<sr::SrModel> m = find_sr_model(weights, scale, "sr: --scale");
+  check(m || !required, ErrorKind::kIO, "sr: no weights for x", scale, ": ", [&] { return missing_sr_weights(scale); },
+        " (train and export them, see sr/README.md, or pass --weights FILE)");
   return m;
 }
 

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "cli/sr_weights.hpp"
+#include "sattn/error.hpp"
 
 #define SATTN_STR2(x) #x
 #define SATTN_INCBIN(sym, file)                                                                   \
@@ -31,6 +32,26 @@ EmbeddedWeights embedded_sr_weights(int scale) {
 #endif
   (void)scale;
   return {};
+}
+
+std::optional<sr::SrModel> find_sr_model(const std::string& weights, int scale, const char* what) {
+  std::optional<sr::SrModel> m;
+  if (!weights.empty()) {
+    m = sr::SrModel::load(weights);
+  } else if (const EmbeddedWeights e = embedded_sr_weights(scale); e.data) {
+    m = sr::SrModel::from_memory(e.data, e.size, std::string("embedded:") + e.origin);
+  } else if (const std::string f = source_tree_sr_weights(scale); std::filesystem::exists(f)) {
+    m = sr::SrModel::load(f);
+  } else {
+    return std::nullopt;
+  }
+  check(scale == 0 || m->scale() == scale, ErrorKind::kInvalidArgument, what, ": x", scale,
+        " asked for, but the weights '", m->name(), "' are for x", m->scale());
+  return m;
+}
+
+std::string missing_sr_weights(int scale) {
+  return "none embedded at build time and '" + source_tree_sr_weights(scale) + "' does not exist";
 }
 
 std::string source_tree_sr_weights(int scale) {

@@ -97,8 +97,10 @@ using namespace sattn::fused::detail;
 
 using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
+using MF = hn::Mask<DF>;
 
 #include "simd/blocking.inc"  // kMR, kNV
+#include "simd/gemm.inc"      // MicroKernel
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kDecodeRows = 4;  // Lq up to this uses the keys-in-lanes decode kernel
@@ -114,15 +116,7 @@ HWY_INLINE void MicroTile(const float* HWY_RESTRICT A, int64_t sam, int64_t sak,
   VF acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NV; ++n) acc[m][n] = kAcc ? hn::Load(d, C + m * ldc + n * N) : hn::Zero(d);
-  for (int64_t k = 0; k < K; ++k) {
-    VF bv[NV];
-    for (int n = 0; n < NV; ++n) bv[n] = hn::Load(d, B + k * ldb + n * N);
-    const float* a = A + k * sak;
-    for (int m = 0; m < MR; ++m) {
-      const VF av = hn::Set(d, a[m * sam]);
-      for (int n = 0; n < NV; ++n) acc[m][n] = hn::MulAdd(av, bv[n], acc[m][n]);
-    }
-  }
+  MicroKernel<MR, NV>(acc, A, sam, sak, B, ldb, K, [&](const float* row, int v) { return hn::Load(d, row + v * N); });
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NV; ++n) hn::Store(acc[m][n], d, C + m * ldc + n * N);
 }
