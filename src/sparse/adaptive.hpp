@@ -4,7 +4,7 @@
 #include <string>
 
 #include "sattn/sparse.hpp"
-#include "sattn/sparse_engine.hpp"
+#include "sparse/engine.hpp"
 #include "sparse/pattern_node.hpp"
 
 namespace sattn::sparse {

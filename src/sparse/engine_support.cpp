@@ -17,7 +17,7 @@
 #include "core/env.hpp"
 #include "core/threads.hpp"
 #include "sattn/error.hpp"
-#include "sattn/sparse_engine.hpp"
+#include "sparse/engine.hpp"
 
 namespace sattn::sparse::detail {
 

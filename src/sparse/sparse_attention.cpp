@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "sattn/error.hpp"
-#include "sattn/sparse_engine.hpp"
+#include "sparse/engine.hpp"
 #include "sparse/adaptive.hpp"
 #include "sparse/pattern_node.hpp"
 

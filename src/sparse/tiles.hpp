@@ -1,4 +1,4 @@
-// The inner tile operations of the block-sparse engine (sparse_engine.hpp): a few functions on contiguous fp32
+// The inner tile operations of the block-sparse engine (sparse/engine.hpp): a few functions on contiguous fp32
 // tiles, the boundary where SIMD micro-kernels plug in. The implementations (src/sparse/tiles_simd.cpp) are
 // register-blocked Highway micro-kernels compiled for AVX-512, AVX2+FMA, SSE4 and a portable baseline, chosen at run
 // time with every other SIMD component (SATTN_SIMD, sattn::set_simd_target in simd.hpp), so the library runs on any

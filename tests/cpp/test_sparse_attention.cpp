@@ -16,7 +16,7 @@
 #include "sattn/attention.hpp"
 #include "sattn/error.hpp"
 #include "sattn/sparse.hpp"
-#include "sattn/sparse_engine.hpp"
+#include "sparse/engine.hpp"
 #include "sparse/tiles.hpp"
 #include "scoped.hpp"
 #include "sparse_test_util.hpp"
