@@ -7,6 +7,8 @@
 // A row with no allowed key has out = 0, lse = -inf and zero gradients.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -78,5 +80,17 @@ void block_sparse_attention_backward(const TensorView& dout, const TensorView& q
                                      const TensorView& v, const TensorView& out, const TensorView& lse,
                                      const BlockMask& mask, const TensorView& dense_mask, const SparseOptions& options,
                                      const SparseGrads& grads);
+
+// FlexAttention's mask_mod as a function: mask_mod(b, h, i, j) is true when query i of (batch b, query head h) may
+// attend to key j. It is called only for pairs inside the partial ranges of `mask` (a full range is allowed as a
+// whole), from several threads at once; score modifications come from `options` (alibi_slopes, softcap, bias,
+// rel_pos_bias).
+using MaskFunction = std::function<bool(int64_t b, int64_t h, int64_t i, int64_t j)>;
+void flex_attention(const TensorView& q, const TensorView& k, const TensorView& v, const BlockMask& mask,
+                    const MaskFunction& mask_mod, const SparseOptions& options, const TensorView& out,
+                    const TensorView& lse = {});
+void flex_attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
+                             const TensorView& out, const TensorView& lse, const BlockMask& mask,
+                             const MaskFunction& mask_mod, const SparseOptions& options, const SparseGrads& grads);
 
 }  // namespace sattn::sparse

@@ -65,6 +65,12 @@ struct PatternMask {
   }
 };
 
+// A MaskFunction in the engine's MaskMod form.
+struct FunctionMask {
+  const MaskFunction* f;
+  bool operator()(int64_t b, int64_t h, int64_t i, int64_t j) const { return (*f)(b, h, i, j); }
+};
+
 struct DenseMask {
   const uint8_t* d;
   int64_t sh, si, sj;
@@ -316,6 +322,24 @@ void block_sparse_attention_backward(const TensorView& dout, const TensorView& q
   const DenseMask dm = dense_mask_mod(dense_mask, mask);
   if (dm.d) backward_with(dout, q, k, v, out, lse, mask, dm, nullptr, o, g);
   else backward_with(dout, q, k, v, out, lse, mask, AllowAll{}, nullptr, o, g);
+}
+
+void flex_attention(const TensorView& q, const TensorView& k, const TensorView& v, const BlockMask& mask,
+                    const MaskFunction& mask_mod, const SparseOptions& o, const TensorView& out,
+                    const TensorView& lse) {
+  check(bool(mask_mod), ErrorKind::kInvalidArgument, "flex_attention: mask_mod is empty");
+  check_qk(q, k);
+  std::vector<float> bias_storage, rel_storage;
+  const BuiltinMod mod = make_mod(q, k, nullptr, o, bias_storage, rel_storage);
+  block_sparse_attention(q, k, v, mask, FunctionMask{&mask_mod}, mod, o, out, lse, o.enable_gqa);
+}
+
+void flex_attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
+                             const TensorView& out, const TensorView& lse, const BlockMask& mask,
+                             const MaskFunction& mask_mod, const SparseOptions& o, const SparseGrads& g) {
+  check(bool(mask_mod), ErrorKind::kInvalidArgument, "flex_attention_backward: mask_mod is empty");
+  check_qk(q, k);
+  backward_with(dout, q, k, v, out, lse, mask, FunctionMask{&mask_mod}, nullptr, o, g);
 }
 
 }  // namespace sattn::sparse

@@ -349,6 +349,20 @@ TEST(SparseAttention, BlockMaskFromDenseMatchesReference) {
   EXPECT_LE(rel_err(dq, rdq), 1e-4);
   EXPECT_LE(rel_err(dk, rdk), 1e-4);
   EXPECT_LE(rel_err(dv, rdv), 1e-4);
+  // The same mask as a function (flex_attention): the same engine, the same numbers.
+  const MaskFunction mask_mod = [&](int64_t, int64_t h, int64_t i, int64_t j) {
+    return dm.data<uint8_t>()[(h * Lq + i) * Lk + j] != 0;
+  };
+  Tensor fout(DType::kF32, rout.shape()), flse(DType::kF32, rlse.shape());
+  flex_attention(q, k, v, bm, mask_mod, so, fout, flse);
+  EXPECT_EQ(rel_err(fout, out), 0.0);
+  EXPECT_EQ(rel_err(flse, lse), 0.0);
+  Tensor fdq(DType::kF32, q.shape()), fdk(DType::kF32, k.shape()), fdv(DType::kF32, v.shape());
+  flex_attention_backward(dout, q, k, v, fout, flse, bm, mask_mod, so,
+                          {fdq.view(), fdk.view(), fdv.view(), {}, {}, {}});
+  EXPECT_EQ(rel_err(fdq, dq), 0.0);
+  EXPECT_EQ(rel_err(fdk, dk), 0.0);
+  EXPECT_EQ(rel_err(fdv, dv), 0.0);
 }
 
 // User callables: FlexAttention-style mask_mod and score_mod inlined by the template engine.
