@@ -48,7 +48,8 @@ void check_depth(const char* what, const Pattern::Node& node) {
 
 void check_alignment(const char* pattern, Alignment al) {
   check(al == Alignment::kTopLeft || al == Alignment::kBottomRight, ErrorKind::kInvalidArgument, pattern,
-        ": alignment: expected Causal::kTopLeft or Causal::kBottomRight, got ", to_string(al));
+        ": alignment: expected Causal::kTopLeft or Causal::kBottomRight, got ",
+        al == Causal::kNone ? "Causal::kNone" : "a value outside the enum");
 }
 
 void check_param(const char* pattern, const char* name, int64_t value, int64_t lo, int64_t hi, const char* note) {
