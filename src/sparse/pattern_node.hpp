@@ -92,6 +92,22 @@ BlockMask build_identity_layout(int64_t len_q, int64_t len_k, int64_t heads, con
 }
 // Query-block boundaries every `block` queries.
 std::vector<int32_t> grid_bounds(int64_t len_q, int64_t block);
+// Floor division and modulo (b > 0).
+int64_t floor_div(int64_t a, int64_t b);
+int64_t floor_mod(int64_t a, int64_t b);
+// Ends of the query blocks: at most `block` queries each, and a block also ends wherever the aligned query index
+// i + off crosses a multiple of the pattern's block `blk`, so that every visited tile is full.
+std::vector<int32_t> block_aligned_bounds(int64_t lq, int64_t off, int64_t blk, int64_t block);
+// The aligned position of query 0: 0 (top-left) or Lk - Lq (bottom-right).
+int64_t align_offset(Alignment al, int64_t len_q, int64_t len_k);
+// ", alignment='top_left'" for a top-left pattern's repr, else "".
+std::string alignment_suffix(Alignment al);
+// Throws unless 0 <= len < 2^31.
+void check_len32(int64_t len, const char* name);
+// Throws unless the node nests at most kMaxPatternDepth deep.
+void check_depth(const char* what, const Pattern::Node& node);
+// Patterns align top-left or bottom-right; Causal::kNone is not an alignment.
+void check_alignment(const char* pattern, Alignment al);
 }  // namespace detail
 
 }  // namespace sattn::sparse
