@@ -16,16 +16,15 @@
 
 namespace pyb = pybind11;
 
-
 namespace sattn::py {
 
 namespace {
 
 // The options every private entry point takes, in one place (after the arrays).
 AttentionOptions make_options(const TensorView& attn_mask, const TensorView& key_padding_mask,
-                              const TensorView& key_lengths, const std::string& causal,
-                              std::optional<double> scale, double dropout_p, uint64_t seed,
-                              const std::optional<std::string>& kernel, bool strict, const pyb::object& num_threads) {
+                              const TensorView& key_lengths, const std::string& causal, std::optional<double> scale,
+                              double dropout_p, uint64_t seed, const std::optional<std::string>& kernel, bool strict,
+                              const pyb::object& num_threads) {
   AttentionOptions o;
   o.attn_mask = attn_mask;
   o.key_padding_mask = key_padding_mask;
@@ -48,13 +47,14 @@ DType result_dtype(const TensorView& q) { return is_floating(q.dtype) ? q.dtype 
 pyb::tuple forward(const pyb::object& q_obj, const pyb::object& k_obj, const pyb::object& v_obj,
                    const pyb::object& mask_obj, const pyb::object& kpm_obj, const pyb::object& len_obj,
                    const std::string& causal, std::optional<double> scale, double dropout_p, uint64_t seed,
-                   const std::optional<std::string>& kernel, bool strict, const pyb::object& num_threads,
-                   bool need_lse, bool need_weights) {
+                   const std::optional<std::string>& kernel, bool strict, const pyb::object& num_threads, bool need_lse,
+                   bool need_weights) {
   ArrayKeeper keep;
-  const TensorView q = view_of(q_obj, "query", keep), k = view_of(k_obj, "key", keep), v = view_of(v_obj, "value", keep);
-  const AttentionOptions o = make_options(view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
-                                          view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, kernel,
-                                          strict, num_threads);
+  const TensorView q = view_of(q_obj, "query", keep), k = view_of(k_obj, "key", keep),
+                   v = view_of(v_obj, "value", keep);
+  const AttentionOptions o =
+      make_options(view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
+                   view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, kernel, strict, num_threads);
   // Validate before allocating anything (sizes come from the validated problem).
   const AttentionProblem p = describe_attention(q, k, v, o);
   const DType dt = stats_dtype(q);
@@ -65,9 +65,10 @@ pyb::tuple forward(const pyb::object& q_obj, const pyb::object& k_obj, const pyb
   if (need_weights) {
     // The same limit as the reference kernel's, checked before numpy allocates.
     const double bytes = p.score_matrix_bytes(dtype_size(dt)), limit = double(memory_limit_bytes(o.memory_limit_bytes));
-    check(bytes <= limit, ErrorKind::kOutOfMemory, "attention weights: [B, Hq, Lq, Lk] = ",
-          shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}), " needs ", bytes / (1 << 20),
-          " MiB, over the memory limit of ", limit / (1 << 20), " MiB (default: half of physical memory)");
+    check(bytes <= limit, ErrorKind::kOutOfMemory,
+          "attention weights: [B, Hq, Lq, Lk] = ", shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}), " needs ",
+          bytes / (1 << 20), " MiB, over the memory limit of ", limit / (1 << 20),
+          " MiB (default: half of physical memory)");
     weights = new_array(dt, {p.batch, p.heads_q, p.len_q, p.len_k}, &outs.weights);
   }
   KernelInfo info;
@@ -88,14 +89,15 @@ pyb::tuple backward(const pyb::object& dout_obj, const pyb::object& q_obj, const
   const TensorView dout = view_of(dout_obj, "dout", keep), q = view_of(q_obj, "query", keep),
                    k = view_of(k_obj, "key", keep), v = view_of(v_obj, "value", keep),
                    out = view_of(out_obj, "out", keep), lse = view_of(lse_obj, "lse", keep);
-  const AttentionOptions o = make_options(view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
-                                          view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, kernel,
-                                          strict, num_threads);
+  const AttentionOptions o =
+      make_options(view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
+                   view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, kernel, strict, num_threads);
   const AttentionOutputs fwd{out, lse, {}};
   const AttentionProblem p = describe_attention(q, k, v, o, &fwd);
   const DType dt = result_dtype(q);
   AttentionGrads g;
-  pyb::object dq = new_array(dt, q.shape, &g.dq), dk = new_array(dt, k.shape, &g.dk), dv = new_array(dt, v.shape, &g.dv);
+  pyb::object dq = new_array(dt, q.shape, &g.dq), dk = new_array(dt, k.shape, &g.dk),
+              dv = new_array(dt, v.shape, &g.dv);
   pyb::object dmask = pyb::none();
   if (need_dmask && p.mask == MaskKind::kAdditive) dmask = new_array(stats_dtype(q), p.mask_shape, &g.dmask);
   KernelInfo info;
@@ -111,10 +113,11 @@ pyb::tuple explain(const pyb::object& q_obj, const pyb::object& k_obj, const pyb
                    const std::string& causal, std::optional<double> scale, double dropout_p, uint64_t seed,
                    bool is_backward, bool need_lse, bool need_weights, bool need_dmask) {
   ArrayKeeper keep;
-  const TensorView q = view_of(q_obj, "query", keep), k = view_of(k_obj, "key", keep), v = view_of(v_obj, "value", keep);
-  const AttentionOptions o = make_options(view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
-                                          view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed,
-                                          std::nullopt, false, pyb::none());
+  const TensorView q = view_of(q_obj, "query", keep), k = view_of(k_obj, "key", keep),
+                   v = view_of(v_obj, "value", keep);
+  const AttentionOptions o = make_options(
+      view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
+      view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, std::nullopt, false, pyb::none());
   AttentionProblem p = describe_attention(q, k, v, o);
   p.backward = is_backward;
   p.need_lse = need_lse || is_backward;

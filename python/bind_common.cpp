@@ -44,7 +44,8 @@ pyb::dtype numpy_dtype(DType dtype) {
       try {
         ml_dtypes = pyb::module_::import("ml_dtypes");
       } catch (const pyb::error_already_set&) {
-        fail(ErrorKind::kTypeError, "a bfloat16 result needs numpy's bfloat16 dtype from the ml_dtypes package, "
+        fail(ErrorKind::kTypeError,
+             "a bfloat16 result needs numpy's bfloat16 dtype from the ml_dtypes package, "
              "which is not installed (pip install ml_dtypes)");
       }
       return pyb::dtype::from_args(ml_dtypes.attr("bfloat16"));

@@ -26,7 +26,6 @@
 #define SATTN_VERSION "unknown"
 #endif
 
-
 namespace sattn {
 int resolve_num_threads(int requested);  // src/core/threads.hpp (not included: it needs OpenMP flags)
 }  // namespace sattn
@@ -107,7 +106,9 @@ void bind_core(pybind11::module_& m) {
       PyErr_SetString(g_memory, "sattn: out of memory (std::bad_alloc)");
     } catch (const std::length_error& e) {  // a size past what a buffer can hold ("larger than max_size()")
       PyErr_SetString(g_memory, message::concat("sattn: out of memory: a buffer larger than any this machine can "
-                                                "address was asked for (std::length_error: ", e.what(), ")").c_str());
+                                                "address was asked for (std::length_error: ",
+                                                e.what(), ")")
+                                    .c_str());
     }
   });
 
@@ -138,8 +139,7 @@ void bind_core(pybind11::module_& m) {
       "CPU runs). Raises InvalidArgumentError for an unknown name and UnsupportedError when this CPU cannot run it. "
       "Takes effect for calls that start after it returns.");
   m.def(
-      "get_num_threads",
-      []() { return resolve_num_threads(g_default_threads.load()); },
+      "get_num_threads", []() { return resolve_num_threads(g_default_threads.load()); },
       "Threads a call with num_threads=None uses: set_num_threads()'s value, else $SATTN_NUM_THREADS, else the "
       "number of online cores.");
   m.def(

@@ -50,9 +50,9 @@ pyb::object varlen(const pyb::object& q, const pyb::object& k, const pyb::object
   return out;
 }
 
-pyb::tuple varlen_backward(const pyb::object& dout, const pyb::object& q, const pyb::object& k,
-                           const pyb::object& v, const pyb::object& out, const pyb::object& lse,
-                           const pyb::object& cu_q, const pyb::object& cu_k, int64_t max_q, int64_t max_k, bool causal,
+pyb::tuple varlen_backward(const pyb::object& dout, const pyb::object& q, const pyb::object& k, const pyb::object& v,
+                           const pyb::object& out, const pyb::object& lse, const pyb::object& cu_q,
+                           const pyb::object& cu_k, int64_t max_q, int64_t max_k, bool causal,
                            std::optional<double> scale) {
   ArrayKeeper keep;
   const TensorView qv = view_of(q, "q", keep), kv = view_of(k, "k", keep), vv = view_of(v, "v", keep);

@@ -59,8 +59,8 @@ keep torch MHA's polarity: True = may NOT attend / is padding. is_causal is a hi
 mask; sattn checks it. A query row with no allowed key gives attention 0 (torch 2.x: the same with
 need_weights=False outside its eval fast path, NaN otherwise). See docs/mha.md.)doc")
       .def(pyb::init([](int64_t embed_dim, int64_t num_heads, double dropout, bool bias, bool add_bias_kv,
-                        bool add_zero_attn, std::optional<int64_t> kdim, std::optional<int64_t> vdim,
-                        bool batch_first, const pyb::object& device, const pyb::object& dtype, uint64_t seed) {
+                        bool add_zero_attn, std::optional<int64_t> kdim, std::optional<int64_t> vdim, bool batch_first,
+                        const pyb::object& device, const pyb::object& dtype, uint64_t seed) {
              if (!device.is_none())
                check(std::string(pyb::str(device)) == "cpu", ErrorKind::kInvalidArgument,
                      "device: sattn runs on the CPU; expected None or 'cpu', got '", std::string(pyb::str(device)),
@@ -92,9 +92,8 @@ need_weights=False outside its eval fast path, NaN otherwise). See docs/mha.md.)
           "query"_a, "key"_a, "value"_a, "key_padding_mask"_a = pyb::none(), "need_weights"_a = true,
           "attn_mask"_a = pyb::none(), "average_attn_weights"_a = true, "is_causal"_a = false,
           "Returns (attn_output, attn_weights or None); shapes as torch.nn.MultiheadAttention.forward.")
-      .def("__call__", [](pyb::object self, pyb::args args, pyb::kwargs kwargs) {
-        return self.attr("forward")(*args, **kwargs);
-      })
+      .def("__call__",
+           [](pyb::object self, pyb::args args, pyb::kwargs kwargs) { return self.attr("forward")(*args, **kwargs); })
       .def(
           "train", [](MHA& self, bool mode) -> MHA& { return self.train(mode); }, "mode"_a = true,
           pyb::return_value_policy::reference_internal)
@@ -127,8 +126,7 @@ need_weights=False outside its eval fast path, NaN otherwise). See docs/mha.md.)
             std::vector<std::pair<std::string, Tensor>> current;
             if (!strict) {  // as torch: ignore unknown keys, keep current values for missing ones
               current = self.state_dict();
-              for (const auto& [name, t] : current)
-                tv[name] = views.count(name) ? views.at(name).view : t.view();
+              for (const auto& [name, t] : current) tv[name] = views.count(name) ? views.at(name).view : t.view();
             } else {
               for (const auto& [name, nv] : views) tv[name] = nv.view;
             }
@@ -184,7 +182,8 @@ need_weights=False outside its eval fast path, NaN otherwise). See docs/mha.md.)
       "tensors come back as ml_dtypes.bfloat16 arrays (a DTypeError naming the tensor without ml_dtypes).");
   m.def(
       "write_safetensors",
-      [](const std::string& path, const pyb::dict& tensors, const std::optional<std::map<std::string, std::string>>& metadata) {
+      [](const std::string& path, const pyb::dict& tensors,
+         const std::optional<std::map<std::string, std::string>>& metadata) {
         std::map<std::string, NumpyView> views = dict_views(tensors, "tensors");
         std::map<std::string, TensorView> tv;
         for (const auto& [name, nv] : views) tv[name] = nv.view;

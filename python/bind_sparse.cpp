@@ -120,16 +120,17 @@ CallOptions make_options(std::optional<double> scale, bool enable_gqa, const std
 pybind11::object sparse_attention_py(const pybind11::array& q, const pybind11::array& k, const pybind11::array& v,
                                      const sparse::Pattern& pattern, std::optional<double> scale, bool enable_gqa,
                                      const std::optional<pybind11::array>& key_padding_mask, bool return_lse,
-                                     bool return_indices, int64_t block, const std::optional<std::vector<float>>& alibi_slopes,
-                                     double softcap, const std::optional<pybind11::array>& bias,
+                                     bool return_indices, int64_t block,
+                                     const std::optional<std::vector<float>>& alibi_slopes, double softcap,
+                                     const std::optional<pybind11::array>& bias,
                                      const std::optional<pybind11::array>& rel_pos_bias, int num_threads) {
   ArrayKeeper keeper;
   const TensorView qv = view_of(q, "query", keeper), kv = view_of(k, "key", keeper), vv = view_of(v, "value", keeper);
   check(qv.dim() == 4 && vv.dim() == 4, ErrorKind::kInvalidArgument,
         "query/value: expected 4-D arrays [B, H, L, D], got query ", shape_to_string(qv.shape), " and value ",
         shape_to_string(vv.shape));
-  CallOptions c = make_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias,
-                               num_threads);
+  CallOptions c =
+      make_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias, num_threads);
   pybind11::array out =
       sparse_np::new_array(sparse_np::result_dtype(qv), {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]});
   pybind11::array lse = sparse_np::new_array(sparse_np::stats_dtype(qv), {qv.shape[0], qv.shape[1], qv.shape[2]});
@@ -137,9 +138,12 @@ pybind11::object sparse_attention_py(const pybind11::array& q, const pybind11::a
   pybind11::array idx;
   TensorView iv;
   if (return_indices) {
-    const Shape is = sparse::selection_shape(pattern, qv.shape[0], qv.shape[1], qv.shape[2], kv.dim() == 4 ? kv.shape[2] : 0);
-    check(!is.empty(), ErrorKind::kInvalidArgument, "return_indices: only TopK and BlockTopK patterns return a "
-          "selection, got ", pattern.repr());
+    const Shape is =
+        sparse::selection_shape(pattern, qv.shape[0], qv.shape[1], qv.shape[2], kv.dim() == 4 ? kv.shape[2] : 0);
+    check(!is.empty(), ErrorKind::kInvalidArgument,
+          "return_indices: only TopK and BlockTopK patterns return a "
+          "selection, got ",
+          pattern.repr());
     idx = pybind11::array_t<int64_t>(std::vector<pybind11::ssize_t>(is.begin(), is.end()));
     iv = sparse_np::out_view(idx);
   }
@@ -153,18 +157,21 @@ pybind11::object sparse_attention_py(const pybind11::array& q, const pybind11::a
   return out;
 }
 
-pybind11::tuple sparse_attention_backward_py(
-    const pybind11::array& dout, const pybind11::array& q, const pybind11::array& k, const pybind11::array& v,
-    const pybind11::array& out, const pybind11::array& lse, const sparse::Pattern& pattern, std::optional<double> scale,
-    bool enable_gqa, const std::optional<pybind11::array>& key_padding_mask, int64_t block,
-    const std::optional<std::vector<float>>& alibi_slopes, double softcap, const std::optional<pybind11::array>& bias,
-    const std::optional<pybind11::array>& rel_pos_bias, int num_threads, const std::optional<pybind11::array>& indices) {
+pybind11::tuple sparse_attention_backward_py(const pybind11::array& dout, const pybind11::array& q,
+                                             const pybind11::array& k, const pybind11::array& v,
+                                             const pybind11::array& out, const pybind11::array& lse,
+                                             const sparse::Pattern& pattern, std::optional<double> scale,
+                                             bool enable_gqa, const std::optional<pybind11::array>& key_padding_mask,
+                                             int64_t block, const std::optional<std::vector<float>>& alibi_slopes,
+                                             double softcap, const std::optional<pybind11::array>& bias,
+                                             const std::optional<pybind11::array>& rel_pos_bias, int num_threads,
+                                             const std::optional<pybind11::array>& indices) {
   ArrayKeeper keeper;
   const TensorView qv = view_of(q, "query", keeper), kv = view_of(k, "key", keeper), vv = view_of(v, "value", keeper),
                    dov = view_of(dout, "dout", keeper), outv = view_of(out, "out", keeper),
                    lsev = view_of(lse, "lse", keeper);
-  CallOptions c = make_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias,
-                               num_threads);
+  CallOptions c =
+      make_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias, num_threads);
   const DType odt = sparse_np::result_dtype(qv);
   pybind11::array dq = sparse_np::new_array(odt, qv.shape), dk = sparse_np::new_array(odt, kv.shape),
                   dv = sparse_np::new_array(odt, vv.shape);
@@ -257,13 +264,18 @@ void bind_patterns(pybind11::module_& m) {
       .def("__and__", [](const Pattern& a, const Pattern& b) { return a & b; })
       .def("__eq__", [](const Pattern& a, const Pattern& b) { return a == b; })
       .def("__hash__", [](const Pattern& a) { return std::hash<std::string>{}(a.repr()); })
-      .def("allowed", [](const Pattern& p, int64_t h, int64_t i, int64_t j, int64_t lq, int64_t lk) {
-             return p.allowed(0, h, i, j, lq, lk);
-           }, "h"_a, "i"_a, "j"_a, "len_q"_a, "len_k"_a)
-      .def("dense_mask", [](const Pattern& p, int64_t lq, std::optional<int64_t> lk, int64_t heads) {
-             return to_numpy(p.dense_mask(lq, lk.value_or(lq), heads));
-           }, "len_q"_a, "len_k"_a = pybind11::none(), "heads"_a = 1,
-           "Bool mask (True = may attend) [heads or 1, Lq, Lk].")
+      .def(
+          "allowed",
+          [](const Pattern& p, int64_t h, int64_t i, int64_t j, int64_t lq, int64_t lk) {
+            return p.allowed(0, h, i, j, lq, lk);
+          },
+          "h"_a, "i"_a, "j"_a, "len_q"_a, "len_k"_a)
+      .def(
+          "dense_mask",
+          [](const Pattern& p, int64_t lq, std::optional<int64_t> lk, int64_t heads) {
+            return to_numpy(p.dense_mask(lq, lk.value_or(lq), heads));
+          },
+          "len_q"_a, "len_k"_a = pybind11::none(), "heads"_a = 1, "Bool mask (True = may attend) [heads or 1, Lq, Lk].")
       .def("block_mask", &Pattern::block_mask, "len_q"_a, "len_k"_a, "heads"_a = 1, "block"_a = 64)
       .def_property_readonly("head_dependent", &Pattern::head_dependent);
 
@@ -271,55 +283,63 @@ void bind_patterns(pybind11::module_& m) {
       .def(pybind11::init([](const IntArg& l, const IntArg& r, const std::string& al) {
              return sparse::SlidingWindow(int_arg(l, "SlidingWindow", "left"), int_arg(r, "SlidingWindow", "right"),
                                           parse_alignment(al));
-           }), "left"_a, "right"_a, "alignment"_a = "bottom_right");
+           }),
+           "left"_a, "right"_a, "alignment"_a = "bottom_right");
   pybind11::class_<sparse::Dilated, Pattern>(m, "Dilated")
       .def(pybind11::init([](const IntArg& w, const IntArg& d, const std::string& al) {
              return sparse::Dilated(int_arg(w, "Dilated", "window"), int_arg(d, "Dilated", "dilation"),
                                     parse_alignment(al));
-           }), "window"_a, "dilation"_a, "alignment"_a = "bottom_right");
+           }),
+           "window"_a, "dilation"_a, "alignment"_a = "bottom_right");
   pybind11::class_<sparse::BlockLocal, Pattern>(m, "BlockLocal")
       .def(pybind11::init([](const IntArg& b, const std::string& al) {
              return sparse::BlockLocal(int_arg(b, "BlockLocal", "block"), parse_alignment(al));
-           }), "block"_a, "alignment"_a = "bottom_right");
+           }),
+           "block"_a, "alignment"_a = "bottom_right");
   pybind11::class_<sparse::GlobalTokens, Pattern>(m, "GlobalTokens")
       .def(pybind11::init([](const std::vector<IntArg>& idx, const Pattern& base, const std::string& al) {
              std::vector<int64_t> indices;
              for (const IntArg& x : idx) indices.push_back(int_arg(x, "GlobalTokens", "indices"));
              return sparse::GlobalTokens(std::move(indices), base, parse_alignment(al));
-           }), "indices"_a, "base"_a, "alignment"_a = "bottom_right");
+           }),
+           "indices"_a, "base"_a, "alignment"_a = "bottom_right");
   pybind11::class_<sparse::BigBird, Pattern>(m, "BigBird")
       .def(pybind11::init([](const IntArg& b, const IntArg& w, const IntArg& g, const IntArg& r, const IntArg& seed,
                              const std::string& al) {
              return sparse::BigBird(int_arg(b, "BigBird", "block"), int_arg(w, "BigBird", "window_blocks"),
                                     int_arg(g, "BigBird", "global_blocks"), int_arg(r, "BigBird", "random_blocks"),
                                     uint64_arg(seed, "BigBird", "seed"), parse_alignment(al));
-           }), "block"_a, "window_blocks"_a, "global_blocks"_a, "random_blocks"_a, "seed"_a = 0,
+           }),
+           "block"_a, "window_blocks"_a, "global_blocks"_a, "random_blocks"_a, "seed"_a = 0,
            "alignment"_a = "bottom_right");
   pybind11::class_<sparse::Neighborhood2D, Pattern>(m, "Neighborhood2D")
       .def(pybind11::init([](const IntArg& h, const IntArg& w, const IntArg& k, const IntArg& d, bool causal) {
-             return sparse::Neighborhood2D(int_arg(h, "Neighborhood2D", "height"), int_arg(w, "Neighborhood2D", "width"),
-                                           int_arg(k, "Neighborhood2D", "kernel"),
-                                           int_arg(d, "Neighborhood2D", "dilation"), causal);
-           }), "height"_a, "width"_a, "kernel"_a, "dilation"_a = 1, "causal"_a = false);
+             return sparse::Neighborhood2D(
+                 int_arg(h, "Neighborhood2D", "height"), int_arg(w, "Neighborhood2D", "width"),
+                 int_arg(k, "Neighborhood2D", "kernel"), int_arg(d, "Neighborhood2D", "dilation"), causal);
+           }),
+           "height"_a, "width"_a, "kernel"_a, "dilation"_a = 1, "causal"_a = false);
   pybind11::class_<sparse::WindowAttention2D, Pattern>(m, "WindowAttention2D")
       .def(pybind11::init([](const IntArg& h, const IntArg& w, const IntArg& win, const IntArg& shift) {
-             return sparse::WindowAttention2D(int_arg(h, "WindowAttention2D", "height"),
-                                              int_arg(w, "WindowAttention2D", "width"),
-                                              int_arg(win, "WindowAttention2D", "window"),
-                                              int_arg(shift, "WindowAttention2D", "shift"));
-           }), "height"_a, "width"_a, "window"_a, "shift"_a = 0);
+             return sparse::WindowAttention2D(
+                 int_arg(h, "WindowAttention2D", "height"), int_arg(w, "WindowAttention2D", "width"),
+                 int_arg(win, "WindowAttention2D", "window"), int_arg(shift, "WindowAttention2D", "shift"));
+           }),
+           "height"_a, "width"_a, "window"_a, "shift"_a = 0);
   pybind11::class_<sparse::Full, Pattern>(m, "Full").def(pybind11::init<>());
-  pybind11::class_<sparse::TopK, Pattern>(m, "TopK")
-      .def(pybind11::init([](const IntArg& k) { return sparse::TopK(int_arg(k, "TopK", "k")); }), "k"_a);
+  pybind11::class_<sparse::TopK, Pattern>(m, "TopK").def(
+      pybind11::init([](const IntArg& k) { return sparse::TopK(int_arg(k, "TopK", "k")); }), "k"_a);
   pybind11::class_<sparse::BlockTopK, Pattern>(m, "BlockTopK")
       .def(pybind11::init([](const IntArg& b, const IntArg& kb, bool local, bool causal) {
              return sparse::BlockTopK(int_arg(b, "BlockTopK", "block"), int_arg(kb, "BlockTopK", "k_blocks"), local,
                                       causal);
-           }), "block"_a, "k_blocks"_a, "local"_a = true, "causal"_a = false);
+           }),
+           "block"_a, "k_blocks"_a, "local"_a = true, "causal"_a = false);
   pybind11::class_<sparse::ReLUAttention, Pattern>(m, "ReLUAttention")
       .def(pybind11::init<double, const std::string&>(), "power"_a = 2.0, "normalize"_a = "none");
   pybind11::class_<sparse::MixedAttention, Pattern>(m, "MixedAttention")
-      .def(pybind11::init([](std::pair<double, double> logits) { return sparse::MixedAttention(logits.first, logits.second); }),
+      .def(pybind11::init(
+               [](std::pair<double, double> logits) { return sparse::MixedAttention(logits.first, logits.second); }),
            "logits"_a = std::pair<double, double>(0.0, 0.0));
 }
 
@@ -327,73 +347,78 @@ void bind_patterns(pybind11::module_& m) {
 void bind_sparse_functions(pybind11::module_& m) {
   using namespace pybind11::literals;
   using sparse::Pattern;
-  m.def("selection_mask",
-        [](const Pattern& p, const pybind11::array& indices, int64_t lq, int64_t lk) {
-          ArrayKeeper keeper;
-          return to_numpy(sparse::selection_mask(p, view_of(indices, "indices", keeper), lq, lk));
-        },
-        "pattern"_a, "indices"_a, "len_q"_a, "len_k"_a,
-        "Bool [B, Hq, Lq, Lk] mask of the selection returned by sparse_attention(..., return_indices=True).");
+  m.def(
+      "selection_mask",
+      [](const Pattern& p, const pybind11::array& indices, int64_t lq, int64_t lk) {
+        ArrayKeeper keeper;
+        return to_numpy(sparse::selection_mask(p, view_of(indices, "indices", keeper), lq, lk));
+      },
+      "pattern"_a, "indices"_a, "len_q"_a, "len_k"_a,
+      "Bool [B, Hq, Lq, Lk] mask of the selection returned by sparse_attention(..., return_indices=True).");
 
   m.def("parse_pattern", &Pattern::parse, "spec"_a, "Parse a pattern spec (the Python constructor syntax).");
   m.def("alibi_slopes", &sparse::alibi_slopes, "heads"_a);
-  m.def("block_mask_from_dense",
-        [](const pybind11::array& mask, int64_t block, std::optional<int64_t> block_k) {
-          ArrayKeeper keeper;
-          return sparse::block_mask_from_dense(view_of(mask, "mask", keeper), block, block_k.value_or(block));
-        },
-        "mask"_a, "block"_a = 64, "block_k"_a = pybind11::none(),
-        "FlexAttention's create_block_mask: bool [Lq, Lk] or [H, Lq, Lk] (True = may attend) -> BlockMask.");
+  m.def(
+      "block_mask_from_dense",
+      [](const pybind11::array& mask, int64_t block, std::optional<int64_t> block_k) {
+        ArrayKeeper keeper;
+        return sparse::block_mask_from_dense(view_of(mask, "mask", keeper), block, block_k.value_or(block));
+      },
+      "mask"_a, "block"_a = 64, "block_k"_a = pybind11::none(),
+      "FlexAttention's create_block_mask: bool [Lq, Lk] or [H, Lq, Lk] (True = may attend) -> BlockMask.");
 
-  m.def("linear_attention",
-        [](const pybind11::array& q, const pybind11::array& k, const pybind11::array& v, const std::string& feature_map,
-           std::optional<int64_t> num_features, bool causal, uint64_t seed, bool enable_gqa, int num_threads) {
-          ArrayKeeper keeper;
-          const TensorView qv = view_of(q, "query", keeper), kv = view_of(k, "key", keeper),
-                           vv = view_of(v, "value", keeper);
-          const auto o = linear_options(feature_map, num_features, causal, seed, enable_gqa, num_threads);
-          check(qv.dim() == 4 && vv.dim() == 4, ErrorKind::kInvalidArgument, "query/value: expected 4-D arrays");
-          pybind11::array out = sparse_np::new_array(sparse_np::result_dtype(qv),
-                                                     {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]});
-          const TensorView ov = sparse_np::out_view(out);
-          {
-            pybind11::gil_scoped_release nogil;
-            sparse::linear_attention(qv, kv, vv, o, ov);
-          }
-          return out;
-        },
-        "query"_a, "key"_a, "value"_a, "feature_map"_a = "elu", "num_features"_a = pybind11::none(),
-        "causal"_a = false, "seed"_a = 0, "enable_gqa"_a = true, "num_threads"_a = 0,
-        "Linear attention phi(Q)(phi(K)^T V) / phi(Q)(phi(K)^T 1) with phi = elu+1 or FAVOR+ ('favor+').");
-  m.def("linear_attention_backward",
-        [](const pybind11::array& dout, const pybind11::array& q, const pybind11::array& k, const pybind11::array& v,
-           const std::string& feature_map, std::optional<int64_t> num_features, bool causal, uint64_t seed,
-           bool enable_gqa, int num_threads) {
-          ArrayKeeper keeper;
-          const TensorView qv = view_of(q, "query", keeper), kv = view_of(k, "key", keeper),
-                           vv = view_of(v, "value", keeper), dov = view_of(dout, "dout", keeper);
-          const auto o = linear_options(feature_map, num_features, causal, seed, enable_gqa, num_threads);
-          const DType odt = sparse_np::result_dtype(qv);
-          pybind11::array dq = sparse_np::new_array(odt, qv.shape), dk = sparse_np::new_array(odt, kv.shape),
-                          dv = sparse_np::new_array(odt, vv.shape);
-          const TensorView a = sparse_np::out_view(dq), b = sparse_np::out_view(dk), c = sparse_np::out_view(dv);
-          {
-            pybind11::gil_scoped_release nogil;
-            sparse::linear_attention_backward(dov, qv, kv, vv, o, a, b, c);
-          }
-          return pybind11::make_tuple(dq, dk, dv);
-        },
-        "dout"_a, "query"_a, "key"_a, "value"_a, "feature_map"_a = "elu", "num_features"_a = pybind11::none(),
-        "causal"_a = false, "seed"_a = 0, "enable_gqa"_a = true, "num_threads"_a = 0,
-        "Backward of linear_attention: (dq, dk, dv).");
-  m.def("favor_projection",
-        [](int64_t d, int64_t m_, uint64_t seed) {
-          const Tensor w = sparse::favor_projection(d, m_, seed);
-          pybind11::array_t<double> a({pybind11::ssize_t(m_), pybind11::ssize_t(d)});
-          std::memcpy(a.mutable_data(), w.data(), w.nbytes());
-          return a;
-        },
-        "head_dim"_a, "num_features"_a, "seed"_a = 0, "The FAVOR+ projection omega [m, D] used by linear_attention.");
+  m.def(
+      "linear_attention",
+      [](const pybind11::array& q, const pybind11::array& k, const pybind11::array& v, const std::string& feature_map,
+         std::optional<int64_t> num_features, bool causal, uint64_t seed, bool enable_gqa, int num_threads) {
+        ArrayKeeper keeper;
+        const TensorView qv = view_of(q, "query", keeper), kv = view_of(k, "key", keeper),
+                         vv = view_of(v, "value", keeper);
+        const auto o = linear_options(feature_map, num_features, causal, seed, enable_gqa, num_threads);
+        check(qv.dim() == 4 && vv.dim() == 4, ErrorKind::kInvalidArgument, "query/value: expected 4-D arrays");
+        pybind11::array out =
+            sparse_np::new_array(sparse_np::result_dtype(qv), {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]});
+        const TensorView ov = sparse_np::out_view(out);
+        {
+          pybind11::gil_scoped_release nogil;
+          sparse::linear_attention(qv, kv, vv, o, ov);
+        }
+        return out;
+      },
+      "query"_a, "key"_a, "value"_a, "feature_map"_a = "elu", "num_features"_a = pybind11::none(), "causal"_a = false,
+      "seed"_a = 0, "enable_gqa"_a = true, "num_threads"_a = 0,
+      "Linear attention phi(Q)(phi(K)^T V) / phi(Q)(phi(K)^T 1) with phi = elu+1 or FAVOR+ ('favor+').");
+  m.def(
+      "linear_attention_backward",
+      [](const pybind11::array& dout, const pybind11::array& q, const pybind11::array& k, const pybind11::array& v,
+         const std::string& feature_map, std::optional<int64_t> num_features, bool causal, uint64_t seed,
+         bool enable_gqa, int num_threads) {
+        ArrayKeeper keeper;
+        const TensorView qv = view_of(q, "query", keeper), kv = view_of(k, "key", keeper),
+                         vv = view_of(v, "value", keeper), dov = view_of(dout, "dout", keeper);
+        const auto o = linear_options(feature_map, num_features, causal, seed, enable_gqa, num_threads);
+        const DType odt = sparse_np::result_dtype(qv);
+        pybind11::array dq = sparse_np::new_array(odt, qv.shape), dk = sparse_np::new_array(odt, kv.shape),
+                        dv = sparse_np::new_array(odt, vv.shape);
+        const TensorView a = sparse_np::out_view(dq), b = sparse_np::out_view(dk), c = sparse_np::out_view(dv);
+        {
+          pybind11::gil_scoped_release nogil;
+          sparse::linear_attention_backward(dov, qv, kv, vv, o, a, b, c);
+        }
+        return pybind11::make_tuple(dq, dk, dv);
+      },
+      "dout"_a, "query"_a, "key"_a, "value"_a, "feature_map"_a = "elu", "num_features"_a = pybind11::none(),
+      "causal"_a = false, "seed"_a = 0, "enable_gqa"_a = true, "num_threads"_a = 0,
+      "Backward of linear_attention: (dq, dk, dv).");
+  m.def(
+      "favor_projection",
+      [](int64_t d, int64_t m_, uint64_t seed) {
+        const Tensor w = sparse::favor_projection(d, m_, seed);
+        pybind11::array_t<double> a({pybind11::ssize_t(m_), pybind11::ssize_t(d)});
+        std::memcpy(a.mutable_data(), w.data(), w.nbytes());
+        return a;
+      },
+      "head_dim"_a, "num_features"_a, "seed"_a = 0, "The FAVOR+ projection omega [m, D] used by linear_attention.");
   m.def("sparse_attention", &sparse_attention_py, "query"_a, "key"_a, "value"_a, "pattern"_a,
         "scale"_a = pybind11::none(), "enable_gqa"_a = false, pybind11::kw_only(),
         "key_padding_mask"_a = pybind11::none(), "return_lse"_a = false, "return_indices"_a = false, "block"_a = 64,
@@ -403,8 +428,8 @@ void bind_sparse_functions(pybind11::module_& m) {
         "returns out [B, Hq, Lq, Dv] (and lse [B, Hq, Lq] with return_lse=True).");
   m.def("sparse_attention_backward", &sparse_attention_backward_py, "dout"_a, "query"_a, "key"_a, "value"_a, "out"_a,
         "lse"_a, "pattern"_a, "scale"_a = pybind11::none(), "enable_gqa"_a = false, pybind11::kw_only(),
-        "key_padding_mask"_a = pybind11::none(), "block"_a = 64, "alibi_slopes"_a = pybind11::none(),
-        "softcap"_a = 0.0, "bias"_a = pybind11::none(), "rel_pos_bias"_a = pybind11::none(), "num_threads"_a = 0,
+        "key_padding_mask"_a = pybind11::none(), "block"_a = 64, "alibi_slopes"_a = pybind11::none(), "softcap"_a = 0.0,
+        "bias"_a = pybind11::none(), "rel_pos_bias"_a = pybind11::none(), "num_threads"_a = 0,
         "indices"_a = pybind11::none(),
         "Backward of sparse_attention: returns (dq, dk, dv, grads) with grads a dict of parameter gradients "
         "('bias', 'rel_pos_bias', 'logits' for MixedAttention) for the options given.");

@@ -38,7 +38,8 @@ sr::Image image_from_numpy(const pyb::object& obj, const char* name) {
   sr::Image im(h, w, 3);
   const uint8_t* p = c.data();
   if (gray) {
-    for (int64_t i = 0; i < h * w; ++i) im.data[size_t(3 * i)] = im.data[size_t(3 * i + 1)] = im.data[size_t(3 * i + 2)] = p[i];
+    for (int64_t i = 0; i < h * w; ++i)
+      im.data[size_t(3 * i)] = im.data[size_t(3 * i + 1)] = im.data[size_t(3 * i + 2)] = p[i];
   } else {
     std::memcpy(im.data.data(), p, im.data.size());
   }
@@ -191,42 +192,49 @@ void bind_sr(pybind11::module_& top) {
            "forward; untiled). routing_in: one uint8/bool per window (blocks in order, windows in partition order,\n"
            "as the PyTorch stats list) used instead of the router's decisions (sparse only).\n"
            "return_routing=True returns (y, routing uint8 [n], gates float32 [n]).");
-  m.def("read_image", [](const std::string& path) { return image_to_numpy(sr::read_image(path)); }, "path"_a,
-        "PNG or JPEG file -> uint8 RGB [H, W, 3] (gray replicated, alpha dropped); clear errors for corrupt,\n"
-        "truncated or unsupported files.");
-  m.def("write_png",
-        [](const std::string& path, const pyb::object& image) { sr::write_png(path, image_from_numpy(image, "image")); },
-        "path"_a, "image"_a, "uint8 RGB [H, W, 3] (or gray [H, W], written as RGB) -> 8-bit PNG.");
-  m.def("downscale",
-        [](const pyb::object& hr, int scale) {
-          check_scale_arg(scale, "downscale");
-          return image_to_numpy(sr::downscale(sr::mod_crop(image_from_numpy(hr, "hr"), scale), scale));
-        },
-        "hr"_a, "scale"_a,
-        "BasicSR's LR: HR cropped to a multiple of scale, then MATLAB imresize(HR, 1/scale, 'bicubic').");
-  m.def("mod_crop",
-        [](const pyb::object& img, int scale) {
-          check_scale_arg(scale, "mod_crop");
-          return image_to_numpy(sr::mod_crop(image_from_numpy(img, "image"), scale));
-        },
-        "image"_a, "scale"_a, "The image cropped (bottom/right) to a multiple of scale.");
-  m.def("upscale_bicubic",
-        [](const pyb::object& lr, int scale) {
-          check_scale_arg(scale, "upscale_bicubic");
-          return image_to_numpy(sr::upscale_bicubic(image_from_numpy(lr, "lr"), scale));
-        },
-        "lr"_a, "scale"_a, "MATLAB imresize(LR, scale, 'bicubic'): the bicubic baseline.");
-  m.def("psnr_y",
-        [](const pyb::object& a, const pyb::object& b, int border) {
-          return sr::psnr_y(image_from_numpy(a, "a"), image_from_numpy(b, "b"), border);
-        },
-        "a"_a, "b"_a, "border"_a,
-        "BasicSR Y-PSNR (BT.601 Y of [0, 1] RGB in the 0-255 range, unrounded), border pixels cropped per side.");
-  m.def("ssim_y",
-        [](const pyb::object& a, const pyb::object& b, int border) {
-          return sr::ssim_y(image_from_numpy(a, "a"), image_from_numpy(b, "b"), border);
-        },
-        "a"_a, "b"_a, "border"_a, "BasicSR SSIM on the same Y (11x11 Gaussian, sigma 1.5, valid region).");
+  m.def(
+      "read_image", [](const std::string& path) { return image_to_numpy(sr::read_image(path)); }, "path"_a,
+      "PNG or JPEG file -> uint8 RGB [H, W, 3] (gray replicated, alpha dropped); clear errors for corrupt,\n"
+      "truncated or unsupported files.");
+  m.def(
+      "write_png",
+      [](const std::string& path, const pyb::object& image) { sr::write_png(path, image_from_numpy(image, "image")); },
+      "path"_a, "image"_a, "uint8 RGB [H, W, 3] (or gray [H, W], written as RGB) -> 8-bit PNG.");
+  m.def(
+      "downscale",
+      [](const pyb::object& hr, int scale) {
+        check_scale_arg(scale, "downscale");
+        return image_to_numpy(sr::downscale(sr::mod_crop(image_from_numpy(hr, "hr"), scale), scale));
+      },
+      "hr"_a, "scale"_a,
+      "BasicSR's LR: HR cropped to a multiple of scale, then MATLAB imresize(HR, 1/scale, 'bicubic').");
+  m.def(
+      "mod_crop",
+      [](const pyb::object& img, int scale) {
+        check_scale_arg(scale, "mod_crop");
+        return image_to_numpy(sr::mod_crop(image_from_numpy(img, "image"), scale));
+      },
+      "image"_a, "scale"_a, "The image cropped (bottom/right) to a multiple of scale.");
+  m.def(
+      "upscale_bicubic",
+      [](const pyb::object& lr, int scale) {
+        check_scale_arg(scale, "upscale_bicubic");
+        return image_to_numpy(sr::upscale_bicubic(image_from_numpy(lr, "lr"), scale));
+      },
+      "lr"_a, "scale"_a, "MATLAB imresize(LR, scale, 'bicubic'): the bicubic baseline.");
+  m.def(
+      "psnr_y",
+      [](const pyb::object& a, const pyb::object& b, int border) {
+        return sr::psnr_y(image_from_numpy(a, "a"), image_from_numpy(b, "b"), border);
+      },
+      "a"_a, "b"_a, "border"_a,
+      "BasicSR Y-PSNR (BT.601 Y of [0, 1] RGB in the 0-255 range, unrounded), border pixels cropped per side.");
+  m.def(
+      "ssim_y",
+      [](const pyb::object& a, const pyb::object& b, int border) {
+        return sr::ssim_y(image_from_numpy(a, "a"), image_from_numpy(b, "b"), border);
+      },
+      "a"_a, "b"_a, "border"_a, "BasicSR SSIM on the same Y (11x11 Gaussian, sigma 1.5, valid region).");
 }
 
 }  // namespace sattn::py

@@ -101,9 +101,12 @@ void sparse_backward(Obj dout, Obj q, Obj k, Obj v, Obj out, Obj lse, const std:
   const TensorView dov = torch_view(dout, "grad_out"), qv = torch_view(q, "query"), kv = torch_view(k, "key"),
                    vv = torch_view(v, "value"), ov = torch_view(out, "out"), lv = torch_view(lse, "lse"),
                    iv = torch_view(indices, "indices");
-  const sparse::SparseGrads g{torch_view(dq, "dq"),        torch_view(dk, "dk"),
-                              torch_view(dv, "dv"),        torch_view(dbias, "dbias"),
-                              torch_view(drel_pos_bias, "drel_pos_bias"), {}};
+  const sparse::SparseGrads g{torch_view(dq, "dq"),
+                              torch_view(dk, "dk"),
+                              torch_view(dv, "dv"),
+                              torch_view(dbias, "dbias"),
+                              torch_view(drel_pos_bias, "drel_pos_bias"),
+                              {}};
   pyb::gil_scoped_release release;
   sparse::sparse_attention_backward(dov, qv, kv, vv, ov, lv, p, o, g, iv);
 }
@@ -117,7 +120,7 @@ VarlenOptions varlen_options(bool causal, std::optional<double> scale, int num_t
 }
 
 void varlen_forward(Obj q, Obj k, Obj v, Obj cu_q, Obj cu_k, int64_t max_q, int64_t max_k, bool causal,
-                           std::optional<double> scale, int num_threads, Obj out, Obj lse) {
+                    std::optional<double> scale, int num_threads, Obj out, Obj lse) {
   const TensorView qv = torch_view(q, "q"), kv = torch_view(k, "k"), vv = torch_view(v, "v"),
                    cq = torch_view(cu_q, "cu_seqlens_q"), ck = torch_view(cu_k, "cu_seqlens_k"),
                    ov = torch_view(out, "out"), lv = torch_view(lse, "lse");
@@ -153,14 +156,14 @@ void bind_torch(pyb::module_& m) {
         arg("lse"), arg("attn_mask"), arg("key_padding_mask"), arg("causal"), arg("scale"), arg("dropout_p"),
         arg("seed"), arg("num_threads"), arg("dq"), arg("dk"), arg("dv"), arg("dmask"),
         "Private (sattn.torch): 4-D SDPA backward into dq/dk/dv (and dmask); returns the kernel name.");
-  m.def("_torch_sparse_forward", &sparse_forward, arg("query"), arg("key"), arg("value"), arg("pattern"),
-        arg("scale"), arg("enable_gqa"), arg("key_padding_mask"), arg("block"), arg("alibi_slopes"), arg("softcap"),
-        arg("bias"), arg("rel_pos_bias"), arg("num_threads"), arg("out"), arg("lse"), arg("indices"),
+  m.def("_torch_sparse_forward", &sparse_forward, arg("query"), arg("key"), arg("value"), arg("pattern"), arg("scale"),
+        arg("enable_gqa"), arg("key_padding_mask"), arg("block"), arg("alibi_slopes"), arg("softcap"), arg("bias"),
+        arg("rel_pos_bias"), arg("num_threads"), arg("out"), arg("lse"), arg("indices"),
         "Private (sattn.torch): sparse attention forward into out/lse (and indices).");
-  m.def("_torch_sparse_backward", &sparse_backward, arg("grad_out"), arg("query"), arg("key"), arg("value"),
-        arg("out"), arg("lse"), arg("pattern"), arg("scale"), arg("enable_gqa"), arg("key_padding_mask"),
-        arg("block"), arg("alibi_slopes"), arg("softcap"), arg("bias"), arg("rel_pos_bias"), arg("num_threads"),
-        arg("indices"), arg("dq"), arg("dk"), arg("dv"), arg("dbias"), arg("drel_pos_bias"),
+  m.def("_torch_sparse_backward", &sparse_backward, arg("grad_out"), arg("query"), arg("key"), arg("value"), arg("out"),
+        arg("lse"), arg("pattern"), arg("scale"), arg("enable_gqa"), arg("key_padding_mask"), arg("block"),
+        arg("alibi_slopes"), arg("softcap"), arg("bias"), arg("rel_pos_bias"), arg("num_threads"), arg("indices"),
+        arg("dq"), arg("dk"), arg("dv"), arg("dbias"), arg("drel_pos_bias"),
         "Private (sattn.torch): sparse attention backward into dq/dk/dv (and dbias, drel_pos_bias).");
   m.def("_torch_sparse_selection_shape", &sparse_selection_shape, arg("pattern"), arg("batch"), arg("heads_q"),
         arg("len_q"), arg("len_k"), "Private (sattn.torch): shape of a sparse pattern's indices output.");

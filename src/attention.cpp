@@ -34,8 +34,7 @@ void check_view(const TensorView& t, const char* name) {
   check(t.strides.size() == t.shape.size(), ErrorKind::kInvalidArgument, name, ": ", t.strides.size(),
         " strides for shape ", shape_to_string(t.shape));
   for (size_t d = 0; d < t.shape.size(); ++d) {
-    check(t.shape[d] >= 0, ErrorKind::kInvalidArgument, name, ": negative size in shape ",
-          shape_to_string(t.shape));
+    check(t.shape[d] >= 0, ErrorKind::kInvalidArgument, name, ": negative size in shape ", shape_to_string(t.shape));
     check(t.strides[d] >= 0, ErrorKind::kInvalidArgument, name, ": negative strides are not supported, got strides ",
           shape_to_string(t.strides));
   }
@@ -91,9 +90,8 @@ AttentionProblem describe_attention(const TensorView& q, const TensorView& k, co
   check_attention_input(q, "query", "[B, Hq, Lq, D]");
   check_attention_input(k, "key", "[B, Hkv, Lk, D]");
   check_attention_input(v, "value", "[B, Hkv, Lk, Dv]");
-  check(k.dtype == q.dtype && v.dtype == q.dtype, ErrorKind::kTypeError,
-        "key/value: expected the dtype of query (", to_string(q.dtype), "), got key ", to_string(k.dtype),
-        " and value ", to_string(v.dtype));
+  check(k.dtype == q.dtype && v.dtype == q.dtype, ErrorKind::kTypeError, "key/value: expected the dtype of query (",
+        to_string(q.dtype), "), got key ", to_string(k.dtype), " and value ", to_string(v.dtype));
   AttentionProblem p;
   p.batch = q.shape[0];
   p.heads_q = q.shape[1];
@@ -104,9 +102,8 @@ AttentionProblem describe_attention(const TensorView& q, const TensorView& k, co
   p.head_dim_v = v.shape[3];
   p.dtype_q = q.dtype;
   p.dtype_kv = k.dtype;
-  check(k.shape[0] == p.batch && v.shape[0] == p.batch, ErrorKind::kInvalidArgument,
-        "key/value: expected batch size ", p.batch, " (from query), got key ", shape_to_string(k.shape),
-        " and value ", shape_to_string(v.shape));
+  check(k.shape[0] == p.batch && v.shape[0] == p.batch, ErrorKind::kInvalidArgument, "key/value: expected batch size ",
+        p.batch, " (from query), got key ", shape_to_string(k.shape), " and value ", shape_to_string(v.shape));
   check(k.shape[3] == p.head_dim, ErrorKind::kInvalidArgument, "key: expected head dim D = ", p.head_dim,
         " (from query ", shape_to_string(q.shape), "), got ", shape_to_string(k.shape));
   check(v.shape[1] == p.heads_kv && v.shape[2] == p.len_k, ErrorKind::kInvalidArgument,
@@ -122,8 +119,8 @@ AttentionProblem describe_attention(const TensorView& q, const TensorView& k, co
         "dropout_p: expected a probability in [0, 1), got ", o.dropout_p);
   p.dropout_p = o.dropout_p;
   p.seed = o.seed;
-  check(o.num_threads >= 0, ErrorKind::kInvalidArgument, "num_threads: expected 0 (automatic) or a positive count, got ",
-        o.num_threads);
+  check(o.num_threads >= 0, ErrorKind::kInvalidArgument,
+        "num_threads: expected 0 (automatic) or a positive count, got ", o.num_threads);
   check(o.memory_limit_bytes >= 0, ErrorKind::kInvalidArgument,
         "memory_limit_bytes: expected 0 (half of physical memory) or a positive byte count, got ",
         o.memory_limit_bytes);
@@ -136,8 +133,10 @@ AttentionProblem describe_attention(const TensorView& q, const TensorView& k, co
     check(m.dtype == DType::kBool || m.dtype == DType::kF32 || m.dtype == DType::kF64, ErrorKind::kTypeError,
           "attn_mask: expected bool (True = may attend) or float32/float64 (additive), got ", to_string(m.dtype));
     const Shape target = {p.batch, p.heads_q, p.len_q, p.len_k};
-    check(m.dim() <= 4, ErrorKind::kInvalidArgument, "attn_mask: expected at most 4 dimensions "
-          "broadcastable to ", shape_to_string(target), ", got shape ", shape_to_string(m.shape));
+    check(m.dim() <= 4, ErrorKind::kInvalidArgument,
+          "attn_mask: expected at most 4 dimensions "
+          "broadcastable to ",
+          shape_to_string(target), ", got shape ", shape_to_string(m.shape));
     p.mask_strides.assign(4, 0);
     const int64_t off = 4 - m.dim();
     for (int64_t d = 0; d < m.dim(); ++d) {
@@ -160,8 +159,9 @@ AttentionProblem describe_attention(const TensorView& q, const TensorView& k, co
     check_view(m, "key_padding_mask");
     check(m.dtype == DType::kBool, ErrorKind::kTypeError, "key_padding_mask: expected bool (True = padding), got ",
           to_string(m.dtype));
-    check(m.shape == Shape{p.batch, p.len_k}, ErrorKind::kInvalidArgument, "key_padding_mask: expected shape [B, Lk] = ",
-          shape_to_string({p.batch, p.len_k}), ", got ", shape_to_string(m.shape));
+    check(m.shape == Shape{p.batch, p.len_k}, ErrorKind::kInvalidArgument,
+          "key_padding_mask: expected shape [B, Lk] = ", shape_to_string({p.batch, p.len_k}), ", got ",
+          shape_to_string(m.shape));
     p.key_padding = KeyPaddingKind::kBool;
   }
   if (has_len) {
@@ -198,8 +198,8 @@ AttentionProblem describe_attention(const TensorView& q, const TensorView& k, co
 MaskData make_mask_data(const AttentionProblem& p, const AttentionOptions& o) {
   MaskData md;
   if (p.mask != MaskKind::kNone)
-    md.attn_mask = TensorView(o.attn_mask.data, o.attn_mask.dtype, {p.batch, p.heads_q, p.len_q, p.len_k},
-                              p.mask_strides);
+    md.attn_mask =
+        TensorView(o.attn_mask.data, o.attn_mask.dtype, {p.batch, p.heads_q, p.len_q, p.len_k}, p.mask_strides);
   if (p.key_padding == KeyPaddingKind::kBool) {
     md.key_padding = static_cast<const uint8_t*>(o.key_padding_mask.data);
     md.kp_stride_b = o.key_padding_mask.strides[0];
@@ -255,8 +255,7 @@ const KernelEntry& choose_kernel(const AttentionProblem& p, const AttentionOptio
 }  // namespace
 
 void scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
-                                  const AttentionOptions& options, const AttentionOutputs& outputs,
-                                  KernelInfo* info) {
+                                  const AttentionOptions& options, const AttentionOutputs& outputs, KernelInfo* info) {
   AttentionProblem p = describe_attention(q, k, v, options, &outputs);
   const KernelEntry& kernel = choose_kernel(p, options, info);
   ForwardArgs args{p, options, q, k, v, make_mask_data(p, options), outputs, resolve_num_threads(options.num_threads)};
@@ -277,7 +276,8 @@ void scaled_dot_product_attention_backward(const TensorView& dout, const TensorV
   check(dout.shape == out_shape, ErrorKind::kInvalidArgument, "dout: expected shape ", shape_to_string(out_shape),
         ", got ", shape_to_string(dout.shape));
   check(is_floating(dout.dtype), ErrorKind::kTypeError, "dout: expected a float tensor, got ", to_string(dout.dtype));
-  check(grads.dq.data && grads.dk.data && grads.dv.data, ErrorKind::kInvalidArgument, "dq/dk/dv: all three are required");
+  check(grads.dq.data && grads.dk.data && grads.dv.data, ErrorKind::kInvalidArgument,
+        "dq/dk/dv: all three are required");
   check_output(grads.dq, "dq", q.shape, true);
   check_output(grads.dk, "dk", k.shape, true);
   check_output(grads.dv, "dv", v.shape, true);
@@ -289,8 +289,8 @@ void scaled_dot_product_attention_backward(const TensorView& dout, const TensorV
   }
   const KernelEntry& kernel = choose_kernel(p, options, info);
   check(kernel.backward != nullptr, ErrorKind::kUnsupported, "kernel '", kernel.name, "' has no backward");
-  BackwardArgs args{p, options, dout, q, k, v, out, lse, make_mask_data(p, options), grads,
-                    resolve_num_threads(options.num_threads)};
+  BackwardArgs args{
+      p, options, dout, q, k, v, out, lse, make_mask_data(p, options), grads, resolve_num_threads(options.num_threads)};
   kernel.backward(args);
 }
 
@@ -310,9 +310,9 @@ AttentionResult attention(const TensorView& q, const TensorView& k, const Tensor
     // Refuse before allocating (and touching) a weights tensor that the memory limit would not allow.
     const double bytes = p.score_matrix_bytes(dtype_size(out_dtype));
     const double limit = double(memory_limit_bytes(options.memory_limit_bytes));
-    check(bytes <= limit, ErrorKind::kOutOfMemory, "weights: the attention weights [B, Hq, Lq, Lk] = ",
-          shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}), " need ", bytes / (1 << 20),
-          " MiB, over the memory limit of ", limit / (1 << 20),
+    check(bytes <= limit, ErrorKind::kOutOfMemory,
+          "weights: the attention weights [B, Hq, Lq, Lk] = ", shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}),
+          " need ", bytes / (1 << 20), " MiB, over the memory limit of ", limit / (1 << 20),
           " MiB (AttentionOptions::memory_limit_bytes; default half of physical memory)");
     r.weights = Tensor(out_dtype, {p.batch, p.heads_q, p.len_q, p.len_k});
     outs.weights = r.weights.view();

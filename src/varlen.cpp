@@ -23,8 +23,9 @@ std::vector<int64_t> read_cu(const TensorView& cu, const char* name, int64_t tot
   for (size_t s = 1; s < v.size(); ++s) {
     check(v[s] >= v[s - 1], ErrorKind::kInvalidArgument, name, ": expected non-decreasing offsets, got ", v[s - 1],
           " then ", v[s], " at index ", s);
-    check(v[s] - v[s - 1] <= max_seqlen, ErrorKind::kInvalidArgument, max_name, ": expected >= every sequence length, got ",
-          max_seqlen, " but sequence ", s - 1, " has length ", v[s] - v[s - 1]);
+    check(v[s] - v[s - 1] <= max_seqlen, ErrorKind::kInvalidArgument, max_name,
+          ": expected >= every sequence length, got ", max_seqlen, " but sequence ", s - 1, " has length ",
+          v[s] - v[s - 1]);
   }
   check(v.back() == total, ErrorKind::kInvalidArgument, name, "[-1]: expected the total number of rows ", total,
         ", got ", v.back());

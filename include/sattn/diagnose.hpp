@@ -34,10 +34,10 @@ struct DiagnoseOptions {
   // used (attn_mask, causal) hide the padding. With no padding information at all, trailing keys whose k and
   // v rows are exactly zero (zero-filled padding) are taken as padding.
   // Thresholds.
-  double saturation_max_prob = 0.99;      // a row is saturated when its largest weight exceeds this ...
-  double saturation_row_fraction = 0.5;   // ... and a head is flagged when this fraction of its rows is
-  double unscaled_std = 4.0;              // scaled-score std above which scores count as too large
-  double leak_tolerance = 1e-6;           // total weight on forbidden keys per row that counts as a leak
+  double saturation_max_prob = 0.99;     // a row is saturated when its largest weight exceeds this ...
+  double saturation_row_fraction = 0.5;  // ... and a head is flagged when this fraction of its rows is
+  double unscaled_std = 4.0;             // scaled-score std above which scores count as too large
+  double leak_tolerance = 1e-6;          // total weight on forbidden keys per row that counts as a leak
   // Test/extension hook: computes attention for the determinism check (default: sattn::attention, auto kernel).
   std::function<Tensor(const TensorView& q, const TensorView& k, const TensorView& v, const AttentionOptions&)> runner;
 };
@@ -57,7 +57,7 @@ struct HeadDiagnosis {
   double entropy_mean = 0;            // nats, over rows with >= 1 allowed key
   double entropy_normalised = 0;      // mean of H / log(allowed keys), rows with >= 2 allowed keys (1 = uniform)
   int64_t rows = 0, fully_masked_rows = 0;
-  double causal_leak_max = 0, causal_leak_mean = 0;    // per-row weight on future keys (with kCausal)
+  double causal_leak_max = 0, causal_leak_mean = 0;  // per-row weight on future keys (with kCausal)
   int64_t causal_leak_rows = 0;
   double padding_leak_max = 0, padding_leak_mean = 0;  // per-row weight on padded keys (with kPadding)
   int64_t padding_leak_rows = 0;
@@ -77,7 +77,7 @@ struct Diagnosis {
   int64_t head_dim = 0;
   std::string kernel;  // the kernel the determinism check ran
   bool deterministic = true;
-  std::string padding_source;  // where the padding for the padding check came from ("" when not checked)
+  std::string padding_source;            // where the padding for the padding check came from ("" when not checked)
   int64_t input_nan = 0, input_inf = 0;  // in q, k, v and a float mask (an additive -inf is not counted)
   std::vector<HeadDiagnosis> heads;
   std::vector<Finding> findings;

@@ -39,10 +39,8 @@ namespace message {
 // called here, so that a costly part is computed only when the message is built.
 template <typename T>
 void write_part(std::ostringstream& os, const T& part) {
-  if constexpr (std::is_invocable_v<const T&>)
-    os << part();
-  else
-    os << part;
+  if constexpr (std::is_invocable_v<const T&>) os << part();
+  else os << part;
 }
 template <typename... Args>
 std::string concat(const Args&... args) {

@@ -23,7 +23,7 @@ struct LinearOptions {
   std::string feature_map = "elu";  // "elu" or "favor+"
   int64_t num_features = 0;         // favor+: m (0 = floor(D ln D)); ignored for elu
   bool causal = false;
-  uint64_t seed = 0;                // favor+ projection
+  uint64_t seed = 0;  // favor+ projection
   bool enable_gqa = true;
   int num_threads = 0;
 };

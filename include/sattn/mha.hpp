@@ -54,7 +54,10 @@ class MultiheadAttention {
 
   // Thread safety: forward() may run concurrently from several threads; loading or re-initialising the
   // weights waits for running forwards (and vice versa).
-  MultiheadAttention& train(bool mode = true) { training_ = mode; return *this; }
+  MultiheadAttention& train(bool mode = true) {
+    training_ = mode;
+    return *this;
+  }
   MultiheadAttention& eval() { return train(false); }
   bool training() const { return training_; }
 

@@ -40,10 +40,10 @@ struct AttentionOptions {
   uint64_t seed = 0;
 
   // Execution.
-  std::string kernel;          // "" = choose automatically; else a registry name; env SATTN_KERNEL
-  bool strict = false;         // error instead of falling back to the O(L^2) reference; env SATTN_STRICT=1
-  int num_threads = 0;         // 0 = SATTN_NUM_THREADS, else the hardware's; see threads.hpp
-  bool accumulate_fp64 = false;  // reference kernel: accumulate in double even for fp32 inputs
+  std::string kernel;              // "" = choose automatically; else a registry name; env SATTN_KERNEL
+  bool strict = false;             // error instead of falling back to the O(L^2) reference; env SATTN_STRICT=1
+  int num_threads = 0;             // 0 = SATTN_NUM_THREADS, else the hardware's; see threads.hpp
+  bool accumulate_fp64 = false;    // reference kernel: accumulate in double even for fp32 inputs
   int64_t memory_limit_bytes = 0;  // reference: refuse L×L buffers above this; 0 = half of physical memory
 };
 
@@ -67,9 +67,7 @@ struct AttentionProblem {
   int64_t group_size() const { return heads_q / heads_kv; }  // query heads per kv head
   bool has_dropout() const { return dropout_p > 0.0; }
   // Bytes of one [B, Hq, Lq, Lk] buffer of `elem` bytes (the materialised score matrix).
-  double score_matrix_bytes(size_t elem) const {
-    return double(batch) * heads_q * len_q * len_k * elem;
-  }
+  double score_matrix_bytes(size_t elem) const { return double(batch) * heads_q * len_q * len_k * elem; }
   std::string to_string() const;  // e.g. "B=1 Hq=8 Hkv=2 Lq=7 Lk=129 D=64 Dv=64 f32 mask=bool causal=bottom_right"
 };
 

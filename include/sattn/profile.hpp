@@ -17,7 +17,6 @@
 #include <string>
 #include <vector>
 
-
 namespace sattn {
 
 struct ProfileOptions {
@@ -41,9 +40,9 @@ struct ProfileOptions {
 struct ProfilePoint {
   std::string kernel;
   int64_t length = 0, heads = 0;
-  double ms = 0;            // median forward time
-  double peak_mib = 0;      // measured extra peak resident memory of one forward call
-  double analytic_mib = 0;  // B·h·L²·4 bytes
+  double ms = 0;              // median forward time
+  double peak_mib = 0;        // measured extra peak resident memory of one forward call
+  double analytic_mib = 0;    // B·h·L²·4 bytes
   std::string memory_method;  // "clear_refs" or "hwm_delta"
   std::string error;          // non-empty when the point could not run (unsupported, over the memory limit, ...)
 };

@@ -14,8 +14,8 @@
 namespace sattn {
 
 struct SafetensorsFile {
-  std::map<std::string, Tensor> tensors;         // name -> dense tensor (dtype as stored)
-  std::map<std::string, std::string> metadata;   // the optional "__metadata__" string map
+  std::map<std::string, Tensor> tensors;        // name -> dense tensor (dtype as stored)
+  std::map<std::string, std::string> metadata;  // the optional "__metadata__" string map
 };
 
 // Reads a whole safetensors file. Validates everything before trusting it: header length within the

@@ -41,10 +41,10 @@ struct SparseOptions : EngineOptions {
 };
 
 struct SparseGrads {
-  TensorView dq, dk, dv;        // required, shapes of q, k, v
-  TensorView dbias;             // optional: shape of options.bias (float32/float64)
-  TensorView drel_pos_bias;     // optional: shape of options.rel_pos_bias
-  TensorView dlogits;           // optional, MixedAttention: float [2], the gradient of its logits
+  TensorView dq, dk, dv;     // required, shapes of q, k, v
+  TensorView dbias;          // optional: shape of options.bias (float32/float64)
+  TensorView drel_pos_bias;  // optional: shape of options.rel_pos_bias
+  TensorView dlogits;        // optional, MixedAttention: float [2], the gradient of its logits
 };
 
 // Geometric ALiBi slopes for `heads` heads: 2^(-8 (h + 1) / heads) (Press et al., for a power-of-two count).
@@ -61,8 +61,7 @@ void sparse_attention(const TensorView& q, const TensorView& k, const TensorView
 // indices: the forward's selection (TopK/BlockTopK); recomputed from q and k when absent.
 void sparse_attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
                                const TensorView& out, const TensorView& lse, const Pattern& pattern,
-                               const SparseOptions& options, const SparseGrads& grads,
-                               const TensorView& indices = {});
+                               const SparseOptions& options, const SparseGrads& grads, const TensorView& indices = {});
 
 // Shape of the `indices` output for `pattern` ({} when it selects nothing).
 Shape selection_shape(const Pattern& pattern, int64_t batch, int64_t heads_q, int64_t len_q, int64_t len_k);

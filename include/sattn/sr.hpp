@@ -57,8 +57,8 @@ void write_png(const std::string& path, const Image& image);
 // (half away from zero, saturated). Output size ceil(h*scale) x ceil(w*scale) unless out_h/out_w > 0.
 Image imresize(const Image& image, double scale, int64_t out_h = 0, int64_t out_w = 0);
 // Same on a float64 plane [h, w] (row-major); returns the unrounded result.
-std::vector<double> imresize_plane(const std::vector<double>& plane, int64_t h, int64_t w, double scale,
-                                   int64_t out_h, int64_t out_w);
+std::vector<double> imresize_plane(const std::vector<double>& plane, int64_t h, int64_t w, double scale, int64_t out_h,
+                                   int64_t out_w);
 // HR cropped to a multiple of s, as BasicSR's mod_crop.
 Image mod_crop(const Image& image, int s);
 // LR = imresize(HR, 1/s); HR must be a multiple of s (throws kInvalidArgument otherwise).
@@ -150,9 +150,10 @@ struct UpscaleStats {
   int64_t windows_total = 0, windows_routed = 0;
   int64_t tiles = 0;
   // With UpscaleOptions::profile: the stages in execution order: "head conv"; per block "conv path" (depthwise +
-  // GELU + pointwise, every pixel), "router" (window statistics, gate; an AttentionProbe's window too, when one is asked for) and "attention windows" (the routed windows:
-  // gather, LayerNorms, qkv, attention, projection, MLP, scatter); per group "group tail"; "body tail conv + skip";
-  // "upsample conv + shuffle"; "other" (input padding, copies: the rest of the forward time).
+  // GELU + pointwise, every pixel), "router" (window statistics, gate; an AttentionProbe's window too, when one is
+  // asked for) and "attention windows" (the routed windows: gather, LayerNorms, qkv, attention, projection, MLP,
+  // scatter); per group "group tail"; "body tail conv + skip"; "upsample conv + shuffle"; "other" (input padding,
+  // copies: the rest of the forward time).
   std::vector<SrStageTime> stages;
 };
 
@@ -205,7 +206,7 @@ class SrModel {
   SrConfig config_;
   std::map<std::string, Tensor> weights_;  // f32, PyTorch state_dict names
   std::string name_;
-  struct Prepared;                         // re-laid-out weights
+  struct Prepared;  // re-laid-out weights
   std::shared_ptr<const Prepared> prepared_;
   void prepare();
 };

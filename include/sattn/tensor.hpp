@@ -48,7 +48,9 @@ struct TensorView {
   bool empty() const { return data == nullptr && shape.empty(); }
 
   template <typename T>
-  T* ptr() const { return static_cast<T*>(data); }
+  T* ptr() const {
+    return static_cast<T*>(data);
+  }
 
   // Reads element at `index` (a full multi-index) converted to double. Slow; for tests and tools.
   double get(std::initializer_list<int64_t> index) const;
@@ -60,9 +62,9 @@ struct TensorView {
 class Tensor {
  public:
   Tensor() = default;
-  Tensor(DType dtype, Shape shape);  // zero-initialised
+  Tensor(DType dtype, Shape shape);                 // zero-initialised
   static Tensor from_view(const TensorView& view);  // dense copy, same dtype
-  Tensor to(DType dtype) const;                    // converting dense copy
+  Tensor to(DType dtype) const;                     // converting dense copy
 
   TensorView view() const { return TensorView(buffer_.get(), dtype_, shape_, contiguous_strides(shape_)); }
   operator TensorView() const { return view(); }  // NOLINT: cheap, intended
@@ -77,7 +79,9 @@ class Tensor {
 
   void* data() const { return buffer_.get(); }
   template <typename T>
-  T* data() const { return static_cast<T*>(static_cast<void*>(buffer_.get())); }
+  T* data() const {
+    return static_cast<T*>(static_cast<void*>(buffer_.get()));
+  }
 
   Tensor reshape(Shape shape) const;  // shares storage
 

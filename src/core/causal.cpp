@@ -19,8 +19,7 @@ Causal parse_causal(const std::string& text, const char* argument_name) {
   if (text == "none" || text.empty()) return Causal::kNone;
   if (text == "top_left" || text == "top-left") return Causal::kTopLeft;
   if (text == "bottom_right" || text == "bottom-right") return Causal::kBottomRight;
-  fail(ErrorKind::kInvalidArgument, argument_name, ": expected 'none', 'top_left' or 'bottom_right', got '", text,
-       "'");
+  fail(ErrorKind::kInvalidArgument, argument_name, ": expected 'none', 'top_left' or 'bottom_right', got '", text, "'");
 }
 
 }  // namespace sattn

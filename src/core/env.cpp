@@ -52,8 +52,9 @@ void load(Values& v) {
     if (const char* s = std::getenv(table[i].name); s && *s) v.values[i] = std::string(s);
   v.loaded = true;
   if (v.values[index_of("SATTN_SPARSE_ISA")])
-    std::fprintf(stderr, "sattn: SATTN_SPARSE_ISA is no longer read; SATTN_SIMD=avx512|avx2|sse4|portable sets "
-                         "the SIMD target of every component\n");
+    std::fprintf(stderr,
+                 "sattn: SATTN_SPARSE_ISA is no longer read; SATTN_SIMD=avx512|avx2|sse4|portable sets "
+                 "the SIMD target of every component\n");
 }
 
 }  // namespace

@@ -38,10 +38,14 @@ const char* to_string(DType dtype) {
 
 size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::kF64: case DType::kI64: return 8;
-    case DType::kF32: case DType::kI32: return 4;
-    case DType::kBF16: case DType::kF16: return 2;
-    case DType::kBool: case DType::kU8: return 1;
+    case DType::kF64:
+    case DType::kI64: return 8;
+    case DType::kF32:
+    case DType::kI32: return 4;
+    case DType::kBF16:
+    case DType::kF16: return 2;
+    case DType::kBool:
+    case DType::kU8: return 1;
   }
   return 1;
 }
@@ -114,7 +118,10 @@ float fp16_to_float(uint16_t h) {
       u = sign;
     } else {  // subnormal: normalise
       exp = 127 - 15 + 1;
-      while (!(mant & 0x400u)) { mant <<= 1; --exp; }
+      while (!(mant & 0x400u)) {
+        mant <<= 1;
+        --exp;
+      }
       u = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
     }
   } else if (exp == 31) {
@@ -131,12 +138,12 @@ uint16_t float_to_fp16(float value) {
   std::memcpy(&u, &value, 4);
   const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
   u &= 0x7fffffffu;
-  if (u > 0x7f800000u) return sign | 0x7e00u;           // NaN
-  if (u >= 0x477ff000u) return sign | 0x7c00u;          // overflow (>= 65520) -> inf
-  if (u < 0x38800000u) {                                // subnormal or zero in fp16
-    if (u < 0x33000000u) return sign;                   // < 2^-25 rounds to zero
+  if (u > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (u >= 0x477ff000u) return sign | 0x7c00u;  // overflow (>= 65520) -> inf
+  if (u < 0x38800000u) {                        // subnormal or zero in fp16
+    if (u < 0x33000000u) return sign;           // < 2^-25 rounds to zero
     const uint32_t exp = u >> 23, mant = (u & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126 - exp;                   // 14..24
+    const uint32_t shift = 126 - exp;  // 14..24
     uint32_t half = mant >> shift;
     const uint32_t rem = mant & ((1u << shift) - 1), mid = 1u << (shift - 1);
     if (rem > mid || (rem == mid && (half & 1u))) ++half;
@@ -183,8 +190,8 @@ double TensorView::get(const int64_t* index) const {
   return load(static_cast<const char*>(data) + off * int64_t(dtype_size(dtype)), dtype);
 }
 double TensorView::get(std::initializer_list<int64_t> index) const {
-  check(int64_t(index.size()) == dim(), ErrorKind::kInvalidArgument, "TensorView::get: index of rank ",
-        index.size(), " for a tensor of rank ", dim());
+  check(int64_t(index.size()) == dim(), ErrorKind::kInvalidArgument, "TensorView::get: index of rank ", index.size(),
+        " for a tensor of rank ", dim());
   return get(index.begin());
 }
 void TensorView::set(const int64_t* index, double value) const {
@@ -199,7 +206,8 @@ namespace {
 // kernels that read large tensors in scattered blocks, such as BlockTopK's key/value blocks). Null when out of memory.
 std::shared_ptr<unsigned char[]> allocate_zeroed(size_t bytes) {
   constexpr size_t kHugeFrom = size_t(4) << 20, kHugePage = size_t(2) << 20;
-  if (bytes < kHugeFrom) return std::shared_ptr<unsigned char[]>(new (std::nothrow) unsigned char[bytes > 0 ? bytes : 1]());
+  if (bytes < kHugeFrom)
+    return std::shared_ptr<unsigned char[]>(new (std::nothrow) unsigned char[bytes > 0 ? bytes : 1]());
   const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
   auto* p = static_cast<unsigned char*>(std::aligned_alloc(kHugePage, rounded));
   if (!p) return nullptr;
@@ -224,8 +232,8 @@ Tensor::Tensor(DType dtype, Shape shape) : dtype_(dtype), shape_(std::move(shape
         " (the size overflows)");
   const size_t bytes = nbytes();
   buffer_ = allocate_zeroed(bytes);
-  check(buffer_ != nullptr, ErrorKind::kOutOfMemory, "Tensor: cannot allocate ", bytes, " bytes for ",
-        to_string(dtype), shape_to_string(shape_));
+  check(buffer_ != nullptr, ErrorKind::kOutOfMemory, "Tensor: cannot allocate ", bytes, " bytes for ", to_string(dtype),
+        shape_to_string(shape_));
 }
 
 namespace {

@@ -20,5 +20,4 @@ int resolve_num_threads(int requested) {
   return int(env::get_integer("SATTN_NUM_THREADS", 1, 4096, hardware_threads()));
 }
 
-
 }  // namespace sattn

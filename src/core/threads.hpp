@@ -15,7 +15,6 @@ namespace sattn {
 int hardware_threads();
 int resolve_num_threads(int requested);  // never < 1
 
-
 // Runs f(i) for i in [0, n) on up to `threads` threads (dynamic schedule: items may differ in cost).
 template <typename F>
 void parallel_for(int64_t n, int threads, F&& f) {

@@ -197,8 +197,8 @@ void write_npy(io::OutputFile& out, const TensorView& tensor) {
   if (dense.shape().size() > 1) shape.resize(shape.size() - 2);
   else if (dense.shape().size() == 1) shape.resize(shape.size() - 1);
   shape += ")";
-  std::string header = std::string("{'descr': '") + descr_of(dense.dtype()) + "', 'fortran_order': False, 'shape': " +
-                       shape + ", }";
+  std::string header =
+      std::string("{'descr': '") + descr_of(dense.dtype()) + "', 'fortran_order': False, 'shape': " + shape + ", }";
   const size_t unpadded = 10 + header.size() + 1;
   header.append((64 - unpadded % 64) % 64, ' ');
   header += '\n';

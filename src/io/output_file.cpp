@@ -58,8 +58,7 @@ OutputFile::OutputFile(std::string path, std::string label)
     if (hops > 40) fail("cannot write '" + path_ + "'", ELOOP);
     const fs::path p(target);
     const std::string name = p.filename().string();
-    if (name.empty() || name == "." || name == "..")
-      fail("cannot write '" + path_ + "': expected a file name", 0);
+    if (name.empty() || name == "." || name == "..") fail("cannot write '" + path_ + "': expected a file name", 0);
     const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
     std::unique_ptr<char, decltype(&std::free)> real(::realpath(dir.c_str(), nullptr), &std::free);
     if (!real) fail("cannot write '" + path_ + "': directory '" + dir + "'", errno);
@@ -181,8 +180,8 @@ OutputFile& OutputFiles::add(const std::string& path, const std::string& label) 
     if (!f.destination().empty() && files_[i].destination() == f.destination()) {
       const std::string other = files_[i].path();
       files_.pop_back();
-      fail(ErrorKind::kInvalidArgument, label.empty() ? "" : label + ": ", "'", path, "' is the same file as '",
-           other, "', written by the same command");
+      fail(ErrorKind::kInvalidArgument, label.empty() ? "" : label + ": ", "'", path, "' is the same file as '", other,
+           "', written by the same command");
     }
   return f;
 }

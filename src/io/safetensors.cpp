@@ -111,10 +111,12 @@ std::vector<Entry> parse_header(const std::string& file, const std::string& text
   });
   uint64_t pos = 0;
   for (const Entry* e : sorted) {
-    if (e->begin < pos) bad(file, "tensor '" + e->name + "' overlaps another tensor (data_offsets [" +
-                                      std::to_string(e->begin) + ", " + std::to_string(e->end) + "])");
-    if (e->begin > pos) bad(file, "the data buffer has a hole of " + std::to_string(e->begin - pos) +
-                                      " bytes before tensor '" + e->name + "'");
+    if (e->begin < pos)
+      bad(file, "tensor '" + e->name + "' overlaps another tensor (data_offsets [" + std::to_string(e->begin) + ", " +
+                    std::to_string(e->end) + "])");
+    if (e->begin > pos)
+      bad(file,
+          "the data buffer has a hole of " + std::to_string(e->begin - pos) + " bytes before tensor '" + e->name + "'");
     pos = e->end;
   }
   if (pos != buffer_size)
@@ -216,9 +218,8 @@ void write_safetensors(io::OutputFile& out, const std::map<std::string, TensorVi
           "write_safetensors: invalid tensor name '", name, "'");
     dense.push_back(Tensor::from_view(view));
     const uint64_t n = dense.back().nbytes();
-    header[name] = {{"dtype", safetensors_dtype_name(view.dtype)},
-                    {"shape", view.shape},
-                    {"data_offsets", {offset, offset + n}}};
+    header[name] = {
+        {"dtype", safetensors_dtype_name(view.dtype)}, {"shape", view.shape}, {"data_offsets", {offset, offset + n}}};
     offset += n;
   }
   std::string text = header.dump();

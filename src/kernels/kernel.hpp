@@ -73,7 +73,7 @@ struct KernelEntry {
 };
 
 // The kernels, one function each; registry order is in src/kernels/registry.cpp.
-KernelEntry fused_kernel();      // kernels/fused/fused_kernel.cpp
+KernelEntry fused_kernel();  // kernels/fused/fused_kernel.cpp
 KernelEntry reference_kernel();
 
 const std::vector<KernelEntry>& registered_kernels();

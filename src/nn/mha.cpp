@@ -29,8 +29,8 @@ uint64_t splitmix64(uint64_t x) {
 
 // Uniform double in [0, 1) (53 bits) for element `i` of parameter stream `stream`.
 double uniform01(uint64_t seed, uint32_t stream, uint64_t i) {
-  const auto r = philox4x32_10({uint32_t(i), uint32_t(i >> 32), stream, 0x6d6861u},
-                               {uint32_t(seed), uint32_t(seed >> 32)});
+  const auto r =
+      philox4x32_10({uint32_t(i), uint32_t(i >> 32), stream, 0x6d6861u}, {uint32_t(seed), uint32_t(seed >> 32)});
   return double(((uint64_t(r[0]) << 32) | r[1]) >> 11) * (1.0 / 9007199254740992.0);
 }
 
@@ -99,10 +99,9 @@ Tensor dense(const TensorView& m) {
 // A mask must be bool or float of the query's dtype (torch 2.x: "only bool and floating types of attn_mask are
 // supported"; a float mask of another dtype fails in its matmul, and in its SDPA unless the mask is float32).
 void check_mask_dtype(const TensorView& m, const char* name, const char* bool_meaning, DType query) {
-  check(m.dtype == DType::kBool || is_floating(m.dtype), ErrorKind::kTypeError, name, ": expected bool (",
-        bool_meaning, ") or a float mask of the query's dtype (", to_string(query),
-        ", added to the scores), got ", to_string(m.dtype), " (torch 2.x supports only bool and floating ", name,
-        ")");
+  check(m.dtype == DType::kBool || is_floating(m.dtype), ErrorKind::kTypeError, name, ": expected bool (", bool_meaning,
+        ") or a float mask of the query's dtype (", to_string(query), ", added to the scores), got ",
+        to_string(m.dtype), " (torch 2.x supports only bool and floating ", name, ")");
   check(m.dtype == DType::kBool || m.dtype == query, ErrorKind::kTypeError, name,
         ": a float mask must have the query's dtype (", to_string(query), "), got ", to_string(m.dtype),
         " (as torch 2.x's MultiheadAttention needs it with need_weights=True); convert it");
@@ -133,8 +132,8 @@ void check_causal_hint(const TensorView& m, int64_t L, int64_t S) {
         const std::string where =
             three ? message::concat("[", b, ", ", i, ", ", j, "]") : message::concat("[", i, ", ", j, "]");
         const bool is_bool = m.dtype == DType::kBool;
-        fail(ErrorKind::kInvalidArgument, "is_causal: a hint that attn_mask is the causal mask, but attn_mask",
-             where, " = ", is_bool ? (value != 0 ? "True" : "False") : message::concat(value), ", expected ",
+        fail(ErrorKind::kInvalidArgument, "is_causal: a hint that attn_mask is the causal mask, but attn_mask", where,
+             " = ", is_bool ? (value != 0 ? "True" : "False") : message::concat(value), ", expected ",
              is_bool ? (masked ? "True" : "False") : (masked ? "-inf" : "0"), " (the causal mask is ",
              is_bool ? "True where j > i, False elsewhere" : "-inf where j > i, 0 elsewhere",
              "). torch 2.x does not check the hint, and its result for a wrong one depends on its execution path "
@@ -176,8 +175,10 @@ std::pair<Tensor, std::optional<Tensor>> run(const MultiheadAttention& m, const 
   Tensor q(dt, {N, L, E}), k(dt, {N, Sp, E}), v(dt, {N, Sp, E});
   linear_fp64_accumulate<T>(xq.data<T>(), N * L, m.embed_dim(), pwq, pbq, E, q.data<T>(), E, threads);
   for (int64_t n = 0; n < N; ++n) {
-    linear_fp64_accumulate<T>(xk.data<T>() + n * S * m.kdim(), S, m.kdim(), pwk, pbk, E, k.data<T>() + n * Sp * E, E, threads);
-    linear_fp64_accumulate<T>(xv.data<T>() + n * S * m.vdim(), S, m.vdim(), pwv, pbv, E, v.data<T>() + n * Sp * E, E, threads);
+    linear_fp64_accumulate<T>(xk.data<T>() + n * S * m.kdim(), S, m.kdim(), pwk, pbk, E, k.data<T>() + n * Sp * E, E,
+                              threads);
+    linear_fp64_accumulate<T>(xv.data<T>() + n * S * m.vdim(), S, m.vdim(), pwv, pbv, E, v.data<T>() + n * Sp * E, E,
+                              threads);
   }
   if (m.add_bias_kv()) {
     Tensor bk = get("bias_k"), bv = get("bias_v");
@@ -248,20 +249,22 @@ std::pair<Tensor, std::optional<Tensor>> run(const MultiheadAttention& m, const 
   if (need_weights) {  // refuse before allocating (the kernel would refuse its own L x L buffers the same way)
     const double bytes = double(N) * double(H) * double(L) * double(Sp) * double(sizeof(T));
     const double limit = double(memory_limit_bytes());
-    check(bytes <= limit, ErrorKind::kOutOfMemory, "need_weights: the attention weights [N, H, L, S'] = [", N, ", ",
-          H, ", ", L, ", ", Sp, "] need ", bytes / 1e9, " GB, over half of physical memory (", limit / 1e9,
+    check(bytes <= limit, ErrorKind::kOutOfMemory, "need_weights: the attention weights [N, H, L, S'] = [", N, ", ", H,
+          ", ", L, ", ", Sp, "] need ", bytes / 1e9, " GB, over half of physical memory (", limit / 1e9,
           " GB); call with need_weights=False");
   }
   Tensor weights = need_weights ? Tensor(dt, {N, H, L, Sp}) : Tensor();
   const TensorView out4(attn.data(), dt, {N, H, L, hd}, {L * E, hd, E, 1});
   if (dropout_p < 1.0) {
-    scaled_dot_product_attention(q4, k4, v4, opts, AttentionOutputs{out4, {}, need_weights ? weights.view() : TensorView()});
+    scaled_dot_product_attention(q4, k4, v4, opts,
+                                 AttentionOutputs{out4, {}, need_weights ? weights.view() : TensorView()});
   }  // dropout_p == 1 (training): every weight dropped -> attention and weights stay 0, as torch
 
   Tensor wo = get("out_proj.weight");
   Tensor bo = m.has_bias() ? get("out_proj.bias") : Tensor();
   Tensor y(dt, {N, L, E});
-  linear_fp64_accumulate<T>(attn.data<T>(), N * L, E, wo.data<T>(), m.has_bias() ? bo.data<T>() : nullptr, E, y.data<T>(), E, threads);
+  linear_fp64_accumulate<T>(attn.data<T>(), N * L, E, wo.data<T>(), m.has_bias() ? bo.data<T>() : nullptr, E,
+                            y.data<T>(), E, threads);
 
   std::optional<Tensor> w_out;
   if (need_weights) w_out = std::move(weights);
@@ -478,14 +481,14 @@ std::pair<Tensor, std::optional<Tensor>> MultiheadAttention::forward(const Tenso
     check(t->dtype == DType::kF32 || t->dtype == DType::kF64, ErrorKind::kTypeError, name,
           ": expected float32 or float64, got ", to_string(t->dtype));
   }
-  check(query.dim() == 2 || query.dim() == 3, ErrorKind::kInvalidArgument,
-        "query: expected a 3-D tensor ", batch_first_ ? "[N, L, E]" : "[L, N, E]",
-        " or a 2-D unbatched tensor [L, E], got shape ", shape_to_string(query.shape));
+  check(query.dim() == 2 || query.dim() == 3, ErrorKind::kInvalidArgument, "query: expected a 3-D tensor ",
+        batch_first_ ? "[N, L, E]" : "[L, N, E]", " or a 2-D unbatched tensor [L, E], got shape ",
+        shape_to_string(query.shape));
   const bool batched = query.dim() == 3;
   const char* layout_kv = !batched ? "[S, E]" : batch_first_ ? "[N, S, E]" : "[S, N, E]";
-  check(key.dim() == query.dim() && value.dim() == query.dim(), ErrorKind::kInvalidArgument,
-        "key/value: expected ", query.dim(), "-D tensors ", layout_kv, " like query ", shape_to_string(query.shape),
-        ", got key ", shape_to_string(key.shape), " and value ", shape_to_string(value.shape));
+  check(key.dim() == query.dim() && value.dim() == query.dim(), ErrorKind::kInvalidArgument, "key/value: expected ",
+        query.dim(), "-D tensors ", layout_kv, " like query ", shape_to_string(query.shape), ", got key ",
+        shape_to_string(key.shape), " and value ", shape_to_string(value.shape));
   check(key.dtype == query.dtype && value.dtype == query.dtype, ErrorKind::kTypeError,
         "key/value: expected the dtype of query (", to_string(query.dtype), "), got key ", to_string(key.dtype),
         " and value ", to_string(value.dtype));
@@ -499,8 +502,8 @@ std::pair<Tensor, std::optional<Tensor>> MultiheadAttention::forward(const Tenso
   z.H = num_heads_;
   z.hd = embed_dim_ / num_heads_;
   z.Sp = z.S + (add_bias_kv_ ? 1 : 0) + (add_zero_attn_ ? 1 : 0);
-  check(query.shape.back() == embed_dim_, ErrorKind::kInvalidArgument, "query: expected last dimension embed_dim = ",
-        embed_dim_, ", got shape ", shape_to_string(query.shape));
+  check(query.shape.back() == embed_dim_, ErrorKind::kInvalidArgument,
+        "query: expected last dimension embed_dim = ", embed_dim_, ", got shape ", shape_to_string(query.shape));
   check(key.shape.back() == kdim_, ErrorKind::kInvalidArgument, "key: expected last dimension kdim = ", kdim_,
         ", got shape ", shape_to_string(key.shape));
   check(value.shape.back() == vdim_, ErrorKind::kInvalidArgument, "value: expected last dimension vdim = ", vdim_,
@@ -509,14 +512,14 @@ std::pair<Tensor, std::optional<Tensor>> MultiheadAttention::forward(const Tenso
     check(key.shape[bd] == z.N && value.shape[bd] == z.N, ErrorKind::kInvalidArgument,
           "key/value: expected batch size N = ", z.N, " (from query ", shape_to_string(query.shape), "), got key ",
           shape_to_string(key.shape), " and value ", shape_to_string(value.shape));
-    check(value.shape[sd] == z.S, ErrorKind::kInvalidArgument, "value: expected source length S = ", z.S,
-          " (from key ", shape_to_string(key.shape), "), got ", shape_to_string(value.shape));
+    check(value.shape[sd] == z.S, ErrorKind::kInvalidArgument, "value: expected source length S = ", z.S, " (from key ",
+          shape_to_string(key.shape), "), got ", shape_to_string(value.shape));
   } else {
-    check(value.shape[0] == z.S, ErrorKind::kInvalidArgument, "value: expected source length S = ", z.S,
-          " (from key ", shape_to_string(key.shape), "), got ", shape_to_string(value.shape));
+    check(value.shape[0] == z.S, ErrorKind::kInvalidArgument, "value: expected source length S = ", z.S, " (from key ",
+          shape_to_string(key.shape), "), got ", shape_to_string(value.shape));
   }
-  check(z.N > 0 && z.L > 0 && z.S > 0, ErrorKind::kInvalidArgument,
-        "query/key: zero-size dimension (N = ", z.N, ", L = ", z.L, ", S = ", z.S, "); every size must be >= 1");
+  check(z.N > 0 && z.L > 0 && z.S > 0, ErrorKind::kInvalidArgument, "query/key: zero-size dimension (N = ", z.N,
+        ", L = ", z.L, ", S = ", z.S, "); every size must be >= 1");
 
   if (key_padding_mask.data) {
     const TensorView& m = key_padding_mask;
@@ -552,8 +555,9 @@ std::pair<Tensor, std::optional<Tensor>> MultiheadAttention::forward(const Tenso
 
   // ---- gather inputs into dense [N, L, E] ----
   const auto canonical = [&](const TensorView& t) {
-    if (!batched) return Tensor::from_view(TensorView(t.data, t.dtype, {1, t.shape[0], t.shape[1]},
-                                                      {0, t.strides[0], t.strides[1]}));
+    if (!batched)
+      return Tensor::from_view(
+          TensorView(t.data, t.dtype, {1, t.shape[0], t.shape[1]}, {0, t.strides[0], t.strides[1]}));
     if (batch_first_) return Tensor::from_view(t);
     return Tensor::from_view(
         TensorView(t.data, t.dtype, {t.shape[1], t.shape[0], t.shape[2]}, {t.strides[1], t.strides[0], t.strides[2]}));
@@ -568,10 +572,10 @@ std::pair<Tensor, std::optional<Tensor>> MultiheadAttention::forward(const Tenso
   const int threads = resolve_num_threads(num_threads);
   std::shared_lock lock(mutex_);
   auto [y, w] = query.dtype == DType::kF64
-                    ? run<double>(*this, z, xq, xk, xv, params_, kpm, is_causal ? TensorView() : attn_mask,
-                                  is_causal, need_weights, p, seed, threads)
-                    : run<float>(*this, z, xq, xk, xv, params_, kpm, is_causal ? TensorView() : attn_mask,
-                                 is_causal, need_weights, p, seed, threads);
+                    ? run<double>(*this, z, xq, xk, xv, params_, kpm, is_causal ? TensorView() : attn_mask, is_causal,
+                                  need_weights, p, seed, threads)
+                    : run<float>(*this, z, xq, xk, xv, params_, kpm, is_causal ? TensorView() : attn_mask, is_causal,
+                                 need_weights, p, seed, threads);
 
   // ---- output layout ----
   const DType dt = query.dtype;

@@ -38,8 +38,7 @@ float* Buffer::get(int64_t n) {
   return p_;
 }
 
-void linear(const float* x, int64_t M, int64_t K, const float* W, const float* bias, int64_t N, float* y,
-            int threads) {
+void linear(const float* x, int64_t M, int64_t K, const float* W, const float* bias, int64_t N, float* y, int threads) {
   constexpr int64_t kBlock = 256;
   const int64_t blocks = (M + kBlock - 1) / kBlock;
   parallel_for(blocks, threads, [&](int64_t b) {
@@ -104,15 +103,14 @@ std::vector<float> tile_depthwise(const float* Wd, const float* bias, int64_t C,
   const int64_t P = std::lcm<int64_t>(C, 16);
   std::vector<float> t(size_t(10 * P));
   for (int64_t k = 0; k < 10; ++k)
-    for (int64_t i = 0; i < P; ++i)
-      t[size_t(k * P + i)] = k < 9 ? Wd[k * C + i % C] : (bias ? bias[i % C] : 0.0f);
+    for (int64_t i = 0; i < P; ++i) t[size_t(k * P + i)] = k < 9 ? Wd[k * C + i % C] : (bias ? bias[i % C] : 0.0f);
   *period = P;
   return t;
 }
 }  // namespace
 
-void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float* W9, const float* bias,
-                 int64_t Cout, float* out, int threads, const float* add) {
+void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float* W9, const float* bias, int64_t Cout,
+                 float* out, int threads, const float* add) {
   // On a padded input row, the three taps of a kernel row are 3·Cin contiguous values starting at output pixel x:
   // one GEMM per output row with three K = 3·Cin segments (kernel rows), A rows overlapping (lda = Cin).
   const auto lo_in = reinterpret_cast<uintptr_t>(in), lo_out = reinterpret_cast<uintptr_t>(out);
@@ -139,8 +137,8 @@ void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float
   });
 }
 
-void depthwise3x3_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* bias,
-                      float* out, int threads) {
+void depthwise3x3_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* bias, float* out,
+                      int threads) {
   int64_t P = 0;
   const std::vector<float> wt = tile_depthwise(Wd, bias, C, &P);
   for_each_padded_row(in, H, W, C, threads, [&](int64_t y, const float* r0, const float* r1, const float* r2) {

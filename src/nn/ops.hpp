@@ -47,19 +47,18 @@ void gemm_acc_segments(int nseg, const float* const* A, const int64_t* K, int64_
 
 // y[m, :] = bias + x[m, :] · W; x [M, K] contiguous, W [K][padded_cols(N)] (transpose_weight), y [M, N].
 // Rows split across `threads` in fixed blocks (bitwise identical for any thread count).
-void linear(const float* x, int64_t M, int64_t K, const float* W, const float* bias, int64_t N, float* y,
-            int threads);
+void linear(const float* x, int64_t M, int64_t K, const float* W, const float* bias, int64_t N, float* y, int threads);
 
 // 3x3 convolution, padding 1 (zeros), stride 1, HWC: in [H, W, Cin], W9 [9 taps (ky*3+kx)][Cin][padded_cols(Cout)]
 // (conv3x3_weight_hwc), bias [Cout] (may be null), out [H, W, Cout] (overwritten; may be in itself when
 // Cout == Cin, never partly overlap it). PyTorch Conv2d semantics (cross-correlation). With `add` [H, W, Cout]
 // (not overlapping out), out = conv(in) + bias, then + add: the residual in the same pass over each row.
-void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float* W9, const float* bias,
-                 int64_t Cout, float* out, int threads, const float* add = nullptr);
+void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float* W9, const float* bias, int64_t Cout,
+                 float* out, int threads, const float* add = nullptr);
 
 // Depthwise 3x3 (groups = C), padding 1: in/out [H, W, C], Wd [9][C], bias [C]; out may be in (in place).
-void depthwise3x3_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* bias,
-                      float* out, int threads);
+void depthwise3x3_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* bias, float* out,
+                      int threads);
 
 // out = res + pw_b + act(depthwise3x3(in) + dw_b) · PW per pixel (act = GELU when `gelu`, else identity):
 // in/res/out [H, W, C], Wd [9][C], PW [C][padded_cols(C)] (transpose_weight); out may alias in and res.
@@ -69,8 +68,8 @@ void dw_act_pw_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float
 // One output row of a depthwise 3x3 from three zero-padded input rows [W+2, C] (above, centre, below; anywhere in
 // memory) into out [W, C]; Wt [10][period]: the 9 taps' weights then the bias, each tiled to `period` (a multiple
 // of C and of 16).
-void depthwise_row_3(const float* above, const float* centre, const float* below, int64_t W, int64_t C,
-                     const float* Wt, int64_t period, float* out);
+void depthwise_row_3(const float* above, const float* centre, const float* below, int64_t W, int64_t C, const float* Wt,
+                     int64_t period, float* out);
 
 // Layer norm over the last dim (biased variance, eps inside the sqrt), affine: x, y [M, C] (may alias).
 void layer_norm(const float* x, int64_t M, int64_t C, const float* gamma, const float* beta, float eps, float* y);

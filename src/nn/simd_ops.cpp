@@ -55,10 +55,8 @@ HWY_NOINLINE void Tile(int nseg, const float* const* A, const int64_t* K, int64_
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) {
       float* p = C + m * ldc + v * L;
-      if (kMask && v == NV - 1)
-        hn::BlendedStore(acc[m][v], mask, d, p);
-      else
-        hn::StoreU(acc[m][v], d, p);
+      if (kMask && v == NV - 1) hn::BlendedStore(acc[m][v], mask, d, p);
+      else hn::StoreU(acc[m][v], d, p);
     }
 }
 
@@ -67,8 +65,8 @@ HWY_NOINLINE void Tile(int nseg, const float* const* A, const int64_t* K, int64_
 // on AVX-512): no masks, and on CPUs that split 512-bit FMAs (AMD Zen 4) the half vector costs half a full one.
 // Same per-element FMA chain as Tile.
 template <int MR, int NVF>
-HWY_NOINLINE void TileHalf(int nseg, const float* const* A, const int64_t* K, int64_t lda,
-                           const float* HWY_RESTRICT W, int64_t ldw, float* HWY_RESTRICT C, int64_t ldc) {
+HWY_NOINLINE void TileHalf(int nseg, const float* const* A, const int64_t* K, int64_t lda, const float* HWY_RESTRICT W,
+                           int64_t ldw, float* HWY_RESTRICT C, int64_t ldc) {
   const DF d;
   const hn::Half<DF> dh;
   using VH = hn::Vec<decltype(dh)>;
@@ -113,12 +111,9 @@ HWY_INLINE void TileHalfMR(int mr, int nvf, int nseg, const float* const* A, con
 template <int MR, int NV>
 HWY_INLINE void TileMask(int masked, int nseg, const float* const* A, const int64_t* K, int64_t lda, const float* W,
                          int64_t N, size_t rem, float* C, int64_t ldc) {
-  if (masked == 2)
-    Tile<MR, NV, true, true>(nseg, A, K, lda, W, N, rem, C, ldc);
-  else if (masked == 1)
-    Tile<MR, NV, true, false>(nseg, A, K, lda, W, N, rem, C, ldc);
-  else
-    Tile<MR, NV, false, false>(nseg, A, K, lda, W, N, rem, C, ldc);
+  if (masked == 2) Tile<MR, NV, true, true>(nseg, A, K, lda, W, N, rem, C, ldc);
+  else if (masked == 1) Tile<MR, NV, true, false>(nseg, A, K, lda, W, N, rem, C, ldc);
+  else Tile<MR, NV, false, false>(nseg, A, K, lda, W, N, rem, C, ldc);
 }
 
 template <int MR, int NV = kNV>
@@ -167,8 +162,8 @@ void GemmSegments(int nseg, const float* const* A, const int64_t* K, int64_t lda
 // One output row of a depthwise 3x3 from three zero-padded input rows [W+2, C] (a0 above, a1, a2 below): out[x, c]
 // = bias[c] + sum_{ky,kx} a_ky[x+kx, c] · Wd[ky*3+kx][c]. Flat over the row's W·C values; the weights are tiled to a
 // period P (a multiple of both C and the lane count) in Wt [10][P] (9 taps, then the bias).
-void DepthwiseRow3(const float* a0, const float* a1, const float* a2, int64_t W, int64_t C, const float* Wt,
-                   int64_t P, float* out) {
+void DepthwiseRow3(const float* a0, const float* a1, const float* a2, int64_t W, int64_t C, const float* Wt, int64_t P,
+                   float* out) {
   const DF d;
   const int64_t L = int64_t(hn::Lanes(d)), R = W * C;
   const float* rows[3] = {a0, a1, a2};
@@ -184,10 +179,8 @@ void DepthwiseRow3(const float* a0, const float* a1, const float* a2, int64_t W,
         acc = hn::MulAdd(x, hn::LoadU(d, Wt + (ky * 3 + kx) * P + ph), acc);
       }
     }
-    if (n == size_t(L))
-      hn::StoreU(acc, d, out + i);
-    else
-      hn::BlendedStore(acc, m, d, out + i);
+    if (n == size_t(L)) hn::StoreU(acc, d, out + i);
+    else hn::BlendedStore(acc, m, d, out + i);
     ph += L;
     if (ph >= P) ph -= P;
   }
@@ -251,10 +244,8 @@ void GeluInplace(float* x, int64_t n) {
     q = hn::MulAdd(q, z2, hn::Set(d, -1.42647390514189e-02f));
     const VF erf = hn::Min(one, hn::Max(hn::Neg(one), hn::Div(hn::Mul(z, p), q)));  // keeps 1 + erf >= 0
     const VF r = hn::Mul(hn::Mul(half, v), hn::Add(one, erf));
-    if (cnt == size_t(L))
-      hn::StoreU(r, d, x + i);
-    else
-      hn::BlendedStore(r, m, d, x + i);
+    if (cnt == size_t(L)) hn::StoreU(r, d, x + i);
+    else hn::BlendedStore(r, m, d, x + i);
   }
 }
 
@@ -338,10 +329,10 @@ struct Ops {
   void (*add_rows)(const float*, int64_t, int64_t, float*);
   void (*add_squared_deviations)(const float*, int64_t, int64_t, const float*, float*);
 };
-#define SATTN_NN_OPS(NS)                                                                                 \
-  Ops {                                                                                                  \
-    &NS::GemmSegments, &NS::DepthwiseRow3, &NS::LayerNormRows, &NS::GeluInplace, &NS::PlanarToU8Rgb, \
-        &NS::AddRows, &NS::AddSquaredDeviations                                                          \
+#define SATTN_NN_OPS(NS)                                                                                           \
+  Ops {                                                                                                            \
+    &NS::GemmSegments, &NS::DepthwiseRow3, &NS::LayerNormRows, &NS::GeluInplace, &NS::PlanarToU8Rgb, &NS::AddRows, \
+        &NS::AddSquaredDeviations                                                                                  \
   }
 const simd::Build<Ops> kBuilds[] = {SATTN_SIMD_BUILDS(SATTN_NN_OPS)};
 const Ops& ops() { return simd::pick(kBuilds).ops; }
@@ -365,17 +356,15 @@ void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W,
   const int64_t k[1] = {K};
   gemm_acc_segments(1, a, k, lda, M, W, ldw, N, C, ldc);
 }
-void depthwise_row_3(const float* above, const float* centre, const float* below, int64_t W, int64_t C,
-                     const float* Wt, int64_t period, float* out) {
+void depthwise_row_3(const float* above, const float* centre, const float* below, int64_t W, int64_t C, const float* Wt,
+                     int64_t period, float* out) {
   ops().depthwise_row_3(above, centre, below, W, C, Wt, period, out);
 }
 void layer_norm(const float* x, int64_t M, int64_t C, const float* gamma, const float* beta, float eps, float* y) {
   ops().layer_norm_rows(x, M, C, gamma, beta, eps, y);
 }
 void gelu_inplace(float* x, int64_t n) { ops().gelu_inplace(x, n); }
-void add_rows(const float* p, int64_t count, int64_t C, float* acc) {
-  ops().add_rows(p, count, C, acc);
-}
+void add_rows(const float* p, int64_t count, int64_t C, float* acc) { ops().add_rows(p, count, C, acc); }
 void add_squared_deviations(const float* p, int64_t count, int64_t C, const float* mean, float* acc) {
   ops().add_squared_deviations(p, count, C, mean, acc);
 }

@@ -47,13 +47,14 @@ Target parse(const std::string& s, const char* what) {
   const char* alias = s == "avx2+fma" ? "avx2" : s == "base" || s == "scalar" || s == "emu128" ? "portable" : nullptr;
   for (const Info& i : kTable) {
     if (s != i.name && !(alias && std::string(alias) == i.name)) continue;
-    check(cpu_runs(i.target), ErrorKind::kUnsupported, what, ": this CPU does not run '", s, "' (it runs ",
-          [] {
-            std::string all;
-            for (Target t : available()) all += std::string(all.empty() ? "" : ", ") + name(t);
-            return all;
-          },
-          ")");
+    check(
+        cpu_runs(i.target), ErrorKind::kUnsupported, what, ": this CPU does not run '", s, "' (it runs ",
+        [] {
+          std::string all;
+          for (Target t : available()) all += std::string(all.empty() ? "" : ", ") + name(t);
+          return all;
+        },
+        ")");
     return i.target;
   }
   fail(ErrorKind::kInvalidArgument, what, ": expected one of auto, avx512, avx2, sse4, portable; got '", s, "'");

@@ -39,8 +39,9 @@ inline int64_t& idx_at(const TensorView& t, int64_t a, int64_t b, int64_t c, int
 }
 
 inline void require_no_mods(const SparseOptions& o, const char* what) {
-  check(o.alibi_slopes.empty() && o.softcap == 0.0 && !o.bias.data && !o.rel_pos_bias.data,
-        ErrorKind::kInvalidArgument, what, ": score mods (alibi_slopes, softcap, bias, rel_pos_bias) are not supported "
+  check(o.alibi_slopes.empty() && o.softcap == 0.0 && !o.bias.data && !o.rel_pos_bias.data, ErrorKind::kInvalidArgument,
+        what,
+        ": score mods (alibi_slopes, softcap, bias, rel_pos_bias) are not supported "
         "with content-adaptive patterns");
 }
 

@@ -78,8 +78,8 @@ std::shared_ptr<AdaptiveNode> blocktopk_node(int64_t block, int64_t k_blocks, bo
   return n;
 }
 std::shared_ptr<AdaptiveNode> relu_node(double power, const std::string& normalize) {
-  check(std::isfinite(power) && power >= 1.0, ErrorKind::kInvalidArgument,
-        "ReLUAttention: expected power >= 1, got ", power);
+  check(std::isfinite(power) && power >= 1.0, ErrorKind::kInvalidArgument, "ReLUAttention: expected power >= 1, got ",
+        power);
   check(normalize == "none" || normalize == "sum" || normalize == "length", ErrorKind::kInvalidArgument,
         "ReLUAttention: expected normalize 'none', 'sum' or 'length', got '", normalize, "'");
   auto n = make_node(AdaptiveNode::kReLU);

@@ -259,9 +259,8 @@ void rescore_pass(RowChoice& rc, int64_t need, std::vector<std::pair<float, int3
 
 // Selection of head h's query blocks [c0, c0 + rows): block scores (one fp32 product of query-block means and
 // key-block means), then per query block its candidates, pass 1 (select) and pass 2 (rescore).
-void select_chunk(const SelectGeometry& g, const KeyBlockMeans& km,
-                  const std::vector<std::vector<KeyRange>>& franges, int64_t h, int64_t c0, int64_t rows,
-                  BlockSelection& sel) {
+void select_chunk(const SelectGeometry& g, const KeyBlockMeans& km, const std::vector<std::vector<KeyRange>>& franges,
+                  int64_t h, int64_t c0, int64_t rows, BlockSelection& sel) {
   const AdaptiveNode& a = g.a;
   const int64_t D = g.D, nkb = g.nkb, blk = g.blk, hk = h / g.p.group;
   const bool every_block_usable = !g.fixed.defined() && g.p.key_valid.empty();
@@ -290,8 +289,8 @@ void select_chunk(const SelectGeometry& g, const KeyBlockMeans& km,
     rc.kvalid = km.kvalid.data();
     rc.sr = &s[size_t(r * nkb)];
     rc.ch = &sel.chosen[size_t((h * g.nqb + qb) * g.KB)];
-    rc.own = a.local && t >= 0 && t < rc.kb_end &&
-             (every_block_usable || (cand[size_t(t)] && km.kvalid[size_t(t)] > 0));
+    rc.own =
+        a.local && t >= 0 && t < rc.kb_end && (every_block_usable || (cand[size_t(t)] && km.kvalid[size_t(t)] > 0));
     if (rc.own) rc.ch[rc.npick++] = t;
     const int64_t need = g.KB - rc.npick;
     int64_t n_usable = 0;
@@ -471,7 +470,8 @@ void blocktopk_forward_direct(const AdaptiveNode& a, const TensorView& q, const 
           const float inv = empty ? 0.0f : 1.0f / sum[size_t(r)];
           for (int64_t c = 0; c < Dv; ++c) ar[c] *= inv;
           detail::store_row(out, b, h, q0 + r, ar, Dv);
-          if (lse.data) detail::store_value(lse, b, h, q0 + r, empty ? kNegInf : mx[size_t(r)] + std::log(sum[size_t(r)]));
+          if (lse.data)
+            detail::store_value(lse, b, h, q0 + r, empty ? kNegInf : mx[size_t(r)] + std::log(sum[size_t(r)]));
         }
       };
       detail::parallel(p.group * nqb, p.threads, item);
@@ -487,13 +487,11 @@ void blocktopk_forward(const AdaptiveNode& a, const Pattern& fixed, const Tensor
                        const TensorView& v, const SparseOptions& o, const TensorView& out, const TensorView& lse,
                        const TensorView& indices) {
   if (!fixed.defined()) return blocktopk_forward_direct(a, q, k, v, o, out, lse, indices);
-  blocktopk_run(a, fixed, q, k, v, o, indices, false,
-                [&](int64_t b, const BlockMask& bm, const SparseOptions& ob) {
-                  block_sparse_attention(slice_batch(q, b), slice_batch(k, b), slice_batch(v, b), bm,
-                                         BlockTopKMask{fixed.defined() ? &fixed.node() : nullptr, a.causal,
-                                                       q.shape[2], k.shape[2]},
-                                         NoScoreMod{}, ob, slice_batch(out, b), slice_batch(lse, b), ob.enable_gqa);
-                });
+  blocktopk_run(a, fixed, q, k, v, o, indices, false, [&](int64_t b, const BlockMask& bm, const SparseOptions& ob) {
+    block_sparse_attention(slice_batch(q, b), slice_batch(k, b), slice_batch(v, b), bm,
+                           BlockTopKMask{fixed.defined() ? &fixed.node() : nullptr, a.causal, q.shape[2], k.shape[2]},
+                           NoScoreMod{}, ob, slice_batch(out, b), slice_batch(lse, b), ob.enable_gqa);
+  });
 }
 
 void blocktopk_backward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& dout, const TensorView& q,

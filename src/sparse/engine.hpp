@@ -60,7 +60,9 @@ struct HugeAlloc {
   T* allocate(size_t n) { return static_cast<T*>(huge_alloc(n * sizeof(T))); }
   void deallocate(T* p, size_t) noexcept { huge_free(p); }
   template <typename U>
-  bool operator==(const HugeAlloc<U>&) const { return true; }
+  bool operator==(const HugeAlloc<U>&) const {
+    return true;
+  }
 };
 template <typename T>
 using HugeVector = std::vector<T, HugeAlloc<T>>;
@@ -91,11 +93,11 @@ struct Packed {
   int64_t B = 0, Hq = 0, Hkv = 0, Lq = 0, Lk = 0, D = 0, Dv = 0, group = 1;
   float scale = 1.0f;
   int threads = 1;
-  FloatBuf q, k, v;                           // [B, Hq, Lq, D], [B, Hkv, Lk, D], [B, Hkv, Lk, Dv]
-  std::vector<uint8_t> key_valid;             // [B, Lk] layout order (empty: no padding)
-  std::vector<int32_t> key_invalid_prefix;    // [B, Lk + 1] prefix counts of padding keys
-  FloatBuf dout;                              // backward only: [B, Hq, Lq, Dv]
-  std::vector<float> lse, delta;              // backward only: [B, Hq, Lq], [B, Hq, Lq]
+  FloatBuf q, k, v;                         // [B, Hq, Lq, D], [B, Hkv, Lk, D], [B, Hkv, Lk, Dv]
+  std::vector<uint8_t> key_valid;           // [B, Lk] layout order (empty: no padding)
+  std::vector<int32_t> key_invalid_prefix;  // [B, Lk + 1] prefix counts of padding keys
+  FloatBuf dout;                            // backward only: [B, Hq, Lq, Dv]
+  std::vector<float> lse, delta;            // backward only: [B, Hq, Lq], [B, Hq, Lq]
   int64_t invalid_in(int64_t b, int64_t lo, int64_t hi) const {
     if (key_invalid_prefix.empty()) return 0;
     const int32_t* p = &key_invalid_prefix[size_t(b * (Lk + 1))];
@@ -110,8 +112,8 @@ Packed pack_inputs(const TensorView& q, const TensorView& k, const TensorView& v
 void pack_backward(Packed& p, const BlockMask& mask, const TensorView& dout, const TensorView& out,
                    const TensorView& lse);
 void check_outputs(const Packed& p, const TensorView& out, const TensorView& lse);
-void check_grads(const Packed& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                 const TensorView& dq, const TensorView& dk, const TensorView& dv);
+void check_grads(const Packed& p, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& dq,
+                 const TensorView& dk, const TensorView& dv);
 // Stores n floats into row (b, h, i, :) of a 4-D float view (any float dtype / strides); or one value of a 3-D view.
 void store_row(const TensorView& t, int64_t b, int64_t h, int64_t i, const float* src, int64_t n);
 void store_value(const TensorView& t, int64_t b, int64_t h, int64_t i, float value);
@@ -187,9 +189,8 @@ void for_each_chunk(const KeyRange* ranges, int64_t count, F&& f) {
 // the chunk's V rows [n x Dv] (in place when the chunk is one range, else copied into vc; nullptr when need_vt and
 // the chunk has several ranges: V is then transposed straight from its rows, never copied) and, if kptr, its K
 // rows. Several ranges' K rows are first copied row by row (contiguous memcpy) and then transposed as one block.
-inline const float* gather_chunk(const Segment* segs, int64_t nseg, int64_t n, const float* kbase,
-                                 const float* vbase, int64_t D, int64_t Dv, Scratch& sc, bool need_kc,
-                                 const float** kptr, bool need_vt) {
+inline const float* gather_chunk(const Segment* segs, int64_t nseg, int64_t n, const float* kbase, const float* vbase,
+                                 int64_t D, int64_t Dv, Scratch& sc, bool need_kc, const float** kptr, bool need_vt) {
   (void)need_kc;
   if (nseg == 1) {
     const float* kp = kbase + int64_t(segs[0].begin) * D;
@@ -201,10 +202,8 @@ inline const float* gather_chunk(const Segment* segs, int64_t nseg, int64_t n, c
   }
   for (int64_t x = 0; x < nseg; ++x) {
     const int64_t len = segs[x].end - segs[x].begin;
-    if (need_vt)
-      tiles::transpose_rows(vbase + int64_t(segs[x].begin) * Dv, Dv, len, Dv, sc.vt.data() + segs[x].col, n);
-    else
-      std::copy_n(vbase + int64_t(segs[x].begin) * Dv, len * Dv, sc.vc.data() + int64_t(segs[x].col) * Dv);
+    if (need_vt) tiles::transpose_rows(vbase + int64_t(segs[x].begin) * Dv, Dv, len, Dv, sc.vt.data() + segs[x].col, n);
+    else std::copy_n(vbase + int64_t(segs[x].begin) * Dv, len * Dv, sc.vc.data() + int64_t(segs[x].col) * Dv);
     std::copy_n(kbase + int64_t(segs[x].begin) * D, len * D, sc.kc.data() + int64_t(segs[x].col) * D);
   }
   tiles::transpose_rows(sc.kc.data(), D, n, D, sc.kt.data(), n);
@@ -431,8 +430,8 @@ void backward_one_pass(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, 
 // (pre-score_mod) scores; parameter gradients are added into g when given.
 template <typename ScoreMod>
 void score_mod_backward_chunk(const ScoreMod& score_mod, const BlockMask& bm, const Segment* segs, int64_t nseg,
-                              int64_t n, int64_t mm, int64_t q0, int64_t b, int64_t h, const float* s,
-                              const float* raw, float* dp, float* g) {
+                              int64_t n, int64_t mm, int64_t q0, int64_t b, int64_t h, const float* s, const float* raw,
+                              float* dp, float* g) {
   for (int64_t x = 0; x < nseg; ++x)
     for (int64_t r = 0; r < mm; ++r) {
       const int64_t i = bm.q_index(q0 + r);
@@ -574,8 +573,7 @@ void kv_item(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const Scor
       float* s = sc.s.data();
       float* dp = sc.p2.data();
       tiles::qk(qt, m, D, sc.kt.data() + c0, nk, n, p.scale, s);
-      mod_and_mask(s, score_mod.identity() ? nullptr : raw.data(), m, n, &seg, 1, bm, q0, b, h, p, mask_mod,
-                   score_mod);
+      mod_and_mask(s, score_mod.identity() ? nullptr : raw.data(), m, n, &seg, 1, bm, q0, b, h, p, mask_mod, score_mod);
       tiles::probabilities(s, m, n, &p.lse[qrow]);
       tiles::atx(s, m, n, dot, Dv, Dv, 1.0f, dvacc.data() + c0 * Dv);
       tiles::qk(dot, m, Dv, sc.vt.data() + c0, nk, n, 1.0f, dp);
@@ -585,9 +583,9 @@ void kv_item(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const Scor
           const int64_t i = bm.q_index(q0 + r);
           for (int64_t c = 0; c < n; ++c) {
             float& d = dp[r * n + c];
-            d = s[r * n + c] == 0.0f ? 0.0f
-                                     : score_mod.backward(raw[size_t(r * n + c)], d, b, h, i,
-                                                          bm.k_index(e.begin + c), nullptr);
+            d = s[r * n + c] == 0.0f
+                    ? 0.0f
+                    : score_mod.backward(raw[size_t(r * n + c)], d, b, h, i, bm.k_index(e.begin + c), nullptr);
           }
         }
       tiles::atx(dp, m, n, qt, D, D, p.scale, dkacc.data() + c0 * D);

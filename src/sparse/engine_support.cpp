@@ -102,7 +102,6 @@ void huge_free(void* p) noexcept {
   for (void* q : release) std::free(q);
 }
 
-
 namespace {
 
 void check_input(const TensorView& t, const char* name, const char* layout) {
@@ -146,7 +145,8 @@ void pack4(const TensorView& t, const std::vector<int32_t>& perm, FloatBuf& buf)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t pos = 0; pos < L; ++pos) {
-        const int64_t src = b * t.strides[0] + h * t.strides[1] + int64_t(perm.empty() ? pos : perm[pos]) * t.strides[2];
+        const int64_t src =
+            b * t.strides[0] + h * t.strides[1] + int64_t(perm.empty() ? pos : perm[pos]) * t.strides[2];
         float* dst = &out[size_t(((b * H + h) * L + pos) * D)];
         if (t.dtype == DType::kF32) {
           const float* s = static_cast<const float*>(t.data) + src;
@@ -160,8 +160,8 @@ void pack4(const TensorView& t, const std::vector<int32_t>& perm, FloatBuf& buf)
 }
 
 void check_output_view(const TensorView& t, const char* name, const Shape& expected) {
-  check(t.shape == expected, ErrorKind::kInvalidArgument, name, ": expected shape ", shape_to_string(expected), ", got ",
-        shape_to_string(t.shape));
+  check(t.shape == expected, ErrorKind::kInvalidArgument, name, ": expected shape ", shape_to_string(expected),
+        ", got ", shape_to_string(t.shape));
   check(t.strides.size() == t.shape.size(), ErrorKind::kInvalidArgument, name, ": strides do not match the shape");
   check(is_floating(t.dtype), ErrorKind::kTypeError, name, ": expected a float tensor, got ", to_string(t.dtype));
   for (size_t d = 0; d < t.shape.size(); ++d)
@@ -186,8 +186,9 @@ Packed pack_inputs(const TensorView& q, const TensorView& k, const TensorView& v
   check(enable_gqa || p.Hq == p.Hkv, ErrorKind::kInvalidArgument, "key: Hq = ", p.Hq, " differs from Hkv = ", p.Hkv,
         "; pass enable_gqa=True for grouped-query attention");
   p.group = p.Hq / p.Hkv;
-  check(mask.len_q == p.Lq && mask.len_k == p.Lk, ErrorKind::kInvalidArgument, "block_mask: built for Lq = ",
-        mask.len_q, ", Lk = ", mask.len_k, ", but the inputs have Lq = ", p.Lq, ", Lk = ", p.Lk);
+  check(mask.len_q == p.Lq && mask.len_k == p.Lk, ErrorKind::kInvalidArgument,
+        "block_mask: built for Lq = ", mask.len_q, ", Lk = ", mask.len_k, ", but the inputs have Lq = ", p.Lq,
+        ", Lk = ", p.Lk);
   check(mask.heads == 1 || mask.heads == p.Hq, ErrorKind::kInvalidArgument, "block_mask: has ", mask.heads,
         " heads, expected 1 or Hq = ", p.Hq);
   mask.validate();
@@ -222,8 +223,8 @@ Packed pack_inputs(const TensorView& q, const TensorView& k, const TensorView& v
       for (int64_t b = 0; b < p.B; ++b) {
         const int64_t len = m.dtype == DType::kI32 ? static_cast<const int32_t*>(m.data)[b * m.strides[0]]
                                                    : static_cast<const int64_t*>(m.data)[b * m.strides[0]];
-        check(len >= 0 && len <= p.Lk, ErrorKind::kInvalidArgument, "key_lengths[", b, "]: expected a length in [0, Lk = ",
-              p.Lk, "], got ", len);
+        check(len >= 0 && len <= p.Lk, ErrorKind::kInvalidArgument, "key_lengths[", b,
+              "]: expected a length in [0, Lk = ", p.Lk, "], got ", len);
         for (int64_t x = 0; x < p.Lk; ++x) p.key_valid[size_t(b * p.Lk + x)] = mask.k_index(x) < len ? 1 : 0;
       }
     }

@@ -67,8 +67,10 @@ void check4(const TensorView& t, const char* name, const char* layout) {
         ", got shape ", shape_to_string(t.shape));
   check(is_floating(t.dtype), ErrorKind::kTypeError, name, ": expected a float tensor, got ", to_string(t.dtype));
   for (int d = 0; d < 4; ++d)
-    check(t.shape[d] > 0 && t.strides[d] >= 0, ErrorKind::kInvalidArgument, name, ": zero-size dimension or negative "
-          "stride in shape ", shape_to_string(t.shape));
+    check(t.shape[d] > 0 && t.strides[d] >= 0, ErrorKind::kInvalidArgument, name,
+          ": zero-size dimension or negative "
+          "stride in shape ",
+          shape_to_string(t.shape));
 }
 
 struct Problem {
@@ -96,11 +98,12 @@ Problem describe(const TensorView& q, const TensorView& k, const TensorView& v, 
         "feature_map: expected 'elu' or 'favor+', got '", o.feature_map, "'");
   p.favor = o.feature_map == "favor+";
   p.causal = o.causal;
-  check(!p.causal || p.Lq == p.Lk, ErrorKind::kInvalidArgument, "causal: linear attention needs Lq == Lk, got Lq = ",
-        p.Lq, ", Lk = ", p.Lk);
+  check(!p.causal || p.Lq == p.Lk, ErrorKind::kInvalidArgument,
+        "causal: linear attention needs Lq == Lk, got Lq = ", p.Lq, ", Lk = ", p.Lk);
   check(o.num_features >= 0, ErrorKind::kInvalidArgument, "num_features: expected >= 0, got ", o.num_features);
   if (p.favor) {
-    p.F = o.num_features > 0 ? o.num_features : std::max<int64_t>(1, int64_t(std::floor(double(p.D) * std::log(double(p.D)))));
+    p.F = o.num_features > 0 ? o.num_features
+                             : std::max<int64_t>(1, int64_t(std::floor(double(p.D) * std::log(double(p.D)))));
     const Tensor w = favor_projection(p.D, p.F, o.seed);
     p.omega.assign(w.data<double>(), w.data<double>() + w.numel());
     p.omega_t.resize(p.omega.size());

@@ -148,8 +148,7 @@ void Pattern::Node::ranges_for(int64_t h, int64_t q0, int64_t q1, int64_t len_q,
     const bool full = count == (q1 - q0) * (e - s);
     if (!out.empty() && out.back().end == s && bool(out.back().full) == full && e - out.back().begin <= block)
       out.back().end = int32_t(e);
-    else
-      out.push_back({int32_t(s), int32_t(e), uint8_t(full)});
+    else out.push_back({int32_t(s), int32_t(e), uint8_t(full)});
   }
 }
 
@@ -226,7 +225,8 @@ const Pattern::Node& Pattern::node() const {
 
 bool Pattern::allowed(int64_t, int64_t h, int64_t i, int64_t j, int64_t len_q, int64_t len_k) const {
   if (node().contains_adaptive())  // (the message is built only on failure: this runs once per pair)
-    fail(ErrorKind::kInvalidArgument, "pattern ", repr(), ": a content-adaptive pattern has no fixed element predicate");
+    fail(ErrorKind::kInvalidArgument, "pattern ", repr(),
+         ": a content-adaptive pattern has no fixed element predicate");
   return node().allowed(h, i, j, len_q, len_k);
 }
 
@@ -282,7 +282,7 @@ struct FullNode final : Pattern::Node {
 // recursion; every other link adds 1 to the depth (kMaxPatternDepth), which bounds the recursion.
 struct CombineNode final : Pattern::Node {
   Pattern a, b;
-  char op;  // '|' or '&'
+  char op;                   // '|' or '&'
   const CombineNode* chain;  // a's node when it is a CombineNode with the same operator, else null
   bool any_head_dependent, any_adaptive, has_window2d;
   int64_t w2d_width = 0, w2d_window = 0;  // the first WindowAttention2D's, left to right

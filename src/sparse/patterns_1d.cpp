@@ -186,7 +186,8 @@ struct GlobalTokensNode final : Pattern::Node {
   std::vector<int64_t> indices;  // sorted, unique
   Pattern base;
   Alignment al;
-  GlobalTokensNode(std::vector<int64_t> idx, Pattern b, Alignment a) : indices(std::move(idx)), base(std::move(b)), al(a) {
+  GlobalTokensNode(std::vector<int64_t> idx, Pattern b, Alignment a)
+      : indices(std::move(idx)), base(std::move(b)), al(a) {
     depth = base.node().depth + 1;
   }
   std::string repr() const override {
@@ -273,9 +274,7 @@ struct BigBirdNode final : Pattern::Node {
       // Random blocks: a pure function of (seed, head, qb). Few candidates: a seeded partial Fisher-Yates over
       // the list; many: rejection sampling (acceptance > 3/4).
       const std::array<uint32_t, 2> key = {uint32_t(seed), uint32_t(seed >> 32)};
-      auto draw = [&](uint32_t step) {
-        return philox4x32_10({step, uint32_t(qb), uint32_t(h), 0xB16B1Du}, key)[0];
-      };
+      auto draw = [&](uint32_t step) { return philox4x32_10({step, uint32_t(qb), uint32_t(h), 0xB16B1Du}, key)[0]; };
       std::vector<int64_t> picks;
       if (nkb <= 4 * (random_blocks + window_blocks + global_blocks)) {
         std::vector<int64_t> cand;
@@ -314,7 +313,8 @@ struct BigBirdNode final : Pattern::Node {
     std::vector<KeyRange> acc;
     for (int64_t t = t0; t <= t1; ++t) {
       std::vector<KeyRange> one;
-      for (int64_t kb : key_blocks(h, t, nkb)) detail::emit_range(one, kb * blk, std::min(lk, (kb + 1) * blk), true, block);
+      for (int64_t kb : key_blocks(h, t, nkb))
+        detail::emit_range(one, kb * blk, std::min(lk, (kb + 1) * blk), true, block);
       acc = t == t0 ? one : detail::merge_ranges(acc, one, '|', block);
     }
     if (t0 != t1)  // rows of different pattern blocks: only the global keys are allowed for all of them

@@ -195,7 +195,8 @@ struct Neighborhood2DNode final : Pattern::Node {
                 int64_t a = lo, z = hi;
                 align_rows(a, z);
                 const int64_t n = (e - g) * ncol, rows = std::max<int64_t>(0, z - a + 1);
-                const int64_t cost = best[size_t(g)] + rows * cw * n + key_cost * n + chunk_cost * ((n + block - 1) / block);
+                const int64_t cost =
+                    best[size_t(g)] + rows * cw * n + key_cost * n + chunk_cost * ((n + block - 1) / block);
                 if (cost < best[size_t(e)]) best[size_t(e)] = cost, cut[size_t(e)] = g;
               }
             }
@@ -209,7 +210,8 @@ struct Neighborhood2DNode final : Pattern::Node {
               for (int64_t x = g0; x < g1; ++x) lo = std::min(lo, qa[size_t(x)]), hi = std::max(hi, qz[size_t(x)]);
               align_rows(lo, hi);
               const bool all_rows = lo <= r0 && hi >= r1 - 1;
-              const uint16_t ql = all_rows ? 0 : uint16_t((lo - r0) * cw), qh = all_rows ? 0 : uint16_t((hi - r0 + 1) * cw);
+              const uint16_t ql = all_rows ? 0 : uint16_t((lo - r0) * cw),
+                             qh = all_rows ? 0 : uint16_t((hi - r0 + 1) * cw);
               const size_t first = m.ranges.size();
               for (int64_t kr = rs0 + g0; kr < rs0 + g1; ++kr) {
                 if (!all_rows && lo > hi) continue;  // (cannot happen: every key row is reached)
@@ -245,9 +247,7 @@ struct WindowAttention2DNode final : Pattern::Node {
     if (shift != 0) s += sattn::message::concat(", shift=", shift);
     return s + ")";
   }
-  void check_lengths(int64_t lq, int64_t lk) const override {
-    check_grid("WindowAttention2D", height, width, lq, lk);
-  }
+  void check_lengths(int64_t lq, int64_t lk) const override { check_grid("WindowAttention2D", height, width, lq, lk); }
   bool window2d(int64_t& w, int64_t& win_) const override {
     w = width;
     win_ = win;
@@ -303,8 +303,9 @@ namespace {
 void check_grid_size(const char* pattern, int64_t height, int64_t width) {
   check_param(pattern, "height", height, 1);
   check_param(pattern, "width", width, 1);
-  check(height <= kMaxPatternSize / width, ErrorKind::kInvalidArgument, pattern, ": expected height * width <= ",
-        kMaxPatternSize, ", got ", height * width, " (height = ", height, ", width = ", width, ")");
+  check(height <= kMaxPatternSize / width, ErrorKind::kInvalidArgument, pattern,
+        ": expected height * width <= ", kMaxPatternSize, ", got ", height * width, " (height = ", height,
+        ", width = ", width, ")");
 }
 
 std::shared_ptr<const Pattern::Node> neighborhood_2d_node(int64_t height, int64_t width, int64_t kernel,
@@ -314,8 +315,8 @@ std::shared_ptr<const Pattern::Node> neighborhood_2d_node(int64_t height, int64_
   check(kernel % 2 == 1, ErrorKind::kInvalidArgument, "Neighborhood2D: expected an odd kernel, got ", kernel);
   check_param("Neighborhood2D", "dilation", dilation, 1);
   check(height >= kernel * dilation && width >= kernel * dilation, ErrorKind::kInvalidArgument,
-        "Neighborhood2D: expected height and width >= kernel * dilation = ", kernel * dilation, ", got height = ",
-        height, ", width = ", width);
+        "Neighborhood2D: expected height and width >= kernel * dilation = ", kernel * dilation,
+        ", got height = ", height, ", width = ", width);
   return std::make_shared<Neighborhood2DNode>(height, width, kernel, dilation, causal);
 }
 

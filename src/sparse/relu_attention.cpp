@@ -99,7 +99,8 @@ void relu_backward(double power, int normalize, const Pattern& fixed, const Tens
         sc.ensure(m, D, Dv);
         const float* qt = &p.q[size_t(((b * p.Hq + h) * p.Lq + q0) * D)];
         // Per row: dO_i / Z_i (in layout order), delta_i = dO_i·out_i / Z_i for "sum".
-        std::vector<float> gz(static_cast<size_t>(m * Dv)), delta(static_cast<size_t>(m), 0.0f), dqt(static_cast<size_t>(m * D), 0.0f);
+        std::vector<float> gz(static_cast<size_t>(m * Dv)), delta(static_cast<size_t>(m), 0.0f),
+            dqt(static_cast<size_t>(m * D), 0.0f);
         for (int64_t r = 0; r < m; ++r) {
           const size_t orow = size_t((b * p.Hq + h) * p.Lq + bm.q_index(q0 + r));
           const float zr = z[orow], inv = normalize == 0 ? 1.0f : (zr > 0.0f ? 1.0f / zr : 0.0f);
@@ -213,8 +214,8 @@ void relu_mixed_backward(const AdaptiveNode& a, const Pattern& fixed, const Tens
   const BlockMask ident = Full().block_mask(q.shape[2], k.shape[2], 1, o.block);
   detail::Packed p = detail::pack_inputs(q, k, v, ident, o, o.enable_gqa);
   detail::check_grads(p, q, k, v, g.dq, g.dk, g.dv);
-  check(dout.data && dout.shape == Shape({p.B, p.Hq, p.Lq, p.Dv}), ErrorKind::kInvalidArgument,
-        "dout: expected shape ", shape_to_string({p.B, p.Hq, p.Lq, p.Dv}));
+  check(dout.data && dout.shape == Shape({p.B, p.Hq, p.Lq, p.Dv}), ErrorKind::kInvalidArgument, "dout: expected shape ",
+        shape_to_string({p.B, p.Hq, p.Lq, p.Dv}));
   std::vector<float> dq(p.q.size(), 0.0f), dk(p.k.size(), 0.0f), dv(p.v.size(), 0.0f);
   const std::vector<float> d_out = dense4(dout);
   std::vector<float> o_relu, z;

@@ -141,8 +141,8 @@ BuiltinMod make_mod(const TensorView& q, const TensorView& k, const Pattern* pat
     check(r.dtype == DType::kF32 || r.dtype == DType::kF64, ErrorKind::kTypeError,
           "rel_pos_bias: expected float32 or float64, got ", to_string(r.dtype));
     const Shape want = {(2 * win - 1) * (2 * win - 1), hq};
-    check(r.shape == want, ErrorKind::kInvalidArgument, "rel_pos_bias: expected shape [(2w-1)^2, Hq] = ",
-          shape_to_string(want), ", got ", shape_to_string(r.shape));
+    check(r.shape == want, ErrorKind::kInvalidArgument,
+          "rel_pos_bias: expected shape [(2w-1)^2, Hq] = ", shape_to_string(want), ", got ", shape_to_string(r.shape));
     rel_storage = dense_table(r);
     m.rel = rel_storage.data();
     m.rel_heads = hq;
@@ -155,7 +155,8 @@ BuiltinMod make_mod(const TensorView& q, const TensorView& k, const Pattern* pat
 
 void check_param_grad(const TensorView& g, const TensorView& param, const char* name) {
   if (!g.data) return;
-  check(param.data != nullptr, ErrorKind::kInvalidArgument, name, ": given, but the option it is the gradient of is not");
+  check(param.data != nullptr, ErrorKind::kInvalidArgument, name,
+        ": given, but the option it is the gradient of is not");
   check(g.shape == param.shape, ErrorKind::kInvalidArgument, name, ": expected shape ", shape_to_string(param.shape),
         ", got ", shape_to_string(g.shape));
   check(g.dtype == DType::kF32 || g.dtype == DType::kF64, ErrorKind::kTypeError, name,
@@ -193,7 +194,8 @@ DenseMask dense_mask_mod(const TensorView& m, const BlockMask& bm) {
   check(m.dim() == 2 || m.shape[0] == bm.heads, ErrorKind::kInvalidArgument, "dense_mask: expected ", bm.heads,
         " heads (those of the block mask), got ", m.shape[0]);
   const int64_t o = m.dim() - 2;
-  return DenseMask{static_cast<const uint8_t*>(m.data), m.dim() == 3 ? m.strides[0] : 0, m.strides[o], m.strides[o + 1]};
+  return DenseMask{static_cast<const uint8_t*>(m.data), m.dim() == 3 ? m.strides[0] : 0, m.strides[o],
+                   m.strides[o + 1]};
 }
 
 }  // namespace
@@ -216,8 +218,10 @@ void sparse_attention(const TensorView& q, const TensorView& k, const TensorView
     adaptive_forward(*adaptive, fixed, q, k, v, o, out, lse, indices);
     return;
   }
-  check(!indices.data, ErrorKind::kInvalidArgument, "indices: only content-adaptive patterns (TopK, BlockTopK) "
-        "return a selection, got ", pattern.repr());
+  check(!indices.data, ErrorKind::kInvalidArgument,
+        "indices: only content-adaptive patterns (TopK, BlockTopK) "
+        "return a selection, got ",
+        pattern.repr());
   const BlockMask bm = pattern.block_mask(q.shape[2], k.shape[2], q.shape[1], o.block);
   std::vector<float> bias_storage, rel_storage;
   const BuiltinMod mod = make_mod(q, k, &pattern, o, bias_storage, rel_storage);
@@ -293,8 +297,9 @@ Tensor selection_mask(const Pattern& pattern, const TensorView& indices, int64_t
           const int64_t kb = at(b, h, qb, x);
           if (kb < 0) continue;
           for (int64_t j = kb * blk; j < std::min(len_k, (kb + 1) * blk); ++j) {
-            const bool ok = (!a->causal || j <= i + off) &&
-                            (!fixed.defined() || fixed.node().allowed(fixed.head_dependent() ? h : 0, i, j, len_q, len_k));
+            const bool ok =
+                (!a->causal || j <= i + off) &&
+                (!fixed.defined() || fixed.node().allowed(fixed.head_dependent() ? h : 0, i, j, len_q, len_k));
             if (ok) d[((b * H + h) * len_q + i) * len_k + j] = 1;
           }
         }

@@ -118,7 +118,10 @@ class Parser {
     skip();
     const size_t s = i_;
     while (!at_end() && (std::isalnum(static_cast<unsigned char>(t_[i_])) || t_[i_] == '_')) ++i_;
-    if (s == i_) error(at_end() ? "expected a name, got the end of the spec" : sattn::message::concat("expected a name, got '", t_[i_], "'"), s);
+    if (s == i_)
+      error(at_end() ? "expected a name, got the end of the spec"
+                     : sattn::message::concat("expected a name, got '", t_[i_], "'"),
+            s);
     return t_.substr(s, i_ - s);
   }
 
@@ -149,7 +152,9 @@ class Parser {
     }
     const size_t name_pos = i_;
     if (at_end() || !(std::isalpha(static_cast<unsigned char>(t_[i_])) || t_[i_] == '_'))
-      error(at_end() ? "expected a pattern, got the end of the spec" : sattn::message::concat("expected a pattern, got '", t_[i_], "'"), i_);
+      error(at_end() ? "expected a pattern, got the end of the spec"
+                     : sattn::message::concat("expected a pattern, got '", t_[i_], "'"),
+            i_);
     const std::string name = ident();
     expect('(');
     std::vector<Value> positional;
@@ -233,8 +238,9 @@ class Parser {
       const size_t s = i_;
       ++i_;
       bool is_float = c == '.';
-      while (!at_end() && (std::isdigit(static_cast<unsigned char>(t_[i_])) || t_[i_] == '.' || t_[i_] == 'e' ||
-                           t_[i_] == 'E' || ((t_[i_] == '-' || t_[i_] == '+') && (t_[i_ - 1] == 'e' || t_[i_ - 1] == 'E')))) {
+      while (!at_end() &&
+             (std::isdigit(static_cast<unsigned char>(t_[i_])) || t_[i_] == '.' || t_[i_] == 'e' || t_[i_] == 'E' ||
+              ((t_[i_] == '-' || t_[i_] == '+') && (t_[i_ - 1] == 'e' || t_[i_ - 1] == 'E')))) {
         if (t_[i_] == '.' || t_[i_] == 'e' || t_[i_] == 'E') is_float = true;
         ++i_;
       }
@@ -401,14 +407,16 @@ class Parser {
   std::string get_str(const std::map<std::string, Value>& a, const char* k, const std::string& dflt) const {
     auto it = a.find(k);
     if (it == a.end()) return dflt;
-    if (it->second.kind != Value::kStr) error(sattn::message::concat("argument '", k, "': expected a string"), it->second.pos);
+    if (it->second.kind != Value::kStr)
+      error(sattn::message::concat("argument '", k, "': expected a string"), it->second.pos);
     return it->second.s;
   }
   Alignment get_alignment(const std::map<std::string, Value>& a) const {
     auto it = a.find("alignment");
     if (it == a.end()) return Alignment::kBottomRight;
     const Value& v = it->second;
-    if (v.kind != Value::kStr || (v.s != "top_left" && v.s != "bottom_right" && v.s != "top-left" && v.s != "bottom-right"))
+    if (v.kind != Value::kStr ||
+        (v.s != "top_left" && v.s != "bottom_right" && v.s != "top-left" && v.s != "bottom-right"))
       error("argument 'alignment': expected 'bottom_right' or 'top_left'", v.pos);
     return v.s == "top_left" || v.s == "top-left" ? Alignment::kTopLeft : Alignment::kBottomRight;
   }
@@ -444,8 +452,12 @@ class Parser {
       }
       if (name == "BigBird") {
         auto a = bind(name, pos,
-                      {{"block", true}, {"window_blocks", true}, {"global_blocks", true}, {"random_blocks", true},
-                       {"seed", false}, {"alignment", false}},
+                      {{"block", true},
+                       {"window_blocks", true},
+                       {"global_blocks", true},
+                       {"random_blocks", true},
+                       {"seed", false},
+                       {"alignment", false}},
                       positional, keywords);
         return BigBird(get_int(a, "block", 1), get_int(a, "window_blocks", 0), get_int(a, "global_blocks", 0),
                        get_int(a, "random_blocks", 0), get_uint64(a, "seed", 0), get_alignment(a));
@@ -496,10 +508,11 @@ class Parser {
       if (std::string(e.what()).rfind("pattern spec:", 0) == 0) throw;
       error(e.what(), pos);
     }
-    error(sattn::message::concat("unknown pattern '", name,
-                         "' (expected SlidingWindow, Dilated, BlockLocal, GlobalTokens, BigBird, Neighborhood2D, "
-                         "WindowAttention2D, Full, TopK, BlockTopK, ReLUAttention or MixedAttention)"),
-          pos);
+    error(
+        sattn::message::concat("unknown pattern '", name,
+                               "' (expected SlidingWindow, Dilated, BlockLocal, GlobalTokens, BigBird, Neighborhood2D, "
+                               "WindowAttention2D, Full, TopK, BlockTopK, ReLUAttention or MixedAttention)"),
+        pos);
   }
 };
 

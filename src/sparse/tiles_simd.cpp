@@ -34,7 +34,6 @@ using MF = hn::Mask<DF>;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-
 #include "simd/exp.inc"   // Exp<kNoUpper>(d, x)
 #include "simd/gemm.inc"  // MicroKernel, LoadTail, StoreTail
 
@@ -47,8 +46,8 @@ HWY_INLINE float ExpScalar(float x) {
 // C[MR x NV vectors] = alpha · sum_k A(m, k) · B[k, :] (+ C when acc);  A(m, k) = A[m·sam + k·sak]. kMasked: the
 // last vector holds only the lanes of `tail` (masked loads and stores: nothing past the row's end is touched).
 template <int MR, int NV, bool kMasked>
-HWY_INLINE void Micro(const float* HWY_RESTRICT A, int64_t sam, int64_t sak, const float* HWY_RESTRICT B,
-                      int64_t ldb, float* HWY_RESTRICT C, int64_t ldc, int64_t K, float alpha, bool acc, MF tail) {
+HWY_INLINE void Micro(const float* HWY_RESTRICT A, int64_t sam, int64_t sak, const float* HWY_RESTRICT B, int64_t ldb,
+                      float* HWY_RESTRICT C, int64_t ldc, int64_t K, float alpha, bool acc, MF tail) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
   VF c[MR][NV];
@@ -80,11 +79,16 @@ HWY_INLINE void Rows(const float* A, int64_t sam, int64_t sak, const float* B, i
   const int64_t rest = M - m;
   A += m * sam;
   C += m * ldc;
-  if constexpr (kMR > 1) if (rest == 1) return Micro<1, NV, kMasked>(A, sam, sak, B, ldb, C, ldc, K, alpha, acc, tail);
-  if constexpr (kMR > 2) if (rest == 2) return Micro<2, NV, kMasked>(A, sam, sak, B, ldb, C, ldc, K, alpha, acc, tail);
-  if constexpr (kMR > 3) if (rest == 3) return Micro<3, NV, kMasked>(A, sam, sak, B, ldb, C, ldc, K, alpha, acc, tail);
-  if constexpr (kMR > 4) if (rest == 4) return Micro<4, NV, kMasked>(A, sam, sak, B, ldb, C, ldc, K, alpha, acc, tail);
-  if constexpr (kMR > 5) if (rest == 5) return Micro<5, NV, kMasked>(A, sam, sak, B, ldb, C, ldc, K, alpha, acc, tail);
+  if constexpr (kMR > 1)
+    if (rest == 1) return Micro<1, NV, kMasked>(A, sam, sak, B, ldb, C, ldc, K, alpha, acc, tail);
+  if constexpr (kMR > 2)
+    if (rest == 2) return Micro<2, NV, kMasked>(A, sam, sak, B, ldb, C, ldc, K, alpha, acc, tail);
+  if constexpr (kMR > 3)
+    if (rest == 3) return Micro<3, NV, kMasked>(A, sam, sak, B, ldb, C, ldc, K, alpha, acc, tail);
+  if constexpr (kMR > 4)
+    if (rest == 4) return Micro<4, NV, kMasked>(A, sam, sak, B, ldb, C, ldc, K, alpha, acc, tail);
+  if constexpr (kMR > 5)
+    if (rest == 5) return Micro<5, NV, kMasked>(A, sam, sak, B, ldb, C, ldc, K, alpha, acc, tail);
 }
 
 template <bool kMasked>
@@ -92,11 +96,14 @@ HWY_INLINE void Group(int64_t nv, const float* A, int64_t sam, int64_t sak, cons
                       int64_t ldc, int64_t M, int64_t K, float alpha, bool acc, MF tail) {
   switch (nv) {
     case 1: return Rows<1, kMasked>(A, sam, sak, B, ldb, C, ldc, M, K, alpha, acc, tail);
-    case 2: if constexpr (kNV >= 2) return Rows<2, kMasked>(A, sam, sak, B, ldb, C, ldc, M, K, alpha, acc, tail);
+    case 2:
+      if constexpr (kNV >= 2) return Rows<2, kMasked>(A, sam, sak, B, ldb, C, ldc, M, K, alpha, acc, tail);
       break;
-    case 3: if constexpr (kNV >= 3) return Rows<3, kMasked>(A, sam, sak, B, ldb, C, ldc, M, K, alpha, acc, tail);
+    case 3:
+      if constexpr (kNV >= 3) return Rows<3, kMasked>(A, sam, sak, B, ldb, C, ldc, M, K, alpha, acc, tail);
       break;
-    case 4: if constexpr (kNV >= 4) return Rows<4, kMasked>(A, sam, sak, B, ldb, C, ldc, M, K, alpha, acc, tail);
+    case 4:
+      if constexpr (kNV >= 4) return Rows<4, kMasked>(A, sam, sak, B, ldb, C, ldc, M, K, alpha, acc, tail);
       break;
     default: break;
   }
@@ -116,13 +123,14 @@ void Gemm(const float* A, int64_t sam, int64_t sak, const float* B, int64_t ldb,
   const int64_t full = N / L, rem = N % L;
   const MF all = hn::FirstN(d, size_t(L));
   int64_t v = 0;
-  for (; v + kNV <= full; v += kNV) Rows<kNV, false>(A, sam, sak, B + v * L, ldb, C + v * L, ldc, M, K, alpha, acc, all);
+  for (; v + kNV <= full; v += kNV)
+    Rows<kNV, false>(A, sam, sak, B + v * L, ldb, C + v * L, ldc, M, K, alpha, acc, all);
   // Last group: the remaining full vectors plus (if any) one masked vector.
   const int64_t nv = full - v + (rem > 0 ? 1 : 0);
   if (nv == 0) return;
   if (rem > 0) {
-    if (nv <= kNV) return Group<true>(nv, A, sam, sak, B + v * L, ldb, C + v * L, ldc, M, K, alpha, acc,
-                                      hn::FirstN(d, size_t(rem)));
+    if (nv <= kNV)
+      return Group<true>(nv, A, sam, sak, B + v * L, ldb, C + v * L, ldc, M, K, alpha, acc, hn::FirstN(d, size_t(rem)));
   }
   Group<false>(nv, A, sam, sak, B + v * L, ldb, C + v * L, ldc, M, K, alpha, acc, all);
 }
@@ -196,9 +204,7 @@ void SoftmaxBackward(const float* p, float* dp, int64_t m, int64_t n, const floa
     const VF dl = hn::Set(d, delta[i]);
     int64_t j = 0;
     for (; j < full; j += L) hn::StoreU(hn::Mul(hn::LoadU(d, pi + j), hn::Sub(hn::LoadU(d, di + j), dl)), d, di + j);
-    if (j < n)
-      StoreTail(hn::Mul(LoadTail(d, tail, pi + j), hn::Sub(LoadTail(d, tail, di + j), dl)), d,
-                tail, di + j);
+    if (j < n) StoreTail(hn::Mul(LoadTail(d, tail, pi + j), hn::Sub(LoadTail(d, tail, di + j), dl)), d, tail, di + j);
   }
 }
 
@@ -247,9 +253,8 @@ void TransposeRows(const float* HWY_RESTRICT src, int64_t lds, int64_t n, int64_
                t4 = __builtin_shuffle(r4, r5, lo), t5 = __builtin_shuffle(r4, r5, hi),
                t6 = __builtin_shuffle(r6, r7, lo), t7 = __builtin_shuffle(r6, r7, hi);
       const i8 a = {0, 1, 8, 9, 4, 5, 12, 13}, b = {2, 3, 10, 11, 6, 7, 14, 15};
-      const v8 u0 = __builtin_shuffle(t0, t2, a), u1 = __builtin_shuffle(t0, t2, b),
-               u2 = __builtin_shuffle(t1, t3, a), u3 = __builtin_shuffle(t1, t3, b),
-               u4 = __builtin_shuffle(t4, t6, a), u5 = __builtin_shuffle(t4, t6, b),
+      const v8 u0 = __builtin_shuffle(t0, t2, a), u1 = __builtin_shuffle(t0, t2, b), u2 = __builtin_shuffle(t1, t3, a),
+               u3 = __builtin_shuffle(t1, t3, b), u4 = __builtin_shuffle(t4, t6, a), u5 = __builtin_shuffle(t4, t6, b),
                u6 = __builtin_shuffle(t5, t7, a), u7 = __builtin_shuffle(t5, t7, b);
       const i8 l = {0, 1, 2, 3, 8, 9, 10, 11}, h = {4, 5, 6, 7, 12, 13, 14, 15};
       float* o = dst + c * ldd + j;

@@ -64,9 +64,7 @@ void topk_forward_full(const AdaptiveNode& a, const TensorView& q, const TensorV
   // Packed key tiles of every (b, kv head): as many floats as K itself (plus padding to W keys).
   auto kp = hwy::AllocateAligned<float>(size_t(std::max<int64_t>(1, p.B * p.Hkv * lk_pad * D)));
   check(kp != nullptr, ErrorKind::kOutOfMemory, "TopK: cannot allocate the packed keys");
-  auto pack = [&](int64_t bh) {
-    topk::pack_keys(&p.k[size_t(bh * p.Lk * D)], p.Lk, D, D, kp.get() + bh * lk_pad * D);
-  };
+  auto pack = [&](int64_t bh) { topk::pack_keys(&p.k[size_t(bh * p.Lk * D)], p.Lk, D, D, kp.get() + bh * lk_pad * D); };
   detail::parallel(p.B * p.Hkv, p.threads, pack);
   // Key padding as an additive bias per batch entry (0 or -inf; -inf past Lk up to the last tile's end).
   hwy::AlignedFreeUniquePtr<float[]> kbias;
@@ -95,8 +93,8 @@ void topk_forward_full(const AdaptiveNode& a, const TensorView& q, const TensorV
                tmp.data());
     const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
     for (int64_t r = 0; r < m; ++r)
-      topk_finish(&cs[size_t(r * stride)], &cj[size_t(r * stride)], &cj[size_t(r * stride)], cnt[size_t(r)], vbase,
-                  Dv, b, h, q0 + r, out, lse, indices, K_out, o_row, w);
+      topk_finish(&cs[size_t(r * stride)], &cj[size_t(r * stride)], &cj[size_t(r * stride)], cnt[size_t(r)], vbase, Dv,
+                  b, h, q0 + r, out, lse, indices, K_out, o_row, w);
   };
   detail::parallel(p.B * p.Hq * nqb, p.threads, item);
 }
@@ -216,14 +214,14 @@ void topk_backward(const AdaptiveNode& a, const Pattern& fixed, const TensorView
       for (int64_t i = 0; i < p.Lq; ++i)
         for (int64_t x = 0; x < K; ++x) {
           const int64_t j = idx_at(indices, b, h, i, x);
-          check(j >= -1 && j < p.Lk, ErrorKind::kInvalidArgument, "indices: key index ", j, " out of range [-1, ",
-                p.Lk, ")");
+          check(j >= -1 && j < p.Lk, ErrorKind::kInvalidArgument, "indices: key index ", j, " out of range [-1, ", p.Lk,
+                ")");
         }
   // One item per (b, kv head): owns dK/dV of that head and dQ of its query heads (deterministic).
   auto item = [&](int64_t it) {
     const int64_t b = it / p.Hkv, hk = it % p.Hkv;
-    std::vector<float> dk(static_cast<size_t>(p.Lk * D), 0.0f), dv(static_cast<size_t>(p.Lk * Dv), 0.0f), dq(static_cast<size_t>(D)), pr(static_cast<size_t>(K)),
-        dp(static_cast<size_t>(K));
+    std::vector<float> dk(static_cast<size_t>(p.Lk * D), 0.0f), dv(static_cast<size_t>(p.Lk * Dv), 0.0f),
+        dq(static_cast<size_t>(D)), pr(static_cast<size_t>(K)), dp(static_cast<size_t>(K));
     const float* kb = &p.k[size_t((b * p.Hkv + hk) * p.Lk * D)];
     const float* vb = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
     for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h)

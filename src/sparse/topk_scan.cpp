@@ -1,8 +1,9 @@
 // TopK's scoring pass (topk_scan.hpp), compiled once per SIMD target by Highway (simd/hwy_targets.hpp) and
-// chosen at run time from the one target table (simd/target.hpp). Scores are computed in register tiles S[MR rows x W keys] from packed key tiles [d x W]
-// (W = kNV vectors, keys in lanes, queries broadcast), the way the fused kernel's micro-kernel does. Each score
-// vector is compared with its row's threshold in registers and the survivors are appended with Compress (no branch
-// per key); a row whose buffer fills is shrunk with a sampled threshold that is verified by a vector count.
+// chosen at run time from the one target table (simd/target.hpp). Scores are computed in register tiles S[MR rows x W
+// keys] from packed key tiles [d x W] (W = kNV vectors, keys in lanes, queries broadcast), the way the fused kernel's
+// micro-kernel does. Each score vector is compared with its row's threshold in registers and the survivors are appended
+// with Compress (no branch per key); a row whose buffer fills is shrunk with a sampled threshold that is verified by a
+// vector count.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "sparse/topk_scan.cpp"
 #include "simd/hwy_targets.hpp"
@@ -177,7 +178,8 @@ HWY_INLINE void Tile(const float* HWY_RESTRICT q, int64_t d, const float* HWY_RE
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < kNV; ++v) acc[r][v] = hn::Zero(df);
   // Scores of the tile: Q rows (d apart) times the packed key tile [d x kNV vectors].
-  MicroKernel<MR, kNV>(acc, q, d, 1, kt, kNV * N, d, [&](const float* row, int v) { return hn::Load(df, row + v * N); });
+  MicroKernel<MR, kNV>(acc, q, d, 1, kt, kNV * N, d,
+                       [&](const float* row, int v) { return hn::Load(df, row + v * N); });
   const VF vscale = hn::Set(df, scale);
   const VF zero = hn::Zero(df);
   VF bias[kNV];  // 0 for usable keys, -inf for padding and for lanes past n

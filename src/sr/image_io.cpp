@@ -92,7 +92,7 @@ bool png_header_step(PngCodec* c) {
     png_set_gray_to_rgb(c->png);
   }
   if (depth == 16) png_set_strip_16(c->png);  // the high byte of each sample
-  png_set_strip_alpha(c->png);                 // also the alpha a palette's tRNS expands to
+  png_set_strip_alpha(c->png);                // also the alpha a palette's tRNS expands to
   png_set_interlace_handling(c->png);
   png_read_update_info(c->png, c->info);
   if (png_get_rowbytes(c->png, c->info) != size_t(c->width) * 3) png_error(c->png, "unsupported pixel layout");
@@ -130,7 +130,8 @@ Image decode_png(const uint8_t* data, size_t size, const std::string& name, int6
   } free_codec{c};
   c.info = png_create_info_struct(c.png);
   check(c.info != nullptr, ErrorKind::kOutOfMemory, "image '", name, "': cannot create a PNG decoder");
-  if (!png_header_step(&c)) fail(ErrorKind::kIO, "image '", name, "': corrupt or truncated PNG (libpng: ", c.message, ")");
+  if (!png_header_step(&c))
+    fail(ErrorKind::kIO, "image '", name, "': corrupt or truncated PNG (libpng: ", c.message, ")");
   check_pixel_limit(name, c.width, c.height, scale, max_pixels);
   Image img(c.height, c.width, 3);
   img.source_channels = c.file_channels;
@@ -258,8 +259,7 @@ Image read_image(const std::string& path, int64_t max_pixels, int scale) {
   check(bool(f), ErrorKind::kIO, "image '", path, "': cannot open (", std::strerror(errno), ")");
   const std::streamoff n = f.tellg();
   check(n >= 0, ErrorKind::kIO, "image '", path, "': cannot read (not a regular file?)");
-  check(n <= std::streamoff(INT32_MAX), ErrorKind::kIO, "image '", path, "': file too large (", int64_t(n),
-        " bytes)");
+  check(n <= std::streamoff(INT32_MAX), ErrorKind::kIO, "image '", path, "': file too large (", int64_t(n), " bytes)");
   std::vector<uint8_t> buf(static_cast<size_t>(n));
   f.seekg(0);
   if (n > 0) f.read(reinterpret_cast<char*>(buf.data()), n);

@@ -54,8 +54,8 @@ Contrib contributions(int64_t in_len, int64_t out_len, double scale) {
 }
 
 // Resizes a [h, w, ch] double image (interleaved): height first, then width.
-std::vector<double> resize_hw(const std::vector<double>& a, int64_t h, int64_t w, int64_t ch, double scale,
-                              int64_t oh, int64_t ow) {
+std::vector<double> resize_hw(const std::vector<double>& a, int64_t h, int64_t w, int64_t ch, double scale, int64_t oh,
+                              int64_t ow) {
   const Contrib ch_ = contributions(h, oh, scale), cw = contributions(w, ow, scale);
   std::vector<double> t(size_t(oh * w * ch), 0.0);
   for (int64_t y = 0; y < oh; ++y)
@@ -80,8 +80,7 @@ std::vector<double> resize_hw(const std::vector<double>& a, int64_t h, int64_t w
 
 void check_resize_args(int64_t h, int64_t w, double scale, int64_t& oh, int64_t& ow) {
   check(h > 0 && w > 0, ErrorKind::kInvalidArgument, "imresize: image must be non-empty, given ", w, "x", h);
-  check(std::isfinite(scale) && scale > 0, ErrorKind::kInvalidArgument, "imresize: scale must be > 0, given ",
-        scale);
+  check(std::isfinite(scale) && scale > 0, ErrorKind::kInvalidArgument, "imresize: scale must be > 0, given ", scale);
   if (oh <= 0) oh = int64_t(std::ceil(double(h) * scale - 1e-9));
   if (ow <= 0) ow = int64_t(std::ceil(double(w) * scale - 1e-9));
   check(oh > 0 && ow > 0 && double(oh) * double(ow) <= double(int64_t(1) << 31), ErrorKind::kInvalidArgument,
@@ -90,8 +89,8 @@ void check_resize_args(int64_t h, int64_t w, double scale, int64_t& oh, int64_t&
 
 }  // namespace
 
-std::vector<double> imresize_plane(const std::vector<double>& plane, int64_t h, int64_t w, double scale,
-                                   int64_t out_h, int64_t out_w) {
+std::vector<double> imresize_plane(const std::vector<double>& plane, int64_t h, int64_t w, double scale, int64_t out_h,
+                                   int64_t out_w) {
   check(plane.size() == size_t(h * w), ErrorKind::kInvalidArgument, "imresize_plane: plane size ", plane.size(),
         " != h*w = ", h * w);
   check_resize_args(h, w, scale, out_h, out_w);
@@ -123,10 +122,10 @@ Image mod_crop(const Image& image, int s) {
 
 Image downscale(const Image& hr, int s) {
   check(s >= 1, ErrorKind::kInvalidArgument, "downscale: scale must be >= 1, given ", s);
-  check(hr.height % s == 0 && hr.width % s == 0, ErrorKind::kInvalidArgument, "downscale: image size ", hr.width,
-        "x", hr.height, " must be a multiple of the scale ", s, " (crop it first)");
-  check(hr.height >= s && hr.width >= s, ErrorKind::kInvalidArgument, "downscale: image ", hr.width, "x",
-        hr.height, " smaller than the scale ", s);
+  check(hr.height % s == 0 && hr.width % s == 0, ErrorKind::kInvalidArgument, "downscale: image size ", hr.width, "x",
+        hr.height, " must be a multiple of the scale ", s, " (crop it first)");
+  check(hr.height >= s && hr.width >= s, ErrorKind::kInvalidArgument, "downscale: image ", hr.width, "x", hr.height,
+        " smaller than the scale ", s);
   return imresize(hr, 1.0 / s);
 }
 
@@ -152,12 +151,12 @@ std::vector<double> y_channel(const Image& im, int border, int64_t& h, int64_t& 
 }
 
 void check_pair(const Image& a, const Image& b, int border, const char* fn) {
-  check(a.channels == 3 && b.channels == 3, ErrorKind::kInvalidArgument, fn, ": images must be RGB, given ",
-        a.channels, " and ", b.channels, " channels");
-  check(a.height == b.height && a.width == b.width, ErrorKind::kInvalidArgument, fn, ": image sizes differ: ",
-        a.width, "x", a.height, " vs ", b.width, "x", b.height);
-  check(border >= 0 && a.height > 2 * border && a.width > 2 * border, ErrorKind::kInvalidArgument, fn,
-        ": border ", border, " leaves nothing of a ", a.width, "x", a.height, " image");
+  check(a.channels == 3 && b.channels == 3, ErrorKind::kInvalidArgument, fn, ": images must be RGB, given ", a.channels,
+        " and ", b.channels, " channels");
+  check(a.height == b.height && a.width == b.width, ErrorKind::kInvalidArgument, fn, ": image sizes differ: ", a.width,
+        "x", a.height, " vs ", b.width, "x", b.height);
+  check(border >= 0 && a.height > 2 * border && a.width > 2 * border, ErrorKind::kInvalidArgument, fn, ": border ",
+        border, " leaves nothing of a ", a.width, "x", a.height, " image");
 }
 
 }  // namespace
@@ -201,14 +200,14 @@ double ssim_y(const Image& a, const Image& b, int border) {
     return out;
   };
   const auto mu1 = filter([&](size_t i) { return y1[i]; }), mu2 = filter([&](size_t i) { return y2[i]; });
-  const auto e11 = filter([&](size_t i) { return y1[i] * y1[i]; }), e22 = filter([&](size_t i) { return y2[i] * y2[i]; });
+  const auto e11 = filter([&](size_t i) { return y1[i] * y1[i]; }),
+             e22 = filter([&](size_t i) { return y2[i] * y2[i]; });
   const auto e12 = filter([&](size_t i) { return y1[i] * y2[i]; });
   const double c1 = (0.01 * 255) * (0.01 * 255), c2 = (0.03 * 255) * (0.03 * 255);
   double sum = 0;
   for (size_t i = 0; i < mu1.size(); ++i) {
     const double s1 = e11[i] - mu1[i] * mu1[i], s2 = e22[i] - mu2[i] * mu2[i], s12 = e12[i] - mu1[i] * mu2[i];
-    sum += ((2 * mu1[i] * mu2[i] + c1) * (2 * s12 + c2)) /
-           ((mu1[i] * mu1[i] + mu2[i] * mu2[i] + c1) * (s1 + s2 + c2));
+    sum += ((2 * mu1[i] * mu2[i] + c1) * (2 * s12 + c2)) / ((mu1[i] * mu1[i] + mu2[i] * mu2[i] + c1) * (s1 + s2 + c2));
   }
   return sum / double(mu1.size());
 }

@@ -152,8 +152,8 @@ void route_windows(const BlockW& b, const BlockCtx& cx, const WindowGrid& wg, fl
 
 // Attention of the chunk's windows `list` (indices into the chunk; windows[i] is the window index of chunk entry
 // i): q, k, v read from sc.qkv [nw, L, 3C], the result written to sc.o [nw, L, C]; with_mask: the Swin mask.
-void attend_windows(const BlockCtx& cx, const WindowGrid& wg, const int64_t* windows,
-                    const std::vector<int64_t>& list, bool with_mask, WindowScratch& sc) {
+void attend_windows(const BlockCtx& cx, const WindowGrid& wg, const int64_t* windows, const std::vector<int64_t>& list,
+                    bool with_mask, WindowScratch& sc) {
   if (list.empty()) return;
   const int64_t L = wg.L, C = wg.C, ws = wg.ws, s = wg.s, nwx = wg.nwx, heads = cx.heads, hd = cx.hd;
   const int64_t nb = int64_t(list.size());
@@ -253,8 +253,8 @@ void run_window_chunk(const BlockW& b, const BlockCtx& cx, const WindowGrid& wg,
 
 // One window block: y [H, W, C] = block(src) (src == y: in place); the routing decisions of its nW windows go to
 // routed_out / gates_out when given. Route (conv path and router), attend the routed windows, MLP and scatter.
-void run_block(const BlockW& b, const BlockCtx& cx, const float* src, float* y, bool dense,
-               const uint8_t* routing_in, uint8_t* routed_out, float* gates_out, int64_t* n_routed) {
+void run_block(const BlockW& b, const BlockCtx& cx, const float* src, float* y, bool dense, const uint8_t* routing_in,
+               uint8_t* routed_out, float* gates_out, int64_t* n_routed) {
   const int64_t H = cx.H, W = cx.W, C = cx.C;
   const int64_t ws = b.ws, s = b.shifted ? ws / 2 : 0, L = ws * ws;
   const int64_t nwy = H / ws, nwx = W / ws, nW = nwy * nwx;
@@ -267,8 +267,7 @@ void run_block(const BlockW& b, const BlockCtx& cx, const float* src, float* y, 
   };
   cx.clock->start();
   // 1. cheap path: y = src + pw(gelu(dw(src))), one fused pass per row (src = y but for a group's first block)
-  nn::dw_act_pw_hwc(src, H, W, C, b.dw.data(), b.dw_b.data(), true, b.pw.data(), b.pw_b.data(), src, y,
-                    cx.threads);
+  nn::dw_act_pw_hwc(src, H, W, C, b.dw.data(), b.dw_b.data(), true, b.pw.data(), b.pw_b.data(), src, y, cx.threads);
   cx.clock->mark(stage_name("conv path"));
   // 2-5. router
   std::vector<float> gate(static_cast<size_t>(nW));
@@ -326,9 +325,9 @@ void probe_window(const BlockW& b, const BlockCtx& cx, const float* y, int64_t n
   AttentionOptions opt;
   opt.num_threads = 1;
   opt.attn_mask = TensorView(m, DType::kBool, Shape{1, 1, L, L});
-  scaled_dot_product_attention(q, k, v, opt,
-                               AttentionOutputs{out.view(), {}, TensorView(probe->weights.data<float>(), DType::kF32,
-                                                                           Shape{1, heads, L, L})});
+  scaled_dot_product_attention(
+      q, k, v, opt,
+      AttentionOutputs{out.view(), {}, TensorView(probe->weights.data<float>(), DType::kF32, Shape{1, heads, L, L})});
   probe->routed = routed;
   probe->gate = gate[size_t(n)];
 }
@@ -339,22 +338,25 @@ void check_output_pixels(int64_t h, int64_t w, int64_t s, const UpscaleOptions& 
   check(options.max_output_pixels >= 1, ErrorKind::kInvalidArgument, fn, ": max_output_pixels must be >= 1, given ",
         options.max_output_pixels);
   const int64_t n = output_pixels(h, w, s);
-  check(n <= options.max_output_pixels, ErrorKind::kInvalidArgument, fn, ": a ", w, "x", h, " input at x", s,
-        " makes ", n, " output pixels, over max_output_pixels = ", options.max_output_pixels);
+  check(n <= options.max_output_pixels, ErrorKind::kInvalidArgument, fn, ": a ", w, "x", h, " input at x", s, " makes ",
+        n, " output pixels, over max_output_pixels = ", options.max_output_pixels);
 }
 
 Tensor SrModel::forward(const Tensor& x, const UpscaleOptions& options, UpscaleStats* stats) const {
   Tensor out;
   float* o = nullptr;
   int64_t n = 0, ow = 0;
-  forward_impl(x, options, stats, [&](int64_t oh, int64_t width) {
-    out = Tensor(DType::kF32, {3, oh, width});
-    o = out.data<float>(), n = oh * width, ow = width;
-  }, [&](int64_t y, const float* r, const float* g, const float* b) {
-    std::memcpy(o + y * ow, r, size_t(ow) * sizeof(float));
-    std::memcpy(o + n + y * ow, g, size_t(ow) * sizeof(float));
-    std::memcpy(o + 2 * n + y * ow, b, size_t(ow) * sizeof(float));
-  });
+  forward_impl(
+      x, options, stats,
+      [&](int64_t oh, int64_t width) {
+        out = Tensor(DType::kF32, {3, oh, width});
+        o = out.data<float>(), n = oh * width, ow = width;
+      },
+      [&](int64_t y, const float* r, const float* g, const float* b) {
+        std::memcpy(o + y * ow, r, size_t(ow) * sizeof(float));
+        std::memcpy(o + n + y * ow, g, size_t(ow) * sizeof(float));
+        std::memcpy(o + 2 * n + y * ow, b, size_t(ow) * sizeof(float));
+      });
   return out;
 }
 
@@ -387,11 +389,11 @@ void SrModel::forward_impl(const Tensor& x, const UpscaleOptions& options, Upsca
   if (options.probe) {
     const std::vector<BlockGeometry> geo = block_geometry(h, w);
     const int64_t nb = int64_t(geo.size()), pb = options.probe->block;
-    check(pb >= 0 && pb < nb, ErrorKind::kInvalidArgument, "attention probe: block must be in [0, ", nb,
-          "), given ", pb);
+    check(pb >= 0 && pb < nb, ErrorKind::kInvalidArgument, "attention probe: block must be in [0, ", nb, "), given ",
+          pb);
     const int64_t nw = geo[size_t(pb)].num_windows(), pw = options.probe->window;
-    check(pw >= 0 && pw < nw, ErrorKind::kInvalidArgument, "attention probe: window of block ", pb,
-          " must be in [0, ", nw, ") for a ", W, "x", H, " padded input, given ", pw);
+    check(pw >= 0 && pw < nw, ErrorKind::kInvalidArgument, "attention probe: window of block ", pb, " must be in [0, ",
+          nw, ") for a ", W, "x", H, " padded input, given ", pw);
   }
   if (options.routing_out) options.routing_out->assign(size_t(total_windows), 0);
   if (options.gates_out) options.gates_out->assign(size_t(total_windows), 0.0f);
@@ -414,8 +416,16 @@ void SrModel::forward_impl(const Tensor& x, const UpscaleOptions& options, Upsca
   clock.start();
   nn::conv3x3_hwc(xp, H, W, 3, P.head.data(), P.head_b.data(), C, feat, threads);
   clock.mark([] { return std::string("head conv"); });
-  BlockCtx cx{H, W, C, c.heads, c.head_dim, c.mlp_hidden, float(c.layer_norm_eps), float(c.router_std_eps),
-              float(c.route_threshold), threads};
+  BlockCtx cx{H,
+              W,
+              C,
+              c.heads,
+              c.head_dim,
+              c.mlp_hidden,
+              float(c.layer_norm_eps),
+              float(c.router_std_eps),
+              float(c.route_threshold),
+              threads};
   cx.clock = &clock;
   int64_t offset = 0, routed = 0, block_index = 0, group_index = 0;
   // No copies of the full map: a group reads its input `gin` (kept for the group's residual) and writes its blocks'

@@ -31,7 +31,6 @@ int64_t SrConfig::num_blocks() const {
   return n;
 }
 
-
 namespace {
 
 const Tensor& get_w(const std::map<std::string, Tensor>& w, const std::string& name, const Shape& shape,
@@ -99,8 +98,8 @@ static void build_model(SafetensorsFile f, const std::string& name, SrConfig* cf
                         std::map<std::string, Tensor>* w_out) {
   *cfg_out = parse_config(f.metadata, name);
   for (auto& [k, t] : f.tensors) {
-    check(t.dtype() == DType::kF32, ErrorKind::kIO, "SR weights '", name, "': tensor '", k,
-          "' must be F32, given ", to_string(t.dtype()));
+    check(t.dtype() == DType::kF32, ErrorKind::kIO, "SR weights '", name, "': tensor '", k, "' must be F32, given ",
+          to_string(t.dtype()));
   }
   *w_out = std::move(f.tensors);
 }

@@ -70,8 +70,7 @@ inline void dihedral_source(int t, int64_t y, int64_t x, int64_t th, int64_t tw,
 int64_t auto_tile_size(int64_t height, int64_t width) { return height * width <= 512 * 512 ? 0 : 256; }
 
 Image SrModel::upscale(const Image& lr, const UpscaleOptions& options, UpscaleStats* stats) const {
-  check(lr.channels == 3, ErrorKind::kInvalidArgument, "upscale: RGB image expected, given ", lr.channels,
-        " channels");
+  check(lr.channels == 3, ErrorKind::kInvalidArgument, "upscale: RGB image expected, given ", lr.channels, " channels");
   const int64_t h = lr.height, w = lr.width, s = config_.scale, ow = w * s;
   check_output_pixels(h, w, s, options, "upscale");
   Image out(h * s, ow, 3);
@@ -121,21 +120,19 @@ void SrModel::upscale_values(const Image& lr, const UpscaleOptions& options, Ups
   const int64_t h = lr.height, w = lr.width, s = config_.scale;
   if (options.tile <= 0 || (options.tile >= h && options.tile >= w)) {
     const int threads = resolve_num_threads(options.num_threads);
-    forward_impl(image_to_tensor_mt(lr, threads), options, stats, [](int64_t, int64_t) {},
-                 [&](int64_t y, const float* r, const float* g, const float* b) {
-                   sink(y, int64_t(0), w * s, r, g, b);
-                 });
+    forward_impl(
+        image_to_tensor_mt(lr, threads), options, stats, [](int64_t, int64_t) {},
+        [&](int64_t y, const float* r, const float* g, const float* b) { sink(y, int64_t(0), w * s, r, g, b); });
     if (stats) stats->tiles += 1;
     if (options.progress) options.progress(1, 1);
     return;
   }
-  check(options.tile >= 16, ErrorKind::kInvalidArgument, "upscale: tile must be >= 16 LR pixels (or 0 = untiled), given ",
-        options.tile);
+  check(options.tile >= 16, ErrorKind::kInvalidArgument,
+        "upscale: tile must be >= 16 LR pixels (or 0 = untiled), given ", options.tile);
   check(options.overlap >= -1, ErrorKind::kInvalidArgument, "upscale: overlap must be >= 0 (or -1 = auto), given ",
         options.overlap);
   check(!options.routing_in && !options.routing_out && !options.gates_out && !options.probe,
-        ErrorKind::kInvalidArgument,
-        "upscale: routing input/output needs an untiled run (tile 0)");
+        ErrorKind::kInvalidArgument, "upscale: routing input/output needs an untiled run (tile 0)");
   const int64_t T = options.tile, O = options.overlap < 0 ? receptive_radius() : options.overlap;
   const int threads = resolve_num_threads(options.num_threads);
   const int64_t ty = (h + T - 1) / T, tx = (w + T - 1) / T, total = ty * tx;
@@ -164,11 +161,12 @@ void SrModel::upscale_values(const Image& lr, const UpscaleOptions& options, Ups
         std::memcpy(&crop.data[size_t((i - cy0) * crop.width * 3)], &lr.data[size_t((i * w + cx0) * 3)],
                     size_t(crop.width * 3));
       // the crop's output rows inside this tile's rows, columns [x0·s, x1·s)
-      forward_impl(image_to_tensor_mt(crop, threads), options, stats, [](int64_t, int64_t) {},
-                   [&](int64_t yy, const float* r, const float* g, const float* b) {
-                     const int64_t i = cy0 * s + yy, off = (x0 - cx0) * s;
-                     if (i >= y0 * s && i < y1 * s) sink(i, x0 * s, (x1 - x0) * s, r + off, g + off, b + off);
-                   });
+      forward_impl(
+          image_to_tensor_mt(crop, threads), options, stats, [](int64_t, int64_t) {},
+          [&](int64_t yy, const float* r, const float* g, const float* b) {
+            const int64_t i = cy0 * s + yy, off = (x0 - cx0) * s;
+            if (i >= y0 * s && i < y1 * s) sink(i, x0 * s, (x1 - x0) * s, r + off, g + off, b + off);
+          });
       if (stats) stats->tiles += 1;
       if (options.progress) options.progress(++done, total);
     }

@@ -125,18 +125,18 @@ struct DiagnoseContext {
   const TensorView& v;
   const AttentionOptions& options;
   const DiagnoseOptions& dopt;
-  AttentionProblem given;      // as called
-  AttentionOptions applied;    // as run
-  AttentionProblem p;          // describe_attention(q, k, v, applied)
-  std::vector<uint8_t> padded;  // [B, Lk] ground truth for the padding check; empty when not checked
+  AttentionProblem given;            // as called
+  AttentionOptions applied;          // as run
+  AttentionProblem p;                // describe_attention(q, k, v, applied)
+  std::vector<uint8_t> padded;       // [B, Lk] ground truth for the padding check; empty when not checked
   Causal future = Causal::kTopLeft;  // the alignment that defines "the future" for the causal check
 };
 
 void check_diagnose_size(const AttentionProblem& given) {
   check(double(given.batch) * double(given.heads_q) * double(given.len_q) * double(given.len_k) <=
             double(int64_t(1) << 27),
-        ErrorKind::kOutOfMemory, "diagnose: [B, Hq, Lq, Lk] = ",
-        shape_to_string({given.batch, given.heads_q, given.len_q, given.len_k}),
+        ErrorKind::kOutOfMemory,
+        "diagnose: [B, Hq, Lq, Lk] = ", shape_to_string({given.batch, given.heads_q, given.len_q, given.len_k}),
         " has more than 2^27 entries (the checks keep several copies of the weights); diagnose a slice");
 }
 
@@ -218,8 +218,7 @@ void scan_row(const DiagnoseContext& cx, const HeadInputs& in, int64_t b, int64_
     const double w = in.w[row + size_t(j)];
     if (std::isnan(w)) ++hd.nan_count;
     else if (std::isinf(w)) ++hd.inf_count;
-    if (dopt.expect == Expectation::kCausal && !causal_allows(cx.future, i, j, Lq, Lk) && std::isfinite(w))
-      leak_c += w;
+    if (dopt.expect == Expectation::kCausal && !causal_allows(cx.future, i, j, Lq, Lk) && std::isfinite(w)) leak_c += w;
     if (!cx.padded.empty() && cx.padded[size_t(b * Lk + j)] && std::isfinite(w)) leak_p += w;
     if (!in.allowed[row + size_t(j)]) continue;
     ++n_allowed;
@@ -297,8 +296,8 @@ void head_statistics(const DiagnoseContext& cx, const Tensor& q64, const Tensor&
   const Tensor w64 = ref.weights.to(DType::kF64), o64 = ref.out.to(DType::kF64);
   const Tensor allowed_t = viz::allowed_keys(cx.p, cx.applied);
   const MaskData md = make_mask_data(cx.p, cx.applied);
-  const HeadInputs in{q64.data<double>(), k64.data<double>(), w64.data<double>(), o64.data<double>(),
-                      allowed_t.data<uint8_t>(), md};
+  const HeadInputs in{q64.data<double>(), k64.data<double>(),        w64.data<double>(),
+                      o64.data<double>(), allowed_t.data<uint8_t>(), md};
   for (int64_t b = 0; b < cx.p.batch; ++b)
     for (int64_t h = 0; h < cx.p.heads_q; ++h) dg.heads.push_back(diagnose_head(cx, in, b, h));
 }
@@ -344,7 +343,8 @@ void check_determinism(const DiagnoseContext& cx, Diagnosis& dg) {
     double md_ = 0;
     for (int64_t n = 0; n < a64.numel(); ++n)
       md_ = std::max(md_, std::fabs(a64.data<double>()[n] - c64.data<double>()[n]));
-    dg.findings.push_back({"nondeterministic", {},
+    dg.findings.push_back({"nondeterministic",
+                           {},
                            "Two runs on the same inputs differ (max |difference| = " + fmt(md_) + ", kernel " +
                                dg.kernel +
                                "). Results that change between runs cannot be reproduced or debugged. Likely causes: "
@@ -394,7 +394,8 @@ void check_fully_masked_rows(const DiagnoseContext&, Diagnosis& dg) {
   for (const auto& hd : dg.heads) n += hd.fully_masked_rows;
   dg.findings.push_back(
       {"fully_masked_rows", hs,
-       std::to_string(n) + " query rows (over all heads) have no allowed key: the mask, padding and causality "
+       std::to_string(n) +
+           " query rows (over all heads) have no allowed key: the mask, padding and causality "
            "together forbid every key. PyTorch's softmax turns such a row into NaN (symptom: the loss is fine and "
            "then suddenly becomes NaN); sattn returns zeros for it. Check the number of allowed keys per row "
            "(a sequence of length 0, a mask of the wrong polarity, causal alignment with Lq > Lk). Make sure "
@@ -490,7 +491,8 @@ void check_bool_mask_polarity(const DiagnoseContext& cx, Diagnosis& dg) {
     why = "it forbids every key in " + std::to_string(empty_rows) + " of " + std::to_string(B * H * Lq) + " rows";
   if (why.empty()) return;
   dg.findings.push_back(
-      {"mask_polarity_suspect", {},
+      {"mask_polarity_suspect",
+       {},
        "The boolean attn_mask looks inverted: " + why + " (it allows " + percent(frac) +
            " of the entries). sattn and SDPA read True = may attend, but nn.MultiheadAttention and many codebases "
            "use True = masked out, so a mask copied from one to the other silently flips. Fix: pass ~mask "
@@ -513,7 +515,8 @@ void check_key_padding_polarity(const DiagnoseContext& cx, Diagnosis& dg) {
   }
   if (all_leading)
     dg.findings.push_back(
-        {"mask_polarity_suspect", {},
+        {"mask_polarity_suspect",
+         {},
          "The key_padding_mask is True on a leading block of keys and False after it in every batch entry. In "
          "sattn (as in nn.MultiheadAttention) True = padding, so this hides the start of every sequence and "
          "keeps its padding; it looks like a mask where True marks real tokens. Fix: pass ~key_padding_mask, "
@@ -532,7 +535,8 @@ void check_float_mask_polarity(const DiagnoseContext& cx, Diagnosis& dg) {
   }
   if (zero_one && has_one)
     dg.findings.push_back(
-        {"mask_polarity_suspect", {},
+        {"mask_polarity_suspect",
+         {},
          "The float attn_mask only holds 0 and 1. A float mask is additive: 1 adds 1 to a score and masks "
          "nothing, so this is probably a keep/drop flag passed as float. Fix: pass it as bool (True = may attend) "
          "or convert it to 0 (keep) / -inf (drop), e.g. mask.masked_fill(mask == 0, -inf) - 1."});
@@ -542,16 +546,9 @@ using Check = void (*)(const DiagnoseContext&, Diagnosis&);
 
 // The checks in the order their findings are reported.
 constexpr Check kChecks[] = {
-    check_determinism,
-    check_unscaled_scores,
-    check_saturated_softmax,
-    check_fully_masked_rows,
-    check_nan_or_inf,
-    check_causal_leak,
-    check_padding_leak,
-    check_bool_mask_polarity,
-    check_key_padding_polarity,
-    check_float_mask_polarity,
+    check_determinism,          check_unscaled_scores,     check_saturated_softmax, check_fully_masked_rows,
+    check_nan_or_inf,           check_causal_leak,         check_padding_leak,      check_bool_mask_polarity,
+    check_key_padding_polarity, check_float_mask_polarity,
 };
 
 }  // namespace
@@ -589,19 +586,24 @@ std::string diagnosis_to_json(const Diagnosis& d, int indent) {
   }
   nlohmann::json heads = nlohmann::json::array();
   for (const auto& h : d.heads) {
-    heads.push_back({{"batch", h.batch},
-                     {"head", h.head},
-                     {"raw_scores", moments_json(h.raw_scores)},
-                     {"scaled_scores", moments_json(h.scaled_scores)},
-                     {"max_prob", {{"mean", h.max_prob_mean}, {"p50", h.max_prob_p50}, {"p90", h.max_prob_p90},
-                                   {"max", h.max_prob_max}, {"saturated_row_fraction", h.saturated_row_fraction}}},
-                     {"entropy", {{"mean", h.entropy_mean}, {"normalised", h.entropy_normalised}}},
-                     {"rows", h.rows},
-                     {"fully_masked_rows", h.fully_masked_rows},
-                     {"causal_leak", {{"max", h.causal_leak_max}, {"mean", h.causal_leak_mean}, {"rows", h.causal_leak_rows}}},
-                     {"padding_leak", {{"max", h.padding_leak_max}, {"mean", h.padding_leak_mean}, {"rows", h.padding_leak_rows}}},
-                     {"nan", h.nan_count},
-                     {"inf", h.inf_count}});
+    heads.push_back(
+        {{"batch", h.batch},
+         {"head", h.head},
+         {"raw_scores", moments_json(h.raw_scores)},
+         {"scaled_scores", moments_json(h.scaled_scores)},
+         {"max_prob",
+          {{"mean", h.max_prob_mean},
+           {"p50", h.max_prob_p50},
+           {"p90", h.max_prob_p90},
+           {"max", h.max_prob_max},
+           {"saturated_row_fraction", h.saturated_row_fraction}}},
+         {"entropy", {{"mean", h.entropy_mean}, {"normalised", h.entropy_normalised}}},
+         {"rows", h.rows},
+         {"fully_masked_rows", h.fully_masked_rows},
+         {"causal_leak", {{"max", h.causal_leak_max}, {"mean", h.causal_leak_mean}, {"rows", h.causal_leak_rows}}},
+         {"padding_leak", {{"max", h.padding_leak_max}, {"mean", h.padding_leak_mean}, {"rows", h.padding_leak_rows}}},
+         {"nan", h.nan_count},
+         {"inf", h.inf_count}});
   }
   j["stats"] = {{"problem", d.problem},
                 {"scale", d.scale},
@@ -648,12 +650,13 @@ std::string diagnosis_to_text(const Diagnosis& d) {
         "leak causal pad | nan/inf\n";
   for (const auto& h : d.heads) {
     char buf[320];
-    std::snprintf(buf, sizeof buf,
-                  "%4lld %3lld | %8.3g %7.3g | %8.3g %7.3g | %9.3g %5.3g %5.1f | %7.3g %5.2f | %10lld | %11.3g %5.3g | %lld\n",
-                  (long long)h.batch, (long long)h.head, h.raw_scores.mean, h.raw_scores.std, h.scaled_scores.mean,
-                  h.scaled_scores.std, h.max_prob_mean, h.max_prob_p90, 100.0 * h.saturated_row_fraction,
-                  h.entropy_mean, h.entropy_normalised, (long long)h.fully_masked_rows, h.causal_leak_max,
-                  h.padding_leak_max, (long long)(h.nan_count + h.inf_count));
+    std::snprintf(
+        buf, sizeof buf,
+        "%4lld %3lld | %8.3g %7.3g | %8.3g %7.3g | %9.3g %5.3g %5.1f | %7.3g %5.2f | %10lld | %11.3g %5.3g | %lld\n",
+        (long long)h.batch, (long long)h.head, h.raw_scores.mean, h.raw_scores.std, h.scaled_scores.mean,
+        h.scaled_scores.std, h.max_prob_mean, h.max_prob_p90, 100.0 * h.saturated_row_fraction, h.entropy_mean,
+        h.entropy_normalised, (long long)h.fully_masked_rows, h.causal_leak_max, h.padding_leak_max,
+        (long long)(h.nan_count + h.inf_count));
     os << buf;
   }
   return os.str();

@@ -14,16 +14,16 @@ namespace {
 constexpr viz::Rgb kText{20, 20, 20};
 constexpr viz::Rgb kAxis{40, 40, 40};
 constexpr viz::Rgb kGrid{225, 225, 225};
-constexpr viz::Rgb kOk{0, 114, 178};      // blue
-constexpr viz::Rgb kFlag{213, 94, 0};     // vermillion
+constexpr viz::Rgb kOk{0, 114, 178};   // blue
+constexpr viz::Rgb kFlag{213, 94, 0};  // vermillion
 constexpr viz::Rgb kThreshold{204, 121, 167};
 
 struct Metric {
   std::string title;
-  std::vector<double> values;          // one per head
-  double top = 1.0;                    // axis maximum
-  double threshold = -1;               // drawn when >= 0
-  std::vector<std::string> codes;      // findings this metric explains
+  std::vector<double> values;      // one per head
+  double top = 1.0;                // axis maximum
+  double threshold = -1;           // drawn when >= 0
+  std::vector<std::string> codes;  // findings this metric explains
 };
 
 std::string fmt(double v) {
@@ -84,8 +84,8 @@ viz::Image render_diagnosis(const Diagnosis& d, const DiagnoseOptions& options) 
   // header: title, problem, then each finding (code, heads, the message's first sentence)
   std::vector<std::pair<std::string, viz::Rgb>> header;
   header.emplace_back("problem: " + d.problem, kText);
-  header.emplace_back("scale " + fmt(d.scale) + " (1/sqrt(" + std::to_string(d.head_dim) + ") = " +
-                          fmt(d.default_scale) + "), kernel " + d.kernel + ", two runs " +
+  header.emplace_back("scale " + fmt(d.scale) + " (1/sqrt(" + std::to_string(d.head_dim) +
+                          ") = " + fmt(d.default_scale) + "), kernel " + d.kernel + ", two runs " +
                           (d.deterministic ? "bitwise identical" : "DIFFER"),
                       kText);
   if (d.findings.empty()) header.emplace_back("healthy: no findings", kOk);
@@ -107,9 +107,10 @@ viz::Image render_diagnosis(const Diagnosis& d, const DiagnoseOptions& options) 
   const int top = 10 + title_h + int(header.size()) * line_h + 16;
   const int height = top + viz::text_height(fs) + 10 + panel_h + 30 + 3 * line_h;
   viz::Image img(width, height);
-  const std::string title = std::string("sattn doctor: ") +
-                            (d.findings.empty() ? "healthy" : std::to_string(d.findings.size()) + " finding" +
-                                                                  (d.findings.size() > 1 ? "s" : ""));
+  const std::string title =
+      std::string("sattn doctor: ") +
+      (d.findings.empty() ? "healthy"
+                          : std::to_string(d.findings.size()) + " finding" + (d.findings.size() > 1 ? "s" : ""));
   viz::draw_text(img, 12, 10, title, d.findings.empty() ? kOk : kFlag, fs);
   int y = 10 + title_h;
   for (const auto& [line, colour] : header) {
@@ -151,10 +152,10 @@ viz::Image render_diagnosis(const Diagnosis& d, const DiagnoseOptions& options) 
       "red: the head is named by the finding this statistic explains; dashed: the flag threshold; one bar per "
       "(batch, head)",
       "entropy: mean H / log(allowed keys), 1 = uniform; max weight: mean of each row's largest weight; saturated: "
-      "rows with max weight > " + fmt(options.saturation_max_prob),
+      "rows with max weight > " +
+          fmt(options.saturation_max_prob),
       "score std: of the scaled scores; leak: the largest weight on a key the expected mask forbids (--expect)"};
-  for (int i = 0; i < 3; ++i)
-    viz::draw_text(img, 12, height - (3 - i) * line_h - 4, notes[i], kText, small);
+  for (int i = 0; i < 3; ++i) viz::draw_text(img, 12, height - (3 - i) * line_h - 4, notes[i], kText, small);
   return img;
 }
 

@@ -43,8 +43,8 @@ std::vector<int64_t> index_ticks(int64_t n, int max_ticks) {
 struct Fit {
   int64_t pool_r = 1, pool_c = 1;
   int cell_h = 1, cell_w = 1;
-  int width = 0, height = 0;       // pixels
-  double ppx = 1, ppy = 1;         // pixels per index along x (keys) and y (queries)
+  int width = 0, height = 0;  // pixels
+  double ppx = 1, ppy = 1;    // pixels per index along x (keys) and y (queries)
 };
 
 Fit fit_matrix(int64_t rows, int64_t cols, int side, int min_side = 48) {
@@ -120,7 +120,9 @@ void draw_ticks(Image& img, int ox, int oy, int64_t rows, int64_t cols, const Fi
   }
 }
 
-int ytick_label_width(int64_t rows, int scale) { return text_width(std::to_string(std::max<int64_t>(rows - 1, 0)), scale); }
+int ytick_label_width(int64_t rows, int scale) {
+  return text_width(std::to_string(std::max<int64_t>(rows - 1, 0)), scale);
+}
 
 // A vertical colour bar of `height` pixels with three value labels and a vertical caption; returns its width.
 int colorbar_width_impl(double vmin, double vmax, const std::string& label, int scale) {
@@ -232,8 +234,8 @@ Image render_heatmap_grid(const std::vector<Matrix>& panels, const std::vector<s
   draw_text_vertical(img, 8, top + (grid_h - text_width(style.ylabel, big)) / 2, style.ylabel, kText, big);
   if (style.colorbar)
     draw_colorbar_impl(img, left + grid_w + 16, top + bth + 10,
-                  std::max(f.height, std::min(grid_h - bth - 30, 3 * f.height)), vmin, vmax, style.cmap,
-                  style.colorbar_label, big);
+                       std::max(f.height, std::min(grid_h - bth - 30, 3 * f.height)), vmin, vmax, style.cmap,
+                       style.colorbar_label, big);
   return img;
 }
 
@@ -262,8 +264,7 @@ Image render_query_focus(const Matrix& rows, const std::vector<std::string>& row
   if (!title.empty()) draw_text(img, (width - text_width(title, fs)) / 2, 8, title, kText, fs);
   for (int64_t r = 0; r < rows.rows; ++r) {
     const int base = top + int(r) * (row_h + gap) + row_h;  // baseline y
-    if (size_t(r) < row_labels.size())
-      draw_text(img, 10, base - row_h / 2 - th / 2, row_labels[size_t(r)], kText, fs);
+    if (size_t(r) < row_labels.size()) draw_text(img, 10, base - row_h / 2 - th / 2, row_labels[size_t(r)], kText, fs);
     img.fill_rect(left, base - row_h, plot_w, row_h, Rgb{245, 245, 245});
     for (int64_t b = 0; b < nbars; ++b) {
       double best = std::numeric_limits<double>::quiet_NaN();

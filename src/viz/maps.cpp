@@ -20,7 +20,8 @@ Tensor allowed_keys(const AttentionProblem& p, const AttentionOptions& options) 
         for (int64_t j = 0; j < p.len_k; ++j) {
           bool ok = causal_allows(p.causal, i, j, p.len_q, p.len_k) && !md.key_is_padding(b, j);
           if (ok && p.mask == MaskKind::kBool) ok = md.mask_value(b, h, i, j) != 0.0;
-          if (ok && p.mask == MaskKind::kAdditive) ok = md.mask_value(b, h, i, j) != -std::numeric_limits<double>::infinity();
+          if (ok && p.mask == MaskKind::kAdditive)
+            ok = md.mask_value(b, h, i, j) != -std::numeric_limits<double>::infinity();
           a[n++] = ok ? 1 : 0;
         }
   return out;
@@ -36,8 +37,8 @@ AttentionMaps attention_maps(const TensorView& q, const TensorView& k, const Att
   o.dropout_p = 0.0;
   const AttentionProblem p = describe_attention(qq, kk, v, o);
   check(double(p.batch) * double(p.heads_q) * double(p.len_q) * double(p.len_k) <= double(int64_t(1) << 27),
-        ErrorKind::kOutOfMemory, "attention maps: [B, Hq, Lq, Lk] = ",
-        shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}),
+        ErrorKind::kOutOfMemory,
+        "attention maps: [B, Hq, Lq, Lk] = ", shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}),
         " has more than 2^27 entries; slice the inputs (fewer heads, batch entries or queries) to draw them");
   const AttentionResult r = attention(qq, kk, v, o, false, true);
   const Tensor allowed = allowed_keys(p, o);

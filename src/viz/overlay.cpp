@@ -13,8 +13,7 @@ constexpr Rgb kText{20, 20, 20};
 }  // namespace
 
 Image magnify(const Image& image, int factor) {
-  check(factor >= 1 && factor <= 64, ErrorKind::kInvalidArgument, "magnify: factor must be in [1, 64], given ",
-        factor);
+  check(factor >= 1 && factor <= 64, ErrorKind::kInvalidArgument, "magnify: factor must be in [1, 64], given ", factor);
   Image out(image.width() * factor, image.height() * factor);
   for (int y = 0; y < image.height(); ++y)
     for (int x = 0; x < image.width(); ++x) out.fill_rect(x * factor, y * factor, factor, factor, image.get(x, y));
@@ -57,8 +56,8 @@ Image render_panel_grid(const std::vector<Image>& panels, const std::vector<std:
     cell_h = std::max(cell_h, panels[i].height());
   }
   cell_h += th + 8;
-  const int top = 10 + (style.title.empty() ? 0 : th + 10) +
-                  int(style.legend.size()) * (text_height(small) + 6) + (style.legend.empty() ? 0 : 4);
+  const int top = 10 + (style.title.empty() ? 0 : th + 10) + int(style.legend.size()) * (text_height(small) + 6) +
+                  (style.legend.empty() ? 0 : 4);
   const int grid_w = cols * cell_w + (cols - 1) * gap, grid_h = rows * cell_h + (rows - 1) * gap;
   const int bar_h = std::min(grid_h - th - 8, 256);
   const int right = style.colorbar ? 16 + colorbar_width(style.vmin, style.vmax, style.colorbar_label, fs) + 10 : 10;
@@ -81,8 +80,8 @@ Image render_panel_grid(const std::vector<Image>& panels, const std::vector<std:
     img.blit(panels[size_t(i)], cx, cy + th + 8);
   }
   if (style.colorbar && bar_h > 8)
-    draw_colorbar(img, 10 + grid_w + 16, top + th + 8, bar_h, style.vmin, style.vmax, style.cmap,
-                  style.colorbar_label, fs);
+    draw_colorbar(img, 10 + grid_w + 16, top + th + 8, bar_h, style.vmin, style.vmax, style.cmap, style.colorbar_label,
+                  fs);
   return img;
 }
 

@@ -81,10 +81,8 @@ class PngCanvas final : public Canvas {
     const int scale = big ? 2 : 1;
     const double w = text_width(s, scale), h = text_height(scale);
     const double shift = anchor == Anchor::kStart ? 0 : anchor == Anchor::kMiddle ? w / 2 : w;
-    if (vertical)
-      draw_text_vertical(img, int(std::lround(x - h / 2)), int(std::lround(y - w + shift)), s, c, scale);
-    else
-      draw_text(img, int(std::lround(x - shift)), int(std::lround(y - h / 2)), s, c, scale);
+    if (vertical) draw_text_vertical(img, int(std::lround(x - h / 2)), int(std::lround(y - w + shift)), s, c, scale);
+    else draw_text(img, int(std::lround(x - shift)), int(std::lround(y - h / 2)), s, c, scale);
   }
   double text_w(const std::string& s, bool big) const override { return text_width(s, big ? 2 : 1); }
   double text_h(bool big) const override { return text_height(big ? 2 : 1); }
@@ -129,7 +127,8 @@ struct Axis {
         step = m * mag;
         break;
       }
-    for (double v = std::ceil(lo / step) * step; v <= hi + 1e-9 * span; v += step) t.push_back(std::fabs(v) < 1e-12 * step ? 0 : v);
+    for (double v = std::ceil(lo / step) * step; v <= hi + 1e-9 * span; v += step)
+      t.push_back(std::fabs(v) < 1e-12 * step ? 0 : v);
     return t;
   }
 };
@@ -234,8 +233,8 @@ void check_panels(const std::vector<PlotSpec>& panels, int w, int h) {
 
 Rgb series_colour(size_t index) {
   // Okabe-Ito colour-blind-safe palette.
-  static const Rgb kPalette[] = {{0, 114, 178},  {213, 94, 0},   {0, 158, 115}, {204, 121, 167},
-                                 {230, 159, 0},  {86, 180, 233}, {0, 0, 0},     {240, 228, 66}};
+  static const Rgb kPalette[] = {{0, 114, 178}, {213, 94, 0},   {0, 158, 115}, {204, 121, 167},
+                                 {230, 159, 0}, {86, 180, 233}, {0, 0, 0},     {240, 228, 66}};
   return kPalette[index % (sizeof kPalette / sizeof kPalette[0])];
 }
 

@@ -144,15 +144,17 @@ std::vector<ProfilePoint> run_profile(const ProfileOptions& o) {
       continue;
     }
     const sparse::Pattern p = sparse::Pattern::parse(spec);  // throws with the position of a syntax error
-    check(!o.causal, ErrorKind::kInvalidArgument, "patterns: '", spec, "' with causal: write causality into the "
+    check(!o.causal, ErrorKind::kInvalidArgument, "patterns: '", spec,
+          "' with causal: write causality into the "
           "pattern instead (e.g. \"SlidingWindow(128, 0)\" or \"TopK(8) & SlidingWindow(-1, 0)\")");
     entries.push_back({p.repr(), Entry::Kind::kPattern, spec});
   }
-  check(!o.lengths.empty() && !o.heads.empty(), ErrorKind::kInvalidArgument, "L/heads: expected at least one value each");
+  check(!o.lengths.empty() && !o.heads.empty(), ErrorKind::kInvalidArgument,
+        "L/heads: expected at least one value each");
   for (int64_t L : o.lengths) check(L >= 1, ErrorKind::kInvalidArgument, "L: expected lengths >= 1, got ", L);
   for (int64_t h : o.heads) check(h >= 1, ErrorKind::kInvalidArgument, "heads: expected heads >= 1, got ", h);
-  check(o.batch >= 1 && o.head_dim >= 1, ErrorKind::kInvalidArgument, "B/D: expected B >= 1 and D >= 1, got B=",
-        o.batch, " D=", o.head_dim);
+  check(o.batch >= 1 && o.head_dim >= 1, ErrorKind::kInvalidArgument,
+        "B/D: expected B >= 1 and D >= 1, got B=", o.batch, " D=", o.head_dim);
   check(o.repeats >= 1 && o.repeats <= 1000, ErrorKind::kInvalidArgument, "repeats: expected 1..1000, got ", o.repeats);
 
   std::vector<ProfilePoint> points;
@@ -205,8 +207,8 @@ std::vector<ProfilePoint> run_profile(const ProfileOptions& o) {
         int status = 0;
         waitpid(pid, &status, 0);
         if (got != sizeof r) {
-          pt.error = WIFSIGNALED(status) ? "the measuring process was killed by signal " + std::to_string(WTERMSIG(status)) +
-                                               " (out of memory?)"
+          pt.error = WIFSIGNALED(status) ? "the measuring process was killed by signal " +
+                                               std::to_string(WTERMSIG(status)) + " (out of memory?)"
                                          : "the measuring process exited without a result";
         } else if (r.error[0]) {
           pt.error = r.error;

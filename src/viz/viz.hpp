@@ -36,13 +36,13 @@ class Image {
   int height() const { return height_; }
   const std::vector<uint8_t>& pixels() const { return pixels_; }  // width*height*3 bytes
   Rgb get(int x, int y) const;
-  void set(int x, int y, Rgb c);                            // ignores pixels outside the image
-  void fill_rect(int x, int y, int w, int h, Rgb c);        // clipped
-  void draw_rect(int x, int y, int w, int h, Rgb c);        // 1-px outline, clipped
+  void set(int x, int y, Rgb c);                      // ignores pixels outside the image
+  void fill_rect(int x, int y, int w, int h, Rgb c);  // clipped
+  void draw_rect(int x, int y, int w, int h, Rgb c);  // 1-px outline, clipped
   void draw_line(double x0, double y0, double x1, double y1, Rgb c, double width = 1.0);
   void fill_circle(double cx, double cy, double r, Rgb c);
-  void blit(const Image& src, int x, int y);                // copies src with its top-left at (x, y), clipped
-  Image rotated_ccw() const;                                // 90 degrees counter-clockwise
+  void blit(const Image& src, int x, int y);  // copies src with its top-left at (x, y), clipped
+  Image rotated_ccw() const;                  // 90 degrees counter-clockwise
 
  private:
   int width_ = 0, height_ = 0;

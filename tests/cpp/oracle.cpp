@@ -56,17 +56,19 @@ const std::vector<std::pair<int64_t, int64_t>> kHeads = {{1, 1}, {2, 2}, {8, 2},
 
 int factor_size(int f) {
   switch (f) {
-    case 0: return 2;                     // B
-    case 1: return int(kHeads.size());    // Hq/Hkv
-    case 2: case 3: return int(kLengths.size());  // Lq, Lk
-    case 4: case 5: return int(kDims.size());     // D, Dv
-    case 6: return 2;                     // strided
-    case 7: return kMaskCaseCount;        // mask
-    case 8: return 3;                     // key padding
-    case 9: return 3;                     // causal
-    case 10: return 2;                    // fully masked
-    case 11: return 2;                    // dropout
-    case 12: return 2;                    // custom scale
+    case 0: return 2;                   // B
+    case 1: return int(kHeads.size());  // Hq/Hkv
+    case 2:
+    case 3: return int(kLengths.size());  // Lq, Lk
+    case 4:
+    case 5: return int(kDims.size());  // D, Dv
+    case 6: return 2;                  // strided
+    case 7: return kMaskCaseCount;     // mask
+    case 8: return 3;                  // key padding
+    case 9: return 3;                  // causal
+    case 10: return 2;                 // fully masked
+    case 11: return 2;                 // dropout
+    case 12: return 2;                 // custom scale
   }
   return 1;
 }
@@ -385,9 +387,12 @@ Problem make_problem(const Config& c, DType dtype, uint64_t seed) {
   bool fm_done = !c.fully_masked;
   if (c.mask != MaskCase::kNone) {
     switch (c.mask) {
-      case MaskCase::kBool2D: case MaskCase::kAdd2D: case MaskCase::kAddHuge2D: p.mask_shape = {Lq, Lk}; break;
+      case MaskCase::kBool2D:
+      case MaskCase::kAdd2D:
+      case MaskCase::kAddHuge2D: p.mask_shape = {Lq, Lk}; break;
       case MaskCase::kAddMinB1QK: p.mask_shape = {B, 1, Lq, Lk}; break;
-      case MaskCase::kBool4D: case MaskCase::kAdd4D: p.mask_shape = {B, Hq, Lq, Lk}; break;
+      case MaskCase::kBool4D:
+      case MaskCase::kAdd4D: p.mask_shape = {B, Hq, Lq, Lk}; break;
       case MaskCase::kBoolKeys: p.mask_shape = {B, 1, 1, Lk}; break;
       case MaskCase::kBoolRows: p.mask_shape = {Hq, Lq, 1}; break;
       case MaskCase::kAddHeadKeys: p.mask_shape = {Hq, 1, Lk}; break;
@@ -416,12 +421,15 @@ Problem make_problem(const Config& c, DType dtype, uint64_t seed) {
       const double off = additive ? -kInf : 0.0;
       const int64_t r = int64_t(ms.size());
       switch (c.mask) {
-        case MaskCase::kBool2D: case MaskCase::kAdd2D: case MaskCase::kAddHuge2D:  // one row of [Lq, Lk]
+        case MaskCase::kBool2D:
+        case MaskCase::kAdd2D:
+        case MaskCase::kAddHuge2D:   // one row of [Lq, Lk]
         case MaskCase::kAddMinB1QK:  // row (b=0, i=fm_row) of [B, 1, Lq, Lk]
           for (int64_t j = 0; j < Lk; ++j) p.mask_own[size_t(fm_row * Lk + j)] = off;
           fm_done = true;
           break;
-        case MaskCase::kBool4D: case MaskCase::kAdd4D:  // row (b=0, h=Hq-1, i=fm_row)
+        case MaskCase::kBool4D:
+        case MaskCase::kAdd4D:  // row (b=0, h=Hq-1, i=fm_row)
           for (int64_t j = 0; j < Lk; ++j) p.mask_own[size_t(((Hq - 1) * Lq + fm_row) * Lk + j)] = off;
           fm_done = true;
           break;
@@ -429,7 +437,8 @@ Problem make_problem(const Config& c, DType dtype, uint64_t seed) {
           p.mask_own[size_t(fm_row)] = 0.0;
           fm_done = true;
           break;
-        case MaskCase::kBoolKeys: case MaskCase::kAddHeadKeys:  // b = 0 (resp. h = 0) sees no key
+        case MaskCase::kBoolKeys:
+        case MaskCase::kAddHeadKeys:  // b = 0 (resp. h = 0) sees no key
           for (int64_t j = 0; j < Lk; ++j) p.mask_own[size_t(j)] = off;
           fm_done = true;
           break;
@@ -526,7 +535,8 @@ bool naive_row(const Problem& p, int64_t b, int64_t h, int64_t i, std::vector<do
     if (!ok) continue;
     double dot = 0.0;
     for (int64_t d = 0; d < D; ++d)
-      dot += p.qd[size_t(((b * c.heads_q + h) * Lq + i) * D + d)] * p.kd[size_t(((b * c.heads_kv + hk) * Lk + j) * D + d)];
+      dot +=
+          p.qd[size_t(((b * c.heads_q + h) * Lq + i) * D + d)] * p.kd[size_t(((b * c.heads_kv + hk) * Lk + j) * D + d)];
     s[size_t(j)] = p.scale * dot + bias;
     mx = std::max(mx, s[size_t(j)]);
     nan |= std::isnan(s[size_t(j)]);
@@ -556,8 +566,7 @@ bool naive_row(const Problem& p, int64_t b, int64_t h, int64_t i, std::vector<do
 double drop_factor(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j) {
   const double dp = p.config.dropout_p;
   if (dp <= 0) return 1.0;
-  return dropout_keep(p.options.seed, dp, uint32_t(b), uint32_t(h), uint32_t(i), uint32_t(j)) ? 1.0 / (1.0 - dp)
-                                                                                                 : 0.0;
+  return dropout_keep(p.options.seed, dp, uint32_t(b), uint32_t(h), uint32_t(i), uint32_t(j)) ? 1.0 / (1.0 - dp) : 0.0;
 }
 
 }  // namespace
@@ -615,7 +624,8 @@ NaiveGrads naive_backward(const Problem& p, const std::vector<double>& dout) {
           const double f = drop_factor(p, b, h, i, j);
           double dot = 0.0;
           for (int64_t d = 0; d < Dv; ++d) {
-            r.dv[(kv0 + size_t(j)) * size_t(Dv) + size_t(d)] += prob[size_t(j)] * f * dout[qrow * size_t(Dv) + size_t(d)];
+            r.dv[(kv0 + size_t(j)) * size_t(Dv) + size_t(d)] +=
+                prob[size_t(j)] * f * dout[qrow * size_t(Dv) + size_t(d)];
             dot += dout[qrow * size_t(Dv) + size_t(d)] * p.vd[(kv0 + size_t(j)) * size_t(Dv) + size_t(d)];
           }
           dprob[size_t(j)] = f * dot;
@@ -635,8 +645,8 @@ NaiveGrads naive_backward(const Problem& p, const std::vector<double>& dout) {
   return r;
 }
 
-::testing::AssertionResult all_close(const std::vector<double>& actual, const std::vector<double>& expected,
-                                     double tol, const std::string& what) {
+::testing::AssertionResult all_close(const std::vector<double>& actual, const std::vector<double>& expected, double tol,
+                                     const std::string& what) {
   if (actual.size() != expected.size())
     return ::testing::AssertionFailure() << what << ": " << actual.size() << " values, expected " << expected.size();
   double ref_norm = 0.0, max_err = 0.0;
@@ -656,9 +666,9 @@ NaiveGrads naive_backward(const Problem& p, const std::vector<double>& dout) {
   }
   const double bound = tol * std::max(1.0, ref_norm);
   if (max_err <= bound) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": max |diff| = " << max_err << " at flat index " << worst
-                                       << " (got " << actual[worst] << ", expected " << expected[worst]
-                                       << ") > tol " << tol << " * max(1, ||ref||_inf = " << ref_norm << ")";
+  return ::testing::AssertionFailure() << what << ": max |diff| = " << max_err << " at flat index " << worst << " (got "
+                                       << actual[worst] << ", expected " << expected[worst] << ") > tol " << tol
+                                       << " * max(1, ||ref||_inf = " << ref_norm << ")";
 }
 
 ::testing::AssertionResult all_close(const TensorView& actual, const std::vector<double>& expected, double tol,
@@ -709,7 +719,8 @@ AttentionOptions run_options(const Problem& p, const CheckOptions& o) {
   bool want_lse = o.lse, want_weights = o.weights;
   if (want_weights) weights = Tensor(ldt, p.weights_shape());
   auto outputs = [&] {
-    return AttentionOutputs{out.view(), want_lse ? lse.view() : TensorView(), want_weights ? weights.view() : TensorView()};
+    return AttentionOutputs{out.view(), want_lse ? lse.view() : TensorView(),
+                            want_weights ? weights.view() : TensorView()};
   };
   const AttentionOptions opts = run_options(p, o);
   const std::string where = " [" + p.config.name() + ", kernel " + o.kernel + "]";

@@ -30,18 +30,18 @@ namespace sattn::testing {
 // The attn_mask of a configuration: its kind and shape (right-aligned against [B, Hq, Lq, Lk]).
 enum class MaskCase : uint8_t {
   kNone,
-  kBool2D,      // bool [Lq, Lk]
-  kBool4D,      // bool [B, Hq, Lq, Lk]
-  kBoolKeys,    // bool [B, 1, 1, Lk]
-  kBoolRows,    // bool [Hq, Lq, 1]
-  kAdd2D,       // f32 additive [Lq, Lk], finite biases and some -inf
-  kAdd4D,       // f32 additive [B, Hq, Lq, Lk], finite biases and some -inf
-  kAddHeadKeys, // f32 additive [Hq, 1, Lk], finite biases and some -inf
-  kAddKeys64,   // f64 additive [Lk], finite biases only
-  kAddHuge2D,   // f32 additive [Lq, Lk]: rows i % 3 == 0 carry -1e30 on every key (a huge finite bias, so that
-                // the softmax is uniform and lse cannot hold log Lk in float), rows i % 3 == 1 on every other key
-  kAddMinB1QK,  // f32 additive [B, 1, Lq, Lk] of 0 / float lowest() ("finfo.min as mask"): in batch 0 the even
-                // rows are lowest() on every key, elsewhere 30 % of the keys are
+  kBool2D,       // bool [Lq, Lk]
+  kBool4D,       // bool [B, Hq, Lq, Lk]
+  kBoolKeys,     // bool [B, 1, 1, Lk]
+  kBoolRows,     // bool [Hq, Lq, 1]
+  kAdd2D,        // f32 additive [Lq, Lk], finite biases and some -inf
+  kAdd4D,        // f32 additive [B, Hq, Lq, Lk], finite biases and some -inf
+  kAddHeadKeys,  // f32 additive [Hq, 1, Lk], finite biases and some -inf
+  kAddKeys64,    // f64 additive [Lk], finite biases only
+  kAddHuge2D,    // f32 additive [Lq, Lk]: rows i % 3 == 0 carry -1e30 on every key (a huge finite bias, so that
+                 // the softmax is uniform and lse cannot hold log Lk in float), rows i % 3 == 1 on every other key
+  kAddMinB1QK,   // f32 additive [B, 1, Lq, Lk] of 0 / float lowest() ("finfo.min as mask"): in batch 0 the even
+                 // rows are lowest() on every key, elsewhere 30 % of the keys are
 };
 inline constexpr int kMaskCaseCount = 11;
 const char* to_string(MaskCase m);
@@ -58,16 +58,16 @@ const char* to_string(NanCase n);
 
 struct Config {
   int64_t batch = 1, heads_q = 1, heads_kv = 1, len_q = 7, len_k = 7, head_dim = 8, head_dim_v = 8;
-  bool strided = false;            // q/k/v (and the mask) are non-contiguous views
+  bool strided = false;  // q/k/v (and the mask) are non-contiguous views
   MaskCase mask = MaskCase::kNone;
   KeyPaddingKind key_padding = KeyPaddingKind::kNone;
   Causal causal = Causal::kNone;
-  bool fully_masked = false;       // force at least one fully masked row (needs a mask or key padding)
+  bool fully_masked = false;  // force at least one fully masked row (needs a mask or key padding)
   double dropout_p = 0.0;
-  bool custom_scale = false;       // scale = 0.37 instead of 1/sqrt(D)
+  bool custom_scale = false;  // scale = 0.37 instead of 1/sqrt(D)
   NanCase nan = NanCase::kNone;
 
-  std::string name() const;        // a gtest-safe identifier
+  std::string name() const;  // a gtest-safe identifier
   double cost() const { return double(batch) * heads_q * len_q * len_k * (head_dim + head_dim_v); }
 };
 
@@ -136,25 +136,23 @@ std::vector<double> random_normal(size_t n, uint64_t seed);
 // ||actual - expected||_inf <= tol * max(1, ||expected||_inf); non-finite entries must match exactly.
 ::testing::AssertionResult all_close(const TensorView& actual, const std::vector<double>& expected, double tol,
                                      const std::string& what);
-::testing::AssertionResult all_close(const std::vector<double>& actual, const std::vector<double>& expected,
-                                     double tol, const std::string& what);
+::testing::AssertionResult all_close(const std::vector<double>& actual, const std::vector<double>& expected, double tol,
+                                     const std::string& what);
 
 struct CheckOptions {
   std::string kernel = "reference";  // AttentionOptions::kernel
   bool lse = true, weights = true;   // which optional outputs to request
   double tol = 0.0;                  // 0: by dtype (f64 1e-10, f32 2e-5, f16 5e-3, bf16 3e-2); backward x5
   int num_threads = 0;
-  bool skip_unsupported = true;      // a kernel that does not support the problem: *skipped = true, success
-  DType out_dtype = DType::kF32;     // dtype of out/lse/weights/grads (f64 when the problem is f64)
+  bool skip_unsupported = true;   // a kernel that does not support the problem: *skipped = true, success
+  DType out_dtype = DType::kF32;  // dtype of out/lse/weights/grads (f64 when the problem is f64)
 };
 double default_tolerance(DType dtype);
 
 // Runs the kernel on `problem` and compares out (and lse, weights) with naive_forward.
-::testing::AssertionResult check_forward(const Problem& problem, const CheckOptions& options,
-                                         bool* skipped = nullptr);
+::testing::AssertionResult check_forward(const Problem& problem, const CheckOptions& options, bool* skipped = nullptr);
 // Runs forward + backward with a random dout and compares dq, dk, dv (and dmask) with naive_backward.
-::testing::AssertionResult check_backward(const Problem& problem, const CheckOptions& options,
-                                          bool* skipped = nullptr);
+::testing::AssertionResult check_backward(const Problem& problem, const CheckOptions& options, bool* skipped = nullptr);
 // check_forward and check_backward under each SIMD target the CPU has (set_simd_target), then the default.
 ::testing::AssertionResult check_every_simd_target(const Problem& problem, const CheckOptions& options,
                                                    bool* skipped = nullptr);
@@ -162,39 +160,39 @@ double default_tolerance(DType dtype);
 }  // namespace sattn::testing
 
 // The whole sweep for one kernel (see the top of this file). `dtype`: the dtype of q, k, v.
-#define SATTN_ORACLE_SWEEP(Suite, kernel_name, dtype)                                                         \
-  class Suite##Forward : public ::testing::TestWithParam<::sattn::testing::Config> {};                        \
-  TEST_P(Suite##Forward, MatchesNaiveFp64) {                                                                  \
-    const auto problem = ::sattn::testing::make_problem(GetParam(), dtype);                                   \
-    ::sattn::testing::CheckOptions co;                                                                        \
-    co.kernel = kernel_name;                                                                                  \
-    co.weights = GetParam().cost() < 3e6; /* weights for all but the largest problems */                      \
-    bool skipped = false;                                                                                     \
-    EXPECT_TRUE(::sattn::testing::check_forward(problem, co, &skipped));                                      \
-    if (skipped) GTEST_SKIP() << kernel_name << " does not support " << GetParam().name();                    \
-  }                                                                                                           \
+#define SATTN_ORACLE_SWEEP(Suite, kernel_name, dtype)                                                           \
+  class Suite##Forward : public ::testing::TestWithParam<::sattn::testing::Config> {};                          \
+  TEST_P(Suite##Forward, MatchesNaiveFp64) {                                                                    \
+    const auto problem = ::sattn::testing::make_problem(GetParam(), dtype);                                     \
+    ::sattn::testing::CheckOptions co;                                                                          \
+    co.kernel = kernel_name;                                                                                    \
+    co.weights = GetParam().cost() < 3e6; /* weights for all but the largest problems */                        \
+    bool skipped = false;                                                                                       \
+    EXPECT_TRUE(::sattn::testing::check_forward(problem, co, &skipped));                                        \
+    if (skipped) GTEST_SKIP() << kernel_name << " does not support " << GetParam().name();                      \
+  }                                                                                                             \
   INSTANTIATE_TEST_SUITE_P(Pairwise, Suite##Forward, ::testing::ValuesIn(::sattn::testing::pairwise_configs()), \
-                           ::sattn::testing::ConfigName());                                                   \
-  class Suite##Backward : public ::testing::TestWithParam<::sattn::testing::Config> {};                       \
-  TEST_P(Suite##Backward, MatchesNaiveFp64) {                                                                 \
-    const auto problem = ::sattn::testing::make_problem(GetParam(), dtype);                                   \
-    ::sattn::testing::CheckOptions co;                                                                        \
-    co.kernel = kernel_name;                                                                                  \
-    bool skipped = false;                                                                                     \
-    EXPECT_TRUE(::sattn::testing::check_backward(problem, co, &skipped));                                     \
-    if (skipped) GTEST_SKIP() << kernel_name << " has no backward for " << GetParam().name();                 \
-  }                                                                                                           \
-  INSTANTIATE_TEST_SUITE_P(Pairwise, Suite##Backward,                                                         \
-                           ::testing::ValuesIn(::sattn::testing::pairwise_backward_configs()),                \
-                           ::sattn::testing::ConfigName());                                                   \
-  class Suite##NanRows : public ::testing::TestWithParam<::sattn::testing::Config> {};                        \
-  TEST_P(Suite##NanRows, MatchNaiveFp64OnEverySimdTarget) {                                                   \
-    const auto problem = ::sattn::testing::make_problem(GetParam(), dtype);                                   \
-    ::sattn::testing::CheckOptions co;                                                                        \
-    co.kernel = kernel_name;                                                                                  \
-    bool skipped = false;                                                                                     \
-    EXPECT_TRUE(::sattn::testing::check_every_simd_target(problem, co, &skipped));                            \
-    if (skipped) GTEST_SKIP() << kernel_name << " does not support " << GetParam().name();                    \
-  }                                                                                                           \
-  INSTANTIATE_TEST_SUITE_P(Listed, Suite##NanRows, ::testing::ValuesIn(::sattn::testing::nan_row_configs()),  \
+                           ::sattn::testing::ConfigName());                                                     \
+  class Suite##Backward : public ::testing::TestWithParam<::sattn::testing::Config> {};                         \
+  TEST_P(Suite##Backward, MatchesNaiveFp64) {                                                                   \
+    const auto problem = ::sattn::testing::make_problem(GetParam(), dtype);                                     \
+    ::sattn::testing::CheckOptions co;                                                                          \
+    co.kernel = kernel_name;                                                                                    \
+    bool skipped = false;                                                                                       \
+    EXPECT_TRUE(::sattn::testing::check_backward(problem, co, &skipped));                                       \
+    if (skipped) GTEST_SKIP() << kernel_name << " has no backward for " << GetParam().name();                   \
+  }                                                                                                             \
+  INSTANTIATE_TEST_SUITE_P(Pairwise, Suite##Backward,                                                           \
+                           ::testing::ValuesIn(::sattn::testing::pairwise_backward_configs()),                  \
+                           ::sattn::testing::ConfigName());                                                     \
+  class Suite##NanRows : public ::testing::TestWithParam<::sattn::testing::Config> {};                          \
+  TEST_P(Suite##NanRows, MatchNaiveFp64OnEverySimdTarget) {                                                     \
+    const auto problem = ::sattn::testing::make_problem(GetParam(), dtype);                                     \
+    ::sattn::testing::CheckOptions co;                                                                          \
+    co.kernel = kernel_name;                                                                                    \
+    bool skipped = false;                                                                                       \
+    EXPECT_TRUE(::sattn::testing::check_every_simd_target(problem, co, &skipped));                              \
+    if (skipped) GTEST_SKIP() << kernel_name << " does not support " << GetParam().name();                      \
+  }                                                                                                             \
+  INSTANTIATE_TEST_SUITE_P(Listed, Suite##NanRows, ::testing::ValuesIn(::sattn::testing::nan_row_configs()),    \
                            ::sattn::testing::ConfigName())

@@ -40,9 +40,8 @@ class Cli : public ::testing::Test {
     const fs::path self = fs::read_symlink("/proc/self/exe", ec);
     binary_ = (dir && *dir ? fs::path(dir) : self.parent_path()) / "sattn";
     if (!fs::exists(binary_)) GTEST_SKIP() << binary_ << " was not built (SATTN_BUILD_CLI=OFF?)";
-    tmp_ = fs::path(::testing::TempDir()) /
-           ("sattn_cli_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    tmp_ = fs::path(::testing::TempDir()) / ("sattn_cli_" + std::to_string(::getpid()) + "_" +
+                                             ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::create_directories(tmp_);
   }
   void TearDown() override {
@@ -55,8 +54,8 @@ class Cli : public ::testing::Test {
   // env: an optional `env ...` prefix for the command
   CliRun run(const std::string& args, const std::string& env = "") const {
     const std::string out = path("stdout.txt"), err = path("stderr.txt");
-    const std::string cmd = env + (env.empty() ? "" : " ") + "'" + binary_.string() + "' " + args + " >'" + out +
-                            "' 2>'" + err + "'";
+    const std::string cmd =
+        env + (env.empty() ? "" : " ") + "'" + binary_.string() + "' " + args + " >'" + out + "' 2>'" + err + "'";
     const int status = std::system(cmd.c_str());
     CliRun r;
     r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -148,8 +147,8 @@ TEST_F(Cli, AttnMatchesTheLibraryBitwise) {
   c.fully_masked = true;
   const auto p = write_problem(c);
   const CliRun r = run("attn " + qkv() + " --mask " + path("mask.npy") + " --lengths " + path("len.npy") +
-                    " --causal bottom-right --scale 0.3 --dropout 0.2 --seed 7 --threads 2 --out " + path("o.npy") +
-                    " --lse " + path("l.npy") + " --weights " + path("w.npy"));
+                       " --causal bottom-right --scale 0.3 --dropout 0.2 --seed 7 --threads 2 --out " + path("o.npy") +
+                       " --lse " + path("l.npy") + " --weights " + path("w.npy"));
   ASSERT_EQ(r.code, 0) << r.err;
   sattn::AttentionOptions o = p.options;
   o.causal = sattn::Causal::kBottomRight;
@@ -170,7 +169,7 @@ TEST_F(Cli, AttnAdditiveMaskAndKeyPaddingAgainstTheOracle) {
   c.causal = sattn::Causal::kTopLeft;
   const auto p = write_problem(c);
   const CliRun r = run("attn " + qkv() + " --mask " + path("mask.npy") + " --key-padding " + path("kpm.npy") +
-                    " --causal top-left --out " + path("o.npy") + " --lse " + path("l.npy"));
+                       " --causal top-left --out " + path("o.npy") + " --lse " + path("l.npy"));
   ASSERT_EQ(r.code, 0) << r.err;
   const auto ref = sattn::testing::naive_forward(p);
   EXPECT_TRUE(sattn::testing::all_close(sattn::read_npy(path("o.npy")), ref.out, 2e-5, "out"));
@@ -211,9 +210,9 @@ TEST_F(Cli, AttnBadInputsExit2WithAMessage) {
       {"attn " + qkv() + " --kernel warp9" + o, "unknown kernel 'warp9'"},
       {"attn " + qkv(), "--out"},
       {"attn " + qkv() + " --bogus 1" + o, "--bogus"},
-      {"attn " + qkv() + " --out " + path("no_such_dir/o.npy"),
-       "--out: cannot write '" + path("no_such_dir/o.npy") + "': directory '" + path("no_such_dir") +
-           "': No such file or directory"},
+      {"attn " + qkv() + " --out " + path("no_such_dir/o.npy"), "--out: cannot write '" + path("no_such_dir/o.npy") +
+                                                                    "': directory '" + path("no_such_dir") +
+                                                                    "': No such file or directory"},
   };
   for (const auto& cs : cases) {
     const CliRun r = run(cs.args);
@@ -320,8 +319,7 @@ TEST_F(Cli, DemoUpscalesTheGeneratedScene) {
   EXPECT_EQ(nearest_bad, 0);
   EXPECT_EQ(bicubic.data, sattn::sr::upscale_bicubic(lr, 2).data);
   // The scene has flat and textured parts: neither panel is constant, and the model differs from bicubic.
-  EXPECT_GT(*std::max_element(hr.data.begin(), hr.data.end()) - *std::min_element(hr.data.begin(), hr.data.end()),
-            150);
+  EXPECT_GT(*std::max_element(hr.data.begin(), hr.data.end()) - *std::min_element(hr.data.begin(), hr.data.end()), 150);
   EXPECT_NE(model.data, bicubic.data);
   const double bic_psnr = sattn::sr::psnr_y(bicubic, hr, 2);
   char expect[64];

@@ -125,16 +125,21 @@ TEST_F(CliOutputs, UnwritableOutputFailsFirstAndWritesNothing) {
   std::vector<Case> cases = {
       {"attn " + qkv() + " --out " + path("o.npy") + " --lse " + missing + "/l.npy", missing + "/l.npy", {"o.npy"}},
       {"attn " + qkv() + " --out " + path("o.npy") + " --lse " + path("l.npy") + " --weights " + missing + "/w.npy",
-       missing + "/w.npy", {"o.npy", "l.npy"}},
+       missing + "/w.npy",
+       {"o.npy", "l.npy"}},
       {"sparse " + qkv() + " --pattern 'SlidingWindow(2, 0)' --out " + path("o.npy") + " --lse " + missing + "/l.npy",
-       missing + "/l.npy", {"o.npy"}},
+       missing + "/l.npy",
+       {"o.npy"}},
       {"sr downscale " + path("in.png") + " " + missing + "/o.png --scale 2", missing + "/o.png", {}},
       {"sr upscale " + path("in.png") + " " + path("o.png") + " --scale 2 --routing-out " + missing + "/r.npy" +
            weights(),
-       missing + "/r.npy", {"o.png"}, true},
+       missing + "/r.npy",
+       {"o.png"},
+       true},
       {"profile --L 16 --heads 1 --repeats 1 --kernels reference --csv " + path("p.csv") + " --plot " + missing +
            "/p.svg",
-       missing + "/p.svg", {"p.csv"}},
+       missing + "/p.svg",
+       {"p.csv"}},
       {"doctor --example --plot " + missing + "/d.png", missing + "/d.png", {}},
       {"report " + missing + "/r.html --no-profile", missing + "/r.html", {}},
       {"viz --example --out " + path("plain_file") + "/maps", path("plain_file") + "/maps", {}},
@@ -177,8 +182,8 @@ TEST_F(CliOutputs, FullDeviceIsAnError) {
     }
     const CommandResult r = run(c.args);
     EXPECT_EQ(r.code, 2) << c.args << "\n" << r.err;
-    EXPECT_NE(r.err.find("cannot write '/dev/full': No space left on device"), std::string::npos)
-        << c.args << "\n" << r.err;
+    EXPECT_NE(r.err.find("cannot write '/dev/full': No space left on device"), std::string::npos) << c.args << "\n"
+                                                                                                  << r.err;
     for (const auto& name : c.untouched) EXPECT_FALSE(fs::exists(path(name))) << name << " written by " << c.args;
     EXPECT_TRUE(temporaries().empty()) << c.args;
   }
@@ -198,10 +203,8 @@ TEST_F(CliOutputs, SameInputAndOutputIsSafe) {
   const std::string original = slurp(photo);
   const std::string full_disk = "trap '' XFSZ; ulimit -f 8";  // 4-8 KB (shells differ); the PNGs are larger
   std::vector<std::string> commands = {"sr downscale " + photo + " " + photo + " --scale 2"};
-  if (have_weights())
-    commands.push_back("sr upscale " + photo + " " + photo + " --scale 2 --threads 2" + weights());
-  else
-    ADD_FAILURE() << "sr/weights/sattn_sr_x2.safetensors missing: sr upscale IN IN not checked";
+  if (have_weights()) commands.push_back("sr upscale " + photo + " " + photo + " --scale 2 --threads 2" + weights());
+  else ADD_FAILURE() << "sr/weights/sattn_sr_x2.safetensors missing: sr upscale IN IN not checked";
   for (const std::string& cmd : commands) {
     const CommandResult r = run(cmd, full_disk);
     EXPECT_EQ(r.code, 2) << cmd << "\n" << r.err;
@@ -227,7 +230,8 @@ TEST_F(CliOutputs, SameInputAndOutputIsSafe) {
 // every output holds its old bytes or the complete run's bytes; the temporaries a kill leaves do not disturb the
 // next run.
 TEST_F(CliOutputs, SrUpscaleKilledAnywhereLeavesEachOutputOldOrNew) {
-  if (std::system("strace -V >/dev/null 2>&1") != 0) GTEST_SKIP() << "strace is not installed: SIGKILL points NOT checked";
+  if (std::system("strace -V >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "strace is not installed: SIGKILL points NOT checked";
   if (!have_weights()) GTEST_SKIP() << weights_ << " missing: SIGKILL points NOT checked";
   write_picture(path("in.png"), 16, 4);
   const std::vector<std::string> outputs = {"o.png", "f.npy", "r.npy", "g.npy"};
@@ -256,11 +260,11 @@ TEST_F(CliOutputs, SrUpscaleKilledAnywhereLeavesEachOutputOldOrNew) {
     EXPECT_EQ(st.st_mode & 07777, 0640u) << point;
   };
   // strace counts per tracee: the main thread does every write. ASan's leak check cannot run under ptrace.
-  const std::string strace = "ASAN_OPTIONS=${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0 strace -f -qq -o " +
-                             path("run/trace.txt");
+  const std::string strace =
+      "ASAN_OPTIONS=${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0 strace -f -qq -o " + path("run/trace.txt");
   // Count the syscalls to kill at: a traced run without injection.
-  const std::string count_cmd = strace + " -e trace=write,fsync,rename,renameat,renameat2 '" + binary_.string() +
-                                "' " + args + " >/dev/null 2>&1";
+  const std::string count_cmd = strace + " -e trace=write,fsync,rename,renameat,renameat2 '" + binary_.string() + "' " +
+                                args + " >/dev/null 2>&1";
   restore_old();
   ASSERT_EQ(std::system(count_cmd.c_str()), 0);
   std::map<std::string, std::map<std::string, int>> per_pid;  // pid -> syscall -> count
@@ -277,19 +281,22 @@ TEST_F(CliOutputs, SrUpscaleKilledAnywhereLeavesEachOutputOldOrNew) {
   std::map<std::string, int> counts;
   for (const auto& [pid, c] : per_pid)
     if (c.count("write") && c.at("write") > counts["write"]) counts = c;
-  const std::string rename_call = counts.count("rename") ? "rename" : counts.count("renameat2") ? "renameat2" : "renameat";
+  const std::string rename_call = counts.count("rename")      ? "rename"
+                                  : counts.count("renameat2") ? "renameat2"
+                                                              : "renameat";
   ASSERT_GE(counts["write"], 4) << "four files are written";
   std::vector<std::pair<std::string, int>> points;  // syscall, K (its K-th call: killed on entry)
   for (const std::string& call : {std::string("write"), std::string("fsync"), rename_call})
     for (int k = 1; k <= counts[call]; ++k) points.emplace_back(call, k);
   ASSERT_GE(points.size(), 10u);
-  std::printf("SIGKILL at %zu syscalls: %d write, %d fsync, %d %s; and at 3 moments\n", points.size(),
-              counts["write"], counts["fsync"], counts[rename_call], rename_call.c_str());
+  std::printf("SIGKILL at %zu syscalls: %d write, %d fsync, %d %s; and at 3 moments\n", points.size(), counts["write"],
+              counts["fsync"], counts[rename_call], rename_call.c_str());
   for (const auto& [call, k] : points) {
     restore_old();
     const std::string point = call + " " + std::to_string(k);
-    const std::string cmd = strace + " -e trace=" + call + " -e inject=" + call + ":signal=KILL:when=" +
-                            std::to_string(k) + " '" + binary_.string() + "' " + args + " >/dev/null 2>&1";
+    const std::string cmd = strace + " -e trace=" + call + " -e inject=" + call +
+                            ":signal=KILL:when=" + std::to_string(k) + " '" + binary_.string() + "' " + args +
+                            " >/dev/null 2>&1";
     std::system(cmd.c_str());
     EXPECT_NE(slurp(path("run/trace.txt")).find("+++ killed by SIGKILL +++"), std::string::npos)
         << point << ": not killed";

@@ -237,7 +237,8 @@ TEST(Doctor, NanAndInfAreCounted) {
   const Inputs ok = healthy(1, 2, 8, 8);
   Tensor add(DType::kF32, {8, 8});
   for (int64_t i = 0; i < 8; ++i)
-    for (int64_t j = 0; j < 8; ++j) add.data<float>()[i * 8 + j] = j > i ? -std::numeric_limits<float>::infinity() : 0.f;
+    for (int64_t j = 0; j < 8; ++j)
+      add.data<float>()[i * 8 + j] = j > i ? -std::numeric_limits<float>::infinity() : 0.f;
   AttentionOptions o;
   o.attn_mask = add.view();
   EXPECT_TRUE(diagnose(ok.q, ok.k, ok.v, o).healthy());

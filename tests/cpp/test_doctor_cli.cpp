@@ -24,7 +24,9 @@ std::vector<std::string> json_codes(const std::string& out) {
   for (const auto& f : j["findings"]) c.push_back(f["code"].get<std::string>());
   return c;
 }
-bool contains(const std::vector<std::string>& v, const std::string& s) { return std::find(v.begin(), v.end(), s) != v.end(); }
+bool contains(const std::vector<std::string>& v, const std::string& s) {
+  return std::find(v.begin(), v.end(), s) != v.end();
+}
 }  // namespace
 
 TEST(DoctorCli, HealthyExitsZero) {
@@ -83,7 +85,7 @@ TEST(DoctorCli, SeededSymptomsExitOne) {
 TEST(DoctorCli, BadUsageExitsTwo) {
   ASSERT_TRUE(have_binary());
   const std::string dir = setup("doc_usage");
-  EXPECT_EQ(run_sattn("doctor --q q.npy --k k.npy", dir).code, 2);                             // no --v
+  EXPECT_EQ(run_sattn("doctor --q q.npy --k k.npy", dir).code, 2);                            // no --v
   EXPECT_EQ(run_sattn("doctor --q q.npy --k k.npy --v v.npy --expect future", dir).code, 2);  // bad --expect
   EXPECT_EQ(run_sattn("doctor --q q.npy --k k.npy --v v.npy --causal diagonal", dir).code, 2);
   Tensor n(DType::kI64, {1});

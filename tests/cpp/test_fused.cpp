@@ -103,7 +103,8 @@ Problem make_problem(const Case& c, uint32_t seed) {
     pb.opt.key_padding_mask = pb.kpm.view();
   } else if (c.padding == 2) {
     pb.lengths = Tensor(DType::kI64, {c.B});
-    for (int64_t b = 0; b < c.B; ++b) pb.lengths.data<int64_t>()[b] = b == 1 ? 0 : std::max<int64_t>(1, c.Lk - 5 - 37 * b);
+    for (int64_t b = 0; b < c.B; ++b)
+      pb.lengths.data<int64_t>()[b] = b == 1 ? 0 : std::max<int64_t>(1, c.Lk - 5 - 37 * b);
     pb.opt.key_lengths = pb.lengths.view();
   }
   pb.opt.causal = c.causal;
@@ -192,8 +193,8 @@ std::vector<Case> sweep() {
   std::vector<Case> cs;
   // Shapes around the 64x64 tile, odd D/Dv, Lq != Lk, GQA/MQA.
   const int64_t shapes[][7] = {
-      {1, 1, 1, 1, 1, 8, 8},       {1, 2, 2, 7, 129, 16, 24},  {2, 4, 2, 65, 63, 17, 9},   {1, 2, 1, 64, 64, 64, 64},
-      {1, 3, 1, 129, 130, 80, 80}, {2, 2, 2, 63, 200, 5, 33},  {1, 1, 1, 200, 65, 128, 128}, {3, 2, 1, 33, 47, 1, 3},
+      {1, 1, 1, 1, 1, 8, 8},       {1, 2, 2, 7, 129, 16, 24}, {2, 4, 2, 65, 63, 17, 9},     {1, 2, 1, 64, 64, 64, 64},
+      {1, 3, 1, 129, 130, 80, 80}, {2, 2, 2, 63, 200, 5, 33}, {1, 1, 1, 200, 65, 128, 128}, {3, 2, 1, 33, 47, 1, 3},
   };
   const Causal causals[] = {Causal::kNone, Causal::kTopLeft, Causal::kBottomRight};
   int n = 0;
@@ -300,27 +301,27 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
   c.Hq = 2, c.Hkv = 2, c.Lq = 77, c.Lk = 90, c.D = 32, c.Dv = 32, c.causal = sattn::Causal::kTopLeft;
   const Problem pb = make_problem(c, 5);
   for (const std::string& simd : sattn::testing::simd_target_names())
-  for (DType dt : {DType::kBF16, DType::kF16}) {
-    const sattn::testing::ScopedSimdTarget simd_target(simd);
-    const Tensor q = Tensor::from_view(pb.q.view).to(dt), k = Tensor::from_view(pb.k.view).to(dt),
-                 v = Tensor::from_view(pb.v.view).to(dt);
-    Problem up = pb;
-    const Tensor qf = q.to(DType::kF32), kf = k.to(DType::kF32), vf = v.to(DType::kF32);
-    up.q.view = qf.view(), up.k.view = kf.view(), up.v.view = vf.view();
-    const FwdResult ref = run_forward(up, "fused", 1);
-    sattn::AttentionOptions o = pb.opt;
-    o.kernel = "fused";
-    Tensor out(DType::kF32, {c.B, c.Hq, c.Lq, c.Dv});
-    sattn::scaled_dot_product_attention(q, k, v, o, {out.view(), {}, {}});
-    EXPECT_TRUE(bitwise_equal(out, ref.out)) << sattn::to_string(dt) << " " << simd;
-    // Backward with half-precision q/k/v equals the backward on the up-cast inputs.
-    const BwdResult gref = run_backward(up, ref, "fused", 1);
-    Tensor dq(DType::kF32, q.shape()), dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
-    sattn::scaled_dot_product_attention_backward(pb.dout.view, q, k, v, ref.out, ref.lse, o,
-                                                 {dq.view(), dk.view(), dv.view(), {}});
-    EXPECT_TRUE(bitwise_equal(dq, gref.dq) && bitwise_equal(dk, gref.dk) && bitwise_equal(dv, gref.dv))
-        << sattn::to_string(dt) << " " << simd;
-  }
+    for (DType dt : {DType::kBF16, DType::kF16}) {
+      const sattn::testing::ScopedSimdTarget simd_target(simd);
+      const Tensor q = Tensor::from_view(pb.q.view).to(dt), k = Tensor::from_view(pb.k.view).to(dt),
+                   v = Tensor::from_view(pb.v.view).to(dt);
+      Problem up = pb;
+      const Tensor qf = q.to(DType::kF32), kf = k.to(DType::kF32), vf = v.to(DType::kF32);
+      up.q.view = qf.view(), up.k.view = kf.view(), up.v.view = vf.view();
+      const FwdResult ref = run_forward(up, "fused", 1);
+      sattn::AttentionOptions o = pb.opt;
+      o.kernel = "fused";
+      Tensor out(DType::kF32, {c.B, c.Hq, c.Lq, c.Dv});
+      sattn::scaled_dot_product_attention(q, k, v, o, {out.view(), {}, {}});
+      EXPECT_TRUE(bitwise_equal(out, ref.out)) << sattn::to_string(dt) << " " << simd;
+      // Backward with half-precision q/k/v equals the backward on the up-cast inputs.
+      const BwdResult gref = run_backward(up, ref, "fused", 1);
+      Tensor dq(DType::kF32, q.shape()), dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
+      sattn::scaled_dot_product_attention_backward(pb.dout.view, q, k, v, ref.out, ref.lse, o,
+                                                   {dq.view(), dk.view(), dv.view(), {}});
+      EXPECT_TRUE(bitwise_equal(dq, gref.dq) && bitwise_equal(dk, gref.dk) && bitwise_equal(dv, gref.dv))
+          << sattn::to_string(dt) << " " << simd;
+    }
 }
 
 // Rows whose keys all carry the same huge finite bias (-1e30, or the float minimum used as "masked"): in float the
@@ -333,8 +334,11 @@ TEST(Fused, HugeUniformBiasRowsMatchReference) {
   const struct {
     int64_t Lq, Lk, D, Dv;
     float huge;
-  } cases[] = {{70, 100, 16, 12, -1e30f}, {70, 100, 16, 12, lowest}, {1, 1100, 16, 16, lowest},
-               {3, 1100, 8, 8, -1e30f},   {9, 1100, 24, 8, lowest}};
+  } cases[] = {{70, 100, 16, 12, -1e30f},
+               {70, 100, 16, 12, lowest},
+               {1, 1100, 16, 16, lowest},
+               {3, 1100, 8, 8, -1e30f},
+               {9, 1100, 24, 8, lowest}};
   // lse row by row: |got - ref| <= 2e-5 max(1, |ref|) (rel_err would scale every row by the largest, ~1e30)
   auto lse_ok = [](const Tensor& got, const Tensor& ref) {
     const Tensor g = got.to(DType::kF64), r = ref.to(DType::kF64);
@@ -448,8 +452,8 @@ namespace {
 TEST(FusedDecode, SplitKeysMatchReference) {
   using sattn::Causal;
   std::vector<Case> cs;
-  const int64_t shapes[][4] = {{1, 1100, 64, 64}, {5, 1537, 33, 20}, {16, 2048, 128, 128}, {3, 1030, 7, 9},
-                               {2, 300, 17, 40},  {4, 64, 16, 16}};
+  const int64_t shapes[][4] = {{1, 1100, 64, 64}, {5, 1537, 33, 20}, {16, 2048, 128, 128},
+                               {3, 1030, 7, 9},   {2, 300, 17, 40},  {4, 64, 16, 16}};
   int n = 0;
   for (const auto& s : shapes)
     for (int variant = 0; variant < 3; ++variant, ++n) {
@@ -465,14 +469,14 @@ TEST(FusedDecode, SplitKeysMatchReference) {
     const Problem pb = make_problem(c, ++seed);
     const FwdResult ref = run_forward(pb, "reference", 2);
     for (const std::string& simd : sattn::testing::simd_target_names()) {
-    SCOPED_TRACE(c.name() + " " + simd);
-    const sattn::testing::ScopedSimdTarget simd_target(simd);
-    const FwdResult got = run_forward(pb, "fused", 2);
-    EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
-    EXPECT_LE(rel_err(got.lse, ref.lse), 2e-5);
-    const FwdResult one = run_forward(pb, "fused", 1), three = run_forward(pb, "fused", 3);
-    EXPECT_TRUE(bitwise_equal(one.out, got.out) && bitwise_equal(three.out, got.out));
-    EXPECT_TRUE(bitwise_equal(one.lse, got.lse) && bitwise_equal(three.lse, got.lse));
+      SCOPED_TRACE(c.name() + " " + simd);
+      const sattn::testing::ScopedSimdTarget simd_target(simd);
+      const FwdResult got = run_forward(pb, "fused", 2);
+      EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
+      EXPECT_LE(rel_err(got.lse, ref.lse), 2e-5);
+      const FwdResult one = run_forward(pb, "fused", 1), three = run_forward(pb, "fused", 3);
+      EXPECT_TRUE(bitwise_equal(one.out, got.out) && bitwise_equal(three.out, got.out));
+      EXPECT_TRUE(bitwise_equal(one.lse, got.lse) && bitwise_equal(three.lse, got.lse));
     }
   }
 }

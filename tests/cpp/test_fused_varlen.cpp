@@ -27,7 +27,8 @@ Tensor unpack(const Tensor& t, int64_t r0, int64_t r1) {
   Tensor o(DType::kF32, {1, H, r1 - r0, X});
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t h = 0; h < H; ++h)
-      for (int64_t x = 0; x < X; ++x) o.data<float>()[(h * (r1 - r0) + r - r0) * X + x] = t.data<float>()[(r * H + h) * X + x];
+      for (int64_t x = 0; x < X; ++x)
+        o.data<float>()[(h * (r1 - r0) + r - r0) * X + x] = t.data<float>()[(r * H + h) * X + x];
   return o;
 }
 
@@ -50,7 +51,8 @@ TEST(FusedVarlen, MatchesPerSequenceReference) {
   for (size_t s = 0; s < lq.size(); ++s) cq.push_back(cq.back() + lq[s]), ck.push_back(ck.back() + lk[s]);
   Tensor cuq(DType::kI64, {int64_t(cq.size())}), cuk(DType::kI32, {int64_t(ck.size())});
   for (size_t s = 0; s < cq.size(); ++s) cuq.data<int64_t>()[s] = cq[s], cuk.data<int32_t>()[s] = int32_t(ck[s]);
-  const Tensor q = randn(rng, {cq.back(), Hq, D}), k = randn(rng, {ck.back(), Hkv, D}), v = randn(rng, {ck.back(), Hkv, Dv});
+  const Tensor q = randn(rng, {cq.back(), Hq, D}), k = randn(rng, {ck.back(), Hkv, D}),
+               v = randn(rng, {ck.back(), Hkv, Dv});
   const Tensor dout = randn(rng, {cq.back(), Hq, Dv});
   for (bool causal : {false, true}) {
     SCOPED_TRACE(causal);
@@ -66,7 +68,8 @@ TEST(FusedVarlen, MatchesPerSequenceReference) {
       if (q1 == q0) continue;
       if (k1 == k0) {
         for (int64_t i = q0; i < q1; ++i)
-          for (int64_t h = 0; h < Hq; ++h) EXPECT_EQ(lse.data<float>()[h * cq.back() + i], -std::numeric_limits<float>::infinity());
+          for (int64_t h = 0; h < Hq; ++h)
+            EXPECT_EQ(lse.data<float>()[h * cq.back() + i], -std::numeric_limits<float>::infinity());
         EXPECT_EQ(max_err(out, q0, q1, Tensor(DType::kF32, {1, Hq, q1 - q0, Dv})), 0.0);
         continue;
       }
@@ -86,7 +89,8 @@ TEST(FusedVarlen, MatchesPerSequenceReference) {
           else EXPECT_NEAR(g, r, 2e-5 * std::max(1.0, std::fabs(r)));
         }
       Tensor gq(DType::kF64, qs.shape()), gk(DType::kF64, ks.shape()), gv(DType::kF64, vs.shape());
-      sattn::scaled_dot_product_attention_backward(ds, qs, ks, vs, ro_out, ro_lse, ro, {gq.view(), gk.view(), gv.view(), {}});
+      sattn::scaled_dot_product_attention_backward(ds, qs, ks, vs, ro_out, ro_lse, ro,
+                                                   {gq.view(), gk.view(), gv.view(), {}});
       EXPECT_LE(max_err(dq, q0, q1, gq), 1e-4);
       EXPECT_LE(max_err(dk, k0, k1, gk), 1e-4);
       EXPECT_LE(max_err(dv, k0, k1, gv), 1e-4);

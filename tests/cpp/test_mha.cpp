@@ -191,7 +191,7 @@ TEST(Mha, LayoutsAgree) {
   std::map<std::string, Tensor> sd;
   for (auto& [n, t] : seq.state_dict()) sd[n] = t;
   bf.load_state_dict(sd);
-  const Tensor x = randn(DType::kF32, {4, 2, 12}, 7);  // [L, N, E]
+  const Tensor x = randn(DType::kF32, {4, 2, 12}, 7);                     // [L, N, E]
   const TensorView x_bf(x.data(), DType::kF32, {2, 4, 12}, {12, 24, 1});  // the same data as [N, L, E]
   auto [o1, w1] = seq.forward(x, x, x);
   auto [o2, w2] = bf.forward(x_bf, x_bf, x_bf);
@@ -271,21 +271,39 @@ TEST(Mha, ConstructorAndForwardErrors) {
                {"kdim"});
   MultiheadAttention m(8, 2);
   const Tensor x = randn(DType::kF32, {3, 2, 8}, 1);
-  expect_error([&] { m.forward(randn(DType::kF32, {3, 2, 7}, 1), x, x); }, sattn::ErrorKind::kInvalidArgument,
-               {"query", "embed_dim = 8", "[3, 2, 7]"});
-  expect_error([&] { m.forward(x, randn(DType::kF32, {3, 3, 8}, 1), randn(DType::kF32, {3, 3, 8}, 1)); },
-               sattn::ErrorKind::kInvalidArgument, {"batch size N = 2"});
-  expect_error([&] { m.forward(x, x, x, Tensor(DType::kBool, {2, 4})); }, sattn::ErrorKind::kInvalidArgument,
-               {"key_padding_mask", "[2, 3]", "[2, 4]"});
-  expect_error([&] { m.forward(x, x, x, {}, true, Tensor(DType::kBool, {3, 4})); },
-               sattn::ErrorKind::kInvalidArgument, {"attn_mask", "[3, 3]", "[4, 3, 3]", "[3, 4]"});
+  expect_error(
+      [&] {
+        m.forward(randn(DType::kF32, {3, 2, 7}, 1), x, x);
+      },
+      sattn::ErrorKind::kInvalidArgument, {"query", "embed_dim = 8", "[3, 2, 7]"});
+  expect_error(
+      [&] {
+        m.forward(x, randn(DType::kF32, {3, 3, 8}, 1), randn(DType::kF32, {3, 3, 8}, 1));
+      },
+      sattn::ErrorKind::kInvalidArgument, {"batch size N = 2"});
+  expect_error(
+      [&] {
+        m.forward(x, x, x, Tensor(DType::kBool, {2, 4}));
+      },
+      sattn::ErrorKind::kInvalidArgument, {"key_padding_mask", "[2, 3]", "[2, 4]"});
+  expect_error(
+      [&] {
+        m.forward(x, x, x, {}, true, Tensor(DType::kBool, {3, 4}));
+      },
+      sattn::ErrorKind::kInvalidArgument, {"attn_mask", "[3, 3]", "[4, 3, 3]", "[3, 4]"});
   expect_error([&] { m.forward(x, x, x, {}, true, {}, true, true); }, sattn::ErrorKind::kInvalidArgument,
                {"is_causal", "requires attn_mask"});
-  expect_error([&] { m.forward(x, x, x, {}, true, Tensor(DType::kI32, {3, 3})); }, sattn::ErrorKind::kTypeError,
-               {"attn_mask", "expected bool", "got int32"});
+  expect_error(
+      [&] {
+        m.forward(x, x, x, {}, true, Tensor(DType::kI32, {3, 3}));
+      },
+      sattn::ErrorKind::kTypeError, {"attn_mask", "expected bool", "got int32"});
   expect_error([&] { m.forward(x.to(DType::kI32), x, x); }, sattn::ErrorKind::kTypeError, {"query"});
-  expect_error([&] { m.forward(Tensor(DType::kF32, {0, 2, 8}), x, x); }, sattn::ErrorKind::kInvalidArgument,
-               {"zero-size"});
+  expect_error(
+      [&] {
+        m.forward(Tensor(DType::kF32, {0, 2, 8}), x, x);
+      },
+      sattn::ErrorKind::kInvalidArgument, {"zero-size"});
   expect_error([&] { m.forward(TensorView(), x, x); }, sattn::ErrorKind::kInvalidArgument, {"query"});
 }
 
@@ -301,14 +319,24 @@ TEST(Mha, MaskDtypesAsTorch2) {
   expect_error([&] { m.forward(x, x, x, kpm_u8); }, sattn::ErrorKind::kTypeError,
                {"key_padding_mask: expected bool (True = padding)", "got uint8"});
   expect_error([&] { m.forward(x, x, x, {}, false, am_u8); }, sattn::ErrorKind::kTypeError, {"attn_mask", "uint8"});
-  expect_error([&] { m.forward(x, x, x, {}, true, Tensor(DType::kF64, {3, 3})); }, sattn::ErrorKind::kTypeError,
-               {"attn_mask: a float mask must have the query's dtype (float32), got float64"});
-  expect_error([&] { m.forward(x, x, x, Tensor(DType::kF16, {2, 3})); }, sattn::ErrorKind::kTypeError,
-               {"key_padding_mask: a float mask must have the query's dtype (float32), got float16"});
+  expect_error(
+      [&] {
+        m.forward(x, x, x, {}, true, Tensor(DType::kF64, {3, 3}));
+      },
+      sattn::ErrorKind::kTypeError, {"attn_mask: a float mask must have the query's dtype (float32), got float64"});
+  expect_error(
+      [&] {
+        m.forward(x, x, x, Tensor(DType::kF16, {2, 3}));
+      },
+      sattn::ErrorKind::kTypeError,
+      {"key_padding_mask: a float mask must have the query's dtype (float32), got float16"});
   MultiheadAttention m64(8, 2, 0.0, true, false, false, std::nullopt, std::nullopt, false, DType::kF64);
   const Tensor x64 = x.to(DType::kF64);
-  expect_error([&] { m64.forward(x64, x64, x64, Tensor(DType::kF32, {2, 3}), false); },
-               sattn::ErrorKind::kTypeError, {"key_padding_mask", "(float64), got float32"});
+  expect_error(
+      [&] {
+        m64.forward(x64, x64, x64, Tensor(DType::kF32, {2, 3}), false);
+      },
+      sattn::ErrorKind::kTypeError, {"key_padding_mask", "(float64), got float32"});
   // Same-dtype float and bool masks are accepted (a bool mask with a float32 or float64 query).
   EXPECT_NO_THROW(m64.forward(x64, x64, x64, Tensor(DType::kBool, {2, 3}), true, Tensor(DType::kF64, {3, 3})));
   EXPECT_NO_THROW(m.forward(x, x, x, Tensor(DType::kF32, {2, 3}), true, Tensor(DType::kBool, {3, 3})));
@@ -375,8 +403,8 @@ TEST(Mha, IsCausalHint) {
 
 TEST(Mha, SafetensorsRoundTripAndDropout) {
   MultiheadAttention a(8, 2, 0.25, true, true, true, 6, 4, true, DType::kF64, 3);
-  const auto path = (std::filesystem::temp_directory_path() / ("sattn_mha_" + std::to_string(::getpid()) +
-                                                                ".safetensors")).string();
+  const auto path =
+      (std::filesystem::temp_directory_path() / ("sattn_mha_" + std::to_string(::getpid()) + ".safetensors")).string();
   a.save_safetensors(path);
   MultiheadAttention b(8, 2, 0.25, true, true, true, 6, 4, true, DType::kF64, 99);
   b.load_safetensors(path);

@@ -118,7 +118,7 @@ TEST_F(OutputFileTest, SymbolicLinkTargetIsReplacedAndTheLinkKept) {
   fs::create_directories(dir_ / "data");
   put(path("data/target.txt"), "old");
   fs::create_symlink("data/target.txt", dir_ / "link1");  // relative to the link's directory
-  fs::create_symlink(dir_ / "link1", dir_ / "link2");      // a chain, absolute
+  fs::create_symlink(dir_ / "link1", dir_ / "link2");     // a chain, absolute
   OutputFile f(path("link2"));
   EXPECT_EQ(f.destination(), fs::canonical(dir_ / "data/target.txt").string());
   f.write("new");
@@ -174,9 +174,9 @@ TEST_F(OutputFileTest, OwnDescriptorsAreWrittenInPlace) {
 
 TEST_F(OutputFileTest, UnwritableDestinationsFailWhenOpened) {
   const std::string missing = path("no_dir/x.npy");
-  EXPECT_EQ(message_of([&] { OutputFile f(missing, "--lse"); }),
-            "I/O error: --lse: cannot write '" + missing + "': directory '" + path("no_dir") +
-                "': No such file or directory");
+  EXPECT_EQ(message_of([&] { OutputFile f(missing, "--lse"); }), "I/O error: --lse: cannot write '" + missing +
+                                                                     "': directory '" + path("no_dir") +
+                                                                     "': No such file or directory");
   EXPECT_EQ(message_of([&] { OutputFile f(dir_.string() + "/"); }),
             "I/O error: cannot write '" + dir_.string() + "/': expected a file name");
   EXPECT_EQ(message_of([] { OutputFile f(""); }), "I/O error: cannot write '': expected a file name");
@@ -280,7 +280,10 @@ TEST_F(OutputFileTest, LibraryWritersReportAFullDevice) {
   sattn::viz::Image viz_image(32, 32);
   const std::vector<std::pair<std::string, std::function<void()>>> writers = {
       {"write_npy", [&] { sattn::write_npy("/dev/full", t); }},
-      {"write_safetensors", [&] { sattn::write_safetensors("/dev/full", {{"t", t.view()}}); }},
+      {"write_safetensors",
+       [&] {
+         sattn::write_safetensors("/dev/full", {{"t", t.view()}});
+       }},
       {"sr::write_png", [&] { sattn::sr::write_png("/dev/full", sr_image); }},
       {"viz::write_png", [&] { sattn::viz::write_png("/dev/full", viz_image); }},
   };

@@ -206,8 +206,8 @@ TEST(ReferenceBackward, FullJacobianOfTinyProblemsMatchesFiniteDifferences) {
           EXPECT_EQ(g[n], 0.0) << "dmask at a -inf entry";
           continue;
         }
-        EXPECT_NEAR(g[n], fd, 1e-7 * std::max(1.0, std::abs(fd))) << "tensor " << which << " index " << n << " ["
-                                                                   << c.name() << "]";
+        EXPECT_NEAR(g[n], fd, 1e-7 * std::max(1.0, std::abs(fd)))
+            << "tensor " << which << " index " << n << " [" << c.name() << "]";
       }
     }
   }
@@ -224,8 +224,7 @@ std::vector<st::Config> fd_configs() {
   // analytic gradient (of the softmax at the rounded, equal scores) is not.
   std::vector<st::Config> out;
   for (const auto& c : st::pairwise_backward_configs())
-    if (c.cost() <= 2e5 && c.mask != st::MaskCase::kAddHuge2D && c.mask != st::MaskCase::kAddMinB1QK)
-      out.push_back(c);
+    if (c.cost() <= 2e5 && c.mask != st::MaskCase::kAddHuge2D && c.mask != st::MaskCase::kAddMinB1QK) out.push_back(c);
   return out;
 }
 }  // namespace
@@ -349,8 +348,8 @@ TEST(ReferenceDropout, PhiloxKeepRateAndIndependenceOfCoordinates) {
   }
   // Swapping coordinates changes the decision stream (the counter is (b, h, i, j), not a sum).
   int64_t differ = 0;
-  for (uint32_t i = 0; i < 200; ++i) differ += sattn::dropout_keep(7, 0.5, 0, 0, i, i + 1) !=
-                                              sattn::dropout_keep(7, 0.5, 0, 0, i + 1, i);
+  for (uint32_t i = 0; i < 200; ++i)
+    differ += sattn::dropout_keep(7, 0.5, 0, 0, i, i + 1) != sattn::dropout_keep(7, 0.5, 0, 0, i + 1, i);
   EXPECT_GT(differ, 50);
   // p = 0 keeps everything.
   for (uint32_t j = 0; j < 1000; ++j) EXPECT_TRUE(sattn::dropout_keep(9, 0.0, 0, 0, 0, j));
@@ -468,8 +467,9 @@ TEST(ReferenceThreads, ConcurrentCallersGetTheirOwnResults) {
   std::vector<Tensor> expected;
   for (const auto& c : configs) {
     problems.push_back(st::make_problem(c));
-    expected.push_back(sattn::attention(problems.back().q, problems.back().k, problems.back().v,
-                                        problems.back().options, true, false).out);
+    expected.push_back(
+        sattn::attention(problems.back().q, problems.back().k, problems.back().v, problems.back().options, true, false)
+            .out);
   }
   std::vector<int> failures(configs.size(), 0);
   std::vector<std::thread> threads;

@@ -29,7 +29,8 @@ void expect_error(const std::function<void()>& f, ErrorKind kind, const std::vec
   } catch (const sattn::Error& e) {
     EXPECT_EQ(e.kind(), kind) << label << ": kind " << sattn::to_string(e.kind()) << ", message: " << e.what();
     const std::string msg = e.what();
-    for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << label << ": '" << n << "' not in: " << msg;
+    for (const auto& n : needles)
+      EXPECT_NE(msg.find(n), std::string::npos) << label << ": '" << n << "' not in: " << msg;
   } catch (const std::exception& e) {
     ADD_FAILURE() << label << ": not a sattn::Error: " << e.what();
   }
@@ -52,41 +53,81 @@ using sattn::testing::ScopedEnv;
 TEST(ReferenceErrors, ShapesOfQueryKeyValue) {
   Inputs in;
   const sattn::AttentionOutputs outs{in.out, {}, {}};
-  expect_error([&] { forward(Tensor(DType::kF32, {4, 5, 8}), in.k, in.v, {}, outs); }, ErrorKind::kInvalidArgument,
-               {"query", "4-D", "[4, 5, 8]"}, "3-D query");
-  expect_error([&] { forward(Tensor(DType::kF32, {2, 4, 0, 8}), in.k, in.v, {}, outs); },
-               ErrorKind::kInvalidArgument, {"query", "zero-size", "[2, 4, 0, 8]"}, "Lq = 0");
-  expect_error([&] { forward(in.q, Tensor(DType::kF32, {2, 2, 0, 8}), in.v, {}, outs); },
-               ErrorKind::kInvalidArgument, {"key", "zero-size"}, "Lk = 0");
-  expect_error([&] { forward(Tensor(DType::kF32, {0, 4, 5, 8}), in.k, in.v, {}, outs); },
-               ErrorKind::kInvalidArgument, {"query", "zero-size"}, "B = 0");
-  expect_error([&] {
-    forward(Tensor(DType::kF32, {2, 4, 5, 0}), Tensor(DType::kF32, {2, 2, 6, 0}), in.v, {}, outs);
-  }, ErrorKind::kInvalidArgument, {"query", "zero-size", "D"}, "D = 0");
-  expect_error([&] { forward(in.q, in.k, Tensor(DType::kF32, {2, 2, 6, 0}), {}, outs); },
-               ErrorKind::kInvalidArgument, {"value", "zero-size"}, "Dv = 0");
-  expect_error([&] {
-    forward(Tensor(DType::kF32, {2, 3, 5, 8}), in.k, in.v, {}, {Tensor(DType::kF32, {2, 3, 5, 3}), {}, {}});
-  }, ErrorKind::kInvalidArgument, {"Hq = 3", "multiple", "Hkv = 2"}, "Hq not a multiple of Hkv");
-  expect_error([&] { forward(in.q, Tensor(DType::kF32, {2, 2, 6, 7}), in.v, {}, outs); },
-               ErrorKind::kInvalidArgument, {"key", "D = 8", "[2, 2, 6, 7]"}, "D mismatch");
-  expect_error([&] { forward(in.q, in.k, Tensor(DType::kF32, {2, 2, 7, 3}), {}, outs); },
-               ErrorKind::kInvalidArgument, {"value", "Lk = 6", "[2, 2, 7, 3]"}, "Lk mismatch");
-  expect_error([&] { forward(in.q, in.k, Tensor(DType::kF32, {2, 1, 6, 3}), {}, outs); },
-               ErrorKind::kInvalidArgument, {"value", "Hkv = 2"}, "Hkv mismatch");
-  expect_error([&] { forward(in.q, Tensor(DType::kF32, {1, 2, 6, 8}), in.v, {}, outs); },
-               ErrorKind::kInvalidArgument, {"batch size 2", "[1, 2, 6, 8]"}, "batch mismatch");
+  expect_error(
+      [&] {
+        forward(Tensor(DType::kF32, {4, 5, 8}), in.k, in.v, {}, outs);
+      },
+      ErrorKind::kInvalidArgument, {"query", "4-D", "[4, 5, 8]"}, "3-D query");
+  expect_error(
+      [&] {
+        forward(Tensor(DType::kF32, {2, 4, 0, 8}), in.k, in.v, {}, outs);
+      },
+      ErrorKind::kInvalidArgument, {"query", "zero-size", "[2, 4, 0, 8]"}, "Lq = 0");
+  expect_error(
+      [&] {
+        forward(in.q, Tensor(DType::kF32, {2, 2, 0, 8}), in.v, {}, outs);
+      },
+      ErrorKind::kInvalidArgument, {"key", "zero-size"}, "Lk = 0");
+  expect_error(
+      [&] {
+        forward(Tensor(DType::kF32, {0, 4, 5, 8}), in.k, in.v, {}, outs);
+      },
+      ErrorKind::kInvalidArgument, {"query", "zero-size"}, "B = 0");
+  expect_error(
+      [&] {
+        forward(Tensor(DType::kF32, {2, 4, 5, 0}), Tensor(DType::kF32, {2, 2, 6, 0}), in.v, {}, outs);
+      },
+      ErrorKind::kInvalidArgument, {"query", "zero-size", "D"}, "D = 0");
+  expect_error(
+      [&] {
+        forward(in.q, in.k, Tensor(DType::kF32, {2, 2, 6, 0}), {}, outs);
+      },
+      ErrorKind::kInvalidArgument, {"value", "zero-size"}, "Dv = 0");
+  expect_error(
+      [&] {
+        forward(Tensor(DType::kF32, {2, 3, 5, 8}), in.k, in.v, {}, {Tensor(DType::kF32, {2, 3, 5, 3}), {}, {}});
+      },
+      ErrorKind::kInvalidArgument, {"Hq = 3", "multiple", "Hkv = 2"}, "Hq not a multiple of Hkv");
+  expect_error(
+      [&] {
+        forward(in.q, Tensor(DType::kF32, {2, 2, 6, 7}), in.v, {}, outs);
+      },
+      ErrorKind::kInvalidArgument, {"key", "D = 8", "[2, 2, 6, 7]"}, "D mismatch");
+  expect_error(
+      [&] {
+        forward(in.q, in.k, Tensor(DType::kF32, {2, 2, 7, 3}), {}, outs);
+      },
+      ErrorKind::kInvalidArgument, {"value", "Lk = 6", "[2, 2, 7, 3]"}, "Lk mismatch");
+  expect_error(
+      [&] {
+        forward(in.q, in.k, Tensor(DType::kF32, {2, 1, 6, 3}), {}, outs);
+      },
+      ErrorKind::kInvalidArgument, {"value", "Hkv = 2"}, "Hkv mismatch");
+  expect_error(
+      [&] {
+        forward(in.q, Tensor(DType::kF32, {1, 2, 6, 8}), in.v, {}, outs);
+      },
+      ErrorKind::kInvalidArgument, {"batch size 2", "[1, 2, 6, 8]"}, "batch mismatch");
 }
 
 TEST(ReferenceErrors, DtypesStridesPointers) {
   Inputs in;
   const sattn::AttentionOutputs outs{in.out, {}, {}};
-  expect_error([&] { forward(Tensor(DType::kI32, {2, 4, 5, 8}), in.k, in.v, {}, outs); }, ErrorKind::kTypeError,
-               {"query", "float32", "int32"}, "int query");
-  expect_error([&] { forward(in.q, Tensor(DType::kF64, {2, 2, 6, 8}), in.v, {}, outs); }, ErrorKind::kTypeError,
-               {"key", "float32", "float64"}, "mixed dtypes");
-  expect_error([&] { forward(in.q, in.k, Tensor(DType::kBool, {2, 2, 6, 3}), {}, outs); }, ErrorKind::kTypeError,
-               {"value", "bool"}, "bool value");
+  expect_error(
+      [&] {
+        forward(Tensor(DType::kI32, {2, 4, 5, 8}), in.k, in.v, {}, outs);
+      },
+      ErrorKind::kTypeError, {"query", "float32", "int32"}, "int query");
+  expect_error(
+      [&] {
+        forward(in.q, Tensor(DType::kF64, {2, 2, 6, 8}), in.v, {}, outs);
+      },
+      ErrorKind::kTypeError, {"key", "float32", "float64"}, "mixed dtypes");
+  expect_error(
+      [&] {
+        forward(in.q, in.k, Tensor(DType::kBool, {2, 2, 6, 3}), {}, outs);
+      },
+      ErrorKind::kTypeError, {"value", "bool"}, "bool value");
   TensorView neg = in.q.view();
   neg.strides[2] = -8;
   expect_error([&] { forward(neg, in.k, in.v, {}, outs); }, ErrorKind::kInvalidArgument, {"query", "negative strides"},
@@ -109,18 +150,33 @@ TEST(ReferenceErrors, Masks) {
     o.attn_mask = m;
     forward(in.q, in.k, in.v, o, outs);
   };
-  expect_error([&] { with_mask(Tensor(DType::kBool, {5, 7})); }, ErrorKind::kInvalidArgument,
-               {"attn_mask", "[5, 7]", "does not broadcast", "[2, 4, 5, 6]"}, "mask Lk mismatch");
-  expect_error([&] { with_mask(Tensor(DType::kBool, {3, 1, 1})); }, ErrorKind::kInvalidArgument,
-               {"attn_mask", "does not broadcast"}, "mask heads mismatch");
-  expect_error([&] { with_mask(Tensor(DType::kBool, {1, 2, 4, 5, 6})); }, ErrorKind::kInvalidArgument,
-               {"attn_mask", "at most 4"}, "5-D mask");
-  expect_error([&] { with_mask(Tensor(DType::kI32, {5, 6})); }, ErrorKind::kTypeError,
-               {"attn_mask", "bool", "additive", "int32"}, "int mask");
-  expect_error([&] { with_mask(Tensor(DType::kF16, {5, 6})); }, ErrorKind::kTypeError, {"attn_mask", "float16"},
-               "f16 mask");
-  EXPECT_NO_THROW(with_mask(Tensor(DType::kBool, {})));         // 0-d broadcasts
-  EXPECT_NO_THROW(with_mask(Tensor(DType::kF32, {4, 1, 6})));   // [Hq, 1, Lk]
+  expect_error(
+      [&] {
+        with_mask(Tensor(DType::kBool, {5, 7}));
+      },
+      ErrorKind::kInvalidArgument, {"attn_mask", "[5, 7]", "does not broadcast", "[2, 4, 5, 6]"}, "mask Lk mismatch");
+  expect_error(
+      [&] {
+        with_mask(Tensor(DType::kBool, {3, 1, 1}));
+      },
+      ErrorKind::kInvalidArgument, {"attn_mask", "does not broadcast"}, "mask heads mismatch");
+  expect_error(
+      [&] {
+        with_mask(Tensor(DType::kBool, {1, 2, 4, 5, 6}));
+      },
+      ErrorKind::kInvalidArgument, {"attn_mask", "at most 4"}, "5-D mask");
+  expect_error(
+      [&] {
+        with_mask(Tensor(DType::kI32, {5, 6}));
+      },
+      ErrorKind::kTypeError, {"attn_mask", "bool", "additive", "int32"}, "int mask");
+  expect_error(
+      [&] {
+        with_mask(Tensor(DType::kF16, {5, 6}));
+      },
+      ErrorKind::kTypeError, {"attn_mask", "float16"}, "f16 mask");
+  EXPECT_NO_THROW(with_mask(Tensor(DType::kBool, {})));        // 0-d broadcasts
+  EXPECT_NO_THROW(with_mask(Tensor(DType::kF32, {4, 1, 6})));  // [Hq, 1, Lk]
   EXPECT_NO_THROW(with_mask(Tensor(DType::kF64, {2, 1, 5, 1})));
 
   auto with_padding = [&](const Tensor& kpm, const Tensor& lengths) {
@@ -129,10 +185,16 @@ TEST(ReferenceErrors, Masks) {
     if (lengths.defined()) o.key_lengths = lengths;
     forward(in.q, in.k, in.v, o, outs);
   };
-  expect_error([&] { with_padding(Tensor(DType::kBool, {2, 5}), {}); }, ErrorKind::kInvalidArgument,
-               {"key_padding_mask", "[B, Lk] = [2, 6]", "[2, 5]"}, "kpm shape");
-  expect_error([&] { with_padding(Tensor(DType::kF32, {2, 6}), {}); }, ErrorKind::kTypeError,
-               {"key_padding_mask", "True = padding", "float32"}, "kpm dtype");
+  expect_error(
+      [&] {
+        with_padding(Tensor(DType::kBool, {2, 5}), {});
+      },
+      ErrorKind::kInvalidArgument, {"key_padding_mask", "[B, Lk] = [2, 6]", "[2, 5]"}, "kpm shape");
+  expect_error(
+      [&] {
+        with_padding(Tensor(DType::kF32, {2, 6}), {});
+      },
+      ErrorKind::kTypeError, {"key_padding_mask", "True = padding", "float32"}, "kpm dtype");
   Tensor lengths(DType::kI64, {2});
   lengths.data<int64_t>()[0] = 3;
   lengths.data<int64_t>()[1] = 7;
@@ -145,8 +207,11 @@ TEST(ReferenceErrors, Masks) {
                {"key_lengths", "int32 or int64", "float32"}, "float lengths");
   expect_error([&] { with_padding({}, Tensor(DType::kI32, {3})); }, ErrorKind::kInvalidArgument,
                {"key_lengths", "[2]", "[3]"}, "lengths shape");
-  expect_error([&] { with_padding(Tensor(DType::kBool, {2, 6}), Tensor(DType::kI32, {2})); },
-               ErrorKind::kInvalidArgument, {"key_padding_mask", "key_lengths", "not both"}, "both paddings");
+  expect_error(
+      [&] {
+        with_padding(Tensor(DType::kBool, {2, 6}), Tensor(DType::kI32, {2}));
+      },
+      ErrorKind::kInvalidArgument, {"key_padding_mask", "key_lengths", "not both"}, "both paddings");
   expect_error([] { sattn::parse_causal("upper", "--causal"); }, ErrorKind::kInvalidArgument,
                {"--causal", "top_left", "bottom_right", "upper"}, "bad causal name");
 }
@@ -178,8 +243,8 @@ TEST(ReferenceErrors, Options) {
   }
   {
     ScopedEnv env("SATTN_NUM_THREADS", "two");
-    expect_error([&] { with([](AttentionOptions&) {}); }, ErrorKind::kInvalidArgument,
-                 {"SATTN_NUM_THREADS", "two"}, "SATTN_NUM_THREADS");
+    expect_error([&] { with([](AttentionOptions&) {}); }, ErrorKind::kInvalidArgument, {"SATTN_NUM_THREADS", "two"},
+                 "SATTN_NUM_THREADS");
   }
 }
 
@@ -210,29 +275,53 @@ TEST(ReferenceErrors, StrictModeRefusesTheReferenceFallback) {
 
 TEST(ReferenceErrors, Outputs) {
   Inputs in;
-  expect_error([&] { forward(in.q, in.k, in.v, {}, {Tensor(DType::kF32, {2, 4, 5, 8}), {}, {}}); },
-               ErrorKind::kInvalidArgument, {"out", "[2, 4, 5, 3]", "[2, 4, 5, 8]"}, "out shape");
-  expect_error([&] { forward(in.q, in.k, in.v, {}, {Tensor(DType::kI64, {2, 4, 5, 3}), {}, {}}); },
-               ErrorKind::kTypeError, {"out", "int64"}, "out dtype");
-  expect_error([&] { forward(in.q, in.k, in.v, {}, {{}, {}, {}}); }, ErrorKind::kInvalidArgument, {"out", "required"},
-               "no out");
+  expect_error(
+      [&] {
+        forward(in.q, in.k, in.v, {}, {Tensor(DType::kF32, {2, 4, 5, 8}), {}, {}});
+      },
+      ErrorKind::kInvalidArgument, {"out", "[2, 4, 5, 3]", "[2, 4, 5, 8]"}, "out shape");
+  expect_error(
+      [&] {
+        forward(in.q, in.k, in.v, {}, {Tensor(DType::kI64, {2, 4, 5, 3}), {}, {}});
+      },
+      ErrorKind::kTypeError, {"out", "int64"}, "out dtype");
+  expect_error(
+      [&] {
+        forward(in.q, in.k, in.v, {}, {{}, {}, {}});
+      },
+      ErrorKind::kInvalidArgument, {"out", "required"}, "no out");
   TensorView bcast = in.out.view();
   bcast.strides[2] = 0;
-  expect_error([&] { forward(in.q, in.k, in.v, {}, {bcast, {}, {}}); }, ErrorKind::kInvalidArgument,
-               {"out", "broadcast"}, "broadcast out");
+  expect_error(
+      [&] {
+        forward(in.q, in.k, in.v, {}, {bcast, {}, {}});
+      },
+      ErrorKind::kInvalidArgument, {"out", "broadcast"}, "broadcast out");
   Tensor big(DType::kF32, {200});
   const TensorView overlap(big.data(), DType::kF32, {2, 4, 5, 3}, {60, 15, 3, 2});  // rows of 3 overlap by one
-  expect_error([&] { forward(in.q, in.k, in.v, {}, {overlap, {}, {}}); }, ErrorKind::kInvalidArgument,
-               {"out", "overlap", "[60, 15, 3, 2]"}, "self-overlapping out");
+  expect_error(
+      [&] {
+        forward(in.q, in.k, in.v, {}, {overlap, {}, {}});
+      },
+      ErrorKind::kInvalidArgument, {"out", "overlap", "[60, 15, 3, 2]"}, "self-overlapping out");
   // Padded and permuted (but non-overlapping) outputs are fine.
-  EXPECT_NO_THROW(forward(in.q, in.k, in.v, {},
-                          {TensorView(big.data(), DType::kF32, {2, 4, 5, 3}, {1, 2, 8, 40}), {}, {}}));
-  expect_error([&] { forward(in.q, in.k, in.v, {}, {in.out, Tensor(DType::kF32, {2, 4, 6}), {}}); },
-               ErrorKind::kInvalidArgument, {"lse", "[2, 4, 5]", "[2, 4, 6]"}, "lse shape");
-  expect_error([&] { forward(in.q, in.k, in.v, {}, {in.out, Tensor(DType::kF16, {2, 4, 5}), {}}); },
-               ErrorKind::kTypeError, {"lse", "float16"}, "lse dtype");
-  expect_error([&] { forward(in.q, in.k, in.v, {}, {in.out, {}, Tensor(DType::kF32, {2, 4, 6, 5})}); },
-               ErrorKind::kInvalidArgument, {"weights", "[2, 4, 5, 6]", "[2, 4, 6, 5]"}, "weights shape");
+  EXPECT_NO_THROW(
+      forward(in.q, in.k, in.v, {}, {TensorView(big.data(), DType::kF32, {2, 4, 5, 3}, {1, 2, 8, 40}), {}, {}}));
+  expect_error(
+      [&] {
+        forward(in.q, in.k, in.v, {}, {in.out, Tensor(DType::kF32, {2, 4, 6}), {}});
+      },
+      ErrorKind::kInvalidArgument, {"lse", "[2, 4, 5]", "[2, 4, 6]"}, "lse shape");
+  expect_error(
+      [&] {
+        forward(in.q, in.k, in.v, {}, {in.out, Tensor(DType::kF16, {2, 4, 5}), {}});
+      },
+      ErrorKind::kTypeError, {"lse", "float16"}, "lse dtype");
+  expect_error(
+      [&] {
+        forward(in.q, in.k, in.v, {}, {in.out, {}, Tensor(DType::kF32, {2, 4, 6, 5})});
+      },
+      ErrorKind::kInvalidArgument, {"weights", "[2, 4, 5, 6]", "[2, 4, 6, 5]"}, "weights shape");
 }
 
 TEST(ReferenceErrors, Backward) {
@@ -243,24 +332,42 @@ TEST(ReferenceErrors, Backward) {
                       const sattn::AttentionGrads& g) {
     sattn::scaled_dot_product_attention_backward(dout, in.q, in.k, in.v, in.out, lse, o, g);
   };
-  expect_error([&] { backward(Tensor(DType::kF32, {2, 4, 5, 4}), in.lse, {}, {dq, dk, dv, {}}); },
-               ErrorKind::kInvalidArgument, {"dout", "[2, 4, 5, 3]", "[2, 4, 5, 4]"}, "dout shape");
-  expect_error([&] { backward(in.out, {}, {}, {dq, dk, dv, {}}); }, ErrorKind::kInvalidArgument, {"lse", "required"},
-               "missing lse");
-  expect_error([&] { backward(in.out, in.lse, {}, {dq, {}, dv, {}}); }, ErrorKind::kInvalidArgument,
-               {"dq/dk/dv", "required"}, "missing dk");
-  expect_error([&] { backward(in.out, in.lse, {}, {dq, dv, dk, {}}); }, ErrorKind::kInvalidArgument,
-               {"dk", "[2, 2, 6, 8]"}, "dk shape");
+  expect_error(
+      [&] {
+        backward(Tensor(DType::kF32, {2, 4, 5, 4}), in.lse, {}, {dq, dk, dv, {}});
+      },
+      ErrorKind::kInvalidArgument, {"dout", "[2, 4, 5, 3]", "[2, 4, 5, 4]"}, "dout shape");
+  expect_error(
+      [&] {
+        backward(in.out, {}, {}, {dq, dk, dv, {}});
+      },
+      ErrorKind::kInvalidArgument, {"lse", "required"}, "missing lse");
+  expect_error(
+      [&] {
+        backward(in.out, in.lse, {}, {dq, {}, dv, {}});
+      },
+      ErrorKind::kInvalidArgument, {"dq/dk/dv", "required"}, "missing dk");
+  expect_error(
+      [&] {
+        backward(in.out, in.lse, {}, {dq, dv, dk, {}});
+      },
+      ErrorKind::kInvalidArgument, {"dk", "[2, 2, 6, 8]"}, "dk shape");
   AttentionOptions bool_mask;
   Tensor m(DType::kBool, {5, 6});
   bool_mask.attn_mask = m;
-  expect_error([&] { backward(in.out, in.lse, bool_mask, {dq, dk, dv, Tensor(DType::kF32, {5, 6})}); },
-               ErrorKind::kInvalidArgument, {"dmask", "float (additive)"}, "dmask of a bool mask");
+  expect_error(
+      [&] {
+        backward(in.out, in.lse, bool_mask, {dq, dk, dv, Tensor(DType::kF32, {5, 6})});
+      },
+      ErrorKind::kInvalidArgument, {"dmask", "float (additive)"}, "dmask of a bool mask");
   AttentionOptions add_mask;
   Tensor am(DType::kF32, {4, 1, 6});
   add_mask.attn_mask = am;
-  expect_error([&] { backward(in.out, in.lse, add_mask, {dq, dk, dv, Tensor(DType::kF32, {2, 4, 5, 6})}); },
-               ErrorKind::kInvalidArgument, {"dmask", "[4, 1, 6]", "[2, 4, 5, 6]"}, "dmask shape");
+  expect_error(
+      [&] {
+        backward(in.out, in.lse, add_mask, {dq, dk, dv, Tensor(DType::kF32, {2, 4, 5, 6})});
+      },
+      ErrorKind::kInvalidArgument, {"dmask", "[4, 1, 6]", "[2, 4, 5, 6]"}, "dmask shape");
   EXPECT_NO_THROW(backward(in.out, in.lse, add_mask, {dq, dk, dv, Tensor(DType::kF32, {4, 1, 6})}));
 }
 

@@ -99,14 +99,16 @@ TEST(Npy, RoundTripEveryDtypeAndRank) {
       for (int64_t n = 0; n < t.numel(); ++n) {
         const int64_t idx = n;
         sattn::TensorView flat(t.data(), dt, {t.numel()});
-        flat.set(&idx, dt == DType::kBool ? double(n % 3 == 0) : double((n * 7) % 23) - 11.0 + (sattn::is_floating(dt) ? 0.25 : 0.0));
+        flat.set(&idx, dt == DType::kBool ? double(n % 3 == 0)
+                                          : double((n * 7) % 23) - 11.0 + (sattn::is_floating(dt) ? 0.25 : 0.0));
       }
       const std::string path = temp_path("rt.npy");
       sattn::write_npy(path, t);
       const Tensor r = read_both(path);
       EXPECT_EQ(r.dtype(), dt);
       ASSERT_EQ(r.shape(), shape) << sattn::to_string(dt);
-      EXPECT_EQ(0, std::memcmp(r.data(), t.data(), t.nbytes())) << sattn::to_string(dt) << sattn::shape_to_string(shape);
+      EXPECT_EQ(0, std::memcmp(r.data(), t.data(), t.nbytes()))
+          << sattn::to_string(dt) << sattn::shape_to_string(shape);
     }
   }
 }
@@ -210,7 +212,8 @@ TEST(Npy, MalformedAndTruncatedFilesGiveIOErrors) {
   expect_io_error(path, "truncated data");
   write_bytes(path, npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (1000000000, 1000000000), }", f8));
   expect_io_error(path, "too large");
-  write_bytes(path, npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (0, 1000000000000, 1000000000000), }", ""));
+  write_bytes(path,
+              npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (0, 1000000000000, 1000000000000), }", ""));
   expect_io_error(path, "too large");
   write_bytes(path, npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (99999999999999999999,), }", f8));
   expect_io_error(path, "bad shape entry");

@@ -52,8 +52,8 @@ Tensor filled(DType dt, sattn::Shape shape, int salt) {
 TEST(Safetensors, RoundTripEveryDtypeAndStridedViews) {
   std::map<std::string, Tensor> keep;
   int salt = 0;
-  for (DType dt : {DType::kF32, DType::kF64, DType::kF16, DType::kBF16, DType::kI64, DType::kI32, DType::kBool,
-                   DType::kU8})
+  for (DType dt :
+       {DType::kF32, DType::kF64, DType::kF16, DType::kBF16, DType::kI64, DType::kI32, DType::kBool, DType::kU8})
     keep.emplace(std::string("t_") + sattn::safetensors_dtype_name(dt), filled(dt, {2, 3, ++salt}, salt));
   keep.emplace("scalar", filled(DType::kF32, {}, 7));
   keep.emplace("empty", Tensor(DType::kF64, {0, 4}));

@@ -86,7 +86,10 @@ TEST(SparseAdaptive, TopKIsValidTopKAndMatchesReference) {
     sparse_attention(q, k, v, p, so, out, {}, idx);
     const int64_t K = ishape[3];
     // The fixed part of the pattern (for the allowed set).
-    const Pattern fixed = c.spec.find('&') == std::string::npos ? Pattern(Full()) : Pattern::parse(c.spec.find("TopK") == 0 ? c.spec.substr(c.spec.find('&') + 2) : c.spec.substr(0, c.spec.find(" &")));
+    const Pattern fixed = c.spec.find('&') == std::string::npos
+                              ? Pattern(Full())
+                              : Pattern::parse(c.spec.find("TopK") == 0 ? c.spec.substr(c.spec.find('&') + 2)
+                                                                        : c.spec.substr(0, c.spec.find(" &")));
     for (int64_t b = 0; b < c.B; ++b)
       for (int64_t h = 0; h < c.H; ++h)
         for (int64_t i = 0; i < c.Lq; ++i) {
@@ -163,10 +166,12 @@ TEST(SparseAdaptive, BlockTopKIsValidAndMatchesReference) {
             const int64_t t = (q0 + off) >= 0 ? (q0 + off) / blk : -((-(q0 + off) + blk - 1) / blk);
             std::vector<double> qm(D, 0.0);
             for (int64_t r = q0; r < i; ++r)
-              for (int64_t d = 0; d < D; ++d) qm[d] += q.data<float>()[((b * c.H + h) * c.Lq + r) * D + d] / double(i - q0);
+              for (int64_t d = 0; d < D; ++d)
+                qm[d] += q.data<float>()[((b * c.H + h) * c.Lq + r) * D + d] / double(i - q0);
             std::vector<int64_t> chosen;
             for (int64_t x = 0; x < kb_n; ++x)
-              if (int64_t kb = idx.data<int64_t>()[((b * c.H + h) * nqb + qb) * kb_n + x]; kb >= 0) chosen.push_back(kb);
+              if (int64_t kb = idx.data<int64_t>()[((b * c.H + h) * nqb + qb) * kb_n + x]; kb >= 0)
+                chosen.push_back(kb);
             std::vector<std::pair<int64_t, double>> cands;
             for (int64_t kb = 0; kb < nkb; ++kb) {
               if (causal && kb > t) continue;
@@ -179,7 +184,8 @@ TEST(SparseAdaptive, BlockTopKIsValidAndMatchesReference) {
               double s = 0;
               for (int64_t d = 0; d < D; ++d) {
                 double km = 0;
-                for (int64_t j = kb * blk; j < kb * blk + n; ++j) km += k.data<float>()[((b * c.Hk + hk) * c.Lk + j) * D + d];
+                for (int64_t j = kb * blk; j < kb * blk + n; ++j)
+                  km += k.data<float>()[((b * c.Hk + hk) * c.Lk + j) * D + d];
                 s += qm[d] * km / double(n);
               }
               cands.emplace_back(kb, s);
@@ -263,11 +269,12 @@ TEST(SparseAdaptive, ReLUAndMixedMatchFormulas) {
     bool mixed;
     double a1, a2;
   };
-  for (const C& c : std::vector<C>{{"ReLUAttention()", 2, 0, false, 0, 0},
-                                   {"ReLUAttention(power=3.0, normalize='sum') & SlidingWindow(5, 5)", 3, 1, false, 0, 0},
-                                   {"ReLUAttention(normalize='length') & SlidingWindow(-1, 0)", 2, 2, false, 0, 0},
-                                   {"MixedAttention(logits=(0.3, -0.4))", 2, 0, true, 0.3, -0.4},
-                                   {"MixedAttention(logits=(1.0, 0.5)) & Dilated(3, 2)", 2, 0, true, 1.0, 0.5}}) {
+  for (const C& c :
+       std::vector<C>{{"ReLUAttention()", 2, 0, false, 0, 0},
+                      {"ReLUAttention(power=3.0, normalize='sum') & SlidingWindow(5, 5)", 3, 1, false, 0, 0},
+                      {"ReLUAttention(normalize='length') & SlidingWindow(-1, 0)", 2, 2, false, 0, 0},
+                      {"MixedAttention(logits=(0.3, -0.4))", 2, 0, true, 0.3, -0.4},
+                      {"MixedAttention(logits=(1.0, 0.5)) & Dilated(3, 2)", 2, 0, true, 1.0, 0.5}}) {
     SCOPED_TRACE(c.spec);
     const Pattern p = Pattern::parse(c.spec);
     EXPECT_EQ(p.repr(), c.spec);
@@ -310,7 +317,8 @@ TEST(SparseAdaptive, ReLUAndMixedMatchFormulas) {
           plus[which][x] += eps * dir[x];
           minus[which][x] -= eps * dir[x];
         }
-        const double fd = (loss(plus[0], plus[1], plus[2], w1, w2) - loss(minus[0], minus[1], minus[2], w1, w2)) / (2 * eps);
+        const double fd =
+            (loss(plus[0], plus[1], plus[2], w1, w2) - loss(minus[0], minus[1], minus[2], w1, w2)) / (2 * eps);
         const Tensor& gr = which == 0 ? dq : which == 1 ? dk : dv;
         double an = 0, scale = 0;
         for (size_t x = 0; x < dir.size(); ++x) {
@@ -344,7 +352,8 @@ TEST(SparseAdaptive, CompositionRules) {
   Tensor out(DType::kF32, {1, 1, 8, 4});
   EXPECT_THROW(sparse_attention(q, q, q, TopK(2) | SlidingWindow(1, 1), {}, out), Error);
   EXPECT_THROW(sparse_attention(q, q, q, TopK(2) & ReLUAttention(), {}, out), Error);
-  EXPECT_EQ(Pattern::parse("BlockTopK(64, 16, local=False, causal=True)").repr(), "BlockTopK(64, 16, local=False, causal=True)");
+  EXPECT_EQ(Pattern::parse("BlockTopK(64, 16, local=False, causal=True)").repr(),
+            "BlockTopK(64, 16, local=False, causal=True)");
   EXPECT_EQ(Pattern::parse("TopK(16) & WindowAttention2D(8, 8, 4)").repr(), "TopK(16) & WindowAttention2D(8, 8, 4)");
   EXPECT_THROW(Pattern::parse("MixedAttention(logits=(1, 2, 3))"), Error);
   EXPECT_THROW(Pattern::parse("ReLUAttention(normalize='max')"), Error);

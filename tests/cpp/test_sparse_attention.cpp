@@ -128,7 +128,8 @@ void run_case(const Case& c) {
   scaled_dot_product_attention(q, k, v, ro, {rout.view(), rlse.view(), {}});
   Tensor rdq(DType::kF64, q.shape()), rdk(DType::kF64, k.shape()), rdv(DType::kF64, v.shape()),
       rdm(DType::kF64, mask.shape());
-  scaled_dot_product_attention_backward(dout, q, k, v, rout, rlse, ro, {rdq.view(), rdk.view(), rdv.view(), rdm.view()});
+  scaled_dot_product_attention_backward(dout, q, k, v, rout, rlse, ro,
+                                        {rdq.view(), rdk.view(), rdv.view(), rdm.view()});
 
   // Sparse.
   Tensor out(DType::kF32, rout.shape()), lse(DType::kF32, rlse.shape());
@@ -278,7 +279,8 @@ TEST(SparseAttention, SoftCapMatchesFormula) {
   Tensor dq(DType::kF32, q.shape()), dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
   sparse_attention_backward(dout, q, k, v, out, lse, p, so, {dq.view(), dk.view(), dv.view(), {}, {}, {}});
   // fp64: s = cap tanh(scale q·k / cap); P = softmax; dS = P (dP - rowsum(P dP)) * (1 - tanh^2).
-  Tensor ro(DType::kF64, out.shape()), rdq(DType::kF64, q.shape()), rdk(DType::kF64, k.shape()), rdv(DType::kF64, v.shape());
+  Tensor ro(DType::kF64, out.shape()), rdq(DType::kF64, q.shape()), rdk(DType::kF64, k.shape()),
+      rdv(DType::kF64, v.shape());
   auto Q = [&](int64_t i, int64_t d) { return double(q.data<float>()[i * D + d]); };
   auto K = [&](int64_t i, int64_t d) { return double(k.data<float>()[i * D + d]); };
   auto V = [&](int64_t i, int64_t d) { return double(v.data<float>()[i * D + d]); };
@@ -399,8 +401,8 @@ TEST(SparseAttention, TemplateEngineWithCallables) {
 
 TEST(SparseAttention, DeterministicAcrossThreadCounts) {
   // The second pattern runs the backward's one-pass form (forced), the first its two-pass form (global tokens).
-  for (const char* spec : {"Neighborhood2D(16, 12, 5) | GlobalTokens([3], SlidingWindow(2, 2))",
-                           "Neighborhood2D(16, 12, 5)"}) {
+  for (const char* spec :
+       {"Neighborhood2D(16, 12, 5) | GlobalTokens([3], SlidingWindow(2, 2))", "Neighborhood2D(16, 12, 5)"}) {
     SCOPED_TRACE(spec);
     const Pattern p = Pattern::parse(spec);
     const sattn::testing::ScopedEnv env("SATTN_SPARSE_BACKWARD",
@@ -448,7 +450,8 @@ TEST(SparseAttention, OnePassRunsMatchReferenceAndAreDeterministic) {
     dqs[t] = Tensor(DType::kF32, q.shape());
     dks[t] = Tensor(DType::kF32, k.shape());
     dvs[t] = Tensor(DType::kF32, v.shape());
-    sparse_attention_backward(dout, q, k, v, out, lse, p, so, {dqs[t].view(), dks[t].view(), dvs[t].view(), {}, {}, {}});
+    sparse_attention_backward(dout, q, k, v, out, lse, p, so,
+                              {dqs[t].view(), dks[t].view(), dvs[t].view(), {}, {}, {}});
   }
   for (int t = 1; t < 3; ++t) {
     EXPECT_EQ(std::memcmp(dqs[0].data(), dqs[t].data(), dqs[0].nbytes()), 0);
@@ -472,7 +475,8 @@ TEST(SparseAttention, LargeBuffersFromTheBlockCache) {
     dq[t] = Tensor(DType::kF32, q.shape());
     dk[t] = Tensor(DType::kF32, k.shape());
     dv[t] = Tensor(DType::kF32, v.shape());
-    sparse_attention_backward(dout, q, k, v, out[t], lse[t], p, so, {dq[t].view(), dk[t].view(), dv[t].view(), {}, {}, {}});
+    sparse_attention_backward(dout, q, k, v, out[t], lse[t], p, so,
+                              {dq[t].view(), dk[t].view(), dv[t].view(), {}, {}, {}});
   }
   EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), out[0].nbytes()), 0);
   EXPECT_EQ(std::memcmp(dq[0].data(), dq[1].data(), dq[0].nbytes()), 0);

@@ -60,7 +60,8 @@ void expect_exact(const Pattern& p, int64_t lq, int64_t lk, int64_t heads,
   for (int64_t h = 0; h < slots; ++h)
     for (int64_t i = 0; i < lq; ++i)
       for (int64_t j = 0; j < lk; ++j)
-        ASSERT_EQ(bool(dm.data<uint8_t>()[(h * lq + i) * lk + j]), want(h, i, j)) << "h=" << h << " i=" << i << " j=" << j;
+        ASSERT_EQ(bool(dm.data<uint8_t>()[(h * lq + i) * lk + j]), want(h, i, j))
+            << "h=" << h << " i=" << i << " j=" << j;
   for (int64_t block : {1, 3, 64}) {
     const BlockMask m = p.block_mask(lq, lk, heads, block);
     ASSERT_NO_THROW(m.validate());
@@ -119,10 +120,12 @@ TEST(PatternLimits, ParametersOutOfRangeNameTheParameterTheRangeAndTheValue) {
                  {"Neighborhood2D", "dilation", "1..2147483647", "3074457345618258603"});
   expect_refused([] { BigBird(1, 0, 0, 2305843009213693952); },
                  {"BigBird", "random_blocks", "0..2147483647", "2305843009213693952"});
-  expect_refused([] { SlidingWindow(1, kI64Max); }, {"SlidingWindow", "right", "-1..2147483647", "9223372036854775807"});
+  expect_refused([] { SlidingWindow(1, kI64Max); },
+                 {"SlidingWindow", "right", "-1..2147483647", "9223372036854775807"});
   expect_refused([] { SlidingWindow(kI64Max, kI64Max); }, {"left", "9223372036854775807"});
   expect_refused([] { BigBird(kI64Max, 1, 0, 0); }, {"BigBird", "block", "1..2147483647"});
-  expect_refused([] { Dilated(7277124529082131342, 4); }, {"Dilated", "window", "0..2147483647", "7277124529082131342"});
+  expect_refused([] { Dilated(7277124529082131342, 4); },
+                 {"Dilated", "window", "0..2147483647", "7277124529082131342"});
   // Every bounded parameter, one past each end of its range.
   expect_refused([] { SlidingWindow(-2, 0); }, {"left", "-1..2147483647", "got -2"});
   expect_refused([] { SlidingWindow(0, kMax + 1); }, {"right", "got 2147483648"});
@@ -131,7 +134,11 @@ TEST(PatternLimits, ParametersOutOfRangeNameTheParameterTheRangeAndTheValue) {
   expect_refused([] { Dilated(1, kMax + 1); }, {"dilation", "got 2147483648"});
   expect_refused([] { BlockLocal(0); }, {"BlockLocal", "block", "1..2147483647", "got 0"});
   expect_refused([] { BlockLocal(kMax + 1); }, {"block", "got 2147483648"});
-  expect_refused([] { GlobalTokens({0, kMax + 1}, Full()); }, {"GlobalTokens", "indices", "0..2147483647", "got 2147483648"});
+  expect_refused(
+      [] {
+        GlobalTokens({0, kMax + 1}, Full());
+      },
+      {"GlobalTokens", "indices", "0..2147483647", "got 2147483648"});
   expect_refused([] { GlobalTokens({-1}, Full()); }, {"indices", "got -1"});
   expect_refused([] { BigBird(8, kMax + 1, 0, 0); }, {"window_blocks", "0..2147483647"});
   expect_refused([] { BigBird(8, 0, -1, 0); }, {"global_blocks", "got -1"});
@@ -159,7 +166,8 @@ TEST(PatternLimits, LargestAcceptedParametersGiveExactMasks) {
     const int64_t off = lk - lq;  // bottom-right: query i sits at key position a = i + off
     expect_exact(SlidingWindow(1, kMax), lq, lk, 1, [&](int64_t, int64_t i, int64_t j) { return j >= i + off - 1; });
     expect_exact(SlidingWindow(kMax, kMax), lq, lk, 1, [](int64_t, int64_t, int64_t) { return true; });
-    expect_exact(SlidingWindow(kMax, 0, Alignment::kTopLeft), lq, lk, 1, [](int64_t, int64_t i, int64_t j) { return j <= i; });
+    expect_exact(SlidingWindow(kMax, 0, Alignment::kTopLeft), lq, lk, 1,
+                 [](int64_t, int64_t i, int64_t j) { return j <= i; });
     // One block as large as allowed: every aligned position >= 0 is in block 0 (negative ones in block -1).
     expect_exact(BigBird(kMax, 1, 0, 0), lq, lk, 1, [&](int64_t, int64_t i, int64_t) { return i + off >= 0; });
     expect_exact(BlockLocal(kMax), lq, lk, 1, [&](int64_t, int64_t i, int64_t) { return i + off >= 0; });
@@ -170,7 +178,8 @@ TEST(PatternLimits, LargestAcceptedParametersGiveExactMasks) {
     });
     // A dilation beyond every length: only the aligned diagonal.
     expect_exact(Dilated(kMax, kMax), lq, lk, 1, [&](int64_t, int64_t i, int64_t j) { return j == i + off; });
-    expect_exact(Dilated(3, kMax, Alignment::kTopLeft), lq, lk, 1, [](int64_t, int64_t i, int64_t j) { return j == i; });
+    expect_exact(Dilated(3, kMax, Alignment::kTopLeft), lq, lk, 1,
+                 [](int64_t, int64_t i, int64_t j) { return j == i; });
     // More random blocks than there are: every key block (all candidates drawn).
     expect_exact(BigBird(1, 0, 0, kMax, ~uint64_t(0)), lq, lk, 3, [](int64_t, int64_t, int64_t) { return true; });
     expect_exact(BigBird(2, 1, kMax, 0), lq, lk, 1, [](int64_t, int64_t, int64_t) { return true; });
@@ -219,7 +228,8 @@ TEST(PatternLimits, LargestAdaptiveParametersMatchTheirSmallEquivalents) {
   expect_same(BlockTopK(kMax, 1, true, true), BlockTopK(L, 1, true, true));
   expect_same(BlockTopK(kMax, 2) & SlidingWindow(-1, 0), BlockTopK(L, 2) & SlidingWindow(-1, 0));
   expect_same(BlockTopK(4, kMax), BlockTopK(4, L / 4));
-  expect_same(BlockTopK(4, kMax, false, true) & SlidingWindow(8, 0), BlockTopK(4, L / 4, false, true) & SlidingWindow(8, 0));
+  expect_same(BlockTopK(4, kMax, false, true) & SlidingWindow(8, 0),
+              BlockTopK(4, L / 4, false, true) & SlidingWindow(8, 0));
   // The indices of k_blocks beyond the number of key blocks: the same blocks, then -1.
   Tensor wide(DType::kI64, {1, 2, L / 4, 100}), narrow(DType::kI64, {1, 2, L / 4, L / 4});
   Tensor out(DType::kF32, {1, 2, L, D});
@@ -250,9 +260,7 @@ TEST(PatternLimits, SpecsAreAtMost65536CharactersAndNestAtMost256Deep) {
   EXPECT_NE(m.find("at position 256"), std::string::npos) << m;
   EXPECT_NO_THROW(Pattern::parse(std::string(256, '(') + "Full()" + std::string(256, ')')));
   // Nested pattern arguments count too.
-  auto nested_global = [](int n) {
-    return repeat("GlobalTokens([0], ", n) + "Full()" + std::string(size_t(n), ')');
-  };
+  auto nested_global = [](int n) { return repeat("GlobalTokens([0], ", n) + "Full()" + std::string(size_t(n), ')'); };
   EXPECT_NO_THROW(Pattern::parse(nested_global(255)));
   m = spec_error(nested_global(300));
   EXPECT_NE(m.find("nested at most 256 deep"), std::string::npos) << m;
@@ -277,7 +285,8 @@ TEST(PatternLimits, LongUnionsAreWalkedAndFreedWithoutRecursion) {
   {
     Pattern u = w;  // 1000 terms: the exact masks
     for (int x = 1; x < 1000; ++x) u = u | (x % 2 ? d : w);
-    expect_exact(u, 40, 40, 1, [](int64_t, int64_t i, int64_t j) { return std::abs(i - j) <= 1 || std::abs(i - j) == 5; });
+    expect_exact(u, 40, 40, 1,
+                 [](int64_t, int64_t i, int64_t j) { return std::abs(i - j) <= 1 || std::abs(i - j) == 5; });
   }
   {
     Pattern u = w;  // 200 000 terms: repr
@@ -302,7 +311,7 @@ TEST(PatternLimits, LongUnionsAreWalkedAndFreedWithoutRecursion) {
   Pattern alt = w;
   for (int x = 1; x < kMaxPatternDepth; ++x) alt = x % 2 ? (alt | d) : (alt & w);
   EXPECT_EQ(Pattern::parse(alt.repr()), alt);
-  expect_refused([&] { alt & w; }, {"pattern &", "nested at most 256 deep, got 257"});
+  expect_refused([&] { alt& w; }, {"pattern &", "nested at most 256 deep, got 257"});
 }
 
 TEST(PatternLimits, ReprRoundTripsForRandomValidParameters) {
@@ -442,8 +451,9 @@ TEST(PatternLimits, CliRefusesDeepAndLongSpecsOnOneLine) {
   EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << "one line";
   r = run_sattn("sparse --q q.npy --k k.npy --v v.npy --out o.npy --pattern 'SlidingWindow(nan, 1)'", dir);
   EXPECT_EQ(r.code, 2);
-  EXPECT_EQ(r.err, "sattn: error: pattern spec: argument 'left': expected an integer, got nan at position 14 "
-                   "(near \"nan, 1)\")\n");
+  EXPECT_EQ(r.err,
+            "sattn: error: pattern spec: argument 'left': expected an integer, got nan at position 14 "
+            "(near \"nan, 1)\")\n");
   r = run_sattn("sparse --q q.npy --k k.npy --v v.npy --out o.npy --pattern 'SlidingWindow(1, 9223372036854775807)'",
                 dir);
   EXPECT_EQ(r.code, 2);

@@ -22,25 +22,44 @@ struct Case {
 
 std::vector<Case> pattern_cases() {
   std::vector<Case> c;
-  for (auto [lq, lk] : std::vector<std::pair<int64_t, int64_t>>{{37, 37}, {20, 45}, {45, 20}, {64, 64}, {65, 130}, {1, 50}, {130, 65}}) {
-    for (const char* s : {"SlidingWindow(3, 2)", "SlidingWindow(-1, 0)", "SlidingWindow(5, -1)", "SlidingWindow(-1, -1)",
-                          "SlidingWindow(0, 0)", "SlidingWindow(2, 7, alignment='top_left')", "Dilated(3, 2)",
-                          "Dilated(2, 3, alignment='top_left')", "Dilated(1, 5)", "BlockLocal(5)", "BlockLocal(16)",
-                          "BlockLocal(7, alignment='top_left')", "GlobalTokens([0, 7], SlidingWindow(2, 2))",
+  for (auto [lq, lk] : std::vector<std::pair<int64_t, int64_t>>{
+           {37, 37}, {20, 45}, {45, 20}, {64, 64}, {65, 130}, {1, 50}, {130, 65}}) {
+    for (const char* s : {"SlidingWindow(3, 2)",
+                          "SlidingWindow(-1, 0)",
+                          "SlidingWindow(5, -1)",
+                          "SlidingWindow(-1, -1)",
+                          "SlidingWindow(0, 0)",
+                          "SlidingWindow(2, 7, alignment='top_left')",
+                          "Dilated(3, 2)",
+                          "Dilated(2, 3, alignment='top_left')",
+                          "Dilated(1, 5)",
+                          "BlockLocal(5)",
+                          "BlockLocal(16)",
+                          "BlockLocal(7, alignment='top_left')",
+                          "GlobalTokens([0, 7], SlidingWindow(2, 2))",
                           "GlobalTokens([3], BlockLocal(8), alignment='top_left')",
-                          "BigBird(8, 3, 1, 2, seed=3)", "BigBird(5, 3, 0, 1, seed=11, alignment='top_left')",
-                          "BigBird(4, 1, 2, 0)", "SlidingWindow(4, 0) | Dilated(2, 3)", "SlidingWindow(-1, 0) & BlockLocal(8)",
-                          "Full()", "(SlidingWindow(1, 1) | BlockLocal(6)) & SlidingWindow(-1, 0)",
+                          "BigBird(8, 3, 1, 2, seed=3)",
+                          "BigBird(5, 3, 0, 1, seed=11, alignment='top_left')",
+                          "BigBird(4, 1, 2, 0)",
+                          "SlidingWindow(4, 0) | Dilated(2, 3)",
+                          "SlidingWindow(-1, 0) & BlockLocal(8)",
+                          "Full()",
+                          "(SlidingWindow(1, 1) | BlockLocal(6)) & SlidingWindow(-1, 0)",
                           "BigBird(8, 3, 1, 1, seed=5) | SlidingWindow(2, 2)"})
       c.push_back({s, lq, lk});
   }
   for (auto [s, n] : std::vector<std::pair<const char*, int64_t>>{
-           {"Neighborhood2D(9, 11, 3)", 99}, {"Neighborhood2D(12, 13, 5, dilation=2)", 156},
-           {"Neighborhood2D(10, 9, 3, causal=True)", 90}, {"Neighborhood2D(14, 12, 3, dilation=2, causal=True)", 168},
-           {"Neighborhood2D(7, 7, 7)", 49}, {"Neighborhood2D(21, 16, 5, dilation=3)", 336},
-           {"Neighborhood2D(37, 22, 7)", 814}, {"Neighborhood2D(35, 18, 7, causal=True)", 630},
+           {"Neighborhood2D(9, 11, 3)", 99},
+           {"Neighborhood2D(12, 13, 5, dilation=2)", 156},
+           {"Neighborhood2D(10, 9, 3, causal=True)", 90},
+           {"Neighborhood2D(14, 12, 3, dilation=2, causal=True)", 168},
+           {"Neighborhood2D(7, 7, 7)", 49},
+           {"Neighborhood2D(21, 16, 5, dilation=3)", 336},
+           {"Neighborhood2D(37, 22, 7)", 814},
+           {"Neighborhood2D(35, 18, 7, causal=True)", 630},
            {"Neighborhood2D(34, 30, 5, dilation=2)", 1020},
-           {"WindowAttention2D(8, 12, 4)", 96}, {"WindowAttention2D(8, 12, 4, shift=2)", 96},
+           {"WindowAttention2D(8, 12, 4)", 96},
+           {"WindowAttention2D(8, 12, 4, shift=2)", 96},
            {"WindowAttention2D(6, 6, 3, shift=1)", 36},
            {"Neighborhood2D(9, 11, 3) | GlobalTokens([0], SlidingWindow(1, 1))", 99},
            {"WindowAttention2D(8, 8, 4, shift=2) & SlidingWindow(-1, 0)", 64}})
@@ -128,7 +147,7 @@ TEST(SparsePatterns, ReprRoundTrips) {
 // is_causal's top-left is an explicit choice), and kNone is not an alignment.
 TEST(SparsePatterns, AlignmentIsTheDenseCausalEnum) {
   static_assert(std::is_same_v<Alignment, Causal>);
-  const Pattern causal = SlidingWindow(-1, 0);                     // bottom-right: Lq = 2, Lk = 4
+  const Pattern causal = SlidingWindow(-1, 0);                      // bottom-right: Lq = 2, Lk = 4
   const Pattern top_left = SlidingWindow(-1, 0, Causal::kTopLeft);  // PyTorch's is_causal
   EXPECT_TRUE(causal.allowed(0, 0, 0, 2, 2, 4));
   EXPECT_FALSE(top_left.allowed(0, 0, 0, 2, 2, 4));

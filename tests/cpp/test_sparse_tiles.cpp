@@ -26,8 +26,7 @@ std::vector<float> randv(size_t n, uint64_t seed) {
   return x;
 }
 
-
-const int64_t kSizes[][3] = {{1, 1, 1}, {5, 7, 3}, {6, 16, 16}, {13, 17, 19}, {7, 33, 64},
+const int64_t kSizes[][3] = {{1, 1, 1},    {5, 7, 3},    {6, 16, 16}, {13, 17, 19}, {7, 33, 64},
                              {64, 64, 64}, {64, 49, 32}, {12, 65, 8}, {3, 100, 5}};
 
 TEST(SparseTiles, ProductsMatchFp64InEveryBuild) {
@@ -146,7 +145,8 @@ TEST(SparseTiles, SoftmaxOperationsMatchFp64InEveryBuild) {
         const double want_sum = sum0[size_t(i)] * alpha + tsum;
         EXPECT_NEAR(sum[size_t(i)], want_sum, 1e-5 * (1 + want_sum));
         for (int64_t c = 0; c < dv; ++c)
-          EXPECT_NEAR(acc[size_t(i * dv + c)], acc0[size_t(i * dv + c)] * alpha, 1e-6 * (1 + std::abs(acc0[size_t(i * dv + c)])));
+          EXPECT_NEAR(acc[size_t(i * dv + c)], acc0[size_t(i * dv + c)] * alpha,
+                      1e-6 * (1 + std::abs(acc0[size_t(i * dv + c)])));
       }
       for (size_t x = size_t(m * n); x < s.size(); ++x) EXPECT_EQ(s[x], kGuard);
 

@@ -78,7 +78,8 @@ void check_selection(const Case& c, const Tensor& q, const Tensor& k, const Tens
         if (exact) {
           std::vector<int64_t> order(static_cast<size_t>(c.valid));
           for (int64_t j = 0; j < c.valid; ++j) order[size_t(j)] = j;
-          std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return s[size_t(x)] > s[size_t(y)]; });
+          std::stable_sort(order.begin(), order.end(),
+                           [&](int64_t x, int64_t y) { return s[size_t(x)] > s[size_t(y)]; });
           order.resize(size_t(std::min(c.K, c.valid)));
           std::sort(order.begin(), order.end());
           ASSERT_EQ(chosen, order) << "ties must go to the lower index: i=" << i;
@@ -101,7 +102,8 @@ void check_outputs(const Case& c, const Tensor& q, const Tensor& k, const Tensor
 
 bool same(const Tensor& a, const Tensor& b) {
   return a.numel() == b.numel() &&
-         std::equal(static_cast<const char*>(a.view().data), static_cast<const char*>(a.view().data) + a.numel() * int64_t(dtype_size(a.dtype())),
+         std::equal(static_cast<const char*>(a.view().data),
+                    static_cast<const char*>(a.view().data) + a.numel() * int64_t(dtype_size(a.dtype())),
                     static_cast<const char*>(b.view().data));
 }
 
@@ -111,11 +113,11 @@ TEST(SparseTopKScan, StreamingSelectionIsTopKAndMatchesReference) {
   // Rows of 1..6 (register-tile tails), keys past whole tiles, buffers that fill and shrink many times (Lk >> k),
   // k = 1, k >= Lk, key padding, GQA, Lq != Lk, odd D.
   for (const Case& c : std::vector<Case>{{1, 2, 1, 53, 700, 16, 5, 700},
-                                          {2, 2, 2, 19, 1000, 13, 16, 1000},
-                                          {1, 3, 1, 40, 300, 8, 1, 300},
-                                          {1, 1, 1, 9, 30, 8, 64, 30},
-                                          {1, 2, 1, 31, 517, 24, 12, 470},
-                                          {2, 1, 1, 7, 200, 8, 250, 150}}) {
+                                         {2, 2, 2, 19, 1000, 13, 16, 1000},
+                                         {1, 3, 1, 40, 300, 8, 1, 300},
+                                         {1, 1, 1, 9, 30, 8, 64, 30},
+                                         {1, 2, 1, 31, 517, 24, 12, 470},
+                                         {2, 1, 1, 7, 200, 8, 250, 150}}) {
     SCOPED_TRACE(::testing::Message() << "Lq=" << c.Lq << " Lk=" << c.Lk << " K=" << c.K << " valid=" << c.valid);
     const Tensor q = randn({c.B, c.H, c.Lq, c.D}, 11), k = randn({c.B, c.Hk, c.Lk, c.D}, 12),
                  v = randn({c.B, c.Hk, c.Lk, c.D}, 13);
@@ -207,7 +209,8 @@ TEST(SparseTopKScan, BlockTopKTiedBlockScoresGoToTheLowerBlock) {
   const Tensor q = randn({1, 1, L, D}, 61), base = randn({1, 1, 3 * blk, D}, 62), v = randn({1, 1, L, D}, 63);
   Tensor k(DType::kF32, {1, 1, L, D});
   for (int64_t j = 0; j < L; ++j)
-    for (int64_t x = 0; x < D; ++x) k.data<float>()[j * D + x] = base.data<float>()[((j / blk) % 3 * blk + j % blk) * D + x];
+    for (int64_t x = 0; x < D; ++x)
+      k.data<float>()[j * D + x] = base.data<float>()[((j / blk) % 3 * blk + j % blk) * D + x];
   const Pattern p = BlockTopK(blk, KB, false);
   const int64_t nqb = selection_shape(p, 1, 1, L, L)[2];
   Tensor out(DType::kF32, {1, 1, L, D}), idx(DType::kI64, {1, 1, nqb, KB});
@@ -224,7 +227,8 @@ TEST(SparseTopKScan, BlockTopKTiedBlockScoresGoToTheLowerBlock) {
       }
     std::vector<int64_t> order(static_cast<size_t>(nkb));
     for (int64_t kb = 0; kb < nkb; ++kb) order[size_t(kb)] = kb;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return score[size_t(x)] > score[size_t(y)]; });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t x, int64_t y) { return score[size_t(x)] > score[size_t(y)]; });
     order.resize(size_t(KB));
     std::sort(order.begin(), order.end());
     const std::vector<int64_t> got(idx.data<int64_t>() + qb * KB, idx.data<int64_t>() + (qb + 1) * KB);

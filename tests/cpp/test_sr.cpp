@@ -46,10 +46,8 @@ Image random_image(int64_t h, int64_t w, int64_t c, unsigned seed) {
 // Expects read_image(path) to throw kIO whose message names the file and contains `needle`.
 void expect_io_error(const std::string& path, const std::string& needle, int64_t max_pixels = 0) {
   try {
-    if (max_pixels > 0)
-      sattn::sr::read_image(path, max_pixels);
-    else
-      sattn::sr::read_image(path);
+    if (max_pixels > 0) sattn::sr::read_image(path, max_pixels);
+    else sattn::sr::read_image(path);
     ADD_FAILURE() << "no error for " << path << " (expected: " << needle << ")";
   } catch (const sattn::Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kIO) << e.what();
@@ -191,9 +189,9 @@ std::vector<float> randv(size_t n, unsigned seed) {
 
 TEST(SrOps, Conv3x3AndDepthwiseMatchPlainLoops) {
   // rows are split into four bands per thread: heights around the band counts test the band borders
-  for (auto [H, W, Ci, Co, threads] : {std::tuple{5, 7, 3, 9, 2}, std::tuple{1, 1, 2, 2, 2},
-                                       std::tuple{6, 9, 40, 67, 2}, std::tuple{11, 4, 12, 12, 3},
-                                       std::tuple{3, 5, 8, 8, 4}}) {
+  for (auto [H, W, Ci, Co, threads] :
+       {std::tuple{5, 7, 3, 9, 2}, std::tuple{1, 1, 2, 2, 2}, std::tuple{6, 9, 40, 67, 2}, std::tuple{11, 4, 12, 12, 3},
+        std::tuple{3, 5, 8, 8, 4}}) {
     const auto in = randv(size_t(H * W * Ci), 1), w = randv(size_t(Co * Ci * 9), 2), b = randv(size_t(Co), 3);
     const auto w9 = sattn::nn::conv3x3_weight_hwc(w.data(), Co, Ci);
     std::vector<float> out(size_t(H * W * Co)), one(out.size());
@@ -284,9 +282,9 @@ TEST(SrOps, GemmSegmentsAwkwardShapesAndRowIndependence) {
   // (lda < K) as the 3x3 convolution uses them, two segments, W row stride N (masked loads) or padded (garbage
   // past N that must not leak into C); then every row recomputed alone must be bitwise equal to the batched
   // result (what makes tiles == untiled and 1 == 2 threads).
-  for (auto [M, N, K0, K1, lda] : {std::tuple{1, 1, 1, 0, 1}, std::tuple{7, 17, 5, 3, 5},
-                                   std::tuple{13, 40, 40, 40, 40}, std::tuple{6, 130, 9, 9, 3},
-                                   std::tuple{11, 64, 12, 20, 4}, std::tuple{8, 120, 40, 0, 40}}) {
+  for (auto [M, N, K0, K1, lda] :
+       {std::tuple{1, 1, 1, 0, 1}, std::tuple{7, 17, 5, 3, 5}, std::tuple{13, 40, 40, 40, 40},
+        std::tuple{6, 130, 9, 9, 3}, std::tuple{11, 64, 12, 20, 4}, std::tuple{8, 120, 40, 0, 40}}) {
     for (const int64_t ldw : {int64_t(N), sattn::nn::padded_cols(N)}) {
       const int64_t K = K0 + K1, rows = (M - 1) * lda + std::max(K0, K1);
       const auto A0 = randv(size_t(rows), 7), A1 = randv(size_t(rows), 8), W = randv(size_t(K * ldw), 9),
@@ -347,16 +345,15 @@ TEST(SrOps, PlanarToU8RgbRoundsExactlyAsTheScalarFormula) {
     const float t = float((k + 0.5) / 255.0);
     v.push_back(t), v.push_back(std::nextafter(t, 0.f)), v.push_back(std::nextafter(t, 2.f)), v.push_back(k / 255.f);
   }
-  for (const float x : {-0.f, -1e-30f, -1.f, 1.f, 1.0000001f, 2.f, 1e30f, -INFINITY, INFINITY, NAN})
-    v.push_back(x);
+  for (const float x : {-0.f, -1e-30f, -1.f, 1.f, 1.0000001f, 2.f, 1e30f, -INFINITY, INFINITY, NAN}) v.push_back(x);
   const auto rnd = randv(1000, 11);
   for (const float x : rnd) v.push_back(x * 0.8f + 0.5f);
   auto ref = [](float x) {
     const double d = double(std::min(1.0f, std::max(0.0f, x)));
     return uint8_t(std::floor(d * 255.0 + 0.5));
   };
-  for (const int64_t n : {int64_t(0), int64_t(1), int64_t(7), int64_t(8), int64_t(9), int64_t(17),
-                          int64_t(v.size() / 3)}) {
+  for (const int64_t n :
+       {int64_t(0), int64_t(1), int64_t(7), int64_t(8), int64_t(9), int64_t(17), int64_t(v.size() / 3)}) {
     const float *r = v.data(), *g = v.data() + n, *b = v.data() + 2 * n;
     std::vector<uint8_t> out(size_t(3 * n + 5), 77);
     sattn::nn::planar_to_u8_rgb(r, g, b, n, out.data());
@@ -372,13 +369,13 @@ TEST(SrOps, PlanarToU8RgbRoundsExactlyAsTheScalarFormula) {
 TEST(SrOps, DepthwiseGeluPointwiseMatchesPlainLoops) {
   // out = res + pw_b + act(dw(in) + dw_b) · PW, in place on `in` (the model's cheap path) and with act = identity
   // rows are split into four bands per thread: heights around the band counts test the band borders
-  for (auto [H, W, C, threads] : {std::tuple{5, 7, 3, 2}, std::tuple{1, 1, 2, 2}, std::tuple{4, 9, 40, 2},
-                                  std::tuple{13, 6, 40, 3}, std::tuple{2, 5, 7, 3}, std::tuple{9, 4, 16, 1},
-                                  std::tuple{7, 3, 5, 7}}) {
+  for (auto [H, W, C, threads] :
+       {std::tuple{5, 7, 3, 2}, std::tuple{1, 1, 2, 2}, std::tuple{4, 9, 40, 2}, std::tuple{13, 6, 40, 3},
+        std::tuple{2, 5, 7, 3}, std::tuple{9, 4, 16, 1}, std::tuple{7, 3, 5, 7}}) {
     const auto in = randv(size_t(H * W * C), 11), res = randv(size_t(H * W * C), 12), wd = randv(size_t(9 * C), 13),
                bd = randv(size_t(C), 14), pw = randv(size_t(C * C), 15), bp = randv(size_t(C), 16);
     for (bool gelu : {true, false}) {
-      std::vector<float> out = in;  // aliasing in and out
+      std::vector<float> out = in;                                    // aliasing in and out
       const auto pwt = sattn::nn::transpose_weight(pw.data(), C, C);  // pw as PyTorch's [out, in]
       sattn::nn::dw_act_pw_hwc(out.data(), H, W, C, wd.data(), bd.data(), gelu, pwt.data(), bp.data(), res.data(),
                                out.data(), threads);
@@ -578,7 +575,8 @@ TEST(SrModel, SelfEnsembleIsTheMeanOfTheEightTransformedOutputs) {
         for (int64_t x = 0; x < w * s; ++x) {
           int64_t dy = 0, dx = 0;
           dest(t, y, x, h * s, w * s, &dy, &dx);
-          for (int c = 0; c < 3; ++c) sum[size_t((y * w * s + x) * 3 + c)] += out.data<float>()[(c * oh + dy) * ow + dx];
+          for (int c = 0; c < 3; ++c)
+            sum[size_t((y * w * s + x) * 3 + c)] += out.data<float>()[(c * oh + dy) * ow + dx];
         }
     }
     o.self_ensemble = true;
@@ -650,7 +648,8 @@ TEST(SrModel, ProfileTimesEveryStageInOrderAndChangesNothing) {
   std::vector<std::string> want{"head conv"};
   const int ws[4] = {4, 4, 8, 8};
   for (int b = 0; b < 4; ++b) {
-    const std::string p = "block " + std::to_string(b) + " (" + std::to_string(ws[b]) + "x" + std::to_string(ws[b]) + "): ";
+    const std::string p =
+        "block " + std::to_string(b) + " (" + std::to_string(ws[b]) + "x" + std::to_string(ws[b]) + "): ";
     for (const char* k : {"conv path", "router", "attention windows"}) want.push_back(p + k);
     if (b % 2 == 1) want.push_back("group " + std::to_string(b / 2) + " tail");
   }

@@ -183,22 +183,26 @@ TEST(SrImageDecode, PngLayoutsBecomeRgbWithTheExpectedPixels) {
     const int ch = alpha ? 4 : 3;
     const Bytes raw = random_bytes(size_t(w * h * ch * 2), 1);
     const Bytes png = encode_png_rows(png_spec(w, h, 16, alpha ? PNG_COLOR_TYPE_RGBA : PNG_COLOR_TYPE_RGB), raw);
-    expect_rgb(decode(png), [&](int y, int x, int c) { return raw[size_t(((y * w + x) * ch + c) * 2)]; }, ch,
-               alpha ? "16-bit RGBA" : "16-bit RGB");
+    expect_rgb(
+        decode(png), [&](int y, int x, int c) { return raw[size_t(((y * w + x) * ch + c) * 2)]; }, ch,
+        alpha ? "16-bit RGBA" : "16-bit RGB");
   }
   // 8-bit RGBA and gray + alpha; interlaced (Adam7) RGB
   {
     const Bytes raw = random_bytes(size_t(w * h * 4), 2);
-    expect_rgb(decode(encode_png_rows(png_spec(w, h, 8, PNG_COLOR_TYPE_RGBA), raw)),
-               [&](int y, int x, int c) { return raw[size_t((y * w + x) * 4 + c)]; }, 4, "RGBA");
+    expect_rgb(
+        decode(encode_png_rows(png_spec(w, h, 8, PNG_COLOR_TYPE_RGBA), raw)),
+        [&](int y, int x, int c) { return raw[size_t((y * w + x) * 4 + c)]; }, 4, "RGBA");
     const Bytes gray_alpha(raw.begin(), raw.begin() + w * h * 2);
-    expect_rgb(decode(encode_png_rows(png_spec(w, h, 8, PNG_COLOR_TYPE_GRAY_ALPHA), gray_alpha)),
-               [&](int y, int x, int) { return raw[size_t((y * w + x) * 2)]; }, 2, "gray + alpha");
+    expect_rgb(
+        decode(encode_png_rows(png_spec(w, h, 8, PNG_COLOR_TYPE_GRAY_ALPHA), gray_alpha)),
+        [&](int y, int x, int) { return raw[size_t((y * w + x) * 2)]; }, 2, "gray + alpha");
     const Bytes rgb = random_bytes(size_t(w * h * 3), 3);
     PngSpec adam7 = png_spec(w, h, 8, PNG_COLOR_TYPE_RGB);
     adam7.interlaced = true;
-    expect_rgb(decode(encode_png_rows(adam7, rgb)),
-               [&](int y, int x, int c) { return rgb[size_t((y * w + x) * 3 + c)]; }, 3, "interlaced RGB");
+    expect_rgb(
+        decode(encode_png_rows(adam7, rgb)), [&](int y, int x, int c) { return rgb[size_t((y * w + x) * 3 + c)]; }, 3,
+        "interlaced RGB");
   }
   // gray of 1, 2 and 4 bits: v * 255 / (2^depth - 1); packed most significant bits first
   for (const int depth : {1, 2, 4}) {
@@ -209,9 +213,10 @@ TEST(SrImageDecode, PngLayoutsBecomeRgbWithTheExpectedPixels) {
       for (int x = 0; x < w; ++x)
         packed[size_t(y * stride + x / per_byte)] |=
             uint8_t((values[size_t(y * w + x)] & maxv) << (8 - depth * (x % per_byte + 1)));
-    expect_rgb(decode(encode_png_rows(png_spec(w, h, depth, PNG_COLOR_TYPE_GRAY), packed)),
-               [&](int y, int x, int) { return (values[size_t(y * w + x)] & maxv) * 255 / maxv; }, 1,
-               "gray " + std::to_string(depth) + "-bit");
+    expect_rgb(
+        decode(encode_png_rows(png_spec(w, h, depth, PNG_COLOR_TYPE_GRAY), packed)),
+        [&](int y, int x, int) { return (values[size_t(y * w + x)] & maxv) * 255 / maxv; }, 1,
+        "gray " + std::to_string(depth) + "-bit");
   }
   // a 4-bit palette with transparency: the palette's colours, alpha dropped
   {
@@ -225,9 +230,10 @@ TEST(SrImageDecode, PngLayoutsBecomeRgbWithTheExpectedPixels) {
     for (int y = 0; y < h; ++y)
       for (int x = 0; x < w; ++x)
         packed[size_t(y * stride + x / 2)] |= uint8_t((index[size_t(y * w + x)] & 15) << (x % 2 ? 0 : 4));
-    expect_rgb(decode(encode_png_rows(pal, packed)),
-               [&](int y, int x, int c) { return colours[size_t(3 * (index[size_t(y * w + x)] & 15) + c)]; }, 4,
-               "palette + tRNS");
+    expect_rgb(
+        decode(encode_png_rows(pal, packed)),
+        [&](int y, int x, int c) { return colours[size_t(3 * (index[size_t(y * w + x)] & 15) + c)]; }, 4,
+        "palette + tRNS");
   }
 }
 
@@ -371,8 +377,8 @@ TEST(SrImageDecode, OutputPixelLimitIsCheckedFromTheHeader) {
   for (const int scale : {2, 4}) decode_error(png, "bomb.png", "output pixels is over the limit", 1 << 27, scale);
   decode_error(png, "bomb.png", "over the limit", 120999999);
   // the limit is inclusive: 4096 x 2048 at x4 is exactly 2^27 (then the missing data is the error)
-  const std::string fits = decode_error(with_jpeg_size(small, 4096, 2048), "fits.jpg", "truncated",
-                                        sattn::sr::kDefaultMaxPixels, 4);
+  const std::string fits =
+      decode_error(with_jpeg_size(small, 4096, 2048), "fits.jpg", "truncated", sattn::sr::kDefaultMaxPixels, 4);
   EXPECT_EQ(fits.find("limit"), std::string::npos) << fits;
   decode_error(with_jpeg_size(small, 4097, 2048), "over.jpg", "over the limit", sattn::sr::kDefaultMaxPixels, 4);
   // refused from the header: nothing of the 363 MB was decoded

@@ -99,10 +99,10 @@ TEST(VizHeatmap, SizeColourBarAndMaskedCells) {
   const Decoded d = decode_png_bytes(encode_png(img));
   ASSERT_TRUE(d.ok);
   EXPECT_EQ(d.width, img.width());
-  EXPECT_GE(img.width(), 140);   // the matrix area alone is 14 cells x 10 px
+  EXPECT_GE(img.width(), 140);  // the matrix area alone is 14 cells x 10 px
   EXPECT_LT(img.width(), 600);
   EXPECT_TRUE(d.non_constant());
-  EXPECT_TRUE(has_colour(d, kMaskedGrey));                       // masked cells
+  EXPECT_TRUE(has_colour(d, kMaskedGrey));                        // masked cells
   EXPECT_TRUE(has_colour(d, colormap(Colormap::kViridis, 1.0)));  // the maximum (and the colour bar top)
   EXPECT_TRUE(has_colour(d, colormap(Colormap::kViridis, 0.0)));  // the minimum
   EXPECT_GT(d.distinct_colours(), 20);
@@ -154,18 +154,20 @@ TEST(VizHeatmap, GridAndQueryFocus) {
 }
 
 TEST(VizPlot, SvgIsWellFormedWithLogAxes) {
-  PlotSpec a{"time", "L", "ms", true, true, {{"ref", {256, 512, 1024}, {1, 4, 16}, false}, {"x", {256, 512}, {2, 3}, true}}};
+  PlotSpec a{"time", "L",  "ms",
+             true,   true, {{"ref", {256, 512, 1024}, {1, 4, 16}, false}, {"x", {256, 512}, {2, 3}, true}}};
   PlotSpec b{"mem", "L", "MiB", true, true, {{"ref", {256, 512, 1024}, {0.25, 1, 4}, false}}};
   const std::string svg = render_plots_svg({a, b}, 400, 300);
   EXPECT_EQ(xml_problem(svg), "");
   EXPECT_EQ(svg.rfind("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"800\" height=\"300\"", 0), 0u);
   EXPECT_EQ(count_of(svg, "<circle"), 3u + 2u + 3u);  // one marker per point
-  EXPECT_GE(count_of(svg, ">1024</text>"), 2u);         // the swept L values label the log x axis
+  EXPECT_GE(count_of(svg, ">1024</text>"), 2u);       // the swept L values label the log x axis
   EXPECT_NE(svg.find("stroke-dasharray"), std::string::npos);
   EXPECT_NE(svg.find("ms (log)"), std::string::npos);
   // Log axis: equal ratios are equal distances (256 -> 512 -> 1024 markers equally spaced).
   std::vector<double> xs;
-  for (size_t p = svg.find("<circle cx=\""); p != std::string::npos && xs.size() < 3; p = svg.find("<circle cx=\"", p + 1))
+  for (size_t p = svg.find("<circle cx=\""); p != std::string::npos && xs.size() < 3;
+       p = svg.find("<circle cx=\"", p + 1))
     xs.push_back(std::stod(svg.substr(p + 12)));
   ASSERT_EQ(xs.size(), 3u);
   EXPECT_NEAR(xs[1] - xs[0], xs[2] - xs[1], 1e-2);  // SVG numbers carry 6 significant digits

@@ -30,8 +30,10 @@ TEST(VizCli, WritesHeadMapsGridAndQueryFocus) {
   lengths.data<int64_t>()[0] = 20;
   lengths.data<int64_t>()[1] = 13;
   write_npy(dir + "/n.npy", lengths);
-  const RunResult r = run_sattn("viz --q q.npy --k k.npy --lengths n.npy --causal bottom-right --query 4 --query 19 "
-                                "--out maps", dir);
+  const RunResult r = run_sattn(
+      "viz --q q.npy --k k.npy --lengths n.npy --causal bottom-right --query 4 --query 19 "
+      "--out maps",
+      dir);
   ASSERT_EQ(r.code, 0) << r.err;
   for (int b = 0; b < 2; ++b)
     for (int h = 0; h < 3; ++h) {
@@ -45,7 +47,7 @@ TEST(VizCli, WritesHeadMapsGridAndQueryFocus) {
     }
   const Decoded grid = decode_png_file(dir + "/maps/heads.png");
   ASSERT_TRUE(grid.ok);
-  EXPECT_GT(grid.width, 3 * 160);  // three panels per row
+  EXPECT_GT(grid.width, 3 * 160);   // three panels per row
   EXPECT_GT(grid.height, 2 * 160);  // two batch entries
   for (const char* q : {"query_4.png", "query_19.png"}) {
     const Decoded d = decode_png_file(dir + "/maps/" + q);
@@ -168,8 +170,10 @@ TEST(VizCli, MultiheadAttentionPerHeadWeights) {
   write_npy(dir + "/x.npy", randn({10, 2, 8}, 11));  // [L, N, E]
   write_npy(dir + "/kv.npy", randn({7, 2, 8}, 12));  // [S, N, E]
   write_npy(dir + "/v.npy", randn({7, 2, 6}, 13));   // [S, N, vdim]
-  RunResult r = run_sattn("viz --mha mha.safetensors --embed-dim 8 --num-heads 2 --x x.npy --key kv.npy "
-                          "--value v.npy --out m", dir);
+  RunResult r = run_sattn(
+      "viz --mha mha.safetensors --embed-dim 8 --num-heads 2 --x x.npy --key kv.npy "
+      "--value v.npy --out m",
+      dir);
   ASSERT_EQ(r.code, 0) << r.err;
   for (int b = 0; b < 2; ++b)
     for (int h = 0; h < 2; ++h) {
@@ -214,7 +218,7 @@ TEST(ProfileCli, CsvTableAndPlots) {
   EXPECT_NE(svg.find("<svg"), std::string::npos);
   EXPECT_NE(svg.find("peak memory"), std::string::npos);
   EXPECT_NE(r.out.find("analytic MiB"), std::string::npos);  // the terminal table
-  EXPECT_EQ(r.err, "");                                       // piped: no progress
+  EXPECT_EQ(r.err, "");                                      // piped: no progress
   r = run_sattn("profile --L 16 --heads 1 --D 8 --repeats 1 --plot p.png", dir);
   ASSERT_EQ(r.code, 0) << r.err;
   const Decoded d = decode_png_file(dir + "/p.png");
@@ -231,9 +235,11 @@ TEST(ProfileCli, CsvTableAndPlots) {
 TEST(ProfileCli, SparsePatternsAndLinearStayFarBelowTheScoreMatrix) {
   ASSERT_TRUE(have_binary());
   const std::string dir = temp_dir("profile_sparse");
-  const RunResult r = run_sattn("profile --L 256,1024 --heads 4 --D 8 --repeats 1 --threads 1 --kernels reference "
-                                "--pattern 'SlidingWindow(32,32)' --pattern 'BlockTopK(64, 2)' --pattern linear:elu "
-                                "--csv p.csv --plot p.svg", dir);
+  const RunResult r = run_sattn(
+      "profile --L 256,1024 --heads 4 --D 8 --repeats 1 --threads 1 --kernels reference "
+      "--pattern 'SlidingWindow(32,32)' --pattern 'BlockTopK(64, 2)' --pattern linear:elu "
+      "--csv p.csv --plot p.svg",
+      dir);
   ASSERT_EQ(r.code, 0) << r.err;
   const std::string csv = read_text(dir + "/p.csv");
   // kernel names with commas are quoted (RFC 4180); the pattern's repr() names it
@@ -263,7 +269,7 @@ TEST(ProfileCli, SparsePatternsAndLinearStayFarBelowTheScoreMatrix) {
   ASSERT_EQ(at1024.size(), 4u) << csv;
   for (const char* k : {"SlidingWindow(32, 32)", "BlockTopK(64, 2)", "linear:elu"}) {
     ASSERT_TRUE(at1024.count(k)) << k << "\n" << csv;
-    EXPECT_DOUBLE_EQ(at1024[k][1], 16.0);        // B*h*L^2*4 bytes = 4 * 1024^2 * 4
+    EXPECT_DOUBLE_EQ(at1024[k][1], 16.0);               // B*h*L^2*4 bytes = 4 * 1024^2 * 4
     EXPECT_LT(at1024[k][0], 0.25 * at1024[k][1]) << k;  // sparse memory stays far below the dense score matrix
   }
   EXPECT_GE(at1024["reference"][0], 0.9 * 16.0);  // while the reference materialises it

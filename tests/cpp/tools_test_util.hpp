@@ -40,7 +40,8 @@ struct Decoded {
   }
   int distinct_colours() const {
     std::vector<uint32_t> c;
-    for (size_t p = 0; p + 2 < rgb.size(); p += 3) c.push_back(uint32_t(rgb[p]) << 16 | uint32_t(rgb[p + 1]) << 8 | rgb[p + 2]);
+    for (size_t p = 0; p + 2 < rgb.size(); p += 3)
+      c.push_back(uint32_t(rgb[p]) << 16 | uint32_t(rgb[p + 1]) << 8 | rgb[p + 2]);
     std::sort(c.begin(), c.end());
     return int(std::unique(c.begin(), c.end()) - c.begin());
   }

@@ -71,8 +71,7 @@ void check_sizes(const std::string& repr) {
       continue;
     }
     const size_t start = i++;
-    while (i < repr.size() && (std::isdigit(static_cast<unsigned char>(repr[i])) || std::strchr(".eE+-", repr[i])))
-      ++i;
+    while (i < repr.size() && (std::isdigit(static_cast<unsigned char>(repr[i])) || std::strchr(".eE+-", repr[i]))) ++i;
     const std::string number = repr.substr(start, i - start);
     const bool is_float = number.find_first_of(".eE") != std::string::npos;
     const bool is_seed = start >= 5 && repr.compare(start - 5, 5, "seed=") == 0;

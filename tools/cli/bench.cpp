@@ -24,7 +24,6 @@
 #include "kernels/fused/fused.hpp"
 #include "sattn/attention.hpp"
 
-
 namespace sattn::cli {
 namespace {
 
@@ -67,8 +66,8 @@ struct BenchConfig {
 
 void run_bench(const BenchConfig& cfg_in) {
   BenchConfig cfg = cfg_in;
-  check(cfg.clock == "wall" || cfg.clock == "thread", ErrorKind::kInvalidArgument, "--clock: expected wall or thread, got '",
-        cfg.clock, "'");
+  check(cfg.clock == "wall" || cfg.clock == "thread", ErrorKind::kInvalidArgument,
+        "--clock: expected wall or thread, got '", cfg.clock, "'");
   set_bench_thread_clock(cfg.clock == "thread");
   if (cfg.clock == "thread") cfg.threads = "1";
   if (cfg.all) cfg.dims = "64,128", cfg.lens = "512,1024,4096,16384";
@@ -86,8 +85,8 @@ void run_bench(const BenchConfig& cfg_in) {
     if (tty)
       std::printf("threads=%lld  sgemm N=%lld: %.1f GFLOP/s%s  simd=%s\n", (long long)t, (long long)cfg.sgemm_n, sg,
                   blas_core().empty() ? "" : (" (OpenBLAS " + blas_core() + ")").c_str(), fused::simd_build());
-    nlohmann::json srow = {{"kind", "sgemm"}, {"threads", t}, {"n", cfg.sgemm_n}, {"gflops", sg},
-                           {"blas_core", blas_core()}};
+    nlohmann::json srow = {
+        {"kind", "sgemm"}, {"threads", t}, {"n", cfg.sgemm_n}, {"gflops", sg}, {"blas_core", blas_core()}};
     rows.push_back(srow);
     if (tty)
       std::printf("  %-4s %6s %-6s %-3s %10s %9s %8s %10s %s\n", "D", "L", "mask", "pass", "median_ms", "GFLOP/s",
@@ -117,7 +116,8 @@ void run_bench(const BenchConfig& cfg_in) {
             o.kernel = cfg.kernel;
             Tensor out(DType::kF32, shape), lse(DType::kF32, {cfg.batch, cfg.heads, Lq});
             Tensor dq, dk, dv;  // only for the backward (keeps the forward's resident memory honest)
-            if (pass == "bwd") dq = Tensor(DType::kF32, shape), dk = Tensor(DType::kF32, kshape), dv = Tensor(DType::kF32, kshape);
+            if (pass == "bwd")
+              dq = Tensor(DType::kF32, shape), dk = Tensor(DType::kF32, kshape), dv = Tensor(DType::kF32, kshape);
             KernelInfo info;
             auto fwd = [&] { scaled_dot_product_attention(qd, kd, vd, o, {out.view(), lse.view(), {}}, &info); };
             fwd();
@@ -127,8 +127,8 @@ void run_bench(const BenchConfig& cfg_in) {
               ms = median_ms(cfg.reps, fwd);
             } else {
               ms = median_ms(cfg.reps, [&] {
-                scaled_dot_product_attention_backward(dout, qd, kd, vd, out, lse, o, {dq.view(), dk.view(), dv.view(), {}},
-                                                      &info);
+                scaled_dot_product_attention_backward(dout, qd, kd, vd, out, lse, o,
+                                                      {dq.view(), dk.view(), dv.view(), {}}, &info);
               });
             }
             double flops = 4.0 * cfg.batch * cfg.heads * double(Lq) * L * D;
@@ -141,10 +141,22 @@ void run_bench(const BenchConfig& cfg_in) {
               std::printf("  %-4lld %6lld %-6s %-4s %10.2f %9.1f %7.1f%% %10.2f %s\n", (long long)D, (long long)L,
                           mask.c_str(), pass.c_str(), ms, gf, pct, ws, info.kernel.c_str());
             std::fflush(stdout);
-            rows.push_back({{"kind", "attention"}, {"threads", t}, {"B", cfg.batch}, {"H", cfg.heads}, {"Lq", Lq}, {"L", L},
-                            {"D", D}, {"mask", mask}, {"pass", pass}, {"dtype", cfg.dtype}, {"median_ms", ms},
-                            {"gflops", gf}, {"pct_sgemm", pct}, {"workspace_peak_bytes", fused::workspace_peak_bytes()},
-                            {"kernel", info.kernel}, {"simd", fused::simd_build()}});
+            rows.push_back({{"kind", "attention"},
+                            {"threads", t},
+                            {"B", cfg.batch},
+                            {"H", cfg.heads},
+                            {"Lq", Lq},
+                            {"L", L},
+                            {"D", D},
+                            {"mask", mask},
+                            {"pass", pass},
+                            {"dtype", cfg.dtype},
+                            {"median_ms", ms},
+                            {"gflops", gf},
+                            {"pct_sgemm", pct},
+                            {"workspace_peak_bytes", fused::workspace_peak_bytes()},
+                            {"kernel", info.kernel},
+                            {"simd", fused::simd_build()}});
           }
       }
   }

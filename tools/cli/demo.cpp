@@ -329,10 +329,9 @@ void add_demo_command(CLI::App& app) {
                                ->default_str("none"));
   attention_only.push_back(
       cmd->add_option("--kernel", a->kernel, "Attention: force a kernel by name (default: the registry's choice)"));
-  attention_only.push_back(
-      cmd->add_option("--seed", a->seed, "Attention: seed of the generated inputs")
-          ->check(seed_range())
-          ->default_str("0"));
+  attention_only.push_back(cmd->add_option("--seed", a->seed, "Attention: seed of the generated inputs")
+                               ->check(seed_range())
+                               ->default_str("0"));
   attention_only.push_back(
       cmd->add_option("--tol", a->tol, "Attention: relative tolerance: max|out - ref| <= tol * max(1, max|ref|)")
           ->check(CLI::Range(1e-15, 1.0))

@@ -57,8 +57,9 @@ void run_doctor(const DoctorArgs& a) {
 
 void add_doctor_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
-      "doctor", "Health check of attention on given q/k/v: saturation, missing scaling, fully masked rows, NaN/Inf, "
-                "causal and padding leaks, suspicious mask polarity, determinism. Exit 0 healthy, 1 findings, 2 bad usage");
+      "doctor",
+      "Health check of attention on given q/k/v: saturation, missing scaling, fully masked rows, NaN/Inf, "
+      "causal and padding leaks, suspicious mask polarity, determinism. Exit 0 healthy, 1 findings, 2 bad usage");
   auto a = std::make_shared<DoctorArgs>();
   cmd->add_option("--q", a->q, "queries .npy [B, Hq, Lq, D]")->check(CLI::ExistingFile);
   cmd->add_option("--k", a->k, "keys .npy [B, Hkv, Lk, D]")->check(CLI::ExistingFile);

@@ -103,11 +103,13 @@ int main(int argc, char** argv) {
   } catch (const sattn::Error& e) {
     return error_line("", e.what());
   } catch (const std::bad_alloc&) {
-    return error_line(command_path(app), "out of memory (std::bad_alloc): the sizes its arguments ask for do not "
-                                         "fit in this machine's memory");
+    return error_line(command_path(app),
+                      "out of memory (std::bad_alloc): the sizes its arguments ask for do not "
+                      "fit in this machine's memory");
   } catch (const std::length_error& e) {
     return error_line(command_path(app), std::string("the sizes its arguments ask for exceed what a buffer can "
-                                                     "hold (std::length_error: ") + e.what() + ")");
+                                                     "hold (std::length_error: ") +
+                                             e.what() + ")");
   } catch (const std::exception& e) {
     return error_line(command_path(app), e.what());
   }

@@ -56,20 +56,23 @@ void run_profile_command(const ProfileArgs& a) {
 }  // namespace
 
 void add_profile_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("profile", "Time and peak memory of attention kernels against L and heads, with the "
-                                            "analytic B*h*L^2*4 bytes: table, CSV and plots (log axes)");
+  auto* cmd = app.add_subcommand("profile",
+                                 "Time and peak memory of attention kernels against L and heads, with the "
+                                 "analytic B*h*L^2*4 bytes: table, CSV and plots (log axes)");
   auto a = std::make_shared<ProfileArgs>();
   a->o.kernels = kernel_names();
   cmd->add_option("--L", a->o.lengths, "sequence lengths, comma-separated")->delimiter(',')->capture_default_str();
   cmd->add_option("--heads", a->o.heads, "head counts, comma-separated")->delimiter(',')->capture_default_str();
   cmd->add_option("--kernels", a->o.kernels, "kernels to profile, comma-separated (default: every registered one)")
       ->delimiter(',');
-  cmd->add_option("--pattern", a->o.patterns, "also profile sparse attention with this pattern SPEC (docs/sparse.md "
-                                             "syntax, e.g. \"SlidingWindow(128, 128)\", \"BlockTopK(64, 8)\"), or "
-                                             "linear:elu / linear:favor+; repeatable, not comma-split");
+  cmd->add_option("--pattern", a->o.patterns,
+                  "also profile sparse attention with this pattern SPEC (docs/sparse.md "
+                  "syntax, e.g. \"SlidingWindow(128, 128)\", \"BlockTopK(64, 8)\"), or "
+                  "linear:elu / linear:favor+; repeatable, not comma-split");
   cmd->add_option("--B", a->o.batch, "batch size")->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--D", a->o.head_dim, "head dimension")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--repeats", a->o.repeats, "timed runs per point (median reported)")->capture_default_str()
+  cmd->add_option("--repeats", a->o.repeats, "timed runs per point (median reported)")
+      ->capture_default_str()
       ->check(CLI::Range(1, 1000));
   cmd->add_option("--threads", a->o.num_threads, "threads (0: library default)")->check(thread_range());
   cmd->add_flag("--causal", a->o.causal, "profile with a causal (top-left) mask");

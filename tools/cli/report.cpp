@@ -68,7 +68,8 @@ void run_report(ReportArgs a) {
   style.title = "attention weights (grey: masked)";
   const viz::Image grid = viz::render_heatmap_grid(maps.maps, titles, int(std::min<int64_t>(maps.heads, 4)), style);
   const int64_t qi = a.query >= 0 ? a.query : maps.len_q - 1;
-  check(qi < maps.len_q, ErrorKind::kInvalidArgument, "--query: expected an index in [0, Lq = ", maps.len_q, "), got ", qi);
+  check(qi < maps.len_q, ErrorKind::kInvalidArgument, "--query: expected an index in [0, Lq = ", maps.len_q, "), got ",
+        qi);
   viz::Matrix rows(maps.batch * maps.heads, maps.len_k);
   std::vector<std::string> labels;
   for (int64_t b = 0; b < maps.batch; ++b)
@@ -78,7 +79,8 @@ void run_report(ReportArgs a) {
     }
   viz::HeatmapStyle fstyle;
   fstyle.plot_side = 320;
-  const viz::Image focus = viz::render_query_focus(rows, labels, "keys attended by query " + std::to_string(qi), fstyle);
+  const viz::Image focus =
+      viz::render_query_focus(rows, labels, "keys attended by query " + std::to_string(qi), fstyle);
 
   std::ostringstream h;
   h << "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>sattn report</title>\n"
@@ -87,8 +89,8 @@ void run_report(ReportArgs a) {
        "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}.finding{border-left:4px solid #d55e00;"
        "padding:0.3em 1em;margin:0.6em 0;background:#fff6f0}.ok{border-left:4px solid #009e73;padding:0.3em 1em;"
        "background:#f0fff8}img{max-width:100%}</style></head><body>\n";
-  h << "<h1>sattn report</h1>\n<p>Input: " << viz::html_escape(source) << "<br>Problem: "
-    << viz::html_escape(dg.problem) << "</p>\n";
+  h << "<h1>sattn report</h1>\n<p>Input: " << viz::html_escape(source)
+    << "<br>Problem: " << viz::html_escape(dg.problem) << "</p>\n";
   h << "<h2>Doctor</h2>\n";
   if (dg.findings.empty()) h << "<div class=\"ok\">Healthy: no findings.</div>\n";
   for (const auto& f : dg.findings) {
@@ -133,8 +135,9 @@ void run_report(ReportArgs a) {
 }  // namespace
 
 void add_report_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("report", "One static HTML file (images embedded, no network) with profile plots, "
-                                           "attention maps and a doctor summary; a generated example without inputs");
+  auto* cmd = app.add_subcommand("report",
+                                 "One static HTML file (images embedded, no network) with profile plots, "
+                                 "attention maps and a doctor summary; a generated example without inputs");
   auto a = std::make_shared<ReportArgs>();
   a->o.kernels = kernel_names();
   a->o.lengths = {128, 256, 512};
@@ -146,17 +149,23 @@ void add_report_command(CLI::App& app) {
   add_mask_options(cmd, a->masks, true);
   cmd->add_option("--expect", a->expect, "doctor: what the masks are meant to do (see `sattn doctor --help`)")
       ->check(CLI::IsMember({"causal", "padding", "none"}));
-  cmd->add_option("--query", a->query, "query index for the focus view (default: the last)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--query", a->query, "query index for the focus view (default: the last)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--L", a->o.lengths, "profile: sequence lengths")->delimiter(',')->capture_default_str();
   cmd->add_option("--heads", a->o.heads, "profile: head counts")->delimiter(',')->capture_default_str();
   cmd->add_option("--kernels", a->o.kernels, "profile: kernels (default: every registered one)")->delimiter(',');
-  cmd->add_option("--pattern", a->o.patterns, "profile: also a sparse pattern SPEC or linear:elu (repeatable, see "
-                                             "`sattn profile --help`)");
-  cmd->add_option("--image", a->image.image, "also the SR model on this PNG/JPEG: its routing map and one window's "
-                                            "attention (as `sattn viz --image`)")->check(CLI::ExistingFile);
+  cmd->add_option("--pattern", a->o.patterns,
+                  "profile: also a sparse pattern SPEC or linear:elu (repeatable, see "
+                  "`sattn profile --help`)");
+  cmd->add_option("--image", a->image.image,
+                  "also the SR model on this PNG/JPEG: its routing map and one window's "
+                  "attention (as `sattn viz --image`)")
+      ->check(CLI::ExistingFile);
   cmd->add_option("--crop", a->image.crop, "with --image: X,Y,W,H")->delimiter(',')->expected(4);
   cmd->add_option("--at", a->image.at, "with --image: X,Y, the query pixel")->delimiter(',')->expected(2);
-  cmd->add_option("--repeats", a->o.repeats, "profile: timed runs per point")->capture_default_str()->check(CLI::Range(1, 1000));
+  cmd->add_option("--repeats", a->o.repeats, "profile: timed runs per point")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
   cmd->add_flag("--no-profile", a->no_profile, "skip the profile section");
   cmd->callback([a] { run_report(*a); });
 }

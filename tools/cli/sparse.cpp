@@ -22,7 +22,6 @@
 #include "sattn/sparse.hpp"
 #include "sparse/tiles.hpp"
 
-
 namespace sattn::cli {
 
 namespace {
@@ -194,8 +193,8 @@ void bench_spec(const SparseBenchArgs& a, const std::string& spec, const sparse:
     }
   }
   const double fl_all = 4.0 * D * allowed, fl_cmp = 4.0 * D * computed;
-  std::printf("%-44s %7ld %3d %10.3f %10.3f %9.2f %9.2f %10.3f %8.1f\n", spec.c_str(), long(L), th, tf * 1e3,
-              tb * 1e3, allowed > 0 ? fl_all / tf / 1e9 : 0.0, computed > 0 ? fl_cmp / tf / 1e9 : 0.0,
+  std::printf("%-44s %7ld %3d %10.3f %10.3f %9.2f %9.2f %10.3f %8.1f\n", spec.c_str(), long(L), th, tf * 1e3, tb * 1e3,
+              allowed > 0 ? fl_all / tf / 1e9 : 0.0, computed > 0 ? fl_cmp / tf / 1e9 : 0.0,
               allowed > 0 ? computed / allowed : 0.0, peak);
   std::fflush(stdout);
 }
@@ -221,8 +220,8 @@ void bench_dense(const SparseBenchArgs& a, int64_t L, int th, double peak) {
     });
   const double pairs = double(L) * L * B * H;
   const std::string name = "dense (" + info.kernel + " kernel)";
-  std::printf("%-44s %7ld %3d %10.3f %10.3f %9.2f %9.2f %10.3f %8.1f\n", name.c_str(), long(L), th, tf * 1e3,
-              tb * 1e3, 4.0 * D * pairs / tf / 1e9, 4.0 * D * pairs / tf / 1e9, 1.0, peak);
+  std::printf("%-44s %7ld %3d %10.3f %10.3f %9.2f %9.2f %10.3f %8.1f\n", name.c_str(), long(L), th, tf * 1e3, tb * 1e3,
+              4.0 * D * pairs / tf / 1e9, 4.0 * D * pairs / tf / 1e9, 1.0, peak);
   std::fflush(stdout);
 }
 

@@ -34,8 +34,9 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 // --weights FILE, else the embedded weights, else the source tree's sr/weights/ file.
 std::optional<sr::SrModel> load_model(const std::string& weights, int scale, bool required) {
   std::optional<sr::SrModel> m = find_sr_model(weights, scale, "sr: --scale");
-  check(m || !required, ErrorKind::kIO, "sr: no weights for x", scale, ": ", [&] { return missing_sr_weights(scale); },
-        " (train and export them, see sr/README.md, or pass --weights FILE)");
+  check(
+      m || !required, ErrorKind::kIO, "sr: no weights for x", scale, ": ", [&] { return missing_sr_weights(scale); },
+      " (train and export them, see sr/README.md, or pass --weights FILE)");
   return m;
 }
 
@@ -106,10 +107,10 @@ void print_profile(const std::vector<std::vector<sr::SrStageTime>>& runs, double
   }
   double total = 0;
   for (double m : med) total += m;
-  std::printf("profile: %s attention, %s, stage wall times in ms%s (sum %.1f ms; the run took %.1f ms)\n",
-              a.attention.c_str(), a.threads > 0 ? (std::to_string(a.threads) + " thread(s)").c_str() : "default threads",
-              runs.size() > 1 ? (", median of " + std::to_string(runs.size()) + " runs").c_str() : "", 1e3 * total,
-              1e3 * wall);
+  std::printf(
+      "profile: %s attention, %s, stage wall times in ms%s (sum %.1f ms; the run took %.1f ms)\n", a.attention.c_str(),
+      a.threads > 0 ? (std::to_string(a.threads) + " thread(s)").c_str() : "default threads",
+      runs.size() > 1 ? (", median of " + std::to_string(runs.size()) + " runs").c_str() : "", 1e3 * total, 1e3 * wall);
   std::printf("%-40s %9s %7s  %s\n", "stage", "ms", "share", "windows routed");
   std::map<std::string, double> kinds;  // "conv path", "router", "attention windows", "convs outside the blocks"
   for (size_t i = 0; i < last.size(); ++i) {
@@ -124,7 +125,8 @@ void print_profile(const std::vector<std::vector<sr::SrStageTime>>& runs, double
     std::printf("\n");
   }
   std::printf("by kind:");
-  for (const auto& [k, v] : kinds) std::printf("  %s %.1f ms (%.0f%%)", k.c_str(), 1e3 * v, total > 0 ? 100.0 * v / total : 0.0);
+  for (const auto& [k, v] : kinds)
+    std::printf("  %s %.1f ms (%.0f%%)", k.c_str(), 1e3 * v, total > 0 ? 100.0 * v / total : 0.0);
   std::printf("\n");
 }
 
@@ -133,8 +135,9 @@ void run_upscale(const UpscaleArgs& a) {
   sr::UpscaleOptions opt;
   opt.mode = sr::parse_attention_mode(a.attention);
   opt.num_threads = a.threads;
-  check(!a.self_ensemble || (a.float_out.empty() && a.routing_in.empty() && a.routing_out.empty() && a.gates_out.empty()),
-        ErrorKind::kInvalidArgument, "--self-ensemble: not with --float-out, --routing-in, --routing-out or --gates-out");
+  check(
+      !a.self_ensemble || (a.float_out.empty() && a.routing_in.empty() && a.routing_out.empty() && a.gates_out.empty()),
+      ErrorKind::kInvalidArgument, "--self-ensemble: not with --float-out, --routing-in, --routing-out or --gates-out");
   check_max_output_pixels(a.max_output_pixels);
   opt.max_output_pixels = a.max_output_pixels;
   io::OutputFiles outputs;  // opened before the work: an unwritable output fails at once; OUT may be IN
@@ -160,7 +163,7 @@ void run_upscale(const UpscaleArgs& a) {
   check(a.repeat >= 1, ErrorKind::kInvalidArgument, "--repeat must be >= 1, given ", a.repeat);
   sr::UpscaleStats st;
   sr::Image out;
-  std::vector<double> walls, cpus;  // per run; the reported times are their medians
+  std::vector<double> walls, cpus;                     // per run; the reported times are their medians
   std::vector<std::vector<sr::SrStageTime>> profiles;  // per run, with --profile
   for (int run = 0; run < a.repeat; ++run) {
     st = sr::UpscaleStats{};
@@ -194,10 +197,10 @@ void run_upscale(const UpscaleArgs& a) {
   outputs.commit();
   std::ostringstream summary;  // one write to the unbuffered stderr, not one per piece
   summary << "sr upscale: " << lr.width << "x" << lr.height << " -> " << out.width << "x" << out.height << " x"
-          << a.scale << " " << a.attention << (a.self_ensemble ? " x8 self-ensemble" : "") << ", " << st.tiles << " tile(s), windows routed " << st.windows_routed
-          << "/" << st.windows_total << ", weights " << model->name()
-          << (a.repeat > 1 ? ", median of " + std::to_string(a.repeat) + " runs" : "")
-          << ", cpu " << cpu_secs << " s, " << secs << " s\n";
+          << a.scale << " " << a.attention << (a.self_ensemble ? " x8 self-ensemble" : "") << ", " << st.tiles
+          << " tile(s), windows routed " << st.windows_routed << "/" << st.windows_total << ", weights "
+          << model->name() << (a.repeat > 1 ? ", median of " + std::to_string(a.repeat) + " runs" : "") << ", cpu "
+          << cpu_secs << " s, " << secs << " s\n";
   std::cerr << summary.str();
   if (a.profile) print_profile(profiles, secs, a);
 }
@@ -337,7 +340,7 @@ void add_sr_command(CLI::App& app) {
   up->add_option("--routing-out", ua->routing_out, "write the per-window routing decisions (.npy, uint8)");
   up->add_option("--gates-out", ua->gates_out, "write the per-window router gates (.npy, float32)");
   up->add_flag("--self-ensemble", ua->self_ensemble,
-              "x8 geometric self-ensemble: average the outputs of the 8 flips/transposes (8x the time)");
+               "x8 geometric self-ensemble: average the outputs of the 8 flips/transposes (8x the time)");
   up->add_option("--repeat", ua->repeat, "benchmarking: run the model N times in this process, report the median")
       ->capture_default_str();
   up->add_flag("--profile", ua->profile,
@@ -375,10 +378,10 @@ void add_sr_command(CLI::App& app) {
   ev->add_flag("--json", ea->json, "print JSON (per image and mean) instead of the table");
   ev->add_flag("--self-ensemble", ea->self_ensemble, "model rows with the x8 geometric self-ensemble (8x the time)");
   ev->callback([ea] {
-    check(ea->attention == "both" || ea->attention == "dense" || ea->attention == "sparse" ||
-              ea->attention == "bicubic",
-          ErrorKind::kInvalidArgument, "--attention: expected dense, sparse, both or bicubic, given '", ea->attention,
-          "'");
+    check(
+        ea->attention == "both" || ea->attention == "dense" || ea->attention == "sparse" || ea->attention == "bicubic",
+        ErrorKind::kInvalidArgument, "--attention: expected dense, sparse, both or bicubic, given '", ea->attention,
+        "'");
     run_eval(*ea);
   });
 }

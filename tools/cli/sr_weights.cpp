@@ -8,9 +8,9 @@
 #include "sattn/error.hpp"
 
 #define SATTN_STR2(x) #x
-#define SATTN_INCBIN(sym, file)                                                                   \
-  __asm__(".section .rodata\n.balign 16\n.global " #sym "_begin\n" #sym "_begin:\n.incbin \"" file \
-          "\"\n.global " #sym "_end\n" #sym "_end:\n.byte 0\n.previous\n");
+#define SATTN_INCBIN(sym, file)                                                                                        \
+  __asm__(".section .rodata\n.balign 16\n.global " #sym "_begin\n" #sym "_begin:\n.incbin \"" file "\"\n.global " #sym \
+          "_end\n" #sym "_end:\n.byte 0\n.previous\n");
 
 #ifdef SATTN_SR_WEIGHTS_X2
 SATTN_INCBIN(sattn_sr_x2, SATTN_SR_WEIGHTS_X2)

@@ -23,20 +23,24 @@ struct MaskArgs {
 };
 
 inline void add_mask_options(CLI::App* cmd, MaskArgs& a, bool with_scale) {
-  cmd->add_option("--mask", a.mask, "attn_mask .npy: bool (True = may attend) or float (additive), broadcastable to "
-                                    "[B, Hq, Lq, Lk]")->check(CLI::ExistingFile);
+  cmd->add_option("--mask", a.mask,
+                  "attn_mask .npy: bool (True = may attend) or float (additive), broadcastable to "
+                  "[B, Hq, Lq, Lk]")
+      ->check(CLI::ExistingFile);
   auto* kp = cmd->add_option("--key-padding", a.key_padding, "key padding .npy: bool [B, Lk], True = padding")
                  ->check(CLI::ExistingFile);
   auto* ln = cmd->add_option("--lengths", a.lengths, "key lengths .npy: int32/int64 [B]; keys j >= n[b] are padding")
                  ->check(CLI::ExistingFile);
   kp->excludes(ln);
   ln->excludes(kp);
-  cmd->add_option("--causal", a.causal, "causal mask alignment: top-left (PyTorch is_causal) or bottom-right "
-                                        "(FlashAttention)")
+  cmd->add_option("--causal", a.causal,
+                  "causal mask alignment: top-left (PyTorch is_causal) or bottom-right "
+                  "(FlashAttention)")
       ->check(CLI::IsMember({"top-left", "bottom-right", "top_left", "bottom_right", "none"}));
-  if (with_scale) cmd->add_option("--scale", a.scale, "softmax scale (default 1/sqrt(D))")->each([&a](const std::string&) {
-    a.has_scale = true;
-  });
+  if (with_scale)
+    cmd->add_option("--scale", a.scale, "softmax scale (default 1/sqrt(D))")->each([&a](const std::string&) {
+      a.has_scale = true;
+    });
 }
 
 // Owns the loaded tensors; `options` holds views into them.

@@ -68,8 +68,9 @@ struct PatternPictures {
 PatternPictures pattern_pictures(const std::string& spec, const Tensor& q, const Tensor& k, const LoadedMasks& m,
                                  const VizArgs& a, const viz::HeatmapStyle& base) {
   const sparse::Pattern pattern = sparse::Pattern::parse(spec);
-  check(q.dim() == 4 && k.dim() == 4, ErrorKind::kInvalidArgument, "--q/--k: expected [B, H, L, D] with --pattern, got ",
-        shape_to_string(q.shape()), " and ", shape_to_string(k.shape()));
+  check(q.dim() == 4 && k.dim() == 4, ErrorKind::kInvalidArgument,
+        "--q/--k: expected [B, H, L, D] with --pattern, got ", shape_to_string(q.shape()), " and ",
+        shape_to_string(k.shape()));
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
   check(double(B) * double(H) * double(Lq) * double(Lk) <= double(int64_t(1) << 27), ErrorKind::kOutOfMemory,
         "--pattern: [B, Hq, Lq, Lk] = ", shape_to_string({B, H, Lq, Lk}),
@@ -99,13 +100,13 @@ PatternPictures pattern_pictures(const std::string& spec, const Tensor& q, const
     const auto* d = dm.data<uint8_t>();
     const int64_t hs = dm.size(0) == 1 ? 0 : 1;
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t h = 0; h < H; ++h)
-        std::copy_n(d + h * hs * Lq * Lk, Lq * Lk, al + (b * H + h) * Lq * Lk);
+      for (int64_t h = 0; h < H; ++h) std::copy_n(d + h * hs * Lq * Lk, Lq * Lk, al + (b * H + h) * Lq * Lk);
   } else {
     // The selection depends on q and k (and on nothing the sparse kernel does not see: masks and causality
     // must be part of the pattern, e.g. "TopK(8) & SlidingWindow(-1, 0)").
     check(a.masks.mask.empty() && (a.masks.causal.empty() || a.masks.causal == "none"), ErrorKind::kUnsupported,
-          "--pattern '", spec, "': --mask/--causal are not seen by the adaptive selection; put them in the pattern "
+          "--pattern '", spec,
+          "': --mask/--causal are not seen by the adaptive selection; put them in the pattern "
           "(e.g. \"TopK(8) & SlidingWindow(-1, 0)\" for causal)");
     Tensor qf = q.dtype() == DType::kF32 ? q : q.to(DType::kF32), kf = k.dtype() == DType::kF32 ? k : k.to(DType::kF32);
     Tensor v(DType::kF32, {k.size(0), k.size(1), Lk, 1}), o(DType::kF32, {B, H, Lq, 1});
@@ -128,8 +129,9 @@ PatternPictures pattern_pictures(const std::string& spec, const Tensor& q, const
       }
     s.title = "selected keys: " + pattern.repr();
     s.plot_side = a.side > 0 ? a.side : 160;
-    out.images.emplace_back("selected.png", viz::render_heatmap_grid(
-                                                mats, titles, a.columns > 0 ? a.columns : int(std::min<int64_t>(H, 4)), s));
+    out.images.emplace_back(
+        "selected.png",
+        viz::render_heatmap_grid(mats, titles, a.columns > 0 ? a.columns : int(std::min<int64_t>(H, 4)), s));
   }
   // The maps are computed by the reference under attn_mask = pattern AND --mask (bool), or --mask where the
   // pattern allows and -inf elsewhere (float --mask keeps its additive values).
@@ -138,8 +140,9 @@ PatternPictures pattern_pictures(const std::string& spec, const Tensor& q, const
     bool ok = um.dim() >= 2 && um.dim() <= 4;
     const int64_t full[4] = {B, H, Lq, Lk};
     for (int64_t d = 0; ok && d < um.dim(); ++d) ok = um.size(d) == 1 || um.size(d) == full[4 - um.dim() + d];
-    check(ok, ErrorKind::kInvalidArgument, "--mask: expected a shape broadcastable to [B, Hq, Lq, Lk] = ",
-          shape_to_string({B, H, Lq, Lk}), ", got ", shape_to_string(um.shape));
+    check(ok, ErrorKind::kInvalidArgument,
+          "--mask: expected a shape broadcastable to [B, Hq, Lq, Lk] = ", shape_to_string({B, H, Lq, Lk}), ", got ",
+          shape_to_string(um.shape));
   }
   const bool additive = !um.empty() && um.dtype != DType::kBool;
   out.attn_mask = Tensor(additive ? DType::kF64 : DType::kBool, {B, H, Lq, Lk});
@@ -149,10 +152,8 @@ PatternPictures pattern_pictures(const std::string& spec, const Tensor& q, const
       for (int64_t i = 0; i < Lq; ++i)
         for (int64_t j = 0; j < Lk; ++j, ++n) {
           const double u = um.empty() ? 1.0 : mask_at(um, b, h, i, j);
-          if (additive)
-            out.attn_mask.data<double>()[n] = al[n] ? u : -std::numeric_limits<double>::infinity();
-          else
-            out.attn_mask.data<uint8_t>()[n] = al[n] && u != 0.0 ? 1 : 0;
+          if (additive) out.attn_mask.data<double>()[n] = al[n] ? u : -std::numeric_limits<double>::infinity();
+          else out.attn_mask.data<uint8_t>()[n] = al[n] && u != 0.0 ? 1 : 0;
         }
   return out;
 }
@@ -163,7 +164,8 @@ viz::AttentionMaps mha_maps(const VizArgs& a) {
         "--mha: draws the module's own weights; --q/--k/--example/--pattern do not apply");
   check(a.masks.mask.empty() && a.masks.key_padding.empty() && a.masks.lengths.empty() &&
             (a.masks.causal.empty() || a.masks.causal == "none") && !a.masks.has_scale,
-        ErrorKind::kInvalidArgument, "--mha: --mask/--key-padding/--lengths/--causal/--scale are not supported with "
+        ErrorKind::kInvalidArgument,
+        "--mha: --mask/--key-padding/--lengths/--causal/--scale are not supported with "
         "--mha (torch MHA's mask polarity differs from sattn's)");
   check(!a.x.empty(), ErrorKind::kInvalidArgument, "--x: required with --mha (the query input .npy)");
   check(a.embed_dim > 0 && a.num_heads > 0, ErrorKind::kInvalidArgument,
@@ -202,7 +204,8 @@ void run_viz(const VizArgs& a) {
     check(a.q.empty() && a.k.empty() && !a.example && a.mha.empty() && a.pattern.empty() && a.queries.empty() &&
               a.masks.mask.empty() && a.masks.key_padding.empty() && a.masks.lengths.empty() &&
               (a.masks.causal.empty() || a.masks.causal == "none") && !a.masks.has_scale && !a.has_vmax,
-          ErrorKind::kInvalidArgument, "--image: draws the SR model's own attention; --q/--k/--example/--mha/--pattern/"
+          ErrorKind::kInvalidArgument,
+          "--image: draws the SR model's own attention; --q/--k/--example/--mha/--pattern/"
           "--query/--vmax, --scale (the softmax scale; the model's is --sr-scale) and the mask options do not apply "
           "(choose the window with --block, --window or --at)");
     VizImageArgs ia = a.img;
@@ -256,7 +259,8 @@ void run_viz(const VizArgs& a) {
   std::vector<std::string> titles;
   for (int64_t b = 0; b < maps.batch; ++b)
     for (int64_t h = 0; h < maps.heads; ++h) {
-      if (progress) std::cerr << "\rviz: head " << b * maps.heads + h + 1 << "/" << maps.batch * maps.heads << std::flush;
+      if (progress)
+        std::cerr << "\rviz: head " << b * maps.heads + h + 1 << "/" << maps.batch * maps.heads << std::flush;
       viz::HeatmapStyle s = style;
       s.title = "attention weights, batch " + std::to_string(b) + " head " + std::to_string(h);
       if (a.side > 0) s.plot_side = a.side;
@@ -274,8 +278,8 @@ void run_viz(const VizArgs& a) {
   std::vector<int64_t> queries = a.queries;
   if (queries.empty()) queries.push_back(maps.len_q / 2);
   for (int64_t qi : queries) {
-    check(qi >= 0 && qi < maps.len_q, ErrorKind::kInvalidArgument, "--query: expected an index in [0, Lq = ",
-          maps.len_q, "), got ", qi);
+    check(qi >= 0 && qi < maps.len_q, ErrorKind::kInvalidArgument,
+          "--query: expected an index in [0, Lq = ", maps.len_q, "), got ", qi);
     viz::Matrix rows(maps.batch * maps.heads, maps.len_k);
     std::vector<std::string> labels;
     for (int64_t b = 0; b < maps.batch; ++b)
@@ -298,20 +302,25 @@ void run_viz(const VizArgs& a) {
 }  // namespace
 
 void add_viz_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("viz", "Attention maps as PNG: DIR/head_<b>_<h>.png, DIR/heads.png (grid with colour "
-                                        "bar), DIR/query_<i>.png (the keys one query attends to); with --pattern also "
-                                        "DIR/pattern.png (pattern_h<h>.png per head) or, for TopK/BlockTopK, "
-                                        "DIR/selected_<b>_<h>.png and DIR/selected.png");
+  auto* cmd = app.add_subcommand("viz",
+                                 "Attention maps as PNG: DIR/head_<b>_<h>.png, DIR/heads.png (grid with colour "
+                                 "bar), DIR/query_<i>.png (the keys one query attends to); with --pattern also "
+                                 "DIR/pattern.png (pattern_h<h>.png per head) or, for TopK/BlockTopK, "
+                                 "DIR/selected_<b>_<h>.png and DIR/selected.png");
   auto a = std::make_shared<VizArgs>();
   cmd->add_option("--q", a->q, "queries .npy [B, Hq, Lq, D]")->check(CLI::ExistingFile);
   cmd->add_option("--k", a->k, "keys .npy [B, Hkv, Lk, D]")->check(CLI::ExistingFile);
-  cmd->add_flag("--example", a->example, "use generated inputs instead of --q/--k: 4 heads, L=48, D=32 with a diagonal, "
-                                         "a 3-back, a sink and a random head");
+  cmd->add_flag("--example", a->example,
+                "use generated inputs instead of --q/--k: 4 heads, L=48, D=32 with a diagonal, "
+                "a 3-back, a sink and a random head");
   add_mask_options(cmd, a->masks, true);
-  cmd->add_option("--pattern", a->pattern, "sparse/adaptive pattern SPEC (docs/sparse.md syntax, e.g. \"SlidingWindow(4, 0)\", "
-                                        "\"TopK(8)\"): draw it and the maps computed under it");
-  cmd->add_option("--mha", a->mha, "a torch.nn.MultiheadAttention state_dict (.safetensors): draw its per-head "
-                                   "weights on --x [--key --value]")->check(CLI::ExistingFile);
+  cmd->add_option("--pattern", a->pattern,
+                  "sparse/adaptive pattern SPEC (docs/sparse.md syntax, e.g. \"SlidingWindow(4, 0)\", "
+                  "\"TopK(8)\"): draw it and the maps computed under it");
+  cmd->add_option("--mha", a->mha,
+                  "a torch.nn.MultiheadAttention state_dict (.safetensors): draw its per-head "
+                  "weights on --x [--key --value]")
+      ->check(CLI::ExistingFile);
   cmd->add_option("--x", a->x, "with --mha: query input .npy [L, N, E] ([N, L, E] with --batch-first; or [L, E])")
       ->check(CLI::ExistingFile);
   cmd->add_option("--key", a->key, "with --mha: key input .npy (default --x)")->check(CLI::ExistingFile);
@@ -319,30 +328,43 @@ void add_viz_command(CLI::App& app) {
   cmd->add_option("--embed-dim", a->embed_dim, "with --mha: embed_dim E");
   cmd->add_option("--num-heads", a->num_heads, "with --mha: num_heads H");
   cmd->add_flag("--batch-first", a->batch_first, "with --mha: inputs are [N, L, E]");
-  cmd->add_option("--image", a->img.image, "a PNG/JPEG through the SR model: writes DIR/head_<h>.png, heads.png (one "
-                                         "window's attention), focus.png (a query pixel's attention over the picture), "
-                                         "routing.png (each block's routed windows), routing.json")
+  cmd->add_option("--image", a->img.image,
+                  "a PNG/JPEG through the SR model: writes DIR/head_<h>.png, heads.png (one "
+                  "window's attention), focus.png (a query pixel's attention over the picture), "
+                  "routing.png (each block's routed windows), routing.json")
       ->check(CLI::ExistingFile);
-  cmd->add_option("--sr-scale", a->img.sr_scale, "with --image: the model's scale, 2 or 4 (must match the weights; "
-                                                 "default: that of --weights, else 2)");
-  cmd->add_option("--weights", a->img.weights, "with --image: SR weights .safetensors (default: embedded / "
-                                               "sr/weights/)")->check(CLI::ExistingFile);
-  cmd->add_option("--attention", a->img.attention, "with --image: sparse (the router decides) or dense (every "
-                                                   "window)")->check(CLI::IsMember({"sparse", "dense"}))
+  cmd->add_option("--sr-scale", a->img.sr_scale,
+                  "with --image: the model's scale, 2 or 4 (must match the weights; "
+                  "default: that of --weights, else 2)");
+  cmd->add_option("--weights", a->img.weights,
+                  "with --image: SR weights .safetensors (default: embedded / "
+                  "sr/weights/)")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--attention", a->img.attention,
+                  "with --image: sparse (the router decides) or dense (every "
+                  "window)")
+      ->check(CLI::IsMember({"sparse", "dense"}))
       ->capture_default_str();
-  cmd->add_option("--block", a->img.block, "with --image: the block G.B whose window is drawn (default: the first "
-                                           "block with the widest windows)");
+  cmd->add_option("--block", a->img.block,
+                  "with --image: the block G.B whose window is drawn (default: the first "
+                  "block with the widest windows)");
   cmd->add_option("--window", a->img.window, "with --image: window index of that block (partition order)");
-  cmd->add_option("--at", a->img.at, "with --image: X,Y, an LR pixel: the query, and the window that holds it "
-                                     "(default: the image centre)")->delimiter(',')->expected(2);
-  cmd->add_option("--crop", a->img.crop, "with --image: X,Y,W,H, run on this part of the image")->delimiter(',')
+  cmd->add_option("--at", a->img.at,
+                  "with --image: X,Y, an LR pixel: the query, and the window that holds it "
+                  "(default: the image centre)")
+      ->delimiter(',')
+      ->expected(2);
+  cmd->add_option("--crop", a->img.crop, "with --image: X,Y,W,H, run on this part of the image")
+      ->delimiter(',')
       ->expected(4);
   cmd->add_option("--max-pixels", a->img.max_pixels, "with --image: refuse larger images (after --crop)")
       ->capture_default_str();
   cmd->add_option("--query", a->queries, "query index for a focus view (repeatable; default Lq/2)");
   cmd->add_option("--cmap", a->cmap, "colour map")->check(CLI::IsMember({"viridis", "magma", "gray"}));
-  cmd->add_option("--columns", a->columns, "panels per row in heads.png (default min(Hq, 4))")->check(CLI::Range(1, 64));
-  cmd->add_option("--side", a->side, "size of a map in pixels (default 384, 160 in the grid)")->check(CLI::Range(16, 4096));
+  cmd->add_option("--columns", a->columns, "panels per row in heads.png (default min(Hq, 4))")
+      ->check(CLI::Range(1, 64));
+  cmd->add_option("--side", a->side, "size of a map in pixels (default 384, 160 in the grid)")
+      ->check(CLI::Range(16, 4096));
   cmd->add_option("--vmax", a->vmax, "top of the colour scale (default: the largest weight)")
       ->each([a](const std::string&) { a->has_vmax = true; });
   cmd->add_option("--out", a->out, "output directory (created)")->required();

@@ -34,8 +34,9 @@ constexpr viz::Rgb kEdge{30, 30, 30};
 sr::SrModel load_sr_model(const std::string& weights, int scale) {
   const int want = scale == 0 && weights.empty() ? 2 : scale;
   std::optional<sr::SrModel> m = find_sr_model(weights, want, "--sr-scale");
-  check(m.has_value(), ErrorKind::kIO, "--image: no SR weights for x", want, ": ",
-        [&] { return missing_sr_weights(want); }, " (pass --weights FILE)");
+  check(
+      m.has_value(), ErrorKind::kIO, "--image: no SR weights for x", want, ": ",
+      [&] { return missing_sr_weights(want); }, " (pass --weights FILE)");
   return std::move(*m);
 }
 
@@ -57,7 +58,8 @@ int64_t parse_block(const std::string& text, const std::vector<sr::BlockGeometry
   for (size_t i = 0; i < geo.size(); ++i)
     if (geo[i].group == g && geo[i].index == b) return int64_t(i);
   std::string blocks;
-  for (const auto& bg : geo) blocks += (blocks.empty() ? "" : ", ") + std::to_string(bg.group) + "." + std::to_string(bg.index);
+  for (const auto& bg : geo)
+    blocks += (blocks.empty() ? "" : ", ") + std::to_string(bg.group) + "." + std::to_string(bg.index);
   fail(ErrorKind::kInvalidArgument, "--block: expected ", expect, ", one of ", blocks, "; given '", text, "'");
 }
 
@@ -162,7 +164,8 @@ ProbeTarget choose_probe(const VizImageArgs& a, const std::vector<sr::BlockGeome
   pt.block = a.block.empty() ? int64_t(std::max_element(geo.begin(), geo.end(),
                                                         [](const sr::BlockGeometry& x, const sr::BlockGeometry& y) {
                                                           return x.window < y.window;
-                                                        }) - geo.begin())
+                                                        }) -
+                                       geo.begin())
                              : parse_block(a.block, geo);
   const sr::BlockGeometry& bg = geo[size_t(pt.block)];
   const int64_t ws = bg.window, L = ws * ws, H = bg.height, W = bg.width;
@@ -200,8 +203,14 @@ ProbeTarget choose_probe(const VizImageArgs& a, const std::vector<sr::BlockGeome
 // One forward with the probe: the probed window's attention, every block's routing and gates, the statistics.
 struct ProbedRun {
   ProbedRun(const VizImageArgs& args, const sr::SrModel& m, const sr::Image& image)
-      : a(args), model(m), im(image), geo(m.block_geometry(image.height, image.width)), h(image.height),
-        w(image.width), H(geo.front().height), W(geo.front().width) {}
+      : a(args),
+        model(m),
+        im(image),
+        geo(m.block_geometry(image.height, image.width)),
+        h(image.height),
+        w(image.width),
+        H(geo.front().height),
+        W(geo.front().width) {}
   const VizImageArgs& a;
   const sr::SrModel& model;
   const sr::Image& im;
@@ -232,7 +241,7 @@ void run_probed_forward(ProbedRun& r) {
   r.mode = opt.mode;
   r.where = "block " + block_name(r.bg()) + " window " + std::to_string(r.probe.window);
   r.state = opt.mode == sr::AttentionMode::kDense ? "dense: every window attends"
-            : r.probe.routed ? "routed, gate " + fixed(r.probe.gate)
+            : r.probe.routed                      ? "routed, gate " + fixed(r.probe.gate)
                              : "not routed, gate " + fixed(r.probe.gate) + ": weights as if it were";
 }
 
@@ -329,10 +338,10 @@ void draw_focus(const ProbedRun& r, const viz::Image& padded, const Save& save) 
   }
   viz::PanelGridStyle s;
   s.title = "attention of pixel (" + std::to_string(qx) + ", " + std::to_string(qy) + ") over its window";
-  s.legend = {r.where + " (" + std::to_string(ws) + "x" + std::to_string(ws) + (bg.shift ? ", shifted" : "") + "), " +
-                  r.state,
-              "red: the query pixel; coloured: the weight it gives each pixel of the window (uniform would be " +
-                  fixed(1.0 / double(L), 5) + ")"};
+  s.legend = {
+      r.where + " (" + std::to_string(ws) + "x" + std::to_string(ws) + (bg.shift ? ", shifted" : "") + "), " + r.state,
+      "red: the query pixel; coloured: the weight it gives each pixel of the window (uniform would be " +
+          fixed(1.0 / double(L), 5) + ")"};
   s.colorbar = true;
   s.vmin = vmin, s.vmax = vmax, s.cmap = r.cmap, s.colorbar_label = "weight";
   save("focus.png", viz::render_panel_grid(panels, caps, a.columns > 0 ? a.columns : 4, s));
@@ -360,10 +369,11 @@ void draw_routing(const ProbedRun& r, const viz::Image& padded, nlohmann::json& 
         if (routed[size_t(g.offset + n)])
           blend_cell(p, x, y, f, viz::colormap(r.cmap, gates[size_t(g.offset + n)]), 0.6);
       }
-    draw_edges(p, 0, 0, int(w), int(h), f, [&](int x, int y) { return g.window_of(y, x); }, kEdge, 0.5);
+    draw_edges(
+        p, 0, 0, int(w), int(h), f, [&](int x, int y) { return g.window_of(y, x); }, kEdge, 0.5);
     panels.push_back(std::move(p));
-    caps.push_back("block " + block_name(g) + " (" + std::to_string(g.window) + (g.shift ? "s" : "") + "): " +
-                   std::to_string(n_routed) + "/" + std::to_string(g.num_windows()));
+    caps.push_back("block " + block_name(g) + " (" + std::to_string(g.window) + (g.shift ? "s" : "") +
+                   "): " + std::to_string(n_routed) + "/" + std::to_string(g.num_windows()));
     nlohmann::json b;
     b["block"] = block_name(g);
     b["window"] = g.window;
@@ -400,7 +410,7 @@ void describe_run(const ProbedRun& r, nlohmann::json& js, VizImagePictures& resu
   js["windows_total"] = r.stats.windows_total;
   js["windows_routed"] = r.stats.windows_routed;
   js["probe"] = {{"block", block_name(r.bg())}, {"window", r.probe.window}, {"query_token", r.target.q_token},
-                 {"query_pixel", {qx, qy}}, {"routed", r.probe.routed}, {"gate", r.probe.gate}};
+                 {"query_pixel", {qx, qy}},     {"routed", r.probe.routed}, {"gate", r.probe.gate}};
   result.json = js.dump(1) + "\n";
   result.summary = std::to_string(r.stats.windows_routed) + " of " + std::to_string(r.stats.windows_total) +
                    " windows routed to attention; " + r.where + " (" + r.state + "), query pixel (" +

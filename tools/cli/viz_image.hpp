@@ -12,19 +12,19 @@ namespace sattn::cli {
 
 struct VizImageArgs {
   std::string image, out, weights, block, attention = "sparse", cmap = "viridis";
-  int sr_scale = 0;            // 0: the scale of --weights, else 2 (the embedded weights)
-  int64_t window = -1;         // -1: from --at, else the window holding the image centre
-  std::vector<int64_t> at;     // X,Y: an LR pixel (of the cropped image)
-  std::vector<int64_t> crop;   // X,Y,W,H
+  int sr_scale = 0;           // 0: the scale of --weights, else 2 (the embedded weights)
+  int64_t window = -1;        // -1: from --at, else the window holding the image centre
+  std::vector<int64_t> at;    // X,Y: an LR pixel (of the cropped image)
+  std::vector<int64_t> crop;  // X,Y,W,H
   int64_t max_pixels = 256 * 256;
-  int side = 0;                // size of a picture panel (0: defaults)
+  int side = 0;  // size of a picture panel (0: defaults)
   int columns = 0;
 };
 
 struct VizImagePictures {
   std::vector<std::pair<std::string, viz::Image>> pictures;  // file name, picture
-  std::string json;     // routing.json
-  std::string summary;  // one line for a report
+  std::string json;                                          // routing.json
+  std::string summary;                                       // one line for a report
 };
 // The pictures without writing them (args.out unused); `sattn report --image` embeds them.
 VizImagePictures render_viz_image(const VizImageArgs& args);

@@ -67,9 +67,9 @@ struct Params {
   OutView4 lse;  // [B, Hq, Lq] (sd unused); data == nullptr when not wanted
 
   // Backward inputs/outputs.
-  View4 dout, o;             // [B, Hq, Lq, Dv]
-  View4 lse_in;              // [B, Hq, Lq]
-  OutView4 dq, dk, dv;       // same shapes as q, k, v
+  View4 dout, o;        // [B, Hq, Lq, Dv]
+  View4 lse_in;         // [B, Hq, Lq]
+  OutView4 dq, dk, dv;  // same shapes as q, k, v
   // The additive mask's gradient, dense in the mask's own shape viewed as 4-D with the strides below: a float
   // buffer when every element receives one dS value, a double one when the mask is broadcast (an element then
   // sums up to B·Hq·Lq·Lk values). Exactly one of the two is set when the gradient is wanted.

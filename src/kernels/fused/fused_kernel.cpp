@@ -322,8 +322,6 @@ void fused_backward(const BackwardArgs& a) {
 }  // namespace
 }  // namespace fused
 
-KernelEntry fused_kernel() {
-  return {"fused", fused::fused_supports, fused::fused_forward, fused::fused_backward};
-}
+KernelEntry fused_kernel() { return {"fused", fused::fused_supports, fused::fused_forward, fused::fused_backward}; }
 
 }  // namespace sattn

@@ -122,8 +122,8 @@ HWY_INLINE void MicroTile(const float* HWY_RESTRICT A, int64_t sam, int64_t sak,
 }
 
 template <int NV, bool kAcc, int MR = kMR - 1>
-HWY_INLINE void TailRows(int64_t rows, const float* A, int64_t sam, int64_t sak, const float* B, int64_t ldb,
-                         float* C, int64_t ldc, int64_t K) {
+HWY_INLINE void TailRows(int64_t rows, const float* A, int64_t sam, int64_t sak, const float* B, int64_t ldb, float* C,
+                         int64_t ldc, int64_t K) {
   if constexpr (MR >= 1) {
     if (rows == MR) return MicroTile<MR, NV, kAcc>(A, sam, sak, B, ldb, C, ldc, K);
     TailRows<NV, kAcc, MR - 1>(rows, A, sam, sak, B, ldb, C, ldc, K);
@@ -185,8 +185,8 @@ Rows RowsOf(const View4& t, int64_t b, int64_t h, int64_t j0, int64_t n, int64_t
 }
 
 // Q^T [D x Br] of query rows [i0, i0 + nq), multiplied by `mul`; lanes past nq are 0.
-void PackTransposed(const View4& t, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t width, int64_t Br,
-                    float mul, float* out) {
+void PackTransposed(const View4& t, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t width, int64_t Br, float mul,
+                    float* out) {
   std::memset(out, 0, sizeof(float) * size_t(width * Br));
   const int64_t base = b * t.sb + h * t.sh + i0 * t.sl;
   if (t.dtype == DType::kF32 && t.sd == 1) {
@@ -196,7 +196,8 @@ void PackTransposed(const View4& t, int64_t b, int64_t h, int64_t i0, int64_t nq
     return;
   }
   for (int64_t ii = 0; ii < nq; ++ii)
-    for (int64_t x = 0; x < width; ++x) out[x * Br + ii] = load_elem(t.data, t.dtype, base + ii * t.sl + x * t.sd) * mul;
+    for (int64_t x = 0; x < width; ++x)
+      out[x * Br + ii] = load_elem(t.data, t.dtype, base + ii * t.sl + x * t.sd) * mul;
 }
 
 // Row-major [Br x wpad] copy of rows [i0, i0 + nq) times `mul`, zero padded.
@@ -205,15 +206,16 @@ void PackRows(const View4& t, int64_t b, int64_t h, int64_t i0, int64_t nq, int6
   std::memset(out, 0, sizeof(float) * size_t(Br * wpad));
   const int64_t base = b * t.sb + h * t.sh + i0 * t.sl;
   for (int64_t ii = 0; ii < nq; ++ii)
-    for (int64_t x = 0; x < width; ++x) out[ii * wpad + x] = load_elem(t.data, t.dtype, base + ii * t.sl + x * t.sd) * mul;
+    for (int64_t x = 0; x < width; ++x)
+      out[ii * wpad + x] = load_elem(t.data, t.dtype, base + ii * t.sl + x * t.sd) * mul;
 }
 
 // Which keys of a tile are usable at all, and the additive bias of the tile.
 struct TileMask {
-  bool skip = false;        // nothing in the tile is allowed
+  bool skip = false;  // nothing in the tile is allowed
   bool causal_partial = false;
-  bool has_bias = false;    // bias[jj * Br + ii] is valid (attn_mask; -inf where not allowed)
-  bool has_pad = false;     // pad[jj] != 0: key padded
+  bool has_bias = false;  // bias[jj * Br + ii] is valid (attn_mask; -inf where not allowed)
+  bool has_pad = false;   // pad[jj] != 0: key padded
 };
 
 // Evaluates masks for queries [i0, i0 + nq) x keys [kb, kb + nk) of (b, h).
@@ -310,7 +312,7 @@ HWY_INLINE VF OnlineSoftmaxStep(DF d, float* HWY_RESTRICT ST, int64_t nk, int64_
   const VF m_old = hn::Load(d, M);
   const VF m_new = hn::Max(m_old, mx);
   const VF m_use = hn::IfThenElse(hn::Eq(m_new, ninf), zero, m_new);  // all masked so far: keep 0s
-  const VF alpha = Exp<true>(d, hn::Sub(m_old, m_use));                // exp(-inf) = 0
+  const VF alpha = Exp<true>(d, hn::Sub(m_old, m_use));               // exp(-inf) = 0
   VF sum = zero;
   for (jj = 0; jj < nk; ++jj) {
     const VF e = Exp<true>(d, hn::Sub(hn::Load(d, ST + jj * Br), m_use));
@@ -365,9 +367,9 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
   const int64_t Bc = p.Bc, D = p.D, Dv = p.Dv, Br = p.Br;
   const int64_t Dp = Params::pad16(D), Dvp = Params::pad16(Dv), Dfull = D / N * N, Dvfull = Dv / N * N;
   Scratch s_q, s_o, s_s, s_bias, s_kbuf, s_vbuf;
-  float* Q = s_q.alloc(NQ * Dp);    // scale·q rows, zero padded
+  float* Q = s_q.alloc(NQ * Dp);  // scale·q rows, zero padded
   float* O = s_o.alloc(NQ * Dvp);
-  float* S = s_s.alloc(NQ * Bc);   // scores, then probabilities, of one key tile
+  float* S = s_s.alloc(NQ * Bc);  // scores, then probabilities, of one key tile
   float* bias = p.mask != MaskKind::kNone ? s_bias.alloc(NQ * Bc * Br) : nullptr;
   float* kbuf = s_kbuf.alloc(Bc * D);
   float* vbuf = s_vbuf.alloc(Bc * Dv);
@@ -538,14 +540,15 @@ void ForwardTask(const Params& p, int64_t task) {
     for (int64_t x = 0; x < Br; x += N) {
       const VF alpha = OnlineSoftmaxStep(d, ST + x, nk, Br, M + x, L + x);
       if (!hn::AllTrue(d, hn::Eq(alpha, hn::Set(d, 1.f))))
-        for (int64_t dd = 0; dd < Dv; ++dd) hn::Store(hn::Mul(hn::Load(d, OT + dd * Br + x), alpha), d, OT + dd * Br + x);
+        for (int64_t dd = 0; dd < Dv; ++dd)
+          hn::Store(hn::Mul(hn::Load(d, OT + dd * Br + x), alpha), d, OT + dd * Br + x);
     }
     const float* P = ST;
     if (PT) {  // dropout: P' = P keep / (1 - p) feeds the output; the normaliser l uses P
       for (int64_t jj = 0; jj < nk; ++jj)
         for (int64_t ii = 0; ii < Br; ++ii)
-          PT[jj * Br + ii] = ii < nq && dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(h),
-                                                     uint32_t(i0 + ii), uint32_t(kb + jj))
+          PT[jj * Br + ii] = ii < nq && dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(h), uint32_t(i0 + ii),
+                                                     uint32_t(kb + jj))
                                  ? ST[jj * Br + ii] * keep_scale
                                  : 0.f;
       P = PT;
@@ -573,9 +576,8 @@ struct BwdTile {
 // P = exp(S − lse); with kLogSum, P = exp((S − m) − log l): lse_t then holds the row max m (or lse for the rows
 // that do not need it, whose log_sum_t is 0).
 template <bool kLogSum>
-HWY_INLINE void TileProbabilities(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, int64_t nq,
-                                  int64_t kb, int64_t nk, const float* lse_t, const float* log_sum_t,
-                                  const float* delta_t) {
+HWY_INLINE void TileProbabilities(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t kb,
+                                  int64_t nk, const float* lse_t, const float* log_sum_t, const float* delta_t) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d)), Br = p.Br;
   const float keep_scale = p.dropout_p > 0 ? float(1.0 / (1.0 - p.dropout_p)) : 1.f;
@@ -585,8 +587,8 @@ HWY_INLINE void TileProbabilities(const Params& p, BwdTile& w, int64_t b, int64_
     float* pdrow = w.PdT + jj * Br;
     if (p.dropout_p > 0) {
       for (int64_t ii = 0; ii < nq; ++ii) {
-        const bool keep = dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(h), uint32_t(i0 + ii),
-                                       uint32_t(kb + jj));
+        const bool keep =
+            dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(h), uint32_t(i0 + ii), uint32_t(kb + jj));
         pdrow[ii] = keep ? keep_scale : 0.f;  // temporarily the dropout factor
       }
       for (int64_t ii = nq; ii < Br; ++ii) pdrow[ii] = 0.f;
@@ -704,14 +706,15 @@ void BackwardKVTask(const Params& p, int64_t task) {
         const float* Qr = p.pk_qr + t * Br * Dp;
         const float* dOr = p.pk_dor + t * Br * Dvp;
         Gemm<true>(sc.w.PdT, Br, 1, dOr, Dvp, dV, Dvp, nk_eff, Dvp / N, Br);  // dV += P'^T dO
-        Gemm<true>(sc.w.ST, Br, 1, Qr, Dp, dK, Dp, nk_eff, Dp / N, Br);      // dK += dS^T (scale Q)
+        Gemm<true>(sc.w.ST, Br, 1, Qr, Dp, dK, Dp, nk_eff, Dp / N, Br);       // dK += dS^T (scale Q)
       }
     }
   }
   const int64_t kbase = b * p.dk.sb + hk * p.dk.sh + kb * p.dk.sl;
   const int64_t vbase = b * p.dv.sb + hk * p.dv.sh + kb * p.dv.sl;
   for (int64_t jj = 0; jj < nk; ++jj) {
-    for (int64_t x = 0; x < p.D; ++x) store_elem(p.dk.data, p.dk.dtype, kbase + jj * p.dk.sl + x * p.dk.sd, dK[jj * Dp + x]);
+    for (int64_t x = 0; x < p.D; ++x)
+      store_elem(p.dk.data, p.dk.dtype, kbase + jj * p.dk.sl + x * p.dk.sd, dK[jj * Dp + x]);
     for (int64_t x = 0; x < p.Dv; ++x)
       store_elem(p.dv.data, p.dv.dtype, vbase + jj * p.dv.sl + x * p.dv.sd, dV[jj * Dvp + x]);
   }
@@ -761,7 +764,7 @@ void BackwardQTask(const Params& p, int64_t task) {
     Rows kr{};
     if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk, &kr, nullptr)) continue;
     Gemm<true>(kr.ptr, 1, kr.stride, sc.w.ST, Br, dQT, Br, p.D, nvec, nk);  // dQ^T += K^T dS^T
-    if (p.dmask) {  // one dS value per element
+    if (p.dmask) {                                                          // one dS value per element
       float* dm = p.dmask + b * p.dm_sb + h * p.dm_sh;
       for (int64_t jj = 0; jj < nk; ++jj)
         for (int64_t ii = 0; ii < nq; ++ii) dm[(i0 + ii) * p.dm_sl + (kb + jj) * p.dm_sj] += sc.w.ST[jj * Br + ii];

@@ -47,8 +47,8 @@ void store_dense(const TensorView& t, const std::vector<T>& values) {
 template <typename T>
 struct Materialised {
   int64_t B, H, Lq, Lk;
-  std::vector<T> prob;          // softmax probabilities P (before dropout); 0 where not allowed
-  std::vector<T> lse;           // [B, H, Lq]; -inf for rows with no allowed key
+  std::vector<T> prob;           // softmax probabilities P (before dropout); 0 where not allowed
+  std::vector<T> lse;            // [B, H, Lq]; -inf for rows with no allowed key
   std::vector<uint8_t> allowed;  // [B, H, Lq, Lk]
   size_t at(int64_t b, int64_t h, int64_t i, int64_t j) const { return size_t(((b * H + h) * Lq + i) * Lk + j); }
 };
@@ -68,8 +68,8 @@ void check_memory(const AttentionProblem& p, const AttentionOptions& o) {
 }
 
 template <typename T>
-Materialised<T> compute_probabilities(const AttentionProblem& p, const MaskData& m,
-                                      const std::vector<T>& q, const std::vector<T>& k, int threads) {
+Materialised<T> compute_probabilities(const AttentionProblem& p, const MaskData& m, const std::vector<T>& q,
+                                      const std::vector<T>& k, int threads) {
   Materialised<T> r{p.batch, p.heads_q, p.len_q, p.len_k, {}, {}, {}};
   r.prob.assign(size_t(p.batch * p.heads_q * p.len_q * p.len_k), T(0));
   r.allowed.assign(r.prob.size(), 0);
