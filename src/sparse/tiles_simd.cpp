@@ -230,11 +230,11 @@ void Probabilities(float* s, int64_t m, int64_t n, const float* lse) {
   }
 }
 
-// 8 x 8 blocks transposed in registers (GCC vector extensions: unpack / shuffle / 128-bit lane swap; one AVX
-// register per row, two SSE registers on the portable build), scalar edges.
+// 8 x 8 blocks transposed in registers (vector extensions of GCC >= 12 and clang, __builtin_shufflevector with
+// indices 0-7 from the first row and 8-15 from the second: unpack / shuffle / 128-bit lane swap; one AVX register
+// per row, two SSE registers on the portable build), scalar edges.
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
-typedef int32_t i8 __attribute__((vector_size(32)));
 HWY_INLINE v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 HWY_INLINE void store8(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
 
@@ -247,25 +247,31 @@ void TransposeRows(const float* HWY_RESTRICT src, int64_t lds, int64_t n, int64_
       const float* s0 = src + j * lds + c;
       const v8 r0 = load8(s0), r1 = load8(s0 + lds), r2 = load8(s0 + 2 * lds), r3 = load8(s0 + 3 * lds),
                r4 = load8(s0 + 4 * lds), r5 = load8(s0 + 5 * lds), r6 = load8(s0 + 6 * lds), r7 = load8(s0 + 7 * lds);
-      const i8 lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};
-      const v8 t0 = __builtin_shuffle(r0, r1, lo), t1 = __builtin_shuffle(r0, r1, hi),
-               t2 = __builtin_shuffle(r2, r3, lo), t3 = __builtin_shuffle(r2, r3, hi),
-               t4 = __builtin_shuffle(r4, r5, lo), t5 = __builtin_shuffle(r4, r5, hi),
-               t6 = __builtin_shuffle(r6, r7, lo), t7 = __builtin_shuffle(r6, r7, hi);
-      const i8 a = {0, 1, 8, 9, 4, 5, 12, 13}, b = {2, 3, 10, 11, 6, 7, 14, 15};
-      const v8 u0 = __builtin_shuffle(t0, t2, a), u1 = __builtin_shuffle(t0, t2, b), u2 = __builtin_shuffle(t1, t3, a),
-               u3 = __builtin_shuffle(t1, t3, b), u4 = __builtin_shuffle(t4, t6, a), u5 = __builtin_shuffle(t4, t6, b),
-               u6 = __builtin_shuffle(t5, t7, a), u7 = __builtin_shuffle(t5, t7, b);
-      const i8 l = {0, 1, 2, 3, 8, 9, 10, 11}, h = {4, 5, 6, 7, 12, 13, 14, 15};
+      const v8 t0 = __builtin_shufflevector(r0, r1, 0, 8, 1, 9, 4, 12, 5, 13),
+               t1 = __builtin_shufflevector(r0, r1, 2, 10, 3, 11, 6, 14, 7, 15),
+               t2 = __builtin_shufflevector(r2, r3, 0, 8, 1, 9, 4, 12, 5, 13),
+               t3 = __builtin_shufflevector(r2, r3, 2, 10, 3, 11, 6, 14, 7, 15),
+               t4 = __builtin_shufflevector(r4, r5, 0, 8, 1, 9, 4, 12, 5, 13),
+               t5 = __builtin_shufflevector(r4, r5, 2, 10, 3, 11, 6, 14, 7, 15),
+               t6 = __builtin_shufflevector(r6, r7, 0, 8, 1, 9, 4, 12, 5, 13),
+               t7 = __builtin_shufflevector(r6, r7, 2, 10, 3, 11, 6, 14, 7, 15);
+      const v8 u0 = __builtin_shufflevector(t0, t2, 0, 1, 8, 9, 4, 5, 12, 13),
+               u1 = __builtin_shufflevector(t0, t2, 2, 3, 10, 11, 6, 7, 14, 15),
+               u2 = __builtin_shufflevector(t1, t3, 0, 1, 8, 9, 4, 5, 12, 13),
+               u3 = __builtin_shufflevector(t1, t3, 2, 3, 10, 11, 6, 7, 14, 15),
+               u4 = __builtin_shufflevector(t4, t6, 0, 1, 8, 9, 4, 5, 12, 13),
+               u5 = __builtin_shufflevector(t4, t6, 2, 3, 10, 11, 6, 7, 14, 15),
+               u6 = __builtin_shufflevector(t5, t7, 0, 1, 8, 9, 4, 5, 12, 13),
+               u7 = __builtin_shufflevector(t5, t7, 2, 3, 10, 11, 6, 7, 14, 15);
       float* o = dst + c * ldd + j;
-      store8(o, __builtin_shuffle(u0, u4, l));
-      store8(o + ldd, __builtin_shuffle(u1, u5, l));
-      store8(o + 2 * ldd, __builtin_shuffle(u2, u6, l));
-      store8(o + 3 * ldd, __builtin_shuffle(u3, u7, l));
-      store8(o + 4 * ldd, __builtin_shuffle(u0, u4, h));
-      store8(o + 5 * ldd, __builtin_shuffle(u1, u5, h));
-      store8(o + 6 * ldd, __builtin_shuffle(u2, u6, h));
-      store8(o + 7 * ldd, __builtin_shuffle(u3, u7, h));
+      store8(o, __builtin_shufflevector(u0, u4, 0, 1, 2, 3, 8, 9, 10, 11));
+      store8(o + ldd, __builtin_shufflevector(u1, u5, 0, 1, 2, 3, 8, 9, 10, 11));
+      store8(o + 2 * ldd, __builtin_shufflevector(u2, u6, 0, 1, 2, 3, 8, 9, 10, 11));
+      store8(o + 3 * ldd, __builtin_shufflevector(u3, u7, 0, 1, 2, 3, 8, 9, 10, 11));
+      store8(o + 4 * ldd, __builtin_shufflevector(u0, u4, 4, 5, 6, 7, 12, 13, 14, 15));
+      store8(o + 5 * ldd, __builtin_shufflevector(u1, u5, 4, 5, 6, 7, 12, 13, 14, 15));
+      store8(o + 6 * ldd, __builtin_shufflevector(u2, u6, 4, 5, 6, 7, 12, 13, 14, 15));
+      store8(o + 7 * ldd, __builtin_shufflevector(u3, u7, 4, 5, 6, 7, 12, 13, 14, 15));
     }
     for (; c < d; ++c)
       for (int64_t r = 0; r < 8; ++r) dst[c * ldd + j + r] = src[(j + r) * lds + c];
