@@ -166,3 +166,21 @@ def test_every_component_runs_the_target_set_by_SATTN_SIMD(target, problems, sr_
         pytest.skip("PyTorch, sr/train/model.py or the SR weights missing: the SR model's target NOT checked")
     assert np.abs(got["sr_dense"] - sr_oracle["dense"]).max() <= 1e-4
     assert np.abs(got["sr_sparse"] - sr_oracle["sparse"]).max() <= 1e-4
+
+
+def test_bad_SATTN_SIMD_is_an_error_naming_the_variable_and_SATTN_SPARSE_ISA_says_it_is_gone():
+    code = ("import numpy as np, sattn\n"
+            "q = np.ones((1, 1, 4, 8), np.float32)\n"
+            "try:\n"
+            "    sattn.scaled_dot_product_attention(q, q, q)\n"
+            "except sattn.InvalidArgumentError as e:\n"
+            "    print('error:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, SATTN_SIMD="avx1024"),
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "error: SATTN_SIMD: expected one of auto, avx512, avx2, sse4, portable; got 'avx1024'" in r.stdout
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, SATTN_SPARSE_ISA="avx2"),
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.count("SATTN_SPARSE_ISA is no longer read") == 1, r.stderr
+    assert "SATTN_SIMD" in r.stderr
