@@ -114,17 +114,7 @@ std::vector<int32_t> grid_bounds(int64_t len_q, int64_t block) {
 
 }  // namespace detail
 
-namespace {
-using detail::align_offset;
-using detail::alignment_suffix;
-using detail::block_aligned_bounds;
-using detail::check_alignment;
-using detail::check_depth;
-using detail::check_len32;
-using detail::check_param;
-using detail::floor_div;
-using detail::floor_mod;
-}  // namespace
+using namespace detail;  // the pattern helpers of pattern_node.hpp
 
 // ---- Node defaults ----------------------------------------------------------------------------------------------
 

@@ -12,17 +12,7 @@
 
 namespace sattn::sparse {
 
-namespace {
-using detail::align_offset;
-using detail::alignment_suffix;
-using detail::block_aligned_bounds;
-using detail::check_alignment;
-using detail::check_depth;
-using detail::check_len32;
-using detail::check_param;
-using detail::floor_div;
-using detail::floor_mod;
-}  // namespace
+using namespace detail;  // the pattern helpers of pattern_node.hpp
 
 // ---- SlidingWindow --------------------------------------------------------------------------------------------
 

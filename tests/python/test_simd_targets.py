@@ -48,12 +48,8 @@ import json, sys
 import numpy as np
 import sattn
 out = {}
-rng = np.random.default_rng(7)
-B, Hq, Hkv, Lq, Lk, D = 2, 4, 2, 77, 90, 24
-q = rng.standard_normal((B, Hq, Lq, D)).astype(np.float32)
-k = rng.standard_normal((B, Hkv, Lk, D)).astype(np.float32)
-v = rng.standard_normal((B, Hkv, Lk, D)).astype(np.float32)
-dout = rng.standard_normal((B, Hq, Lq, D)).astype(np.float32)
+inputs = np.load(sys.argv[5])  # the parent's problem (fixture `problems`)
+q, k, v, dout = inputs["q"], inputs["k"], inputs["v"], inputs["dout"]
 o, lse = sattn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, return_lse=True,
                                             kernel="fused", strict=True)
 dq, dk, dv = sattn.scaled_dot_product_attention_backward(dout, q, k, v, o, lse, is_causal=True, enable_gqa=True,
@@ -76,7 +72,8 @@ print(json.dumps(sattn.simd_targets()))
 
 
 @pytest.fixture(scope="module")
-def problems():
+def problems(tmp_path_factory):
+    """One GQA problem (Hq 4, Hkv 2, Lq 77, Lk 90, D 24), saved for the subprocesses, and its fp64 references."""
     rng = np.random.default_rng(7)
     B, Hq, Hkv, Lq, Lk, D = 2, 4, 2, 77, 90, 24
     q = rng.standard_normal((B, Hq, Lq, D)).astype(np.float32)
@@ -86,7 +83,9 @@ def problems():
     rep = lambda x: np.repeat(x, Hq // Hkv, axis=1)  # noqa: E731  (GQA: key head h // 2)
     causal = np.tril(np.ones((Lq, Lk), bool))[None]
     window = sattn.SlidingWindow(8, 5).dense_mask(Lq, Lk, heads=Hq)
-    return dict(q=q, k=k, v=v, dout=dout, rep=rep, fused=reference(q, rep(k), rep(v), causal, dout),
+    path = tmp_path_factory.mktemp("simd_inputs") / "inputs.npz"
+    np.savez(path, q=q, k=k, v=v, dout=dout)
+    return dict(q=q, k=k, v=v, dout=dout, rep=rep, path=str(path), fused=reference(q, rep(k), rep(v), causal, dout),
                 sparse=reference(q, rep(k), rep(v), window, dout))
 
 
@@ -135,7 +134,8 @@ def test_every_component_runs_the_target_set_by_SATTN_SIMD(target, problems, sr_
     env = dict(os.environ, SATTN_SIMD=target)
     npz = tmp_path / "out.npz"
     sr_args = [WEIGHTS, sr_oracle["x"], sr_oracle["routing"]] if sr_oracle else ["", "", ""]
-    r = subprocess.run([sys.executable, "-c", CHILD, str(npz), *sr_args], env=env, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", CHILD, str(npz), *sr_args, problems["path"]], env=env,
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["selected"] == target and all(report[c] == target for c in COMPONENTS), report

@@ -153,15 +153,29 @@ std::vector<int64_t> bench_lengths(const std::string& spec, bool linear, const s
   return ls;
 }
 
+// The inputs (random, fixed seeds), the upstream gradient and the outputs of one benchmark row, [B, H, L, D].
+struct BenchTensors {
+  Tensor q, k, v, g, out, lse, dq, dk, dv;
+  BenchTensors(int64_t B, int64_t H, int64_t L, int64_t D)
+      : q(randn({B, H, L, D}, 1)),
+        k(randn({B, H, L, D}, 2)),
+        v(randn({B, H, L, D}, 3)),
+        g(randn({B, H, L, D}, 4)),
+        out(DType::kF32, {B, H, L, D}),
+        lse(DType::kF32, {B, H, L}),
+        dq(DType::kF32, {B, H, L, D}),
+        dk(DType::kF32, {B, H, L, D}),
+        dv(DType::kF32, {B, H, L, D}) {}
+};
+
 // One table row: a sparse pattern or linear attention spec at length L on th threads.
 void bench_spec(const SparseBenchArgs& a, const std::string& spec, const sparse::Pattern& p, bool linear, int64_t L,
                 int th, double peak) {
   const int64_t B = a.B, H = a.H, D = a.D;
   const int reps = a.reps;
-  const Tensor q = randn({B, H, L, D}, 1), k = randn({B, H, L, D}, 2), v = randn({B, H, L, D}, 3),
-               g = randn({B, H, L, D}, 4);
-  Tensor out(DType::kF32, {B, H, L, D}), lse(DType::kF32, {B, H, L}), dq(DType::kF32, q.shape()),
-      dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
+  BenchTensors t(B, H, L, D);
+  const Tensor &q = t.q, &k = t.k, &v = t.v, &g = t.g;
+  Tensor &out = t.out, &lse = t.lse, &dq = t.dq, &dk = t.dk, &dv = t.dv;
   double tf = 0, tb = 0, allowed = 0, computed = 0;
   if (linear) {
     sparse::LinearOptions lo;
@@ -203,10 +217,9 @@ void bench_spec(const SparseBenchArgs& a, const std::string& spec, const sparse:
 void bench_dense(const SparseBenchArgs& a, int64_t L, int th, double peak) {
   const int64_t B = a.B, H = a.H, D = a.D;
   const int reps = a.reps;
-  const Tensor q = randn({B, H, L, D}, 1), k = randn({B, H, L, D}, 2), v = randn({B, H, L, D}, 3),
-               g = randn({B, H, L, D}, 4);
-  Tensor out(DType::kF32, {B, H, L, D}), lse(DType::kF32, {B, H, L}), dq(DType::kF32, q.shape()),
-      dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
+  BenchTensors t(B, H, L, D);
+  const Tensor &q = t.q, &k = t.k, &v = t.v, &g = t.g;
+  Tensor &out = t.out, &lse = t.lse, &dq = t.dq, &dk = t.dk, &dv = t.dv;
   AttentionOptions ao;
   ao.num_threads = th;
   KernelInfo info;
