@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "bind_common.hpp"
 #include "bindings.hpp"
@@ -129,6 +130,43 @@ pyb::tuple explain(const pyb::object& q_obj, const pyb::object& k_obj, const pyb
   return pyb::make_tuple(p.to_string(), kernels);
 }
 
+// (shape, dtype name) or None -> a TensorSpec.
+std::optional<TensorSpec> spec_of(const pyb::object& obj) {
+  if (obj.is_none()) return std::nullopt;
+  const auto [shape, dtype] = obj.cast<std::pair<Shape, std::string>>();
+  return TensorSpec{shape, dtype};
+}
+
+pyb::dict describe(const pyb::object& q, const pyb::object& k, const pyb::object& v, const pyb::object& attn_mask,
+                   const pyb::object& key_padding_mask, const pyb::object& key_lengths, const std::string& causal,
+                   std::optional<double> scale, double dropout_p, bool enable_gqa) {
+  SdpaSpec c;
+  c.query = *spec_of(q);
+  c.key = *spec_of(k);
+  c.value = *spec_of(v);
+  c.attn_mask = spec_of(attn_mask);
+  c.key_padding_mask = spec_of(key_padding_mask);
+  c.key_lengths = spec_of(key_lengths);
+  c.enable_gqa = enable_gqa;
+  c.causal = parse_causal(causal, "causal_alignment");
+  c.scale = scale;
+  c.dropout_p = dropout_p;
+  const SdpaDescription d = describe_sdpa(c);
+  const AttentionProblem& p = d.problem;
+  pyb::dict r;
+  r["batch_dims"] = pyb::tuple(pyb::cast(d.batch_dims));
+  r["batch"] = p.batch;
+  r["heads_q"] = p.heads_q;
+  r["heads_kv"] = p.heads_kv;
+  r["len_q"] = p.len_q;
+  r["len_k"] = p.len_k;
+  r["head_dim"] = p.head_dim;
+  r["head_dim_v"] = p.head_dim_v;
+  r["scale"] = p.scale;
+  r["problem"] = p.to_string();
+  return r;
+}
+
 }  // namespace
 
 void bind_attention(pyb::module_& m) {
@@ -145,6 +183,11 @@ void bind_attention(pyb::module_& m) {
         arg("key_lengths"), arg("causal"), arg("scale"), arg("dropout_p"), arg("seed"), arg("backward"),
         arg("need_lse"), arg("need_weights"), arg("need_dmask"),
         "Private: (problem description, [(kernel, None if eligible else why not)]) in registry order.");
+  m.def(
+      "_describe", &describe, arg("query"), arg("key"), arg("value"), arg("attn_mask"), arg("key_padding_mask"),
+      arg("key_lengths"), arg("causal"), arg("scale"), arg("dropout_p"), arg("enable_gqa"),
+      "Private: validates a call of PyTorch's layout given by (shape, dtype name) pairs (None = absent); returns its\n"
+      "4-D problem's sizes as a dict. The checks and messages are describe_attention's.");
 }
 
 }  // namespace sattn::py

@@ -8,6 +8,7 @@
 // A row with no allowed key gets out = 0, weights = 0, lse = -inf and zero gradients (never NaN).
 #pragma once
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -37,6 +38,38 @@ struct AttentionGrads {
 // Validates everything and describes the call. Throws sattn::Error naming the argument.
 AttentionProblem describe_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                                     const AttentionOptions& options, const AttentionOutputs* outputs = nullptr);
+
+// An argument known by its shape and dtype only, before any data exists. `dtype` is a name: sattn's are "float32",
+// "float64", "bfloat16", "float16", "bool", "int32", "int64" and "uint8"; any other (numpy's "int16", "<U3") is
+// refused by the checks, with a message naming it.
+struct TensorSpec {
+  Shape shape;
+  std::string dtype;
+};
+
+// A call in the layout of torch.nn.functional.scaled_dot_product_attention, by shapes only: query (..., Hq, Lq, E),
+// key (..., Hkv, Lk, E), value (..., Hkv, Lk, Ev), at least 2-D, the leading (batch) dimensions equal; attn_mask
+// broadcastable (numpy rules) to the weights (..., Hq, Lq, Lk); key_padding_mask bool (..., Lk) with True = padding,
+// or integer key_lengths (...). Hq != Hkv needs enable_gqa (as PyTorch 2.5).
+struct SdpaSpec {
+  TensorSpec query, key, value;
+  std::optional<TensorSpec> attn_mask, key_padding_mask, key_lengths;
+  bool enable_gqa = false;
+  Causal causal = Causal::kNone;
+  std::optional<double> scale;
+  double dropout_p = 0.0;
+};
+
+// How such a call maps onto the 4-D API: the leading dimensions fold into B (2-D and 3-D inputs get B = 1, and
+// 2-D ones H = 1).
+struct SdpaDescription {
+  AttentionProblem problem;  // of the 4-D call (mask_shape is the mask's own; mask_strides is empty: no data)
+  Shape batch_dims;          // query's leading dimensions, folded into problem.batch
+};
+
+// The validation of describe_attention (same checks, same messages) for a call given by shapes: what a language
+// binding runs before any data exists (e.g. PyTorch's fake tensors under torch.compile). Throws sattn::Error.
+SdpaDescription describe_sdpa(const SdpaSpec& call);
 
 void scaled_dot_product_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                                   const AttentionOptions& options, const AttentionOutputs& outputs,

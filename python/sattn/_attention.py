@@ -23,6 +23,8 @@ __all__ = [
     "attention_weights",
     "explain_kernels",
     "KernelReport",
+    "describe",
+    "AttentionDescription",
 ]
 
 _ALIGNMENTS = {"top_left": "top_left", "top-left": "top_left", "bottom_right": "bottom_right",
@@ -34,9 +36,6 @@ try:  # optional: ml_dtypes.bfloat16 arrays
     _BF16 = np.dtype(_ml_dtypes.bfloat16)
 except ImportError:  # pragma: no cover - depends on the environment
     _BF16 = None
-
-_NATIVE_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-
 
 def _is_half(dtype):
     return dtype == np.float16 or (_BF16 is not None and dtype == _BF16)
@@ -53,19 +52,6 @@ def _value_error(msg):
 
 def _type_error(msg):
     return _core.DTypeError(msg)
-
-
-def _as_float_array(x, name):
-    """x as a numpy array the kernels take: float32, float64 or half precision (float16, ml_dtypes.bfloat16), which
-    the kernels read natively (no up-converted copy)."""
-    if not isinstance(x, np.ndarray):
-        if x is None:
-            raise _type_error(f"{name}: expected a numpy array, got None")
-        x = np.asarray(x)
-    x = _native_byte_order(x)
-    if x.dtype in _NATIVE_FLOATS or _is_half(x.dtype):
-        return x
-    raise _type_error(f"{name}: expected a float32, float64, float16 or bfloat16 array, got dtype {x.dtype}")
 
 
 def _to_4d(x):
@@ -92,67 +78,107 @@ def _check_real(value, name):
     return float(value)
 
 
+def _check_scale(scale, name="scale"):
+    if scale is not None and (isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real)):
+        raise _type_error(f"{name}: expected a real number or None, got {type(scale).__name__}")
+    return None if scale is None else float(scale)
+
+
+def _causal(is_causal, causal_alignment):
+    """is_causal and causal_alignment as the kernels' causal argument: 'none', 'top_left' or 'bottom_right'."""
+    is_causal = _check_flag(is_causal, "is_causal")
+    if not isinstance(causal_alignment, str) or causal_alignment not in _ALIGNMENTS:
+        raise _value_error(f"causal_alignment: expected 'top_left' (PyTorch's is_causal) or 'bottom_right' "
+                           f"(FlashAttention >= 2.1), got {causal_alignment!r}")
+    return _ALIGNMENTS[causal_alignment] if is_causal else "none"
+
+
+def _dtype_name(dtype):
+    """numpy's and torch's dtype names as sattn's: 'float32', 'bfloat16', 'bool', ... (torch.float32 -> 'float32')."""
+    name = str(dtype)
+    return name[len("torch."):] if name.startswith("torch.") else name
+
+
+def _spec(x, dtype=None):
+    """(shape, dtype name) of an array, a tensor (fake and meta ones included) or anything with .shape and .dtype;
+    None stays None."""
+    if x is None:
+        return None
+    return tuple(int(s) for s in x.shape), _dtype_name(x.dtype if dtype is None else dtype)
+
+
+AttentionDescription = namedtuple("AttentionDescription", [
+    "batch_dims", "batch", "heads_q", "heads_kv", "len_q", "len_k", "head_dim", "head_dim_v", "scale", "problem"])
+AttentionDescription.__doc__ = """A call of scaled_dot_product_attention checked by shapes and dtypes, and its 4-D
+problem [B, H, L, E]: batch_dims (query's leading dimensions) fold into batch; 2-D inputs have one head; scale is the
+one applied (1/sqrt(E) by default). problem: the kernels' one-line description of the call."""
+
+
+def _mask_fold(mask_shape, weights_shape, nlead):
+    """How a mask broadcastable to the weights (..., Hq, Lq, Lk) becomes one of at most 4 dims broadcastable to
+    [B, Hq, Lq, Lk]: returns (folded shape, padded shape or None). Size-1 dims are kept (a float mask's gradient is
+    reduced to them); leading batch dims beyond one are merged. padded (the mask's shape left-padded with 1s to the
+    weights' rank) is given when the mask has batch dims of its own: it is then first expanded to the batch dims."""
+    mask_shape, weights_shape = tuple(mask_shape), tuple(weights_shape)
+    if not mask_shape:
+        return (1,), None  # a scalar broadcasts to everything
+    if len(weights_shape) <= 4 or len(mask_shape) <= 3:
+        return mask_shape, None
+    padded = (1,) * (len(weights_shape) - len(mask_shape)) + mask_shape
+    if all(s == 1 for s in padded[:nlead]):
+        return (1,) + padded[nlead:], None
+    return (math.prod(weights_shape[:nlead]),) + padded[nlead:], padded
+
+
+def describe(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+             key_padding_mask=None, key_lengths=None, causal_alignment="top_left"):
+    """Checks the arguments of a scaled_dot_product_attention call by their shapes and dtypes only, without data
+    (numpy arrays, torch tensors including fake and meta ones, or anything with .shape and .dtype), with the same
+    checks and messages as the kernels' own validation; returns an AttentionDescription or raises sattn.Error."""
+    return _describe(_spec(query), _spec(key), _spec(value), _spec(attn_mask), _spec(key_padding_mask),
+                     _spec(key_lengths), _causal(is_causal, causal_alignment), _check_scale(scale),
+                     _check_real(dropout_p, "dropout_p"), _check_flag(enable_gqa, "enable_gqa"))
+
+
+def _describe(query, key, value, attn_mask, key_padding_mask, key_lengths, causal, scale, dropout_p, enable_gqa):
+    """describe() on (shape, dtype name) pairs and checked scalars."""
+    return AttentionDescription(**_core._describe(query, key, value, attn_mask, key_padding_mask, key_lengths, causal,
+                                                  scale, dropout_p, enable_gqa))
+
+
+def _as_array(x, name):
+    """x as a numpy array in the machine's byte order (anything np.asarray accepts; None is refused)."""
+    if x is None:
+        raise _type_error(f"{name}: expected a numpy array, got None")
+    return _native_byte_order(x if isinstance(x, np.ndarray) else np.asarray(x))
+
+
 class _Call:
-    """The arguments of one call, checked and normalised to the native 4-D form [B, H, L, E]."""
+    """The arguments of one call, checked (by describe) and normalised to the native 4-D form [B, H, L, E]."""
 
     def __init__(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
                  key_lengths, causal_alignment, seed, kernel, strict, num_threads):
-        orig = [x.dtype if isinstance(x, np.ndarray) else None for x in (query, key, value)]
-        q = _as_float_array(query, "query")
-        k = _as_float_array(key, "key")
-        v = _as_float_array(value, "value")
-        self.in_dtype = query.dtype if isinstance(query, np.ndarray) else q.dtype
-        if orig[0] is not None and (orig[1] != orig[0] or orig[2] != orig[0]):
-            raise _type_error(f"key/value: expected the dtype of query ({orig[0]}), got key {orig[1]} and value "
-                              f"{orig[2]}")
-        if q.ndim < 2:
-            raise _value_error(f"query: expected at least 2 dimensions (..., Hq, Lq, E), got shape {q.shape}")
-        for x, name in ((k, "key"), (v, "value")):
-            if x.ndim != q.ndim:
-                raise _value_error(f"{name}: expected {q.ndim} dimensions like query {q.shape}, got shape {x.shape}")
-        for x, name, layout in ((q, "query", "(..., Hq, Lq, E)"), (k, "key", "(..., Hkv, Lk, E)"),
-                                (v, "value", "(..., Hkv, Lk, Ev)")):
-            if 0 in x.shape:
-                raise _value_error(f"{name}: zero-size dimension in shape {x.shape} (expected {layout} with every "
-                                   "size >= 1)")
-        lead = q.shape[:-3]
-        if k.shape[:-3] != lead or v.shape[:-3] != lead:
-            raise _value_error(f"key/value: expected the batch dimensions {lead} of query {q.shape}, got key "
-                               f"{k.shape} and value {v.shape}")
-        if k.shape[-1] != q.shape[-1]:
-            raise _value_error(f"key: expected embedding size E = {q.shape[-1]} (from query {q.shape}), got shape "
-                               f"{k.shape}")
-        if v.shape[:-1] != k.shape[:-1]:
-            raise _value_error(f"value: expected shape {k.shape[:-1] + (v.shape[-1],)} (..., Hkv, Lk, Ev) to match "
-                               f"key {k.shape}, got {v.shape}")
-        enable_gqa = _check_flag(enable_gqa, "enable_gqa")
-        if q.ndim >= 3:
-            hq, hkv = q.shape[-3], k.shape[-3]
-            if hq != hkv and not enable_gqa:
-                raise _value_error(f"key/value: query has Hq = {hq} heads (dimension -3) but key/value have Hkv = "
-                                   f"{hkv}; pass enable_gqa=True for grouped-query attention (as PyTorch 2.5)")
-            if hq % hkv != 0:
-                raise _value_error(f"key/value: enable_gqa needs query heads Hq = {hq} to be a multiple of key/value "
-                                   f"heads Hkv = {hkv}")
+        q, k, v = _as_array(query, "query"), _as_array(key, "key"), _as_array(value, "value")
+        self.in_dtype = q.dtype
+        mask = None if attn_mask is None else _as_array(attn_mask, "attn_mask")
+        self.mask_dtype = None if mask is None else mask.dtype  # dmask comes back in it
+        if mask is not None and _is_half(mask.dtype):
+            mask = mask.astype(np.float32)  # the kernels take float32/float64 biases
+        kpm = None if key_padding_mask is None else _as_array(key_padding_mask, "key_padding_mask")
+        klen = None if key_lengths is None else _as_array(key_lengths, "key_lengths")
+        if klen is not None and klen.dtype.kind in "iu":
+            klen = klen.astype(np.int64)
+        self.causal = _causal(is_causal, causal_alignment)
+        self.scale = _check_scale(scale)
+        self.dropout_p = _check_real(dropout_p, "dropout_p")
+        d = _describe(_spec(q), _spec(k), _spec(v), _spec(mask), _spec(kpm), _spec(klen), self.causal, self.scale,
+                      self.dropout_p, _check_flag(enable_gqa, "enable_gqa"))
         self.q_shape, self.k_shape, self.v_shape = q.shape, k.shape, v.shape
-        self.lead = lead
-        self.len_k = k.shape[-2]
+        self.lead = d.batch_dims
+        self.batch = d.batch
+        self.len_k = d.len_k
         self.weights_shape = q.shape[:-1] + (self.len_k,)
         self.q, self.k, self.v = _to_4d(q), _to_4d(k), _to_4d(v)
-        self.batch = self.q.shape[0]
-
-        # Options.
-        self.dropout_p = _check_real(dropout_p, "dropout_p")
-        if not (0.0 <= self.dropout_p < 1.0):
-            raise _value_error(f"dropout_p: expected a probability in [0, 1), got {dropout_p}")
-        is_causal = _check_flag(is_causal, "is_causal")
-        if not isinstance(causal_alignment, str) or causal_alignment not in _ALIGNMENTS:
-            raise _value_error(f"causal_alignment: expected 'top_left' (PyTorch's is_causal) or 'bottom_right' "
-                               f"(FlashAttention >= 2.1), got {causal_alignment!r}")
-        self.causal = _ALIGNMENTS[causal_alignment] if is_causal else "none"
-        self.scale = None if scale is None else _check_real(scale, "scale")
-        if self.scale is not None and not math.isfinite(self.scale):
-            raise _value_error(f"scale: expected a finite number or None, got {scale}")
         if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
             raise _type_error(f"seed: expected an int in [0, 2**64), got {type(seed).__name__}")
         if not 0 <= seed < 2**64:
@@ -163,80 +189,27 @@ class _Call:
         self.kernel = kernel
         self.strict = _check_flag(strict, "strict")
         self.num_threads = num_threads
+        self._fold_mask(mask)
+        self.kpm = None if kpm is None else kpm.reshape(self.batch, self.len_k)
+        self.klen = None if klen is None else klen.reshape(self.batch)
 
-        self._init_mask(attn_mask)
-        self._init_padding(key_padding_mask, key_lengths)
-
-    # attn_mask: bool (True = may attend) or float additive, broadcastable (numpy rules) to the weights' shape
-    # (..., Hq, Lq, Lk). The native side broadcasts a mask of up to 4 dims to [B, Hq, Lq, Lk] by stride 0.
-    def _init_mask(self, attn_mask):
-        self.mask = None
+    # attn_mask: folded to at most 4 dims (_mask_fold), which the native side broadcasts to [B, Hq, Lq, Lk] by
+    # stride 0.
+    def _fold_mask(self, m):
+        self.mask = self.mask_fold = None
         self.mask_is_float = False
-        self.mask_dtype = None
-        if attn_mask is None:
+        if m is None:
             return
-        m = _native_byte_order(attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask))
-        self.mask_dtype = m.dtype
         self.mask_shape = m.shape
-        if m.ndim == 0:  # a scalar broadcasts to everything
-            m = m.reshape(1)
-        if m.dtype == np.bool_:
-            pass
-        elif m.dtype in _NATIVE_FLOATS:
-            self.mask_is_float = True
-        elif _is_half(m.dtype):
-            self.mask_is_float = True
-            m = m.astype(np.float32)
-        else:
-            raise _type_error(f"attn_mask: expected bool (True = may attend) or a float array (added to the scores),"
-                              f" got dtype {m.dtype}")
-        target = self.weights_shape
-        ok = m.ndim <= len(target) and all(a == 1 or a == b for a, b in zip(m.shape[::-1], target[::-1]))
-        if not ok:
-            raise _value_error(f"attn_mask: shape {m.shape} does not broadcast to the attention weights' shape "
-                               f"{target} (..., Hq, Lq, Lk)")
-        self.mask_fold = None
-        if m.ndim > 4 or (m.ndim == 4 and len(target) > 4):
-            # Leading batch dimensions beyond one: fold them into B like the inputs.
-            padded = m.reshape((1,) * (len(target) - m.ndim) + m.shape)
-            nlead = len(self.lead)
-            if all(s == 1 for s in padded.shape[:nlead]):
-                m = padded.reshape((1,) + padded.shape[nlead:])
-            else:
-                bshape = self.lead + padded.shape[nlead:]
-                m = np.broadcast_to(padded, bshape).reshape((-1,) + padded.shape[nlead:])
-                # dmask comes back as [B, ...]; sum it over the batch dimensions the mask broadcast along.
-                self.mask_fold = (bshape, tuple(i for i in range(nlead) if padded.shape[i] == 1), padded.shape)
-        self.mask = m
-
-    def _init_padding(self, key_padding_mask, key_lengths):
-        self.kpm = self.klen = None
-        if key_padding_mask is not None and key_lengths is not None:
-            raise _value_error("key_padding_mask/key_lengths: give one or the other, not both")
-        want = self.lead + (self.len_k,)
-        if key_padding_mask is not None:
-            m = key_padding_mask if isinstance(key_padding_mask, np.ndarray) else np.asarray(key_padding_mask)
-            if m.dtype != np.bool_:
-                raise _type_error(f"key_padding_mask: expected a bool array (True = padding), got dtype {m.dtype}; "
-                                  "for per-batch lengths use key_lengths=")
-            if m.shape != want:
-                raise _value_error(f"key_padding_mask: expected shape {want} (query's batch dimensions, Lk), got "
-                                   f"{m.shape}")
-            self.kpm = m.reshape(self.batch, self.len_k)
-        if key_lengths is not None:
-            n = key_lengths if isinstance(key_lengths, np.ndarray) else np.asarray(key_lengths)
-            if n.dtype.kind not in "iu":
-                raise _type_error(f"key_lengths: expected an integer array (number of valid keys per batch entry), "
-                                  f"got dtype {n.dtype}")
-            if n.shape != self.lead:
-                raise _value_error(f"key_lengths: expected shape {self.lead} (query's batch dimensions), got "
-                                   f"{n.shape}")
-            n = n.astype(np.int64).reshape(self.batch)
-            bad = np.nonzero((n < 0) | (n > self.len_k))[0]
-            if bad.size:
-                raise _value_error(f"key_lengths: expected lengths in [0, Lk = {self.len_k}], got "
-                                   f"{int(n[bad[0]])} at flat index {int(bad[0])}")
-            self.klen = n
+        self.mask_is_float = m.dtype != np.bool_
+        nlead = len(self.lead)
+        folded, padded = _mask_fold(m.shape, self.weights_shape, nlead)
+        if padded is not None:
+            # dmask comes back as [B, ...]; it is summed over the batch dims the mask broadcast along.
+            bshape = self.lead + padded[nlead:]
+            m = np.broadcast_to(m.reshape(padded), bshape)
+            self.mask_fold = (bshape, tuple(i for i in range(nlead) if padded[i] == 1))
+        self.mask = m.reshape(folded)
 
     def options(self):
         return dict(attn_mask=self.mask, key_padding_mask=self.kpm, key_lengths=self.klen, causal=self.causal,
@@ -247,7 +220,7 @@ class _Call:
 
     def unfold_dmask(self, dmask):
         if self.mask_fold is not None:
-            bshape, axes, padded_shape = self.mask_fold
+            bshape, axes = self.mask_fold
             dmask = dmask.reshape(bshape).sum(axis=axes, keepdims=True)
         return dmask.reshape(self.mask_shape)
 
@@ -300,7 +273,7 @@ def scaled_dot_product_attention_backward(dout, query, key, value, out, lse, att
     out_shape = call.q_shape[:-1] + (call.v_shape[-1],)
     arrays = {}
     for x, name, shape in ((dout, "dout", out_shape), (out, "out", out_shape), (lse, "lse", call.q_shape[:-1])):
-        a = _as_float_array(x, name)
+        a = _as_array(x, name)
         if a.shape != shape:
             raise _value_error(f"{name}: expected shape {shape}, got {a.shape}")
         arrays[name] = a.reshape((call.batch,) + call.q.shape[1:3] + shape[len(call.q_shape) - 1:])

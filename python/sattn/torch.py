@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from . import _core
+from ._attention import _causal, _check_flag, _check_real, _check_scale, _describe, _mask_fold, _spec
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -46,8 +47,6 @@ __all__ = [
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _HALF = (torch.bfloat16, torch.float16)
-_ALIGNMENTS = {"top_left": "top_left", "top-left": "top_left", "bottom_right": "bottom_right",
-               "bottom-right": "bottom_right"}
 _SEED_HIGH = 2**62  # seeds are drawn in [0, 2**62) from torch's generator
 
 
@@ -72,28 +71,8 @@ def _check_same_dtype(query, key, value):
                                f"value {value.dtype}")
 
 
-def _check_flag(value, name):
-    if not isinstance(value, bool):
-        raise _core.DTypeError(f"{name}: expected a bool, got {type(value).__name__}")
-    return value
-
-
-def _check_scale(scale, name="scale"):
-    if scale is None:
-        return None
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise _core.DTypeError(f"{name}: expected a real number or None, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise _core.InvalidArgumentError(f"{name}: expected a finite number or None, got {scale}")
-    return float(scale)
-
-
 def _check_dropout(dropout_p):
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise _core.DTypeError(f"dropout_p: expected a real number, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise _core.InvalidArgumentError(f"dropout_p: expected a probability in [0, 1), got {dropout_p}")
-    return float(dropout_p)
+    return _check_real(dropout_p, "dropout_p")  # its range: describe
 
 
 def _threads(num_threads):
@@ -156,8 +135,24 @@ def _sdpa_forward(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
     return out, lse
 
 
+def _describe_4d(query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p):
+    """The operators' argument checks (describe) on their 4-D tensors, where every size is known: under
+    torch.compile with dynamic shapes the symbolic sizes are left alone (reading them would specialise the graph), and
+    the kernels check the real tensors when they run."""
+    tensors = [t for t in (query, key, value, attn_mask, key_padding_mask) if t is not None]
+    if all(isinstance(n, int) for t in tensors for n in t.shape):
+        _describe(_spec(query), _spec(key), _spec(value), _mask_spec(attn_mask), _spec(key_padding_mask), None, causal,
+                  scale, dropout_p, True)
+
+
+def _mask_spec(mask):
+    """A mask's (shape, dtype name): half-precision ones as float32, which _as_stat_float makes of them."""
+    return _spec(mask, torch.float32 if mask is not None and mask.dtype in _HALF else None)
+
+
 @_sdpa_forward.register_fake
 def _sdpa_forward_fake(query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p, seed, num_threads):
+    _describe_4d(query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p)
     B, Hq, Lq, _ = query.shape
     return (query.new_empty((B, Hq, Lq, value.shape[-1])),
             query.new_empty((B, Hq, Lq), dtype=_stats_dtype(query.dtype)))
@@ -183,6 +178,7 @@ def _sdpa_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, 
 @_sdpa_backward.register_fake
 def _sdpa_backward_fake(grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, causal, scale,
                         dropout_p, seed, num_threads, need_dmask):
+    _describe_4d(query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p)
     dmask = attn_mask.new_empty(attn_mask.shape) if need_dmask else query.new_empty((0,))
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dmask
 
@@ -224,24 +220,6 @@ def _to_4d(x):
     if x.dim() == 4:
         return x
     return x.reshape((-1,) + tuple(x.shape[-3:]))
-
-
-def _fold_mask(mask, weights_shape):
-    """A mask broadcastable to weights_shape (..., Hq, Lq, Lk) as one of at most 4 dims broadcastable to the 4-D
-    problem [B, Hq, Lq, Lk]: size-1 dims are kept (so the kernels reduce a float mask's gradient to them); leading
-    batch dims beyond one are merged, expanding only those the mask has."""
-    if mask.dim() > len(weights_shape) or any(m != 1 and m != w for m, w in zip(reversed(mask.shape),
-                                                                                 reversed(weights_shape))):
-        raise _core.InvalidArgumentError(f"attn_mask: shape {tuple(mask.shape)} does not broadcast to the attention "
-                                         f"weights' shape {tuple(weights_shape)} (..., Hq, Lq, Lk)")
-    nlead = len(weights_shape) - 3
-    if len(weights_shape) <= 4 or mask.dim() <= 3:
-        return mask
-    mask = mask.reshape((1,) * (len(weights_shape) - mask.dim()) + tuple(mask.shape))
-    lead, tail = tuple(mask.shape[:nlead]), tuple(mask.shape[nlead:])
-    if all(s == 1 for s in lead):
-        return mask.reshape((1,) + tail)
-    return mask.expand(tuple(weights_shape[:nlead]) + tail).reshape((-1,) + tail)
 
 
 def _sdpa_unsupported(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -288,51 +266,34 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     A query row with no allowed key gives 0 (as torch 2.x). Dropout's seed comes from torch's default generator.
     Differentiable with respect to query, key, value and a float attn_mask.
     """
-    for x, name in ((query, "query"), (key, "key"), (value, "value")):
-        _check_tensor(x, name)
-    _check_same_dtype(query, key, value)
-    if query.dim() < 2:
-        raise _core.InvalidArgumentError(f"query: expected at least 2 dimensions (..., Hq, Lq, E), got shape "
-                                         f"{tuple(query.shape)}")
-    for x, name in ((key, "key"), (value, "value")):
-        if x.dim() != query.dim():
-            raise _core.InvalidArgumentError(f"{name}: expected {query.dim()} dimensions like query "
-                                             f"{tuple(query.shape)}, got shape {tuple(x.shape)}")
-    lead = tuple(query.shape[:-3])
-    if tuple(key.shape[:-3]) != lead or tuple(value.shape[:-3]) != lead:
-        raise _core.InvalidArgumentError(f"key/value: expected the batch dimensions {lead} of query "
-                                         f"{tuple(query.shape)}, got key {tuple(key.shape)} and value "
-                                         f"{tuple(value.shape)}")
-    enable_gqa = _check_flag(enable_gqa, "enable_gqa")
-    if not enable_gqa and query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
-        raise _core.InvalidArgumentError(f"key/value: query has Hq = {query.shape[-3]} heads (dimension -3) but "
-                                         f"key/value have Hkv = {key.shape[-3]}; pass enable_gqa=True for "
-                                         "grouped-query attention")
+    for x, name in ((query, "query"), (key, "key"), (value, "value"), (attn_mask, "attn_mask"),
+                    (key_padding_mask, "key_padding_mask")):
+        if x is not None:
+            _check_tensor(x, name, floating=False)
+    # Under autocast the operator runs in bfloat16 whatever the (floating) inputs' dtypes.
+    autocast = torch.is_autocast_enabled("cpu") and all(x.is_floating_point() for x in (query, key, value))
+    qkv_dtype = torch.bfloat16 if autocast else None
+    causal = _causal(is_causal, causal_alignment)
     dropout_p = _check_dropout(dropout_p)
     scale = _check_scale(scale)
-    if not isinstance(causal_alignment, str) or causal_alignment not in _ALIGNMENTS:
-        raise _core.InvalidArgumentError(f"causal_alignment: expected 'top_left' (PyTorch's is_causal) or "
-                                         f"'bottom_right' (FlashAttention >= 2.1), got {causal_alignment!r}")
-    causal = _ALIGNMENTS[causal_alignment] if _check_flag(is_causal, "is_causal") else "none"
-    weights_shape = tuple(query.shape[:-1]) + (key.shape[-2],)
-    mask = None
-    if attn_mask is not None:
-        _check_tensor(attn_mask, "attn_mask", floating=False)
-        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-            raise _core.DTypeError(f"attn_mask: expected bool (True = may attend) or a float tensor (added to the "
-                                   f"scores), got {attn_mask.dtype}")
-        mask = _fold_mask(attn_mask, weights_shape)
-    kpm = None
-    if key_padding_mask is not None:
-        _check_tensor(key_padding_mask, "key_padding_mask", floating=False)
-        want = lead + (key.shape[-2],)
-        if key_padding_mask.dtype != torch.bool:
-            raise _core.DTypeError(f"key_padding_mask: expected a bool tensor (True = padding), got "
-                                   f"{key_padding_mask.dtype}")
-        if tuple(key_padding_mask.shape) != want:
-            raise _core.InvalidArgumentError(f"key_padding_mask: expected shape {want} (query's batch dimensions, "
-                                             f"Lk), got {tuple(key_padding_mask.shape)}")
-        kpm = key_padding_mask.reshape(-1, key.shape[-2])
+    enable_gqa = _check_flag(enable_gqa, "enable_gqa")
+    if not torch.compiler.is_compiling():
+        _describe(_spec(query, qkv_dtype), _spec(key, qkv_dtype), _spec(value, qkv_dtype), _mask_spec(attn_mask),
+                  _spec(key_padding_mask), None, causal, scale, dropout_p, enable_gqa)
+    elif not enable_gqa and query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
+        # Compiled (dynamo cannot trace the native describe), the operators' fake implementations check the 4-D form;
+        # this is the one check they cannot make, as they take any Hq that is a multiple of Hkv.
+        raise _core.InvalidArgumentError(f"key/value: query has Hq = {query.shape[-3]} heads (dimension -3) but "
+                                         f"key/value have Hkv = {key.shape[-3]}; pass enable_gqa=True for "
+                                         "grouped-query attention (as PyTorch 2.5)")
+    lead, len_k = tuple(query.shape[:-3]), key.shape[-2]
+    mask = attn_mask
+    if mask is not None:
+        folded, padded = _mask_fold(mask.shape, tuple(query.shape[:-1]) + (len_k,), len(lead))
+        if padded is not None:  # batch dims of its own: expanded to the query's, then merged into B
+            mask = mask.reshape(padded).expand(lead + padded[len(lead):])
+        mask = mask.reshape(folded)
+    kpm = None if key_padding_mask is None else key_padding_mask.reshape(-1, len_k)
     q4, k4, v4 = _to_4d(query), _to_4d(key), _to_4d(value)
     out, _ = _sdpa_forward(q4, k4, v4, mask, kpm, causal, scale, dropout_p, _draw_seed(dropout_p),
                            _threads(num_threads))

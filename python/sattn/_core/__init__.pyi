@@ -204,6 +204,11 @@ def _backward(dout: typing.Any, query: typing.Any, key: typing.Any, value: typin
     """
     Private: 4-D backward. Returns (dq, dk, dv, dmask or None, kernel name).
     """
+def _describe(query: typing.Any, key: typing.Any, value: typing.Any, attn_mask: typing.Any, key_padding_mask: typing.Any, key_lengths: typing.Any, causal: str, scale: typing.SupportsFloat | typing.SupportsIndex | None, dropout_p: typing.SupportsFloat | typing.SupportsIndex, enable_gqa: bool) -> dict:
+    """
+    Private: validates a call of PyTorch's layout given by (shape, dtype name) pairs (None = absent); returns its
+    4-D problem's sizes as a dict. The checks and messages are describe_attention's.
+    """
 def _explain(query: typing.Any, key: typing.Any, value: typing.Any, attn_mask: typing.Any, key_padding_mask: typing.Any, key_lengths: typing.Any, causal: str, scale: typing.SupportsFloat | typing.SupportsIndex | None, dropout_p: typing.SupportsFloat | typing.SupportsIndex, seed: typing.SupportsInt | typing.SupportsIndex, backward: bool, need_lse: bool, need_weights: bool, need_dmask: bool) -> tuple:
     """
     Private: (problem description, [(kernel, None if eligible else why not)]) in registry order.
