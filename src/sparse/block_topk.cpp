@@ -67,7 +67,7 @@ struct KeyBlockMeans {
 // The chosen blocks as given (indices [Hq, nqb, k_blocks], -1 = none): sorted, duplicates dropped.
 void select_given(const SelectGeometry& g, const int64_t* given, BlockSelection& sel) {
   const AdaptiveNode& a = g.a;
-  for (int64_t h = 0; h < g.p.Hq; ++h)
+  for (int64_t h = 0; h < g.p.Hq(); ++h)
     for (int64_t qb = 0; qb < g.nqb; ++qb) {
       std::vector<int64_t> picks;
       for (int64_t x = 0; x < a.k_blocks; ++x) {
@@ -85,7 +85,7 @@ KeyBlockMeans key_block_means(const SelectGeometry& g) {
   const detail::Packed& p = g.p;
   const int64_t b = g.b, lk = g.lk, blk = g.blk, nkb = g.nkb, D = g.D;
   KeyBlockMeans km;
-  km.kmean.assign(static_cast<size_t>(p.Hkv * nkb * D), 0.0);
+  km.kmean.assign(static_cast<size_t>(p.Hkv() * nkb * D), 0.0);
   km.kvalid.assign(static_cast<size_t>(nkb), 0);
   std::vector<double>& kmean = km.kmean;
   for (int64_t j = 0; j < lk; ++j)
@@ -98,15 +98,15 @@ KeyBlockMeans key_block_means(const SelectGeometry& g) {
     const int64_t j_hi = std::min(lk, j_lo + kSumBlocks * blk);
     for (int64_t j = j_lo; j < j_hi; ++j) {
       if (!(p.key_valid.empty() || p.key_valid[size_t(b * lk + j)])) continue;
-      const float* kr = &p.k[size_t(((b * p.Hkv + hk) * lk + j) * D)];
+      const float* kr = &p.k[size_t(((b * p.Hkv() + hk) * lk + j) * D)];
       double* m = &kmean[size_t((hk * nkb + j / blk) * D)];
       for (int64_t d = 0; d < D; ++d) m[d] += kr[d];
     }
   };
-  detail::parallel(p.Hkv * sum_runs, p.threads, sum_keys);
-  km.kmt.resize(static_cast<size_t>(p.Hkv * D * nkb));
-  km.knorm_max.assign(static_cast<size_t>(p.Hkv), 0.0);
-  for (int64_t hk = 0; hk < p.Hkv; ++hk)
+  detail::parallel(p.Hkv() * sum_runs, p.threads, sum_keys);
+  km.kmt.resize(static_cast<size_t>(p.Hkv() * D * nkb));
+  km.knorm_max.assign(static_cast<size_t>(p.Hkv()), 0.0);
+  for (int64_t hk = 0; hk < p.Hkv(); ++hk)
     for (int64_t kb = 0; kb < nkb; ++kb) {
       double* m = &kmean[size_t((hk * nkb + kb) * D)];
       double n2 = 0;
@@ -125,8 +125,8 @@ KeyBlockMeans key_block_means(const SelectGeometry& g) {
 std::vector<std::vector<KeyRange>> fixed_key_ranges(const SelectGeometry& g) {
   std::vector<std::vector<KeyRange>> franges;
   if (!g.fixed.defined()) return franges;
-  franges.resize(size_t(g.p.Hq * g.nqb));
-  for (int64_t h = 0; h < g.p.Hq; ++h)
+  franges.resize(size_t(g.p.Hq() * g.nqb));
+  for (int64_t h = 0; h < g.p.Hq(); ++h)
     for (int64_t qb = 0; qb < g.nqb; ++qb)
       g.fixed.node().ranges_for(g.fixed.head_dependent() ? h : 0, g.qbounds[size_t(qb)], g.qbounds[size_t(qb + 1)],
                                 g.lq, g.lk, g.blk, franges[size_t(h * g.nqb + qb)]);
@@ -140,7 +140,7 @@ void query_block_means(const SelectGeometry& g, int64_t h, int64_t c0, int64_t r
     const int64_t q0 = g.qbounds[size_t(c0 + r)], q1 = g.qbounds[size_t(c0 + r + 1)];
     double* m = &qm[size_t(r * D)];
     for (int64_t i = q0; i < q1; ++i) {
-      const float* qr = &g.p.q[size_t(((g.b * g.p.Hq + h) * g.lq + i) * D)];
+      const float* qr = &g.p.q[size_t(((g.b * g.p.Hq() + h) * g.lq + i) * D)];
       for (int64_t d = 0; d < D; ++d) m[d] += qr[d];
     }
     for (int64_t d = 0; d < D; ++d) {
@@ -262,7 +262,7 @@ void rescore_pass(RowChoice& rc, int64_t need, std::vector<std::pair<float, int3
 void select_chunk(const SelectGeometry& g, const KeyBlockMeans& km, const std::vector<std::vector<KeyRange>>& franges,
                   int64_t h, int64_t c0, int64_t rows, BlockSelection& sel) {
   const AdaptiveNode& a = g.a;
-  const int64_t D = g.D, nkb = g.nkb, blk = g.blk, hk = h / g.p.group;
+  const int64_t D = g.D, nkb = g.nkb, blk = g.blk, hk = h / g.p.group();
   const bool every_block_usable = !g.fixed.defined() && g.p.key_valid.empty();
   thread_local std::vector<double> qm;
   thread_local std::vector<float> qmf, s;
@@ -313,7 +313,7 @@ void select_chunk(const SelectGeometry& g, const KeyBlockMeans& km, const std::v
 BlockMask selection_mask(const SelectGeometry& g, const std::vector<int32_t>& bounds, const BlockSelection& sel) {
   const int64_t blk = g.blk, lk = g.lk;
   return detail::build_identity_layout(
-      g.lq, lk, g.p.Hq, bounds, [&](int64_t h, int64_t q0, int64_t, std::vector<KeyRange>& out) {
+      g.lq, lk, g.p.Hq(), bounds, [&](int64_t h, int64_t q0, int64_t, std::vector<KeyRange>& out) {
         const int64_t qb = std::lower_bound(g.qbounds.begin(), g.qbounds.end(), int32_t(q0)) - g.qbounds.begin();
         const int64_t t = floor_div(q0 + g.off, blk);
         const int64_t* ch = &sel.chosen[size_t((h * g.nqb + qb) * g.KB)];
@@ -331,13 +331,13 @@ BlockMask selection_mask(const SelectGeometry& g, const std::vector<int32_t>& bo
 // sel.mask empty (the direct forward reads only sel.chosen).
 BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const detail::Packed& p, int64_t b,
                             const int64_t* given, bool with_mask = true) {
-  const int64_t lq = p.Lq, lk = p.Lk, off = lk - lq, blk = a.block, nkb = (lk + blk - 1) / blk, D = p.D;
+  const int64_t lq = p.Lq(), lk = p.Lk(), off = lk - lq, blk = a.block, nkb = (lk + blk - 1) / blk, D = p.D();
   const std::vector<int32_t> bounds = aligned_bounds(lq, off, blk);
   const int64_t nqb = int64_t(bounds.size()), KB = std::max<int64_t>(1, std::min(a.k_blocks, nkb));
   BlockSelection sel;
   sel.nqb = nqb;
   sel.width = KB;
-  sel.chosen.assign(size_t(p.Hq * nqb * KB), -1);
+  sel.chosen.assign(size_t(p.Hq() * nqb * KB), -1);
   const std::vector<int32_t> qbounds = [&] {
     std::vector<int32_t> x = {0};
     x.insert(x.end(), bounds.begin(), bounds.end());
@@ -355,7 +355,7 @@ BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const d
       const int64_t h = it / chunks, c0 = (it % chunks) * kRows;
       select_chunk(g, km, franges, h, c0, std::min(kRows, nqb - c0), sel);
     };
-    detail::parallel(p.Hq * chunks, p.threads, item);
+    detail::parallel(p.Hq() * chunks, p.threads, item);
   }
   if (with_mask) sel.mask = selection_mask(g, bounds, sel);
   return sel;
@@ -388,18 +388,18 @@ void blocktopk_run(const AdaptiveNode& a, const Pattern& fixed, const TensorView
   const BlockMask ident = Full().block_mask(lq, lk, 1, o.block);
   const detail::Packed p = detail::pack_inputs(q, k, v, ident, o, o.enable_gqa);
   const int64_t nqb = blocktopk_nqb(a, lq, lk), KB = a.k_blocks;
-  if (indices.data) check_indices(indices, {p.B, p.Hq, nqb, KB}, "[B, Hq, num_query_blocks, k_blocks]");
-  for (int64_t b = 0; b < p.B; ++b) {
+  if (indices.data) check_indices(indices, {p.B(), p.Hq(), nqb, KB}, "[B, Hq, num_query_blocks, k_blocks]");
+  for (int64_t b = 0; b < p.B(); ++b) {
     std::vector<int64_t> given;
     if (indices_given) {
-      given.resize(size_t(p.Hq * nqb * KB));
-      for (int64_t h = 0; h < p.Hq; ++h)
+      given.resize(size_t(p.Hq() * nqb * KB));
+      for (int64_t h = 0; h < p.Hq(); ++h)
         for (int64_t x = 0; x < nqb; ++x)
           for (int64_t y = 0; y < KB; ++y) given[size_t((h * nqb + x) * KB + y)] = idx_at(indices, b, h, x, y);
     }
     const BlockSelection sel = block_select(a, fixed, p, b, indices_given ? given.data() : nullptr);
     if (indices.data && !indices_given)
-      for (int64_t h = 0; h < p.Hq; ++h)
+      for (int64_t h = 0; h < p.Hq(); ++h)
         for (int64_t x = 0; x < nqb; ++x)
           for (int64_t y = 0; y < KB; ++y) idx_at(indices, b, h, x, y) = sel.index(h, x, y);
     run(b, sel.mask, batch_options(o, b));
@@ -419,35 +419,35 @@ void blocktopk_forward_direct(const AdaptiveNode& a, const TensorView& q, const 
   const detail::Packed p = detail::pack_inputs(q, k, v, ident, o, o.enable_gqa);
   detail::check_outputs(p, out, lse);
   const int64_t nqb = blocktopk_nqb(a, lq, lk), KB = a.k_blocks, blk = a.block, nkb = (lk + blk - 1) / blk;
-  const int64_t D = p.D, Dv = p.Dv, off = lk - lq;
+  const int64_t D = p.D(), Dv = p.Dv(), group = p.group(), off = lk - lq;
   const int64_t bw = std::min(blk, lk);  // columns of a key block in memory (one block of Lk keys when blk > Lk)
-  if (indices.data) check_indices(indices, {p.B, p.Hq, nqb, KB}, "[B, Hq, num_query_blocks, k_blocks]");
+  if (indices.data) check_indices(indices, {p.B(), p.Hq(), nqb, KB}, "[B, Hq, num_query_blocks, k_blocks]");
   // K of one (b, kv head) at a time as transposed key blocks [nkb][D][bw] (one head's worth of memory).
   detail::HugeVector<float> kt(static_cast<size_t>(nkb * D * bw));
   std::vector<int32_t> qbounds = {0};
   for (int32_t x : aligned_bounds(lq, off, blk)) qbounds.push_back(x);
-  for (int64_t b = 0; b < p.B; ++b) {
+  for (int64_t b = 0; b < p.B(); ++b) {
     const BlockSelection sel = block_select(a, Pattern(), p, b, nullptr, false);
     if (indices.data)
-      for (int64_t h = 0; h < p.Hq; ++h)
+      for (int64_t h = 0; h < p.Hq(); ++h)
         for (int64_t x = 0; x < nqb; ++x)
           for (int64_t y = 0; y < KB; ++y) idx_at(indices, b, h, x, y) = sel.index(h, x, y);
-    for (int64_t hk = 0; hk < p.Hkv; ++hk) {
-      const int64_t bh = b * p.Hkv + hk;
+    for (int64_t hk = 0; hk < p.Hkv(); ++hk) {
+      const int64_t bh = b * p.Hkv() + hk;
       auto pack = [&](int64_t kb) {
         tiles::transpose_rows(&p.k[size_t((bh * lk + kb * blk) * D)], D, std::min(blk, lk - kb * blk), D,
                               &kt[size_t(kb * D * bw)], bw);
       };
       detail::parallel(nkb, p.threads, pack);
       auto item = [&](int64_t it) {
-        const int64_t h = hk * p.group + it / nqb, qb = it % nqb;
+        const int64_t h = hk * group + it / nqb, qb = it % nqb;
         const int64_t q0 = qbounds[size_t(qb)], m = qbounds[size_t(qb + 1)] - q0, t = floor_div(q0 + off, blk);
         thread_local std::vector<float> s, acc, mx, sum;
         s.resize(size_t(m * bw));
         acc.assign(size_t(m * Dv), 0.0f);
         mx.assign(size_t(m), kNegInf);
         sum.assign(size_t(m), 0.0f);
-        const float* qt = &p.q[size_t(((b * p.Hq + h) * lq + q0) * D)];
+        const float* qt = &p.q[size_t(((b * p.Hq() + h) * lq + q0) * D)];
         const int64_t* ch = sel.row(h, qb);
         for (int64_t x = 0; x < sel.width && ch[x] >= 0; ++x) {
           const int64_t kb = ch[x], j0 = kb * blk, n = std::min(blk, lk - j0);
@@ -474,7 +474,7 @@ void blocktopk_forward_direct(const AdaptiveNode& a, const TensorView& q, const 
             detail::store_value(lse, b, h, q0 + r, empty ? kNegInf : mx[size_t(r)] + std::log(sum[size_t(r)]));
         }
       };
-      detail::parallel(p.group * nqb, p.threads, item);
+      detail::parallel(group * nqb, p.threads, item);
     }
   }
 }

@@ -31,17 +31,17 @@ void relu_forward(double power, int normalize, const Pattern& fixed, const Tenso
   const BlockMask bm = fixed_block_mask(fixed, lq, lk, hq, o.block);
   const detail::Packed p = detail::pack_inputs(q, k, v, bm, o, o.enable_gqa);
   const FixedMask fm{fixed.defined() ? &fixed.node() : nullptr, lq, lk};
-  const int64_t nqb = bm.num_q_blocks(), D = p.D, Dv = p.Dv;
-  out.assign(size_t(p.B * p.Hq * p.Lq * Dv), 0.0f);
-  z.assign(size_t(p.B * p.Hq * p.Lq), 1.0f);
+  const int64_t nqb = bm.num_q_blocks(), D = p.D(), Dv = p.Dv(), group = p.group();
+  out.assign(size_t(p.B() * p.Hq() * p.Lq() * Dv), 0.0f);
+  z.assign(size_t(p.B() * p.Hq() * p.Lq()), 1.0f);
   auto item = [&](int64_t it) {
-    const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
+    const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq(), h = bh % p.Hq(), hk = h / group;
     const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
     thread_local detail::Scratch sc;
     sc.ensure(m, D, Dv);
-    const float* qt = &p.q[size_t(((b * p.Hq + h) * p.Lq + q0) * D)];
-    const float* kbase = &p.k[size_t((b * p.Hkv + hk) * p.Lk * D)];
-    const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
+    const float* qt = &p.q[size_t(((b * p.Hq() + h) * p.Lq() + q0) * D)];
+    const float* kbase = &p.k[size_t((b * p.Hkv() + hk) * p.Lk() * D)];
+    const float* vbase = &p.v[size_t((b * p.Hkv() + hk) * p.Lk() * Dv)];
     std::fill_n(sc.acc.data(), m * Dv, 0.0f);
     std::fill_n(sc.sum.data(), m, 0.0f);
     std::vector<int64_t> count(static_cast<size_t>(m), 0);
@@ -64,7 +64,7 @@ void relu_forward(double power, int normalize, const Pattern& fixed, const Tenso
                            });
     for (int64_t r = 0; r < m; ++r) {
       const int64_t i = bm.q_index(q0 + r);
-      const size_t orow = size_t((b * p.Hq + h) * p.Lq + i);
+      const size_t orow = size_t((b * p.Hq() + h) * p.Lq() + i);
       float zr = 1.0f;
       if (normalize == 1) zr = sc.sum[r];
       if (normalize == 2) zr = float(count[size_t(r)]);
@@ -73,7 +73,7 @@ void relu_forward(double power, int normalize, const Pattern& fixed, const Tenso
       for (int64_t d = 0; d < Dv; ++d) out[orow * Dv + d] = sc.acc[size_t(r * Dv + d)] * inv;
     }
   };
-  detail::parallel(p.B * p.Hq * nqb, p.threads, item);
+  detail::parallel(p.B() * p.Hq() * nqb, p.threads, item);
 }
 
 // Adds the gradients of ReLU attention (given its out and Z) into dq/dk/dv (fp32 dense buffers).
@@ -85,24 +85,24 @@ void relu_backward(double power, int normalize, const Pattern& fixed, const Tens
   const BlockMask bm = fixed_block_mask(fixed, lq, lk, hq, o.block);
   const detail::Packed p = detail::pack_inputs(q, k, v, bm, o, o.enable_gqa);
   const FixedMask fm{fixed.defined() ? &fixed.node() : nullptr, lq, lk};
-  const int64_t nqb = bm.num_q_blocks(), D = p.D, Dv = p.Dv;
+  const int64_t nqb = bm.num_q_blocks(), D = p.D(), Dv = p.Dv(), group = p.group();
   // One item per (b, kv head): serial over its query heads and blocks; owns dK/dV rows of that head.
   auto item = [&](int64_t it) {
-    const int64_t b = it / p.Hkv, hk = it % p.Hkv;
+    const int64_t b = it / p.Hkv(), hk = it % p.Hkv();
     detail::Scratch sc;
-    std::vector<float> dkl(static_cast<size_t>(p.Lk * D), 0.0f), dvl(static_cast<size_t>(p.Lk * Dv), 0.0f);
-    const float* kbase = &p.k[size_t((b * p.Hkv + hk) * p.Lk * D)];
-    const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
-    for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h)
+    std::vector<float> dkl(static_cast<size_t>(p.Lk() * D), 0.0f), dvl(static_cast<size_t>(p.Lk() * Dv), 0.0f);
+    const float* kbase = &p.k[size_t((b * p.Hkv() + hk) * p.Lk() * D)];
+    const float* vbase = &p.v[size_t((b * p.Hkv() + hk) * p.Lk() * Dv)];
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
       for (int64_t qb = 0; qb < nqb; ++qb) {
         const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
         sc.ensure(m, D, Dv);
-        const float* qt = &p.q[size_t(((b * p.Hq + h) * p.Lq + q0) * D)];
+        const float* qt = &p.q[size_t(((b * p.Hq() + h) * p.Lq() + q0) * D)];
         // Per row: dO_i / Z_i (in layout order), delta_i = dO_i·out_i / Z_i for "sum".
         std::vector<float> gz(static_cast<size_t>(m * Dv)), delta(static_cast<size_t>(m), 0.0f),
             dqt(static_cast<size_t>(m * D), 0.0f);
         for (int64_t r = 0; r < m; ++r) {
-          const size_t orow = size_t((b * p.Hq + h) * p.Lq + bm.q_index(q0 + r));
+          const size_t orow = size_t((b * p.Hq() + h) * p.Lq() + bm.q_index(q0 + r));
           const float zr = z[orow], inv = normalize == 0 ? 1.0f : (zr > 0.0f ? 1.0f / zr : 0.0f);
           for (int64_t d = 0; d < Dv; ++d) {
             gz[size_t(r * Dv + d)] = dout[orow * Dv + d] * inv;
@@ -143,17 +143,17 @@ void relu_backward(double power, int normalize, const Pattern& fixed, const Tens
               }
             });
         for (int64_t r = 0; r < m; ++r) {
-          const size_t orow = size_t((b * p.Hq + h) * p.Lq + bm.q_index(q0 + r));
+          const size_t orow = size_t((b * p.Hq() + h) * p.Lq() + bm.q_index(q0 + r));
           for (int64_t d = 0; d < D; ++d) dq[orow * D + d] += dqt[size_t(r * D + d)];
         }
       }
-    for (int64_t x = 0; x < p.Lk; ++x) {
-      const size_t krow = size_t((b * p.Hkv + hk) * p.Lk + bm.k_index(x));
+    for (int64_t x = 0; x < p.Lk(); ++x) {
+      const size_t krow = size_t((b * p.Hkv() + hk) * p.Lk() + bm.k_index(x));
       for (int64_t d = 0; d < D; ++d) dk[krow * D + d] += dkl[size_t(x * D + d)];
       for (int64_t d = 0; d < Dv; ++d) dv[krow * Dv + d] += dvl[size_t(x * Dv + d)];
     }
   };
-  detail::parallel(p.B * p.Hkv, p.threads, item);
+  detail::parallel(p.B() * p.Hkv(), p.threads, item);
 }
 
 std::vector<float> dense4(const TensorView& t) {
@@ -214,8 +214,8 @@ void relu_mixed_backward(const AdaptiveNode& a, const Pattern& fixed, const Tens
   const BlockMask ident = Full().block_mask(q.shape[2], k.shape[2], 1, o.block);
   detail::Packed p = detail::pack_inputs(q, k, v, ident, o, o.enable_gqa);
   detail::check_grads(p, q, k, v, g.dq, g.dk, g.dv);
-  check(dout.data && dout.shape == Shape({p.B, p.Hq, p.Lq, p.Dv}), ErrorKind::kInvalidArgument, "dout: expected shape ",
-        shape_to_string({p.B, p.Hq, p.Lq, p.Dv}));
+  check(dout.data && dout.shape == Shape({p.B(), p.Hq(), p.Lq(), p.Dv()}), ErrorKind::kInvalidArgument,
+        "dout: expected shape ", shape_to_string({p.B(), p.Hq(), p.Lq(), p.Dv()}));
   std::vector<float> dq(p.q.size(), 0.0f), dk(p.k.size(), 0.0f), dv(p.v.size(), 0.0f);
   const std::vector<float> d_out = dense4(dout);
   std::vector<float> o_relu, z;
@@ -228,7 +228,7 @@ void relu_mixed_backward(const AdaptiveNode& a, const Pattern& fixed, const Tens
     // Recompute the softmax part (out and lse) and d(logits) = w ⊙ (g - w·g), g_c = sum(dout * out_c).
     const BlockMask bm = fixed_block_mask(fixed, q.shape[2], k.shape[2], q.shape[1], o.block);
     const FixedMask fm{fixed.defined() ? &fixed.node() : nullptr, q.shape[2], k.shape[2]};
-    Tensor o_soft(DType::kF32, {p.B, p.Hq, p.Lq, p.Dv}), lse_soft(DType::kF32, {p.B, p.Hq, p.Lq});
+    Tensor o_soft(DType::kF32, {p.B(), p.Hq(), p.Lq(), p.Dv()}), lse_soft(DType::kF32, {p.B(), p.Hq(), p.Lq()});
     block_sparse_attention(q, k, v, bm, fm, NoScoreMod{}, o, o_soft, lse_soft, o.enable_gqa);
     double g1 = 0, g2 = 0;
     for (size_t x = 0; x < d_out.size(); ++x) {
@@ -248,7 +248,7 @@ void relu_mixed_backward(const AdaptiveNode& a, const Pattern& fixed, const Tens
       d1[x] = float(w1 * d_out[x]);
       d2[x] = float(w2 * d_out[x]);
     }
-    Tensor d1t(DType::kF32, {p.B, p.Hq, p.Lq, p.Dv});
+    Tensor d1t(DType::kF32, {p.B(), p.Hq(), p.Lq(), p.Dv()});
     std::copy(d1.begin(), d1.end(), d1t.data<float>());
     Tensor sq(DType::kF32, q.shape), sk(DType::kF32, k.shape), sv(DType::kF32, v.shape);
     block_sparse_attention_backward(d1t, q, k, v, o_soft, lse_soft, bm, fm, NoScoreMod{}, o, sq, sk, sv, nullptr,
