@@ -50,13 +50,12 @@ void topk_finish(const float* s, const int32_t* vrow, const int32_t* j, int64_t 
 // TopK without a fixed pattern: keys packed once per (b, kv head) into SIMD tiles, the scoring pass of
 // topk_scan.cpp per block of kQueryRows queries (scores in registers, only threshold survivors leave them),
 // then softmax and PV over the k kept keys.
-void topk_forward_full(const AdaptiveNode& a, const TensorView& q, const TensorView& k, const TensorView& v,
-                       const SparseOptions& o, const TensorView& out, const TensorView& lse,
+void topk_forward_full(const AttentionProblem& problem, const AdaptiveNode& a, const TensorView& q, const TensorView& k,
+                       const TensorView& v, const SparseOptions& o, const TensorView& out, const TensorView& lse,
                        const TensorView& indices) {
   constexpr int64_t kQueryRows = 48;  // a query block: 48 x D floats stay in L1 beside one key tile
-  const int64_t lq = q.shape[2], lk = k.shape[2];
-  const BlockMask ident = Full().block_mask(lq, lk, 1, o.block);  // identity layout for packing
-  detail::Packed p = detail::pack_inputs(q, k, v, ident, o, o.enable_gqa);
+  const BlockMask ident = Full().block_mask(problem.len_q, problem.len_k, 1, o.block);  // identity layout
+  detail::Packed p = detail::pack_inputs(problem, q, k, v, ident, o);
   detail::check_outputs(p, out, lse);
   const int64_t K_out = a.k, K = std::min(a.k, p.Lk());
   if (indices.data) check_indices(indices, {p.B(), p.Hq(), p.Lq(), K_out}, "[B, Hq, Lq, k]");
@@ -103,13 +102,13 @@ void topk_forward_full(const AdaptiveNode& a, const TensorView& q, const TensorV
 
 }  // namespace
 
-void topk_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& q, const TensorView& k,
-                  const TensorView& v, const SparseOptions& o, const TensorView& out, const TensorView& lse,
-                  const TensorView& indices) {
-  if (!fixed.defined()) return topk_forward_full(a, q, k, v, o, out, lse, indices);
-  const int64_t lq = q.shape[2], lk = k.shape[2], hq = q.shape[1];
-  const BlockMask bm = fixed_block_mask(fixed, lq, lk, hq, o.block);
-  detail::Packed p = detail::pack_inputs(q, k, v, bm, o, o.enable_gqa);
+void topk_forward(const AttentionProblem& problem, const AdaptiveNode& a, const Pattern& fixed, const TensorView& q,
+                  const TensorView& k, const TensorView& v, const SparseOptions& o, const TensorView& out,
+                  const TensorView& lse, const TensorView& indices) {
+  if (!fixed.defined()) return topk_forward_full(problem, a, q, k, v, o, out, lse, indices);
+  const int64_t lq = problem.len_q, lk = problem.len_k;
+  const BlockMask bm = fixed_block_mask(fixed, lq, lk, problem.heads_q, o.block);
+  detail::Packed p = detail::pack_inputs(problem, q, k, v, bm, o);
   detail::check_outputs(p, out, lse);
   const int64_t K_out = a.k, K = std::min(a.k, p.Lk());  // at most Lk keys can be kept
   if (indices.data) check_indices(indices, {p.B(), p.Hq(), p.Lq(), K_out}, "[B, Hq, Lq, k]");
@@ -183,10 +182,10 @@ void topk_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView&
   detail::parallel(p.B() * p.Hq() * nqb, p.threads, item);
 }
 
-void topk_backward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& dout, const TensorView& q,
-                   const TensorView& k, const TensorView& v, const TensorView& lse, const SparseOptions& o,
-                   const SparseGrads& g, const TensorView& indices_in) {
-  const int64_t B = q.shape[0], hq = q.shape[1], lq = q.shape[2], lk = k.shape[2];
+void topk_backward(const AttentionProblem& problem, const AdaptiveNode& a, const Pattern& fixed, const TensorView& dout,
+                   const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& lse,
+                   const SparseOptions& o, const SparseGrads& g, const TensorView& indices_in) {
+  const int64_t B = problem.batch, hq = problem.heads_q, lq = problem.len_q, lk = problem.len_k;
   // The selection: the given indices, or recomputed (deterministically) by the forward pass, with at most Lk
   // columns (a k beyond Lk keeps every allowed key, as k = Lk does).
   const int64_t K = indices_in.data ? a.k : std::min(a.k, lk);
@@ -196,13 +195,13 @@ void topk_backward(const AdaptiveNode& a, const Pattern& fixed, const TensorView
     AdaptiveNode at_most_lk = a;
     at_most_lk.k = K;
     idx_t = Tensor(DType::kI64, {B, hq, lq, K});
-    out_t = Tensor(DType::kF32, {B, hq, lq, v.shape[3]});
+    out_t = Tensor(DType::kF32, {B, hq, lq, problem.head_dim_v});
     lse_t = Tensor(DType::kF32, {B, hq, lq});
-    topk_forward(at_most_lk, fixed, q, k, v, o, out_t, lse_t, idx_t);
+    topk_forward(problem, at_most_lk, fixed, q, k, v, o, out_t, lse_t, idx_t);
     indices = idx_t.view();
   }
   const BlockMask ident = Full().block_mask(lq, lk, 1, o.block);  // identity layout for packing
-  detail::Packed p = detail::pack_inputs(q, k, v, ident, o, o.enable_gqa);
+  detail::Packed p = detail::pack_inputs(problem, q, k, v, ident, o);
   detail::check_grads(p, q, k, v, g.dq, g.dk, g.dv);
   check_indices(indices, {p.B(), p.Hq(), p.Lq(), K}, "[B, Hq, Lq, k]");
   check(dout.shape == Shape{p.B(), p.Hq(), p.Lq(), p.Dv()}, ErrorKind::kInvalidArgument, "dout: expected shape ",
