@@ -7,27 +7,28 @@
 
 namespace sattn::sparse {
 
-void adaptive_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& q, const TensorView& k,
-                      const TensorView& v, const SparseOptions& o, const TensorView& out, const TensorView& lse,
-                      const TensorView& indices) {
+void adaptive_forward(const AttentionProblem& problem, const AdaptiveNode& a, const Pattern& fixed, const TensorView& q,
+                      const TensorView& k, const TensorView& v, const SparseOptions& o, const TensorView& out,
+                      const TensorView& lse, const TensorView& indices) {
   require_no_mods(o, a.repr().c_str());
   switch (a.kind) {
-    case AdaptiveNode::kTopK: return topk_forward(a, fixed, q, k, v, o, out, lse, indices);
-    case AdaptiveNode::kBlockTopK: return blocktopk_forward(a, fixed, q, k, v, o, out, lse, indices);
+    case AdaptiveNode::kTopK: return topk_forward(problem, a, fixed, q, k, v, o, out, lse, indices);
+    case AdaptiveNode::kBlockTopK: return blocktopk_forward(problem, a, fixed, q, k, v, o, out, lse, indices);
     case AdaptiveNode::kReLU:
-    case AdaptiveNode::kMixed: return relu_mixed_forward(a, fixed, q, k, v, o, out, lse, indices);
+    case AdaptiveNode::kMixed: return relu_mixed_forward(problem, a, fixed, q, k, v, o, out, lse, indices);
   }
 }
 
-void adaptive_backward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& dout, const TensorView& q,
-                       const TensorView& k, const TensorView& v, const TensorView& out, const TensorView& lse,
-                       const SparseOptions& o, const SparseGrads& g, const TensorView& indices) {
+void adaptive_backward(const AttentionProblem& problem, const AdaptiveNode& a, const Pattern& fixed,
+                       const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
+                       const TensorView& out, const TensorView& lse, const SparseOptions& o, const SparseGrads& g,
+                       const TensorView& indices) {
   require_no_mods(o, a.repr().c_str());
   switch (a.kind) {
-    case AdaptiveNode::kTopK: return topk_backward(a, fixed, dout, q, k, v, lse, o, g, indices);
-    case AdaptiveNode::kBlockTopK: return blocktopk_backward(a, fixed, dout, q, k, v, out, lse, o, g, indices);
+    case AdaptiveNode::kTopK: return topk_backward(problem, a, fixed, dout, q, k, v, lse, o, g, indices);
+    case AdaptiveNode::kBlockTopK: return blocktopk_backward(problem, a, fixed, dout, q, k, v, out, lse, o, g, indices);
     case AdaptiveNode::kReLU:
-    case AdaptiveNode::kMixed: return relu_mixed_backward(a, fixed, dout, q, k, v, o, g);
+    case AdaptiveNode::kMixed: return relu_mixed_backward(problem, a, fixed, dout, q, k, v, o, g);
   }
 }
 

@@ -13,12 +13,14 @@ namespace sattn::sparse {
 std::string format_double(double x);
 
 // `fixed` (may be undefined) restricts the candidates. indices: int64, see adaptive_indices_shape.
-void adaptive_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& q, const TensorView& k,
-                      const TensorView& v, const SparseOptions& o, const TensorView& out, const TensorView& lse,
-                      const TensorView& indices);
-void adaptive_backward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& dout, const TensorView& q,
-                       const TensorView& k, const TensorView& v, const TensorView& out, const TensorView& lse,
-                       const SparseOptions& o, const SparseGrads& g, const TensorView& indices);
+// problem: detail::describe_inputs(q, k, v, o, o.enable_gqa).
+void adaptive_forward(const AttentionProblem& problem, const AdaptiveNode& a, const Pattern& fixed, const TensorView& q,
+                      const TensorView& k, const TensorView& v, const SparseOptions& o, const TensorView& out,
+                      const TensorView& lse, const TensorView& indices);
+void adaptive_backward(const AttentionProblem& problem, const AdaptiveNode& a, const Pattern& fixed,
+                       const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
+                       const TensorView& out, const TensorView& lse, const SparseOptions& o, const SparseGrads& g,
+                       const TensorView& indices);
 // TopK: [B, Hq, Lq, k] key indices; BlockTopK: [B, Hq, nqb, k_blocks] key-block indices; else {} (none).
 Shape adaptive_indices_shape(const AdaptiveNode& a, int64_t B, int64_t hq, int64_t lq, int64_t lk);
 

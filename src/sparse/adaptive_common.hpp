@@ -49,29 +49,34 @@ inline BlockMask fixed_block_mask(const Pattern& fixed, int64_t lq, int64_t lk, 
   return fixed.defined() ? fixed.block_mask(lq, lk, hq, block) : Full().block_mask(lq, lk, hq, block);
 }
 
+// Every entry takes the call's problem, detail::describe_inputs(q, k, v, o, o.enable_gqa), and packs the inputs
+// with it (each in the layout its algorithm needs).
+
 // TopK(k): each query's k best keys (topk.cpp).
-void topk_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& q, const TensorView& k,
-                  const TensorView& v, const SparseOptions& o, const TensorView& out, const TensorView& lse,
-                  const TensorView& indices);
-void topk_backward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& dout, const TensorView& q,
-                   const TensorView& k, const TensorView& v, const TensorView& lse, const SparseOptions& o,
-                   const SparseGrads& g, const TensorView& indices);
+void topk_forward(const AttentionProblem& problem, const AdaptiveNode& a, const Pattern& fixed, const TensorView& q,
+                  const TensorView& k, const TensorView& v, const SparseOptions& o, const TensorView& out,
+                  const TensorView& lse, const TensorView& indices);
+void topk_backward(const AttentionProblem& problem, const AdaptiveNode& a, const Pattern& fixed, const TensorView& dout,
+                   const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& lse,
+                   const SparseOptions& o, const SparseGrads& g, const TensorView& indices);
 
 // BlockTopK(block, k_blocks): each query block's best key blocks (block_topk.cpp).
-void blocktopk_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& q, const TensorView& k,
-                       const TensorView& v, const SparseOptions& o, const TensorView& out, const TensorView& lse,
-                       const TensorView& indices);
-void blocktopk_backward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& dout, const TensorView& q,
-                        const TensorView& k, const TensorView& v, const TensorView& out, const TensorView& lse,
-                        const SparseOptions& o, const SparseGrads& g, const TensorView& indices);
+void blocktopk_forward(const AttentionProblem& problem, const AdaptiveNode& a, const Pattern& fixed,
+                       const TensorView& q, const TensorView& k, const TensorView& v, const SparseOptions& o,
+                       const TensorView& out, const TensorView& lse, const TensorView& indices);
+void blocktopk_backward(const AttentionProblem& problem, const AdaptiveNode& a, const Pattern& fixed,
+                        const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& out, const TensorView& lse, const SparseOptions& o, const SparseGrads& g,
+                        const TensorView& indices);
 // The number of query blocks of the selection (blocks aligned as the causal diagonal is).
 int64_t blocktopk_num_query_blocks(const AdaptiveNode& a, int64_t lq, int64_t lk);
 
 // ReLUAttention and MixedAttention (relu_attention.cpp).
-void relu_mixed_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& q, const TensorView& k,
-                        const TensorView& v, const SparseOptions& o, const TensorView& out, const TensorView& lse,
-                        const TensorView& indices);
-void relu_mixed_backward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& dout, const TensorView& q,
-                         const TensorView& k, const TensorView& v, const SparseOptions& o, const SparseGrads& g);
+void relu_mixed_forward(const AttentionProblem& problem, const AdaptiveNode& a, const Pattern& fixed,
+                        const TensorView& q, const TensorView& k, const TensorView& v, const SparseOptions& o,
+                        const TensorView& out, const TensorView& lse, const TensorView& indices);
+void relu_mixed_backward(const AttentionProblem& problem, const AdaptiveNode& a, const Pattern& fixed,
+                         const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
+                         const SparseOptions& o, const SparseGrads& g);
 
 }  // namespace sattn::sparse

@@ -47,12 +47,12 @@ inline double block_score64(const double* qm, const double* km, int64_t D) {
 }
 
 // The shape of one batch entry's selection: aligned query blocks (bounds, with qbounds = {0, bounds...}) against
-// key blocks of a.block positions.
+// key blocks of a.block positions. The problem's sizes are read from p.
 struct SelectGeometry {
   const AdaptiveNode& a;
   const Pattern& fixed;
   const detail::Packed& p;
-  int64_t b, lq, lk, off, blk, nkb, D, nqb, KB;
+  int64_t b, off, blk, nkb, nqb, KB;
   const std::vector<int32_t>& qbounds;
 };
 
@@ -67,7 +67,7 @@ struct KeyBlockMeans {
 // The chosen blocks as given (indices [Hq, nqb, k_blocks], -1 = none): sorted, duplicates dropped.
 void select_given(const SelectGeometry& g, const int64_t* given, BlockSelection& sel) {
   const AdaptiveNode& a = g.a;
-  for (int64_t h = 0; h < g.p.Hq; ++h)
+  for (int64_t h = 0; h < g.p.Hq(); ++h)
     for (int64_t qb = 0; qb < g.nqb; ++qb) {
       std::vector<int64_t> picks;
       for (int64_t x = 0; x < a.k_blocks; ++x) {
@@ -83,9 +83,9 @@ void select_given(const SelectGeometry& g, const int64_t* given, BlockSelection&
 
 KeyBlockMeans key_block_means(const SelectGeometry& g) {
   const detail::Packed& p = g.p;
-  const int64_t b = g.b, lk = g.lk, blk = g.blk, nkb = g.nkb, D = g.D;
+  const int64_t b = g.b, lk = p.Lk(), blk = g.blk, nkb = g.nkb, D = p.D();
   KeyBlockMeans km;
-  km.kmean.assign(static_cast<size_t>(p.Hkv * nkb * D), 0.0);
+  km.kmean.assign(static_cast<size_t>(p.Hkv() * nkb * D), 0.0);
   km.kvalid.assign(static_cast<size_t>(nkb), 0);
   std::vector<double>& kmean = km.kmean;
   for (int64_t j = 0; j < lk; ++j)
@@ -98,15 +98,15 @@ KeyBlockMeans key_block_means(const SelectGeometry& g) {
     const int64_t j_hi = std::min(lk, j_lo + kSumBlocks * blk);
     for (int64_t j = j_lo; j < j_hi; ++j) {
       if (!(p.key_valid.empty() || p.key_valid[size_t(b * lk + j)])) continue;
-      const float* kr = &p.k[size_t(((b * p.Hkv + hk) * lk + j) * D)];
+      const float* kr = &p.k[size_t(((b * p.Hkv() + hk) * lk + j) * D)];
       double* m = &kmean[size_t((hk * nkb + j / blk) * D)];
       for (int64_t d = 0; d < D; ++d) m[d] += kr[d];
     }
   };
-  detail::parallel(p.Hkv * sum_runs, p.threads, sum_keys);
-  km.kmt.resize(static_cast<size_t>(p.Hkv * D * nkb));
-  km.knorm_max.assign(static_cast<size_t>(p.Hkv), 0.0);
-  for (int64_t hk = 0; hk < p.Hkv; ++hk)
+  detail::parallel(p.Hkv() * sum_runs, p.threads, sum_keys);
+  km.kmt.resize(static_cast<size_t>(p.Hkv() * D * nkb));
+  km.knorm_max.assign(static_cast<size_t>(p.Hkv()), 0.0);
+  for (int64_t hk = 0; hk < p.Hkv(); ++hk)
     for (int64_t kb = 0; kb < nkb; ++kb) {
       double* m = &kmean[size_t((hk * nkb + kb) * D)];
       double n2 = 0;
@@ -125,22 +125,22 @@ KeyBlockMeans key_block_means(const SelectGeometry& g) {
 std::vector<std::vector<KeyRange>> fixed_key_ranges(const SelectGeometry& g) {
   std::vector<std::vector<KeyRange>> franges;
   if (!g.fixed.defined()) return franges;
-  franges.resize(size_t(g.p.Hq * g.nqb));
-  for (int64_t h = 0; h < g.p.Hq; ++h)
+  franges.resize(size_t(g.p.Hq() * g.nqb));
+  for (int64_t h = 0; h < g.p.Hq(); ++h)
     for (int64_t qb = 0; qb < g.nqb; ++qb)
       g.fixed.node().ranges_for(g.fixed.head_dependent() ? h : 0, g.qbounds[size_t(qb)], g.qbounds[size_t(qb + 1)],
-                                g.lq, g.lk, g.blk, franges[size_t(h * g.nqb + qb)]);
+                                g.p.Lq(), g.p.Lk(), g.blk, franges[size_t(h * g.nqb + qb)]);
   return franges;
 }
 
 // Query-block means of head h, blocks [c0, c0 + rows): fp64 into qm [rows x D] and their fp32 copies into qmf.
 void query_block_means(const SelectGeometry& g, int64_t h, int64_t c0, int64_t rows, double* qm, float* qmf) {
-  const int64_t D = g.D;
+  const int64_t D = g.p.D(), Lq = g.p.Lq(), Hq = g.p.Hq();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t q0 = g.qbounds[size_t(c0 + r)], q1 = g.qbounds[size_t(c0 + r + 1)];
     double* m = &qm[size_t(r * D)];
     for (int64_t i = q0; i < q1; ++i) {
-      const float* qr = &g.p.q[size_t(((g.b * g.p.Hq + h) * g.lq + i) * D)];
+      const float* qr = &g.p.q[size_t(((g.b * Hq + h) * Lq + i) * D)];
       for (int64_t d = 0; d < D; ++d) m[d] += qr[d];
     }
     for (int64_t d = 0; d < D; ++d) {
@@ -262,7 +262,7 @@ void rescore_pass(RowChoice& rc, int64_t need, std::vector<std::pair<float, int3
 void select_chunk(const SelectGeometry& g, const KeyBlockMeans& km, const std::vector<std::vector<KeyRange>>& franges,
                   int64_t h, int64_t c0, int64_t rows, BlockSelection& sel) {
   const AdaptiveNode& a = g.a;
-  const int64_t D = g.D, nkb = g.nkb, blk = g.blk, hk = h / g.p.group;
+  const int64_t D = g.p.D(), nkb = g.nkb, blk = g.blk, hk = h / g.p.group();
   const bool every_block_usable = !g.fixed.defined() && g.p.key_valid.empty();
   thread_local std::vector<double> qm;
   thread_local std::vector<float> qmf, s;
@@ -311,9 +311,9 @@ void select_chunk(const SelectGeometry& g, const KeyBlockMeans& km, const std::v
 // The block mask of a selection: each query block's chosen key blocks (full but where the fixed pattern or the
 // causal diagonal needs the mask).
 BlockMask selection_mask(const SelectGeometry& g, const std::vector<int32_t>& bounds, const BlockSelection& sel) {
-  const int64_t blk = g.blk, lk = g.lk;
+  const int64_t blk = g.blk, lk = g.p.Lk();
   return detail::build_identity_layout(
-      g.lq, lk, g.p.Hq, bounds, [&](int64_t h, int64_t q0, int64_t, std::vector<KeyRange>& out) {
+      g.p.Lq(), lk, g.p.Hq(), bounds, [&](int64_t h, int64_t q0, int64_t, std::vector<KeyRange>& out) {
         const int64_t qb = std::lower_bound(g.qbounds.begin(), g.qbounds.end(), int32_t(q0)) - g.qbounds.begin();
         const int64_t t = floor_div(q0 + g.off, blk);
         const int64_t* ch = &sel.chosen[size_t((h * g.nqb + qb) * g.KB)];
@@ -331,19 +331,19 @@ BlockMask selection_mask(const SelectGeometry& g, const std::vector<int32_t>& bo
 // sel.mask empty (the direct forward reads only sel.chosen).
 BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const detail::Packed& p, int64_t b,
                             const int64_t* given, bool with_mask = true) {
-  const int64_t lq = p.Lq, lk = p.Lk, off = lk - lq, blk = a.block, nkb = (lk + blk - 1) / blk, D = p.D;
+  const int64_t lq = p.Lq(), lk = p.Lk(), off = lk - lq, blk = a.block, nkb = (lk + blk - 1) / blk;
   const std::vector<int32_t> bounds = aligned_bounds(lq, off, blk);
   const int64_t nqb = int64_t(bounds.size()), KB = std::max<int64_t>(1, std::min(a.k_blocks, nkb));
   BlockSelection sel;
   sel.nqb = nqb;
   sel.width = KB;
-  sel.chosen.assign(size_t(p.Hq * nqb * KB), -1);
+  sel.chosen.assign(size_t(p.Hq() * nqb * KB), -1);
   const std::vector<int32_t> qbounds = [&] {
     std::vector<int32_t> x = {0};
     x.insert(x.end(), bounds.begin(), bounds.end());
     return x;
   }();
-  const SelectGeometry g{a, fixed, p, b, lq, lk, off, blk, nkb, D, nqb, KB, qbounds};
+  const SelectGeometry g{a, fixed, p, b, off, blk, nkb, nqb, KB, qbounds};
   if (given) {
     select_given(g, given, sel);
   } else {
@@ -355,7 +355,7 @@ BlockSelection block_select(const AdaptiveNode& a, const Pattern& fixed, const d
       const int64_t h = it / chunks, c0 = (it % chunks) * kRows;
       select_chunk(g, km, franges, h, c0, std::min(kRows, nqb - c0), sel);
     };
-    detail::parallel(p.Hq * chunks, p.threads, item);
+    detail::parallel(p.Hq() * chunks, p.threads, item);
   }
   if (with_mask) sel.mask = selection_mask(g, bounds, sel);
   return sel;
@@ -370,6 +370,13 @@ struct BlockTopKMask {
   }
 };
 
+// The problem of one batch entry's slices (slice_batch, batch_options): the call's problem with B = 1.
+AttentionProblem batch_problem(const AttentionProblem& problem) {
+  AttentionProblem one = problem;
+  one.batch = 1;
+  return one;
+}
+
 SparseOptions batch_options(const SparseOptions& o, int64_t b) {
   SparseOptions s = o;
   if (o.key_padding_mask.data) s.key_padding_mask = slice_batch(o.key_padding_mask, b);
@@ -381,25 +388,26 @@ int64_t blocktopk_nqb(const AdaptiveNode& a, int64_t lq, int64_t lk) {
   return int64_t(aligned_bounds(lq, lk - lq, a.block).size());
 }
 
-void blocktopk_run(const AdaptiveNode& a, const Pattern& fixed, const TensorView& q, const TensorView& k,
-                   const TensorView& v, const SparseOptions& o, const TensorView& indices, bool indices_given,
+void blocktopk_run(const AttentionProblem& problem, const AdaptiveNode& a, const Pattern& fixed, const TensorView& q,
+                   const TensorView& k, const TensorView& v, const SparseOptions& o, const TensorView& indices,
+                   bool indices_given,
                    const std::function<void(int64_t, const BlockMask&, const SparseOptions&)>& run) {
-  const int64_t lq = q.shape[2], lk = k.shape[2];
+  const int64_t lq = problem.len_q, lk = problem.len_k;
   const BlockMask ident = Full().block_mask(lq, lk, 1, o.block);
-  const detail::Packed p = detail::pack_inputs(q, k, v, ident, o, o.enable_gqa);
+  const detail::Packed p = detail::pack_inputs(problem, q, k, v, ident, o);
   const int64_t nqb = blocktopk_nqb(a, lq, lk), KB = a.k_blocks;
-  if (indices.data) check_indices(indices, {p.B, p.Hq, nqb, KB}, "[B, Hq, num_query_blocks, k_blocks]");
-  for (int64_t b = 0; b < p.B; ++b) {
+  if (indices.data) check_indices(indices, {p.B(), p.Hq(), nqb, KB}, "[B, Hq, num_query_blocks, k_blocks]");
+  for (int64_t b = 0; b < p.B(); ++b) {
     std::vector<int64_t> given;
     if (indices_given) {
-      given.resize(size_t(p.Hq * nqb * KB));
-      for (int64_t h = 0; h < p.Hq; ++h)
+      given.resize(size_t(p.Hq() * nqb * KB));
+      for (int64_t h = 0; h < p.Hq(); ++h)
         for (int64_t x = 0; x < nqb; ++x)
           for (int64_t y = 0; y < KB; ++y) given[size_t((h * nqb + x) * KB + y)] = idx_at(indices, b, h, x, y);
     }
     const BlockSelection sel = block_select(a, fixed, p, b, indices_given ? given.data() : nullptr);
     if (indices.data && !indices_given)
-      for (int64_t h = 0; h < p.Hq; ++h)
+      for (int64_t h = 0; h < p.Hq(); ++h)
         for (int64_t x = 0; x < nqb; ++x)
           for (int64_t y = 0; y < KB; ++y) idx_at(indices, b, h, x, y) = sel.index(h, x, y);
     run(b, sel.mask, batch_options(o, b));
@@ -411,43 +419,43 @@ void blocktopk_run(const AdaptiveNode& a, const Pattern& fixed, const TensorView
 // tiles [D x block] that tiles::qk reads in place and V read in place (the engine would gather, copy and transpose
 // both for every query block). Masks as in
 // BlockTopKMask: causal inside the diagonal block, key padding in blocks that have some.
-void blocktopk_forward_direct(const AdaptiveNode& a, const TensorView& q, const TensorView& k, const TensorView& v,
-                              const SparseOptions& o, const TensorView& out, const TensorView& lse,
-                              const TensorView& indices) {
-  const int64_t lq = q.shape[2], lk = k.shape[2];
+void blocktopk_forward_direct(const AttentionProblem& problem, const AdaptiveNode& a, const TensorView& q,
+                              const TensorView& k, const TensorView& v, const SparseOptions& o, const TensorView& out,
+                              const TensorView& lse, const TensorView& indices) {
+  const int64_t lq = problem.len_q, lk = problem.len_k;
   const BlockMask ident = Full().block_mask(lq, lk, 1, o.block);
-  const detail::Packed p = detail::pack_inputs(q, k, v, ident, o, o.enable_gqa);
+  const detail::Packed p = detail::pack_inputs(problem, q, k, v, ident, o);
   detail::check_outputs(p, out, lse);
   const int64_t nqb = blocktopk_nqb(a, lq, lk), KB = a.k_blocks, blk = a.block, nkb = (lk + blk - 1) / blk;
-  const int64_t D = p.D, Dv = p.Dv, off = lk - lq;
+  const int64_t D = p.D(), Dv = p.Dv(), group = p.group(), off = lk - lq;
   const int64_t bw = std::min(blk, lk);  // columns of a key block in memory (one block of Lk keys when blk > Lk)
-  if (indices.data) check_indices(indices, {p.B, p.Hq, nqb, KB}, "[B, Hq, num_query_blocks, k_blocks]");
+  if (indices.data) check_indices(indices, {p.B(), p.Hq(), nqb, KB}, "[B, Hq, num_query_blocks, k_blocks]");
   // K of one (b, kv head) at a time as transposed key blocks [nkb][D][bw] (one head's worth of memory).
   detail::HugeVector<float> kt(static_cast<size_t>(nkb * D * bw));
   std::vector<int32_t> qbounds = {0};
   for (int32_t x : aligned_bounds(lq, off, blk)) qbounds.push_back(x);
-  for (int64_t b = 0; b < p.B; ++b) {
+  for (int64_t b = 0; b < p.B(); ++b) {
     const BlockSelection sel = block_select(a, Pattern(), p, b, nullptr, false);
     if (indices.data)
-      for (int64_t h = 0; h < p.Hq; ++h)
+      for (int64_t h = 0; h < p.Hq(); ++h)
         for (int64_t x = 0; x < nqb; ++x)
           for (int64_t y = 0; y < KB; ++y) idx_at(indices, b, h, x, y) = sel.index(h, x, y);
-    for (int64_t hk = 0; hk < p.Hkv; ++hk) {
-      const int64_t bh = b * p.Hkv + hk;
+    for (int64_t hk = 0; hk < p.Hkv(); ++hk) {
+      const int64_t bh = b * p.Hkv() + hk;
       auto pack = [&](int64_t kb) {
         tiles::transpose_rows(&p.k[size_t((bh * lk + kb * blk) * D)], D, std::min(blk, lk - kb * blk), D,
                               &kt[size_t(kb * D * bw)], bw);
       };
       detail::parallel(nkb, p.threads, pack);
       auto item = [&](int64_t it) {
-        const int64_t h = hk * p.group + it / nqb, qb = it % nqb;
+        const int64_t h = hk * group + it / nqb, qb = it % nqb;
         const int64_t q0 = qbounds[size_t(qb)], m = qbounds[size_t(qb + 1)] - q0, t = floor_div(q0 + off, blk);
         thread_local std::vector<float> s, acc, mx, sum;
         s.resize(size_t(m * bw));
         acc.assign(size_t(m * Dv), 0.0f);
         mx.assign(size_t(m), kNegInf);
         sum.assign(size_t(m), 0.0f);
-        const float* qt = &p.q[size_t(((b * p.Hq + h) * lq + q0) * D)];
+        const float* qt = &p.q[size_t(((b * p.Hq() + h) * lq + q0) * D)];
         const int64_t* ch = sel.row(h, qb);
         for (int64_t x = 0; x < sel.width && ch[x] >= 0; ++x) {
           const int64_t kb = ch[x], j0 = kb * blk, n = std::min(blk, lk - j0);
@@ -474,7 +482,7 @@ void blocktopk_forward_direct(const AdaptiveNode& a, const TensorView& q, const 
             detail::store_value(lse, b, h, q0 + r, empty ? kNegInf : mx[size_t(r)] + std::log(sum[size_t(r)]));
         }
       };
-      detail::parallel(p.group * nqb, p.threads, item);
+      detail::parallel(group * nqb, p.threads, item);
     }
   }
 }
@@ -483,28 +491,31 @@ void blocktopk_forward_direct(const AdaptiveNode& a, const TensorView& q, const 
 
 int64_t blocktopk_num_query_blocks(const AdaptiveNode& a, int64_t lq, int64_t lk) { return blocktopk_nqb(a, lq, lk); }
 
-void blocktopk_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& q, const TensorView& k,
-                       const TensorView& v, const SparseOptions& o, const TensorView& out, const TensorView& lse,
-                       const TensorView& indices) {
-  if (!fixed.defined()) return blocktopk_forward_direct(a, q, k, v, o, out, lse, indices);
-  blocktopk_run(a, fixed, q, k, v, o, indices, false, [&](int64_t b, const BlockMask& bm, const SparseOptions& ob) {
-    block_sparse_attention(slice_batch(q, b), slice_batch(k, b), slice_batch(v, b), bm,
-                           BlockTopKMask{fixed.defined() ? &fixed.node() : nullptr, a.causal, q.shape[2], k.shape[2]},
-                           NoScoreMod{}, ob, slice_batch(out, b), slice_batch(lse, b), ob.enable_gqa);
-  });
+void blocktopk_forward(const AttentionProblem& problem, const AdaptiveNode& a, const Pattern& fixed,
+                       const TensorView& q, const TensorView& k, const TensorView& v, const SparseOptions& o,
+                       const TensorView& out, const TensorView& lse, const TensorView& indices) {
+  if (!fixed.defined()) return blocktopk_forward_direct(problem, a, q, k, v, o, out, lse, indices);
+  const AttentionProblem one = batch_problem(problem);
+  const BlockTopKMask mask{&fixed.node(), a.causal, problem.len_q, problem.len_k};
+  blocktopk_run(problem, a, fixed, q, k, v, o, indices, false,
+                [&](int64_t b, const BlockMask& bm, const SparseOptions& ob) {
+                  block_sparse_attention(one, slice_batch(q, b), slice_batch(k, b), slice_batch(v, b), bm, mask,
+                                         NoScoreMod{}, ob, slice_batch(out, b), slice_batch(lse, b));
+                });
 }
 
-void blocktopk_backward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& dout, const TensorView& q,
-                        const TensorView& k, const TensorView& v, const TensorView& out, const TensorView& lse,
-                        const SparseOptions& o, const SparseGrads& g, const TensorView& indices) {
-  blocktopk_run(a, fixed, q, k, v, o, indices, indices.data != nullptr,
+void blocktopk_backward(const AttentionProblem& problem, const AdaptiveNode& a, const Pattern& fixed,
+                        const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& out, const TensorView& lse, const SparseOptions& o, const SparseGrads& g,
+                        const TensorView& indices) {
+  const AttentionProblem one = batch_problem(problem);
+  const BlockTopKMask mask{fixed.defined() ? &fixed.node() : nullptr, a.causal, problem.len_q, problem.len_k};
+  blocktopk_run(problem, a, fixed, q, k, v, o, indices, indices.data != nullptr,
                 [&](int64_t b, const BlockMask& bm, const SparseOptions& ob) {
-                  block_sparse_attention_backward(
-                      slice_batch(dout, b), slice_batch(q, b), slice_batch(k, b), slice_batch(v, b),
-                      slice_batch(out, b), slice_batch(lse, b), bm,
-                      BlockTopKMask{fixed.defined() ? &fixed.node() : nullptr, a.causal, q.shape[2], k.shape[2]},
-                      NoScoreMod{}, ob, slice_batch(g.dq, b), slice_batch(g.dk, b), slice_batch(g.dv, b), nullptr,
-                      ob.enable_gqa);
+                  block_sparse_attention_backward(one, slice_batch(dout, b), slice_batch(q, b), slice_batch(k, b),
+                                                  slice_batch(v, b), slice_batch(out, b), slice_batch(lse, b), bm, mask,
+                                                  NoScoreMod{}, ob, slice_batch(g.dq, b), slice_batch(g.dk, b),
+                                                  slice_batch(g.dv, b));
                 });
 }
 

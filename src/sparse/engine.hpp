@@ -30,6 +30,7 @@
 #include "sattn/patterns.hpp"
 #include "sattn/sparse.hpp"  // EngineOptions
 #include "sattn/tensor.hpp"
+#include "sparse/problem_sizes.hpp"
 #include "sparse/tiles.hpp"
 
 namespace sattn::sparse {
@@ -88,10 +89,10 @@ struct FloatBuf {
   size_t size() const { return n; }
 };
 
-// Inputs validated and packed once: fp32, contiguous, in the block mask's layout order.
-struct Packed {
-  int64_t B = 0, Hq = 0, Hkv = 0, Lq = 0, Lk = 0, D = 0, Dv = 0, group = 1;
-  float scale = 1.0f;
+// Inputs validated once (the problem: sizes, scale, key padding) and packed once: fp32, contiguous, in the block
+// mask's layout order.
+struct Packed : ProblemSizes {
+  float scale = 1.0f;  // problem.scale in fp32, the factor of the tile products
   int threads = 1;
   FloatBuf q, k, v;                         // [B, Hq, Lq, D], [B, Hkv, Lk, D], [B, Hkv, Lk, Dv]
   std::vector<uint8_t> key_valid;           // [B, Lk] layout order (empty: no padding)
@@ -100,14 +101,23 @@ struct Packed {
   std::vector<float> lse, delta;            // backward only: [B, Hq, Lq], [B, Hq, Lq]
   int64_t invalid_in(int64_t b, int64_t lo, int64_t hi) const {
     if (key_invalid_prefix.empty()) return 0;
-    const int32_t* p = &key_invalid_prefix[size_t(b * (Lk + 1))];
+    const int32_t* p = &key_invalid_prefix[size_t(b * (Lk() + 1))];
     return p[hi] - p[lo];
   }
 };
 
-// Validates q/k/v/mask/options (and out/lse shapes) and packs q, k, v and the key padding.
-Packed pack_inputs(const TensorView& q, const TensorView& k, const TensorView& v, const BlockMask& mask,
-                   const EngineOptions& options, bool enable_gqa);
+// The problem of a sparse call: describe_attention with the options' scale and key padding (validated there),
+// plus the sparse entries' own rule that Hq may differ from Hkv only with enable_gqa.
+AttentionProblem describe_inputs(const TensorView& q, const TensorView& k, const TensorView& v,
+                                 const EngineOptions& options, bool enable_gqa);
+// Checks the block mask against the problem (from describe_inputs(q, k, v, options, ...)) and packs q, k, v and
+// the key padding in the mask's layout order.
+Packed pack_inputs(const AttentionProblem& problem, const TensorView& q, const TensorView& k, const TensorView& v,
+                   const BlockMask& mask, const EngineOptions& options);
+inline Packed pack_inputs(const TensorView& q, const TensorView& k, const TensorView& v, const BlockMask& mask,
+                          const EngineOptions& options, bool enable_gqa) {
+  return pack_inputs(describe_inputs(q, k, v, options, enable_gqa), q, k, v, mask, options);
+}
 // Backward extras: validates and packs dout, lse (layout order) and delta = rowsum(dout * out).
 void pack_backward(Packed& p, const BlockMask& mask, const TensorView& dout, const TensorView& out,
                    const TensorView& lse);
@@ -245,7 +255,7 @@ void mod_and_mask(float* s, float* raw, int64_t m, int64_t n, const Segment* seg
           if (!mask_mod(b, h, i, int64_t(bm.k_index(kp)))) sr[kp] = kNegInf;
       }
     if (p.invalid_in(b, g.begin, g.end) > 0) {
-      const uint8_t* valid = &p.key_valid[size_t(b * p.Lk)];
+      const uint8_t* valid = &p.key_valid[size_t(b * p.Lk())];
       for (int32_t kp = g.begin; kp < g.end; ++kp)
         if (!valid[kp])
           for (int64_t r = 0; r < m; ++r) s[r * n + g.col + (kp - g.begin)] = kNegInf;
@@ -256,22 +266,23 @@ void mod_and_mask(float* s, float* raw, int64_t m, int64_t n, const Segment* seg
 }  // namespace detail
 
 // Forward. mask_mod: bool(b, h, i, j) on original indices, consulted only in partial ranges. out/lse: see top.
+// problem: detail::describe_inputs(q, k, v, options, enable_gqa) (the overload below builds it).
 template <typename MaskMod, typename ScoreMod = NoScoreMod>
-void block_sparse_attention(const TensorView& q, const TensorView& k, const TensorView& v, const BlockMask& bm,
-                            MaskMod mask_mod, const ScoreMod& score_mod, const EngineOptions& options,
-                            const TensorView& out, const TensorView& lse = {}, bool enable_gqa = true) {
+void block_sparse_attention(const AttentionProblem& problem, const TensorView& q, const TensorView& k,
+                            const TensorView& v, const BlockMask& bm, MaskMod mask_mod, const ScoreMod& score_mod,
+                            const EngineOptions& options, const TensorView& out, const TensorView& lse = {}) {
   using namespace detail;
-  const Packed p = pack_inputs(q, k, v, bm, options, enable_gqa);
+  const Packed p = pack_inputs(problem, q, k, v, bm, options);
   check_outputs(p, out, lse);
-  const int64_t nqb = bm.num_q_blocks(), D = p.D, Dv = p.Dv;
+  const int64_t nqb = bm.num_q_blocks(), D = p.D(), Dv = p.Dv(), group = p.group();
   auto item = [&](int64_t it) {
-    const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
+    const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq(), h = bh % p.Hq(), hk = h / group;
     const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
     thread_local Scratch sc;
     sc.ensure(m, D, Dv);
-    const float* qt = &p.q[size_t(((b * p.Hq + h) * p.Lq + q0) * D)];
-    const float* kbase = &p.k[size_t((b * p.Hkv + hk) * p.Lk * D)];
-    const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
+    const float* qt = &p.q[size_t(((b * p.Hq() + h) * p.Lq() + q0) * D)];
+    const float* kbase = &p.k[size_t((b * p.Hkv() + hk) * p.Lk() * D)];
+    const float* vbase = &p.v[size_t((b * p.Hkv() + hk) * p.Lk() * Dv)];
     std::fill_n(sc.acc.data(), m * Dv, 0.0f);
     std::fill_n(sc.mx.data(), m, -std::numeric_limits<float>::infinity());
     std::fill_n(sc.sum.data(), m, 0.0f);
@@ -304,7 +315,15 @@ void block_sparse_attention(const TensorView& q, const TensorView& k, const Tens
         store_value(lse, b, h, i, empty ? -std::numeric_limits<float>::infinity() : sc.mx[r] + std::log(sc.sum[r]));
     }
   };
-  parallel(p.B * p.Hq * nqb, p.threads, item);
+  parallel(p.B() * p.Hq() * nqb, p.threads, item);
+}
+
+template <typename MaskMod, typename ScoreMod = NoScoreMod>
+void block_sparse_attention(const TensorView& q, const TensorView& k, const TensorView& v, const BlockMask& bm,
+                            MaskMod mask_mod, const ScoreMod& score_mod, const EngineOptions& options,
+                            const TensorView& out, const TensorView& lse = {}, bool enable_gqa = true) {
+  block_sparse_attention(detail::describe_inputs(q, k, v, options, enable_gqa), q, k, v, bm, mask_mod, score_mod,
+                         options, out, lse);
 }
 
 namespace detail {
@@ -314,20 +333,20 @@ namespace detail {
 template <typename MaskMod, typename ScoreMod>
 void one_pass_block(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
                     const TensorView& dq, int64_t qb, int64_t b, int64_t hk, float* gk, float* gv) {
-  const int64_t nqb = bm.num_q_blocks(), D = p.D, Dv = p.Dv;
+  const int64_t nqb = bm.num_q_blocks(), D = p.D(), Dv = p.Dv(), group = p.group();
   const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
   thread_local Scratch sc;
   thread_local std::vector<float> dkc, dvc;
   sc.ensure(m, D, Dv);
   dkc.resize(size_t(kChunk * D));
   dvc.resize(size_t(kChunk * Dv));
-  const size_t kv0 = size_t((b * p.Hkv + hk) * p.Lk);
+  const size_t kv0 = size_t((b * p.Hkv() + hk) * p.Lk());
   const float* kbase = &p.k[kv0 * D];
   const float* vbase = &p.v[kv0 * Dv];
   float* gkb = &gk[kv0 * D];
   float* gvb = &gv[kv0 * Dv];
-  for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
-    const size_t qrow = size_t((b * p.Hq + h) * p.Lq + q0);
+  for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+    const size_t qrow = size_t((b * p.Hq() + h) * p.Lq() + q0);
     const float* qt = &p.q[qrow * D];
     const float* dot = &p.dout[qrow * Dv];
     const float* lse_t = &p.lse[qrow];
@@ -376,28 +395,28 @@ void one_pass_block(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, con
 // Stores the layout-order key gradients gk [B, Hkv, Lk, D], gv [B, Hkv, Lk, Dv] into dk, dv.
 inline void store_key_grads(const Packed& p, const BlockMask& bm, const float* gk, const float* gv,
                             const TensorView& dk, const TensorView& dv) {
-  const int64_t D = p.D, Dv = p.Dv;
+  const int64_t D = p.D(), Dv = p.Dv();
   auto store = [&](int64_t bhk) {
-    const int64_t b = bhk / p.Hkv, hk = bhk % p.Hkv;
-    const size_t kv0 = size_t(bhk * p.Lk);
+    const int64_t b = bhk / p.Hkv(), hk = bhk % p.Hkv();
+    const size_t kv0 = size_t(bhk * p.Lk());
     // Keys in their own order and fp32 outputs with contiguous rows: one copy per (b, kv head).
     const auto contiguous = [&](const TensorView& t, int64_t d) {
-      return t.dtype == DType::kF32 && (d == 1 || t.strides[3] == 1) && (p.Lk == 1 || t.strides[2] == d);
+      return t.dtype == DType::kF32 && (d == 1 || t.strides[3] == 1) && (p.Lk() == 1 || t.strides[2] == d);
     };
     if (bm.k_perm.empty() && contiguous(dk, D) && contiguous(dv, Dv)) {
-      std::copy_n(&gk[kv0 * size_t(D)], p.Lk * D,
+      std::copy_n(&gk[kv0 * size_t(D)], p.Lk() * D,
                   static_cast<float*>(dk.data) + b * dk.strides[0] + hk * dk.strides[1]);
-      std::copy_n(&gv[kv0 * size_t(Dv)], p.Lk * Dv,
+      std::copy_n(&gv[kv0 * size_t(Dv)], p.Lk() * Dv,
                   static_cast<float*>(dv.data) + b * dv.strides[0] + hk * dv.strides[1]);
       return;
     }
-    for (int64_t kp = 0; kp < p.Lk; ++kp) {
+    for (int64_t kp = 0; kp < p.Lk(); ++kp) {
       const int64_t j = bm.k_index(kp);
       store_row(dk, b, hk, j, &gk[(kv0 + size_t(kp)) * size_t(D)], D);
       store_row(dv, b, hk, j, &gv[(kv0 + size_t(kp)) * size_t(Dv)], Dv);
     }
   };
-  parallel(p.B * p.Hkv, p.threads, store);
+  parallel(p.B() * p.Hkv(), p.threads, store);
 }
 
 // One-pass form (FlashAttention-2's five tile products instead of seven): when the query blocks can be coloured
@@ -410,18 +429,19 @@ void backward_one_pass(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, 
                        const std::vector<int64_t>& colour_start, const std::vector<int32_t>& colour_runs,
                        const std::vector<int32_t>& run_ends, const TensorView& dq, const TensorView& dk,
                        const TensorView& dv) {
-  HugeVector<float> gk(size_t(p.B * p.Hkv * p.Lk * p.D), 0.0f), gv(size_t(p.B * p.Hkv * p.Lk * p.Dv), 0.0f);
+  HugeVector<float> gk(size_t(p.B() * p.Hkv() * p.Lk() * p.D()), 0.0f),
+      gv(size_t(p.B() * p.Hkv() * p.Lk() * p.Dv()), 0.0f);
   int64_t c_lo = 0, c_n = 0;
   // One item: a run of consecutive query blocks of one colour for one (b, kv head), block after block.
   auto item = [&](int64_t x) {
-    const int64_t run = c_lo + x % c_n, bhk = x / c_n, b = bhk / p.Hkv, hk = bhk % p.Hkv;
+    const int64_t run = c_lo + x % c_n, bhk = x / c_n, b = bhk / p.Hkv(), hk = bhk % p.Hkv();
     for (int64_t qb = colour_runs[size_t(run)]; qb < run_ends[size_t(run)]; ++qb)
       one_pass_block(p, bm, mask_mod, score_mod, dq, qb, b, hk, gk.data(), gv.data());
   };
   for (size_t c = 0; c + 1 < colour_start.size(); ++c) {
     c_lo = colour_start[c];
     c_n = colour_start[c + 1] - c_lo;
-    if (c_n > 0) parallel(p.B * p.Hkv * c_n, p.threads, item);
+    if (c_n > 0) parallel(p.B() * p.Hkv() * c_n, p.threads, item);
   }
   store_key_grads(p, bm, gk.data(), gv.data(), dk, dv);
 }
@@ -450,18 +470,18 @@ void score_mod_backward_chunk(const ScoreMod& score_mod, const BlockMask& bm, co
 template <typename MaskMod, typename ScoreMod>
 void dq_item(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod, const TensorView& dq,
              int64_t it, float* g) {
-  const int64_t nqb = bm.num_q_blocks(), D = p.D, Dv = p.Dv;
-  const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
+  const int64_t nqb = bm.num_q_blocks(), D = p.D(), Dv = p.Dv(), group = p.group();
+  const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq(), h = bh % p.Hq(), hk = h / group;
   const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
   thread_local Scratch sc;
   sc.ensure(m, D, Dv);
-  const size_t qrow = size_t((b * p.Hq + h) * p.Lq + q0);
+  const size_t qrow = size_t((b * p.Hq() + h) * p.Lq() + q0);
   const float* qt = &p.q[qrow * D];
   const float* dot = &p.dout[qrow * Dv];
   const float* lse_t = &p.lse[qrow];
   const float* delta = &p.delta[qrow];
-  const float* kbase = &p.k[size_t((b * p.Hkv + hk) * p.Lk * D)];
-  const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
+  const float* kbase = &p.k[size_t((b * p.Hkv() + hk) * p.Lk() * D)];
+  const float* vbase = &p.v[size_t((b * p.Hkv() + hk) * p.Lk() * Dv)];
   std::fill_n(sc.dq.data(), m * D, 0.0f);
   const int64_t row = bm.slot(h) * nqb + qb;
   // Raw (pre-score_mod) scores for the score_mod backward: reused thread-local storage, no allocation per item.
@@ -496,7 +516,7 @@ template <typename MaskMod, typename ScoreMod>
 void backward_dq_pass(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
                       const TensorView& dq, float* param_grad) {
   const int64_t nparams = score_mod.num_params();
-  const int64_t n_items = p.B * p.Hq * bm.num_q_blocks();
+  const int64_t n_items = p.B() * p.Hq() * bm.num_q_blocks();
   // Parameter gradients: a fixed number of item groups, each with its own buffer, reduced in order.
   // (At most 16 groups, and at most 2^26 floats of buffers; the split depends only on the sizes.)
   const int64_t n_groups =
@@ -546,20 +566,20 @@ template <typename MaskMod, typename ScoreMod>
 void kv_item(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
              const std::vector<std::vector<KeyBlockEntry>>& tr, int64_t nkb, int64_t max_m, const TensorView& dk,
              const TensorView& dv, int64_t it) {
-  const int64_t D = p.D, Dv = p.Dv;
-  const int64_t kb = it % nkb, bhk = it / nkb, b = bhk / p.Hkv, hk = bhk % p.Hkv;
-  const int64_t k0 = kb * kChunk, nk = std::min(p.Lk, k0 + kChunk) - k0;
+  const int64_t D = p.D(), Dv = p.Dv(), group = p.group();
+  const int64_t kb = it % nkb, bhk = it / nkb, b = bhk / p.Hkv(), hk = bhk % p.Hkv();
+  const int64_t k0 = kb * kChunk, nk = std::min(p.Lk(), k0 + kChunk) - k0;
   thread_local Scratch sc;
   thread_local std::vector<float> dkacc, dvacc, raw;
   sc.ensure(max_m, D, Dv);
   dkacc.assign(size_t(nk * D), 0.0f);
   dvacc.assign(size_t(nk * Dv), 0.0f);
   raw.resize(size_t(max_m * kChunk));
-  const float* kbase = &p.k[size_t(((b * p.Hkv + hk) * p.Lk + k0) * D)];
-  const float* vbase = &p.v[size_t(((b * p.Hkv + hk) * p.Lk + k0) * Dv)];
+  const float* kbase = &p.k[size_t(((b * p.Hkv() + hk) * p.Lk() + k0) * D)];
+  const float* vbase = &p.v[size_t(((b * p.Hkv() + hk) * p.Lk() + k0) * Dv)];
   tiles::transpose_rows(kbase, D, nk, D, sc.kt.data(), nk);
   tiles::transpose_rows(vbase, Dv, nk, Dv, sc.vt.data(), nk);
-  for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
+  for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
     for (const KeyBlockEntry& e : tr[size_t(bm.slot(h) * nkb + kb)]) {
       const int64_t qbeg = bm.q_block_start[e.qb], mb = bm.q_block_start[e.qb + 1] - qbeg;
       const Segment seg{e.begin, e.end, 0, e.full, e.q_lo, e.q_hi};
@@ -567,7 +587,7 @@ void kv_item(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const Scor
       if (m <= 0) continue;
       const int64_t n = e.end - e.begin, c0 = e.begin - k0;
       if (p.invalid_in(b, e.begin, e.end) == n) continue;
-      const size_t qrow = size_t((b * p.Hq + h) * p.Lq + q0);
+      const size_t qrow = size_t((b * p.Hq() + h) * p.Lq() + q0);
       const float* qt = &p.q[qrow * D];
       const float* dot = &p.dout[qrow * Dv];
       float* s = sc.s.data();
@@ -604,36 +624,47 @@ template <typename MaskMod, typename ScoreMod>
 void backward_dkv_pass(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
                        const TensorView& dk, const TensorView& dv) {
   const int64_t nqb = bm.num_q_blocks();
-  const int64_t nkb = (p.Lk + kChunk - 1) / kChunk;
+  const int64_t nkb = (p.Lk() + kChunk - 1) / kChunk;
   const std::vector<std::vector<KeyBlockEntry>> tr = transpose_block_mask(bm, nkb);
   int64_t max_m = 0;
   for (int64_t x = 0; x < nqb; ++x) max_m = std::max<int64_t>(max_m, bm.q_block_start[x + 1] - bm.q_block_start[x]);
   auto item = [&](int64_t it) { kv_item(p, bm, mask_mod, score_mod, tr, nkb, max_m, dk, dv, it); };
-  parallel(p.B * p.Hkv * nkb, p.threads, item);
+  parallel(p.B() * p.Hkv() * nkb, p.threads, item);
 }
 
 }  // namespace detail
 
 // Backward from the saved out and lse: dq, dk, dv (same shapes as q, k, v; any float dtype) and, when the score
 // mod has parameters, their gradient added into param_grad[0 .. score_mod.num_params()).
+// problem: detail::describe_inputs(q, k, v, options, enable_gqa) (the overload below builds it).
+template <typename MaskMod, typename ScoreMod = NoScoreMod>
+void block_sparse_attention_backward(const AttentionProblem& problem, const TensorView& dout, const TensorView& q,
+                                     const TensorView& k, const TensorView& v, const TensorView& out,
+                                     const TensorView& lse, const BlockMask& bm, MaskMod mask_mod,
+                                     const ScoreMod& score_mod, const EngineOptions& options, const TensorView& dq,
+                                     const TensorView& dk, const TensorView& dv, float* param_grad = nullptr) {
+  using namespace detail;
+  Packed p = pack_inputs(problem, q, k, v, bm, options);
+  check_grads(p, q, k, v, dq, dk, dv);
+  pack_backward(p, bm, dout, out, lse);
+  std::vector<int64_t> colour_start;
+  std::vector<int32_t> colour_runs, run_ends;
+  if (score_mod.identity() && colour_query_blocks(bm, p.B() * p.Hkv(), colour_start, colour_runs, run_ends)) {
+    backward_one_pass(p, bm, mask_mod, score_mod, colour_start, colour_runs, run_ends, dq, dk, dv);
+    return;
+  }
+  backward_dq_pass(p, bm, mask_mod, score_mod, dq, param_grad);
+  backward_dkv_pass(p, bm, mask_mod, score_mod, dk, dv);
+}
+
 template <typename MaskMod, typename ScoreMod = NoScoreMod>
 void block_sparse_attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
                                      const TensorView& v, const TensorView& out, const TensorView& lse,
                                      const BlockMask& bm, MaskMod mask_mod, const ScoreMod& score_mod,
                                      const EngineOptions& options, const TensorView& dq, const TensorView& dk,
                                      const TensorView& dv, float* param_grad = nullptr, bool enable_gqa = true) {
-  using namespace detail;
-  Packed p = pack_inputs(q, k, v, bm, options, enable_gqa);
-  check_grads(p, q, k, v, dq, dk, dv);
-  pack_backward(p, bm, dout, out, lse);
-  std::vector<int64_t> colour_start;
-  std::vector<int32_t> colour_runs, run_ends;
-  if (score_mod.identity() && colour_query_blocks(bm, p.B * p.Hkv, colour_start, colour_runs, run_ends)) {
-    backward_one_pass(p, bm, mask_mod, score_mod, colour_start, colour_runs, run_ends, dq, dk, dv);
-    return;
-  }
-  backward_dq_pass(p, bm, mask_mod, score_mod, dq, param_grad);
-  backward_dkv_pass(p, bm, mask_mod, score_mod, dk, dv);
+  block_sparse_attention_backward(detail::describe_inputs(q, k, v, options, enable_gqa), dout, q, k, v, out, lse, bm,
+                                  mask_mod, score_mod, options, dq, dk, dv, param_grad);
 }
 
 }  // namespace sattn::sparse

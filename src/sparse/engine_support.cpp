@@ -171,69 +171,61 @@ void check_output_view(const TensorView& t, const char* name, const Shape& expec
 
 }  // namespace
 
-Packed pack_inputs(const TensorView& q, const TensorView& k, const TensorView& v, const BlockMask& mask,
-                   const EngineOptions& o, bool enable_gqa) {
-  // q/k/v shapes, dtypes and strides are validated once, by the dense API's boundary.
-  const AttentionProblem ap = describe_attention(q, k, v, AttentionOptions{});
-  Packed p;
-  p.B = ap.batch;
-  p.Hq = ap.heads_q;
-  p.Lq = ap.len_q;
-  p.D = ap.head_dim;
-  p.Hkv = ap.heads_kv;
-  p.Lk = ap.len_k;
-  p.Dv = ap.head_dim_v;
-  check(enable_gqa || p.Hq == p.Hkv, ErrorKind::kInvalidArgument, "key: Hq = ", p.Hq, " differs from Hkv = ", p.Hkv,
-        "; pass enable_gqa=True for grouped-query attention");
-  p.group = p.Hq / p.Hkv;
-  check(mask.len_q == p.Lq && mask.len_k == p.Lk, ErrorKind::kInvalidArgument,
-        "block_mask: built for Lq = ", mask.len_q, ", Lk = ", mask.len_k, ", but the inputs have Lq = ", p.Lq,
-        ", Lk = ", p.Lk);
-  check(mask.heads == 1 || mask.heads == p.Hq, ErrorKind::kInvalidArgument, "block_mask: has ", mask.heads,
-        " heads, expected 1 or Hq = ", p.Hq);
-  mask.validate();
-  const double scale = o.scale ? *o.scale : 1.0 / std::sqrt(double(p.D));
-  check(std::isfinite(scale), ErrorKind::kInvalidArgument, "scale: expected a finite number, got ", scale);
-  p.scale = float(scale);
-  p.threads = resolve_num_threads(o.num_threads);
+AttentionProblem describe_inputs(const TensorView& q, const TensorView& k, const TensorView& v, const EngineOptions& o,
+                                 bool enable_gqa) {
+  AttentionOptions options;
+  options.scale = o.scale;
+  options.key_padding_mask = o.key_padding_mask;
+  options.key_lengths = o.key_lengths;
+  AttentionProblem problem = describe_attention(q, k, v, options);
+  check(enable_gqa || problem.heads_q == problem.heads_kv, ErrorKind::kInvalidArgument, "key: Hq = ", problem.heads_q,
+        " differs from Hkv = ", problem.heads_kv, "; pass enable_gqa=True for grouped-query attention");
+  return problem;
+}
 
-  // Key padding in layout order.
-  const bool has_kpm = o.key_padding_mask.data != nullptr, has_len = o.key_lengths.data != nullptr;
-  check(!(has_kpm && has_len), ErrorKind::kInvalidArgument,
-        "key_padding_mask/key_lengths: give one or the other, not both");
-  if (has_kpm || has_len) {
-    p.key_valid.assign(size_t(p.B * p.Lk), 1);
-    if (has_kpm) {
-      const TensorView& m = o.key_padding_mask;
-      check(m.dtype == DType::kBool, ErrorKind::kTypeError, "key_padding_mask: expected bool (True = padding), got ",
-            to_string(m.dtype));
-      check(m.shape == Shape{p.B, p.Lk} && m.strides.size() == 2, ErrorKind::kInvalidArgument,
-            "key_padding_mask: expected shape [B, Lk] = ", shape_to_string({p.B, p.Lk}), ", got ",
-            shape_to_string(m.shape));
-      const auto* d = static_cast<const uint8_t*>(m.data);
-      for (int64_t b = 0; b < p.B; ++b)
-        for (int64_t x = 0; x < p.Lk; ++x)
-          p.key_valid[size_t(b * p.Lk + x)] = d[b * m.strides[0] + mask.k_index(x) * m.strides[1]] ? 0 : 1;
-    } else {
-      const TensorView& m = o.key_lengths;
-      check(m.dtype == DType::kI32 || m.dtype == DType::kI64, ErrorKind::kTypeError,
-            "key_lengths: expected int32 or int64, got ", to_string(m.dtype));
-      check(m.shape == Shape{p.B} && m.strides.size() == 1, ErrorKind::kInvalidArgument,
-            "key_lengths: expected shape [B] = [", p.B, "], got ", shape_to_string(m.shape));
-      for (int64_t b = 0; b < p.B; ++b) {
-        const int64_t len = m.dtype == DType::kI32 ? static_cast<const int32_t*>(m.data)[b * m.strides[0]]
-                                                   : static_cast<const int64_t*>(m.data)[b * m.strides[0]];
-        check(len >= 0 && len <= p.Lk, ErrorKind::kInvalidArgument, "key_lengths[", b,
-              "]: expected a length in [0, Lk = ", p.Lk, "], got ", len);
-        for (int64_t x = 0; x < p.Lk; ++x) p.key_valid[size_t(b * p.Lk + x)] = mask.k_index(x) < len ? 1 : 0;
-      }
-    }
-    p.key_invalid_prefix.assign(size_t(p.B * (p.Lk + 1)), 0);
-    for (int64_t b = 0; b < p.B; ++b) {
-      int32_t* pre = &p.key_invalid_prefix[size_t(b * (p.Lk + 1))];
-      for (int64_t x = 0; x < p.Lk; ++x) pre[x + 1] = pre[x] + (p.key_valid[size_t(b * p.Lk + x)] ? 0 : 1);
+namespace {
+
+// key_valid [B, Lk] (1 = a key that is not padding) and key_invalid_prefix in the mask's layout order, from the key
+// padding the problem was described with (validated there).
+void pack_key_padding(Packed& p, const BlockMask& mask, const EngineOptions& o) {
+  const int64_t B = p.B(), Lk = p.Lk();
+  p.key_valid.assign(size_t(B * Lk), 1);
+  if (p.problem.key_padding == KeyPaddingKind::kBool) {
+    const TensorView& m = o.key_padding_mask;
+    const auto* d = static_cast<const uint8_t*>(m.data);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t x = 0; x < Lk; ++x)
+        p.key_valid[size_t(b * Lk + x)] = d[b * m.strides[0] + mask.k_index(x) * m.strides[1]] ? 0 : 1;
+  } else {
+    const TensorView& m = o.key_lengths;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t len = m.dtype == DType::kI32 ? static_cast<const int32_t*>(m.data)[b * m.strides[0]]
+                                                 : static_cast<const int64_t*>(m.data)[b * m.strides[0]];
+      for (int64_t x = 0; x < Lk; ++x) p.key_valid[size_t(b * Lk + x)] = mask.k_index(x) < len ? 1 : 0;
     }
   }
+  p.key_invalid_prefix.assign(size_t(B * (Lk + 1)), 0);
+  for (int64_t b = 0; b < B; ++b) {
+    int32_t* pre = &p.key_invalid_prefix[size_t(b * (Lk + 1))];
+    for (int64_t x = 0; x < Lk; ++x) pre[x + 1] = pre[x] + (p.key_valid[size_t(b * Lk + x)] ? 0 : 1);
+  }
+}
+
+}  // namespace
+
+Packed pack_inputs(const AttentionProblem& problem, const TensorView& q, const TensorView& k, const TensorView& v,
+                   const BlockMask& mask, const EngineOptions& o) {
+  Packed p;
+  p.problem = problem;
+  check(mask.len_q == p.Lq() && mask.len_k == p.Lk(), ErrorKind::kInvalidArgument,
+        "block_mask: built for Lq = ", mask.len_q, ", Lk = ", mask.len_k, ", but the inputs have Lq = ", p.Lq(),
+        ", Lk = ", p.Lk());
+  check(mask.heads == 1 || mask.heads == p.Hq(), ErrorKind::kInvalidArgument, "block_mask: has ", mask.heads,
+        " heads, expected 1 or Hq = ", p.Hq());
+  mask.validate();
+  p.scale = float(problem.scale);
+  p.threads = resolve_num_threads(o.num_threads);
+  if (problem.key_padding != KeyPaddingKind::kNone) pack_key_padding(p, mask, o);
   pack4(q, mask.q_perm, p.q);
   pack4(k, mask.k_perm, p.k);
   pack4(v, mask.k_perm, p.v);
@@ -242,8 +234,8 @@ Packed pack_inputs(const TensorView& q, const TensorView& k, const TensorView& v
 
 void check_outputs(const Packed& p, const TensorView& out, const TensorView& lse) {
   check(out.data != nullptr, ErrorKind::kInvalidArgument, "out: required");
-  check_output_view(out, "out", {p.B, p.Hq, p.Lq, p.Dv});
-  if (lse.data) check_output_view(lse, "lse", {p.B, p.Hq, p.Lq});
+  check_output_view(out, "out", {p.B(), p.Hq(), p.Lq(), p.Dv()});
+  if (lse.data) check_output_view(lse, "lse", {p.B(), p.Hq(), p.Lq()});
 }
 
 void check_grads(const Packed&, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& dq,
@@ -285,33 +277,34 @@ void pack_backward(Packed& p, const BlockMask& mask, const TensorView& dout, con
                    const TensorView& lse) {
   check_input(dout, "dout", "[B, Hq, Lq, Dv]");
   check_input(out, "out", "[B, Hq, Lq, Dv]");
-  const Shape os = {p.B, p.Hq, p.Lq, p.Dv};
+  const int64_t B = p.B(), Hq = p.Hq(), Lq = p.Lq(), Dv = p.Dv();
+  const Shape os = {B, Hq, Lq, Dv};
   check(dout.shape == os, ErrorKind::kInvalidArgument, "dout: expected shape ", shape_to_string(os), ", got ",
         shape_to_string(dout.shape));
   check(out.shape == os, ErrorKind::kInvalidArgument, "out: expected shape ", shape_to_string(os), ", got ",
         shape_to_string(out.shape));
   check(lse.data != nullptr, ErrorKind::kInvalidArgument, "lse: the forward log-sum-exp is required for the backward");
-  check(lse.shape == Shape{p.B, p.Hq, p.Lq} && lse.strides.size() == 3, ErrorKind::kInvalidArgument,
-        "lse: expected shape ", shape_to_string({p.B, p.Hq, p.Lq}), ", got ", shape_to_string(lse.shape));
+  check(lse.shape == Shape{B, Hq, Lq} && lse.strides.size() == 3, ErrorKind::kInvalidArgument, "lse: expected shape ",
+        shape_to_string({B, Hq, Lq}), ", got ", shape_to_string(lse.shape));
   check(is_floating(lse.dtype), ErrorKind::kTypeError, "lse: expected a float tensor, got ", to_string(lse.dtype));
   pack4(dout, mask.q_perm, p.dout);
-  p.lse.resize(size_t(p.B * p.Hq * p.Lq));
+  p.lse.resize(size_t(B * Hq * Lq));
   p.delta.resize(p.lse.size());
   // out is read in place (it is only needed for delta): no packed copy.
-  for (int64_t b = 0; b < p.B; ++b)
-    for (int64_t h = 0; h < p.Hq; ++h)
-      for (int64_t pos = 0; pos < p.Lq; ++pos) {
-        const size_t r = size_t((b * p.Hq + h) * p.Lq + pos);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t pos = 0; pos < Lq; ++pos) {
+        const size_t r = size_t((b * Hq + h) * Lq + pos);
         const int64_t i = mask.q_index(pos);
         p.lse[r] = load(lse.data, lse.dtype, b * lse.strides[0] + h * lse.strides[1] + i * lse.strides[2]);
         const int64_t o0 = b * out.strides[0] + h * out.strides[1] + i * out.strides[2], os = out.strides[3];
-        const float* dr = &p.dout[r * size_t(p.Dv)];
+        const float* dr = &p.dout[r * size_t(Dv)];
         double acc = 0;  // delta_i = dO_i · O_i
         if (out.dtype == DType::kF32) {
           const float* o = static_cast<const float*>(out.data) + o0;
-          for (int64_t c = 0; c < p.Dv; ++c) acc += double(dr[c]) * o[c * os];
+          for (int64_t c = 0; c < Dv; ++c) acc += double(dr[c]) * o[c * os];
         } else {
-          for (int64_t c = 0; c < p.Dv; ++c) acc += double(dr[c]) * load(out.data, out.dtype, o0 + c * os);
+          for (int64_t c = 0; c < Dv; ++c) acc += double(dr[c]) * load(out.data, out.dtype, o0 + c * os);
         }
         p.delta[r] = float(acc);
       }
@@ -319,8 +312,8 @@ void pack_backward(Packed& p, const BlockMask& mask, const TensorView& dout, con
   // masked ones, and delta = 0, so that dS = P · (dP - delta) is 0 at the masked keys. The q and k rows holding a
   // NaN are zeroed in the packed copies, since the tile products multiply masked entries too (0 · NaN would carry
   // the NaN across the mask): a NaN then reaches the gradients only through the NaN rows' allowed keys.
-  const std::vector<uint8_t> nan_q = zero_nan_rows(p.q, p.B * p.Hq * p.Lq, p.D);
-  zero_nan_rows(p.k, p.B * p.Hkv * p.Lk, p.D);
+  const std::vector<uint8_t> nan_q = zero_nan_rows(p.q, B * Hq * Lq, p.D());
+  zero_nan_rows(p.k, B * p.Hkv() * p.Lk(), p.D());
   for (size_t r = 0; r < p.lse.size(); ++r)
     if (std::isnan(p.lse[r]) || (!nan_q.empty() && nan_q[r])) {
       p.lse[r] = std::numeric_limits<float>::quiet_NaN();

@@ -12,6 +12,7 @@
 #include "core/threads.hpp"
 #include "sattn/error.hpp"
 #include "sattn/random.hpp"
+#include "sparse/problem_sizes.hpp"
 #include "sparse/tiles.hpp"
 
 namespace sattn::sparse {
@@ -73,44 +74,39 @@ void check4(const TensorView& t, const char* name, const char* layout) {
           shape_to_string(t.shape));
 }
 
-struct Problem {
-  int64_t B, Hq, Hkv, Lq, Lk, D, Dv, F, group;
-  bool favor, causal;
-  int threads;
+// The call's problem plus linear attention's own fields: the feature map and its size F (favor+: the projection).
+struct Problem : ProblemSizes {
+  int64_t F = 0;
+  bool favor = false;
+  int threads = 1;
   std::vector<float> omega, omega_t;  // [F, D] and [D, F] (favor+)
+  bool causal() const { return problem.causal != Causal::kNone; }
 };
 
 Problem describe(const TensorView& q, const TensorView& k, const TensorView& v, const LinearOptions& o) {
-  // q/k/v shapes, dtypes and strides are validated once, by the dense API's boundary.
-  const AttentionProblem ap = describe_attention(q, k, v, AttentionOptions{});
-  Problem p{};
-  p.B = ap.batch;
-  p.Hq = ap.heads_q;
-  p.Lq = ap.len_q;
-  p.D = ap.head_dim;
-  p.Hkv = ap.heads_kv;
-  p.Lk = ap.len_k;
-  p.Dv = ap.head_dim_v;
-  check(p.Hq % p.Hkv == 0 && (o.enable_gqa || p.Hq == p.Hkv), ErrorKind::kInvalidArgument, "key: Hq = ", p.Hq,
-        " must equal Hkv = ", p.Hkv, " (or be a multiple of it with enable_gqa)");
-  p.group = p.Hq / p.Hkv;
+  AttentionOptions options;
+  options.causal = o.causal ? Causal::kTopLeft : Causal::kNone;
+  Problem p;
+  p.problem = describe_attention(q, k, v, options);
+  check(o.enable_gqa || p.Hq() == p.Hkv(), ErrorKind::kInvalidArgument, "key: Hq = ", p.Hq(),
+        " must equal Hkv = ", p.Hkv(), " (or be a multiple of it with enable_gqa)");
   check(o.feature_map == "elu" || o.feature_map == "favor+", ErrorKind::kInvalidArgument,
         "feature_map: expected 'elu' or 'favor+', got '", o.feature_map, "'");
   p.favor = o.feature_map == "favor+";
-  p.causal = o.causal;
-  check(!p.causal || p.Lq == p.Lk, ErrorKind::kInvalidArgument,
-        "causal: linear attention needs Lq == Lk, got Lq = ", p.Lq, ", Lk = ", p.Lk);
+  check(!p.causal() || p.Lq() == p.Lk(), ErrorKind::kInvalidArgument,
+        "causal: linear attention needs Lq == Lk, got Lq = ", p.Lq(), ", Lk = ", p.Lk());
   check(o.num_features >= 0, ErrorKind::kInvalidArgument, "num_features: expected >= 0, got ", o.num_features);
+  const int64_t D = p.D();
   if (p.favor) {
     p.F = o.num_features > 0 ? o.num_features
-                             : std::max<int64_t>(1, int64_t(std::floor(double(p.D) * std::log(double(p.D)))));
-    const Tensor w = favor_projection(p.D, p.F, o.seed);
+                             : std::max<int64_t>(1, int64_t(std::floor(double(D) * std::log(double(D)))));
+    const Tensor w = favor_projection(D, p.F, o.seed);
     p.omega.assign(w.data<double>(), w.data<double>() + w.numel());
     p.omega_t.resize(p.omega.size());
     for (int64_t r = 0; r < p.F; ++r)
-      for (int64_t d = 0; d < p.D; ++d) p.omega_t[size_t(d * p.F + r)] = p.omega[size_t(r * p.D + d)];
+      for (int64_t d = 0; d < D; ++d) p.omega_t[size_t(d * p.F + r)] = p.omega[size_t(r * D + d)];
   } else {
-    p.F = p.D;
+    p.F = D;
   }
   p.threads = resolve_num_threads(o.num_threads);
   return p;
@@ -140,7 +136,7 @@ void colsum_accumulate(const float* a, int64_t m, int64_t n, double* tot) {
 
 // Feature rows φ [L, F] of x [L, D] (fp32). key_mode: one stabiliser for all rows (keys) instead of one per row.
 void features(const Problem& p, const float* x, int64_t L, bool key_mode, std::vector<float>& f) {
-  const int64_t D = p.D, F = p.F;
+  const int64_t D = p.D(), F = p.F;
   f.resize(static_cast<size_t>(L * F));
   if (!p.favor) {
     for (int64_t e = 0; e < L * D; ++e) f[size_t(e)] = x[e] > 0 ? x[e] + 1.0f : std::exp(x[e]);
@@ -171,7 +167,7 @@ void features(const Problem& p, const float* x, int64_t L, bool key_mode, std::v
 // dx [L, D] from dφ [L, F] (the stabilisers are constants: the ratio does not depend on them).
 void features_backward(const Problem& p, const float* x, const float* f, std::vector<float>& df, int64_t L,
                        std::vector<float>& dx) {
-  const int64_t D = p.D, F = p.F;
+  const int64_t D = p.D(), F = p.F;
   dx.assign(static_cast<size_t>(L * D), 0.0f);
   if (!p.favor) {
     for (int64_t e = 0; e < L * D; ++e) dx[size_t(e)] = df[size_t(e)] * (x[e] > 0 ? 1.0f : f[e]);
@@ -207,7 +203,7 @@ void causal_zero(float* a, int64_t m) {
 
 // Forward for one (b, h): w.out [Lq, Dv] (normalised) and the denominators w.n [Lq]; w.fq, w.fk, w.vx given.
 void forward_head(const Problem& p, Work& w) {
-  const int64_t F = p.F, Dv = p.Dv, Lq = p.Lq;
+  const int64_t F = p.F, Dv = p.Dv(), Lq = p.Lq();
   w.out.assign(size_t(Lq * Dv), 0.0f);
   w.n.assign(size_t(Lq), 0.0);
   w.S.assign(size_t(F * Dv), 0.0);
@@ -224,9 +220,9 @@ void forward_head(const Problem& p, Work& w) {
       w.n[size_t(i)] += t;
     }
   };
-  if (!p.causal) {
-    atx_accumulate(w.fk.data(), p.Lk, F, w.vx.data(), Dv, w.tmp, w.S.data());
-    colsum_accumulate(w.fk.data(), p.Lk, F, w.z.data());
+  if (!p.causal()) {
+    atx_accumulate(w.fk.data(), p.Lk(), F, w.vx.data(), Dv, w.tmp, w.S.data());
+    colsum_accumulate(w.fk.data(), p.Lk(), F, w.z.data());
     refresh();
     read(0, Lq);
   } else {
@@ -266,7 +262,7 @@ void transpose_to_f32(const double* a, int64_t n, int64_t d, std::vector<float>&
 // Backward contributions of one query head h: dφq (returned in w.dfq) and, added into w.dfk / w.dv, its part of
 // dφk and dv. w.fq, w.fk, w.vx, w.gx given.
 void backward_head(const Problem& p, Work& w) {
-  const int64_t F = p.F, Dv = p.Dv, Lq = p.Lq, Lk = p.Lk;
+  const int64_t F = p.F, Dv = p.Dv(), Lq = p.Lq(), Lk = p.Lk();
   forward_head(p, w);
   // G_i = g_i / n_i, hh_i = g_i·out_i / n_i.
   w.G.resize(size_t(Lq * Dv));
@@ -281,7 +277,7 @@ void backward_head(const Problem& p, Work& w) {
     w.hh[size_t(i)] = t * inv;
   }
   w.dfq.resize(size_t(Lq * F));
-  if (!p.causal) {
+  if (!p.causal()) {
     // dφQ = G Sᵀ - hh zᵀ (S, z: totals over all keys, left by forward_head).
     transpose_to_f32(w.S.data(), F, Dv, w.st);
     tiles::qk(w.G.data(), Lq, Dv, w.st.data(), F, F, 1.0f, w.dfq.data());
@@ -405,17 +401,18 @@ Tensor favor_projection(int64_t D, int64_t m, uint64_t seed) {
 void linear_attention(const TensorView& q, const TensorView& k, const TensorView& v, const LinearOptions& o,
                       const TensorView& out) {
   const Problem p = describe(q, k, v, o);
-  check(out.data && out.shape == Shape({p.B, p.Hq, p.Lq, p.Dv}) && is_floating(out.dtype), ErrorKind::kInvalidArgument,
-        "out: expected a float tensor of shape ", shape_to_string({p.B, p.Hq, p.Lq, p.Dv}), ", got ",
-        shape_to_string(out.shape));
-  parallel_for(p.B * p.Hq, p.threads, [&](int64_t bh) {
-    const int64_t b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
+  check(out.data && out.shape == Shape({p.B(), p.Hq(), p.Lq(), p.Dv()}) && is_floating(out.dtype),
+        ErrorKind::kInvalidArgument, "out: expected a float tensor of shape ",
+        shape_to_string({p.B(), p.Hq(), p.Lq(), p.Dv()}), ", got ", shape_to_string(out.shape));
+  const int64_t group = p.group();
+  parallel_for(p.B() * p.Hq(), p.threads, [&](int64_t bh) {
+    const int64_t b = bh / p.Hq(), h = bh % p.Hq(), hk = h / group;
     thread_local Work w;
     rows(q, b, h, w.qx);
     rows(k, b, hk, w.kx);
     rows(v, b, hk, w.vx);
-    features(p, w.qx.data(), p.Lq, false, w.fq);
-    features(p, w.kx.data(), p.Lk, true, w.fk);
+    features(p, w.qx.data(), p.Lq(), false, w.fq);
+    features(p, w.kx.data(), p.Lk(), true, w.fk);
     forward_head(p, w);
     store_rows(out, b, h, w.out.data());
   });
@@ -426,29 +423,29 @@ void linear_attention_backward(const TensorView& dout, const TensorView& q, cons
                                const TensorView& dv) {
   const Problem p = describe(q, k, v, o);
   check4(dout, "dout", "[B, Hq, Lq, Dv]");
-  check(dout.shape == Shape({p.B, p.Hq, p.Lq, p.Dv}), ErrorKind::kInvalidArgument, "dout: expected shape ",
-        shape_to_string({p.B, p.Hq, p.Lq, p.Dv}), ", got ", shape_to_string(dout.shape));
+  check(dout.shape == Shape({p.B(), p.Hq(), p.Lq(), p.Dv()}), ErrorKind::kInvalidArgument, "dout: expected shape ",
+        shape_to_string({p.B(), p.Hq(), p.Lq(), p.Dv()}), ", got ", shape_to_string(dout.shape));
   check(dq.data && dk.data && dv.data && dq.shape == q.shape && dk.shape == k.shape && dv.shape == v.shape,
         ErrorKind::kInvalidArgument, "dq/dk/dv: required, with the shapes of query, key and value");
-  const int64_t F = p.F, Dv = p.Dv;
+  const int64_t F = p.F, Dv = p.Dv(), group = p.group();
   // One item per (b, kv head): owns dK/dV of the head and dQ of its query heads.
-  parallel_for(p.B * p.Hkv, p.threads, [&](int64_t it) {
-    const int64_t b = it / p.Hkv, hk = it % p.Hkv;
+  parallel_for(p.B() * p.Hkv(), p.threads, [&](int64_t it) {
+    const int64_t b = it / p.Hkv(), hk = it % p.Hkv();
     thread_local Work w;
     rows(k, b, hk, w.kx);
     rows(v, b, hk, w.vx);
-    features(p, w.kx.data(), p.Lk, true, w.fk);
-    w.dfk.assign(size_t(p.Lk * F), 0.0f);
-    w.dv.assign(size_t(p.Lk * Dv), 0.0f);
-    for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
+    features(p, w.kx.data(), p.Lk(), true, w.fk);
+    w.dfk.assign(size_t(p.Lk() * F), 0.0f);
+    w.dv.assign(size_t(p.Lk() * Dv), 0.0f);
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       rows(q, b, h, w.qx);
       rows(dout, b, h, w.gx);
-      features(p, w.qx.data(), p.Lq, false, w.fq);
+      features(p, w.qx.data(), p.Lq(), false, w.fq);
       backward_head(p, w);
-      features_backward(p, w.qx.data(), w.fq.data(), w.dfq, p.Lq, w.dx);
+      features_backward(p, w.qx.data(), w.fq.data(), w.dfq, p.Lq(), w.dx);
       store_rows(dq, b, h, w.dx.data());
     }
-    features_backward(p, w.kx.data(), w.fk.data(), w.dfk, p.Lk, w.dx);
+    features_backward(p, w.kx.data(), w.fk.data(), w.dfk, p.Lk(), w.dx);
     store_rows(dk, b, hk, w.dx.data());
     store_rows(dv, b, hk, w.dv.data());
   });

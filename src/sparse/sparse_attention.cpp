@@ -103,12 +103,11 @@ void store_table(const TensorView& t, const float* values) {
   }
 }
 
-// Validates the score-mod options and builds the mod (tables copied into `storage`).
-BuiltinMod make_mod(const TensorView& q, const TensorView& k, const Pattern* pattern, const SparseOptions& o,
+// Validates the score-mod options against the problem and builds the mod (tables copied into `storage`).
+BuiltinMod make_mod(const AttentionProblem& problem, const Pattern* pattern, const SparseOptions& o,
                     std::vector<float>& bias_storage, std::vector<float>& rel_storage) {
   BuiltinMod m;
-  const int64_t hq = q.dim() == 4 ? q.shape[1] : 0, lq = q.dim() == 4 ? q.shape[2] : 0,
-                lk = k.dim() == 4 ? k.shape[2] : 0;
+  const int64_t hq = problem.heads_q, lq = problem.len_q, lk = problem.len_k;
   m.lq = lq;
   m.lk = lk;
   m.off = lk - lq;
@@ -164,25 +163,17 @@ void check_param_grad(const TensorView& g, const TensorView& param, const char* 
 }
 
 template <typename MaskMod>
-void backward_with(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
-                   const TensorView& out, const TensorView& lse, const BlockMask& bm, MaskMod mask_mod,
-                   const Pattern* pattern, const SparseOptions& o, const SparseGrads& g) {
+void backward_with(const AttentionProblem& problem, const TensorView& dout, const TensorView& q, const TensorView& k,
+                   const TensorView& v, const TensorView& out, const TensorView& lse, const BlockMask& bm,
+                   MaskMod mask_mod, const Pattern* pattern, const SparseOptions& o, const SparseGrads& g) {
   std::vector<float> bias_storage, rel_storage;
-  const BuiltinMod mod = make_mod(q, k, pattern, o, bias_storage, rel_storage);
+  const BuiltinMod mod = make_mod(problem, pattern, o, bias_storage, rel_storage);
   check_param_grad(g.dbias, o.bias, "dbias");
   check_param_grad(g.drel_pos_bias, o.rel_pos_bias, "drel_pos_bias");
   std::vector<float> pg(size_t(mod.num_params()), 0.0f);
-  block_sparse_attention_backward(dout, q, k, v, out, lse, bm, mask_mod, mod, o, g.dq, g.dk, g.dv, pg.data(),
-                                  o.enable_gqa);
+  block_sparse_attention_backward(problem, dout, q, k, v, out, lse, bm, mask_mod, mod, o, g.dq, g.dk, g.dv, pg.data());
   if (g.dbias.data) store_table(g.dbias, pg.data());
   if (g.drel_pos_bias.data) store_table(g.drel_pos_bias, pg.data() + mod.bias_params);
-}
-
-void check_qk(const TensorView& q, const TensorView& k) {
-  check(q.dim() == 4 && q.data, ErrorKind::kInvalidArgument, "query: expected a 4-D tensor [B, Hq, Lq, D], got shape ",
-        shape_to_string(q.shape));
-  check(k.dim() == 4 && k.data, ErrorKind::kInvalidArgument, "key: expected a 4-D tensor [B, Hkv, Lk, D], got shape ",
-        shape_to_string(k.shape));
 }
 
 DenseMask dense_mask_mod(const TensorView& m, const BlockMask& bm) {
@@ -209,41 +200,42 @@ std::vector<float> alibi_slopes(int64_t heads) {
 
 void sparse_attention(const TensorView& q, const TensorView& k, const TensorView& v, const Pattern& pattern,
                       const SparseOptions& o, const TensorView& out, const TensorView& lse, const TensorView& indices) {
-  check_qk(q, k);
+  const AttentionProblem problem = detail::describe_inputs(q, k, v, o, o.enable_gqa);
+  const int64_t lq = problem.len_q, lk = problem.len_k;
   const AdaptiveNode* adaptive = nullptr;
   Pattern fixed;
   split_adaptive(pattern, adaptive, fixed);
   if (adaptive) {
-    if (fixed.defined()) fixed.check_lengths(q.shape[2], k.shape[2]);
-    adaptive_forward(*adaptive, fixed, q, k, v, o, out, lse, indices);
+    if (fixed.defined()) fixed.check_lengths(lq, lk);
+    adaptive_forward(problem, *adaptive, fixed, q, k, v, o, out, lse, indices);
     return;
   }
   check(!indices.data, ErrorKind::kInvalidArgument,
         "indices: only content-adaptive patterns (TopK, BlockTopK) "
         "return a selection, got ",
         pattern.repr());
-  const BlockMask bm = pattern.block_mask(q.shape[2], k.shape[2], q.shape[1], o.block);
+  const BlockMask bm = pattern.block_mask(lq, lk, problem.heads_q, o.block);
   std::vector<float> bias_storage, rel_storage;
-  const BuiltinMod mod = make_mod(q, k, &pattern, o, bias_storage, rel_storage);
-  block_sparse_attention(q, k, v, bm, PatternMask{&pattern.node(), q.shape[2], k.shape[2]}, mod, o, out, lse,
-                         o.enable_gqa);
+  const BuiltinMod mod = make_mod(problem, &pattern, o, bias_storage, rel_storage);
+  block_sparse_attention(problem, q, k, v, bm, PatternMask{&pattern.node(), lq, lk}, mod, o, out, lse);
 }
 
 void sparse_attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
                                const TensorView& out, const TensorView& lse, const Pattern& pattern,
                                const SparseOptions& o, const SparseGrads& g, const TensorView& indices) {
-  check_qk(q, k);
+  const AttentionProblem problem = detail::describe_inputs(q, k, v, o, o.enable_gqa);
+  const int64_t lq = problem.len_q, lk = problem.len_k;
   const AdaptiveNode* adaptive = nullptr;
   Pattern fixed;
   split_adaptive(pattern, adaptive, fixed);
   if (adaptive) {
-    if (fixed.defined()) fixed.check_lengths(q.shape[2], k.shape[2]);
-    adaptive_backward(*adaptive, fixed, dout, q, k, v, out, lse, o, g, indices);
+    if (fixed.defined()) fixed.check_lengths(lq, lk);
+    adaptive_backward(problem, *adaptive, fixed, dout, q, k, v, out, lse, o, g, indices);
     return;
   }
   check(!g.dlogits.data, ErrorKind::kInvalidArgument, "dlogits: only MixedAttention has logits");
-  const BlockMask bm = pattern.block_mask(q.shape[2], k.shape[2], q.shape[1], o.block);
-  backward_with(dout, q, k, v, out, lse, bm, PatternMask{&pattern.node(), q.shape[2], k.shape[2]}, &pattern, o, g);
+  const BlockMask bm = pattern.block_mask(lq, lk, problem.heads_q, o.block);
+  backward_with(problem, dout, q, k, v, out, lse, bm, PatternMask{&pattern.node(), lq, lk}, &pattern, o, g);
 }
 
 Shape selection_shape(const Pattern& pattern, int64_t batch, int64_t heads_q, int64_t len_q, int64_t len_k) {
@@ -311,40 +303,40 @@ Tensor selection_mask(const Pattern& pattern, const TensorView& indices, int64_t
 void block_sparse_attention(const TensorView& q, const TensorView& k, const TensorView& v, const BlockMask& mask,
                             const TensorView& dense_mask, const SparseOptions& o, const TensorView& out,
                             const TensorView& lse) {
-  check_qk(q, k);
+  const AttentionProblem problem = detail::describe_inputs(q, k, v, o, o.enable_gqa);
   std::vector<float> bias_storage, rel_storage;
-  const BuiltinMod mod = make_mod(q, k, nullptr, o, bias_storage, rel_storage);
+  const BuiltinMod mod = make_mod(problem, nullptr, o, bias_storage, rel_storage);
   const DenseMask dm = dense_mask_mod(dense_mask, mask);
-  if (dm.d) block_sparse_attention(q, k, v, mask, dm, mod, o, out, lse, o.enable_gqa);
-  else block_sparse_attention(q, k, v, mask, AllowAll{}, mod, o, out, lse, o.enable_gqa);
+  if (dm.d) block_sparse_attention(problem, q, k, v, mask, dm, mod, o, out, lse);
+  else block_sparse_attention(problem, q, k, v, mask, AllowAll{}, mod, o, out, lse);
 }
 
 void block_sparse_attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
                                      const TensorView& v, const TensorView& out, const TensorView& lse,
                                      const BlockMask& mask, const TensorView& dense_mask, const SparseOptions& o,
                                      const SparseGrads& g) {
-  check_qk(q, k);
+  const AttentionProblem problem = detail::describe_inputs(q, k, v, o, o.enable_gqa);
   const DenseMask dm = dense_mask_mod(dense_mask, mask);
-  if (dm.d) backward_with(dout, q, k, v, out, lse, mask, dm, nullptr, o, g);
-  else backward_with(dout, q, k, v, out, lse, mask, AllowAll{}, nullptr, o, g);
+  if (dm.d) backward_with(problem, dout, q, k, v, out, lse, mask, dm, nullptr, o, g);
+  else backward_with(problem, dout, q, k, v, out, lse, mask, AllowAll{}, nullptr, o, g);
 }
 
 void flex_attention(const TensorView& q, const TensorView& k, const TensorView& v, const BlockMask& mask,
                     const MaskFunction& mask_mod, const SparseOptions& o, const TensorView& out,
                     const TensorView& lse) {
   check(bool(mask_mod), ErrorKind::kInvalidArgument, "flex_attention: mask_mod is empty");
-  check_qk(q, k);
+  const AttentionProblem problem = detail::describe_inputs(q, k, v, o, o.enable_gqa);
   std::vector<float> bias_storage, rel_storage;
-  const BuiltinMod mod = make_mod(q, k, nullptr, o, bias_storage, rel_storage);
-  block_sparse_attention(q, k, v, mask, FunctionMask{&mask_mod}, mod, o, out, lse, o.enable_gqa);
+  const BuiltinMod mod = make_mod(problem, nullptr, o, bias_storage, rel_storage);
+  block_sparse_attention(problem, q, k, v, mask, FunctionMask{&mask_mod}, mod, o, out, lse);
 }
 
 void flex_attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
                              const TensorView& out, const TensorView& lse, const BlockMask& mask,
                              const MaskFunction& mask_mod, const SparseOptions& o, const SparseGrads& g) {
   check(bool(mask_mod), ErrorKind::kInvalidArgument, "flex_attention_backward: mask_mod is empty");
-  check_qk(q, k);
-  backward_with(dout, q, k, v, out, lse, mask, FunctionMask{&mask_mod}, nullptr, o, g);
+  const AttentionProblem problem = detail::describe_inputs(q, k, v, o, o.enable_gqa);
+  backward_with(problem, dout, q, k, v, out, lse, mask, FunctionMask{&mask_mod}, nullptr, o, g);
 }
 
 }  // namespace sattn::sparse

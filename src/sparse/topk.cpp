@@ -50,36 +50,37 @@ void topk_finish(const float* s, const int32_t* vrow, const int32_t* j, int64_t 
 // TopK without a fixed pattern: keys packed once per (b, kv head) into SIMD tiles, the scoring pass of
 // topk_scan.cpp per block of kQueryRows queries (scores in registers, only threshold survivors leave them),
 // then softmax and PV over the k kept keys.
-void topk_forward_full(const AdaptiveNode& a, const TensorView& q, const TensorView& k, const TensorView& v,
-                       const SparseOptions& o, const TensorView& out, const TensorView& lse,
+void topk_forward_full(const AttentionProblem& problem, const AdaptiveNode& a, const TensorView& q, const TensorView& k,
+                       const TensorView& v, const SparseOptions& o, const TensorView& out, const TensorView& lse,
                        const TensorView& indices) {
   constexpr int64_t kQueryRows = 48;  // a query block: 48 x D floats stay in L1 beside one key tile
-  const int64_t lq = q.shape[2], lk = k.shape[2];
-  const BlockMask ident = Full().block_mask(lq, lk, 1, o.block);  // identity layout for packing
-  detail::Packed p = detail::pack_inputs(q, k, v, ident, o, o.enable_gqa);
+  const BlockMask ident = Full().block_mask(problem.len_q, problem.len_k, 1, o.block);  // identity layout
+  detail::Packed p = detail::pack_inputs(problem, q, k, v, ident, o);
   detail::check_outputs(p, out, lse);
-  const int64_t K_out = a.k, K = std::min(a.k, p.Lk);
-  if (indices.data) check_indices(indices, {p.B, p.Hq, p.Lq, K_out}, "[B, Hq, Lq, k]");
-  const int64_t D = p.D, Dv = p.Dv, W = topk::tile_width(), lk_pad = (p.Lk + W - 1) / W * W;
+  const int64_t K_out = a.k, K = std::min(a.k, p.Lk());
+  if (indices.data) check_indices(indices, {p.B(), p.Hq(), p.Lq(), K_out}, "[B, Hq, Lq, k]");
+  const int64_t D = p.D(), Dv = p.Dv(), group = p.group(), W = topk::tile_width(), lk_pad = (p.Lk() + W - 1) / W * W;
   // Packed key tiles of every (b, kv head): as many floats as K itself (plus padding to W keys).
-  auto kp = hwy::AllocateAligned<float>(size_t(std::max<int64_t>(1, p.B * p.Hkv * lk_pad * D)));
+  auto kp = hwy::AllocateAligned<float>(size_t(std::max<int64_t>(1, p.B() * p.Hkv() * lk_pad * D)));
   check(kp != nullptr, ErrorKind::kOutOfMemory, "TopK: cannot allocate the packed keys");
-  auto pack = [&](int64_t bh) { topk::pack_keys(&p.k[size_t(bh * p.Lk * D)], p.Lk, D, D, kp.get() + bh * lk_pad * D); };
-  detail::parallel(p.B * p.Hkv, p.threads, pack);
+  auto pack = [&](int64_t bh) {
+    topk::pack_keys(&p.k[size_t(bh * p.Lk() * D)], p.Lk(), D, D, kp.get() + bh * lk_pad * D);
+  };
+  detail::parallel(p.B() * p.Hkv(), p.threads, pack);
   // Key padding as an additive bias per batch entry (0 or -inf; -inf past Lk up to the last tile's end).
   hwy::AlignedFreeUniquePtr<float[]> kbias;
   if (!p.key_valid.empty()) {
-    kbias = hwy::AllocateAligned<float>(size_t(p.B * lk_pad));
+    kbias = hwy::AllocateAligned<float>(size_t(p.B() * lk_pad));
     check(kbias != nullptr, ErrorKind::kOutOfMemory, "TopK: cannot allocate the key padding bias");
-    for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t b = 0; b < p.B(); ++b)
       for (int64_t j = 0; j < lk_pad; ++j)
-        kbias[size_t(b * lk_pad + j)] = j < p.Lk && p.key_valid[size_t(b * p.Lk + j)] ? 0.0f : kNegInf;
+        kbias[size_t(b * lk_pad + j)] = j < p.Lk() && p.key_valid[size_t(b * p.Lk() + j)] ? 0.0f : kNegInf;
   }
-  const int64_t nqb = (p.Lq + kQueryRows - 1) / kQueryRows;
+  const int64_t nqb = (p.Lq() + kQueryRows - 1) / kQueryRows;
   auto item = [&](int64_t it) {
-    const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
-    const int64_t q0 = qb * kQueryRows, m = std::min(kQueryRows, p.Lq - q0);
-    const int64_t stride = topk::row_stride(K, p.Lk);
+    const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq(), h = bh % p.Hq(), hk = h / group;
+    const int64_t q0 = qb * kQueryRows, m = std::min(kQueryRows, p.Lq() - q0);
+    const int64_t stride = topk::row_stride(K, p.Lk());
     thread_local std::vector<float> cs, thr, tmp, o_row, w;
     thread_local std::vector<int32_t> cj;
     thread_local std::vector<int64_t> cnt;
@@ -88,33 +89,33 @@ void topk_forward_full(const AdaptiveNode& a, const TensorView& q, const TensorV
     tmp.resize(size_t(stride));
     cnt.assign(size_t(m), 0);
     thr.assign(size_t(m), kNegInf);
-    topk::scan(&p.q[size_t(((b * p.Hq + h) * p.Lq + q0) * D)], m, D, kp.get() + (b * p.Hkv + hk) * lk_pad * D, p.Lk,
-               p.scale, kbias ? kbias.get() + b * lk_pad : nullptr, K, cs.data(), cj.data(), cnt.data(), thr.data(),
-               tmp.data());
-    const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
+    topk::scan(&p.q[size_t(((b * p.Hq() + h) * p.Lq() + q0) * D)], m, D, kp.get() + (b * p.Hkv() + hk) * lk_pad * D,
+               p.Lk(), p.scale, kbias ? kbias.get() + b * lk_pad : nullptr, K, cs.data(), cj.data(), cnt.data(),
+               thr.data(), tmp.data());
+    const float* vbase = &p.v[size_t((b * p.Hkv() + hk) * p.Lk() * Dv)];
     for (int64_t r = 0; r < m; ++r)
       topk_finish(&cs[size_t(r * stride)], &cj[size_t(r * stride)], &cj[size_t(r * stride)], cnt[size_t(r)], vbase, Dv,
                   b, h, q0 + r, out, lse, indices, K_out, o_row, w);
   };
-  detail::parallel(p.B * p.Hq * nqb, p.threads, item);
+  detail::parallel(p.B() * p.Hq() * nqb, p.threads, item);
 }
 
 }  // namespace
 
-void topk_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& q, const TensorView& k,
-                  const TensorView& v, const SparseOptions& o, const TensorView& out, const TensorView& lse,
-                  const TensorView& indices) {
-  if (!fixed.defined()) return topk_forward_full(a, q, k, v, o, out, lse, indices);
-  const int64_t lq = q.shape[2], lk = k.shape[2], hq = q.shape[1];
-  const BlockMask bm = fixed_block_mask(fixed, lq, lk, hq, o.block);
-  detail::Packed p = detail::pack_inputs(q, k, v, bm, o, o.enable_gqa);
+void topk_forward(const AttentionProblem& problem, const AdaptiveNode& a, const Pattern& fixed, const TensorView& q,
+                  const TensorView& k, const TensorView& v, const SparseOptions& o, const TensorView& out,
+                  const TensorView& lse, const TensorView& indices) {
+  if (!fixed.defined()) return topk_forward_full(problem, a, q, k, v, o, out, lse, indices);
+  const int64_t lq = problem.len_q, lk = problem.len_k;
+  const BlockMask bm = fixed_block_mask(fixed, lq, lk, problem.heads_q, o.block);
+  detail::Packed p = detail::pack_inputs(problem, q, k, v, bm, o);
   detail::check_outputs(p, out, lse);
-  const int64_t K_out = a.k, K = std::min(a.k, p.Lk);  // at most Lk keys can be kept
-  if (indices.data) check_indices(indices, {p.B, p.Hq, p.Lq, K_out}, "[B, Hq, Lq, k]");
+  const int64_t K_out = a.k, K = std::min(a.k, p.Lk());  // at most Lk keys can be kept
+  if (indices.data) check_indices(indices, {p.B(), p.Hq(), p.Lq(), K_out}, "[B, Hq, Lq, k]");
   const FixedMask fm{fixed.defined() ? &fixed.node() : nullptr, lq, lk};
-  const int64_t nqb = bm.num_q_blocks(), D = p.D, Dv = p.Dv;
+  const int64_t nqb = bm.num_q_blocks(), D = p.D(), Dv = p.Dv(), group = p.group();
   auto item = [&](int64_t it) {
-    const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
+    const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq(), h = bh % p.Hq(), hk = h / group;
     const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
     thread_local detail::Scratch sc;
     thread_local std::vector<Cand> heap;
@@ -124,9 +125,9 @@ void topk_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView&
     heap.resize(size_t(m * 2 * K));
     cnt.assign(size_t(m), 0);
     thr_row.assign(size_t(m), kNegInf);
-    const float* qt = &p.q[size_t(((b * p.Hq + h) * p.Lq + q0) * D)];
-    const float* kbase = &p.k[size_t((b * p.Hkv + hk) * p.Lk * D)];
-    const float* vbase = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
+    const float* qt = &p.q[size_t(((b * p.Hq() + h) * p.Lq() + q0) * D)];
+    const float* kbase = &p.k[size_t((b * p.Hkv() + hk) * p.Lk() * D)];
+    const float* vbase = &p.v[size_t((b * p.Hkv() + hk) * p.Lk() * Dv)];
     const int64_t row = bm.slot(h) * nqb + qb;
     // Scoring pass: streaming top-k per row, never materialising the row: scores at or above the row's threshold
     // (the worst kept score; -inf until 2k candidates were seen) are appended to a 2k buffer; when it is full,
@@ -178,13 +179,13 @@ void topk_forward(const AdaptiveNode& a, const Pattern& fixed, const TensorView&
                   o_row, w);
     }
   };
-  detail::parallel(p.B * p.Hq * nqb, p.threads, item);
+  detail::parallel(p.B() * p.Hq() * nqb, p.threads, item);
 }
 
-void topk_backward(const AdaptiveNode& a, const Pattern& fixed, const TensorView& dout, const TensorView& q,
-                   const TensorView& k, const TensorView& v, const TensorView& lse, const SparseOptions& o,
-                   const SparseGrads& g, const TensorView& indices_in) {
-  const int64_t B = q.shape[0], hq = q.shape[1], lq = q.shape[2], lk = k.shape[2];
+void topk_backward(const AttentionProblem& problem, const AdaptiveNode& a, const Pattern& fixed, const TensorView& dout,
+                   const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& lse,
+                   const SparseOptions& o, const SparseGrads& g, const TensorView& indices_in) {
+  const int64_t B = problem.batch, hq = problem.heads_q, lq = problem.len_q, lk = problem.len_k;
   // The selection: the given indices, or recomputed (deterministically) by the forward pass, with at most Lk
   // columns (a k beyond Lk keeps every allowed key, as k = Lk does).
   const int64_t K = indices_in.data ? a.k : std::min(a.k, lk);
@@ -194,39 +195,39 @@ void topk_backward(const AdaptiveNode& a, const Pattern& fixed, const TensorView
     AdaptiveNode at_most_lk = a;
     at_most_lk.k = K;
     idx_t = Tensor(DType::kI64, {B, hq, lq, K});
-    out_t = Tensor(DType::kF32, {B, hq, lq, v.shape[3]});
+    out_t = Tensor(DType::kF32, {B, hq, lq, problem.head_dim_v});
     lse_t = Tensor(DType::kF32, {B, hq, lq});
-    topk_forward(at_most_lk, fixed, q, k, v, o, out_t, lse_t, idx_t);
+    topk_forward(problem, at_most_lk, fixed, q, k, v, o, out_t, lse_t, idx_t);
     indices = idx_t.view();
   }
   const BlockMask ident = Full().block_mask(lq, lk, 1, o.block);  // identity layout for packing
-  detail::Packed p = detail::pack_inputs(q, k, v, ident, o, o.enable_gqa);
+  detail::Packed p = detail::pack_inputs(problem, q, k, v, ident, o);
   detail::check_grads(p, q, k, v, g.dq, g.dk, g.dv);
-  check_indices(indices, {p.B, p.Hq, p.Lq, K}, "[B, Hq, Lq, k]");
-  check(dout.shape == Shape{p.B, p.Hq, p.Lq, p.Dv}, ErrorKind::kInvalidArgument, "dout: expected shape ",
-        shape_to_string({p.B, p.Hq, p.Lq, p.Dv}), ", got ", shape_to_string(dout.shape));
-  check(lse.data && lse.shape == Shape{p.B, p.Hq, p.Lq}, ErrorKind::kInvalidArgument, "lse: expected shape ",
-        shape_to_string({p.B, p.Hq, p.Lq}));
+  check_indices(indices, {p.B(), p.Hq(), p.Lq(), K}, "[B, Hq, Lq, k]");
+  check(dout.shape == Shape{p.B(), p.Hq(), p.Lq(), p.Dv()}, ErrorKind::kInvalidArgument, "dout: expected shape ",
+        shape_to_string({p.B(), p.Hq(), p.Lq(), p.Dv()}), ", got ", shape_to_string(dout.shape));
+  check(lse.data && lse.shape == Shape{p.B(), p.Hq(), p.Lq()}, ErrorKind::kInvalidArgument, "lse: expected shape ",
+        shape_to_string({p.B(), p.Hq(), p.Lq()}));
   detail::pack_backward(p, ident, dout, dout, lse);  // packs dout and lse (delta unused here)
-  const int64_t D = p.D, Dv = p.Dv;
-  for (int64_t b = 0; b < p.B; ++b)
-    for (int64_t h = 0; h < p.Hq; ++h)
-      for (int64_t i = 0; i < p.Lq; ++i)
+  const int64_t D = p.D(), Dv = p.Dv(), group = p.group();
+  for (int64_t b = 0; b < p.B(); ++b)
+    for (int64_t h = 0; h < p.Hq(); ++h)
+      for (int64_t i = 0; i < p.Lq(); ++i)
         for (int64_t x = 0; x < K; ++x) {
           const int64_t j = idx_at(indices, b, h, i, x);
-          check(j >= -1 && j < p.Lk, ErrorKind::kInvalidArgument, "indices: key index ", j, " out of range [-1, ", p.Lk,
-                ")");
+          check(j >= -1 && j < p.Lk(), ErrorKind::kInvalidArgument, "indices: key index ", j, " out of range [-1, ",
+                p.Lk(), ")");
         }
   // One item per (b, kv head): owns dK/dV of that head and dQ of its query heads (deterministic).
   auto item = [&](int64_t it) {
-    const int64_t b = it / p.Hkv, hk = it % p.Hkv;
-    std::vector<float> dk(static_cast<size_t>(p.Lk * D), 0.0f), dv(static_cast<size_t>(p.Lk * Dv), 0.0f),
+    const int64_t b = it / p.Hkv(), hk = it % p.Hkv();
+    std::vector<float> dk(static_cast<size_t>(p.Lk() * D), 0.0f), dv(static_cast<size_t>(p.Lk() * Dv), 0.0f),
         dq(static_cast<size_t>(D)), pr(static_cast<size_t>(K)), dp(static_cast<size_t>(K));
-    const float* kb = &p.k[size_t((b * p.Hkv + hk) * p.Lk * D)];
-    const float* vb = &p.v[size_t((b * p.Hkv + hk) * p.Lk * Dv)];
-    for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h)
-      for (int64_t i = 0; i < p.Lq; ++i) {
-        const size_t row = size_t((b * p.Hq + h) * p.Lq + i);
+    const float* kb = &p.k[size_t((b * p.Hkv() + hk) * p.Lk() * D)];
+    const float* vb = &p.v[size_t((b * p.Hkv() + hk) * p.Lk() * Dv)];
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
+      for (int64_t i = 0; i < p.Lq(); ++i) {
+        const size_t row = size_t((b * p.Hq() + h) * p.Lq() + i);
         const float* qi = &p.q[row * D];
         const float* doi = &p.dout[row * Dv];
         const float l = p.lse[row];
@@ -255,12 +256,12 @@ void topk_backward(const AdaptiveNode& a, const Pattern& fixed, const TensorView
         }
         detail::store_row(g.dq, b, h, i, dq.data(), D);
       }
-    for (int64_t j = 0; j < p.Lk; ++j) {
+    for (int64_t j = 0; j < p.Lk(); ++j) {
       detail::store_row(g.dk, b, hk, j, &dk[size_t(j * D)], D);
       detail::store_row(g.dv, b, hk, j, &dv[size_t(j * Dv)], Dv);
     }
   };
-  detail::parallel(p.B * p.Hkv, p.threads, item);
+  detail::parallel(p.B() * p.Hkv(), p.threads, item);
 }
 
 }  // namespace sattn::sparse
