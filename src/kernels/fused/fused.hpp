@@ -104,11 +104,14 @@ struct Params {
   int64_t num_k_blocks() const { return (Lk + Bc - 1) / Bc; }
 };
 
-// One SIMD implementation of the tile loops.
-struct Ops {
+// One SIMD implementation of the tile loops: the forward's (fused_simd.cpp) and the backward's
+// (fused_backward_simd.cpp).
+struct ForwardOps {
   // Forward of one (b, h, q block[, key chunk]) task: task = ((b * Hq + h) * num_q_blocks + qb) * chunks + c
   // (with decode_group: (b * Hkv + hk) * chunks + c).
   void (*forward_task)(const Params& p, int64_t task);
+};
+struct BackwardOps {
   // Backward pass 1 (dK, dV) of one (b, hkv, k block) task: task = (b * Hkv + hk) * num_k_blocks + kb.
   void (*backward_kv_task)(const Params& p, int64_t task);
   // Backward pass 2 (dQ and dmask rows) of one (b, h, q block) task, same numbering as forward.
@@ -129,8 +132,9 @@ inline bool lse_needs_row_stats(float lse) {
   return magnitude >= 1024.f && magnitude <= 3.4028234663852886e38f;  // finite: empty rows have lse_eff = +inf
 }
 
-// The build of the tile loops for the selected SIMD target (simd/target.hpp), and its target's name.
-const Ops& ops();
+// The builds of the tile loops for the selected SIMD target (simd/target.hpp), and its target's name.
+const ForwardOps& forward_ops();
+const BackwardOps& backward_ops();
 const char* simd_build();
 
 // Workspace accounting (bytes currently held by fused kernels and the high-water mark since the last reset).

@@ -120,7 +120,7 @@ bool fused_supports(const AttentionProblem& p, std::string* why) {
 // tiles) — a function of the problem only, never of the thread count — and the partials merged in chunk order.
 constexpr int64_t kDecodeMaxQueries = 16, kDecodeChunk = 512;
 
-void decode_forward(const ForwardArgs& a, Params& p, const Ops& o) {
+void decode_forward(const ForwardArgs& a, Params& p, const ForwardOps& o) {
   p.kv_chunk = (kDecodeChunk + p.Bc - 1) / p.Bc * p.Bc;
   const int64_t C = p.num_kv_chunks(), rows = p.B * p.Hq * p.Lq;
   std::vector<float> part_o(static_cast<size_t>(rows * C * p.Dv)), part_max(static_cast<size_t>(rows * C)),
@@ -177,7 +177,7 @@ void fused_forward(const ForwardArgs& a) {
   Params p = make_params(a.problem, a.q, a.k, a.v, a.masks);
   p.out = out_view4(a.outputs.out);
   if (a.outputs.lse.data) p.lse = out_view4(a.outputs.lse);
-  const Ops& o = ops();
+  const ForwardOps& o = forward_ops();
   p.decode_group = p.group > 1 && p.group * p.Lq <= 4;
   if (p.Lq <= kDecodeMaxQueries && p.Lk >= 2 * kDecodeChunk) return decode_forward(a, p, o);
   if (p.decode_group) {
@@ -195,7 +195,7 @@ void fused_backward(const BackwardArgs& a) {
   Params p = make_params(pr, a.q, a.k, a.v, a.masks);
   p.dout = view4(a.dout), p.o = view4(a.out), p.lse_in = view4(a.lse);
   p.dq = out_view4(a.grads.dq), p.dk = out_view4(a.grads.dk), p.dv = out_view4(a.grads.dv);
-  const Ops& o = ops();
+  const BackwardOps& o = backward_ops();
   const int threads = a.num_threads;
 
   // Row statistics: lse (+inf for rows without any allowed key, so that P = exp(s - lse) = 0) and

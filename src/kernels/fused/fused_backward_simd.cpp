@@ -1,0 +1,327 @@
+// The fused kernel's backward tile loops (dK/dV by key block, dQ and dmask by query block, and the query-side
+// packing and row statistics they read), compiled once per SIMD target by Highway like the forward
+// (fused_simd.cpp, whose header describes the tile layout) and chosen from the same target table.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/fused/fused_backward_simd.cpp"
+#include "simd/hwy_targets.hpp"
+#include <hwy/foreach_target.h>  // must come before highway.h
+
+#include <hwy/aligned_allocator.h>
+#include <hwy/highway.h>
+#include <hwy/contrib/math/math-inl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "kernels/fused/fused.hpp"
+#include "sattn/error.hpp"
+#include "sattn/random.hpp"
+
+#include "kernels/fused/fused_tiles.inc"  // per target: the tile operations
+
+HWY_BEFORE_NAMESPACE();
+namespace sattn::fused {
+namespace HWY_NAMESPACE {
+
+// ---- backward --------------------------------------------------------------------------------------------
+// Pass 1, one task per (b, kv head, key block): dV = sum P'^T dO, dK = scale sum dS^T Q over the group's query
+// heads and every query block that can see the key block. Pass 2, one task per (b, h, query block):
+// dQ = scale sum dS K (and the dmask rows). Each output element has exactly one writer and a fixed order.
+//   P = exp(S - lse), dP = dO V^T (times keep/(1-p) under dropout), dS = P (dP - Di), Di = rowsum(dO ∘ O).
+
+// Recomputes P^T and dS^T [nk x Br] for one (query block, key block) tile. Returns false if the tile is empty.
+struct BwdTile {
+  float *QT, *dOT, *ST, *dPT, *PdT, *bias, *kbuf, *vbuf;
+  uint8_t* pad;
+};
+
+// P, P' = P·dropout factor and dS = P (dP − Di) of one tile, in place of S^T, dP'^T and PdT.
+// P = exp(S − lse); with kLogSum, P = exp((S − m) − log l): lse_t then holds the row max m (or lse for the rows
+// that do not need it, whose log_sum_t is 0).
+template <bool kLogSum>
+HWY_INLINE void TileProbabilities(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t kb,
+                                  int64_t nk, const float* lse_t, const float* log_sum_t, const float* delta_t) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d)), Br = p.Br;
+  const float keep_scale = p.dropout_p > 0 ? float(1.0 / (1.0 - p.dropout_p)) : 1.f;
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    float* srow = w.ST + jj * Br;
+    float* dprow = w.dPT + jj * Br;
+    float* pdrow = w.PdT + jj * Br;
+    if (p.dropout_p > 0) {
+      for (int64_t ii = 0; ii < nq; ++ii) {
+        const bool keep =
+            dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(h), uint32_t(i0 + ii), uint32_t(kb + jj));
+        pdrow[ii] = keep ? keep_scale : 0.f;  // temporarily the dropout factor
+      }
+      for (int64_t ii = nq; ii < Br; ++ii) pdrow[ii] = 0.f;
+    }
+    for (int64_t x = 0; x < Br; x += N) {
+      VF z = hn::Sub(hn::Load(d, srow + x), hn::Load(d, lse_t + x));
+      if constexpr (kLogSum) z = hn::Sub(z, hn::Load(d, log_sum_t + x));
+      const VF pr = Exp<false>(d, z);  // P
+      VF dp = hn::Load(d, dprow + x);
+      VF pd = pr;  // P' = P keep/(1-p)
+      if (p.dropout_p > 0) {
+        const VF f = hn::Load(d, pdrow + x);
+        dp = hn::Mul(dp, f);
+        pd = hn::Mul(pr, f);
+      }
+      hn::Store(pd, d, pdrow + x);
+      hn::Store(hn::Mul(pr, hn::Sub(dp, hn::Load(d, delta_t + x))), d, srow + x);  // dS^T (in place of S^T)
+    }
+  }
+}
+
+// The rows [n x width] with a NaN replaced by zeros, in buf.
+Rows ZeroNanRows(const Rows& r, int64_t n, int64_t width, float* buf) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* src = r.ptr + j * r.stride;
+    float* dst = buf + j * width;
+    bool nan = false;
+    for (int64_t x = 0; x < width; ++x) nan |= std::isnan(src[x]);
+    if (nan) std::fill(dst, dst + width, 0.f);
+    else if (dst != src) std::copy(src, src + width, dst);
+  }
+  return {buf, width};
+}
+
+bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t kb, int64_t nk,
+                 Rows* kr_out, Rows* vr_out) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d)), Br = p.Br, nvec = Br / N, hk = h / p.group;
+  const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, w.bias, w.pad);
+  if (tm.skip) return false;
+  const int64_t t = (b * p.Hq + h) * p.num_q_blocks() + i0 / Br;
+  w.QT = p.pk_qt + t * p.D * Br;
+  w.dOT = p.pk_dot + t * p.Dv * Br;
+  Rows kr = RowsOf(p.k, b, hk, kb, nk, p.D, w.kbuf);
+  if (p.nan_key_block && p.nan_key_block[(b * p.Hkv + hk) * p.num_k_blocks() + kb / p.Bc])
+    kr = ZeroNanRows(kr, nk, p.D, w.kbuf);
+  const Rows vr = RowsOf(p.v, b, hk, kb, nk, p.Dv, w.vbuf);
+  if (kr_out) *kr_out = kr;
+  if (vr_out) *vr_out = vr;
+  Gemm<false>(kr.ptr, kr.stride, 1, w.QT, Br, w.ST, Br, nk, nvec, p.D);
+  if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, w.bias, w.pad, w.ST);
+  Gemm<false>(vr.ptr, vr.stride, 1, w.dOT, Br, w.dPT, Br, nk, nvec, p.Dv);  // dP'^T = V dO^T
+  const int64_t row0 = (b * p.Hq + h) * p.Lq + i0;
+  if (p.block_has_nan_row[t])  // NaN rows: a NaN score at every allowed key (lse_eff = +inf, Di = 0 elsewhere)
+    for (int64_t ii = 0; ii < nq; ++ii)
+      if (p.nan_row[row0 + ii])
+        for (int64_t jj = 0; jj < nk; ++jj) {
+          float& s = w.ST[jj * Br + ii];
+          if (s != kNegInf) s = std::numeric_limits<float>::quiet_NaN();
+        }
+  alignas(64) float lse_t[1024], delta_t[1024];
+  for (int64_t ii = 0; ii < Br; ++ii) {
+    lse_t[ii] = ii < nq ? p.lse_eff[row0 + ii] : std::numeric_limits<float>::infinity();
+    delta_t[ii] = ii < nq ? p.delta[row0 + ii] : 0.f;
+  }
+  if (p.row_log_sum && p.block_has_log_sum[t]) {
+    alignas(64) float log_sum_t[1024];
+    for (int64_t ii = 0; ii < Br; ++ii) log_sum_t[ii] = ii < nq ? p.row_log_sum[row0 + ii] : 0.f;
+    TileProbabilities<true>(p, w, b, h, i0, nq, kb, nk, lse_t, log_sum_t, delta_t);
+  } else {
+    TileProbabilities<false>(p, w, b, h, i0, nq, kb, nk, lse_t, nullptr, delta_t);
+  }
+  return true;
+}
+
+struct BwdScratch {
+  Scratch s_st, s_dpt, s_pdt, s_bias, s_kbuf, s_vbuf;
+  BwdTile w{};
+  uint8_t pad[1024];
+  explicit BwdScratch(const Params& p) {
+    w.ST = s_st.alloc(p.Bc * p.Br);
+    w.dPT = s_dpt.alloc(p.Bc * p.Br);
+    w.PdT = s_pdt.alloc(p.Bc * p.Br);
+    w.bias = p.mask != MaskKind::kNone ? s_bias.alloc(p.Bc * p.Br) : nullptr;
+    w.kbuf = s_kbuf.alloc(p.Bc * p.D);
+    w.vbuf = s_vbuf.alloc(p.Bc * p.Dv);
+    w.pad = pad;
+  }
+};
+
+void BackwardKVTask(const Params& p, int64_t task) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  const int64_t nkb = p.num_k_blocks(), nqb = p.num_q_blocks(), Br = p.Br, Bc = p.Bc;
+  const int64_t bhk = task / nkb, kbi = task % nkb, b = bhk / p.Hkv, hk = bhk % p.Hkv;
+  const int64_t kb = kbi * Bc, nk = std::min(Bc, p.Lk - kb);
+  const int64_t Dp = Params::pad16(p.D), Dvp = Params::pad16(p.Dv);
+  Scratch s_dk, s_dv;
+  float* dK = s_dk.alloc(Bc * Dp);
+  float* dV = s_dv.alloc(Bc * Dvp);
+  std::memset(dK, 0, sizeof(float) * size_t(Bc * Dp));
+  std::memset(dV, 0, sizeof(float) * size_t(Bc * Dvp));
+  const bool live = !p.key_len || kb < p.key_len[b];
+  if (live) {
+    BwdScratch sc(p);
+    const int64_t nk_eff = p.key_len ? std::min(nk, p.key_len[b] - kb) : nk;
+    for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
+      // Query blocks that can see key kb: causal needs i >= kb - offset.
+      int64_t qb0 = 0;
+      if (p.causal) qb0 = std::max<int64_t>(0, (kb - p.causal_offset) / Br);
+      for (int64_t qb = qb0; qb < nqb; ++qb) {
+        const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
+        if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk_eff, nullptr, nullptr)) continue;
+        const int64_t t = (b * p.Hq + h) * nqb + qb;
+        const float* Qr = p.pk_qr + t * Br * Dp;
+        const float* dOr = p.pk_dor + t * Br * Dvp;
+        Gemm<true>(sc.w.PdT, Br, 1, dOr, Dvp, dV, Dvp, nk_eff, Dvp / N, Br);  // dV += P'^T dO
+        Gemm<true>(sc.w.ST, Br, 1, Qr, Dp, dK, Dp, nk_eff, Dp / N, Br);       // dK += dS^T (scale Q)
+      }
+    }
+  }
+  const int64_t kbase = b * p.dk.sb + hk * p.dk.sh + kb * p.dk.sl;
+  const int64_t vbase = b * p.dv.sb + hk * p.dv.sh + kb * p.dv.sl;
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    for (int64_t x = 0; x < p.D; ++x)
+      store_elem(p.dk.data, p.dk.dtype, kbase + jj * p.dk.sl + x * p.dk.sd, dK[jj * Dp + x]);
+    for (int64_t x = 0; x < p.Dv; ++x)
+      store_elem(p.dv.data, p.dv.dtype, vbase + jj * p.dv.sl + x * p.dv.sd, dV[jj * Dvp + x]);
+  }
+}
+
+// Adds the dS^T tile [nk x Br] of (b, h) into a broadcast mask's gradient, in double: a broadcast element sums
+// up to B·Hq·Lq·Lk values, and a float running sum over thousands of them loses several digits. A mask broadcast
+// over the keys first sums the tile's keys of each query in float lanes (at most Bc values).
+void AddMaskGradient(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t kb, int64_t nk,
+                     const float* dST, float* key_sums) {
+  double* dm = p.dmask_sum + b * p.dm_sb + h * p.dm_sh;
+  const int64_t Br = p.Br;
+  if (p.dm_sj == 0) {
+    const DF d;
+    const int64_t N = int64_t(hn::Lanes(d));
+    for (int64_t x = 0; x < Br; x += N) {
+      VF acc = hn::Zero(d);
+      for (int64_t jj = 0; jj < nk; ++jj) acc = hn::Add(acc, hn::Load(d, dST + jj * Br + x));
+      hn::Store(acc, d, key_sums + x);
+    }
+    for (int64_t ii = 0; ii < nq; ++ii) dm[(i0 + ii) * p.dm_sl] += double(key_sums[ii]);
+    return;
+  }
+  for (int64_t jj = 0; jj < nk; ++jj)
+    for (int64_t ii = 0; ii < nq; ++ii) dm[(i0 + ii) * p.dm_sl + (kb + jj) * p.dm_sj] += double(dST[jj * Br + ii]);
+}
+
+// dQ rows of (b, h, query block) and, when the additive mask has a gradient, the dS contributions to the mask
+// rows of this block. Tasks whose mask rows are shared (mask broadcast over b, h or queries) are serialised by
+// the driver.
+void BackwardQTask(const Params& p, int64_t task) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  const int64_t nqb = p.num_q_blocks(), Br = p.Br, Bc = p.Bc, nvec = Br / N;
+  const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq;
+  const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
+  int64_t kend = p.Lk;
+  if (p.key_len) kend = std::min(kend, p.key_len[b]);
+  if (p.causal) kend = std::min(kend, i0 + nq - 1 + p.causal_offset + 1);
+  BwdScratch sc(p);
+  Scratch s_dqt;
+  float* dQT = s_dqt.alloc(p.D * Br);
+  alignas(64) float key_sums[1024];
+  std::memset(dQT, 0, sizeof(float) * size_t(p.D * Br));
+  for (int64_t kb = 0; kb < kend; kb += Bc) {
+    const int64_t nk = std::min(Bc, kend - kb);
+    Rows kr{};
+    if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk, &kr, nullptr)) continue;
+    Gemm<true>(kr.ptr, 1, kr.stride, sc.w.ST, Br, dQT, Br, p.D, nvec, nk);  // dQ^T += K^T dS^T
+    if (p.dmask) {                                                          // one dS value per element
+      float* dm = p.dmask + b * p.dm_sb + h * p.dm_sh;
+      for (int64_t jj = 0; jj < nk; ++jj)
+        for (int64_t ii = 0; ii < nq; ++ii) dm[(i0 + ii) * p.dm_sl + (kb + jj) * p.dm_sj] += sc.w.ST[jj * Br + ii];
+    } else if (p.dmask_sum) {
+      AddMaskGradient(p, b, h, i0, nq, kb, nk, sc.w.ST, key_sums);
+    }
+  }
+  const int64_t base = b * p.dq.sb + h * p.dq.sh + i0 * p.dq.sl;
+  for (int64_t ii = 0; ii < nq; ++ii)
+    for (int64_t x = 0; x < p.D; ++x)
+      store_elem(p.dq.data, p.dq.dtype, base + ii * p.dq.sl + x * p.dq.sd, dQT[x * Br + ii] * p.scale);
+}
+
+void PackQTask(const Params& p, int64_t task) {
+  const int64_t nqb = p.num_q_blocks(), Br = p.Br;
+  const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq;
+  const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
+  const int64_t Dp = Params::pad16(p.D), Dvp = Params::pad16(p.Dv);
+  float *qt = p.pk_qt + task * p.D * Br, *qr = p.pk_qr + task * Br * Dp;
+  PackTransposed(p.q, b, h, i0, nq, p.D, Br, p.scale, qt);
+  PackTransposed(p.dout, b, h, i0, nq, p.Dv, Br, 1.f, p.pk_dot + task * p.Dv * Br);
+  PackRows(p.q, b, h, i0, nq, p.D, Dp, Br, p.scale, qr);
+  PackRows(p.dout, b, h, i0, nq, p.Dv, Dvp, Br, 1.f, p.pk_dor + task * Br * Dvp);
+  // A NaN in q makes the row a NaN row; its packed q is zeroed (0 · NaN would reach dK through masked keys).
+  const int64_t row0 = bh * p.Lq + i0;
+  for (int64_t ii = 0; ii < nq; ++ii) {
+    bool nan = false;
+    for (int64_t x = 0; x < p.D; ++x) nan |= std::isnan(qr[ii * Dp + x]);
+    if (!nan) continue;
+    for (int64_t x = 0; x < p.D; ++x) qr[ii * Dp + x] = qt[x * Br + ii] = 0.f;
+    p.nan_row[row0 + ii] = 1;
+    p.lse_eff[row0 + ii] = std::numeric_limits<float>::infinity();
+    p.delta[row0 + ii] = 0.f;
+    p.block_has_nan_row[task] = 1;
+  }
+}
+
+// Backward, for the rows of one (b, h, query block) whose lse cannot carry log l (lse_needs_row_stats): the exact
+// row max m and l = Σ_j e^(s_j − m), by the forward's online softmax on the same S tiles, stored as lse_eff = m
+// and row_log_sum = log l. The block's other rows keep their lse (and row_log_sum 0).
+void RowStatsTask(const Params& p, int64_t task) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  const int64_t nqb = p.num_q_blocks(), Br = p.Br, Bc = p.Bc, nvec = Br / N;
+  const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
+  const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
+  int64_t kend = p.Lk;
+  if (p.key_len) kend = std::min(kend, p.key_len[b]);
+  if (p.causal) kend = std::min(kend, i0 + nq - 1 + p.causal_offset + 1);
+  Scratch s_st, s_ml, s_bias, s_kbuf;
+  float* ST = s_st.alloc(Bc * Br);
+  float* M = s_ml.alloc(2 * Br);
+  float* L = M + Br;
+  float* bias = p.mask != MaskKind::kNone ? s_bias.alloc(Bc * Br) : nullptr;
+  float* kbuf = p.k.dtype == DType::kF32 && p.k.sd == 1 ? nullptr : s_kbuf.alloc(Bc * p.D);
+  uint8_t pad[1024];
+  std::fill(M, M + Br, kNegInf);
+  std::fill(L, L + Br, 0.f);
+  const float* QT = p.pk_qt + task * p.D * Br;
+  for (int64_t kb = 0; kb < kend; kb += Bc) {
+    const int64_t nk = std::min(Bc, kend - kb);
+    const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, bias, pad);
+    if (tm.skip) continue;
+    const Rows kr = RowsOf(p.k, b, hk, kb, nk, p.D, kbuf);
+    Gemm<false>(kr.ptr, kr.stride, 1, QT, Br, ST, Br, nk, nvec, p.D);  // S^T = K (scale Q)^T
+    if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, bias, pad, ST);
+    for (int64_t x = 0; x < Br; x += N) OnlineSoftmaxStep(d, ST + x, nk, Br, M + x, L + x);
+  }
+  const int64_t row0 = bh * p.Lq + i0;
+  for (int64_t ii = 0; ii < nq; ++ii)
+    if (lse_needs_row_stats(p.lse_eff[row0 + ii]) && L[ii] > 0.f) {
+      p.lse_eff[row0 + ii] = M[ii];
+      p.row_log_sum[row0 + ii] = std::log(L[ii]);
+    }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace sattn::fused
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include "simd/dispatch.hpp"
+
+namespace sattn::fused {
+
+namespace {
+#define SATTN_FUSED_BACKWARD_OPS(NS) \
+  BackwardOps { &NS::BackwardKVTask, &NS::BackwardQTask, &NS::PackQTask, &NS::RowStatsTask }
+const simd::Build<BackwardOps> kBuilds[] = {SATTN_SIMD_BUILDS(SATTN_FUSED_BACKWARD_OPS)};
+}  // namespace
+
+const BackwardOps& backward_ops() { return simd::pick(kBuilds).ops; }
+
+}  // namespace sattn::fused
+#endif  // HWY_ONCE
