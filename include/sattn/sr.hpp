@@ -55,14 +55,14 @@ struct BlockGeometry {
 };
 
 // One window's attention, captured during a forward (UpscaleOptions::probe). The weights are computed from the
-// block's input exactly as the routed path does (LayerNorm, qkv, Swin mask), also when the router skipped the
+// block's input exactly as the routed path does (LayerNorm, qkv, cyclic-shift mask), also when the router skipped the
 // window, so that a flat window's attention can be looked at too.
 struct AttentionProbe {
   int64_t block = 0;   // global block index (0 .. num_blocks - 1)
   int64_t window = 0;  // window index in partition order of that block
   // filled by forward:
-  Tensor weights;  // f32 [heads, L, L], L = ws^2, softmax over keys; 0 where the Swin mask forbids a pair
-  Tensor allowed;  // bool [L, L], the Swin mask (all true for windows that need none)
+  Tensor weights;  // f32 [heads, L, L], L = ws^2, softmax over keys; 0 where the cyclic-shift mask forbids a pair
+  Tensor allowed;  // bool [L, L], the cyclic-shift (Swin) mask (all true for windows that need none)
   bool routed = false;
   float gate = 0;
 };
