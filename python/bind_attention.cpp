@@ -40,11 +40,6 @@ AttentionOptions make_options(const TensorView& attn_mask, const TensorView& key
   return o;
 }
 
-// lse and weights: float32, float64 for float64 inputs. out and the gradients keep the inputs' dtype (half precision
-// included: the kernels read and write it natively).
-DType stats_dtype(const TensorView& q) { return q.dtype == DType::kF64 ? DType::kF64 : DType::kF32; }
-DType result_dtype(const TensorView& q) { return is_floating(q.dtype) ? q.dtype : DType::kF32; }
-
 pyb::tuple forward(const pyb::object& q_obj, const pyb::object& k_obj, const pyb::object& v_obj,
                    const pyb::object& mask_obj, const pyb::object& kpm_obj, const pyb::object& len_obj,
                    const std::string& causal, std::optional<double> scale, double dropout_p, uint64_t seed,

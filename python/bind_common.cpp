@@ -1,4 +1,5 @@
-// Helpers shared by the Python binding files: numpy arrays <-> TensorView (see bind_common.hpp).
+// Helpers shared by the Python binding files: numpy arrays <-> TensorView/Tensor under one copy rule, torch tensor
+// views (see bind_common.hpp).
 #include "bind_common.hpp"
 
 #include <algorithm>
@@ -110,6 +111,9 @@ TensorView view_of(const pyb::object& obj, const char* name, ArrayKeeper& keeper
   return TensorView(const_cast<void*>(a.data()), dtype, std::move(shape), std::move(strides));
 }
 
+DType result_dtype(const TensorView& q) { return is_floating(q.dtype) ? q.dtype : DType::kF32; }
+DType stats_dtype(const TensorView& q) { return q.dtype == DType::kF64 ? DType::kF64 : DType::kF32; }
+
 pyb::array new_array(DType dtype, const Shape& shape, TensorView* view) {
   std::vector<pyb::ssize_t> dims(shape.begin(), shape.end());
   pyb::array a(numpy_dtype(dtype), dims);
@@ -122,6 +126,22 @@ NumpyView numpy_view(const pyb::handle& obj, const char* name) {
   ArrayKeeper keeper;
   const TensorView view = view_of(a, name, keeper);
   return {keeper.arrays.back(), view};
+}
+
+NumpyView optional_numpy_view(const pyb::object& obj, const char* name) {
+  if (obj.is_none()) return {pyb::array(), TensorView()};
+  return numpy_view(obj, name);
+}
+
+std::map<std::string, NumpyView> numpy_views(const pyb::dict& d, const char* what) {
+  std::map<std::string, NumpyView> out;
+  for (const auto& [k, v] : d) {
+    check(pyb::isinstance<pyb::str>(k), ErrorKind::kTypeError, what, ": keys must be str, got ",
+          std::string(pyb::str(pyb::type::of(k))));
+    const std::string name = k.cast<std::string>();
+    out.emplace(name, numpy_view(v, (std::string(what) + "['" + name + "']").c_str()));
+  }
+  return out;
 }
 
 pyb::array to_numpy(const Tensor& t) {

@@ -27,9 +27,6 @@ VarlenOptions options(bool causal, std::optional<double> scale) {
   return o;
 }
 
-// Outputs in the inputs' dtype (float32, float64 or half precision); lse float32 (float64 for float64 inputs).
-DType lse_dtype(const TensorView& q) { return q.dtype == DType::kF64 ? DType::kF64 : DType::kF32; }
-
 pyb::object varlen(const pyb::object& q, const pyb::object& k, const pyb::object& v, const pyb::object& cu_q,
                    const pyb::object& cu_k, int64_t max_q, int64_t max_k, bool causal, std::optional<double> scale,
                    bool return_lse) {
@@ -41,7 +38,7 @@ pyb::object varlen(const pyb::object& q, const pyb::object& k, const pyb::object
         shape_to_string(vv.shape));
   TensorView ov, lv;
   pyb::array out = new_array(qv.dtype, {qv.shape[0], qv.shape[1], vv.shape[2]}, &ov);
-  pyb::array lse = new_array(lse_dtype(qv), {qv.shape[1], qv.shape[0]}, &lv);
+  pyb::array lse = new_array(stats_dtype(qv), {qv.shape[1], qv.shape[0]}, &lv);
   {
     pyb::gil_scoped_release release;
     flash_attn_varlen(qv, kv, vv, cq, ck, max_q, max_k, options(causal, scale), ov, lv);

@@ -17,12 +17,6 @@ using namespace pybind11::literals;
 
 namespace {
 
-// Optional array argument: None -> empty view.
-NumpyView optional_view(const pyb::object& obj, const char* what) {
-  if (obj.is_none()) return {pyb::array(), TensorView()};
-  return numpy_view(obj, what);
-}
-
 DType parse_param_dtype(const pyb::object& obj) {
   if (obj.is_none()) return DType::kF32;
   const pyb::dtype dt = pyb::dtype::from_args(obj);
@@ -30,17 +24,6 @@ DType parse_param_dtype(const pyb::object& obj) {
   check(t == DType::kF32 || t == DType::kF64, ErrorKind::kTypeError, "dtype: expected float32 or float64, got ",
         std::string(pyb::str(static_cast<const pyb::handle&>(dt))));
   return t;
-}
-
-std::map<std::string, NumpyView> dict_views(const pyb::dict& d, const char* what) {
-  std::map<std::string, NumpyView> out;
-  for (const auto& [k, v] : d) {
-    check(pyb::isinstance<pyb::str>(k), ErrorKind::kTypeError, what, ": keys must be str, got ",
-          std::string(pyb::str(pyb::type::of(k))));
-    const std::string name = k.cast<std::string>();
-    out.emplace(name, numpy_view(v, (std::string(what) + "['" + name + "']").c_str()));
-  }
-  return out;
 }
 
 }  // namespace
@@ -79,8 +62,8 @@ need_weights=False outside its eval fast path, NaN otherwise). See docs/mha.md.)
             const NumpyView q = numpy_view(query, "query");
             const NumpyView k = key.is(query) ? q : numpy_view(key, "key");
             const NumpyView v = value.is(key) ? k : numpy_view(value, "value");
-            const NumpyView kpm = optional_view(key_padding_mask, "key_padding_mask");
-            const NumpyView am = optional_view(attn_mask, "attn_mask");
+            const NumpyView kpm = optional_numpy_view(key_padding_mask, "key_padding_mask");
+            const NumpyView am = optional_numpy_view(attn_mask, "attn_mask");
             std::pair<Tensor, std::optional<Tensor>> r;
             {
               pyb::gil_scoped_release release;
@@ -121,7 +104,7 @@ need_weights=False outside its eval fast path, NaN otherwise). See docs/mha.md.)
       .def(
           "load_state_dict",
           [](MHA& self, const pyb::dict& state_dict, bool strict) {
-            std::map<std::string, NumpyView> views = dict_views(state_dict, "state_dict");
+            std::map<std::string, NumpyView> views = numpy_views(state_dict, "state_dict");
             std::map<std::string, TensorView> tv;
             std::vector<std::pair<std::string, Tensor>> current;
             if (!strict) {  // as torch: ignore unknown keys, keep current values for missing ones
@@ -184,7 +167,7 @@ need_weights=False outside its eval fast path, NaN otherwise). See docs/mha.md.)
       "write_safetensors",
       [](const std::string& path, const pyb::dict& tensors,
          const std::optional<std::map<std::string, std::string>>& metadata) {
-        std::map<std::string, NumpyView> views = dict_views(tensors, "tensors");
+        std::map<std::string, NumpyView> views = numpy_views(tensors, "tensors");
         std::map<std::string, TensorView> tv;
         for (const auto& [name, nv] : views) tv[name] = nv.view;
         pyb::gil_scoped_release release;

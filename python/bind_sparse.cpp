@@ -70,24 +70,6 @@ uint64_t uint64_arg(const IntArg& x, const char* pattern, const char* name) {
   return uint64_t(u);
 }
 
-namespace sparse_np {
-
-pybind11::array new_array(DType dt, const Shape& shape) { return sattn::py::new_array(dt, shape, nullptr); }
-
-// out and the gradients keep the inputs' dtype (half precision included); lse is float32 (float64 for float64).
-DType result_dtype(const TensorView& q) { return is_floating(q.dtype) ? q.dtype : DType::kF32; }
-DType stats_dtype(const TensorView& q) { return q.dtype == DType::kF64 ? DType::kF64 : DType::kF32; }
-
-// A view of an array allocated here by new_array (C order: never copied, so the kernel writes into `a`).
-TensorView out_view(pybind11::array& a) {
-  ArrayKeeper keeper;
-  const TensorView t = view_of(a, "output", keeper);
-  check(keeper.arrays.back().ptr() == a.ptr(), ErrorKind::kInternal, "output: an array allocated here needs a copy");
-  return t;
-}
-
-}  // namespace sparse_np
-
 sparse::Alignment parse_alignment(const std::string& s) {
   if (s == "bottom_right" || s == "bottom-right") return sparse::Alignment::kBottomRight;
   if (s == "top_left" || s == "top-left") return sparse::Alignment::kTopLeft;
@@ -131,10 +113,9 @@ pybind11::object sparse_attention_py(const pybind11::array& q, const pybind11::a
         shape_to_string(vv.shape));
   CallOptions c =
       make_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias, num_threads);
-  pybind11::array out =
-      sparse_np::new_array(sparse_np::result_dtype(qv), {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]});
-  pybind11::array lse = sparse_np::new_array(sparse_np::stats_dtype(qv), {qv.shape[0], qv.shape[1], qv.shape[2]});
-  const TensorView ov = sparse_np::out_view(out), lv = sparse_np::out_view(lse);
+  TensorView ov, lv;
+  pybind11::array out = new_array(result_dtype(qv), {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]}, &ov);
+  pybind11::array lse = new_array(stats_dtype(qv), {qv.shape[0], qv.shape[1], qv.shape[2]}, &lv);
   pybind11::array idx;
   TensorView iv;
   if (return_indices) {
@@ -144,8 +125,7 @@ pybind11::object sparse_attention_py(const pybind11::array& q, const pybind11::a
           "return_indices: only TopK and BlockTopK patterns return a "
           "selection, got ",
           pattern.repr());
-    idx = pybind11::array_t<int64_t>(std::vector<pybind11::ssize_t>(is.begin(), is.end()));
-    iv = sparse_np::out_view(idx);
+    idx = new_array(DType::kI64, is, &iv);
   }
   {
     pybind11::gil_scoped_release nogil;
@@ -172,26 +152,23 @@ pybind11::tuple sparse_attention_backward_py(const pybind11::array& dout, const 
                    lsev = view_of(lse, "lse", keeper);
   CallOptions c =
       make_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias, num_threads);
-  const DType odt = sparse_np::result_dtype(qv);
-  pybind11::array dq = sparse_np::new_array(odt, qv.shape), dk = sparse_np::new_array(odt, kv.shape),
-                  dv = sparse_np::new_array(odt, vv.shape);
-  sparse::SparseGrads g{sparse_np::out_view(dq), sparse_np::out_view(dk), sparse_np::out_view(dv), {}, {}, {}};
+  const DType odt = result_dtype(qv);
+  sparse::SparseGrads g;
+  pybind11::array dq = new_array(odt, qv.shape, &g.dq), dk = new_array(odt, kv.shape, &g.dk),
+                  dv = new_array(odt, vv.shape, &g.dv);
   pybind11::dict extra;
   pybind11::array dbias, drel;
   if (c.o.bias.data) {
-    dbias = sparse_np::new_array(DType::kF32, c.o.bias.shape);
-    g.dbias = sparse_np::out_view(dbias);
+    dbias = new_array(DType::kF32, c.o.bias.shape, &g.dbias);
     extra["bias"] = dbias;
   }
   if (c.o.rel_pos_bias.data) {
-    drel = sparse_np::new_array(DType::kF32, c.o.rel_pos_bias.shape);
-    g.drel_pos_bias = sparse_np::out_view(drel);
+    drel = new_array(DType::kF32, c.o.rel_pos_bias.shape, &g.drel_pos_bias);
     extra["rel_pos_bias"] = drel;
   }
   pybind11::array dlogits;
   if (sparse::has_logits(pattern)) {
-    dlogits = sparse_np::new_array(DType::kF32, {2});
-    g.dlogits = sparse_np::out_view(dlogits);
+    dlogits = new_array(DType::kF32, {2}, &g.dlogits);
     extra["logits"] = dlogits;
   }
   TensorView iv;
@@ -201,13 +178,6 @@ pybind11::tuple sparse_attention_backward_py(const pybind11::array& dout, const 
     sparse::sparse_attention_backward(dov, qv, kv, vv, outv, lsev, pattern, c.o, g, iv);
   }
   return pybind11::make_tuple(dq, dk, dv, extra);
-}
-
-template <typename T>
-pybind11::array_t<T> vec_array(const std::vector<T>& v) {
-  pybind11::array_t<T> a(pybind11::ssize_t(v.size()));
-  std::copy(v.begin(), v.end(), a.mutable_data());
-  return a;
 }
 
 sparse::LinearOptions linear_options(const std::string& feature_map, std::optional<int64_t> num_features, bool causal,
@@ -231,23 +201,18 @@ void bind_block_mask(pybind11::module_& m) {
       .def_readonly("len_k", &sparse::BlockMask::len_k)
       .def_readonly("heads", &sparse::BlockMask::heads)
       .def_property_readonly("num_q_blocks", &sparse::BlockMask::num_q_blocks)
-      .def_property_readonly("q_perm", [](const sparse::BlockMask& b) { return vec_array(b.q_perm); })
-      .def_property_readonly("k_perm", [](const sparse::BlockMask& b) { return vec_array(b.k_perm); })
-      .def_property_readonly("q_block_start", [](const sparse::BlockMask& b) { return vec_array(b.q_block_start); })
-      .def_property_readonly("row_ptr", [](const sparse::BlockMask& b) { return vec_array(b.row_ptr); })
+      .def_property_readonly("q_perm", [](const sparse::BlockMask& b) { return to_numpy(b.q_perm); })
+      .def_property_readonly("k_perm", [](const sparse::BlockMask& b) { return to_numpy(b.k_perm); })
+      .def_property_readonly("q_block_start", [](const sparse::BlockMask& b) { return to_numpy(b.q_block_start); })
+      .def_property_readonly("row_ptr", [](const sparse::BlockMask& b) { return to_numpy(b.row_ptr); })
       .def_property_readonly("ranges",
                              [](const sparse::BlockMask& b) {
                                // (begin, end, full, q_lo, q_hi): q rows [q_lo, q_hi) of the block, q_hi = 0: to its end
-                               pybind11::array_t<int32_t> a({pybind11::ssize_t(b.ranges.size()), pybind11::ssize_t(5)});
-                               auto r = a.mutable_unchecked<2>();
-                               for (size_t x = 0; x < b.ranges.size(); ++x) {
-                                 r(x, 0) = b.ranges[x].begin;
-                                 r(x, 1) = b.ranges[x].end;
-                                 r(x, 2) = b.ranges[x].full;
-                                 r(x, 3) = b.ranges[x].q_lo;
-                                 r(x, 4) = b.ranges[x].q_hi;
-                               }
-                               return a;
+                               std::vector<int32_t> r;
+                               r.reserve(b.ranges.size() * 5);
+                               for (const auto& x : b.ranges)
+                                 r.insert(r.end(), {x.begin, x.end, x.full, x.q_lo, x.q_hi});
+                               return to_numpy(std::move(r), {pybind11::ssize_t(b.ranges.size()), 5});
                              })
       .def("computed_pairs", &sparse::BlockMask::computed_pairs, "head_slot"_a = 0)
       .def("partial_pairs", &sparse::BlockMask::partial_pairs, "head_slot"_a = 0);
@@ -376,9 +341,8 @@ void bind_sparse_functions(pybind11::module_& m) {
                          vv = view_of(v, "value", keeper);
         const auto o = linear_options(feature_map, num_features, causal, seed, enable_gqa, num_threads);
         check(qv.dim() == 4 && vv.dim() == 4, ErrorKind::kInvalidArgument, "query/value: expected 4-D arrays");
-        pybind11::array out =
-            sparse_np::new_array(sparse_np::result_dtype(qv), {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]});
-        const TensorView ov = sparse_np::out_view(out);
+        TensorView ov;
+        pybind11::array out = new_array(result_dtype(qv), {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]}, &ov);
         {
           pybind11::gil_scoped_release nogil;
           sparse::linear_attention(qv, kv, vv, o, ov);
@@ -397,10 +361,10 @@ void bind_sparse_functions(pybind11::module_& m) {
         const TensorView qv = view_of(q, "query", keeper), kv = view_of(k, "key", keeper),
                          vv = view_of(v, "value", keeper), dov = view_of(dout, "dout", keeper);
         const auto o = linear_options(feature_map, num_features, causal, seed, enable_gqa, num_threads);
-        const DType odt = sparse_np::result_dtype(qv);
-        pybind11::array dq = sparse_np::new_array(odt, qv.shape), dk = sparse_np::new_array(odt, kv.shape),
-                        dv = sparse_np::new_array(odt, vv.shape);
-        const TensorView a = sparse_np::out_view(dq), b = sparse_np::out_view(dk), c = sparse_np::out_view(dv);
+        const DType odt = result_dtype(qv);
+        TensorView a, b, c;
+        pybind11::array dq = new_array(odt, qv.shape, &a), dk = new_array(odt, kv.shape, &b),
+                        dv = new_array(odt, vv.shape, &c);
         {
           pybind11::gil_scoped_release nogil;
           sparse::linear_attention_backward(dov, qv, kv, vv, o, a, b, c);
@@ -412,12 +376,7 @@ void bind_sparse_functions(pybind11::module_& m) {
       "Backward of linear_attention: (dq, dk, dv).");
   m.def(
       "favor_projection",
-      [](int64_t d, int64_t m_, uint64_t seed) {
-        const Tensor w = sparse::favor_projection(d, m_, seed);
-        pybind11::array_t<double> a({pybind11::ssize_t(m_), pybind11::ssize_t(d)});
-        std::memcpy(a.mutable_data(), w.data(), w.nbytes());
-        return a;
-      },
+      [](int64_t d, int64_t m_, uint64_t seed) { return to_numpy_of<double>(sparse::favor_projection(d, m_, seed)); },
       "head_dim"_a, "num_features"_a, "seed"_a = 0, "The FAVOR+ projection omega [m, D] used by linear_attention.");
   m.def("sparse_attention", &sparse_attention_py, "query"_a, "key"_a, "value"_a, "pattern"_a,
         "scale"_a = pybind11::none(), "enable_gqa"_a = false, pybind11::kw_only(),

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bind_common.hpp"
@@ -19,38 +20,41 @@ namespace {
 
 namespace pyb = pybind11;
 
-std::string shape_of(const pyb::array& a) { return shape_to_string(Shape(a.shape(), a.shape() + a.ndim())); }
-
-// uint8 [H, W, 3] / [H, W, 1] / [H, W] -> an RGB sr::Image (gray replicated). Other dtypes are refused, not cast:
-// a float image in [0, 1] cast to uint8 would be silent garbage.
+// uint8 [H, W, 3] / [H, W, 1] / [H, W] (anything numpy makes such an array of) -> an RGB sr::Image (gray
+// replicated), copied from the array's view (bind_common.hpp). Other dtypes are refused, not cast: a float image in
+// [0, 1] cast to uint8 would be silent garbage.
 sr::Image image_from_numpy(const pyb::object& obj, const char* name) {
   const pyb::array a = pyb::array::ensure(obj);
   check(bool(a), ErrorKind::kTypeError, name, ": expected a numpy uint8 array [H, W, 3] or [H, W], given ",
         std::string(pyb::str(pyb::type::of(obj))));
   check(a.dtype().kind() == 'u' && a.dtype().itemsize() == 1, ErrorKind::kTypeError, name,
         ": expected dtype uint8 (8-bit RGB [H, W, 3] or gray [H, W]), given ", std::string(pyb::str(a.dtype())));
-  const bool gray = a.ndim() == 2 || (a.ndim() == 3 && a.shape(2) == 1);
-  check(gray || (a.ndim() == 3 && a.shape(2) == 3), ErrorKind::kInvalidArgument, name,
-        ": expected shape [H, W, 3] (RGB) or [H, W] (gray), given ", shape_of(a));
-  check(a.shape(0) > 0 && a.shape(1) > 0, ErrorKind::kInvalidArgument, name, ": empty image ", shape_of(a));
-  const auto c = pyb::array_t<uint8_t, pyb::array::c_style>::ensure(a);
-  const int64_t h = a.shape(0), w = a.shape(1);
+  const NumpyView nv = numpy_view(a, name);
+  const TensorView& v = nv.view;
+  const bool gray = v.dim() == 2 || (v.dim() == 3 && v.shape[2] == 1);
+  check(gray || (v.dim() == 3 && v.shape[2] == 3), ErrorKind::kInvalidArgument, name,
+        ": expected shape [H, W, 3] (RGB) or [H, W] (gray), given ", shape_to_string(v.shape));
+  check(v.shape[0] > 0 && v.shape[1] > 0, ErrorKind::kInvalidArgument, name, ": empty image ",
+        shape_to_string(v.shape));
+  const int64_t h = v.shape[0], w = v.shape[1];
   sr::Image im(h, w, 3);
-  const uint8_t* p = c.data();
-  if (gray) {
-    for (int64_t i = 0; i < h * w; ++i)
-      im.data[size_t(3 * i)] = im.data[size_t(3 * i + 1)] = im.data[size_t(3 * i + 2)] = p[i];
-  } else {
+  const auto* p = static_cast<const uint8_t*>(v.data);
+  if (!gray && v.is_contiguous()) {
     std::memcpy(im.data.data(), p, im.data.size());
+    return im;
   }
+  const int64_t sy = v.strides[0], sx = v.strides[1], sc = gray ? 0 : v.strides[2];
+  for (int64_t y = 0; y < h; ++y)
+    for (int64_t x = 0; x < w; ++x)
+      for (int64_t c = 0; c < 3; ++c) im.at(y, x, c) = p[y * sy + x * sx + c * sc];
   return im;
 }
 
-pyb::array_t<uint8_t> image_to_numpy(const sr::Image& im) {
-  pyb::array_t<uint8_t> out(im.channels == 1 ? std::vector<pyb::ssize_t>{im.height, im.width}
-                                             : std::vector<pyb::ssize_t>{im.height, im.width, im.channels});
-  std::memcpy(out.mutable_data(), im.data.data(), im.data.size());
-  return out;
+// An image as uint8 [H, W, 3] ([H, W] for gray), handing its pixels to numpy without a copy.
+pyb::array_t<uint8_t> image_to_numpy(sr::Image im) {
+  std::vector<pyb::ssize_t> shape{im.height, im.width};
+  if (im.channels != 1) shape.push_back(im.channels);
+  return to_numpy(std::move(im.data), std::move(shape));
 }
 
 pyb::dict stats_to_dict(const sr::UpscaleStats& st) {
@@ -95,8 +99,8 @@ pyb::object upscale_py(const sr::SrModel& m, const pyb::object& image, const std
     pyb::gil_scoped_release release;
     out = m.upscale(lr, o, &st);
   }
-  if (!return_stats) return image_to_numpy(out);
-  return pyb::make_tuple(image_to_numpy(out), stats_to_dict(st));
+  if (!return_stats) return image_to_numpy(std::move(out));
+  return pyb::make_tuple(image_to_numpy(std::move(out)), stats_to_dict(st));
 }
 
 pyb::object forward_py(const sr::SrModel& m, const pyb::object& x, const std::string& attention,
@@ -130,15 +134,9 @@ pyb::object forward_py(const sr::SrModel& m, const pyb::object& x, const std::st
     pyb::gil_scoped_release release;
     y = m.forward(xt, o);
   }
-  TensorView yv;
-  pyb::array ya = new_array(DType::kF32, y.shape(), &yv);
-  std::memcpy(yv.data, y.data(), y.nbytes());
+  pyb::array ya = to_numpy(y);
   if (!return_routing) return ya;
-  pyb::array_t<uint8_t> r(static_cast<pyb::ssize_t>(rout.size()));
-  std::copy(rout.begin(), rout.end(), r.mutable_data());
-  pyb::array_t<float> g(static_cast<pyb::ssize_t>(gates.size()));
-  std::copy(gates.begin(), gates.end(), g.mutable_data());
-  return pyb::make_tuple(ya, r, g);
+  return pyb::make_tuple(ya, to_numpy(std::move(rout)), to_numpy(std::move(gates)));
 }
 
 pyb::dict config_dict(const sr::SrConfig& c) {

@@ -16,31 +16,20 @@ namespace {
 
 namespace pyb = pybind11;
 
-// A dense copy of a numpy array (anything np.asarray accepts), through the shared zero-copy view.
-Tensor tensor_from_numpy(const pyb::handle& obj, const char* name) {
-  ArrayKeeper keeper;
-  return Tensor::from_view(view_of(pyb::reinterpret_borrow<pyb::object>(obj), name, keeper));
-}
-
 pyb::object diagnose_py(const pyb::object& q, const pyb::object& k, const pyb::object& v, const pyb::object& attn_mask,
                         const pyb::object& key_padding_mask, bool is_causal, const std::string& causal_alignment,
                         std::optional<double> scale, const std::optional<std::string>& expect) {
-  const Tensor tq = tensor_from_numpy(q, "query"), tk = tensor_from_numpy(k, "key"), tv = tensor_from_numpy(v, "value");
-  Tensor mask, padding;
+  ArrayKeeper keeper;  // the arrays behind the views (bind_common.hpp: viewed in place when the layout allows)
+  const TensorView tq = view_of(q, "query", keeper), tk = view_of(k, "key", keeper), tv = view_of(v, "value", keeper);
   AttentionOptions o;
   DiagnoseOptions d;
   std::string json;
   {
-    if (!attn_mask.is_none()) {
-      mask = tensor_from_numpy(attn_mask, "attn_mask");
-      o.attn_mask = mask.view();
-    }
-    if (!key_padding_mask.is_none()) {
-      padding = tensor_from_numpy(key_padding_mask, "key_padding_mask");
-      // bool [B, Lk] (True = padding) or integer lengths [B].
-      if (padding.dtype() == DType::kI32 || padding.dtype() == DType::kI64) o.key_lengths = padding.view();
-      else o.key_padding_mask = padding.view();
-    }
+    o.attn_mask = view_of(attn_mask, "attn_mask", keeper);
+    const TensorView padding = view_of(key_padding_mask, "key_padding_mask", keeper);
+    // bool [B, Lk] (True = padding) or integer lengths [B].
+    if (padding.dtype == DType::kI32 || padding.dtype == DType::kI64) o.key_lengths = padding;
+    else o.key_padding_mask = padding;
     const Causal align = parse_causal(causal_alignment, "causal_alignment");
     if (is_causal) o.causal = align == Causal::kNone ? Causal::kTopLeft : align;
     d.causal_alignment = align;

@@ -148,7 +148,9 @@ class Neighborhood2D : public Pattern {
  public:
   Neighborhood2D(int64_t height, int64_t width, int64_t kernel, int64_t dilation = 1, bool causal = false);
 };
-// Swin (shifted) window attention on a height x width grid; groups per axis [0, s), [s, s+w), ..., [H-w+s, H).
+// Window attention on a height x width grid, with shifted, non-wrapping windows for shift > 0: groups per axis
+// [0, s), [s, s+w), ..., [H-w+s, H) (the first and last groups partial; nothing wraps around the border). The
+// pairs it allows are those of Swin's cyclic shift with its mask (docs/sparse.md, "Shifted windows").
 class WindowAttention2D : public Pattern {
  public:
   WindowAttention2D(int64_t height, int64_t width, int64_t window, int64_t shift = 0);

@@ -7,7 +7,9 @@ Layout (x: LR image [B, 3, H, W] in [0, 1]; H, W are reflect-padded to a multipl
   out  = pixel_shuffle(conv3x3(body) + repeat_interleave(x, s*s, dim=1), s)    (nearest-upsampled residual)
 Block (channels-last tokens [B, H, W, C]):
   x = x + conv1x1(gelu(dwconv3x3(x)))                 (cheap path: every pixel)
-  shifted blocks: x = roll(x, (-ws/2, -ws/2)); windows of ws x ws tokens, row-major windows, row-major tokens
+  shifted blocks (cyclic shifted windows, Swin): x = roll(x, (-ws/2, -ws/2)); windows of ws x ws tokens, row-major
+  windows, row-major tokens; the mask of shift_mask() (docs/sparse.md "Shifted windows": the same pairs as the
+  non-wrapping sattn.WindowAttention2D(H, W, ws, ws // 2))
   gate g_w = sigmoid(router([mean_w(x), std_w(x)]))  (one score per window, std = population std; router =
                                                       linear 2C -> 1 then BatchNorm1d(1), folded at export)
   routed windows (all in dense mode; g_w > threshold in sparse mode):
@@ -47,8 +49,8 @@ def window_reverse(xw, ws, b, h, w):
 
 
 def shift_mask(h, w, ws, device=None):
-    """Additive mask [nW, L, L] (0 or -inf) for a cyclic shift by ws//2: tokens that came from different image
-    regions (Swin's 3x3 region labelling) must not attend to each other."""
+    """Additive mask [nW, L, L] (0 or -inf) for cyclic shifted windows (a roll by ws//2): tokens that came from
+    different image regions (Swin's 3x3 region labelling) must not attend to each other."""
     s = ws // 2
     lab = torch.zeros(h, w)
     cnt = 0

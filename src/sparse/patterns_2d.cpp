@@ -244,7 +244,7 @@ struct WindowAttention2DNode final : Pattern::Node {
     return true;
   }
   int64_t group(int64_t x) const { return shift == 0 ? x / win : (x < shift ? 0 : (x - shift) / win + 1); }
-  // Group boundaries along an axis of length n: [0, s), [s, s+w), ..., [n-w+s, n).
+  // Group boundaries along an axis of length n: [0, s), [s, s+w), ..., [n-w+s, n) (shifted, non-wrapping windows).
   std::vector<int64_t> bounds(int64_t n) const {
     std::vector<int64_t> b = {0};
     for (int64_t x = shift == 0 ? win : shift; x < n; x += win) b.push_back(x);

@@ -16,7 +16,7 @@
 
 #include "sr/png_writer.hpp"
 #include "sattn/error.hpp"
-#include "sattn/sr.hpp"
+#include "sattn/image.hpp"
 
 namespace sattn::sr {
 namespace {

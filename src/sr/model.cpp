@@ -81,14 +81,33 @@ inline void add_row_bias(const float* in, int64_t M, int64_t C, const float* __r
   }
 }
 
-// Swin region label of a (rolled) position along one axis: 0, 1 or 2.
-inline int region(int64_t p, int64_t n, int64_t ws, int64_t s) { return p < n - ws ? 0 : (p < n - s ? 1 : 2); }
+// Cyclic shifted windows (Swin): the block rolls its input by (-s, -s) and cuts the rolled image into ws x ws
+// windows, so the windows of the last window row/column hold pixels from opposite borders. Swin's mask keeps these
+// apart: along each axis a rolled position is in region 0 (before the last window), 1 (in it, before the wrap) or
+// 2 (after the wrap), and token i may attend to token j iff their regions agree on both axes. In image
+// coordinates these are exactly the pairs the non-wrapping pattern WindowAttention2D(H, W, ws, s) allows (tested;
+// docs/sparse.md, "Shifted windows"); the windows themselves differ (one rolled window, one router gate, holds
+// pieces that the pattern keeps in separate groups).
+inline int cyclic_shift_region(int64_t p, int64_t n, int64_t ws, int64_t s) {
+  return p < n - ws ? 0 : (p < n - s ? 1 : 2);
+}
+
+// The mask [L, L] (1 = may attend) of window n = (wy, wx) of an H x W image under a cyclic shift by s.
+void cyclic_shift_mask(int64_t wy, int64_t wx, int64_t H, int64_t W, int64_t ws, int64_t s, uint8_t* m) {
+  const int64_t L = ws * ws;
+  std::vector<int> lab(static_cast<size_t>(L));
+  for (int64_t l = 0; l < L; ++l)
+    lab[size_t(l)] =
+        3 * cyclic_shift_region(wy * ws + l / ws, H, ws, s) + cyclic_shift_region(wx * ws + l % ws, W, ws, s);
+  for (int64_t qi = 0; qi < L; ++qi)
+    for (int64_t kj = 0; kj < L; ++kj) m[qi * L + kj] = lab[size_t(qi)] == lab[size_t(kj)];
+}
 
 void probe_window(const BlockW& b, const BlockCtx& cx, const float* y, int64_t n, const std::vector<float>& gate,
                   bool routed, AttentionProbe* probe);
 
 // The windows of a block over y [H, W, C]: window n = (n / nwx, n % nwx) of ws x ws tokens, after the cyclic roll
-// by (-s, -s).
+// by (-s, -s) (s = 0: unshifted).
 struct WindowGrid {
   float* y;
   int64_t H, W, C, ws, s, L, nwy, nwx, nW;
@@ -107,7 +126,7 @@ struct WindowGrid {
   void for_each_run(int64_t n, F&& f) const {
     for (int64_t ly = 0; ly < ws; ++ly) row_runs(ly, n / nwx, n % nwx, f);
   }
-  // Swin mask: a window needs one iff it touches the last window row/column of a shifted block.
+  // The cyclic-shift mask: a window needs one iff it touches the last window row/column of a shifted block.
   bool needs_mask(int64_t n) const { return s > 0 && (n / nwx == nwy - 1 || n % nwx == nwx - 1); }
 };
 
@@ -151,7 +170,7 @@ void route_windows(const BlockW& b, const BlockCtx& cx, const WindowGrid& wg, fl
 }
 
 // Attention of the chunk's windows `list` (indices into the chunk; windows[i] is the window index of chunk entry
-// i): q, k, v read from sc.qkv [nw, L, 3C], the result written to sc.o [nw, L, C]; with_mask: the Swin mask.
+// i): q, k, v read from sc.qkv [nw, L, 3C], the result written to sc.o [nw, L, C]; with_mask: the cyclic-shift mask.
 void attend_windows(const BlockCtx& cx, const WindowGrid& wg, const int64_t* windows, const std::vector<int64_t>& list,
                     bool with_mask, WindowScratch& sc) {
   if (list.empty()) return;
@@ -180,14 +199,9 @@ void attend_windows(const BlockCtx& cx, const WindowGrid& wg, const int64_t* win
   opt.num_threads = 1;
   if (with_mask) {
     sc.mask.resize(size_t(nb * L * L));
-    std::vector<int> lab(static_cast<size_t>(L));
     for (int64_t j = 0; j < nb; ++j) {
-      const int64_t n = windows[list[size_t(j)]], wy = n / nwx, wx = n % nwx;
-      for (int64_t l = 0; l < L; ++l)
-        lab[size_t(l)] = 3 * region(wy * ws + l / ws, wg.H, ws, s) + region(wx * ws + l % ws, wg.W, ws, s);
-      uint8_t* m = &sc.mask[size_t(j * L * L)];
-      for (int64_t qi = 0; qi < L; ++qi)
-        for (int64_t kj = 0; kj < L; ++kj) m[qi * L + kj] = lab[size_t(qi)] == lab[size_t(kj)];
+      const int64_t n = windows[list[size_t(j)]];
+      cyclic_shift_mask(n / nwx, n % nwx, wg.H, wg.W, ws, s, &sc.mask[size_t(j * L * L)]);
     }
     opt.attn_mask = TensorView(sc.mask.data(), DType::kBool, Shape{nb, 1, L, L});
   }
@@ -256,7 +270,7 @@ void run_window_chunk(const BlockW& b, const BlockCtx& cx, const WindowGrid& wg,
 void run_block(const BlockW& b, const BlockCtx& cx, const float* src, float* y, bool dense, const uint8_t* routing_in,
                uint8_t* routed_out, float* gates_out, int64_t* n_routed) {
   const int64_t H = cx.H, W = cx.W, C = cx.C;
-  const int64_t ws = b.ws, s = b.shifted ? ws / 2 : 0, L = ws * ws;
+  const int64_t ws = b.ws, s = b.cyclic_shift ? ws / 2 : 0, L = ws * ws;
   const int64_t nwy = H / ws, nwx = W / ws, nW = nwy * nwx;
   const WindowGrid wg{y, H, W, C, ws, s, L, nwy, nwx, nW};
   const auto stage_name = [&](const char* what) {
@@ -297,11 +311,11 @@ void run_block(const BlockW& b, const BlockCtx& cx, const float* src, float* y, 
 }
 
 // The attention weights of window n of block b, from the block input y (before the block's routed update), as the
-// routed path computes them: tokens gathered after the roll, LayerNorm 1, qkv, the Swin mask where needed, and
+// routed path computes them: tokens gathered after the roll, LayerNorm 1, qkv, the cyclic-shift mask where needed, and
 // scaled_dot_product_attention (need_weights). Runs only for an inspection probe, never on the normal path.
 void probe_window(const BlockW& b, const BlockCtx& cx, const float* y, int64_t n, const std::vector<float>& gate,
                   bool routed, AttentionProbe* probe) {
-  const int64_t H = cx.H, W = cx.W, C = cx.C, ws = b.ws, s = b.shifted ? ws / 2 : 0, L = ws * ws;
+  const int64_t H = cx.H, W = cx.W, C = cx.C, ws = b.ws, s = b.cyclic_shift ? ws / 2 : 0, L = ws * ws;
   const int64_t nwx = W / ws, wy = n / nwx, wx = n % nwx, heads = cx.heads, hd = cx.hd;
   std::vector<float> xw(size_t(L * C)), a(size_t(L * C)), qkv(size_t(L * 3 * C));
   for (int64_t l = 0; l < L; ++l) {
@@ -317,11 +331,7 @@ void probe_window(const BlockW& b, const BlockCtx& cx, const float* y, int64_t n
   probe->weights = Tensor(DType::kF32, {heads, L, L});
   probe->allowed = Tensor(DType::kBool, {L, L});
   uint8_t* m = probe->allowed.data<uint8_t>();
-  std::vector<int> lab(static_cast<size_t>(L));
-  for (int64_t l = 0; l < L; ++l)
-    lab[size_t(l)] = 3 * region(wy * ws + l / ws, H, ws, s) + region(wx * ws + l % ws, W, ws, s);
-  for (int64_t qi = 0; qi < L; ++qi)
-    for (int64_t kj = 0; kj < L; ++kj) m[qi * L + kj] = lab[size_t(qi)] == lab[size_t(kj)];
+  cyclic_shift_mask(wy, wx, H, W, ws, s, m);
   AttentionOptions opt;
   opt.num_threads = 1;
   opt.attn_mask = TensorView(m, DType::kBool, Shape{1, 1, L, L});

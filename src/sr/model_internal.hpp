@@ -12,7 +12,7 @@ namespace sattn::sr {
 
 struct BlockW {
   int ws = 8;
-  bool shifted = false;
+  bool cyclic_shift = false;  // cyclic shifted windows (Swin): rolled by ws / 2, docs/sparse.md "Shifted windows"
   std::vector<float> dw, dw_b, pw, pw_b, router_w;  // dw [9][C], pw [C][C] (in-major)
   float router_b = 0;
   std::vector<float> n1_w, n1_b, qkv, qkv_b, proj, proj_b, n2_w, n2_b, fc1, fc1_b, fc2, fc2_b;

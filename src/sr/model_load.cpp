@@ -198,7 +198,7 @@ void SrModel::prepare() {
       BlockW bw;
       const std::string bp = gp + "blocks." + std::to_string(b) + ".";
       bw.ws = c.groups[g][b];
-      bw.shifted = b % 2 == 1;
+      bw.cyclic_shift = b % 2 == 1;
       bw.dw = nn::depthwise_weight_hwc(W(bp + "dw.weight", {C, 1, 3, 3}).data<float>(), C);
       bw.dw_b = vec(W(bp + "dw.bias", {C}));
       bw.pw = nn::transpose_weight(W(bp + "pw.weight", {C, C, 1, 1}).data<float>(), C, C);

@@ -3,7 +3,7 @@
 #pragma once
 
 #include "io/output_file.hpp"
-#include "sattn/sr.hpp"
+#include "sattn/image.hpp"
 
 namespace sattn::sr {
 

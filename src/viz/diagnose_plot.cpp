@@ -62,7 +62,7 @@ std::vector<std::string> wrap(const std::string& text, size_t width) {
 
 }  // namespace
 
-viz::Image render_diagnosis(const Diagnosis& d, const DiagnoseOptions& options) {
+sr::Image render_diagnosis(const Diagnosis& d, const DiagnoseOptions& options) {
   check(!d.heads.empty(), ErrorKind::kInvalidArgument, "render_diagnosis: the diagnosis has no heads");
   const size_t n = d.heads.size();
   std::vector<Metric> metrics(5);
@@ -106,7 +106,7 @@ viz::Image render_diagnosis(const Diagnosis& d, const DiagnoseOptions& options) 
   const int title_h = viz::text_height(fs) + 16, line_h = viz::text_height(small) + 6;
   const int top = 10 + title_h + int(header.size()) * line_h + 16;
   const int height = top + viz::text_height(fs) + 10 + panel_h + 30 + 3 * line_h;
-  viz::Image img(width, height);
+  sr::Image img = viz::canvas(height, width);
   const std::string title =
       std::string("sattn doctor: ") +
       (d.findings.empty() ? "healthy"
@@ -123,7 +123,7 @@ viz::Image render_diagnosis(const Diagnosis& d, const DiagnoseOptions& options) 
     viz::draw_text(img, ox, top, mt.title, kText, fs);
     for (double t : {0.0, 0.5, 1.0}) {  // grid and y ticks at 0, top/2, top
       const int gy = oy + panel_h - int(std::lround(t * panel_h));
-      img.fill_rect(ox, gy, panel_w, 1, kGrid);
+      viz::fill_rect(img, ox, gy, panel_w, 1, kGrid);
       const std::string s = fmt(t * mt.top);
       viz::draw_text(img, ox - 6 - viz::text_width(s, small), gy - viz::text_height(small) / 2, s, kText, small);
     }
@@ -134,7 +134,7 @@ viz::Image render_diagnosis(const Diagnosis& d, const DiagnoseOptions& options) 
       const int x0 = ox + int(std::lround(i * bw)) + (bw >= 4 ? 1 : 0);
       const int x1 = ox + int(std::lround((i + 1) * bw)) - (bw >= 4 ? 1 : 0);
       const bool flag = named(d, mt.codes, d.heads[i].batch, d.heads[i].head);
-      img.fill_rect(x0, oy + panel_h - bh, std::max(1, x1 - x0), bh, flag ? kFlag : kOk);
+      viz::fill_rect(img, x0, oy + panel_h - bh, std::max(1, x1 - x0), bh, flag ? kFlag : kOk);
       if (n <= 16 && bw >= 10) {
         std::string lab = "h";  // appended, not "h" + to_string(...): GCC 12's -Wrestrict misfires on that
         lab += std::to_string(d.heads[i].head);
@@ -143,10 +143,10 @@ viz::Image render_diagnosis(const Diagnosis& d, const DiagnoseOptions& options) 
     }
     if (mt.threshold >= 0 && mt.threshold <= mt.top) {
       const int ty = oy + panel_h - int(std::lround(mt.threshold / mt.top * panel_h));
-      for (int x = ox; x < ox + panel_w; x += 6) img.fill_rect(x, ty, 3, 2, kThreshold);
+      for (int x = ox; x < ox + panel_w; x += 6) viz::fill_rect(img, x, ty, 3, 2, kThreshold);
     }
-    img.fill_rect(ox, oy + panel_h, panel_w, 1, kAxis);
-    img.fill_rect(ox, oy, 1, panel_h, kAxis);
+    viz::fill_rect(img, ox, oy + panel_h, panel_w, 1, kAxis);
+    viz::fill_rect(img, ox, oy, 1, panel_h, kAxis);
   }
   const std::string notes[3] = {
       "red: the head is named by the finding this statistic explains; dashed: the flag threshold; one bar per "

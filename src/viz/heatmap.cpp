@@ -81,7 +81,8 @@ std::pair<double, double> value_range(const std::vector<const Matrix*>& ms, cons
 }
 
 // Draws the cells of `m` with their top-left at (ox, oy); pooled blocks show their largest value.
-void draw_cells(Image& img, int ox, int oy, const Matrix& m, const Fit& f, double vmin, double vmax, Colormap cmap) {
+void draw_cells(sr::Image& img, int ox, int oy, const Matrix& m, const Fit& f, double vmin, double vmax,
+                Colormap cmap) {
   const int64_t prow = (m.rows + f.pool_r - 1) / f.pool_r, pcol = (m.cols + f.pool_c - 1) / f.pool_c;
   for (int64_t bi = 0; bi < prow; ++bi) {
     for (int64_t bj = 0; bj < pcol; ++bj) {
@@ -92,19 +93,19 @@ void draw_cells(Image& img, int ox, int oy, const Matrix& m, const Fit& f, doubl
           if (!std::isnan(v) && (std::isnan(best) || v > best)) best = v;
         }
       const Rgb c = colormap(cmap, std::isnan(best) ? best : (best - vmin) / (vmax - vmin));
-      img.fill_rect(ox + int(bj) * f.cell_w, oy + int(bi) * f.cell_h, f.cell_w, f.cell_h, c);
+      fill_rect(img, ox + int(bj) * f.cell_w, oy + int(bi) * f.cell_h, f.cell_w, f.cell_h, c);
     }
   }
-  img.draw_rect(ox - 1, oy - 1, f.width + 2, f.height + 2, kAxis);
+  draw_rect(img, ox - 1, oy - 1, f.width + 2, f.height + 2, kAxis);
 }
 
 // Tick marks and index labels under (x axis) and left of (y axis) a panel at (ox, oy).
-void draw_ticks(Image& img, int ox, int oy, int64_t rows, int64_t cols, const Fit& f, int scale, bool x_labels,
+void draw_ticks(sr::Image& img, int ox, int oy, int64_t rows, int64_t cols, const Fit& f, int scale, bool x_labels,
                 bool y_labels) {
   const int tick_len = 3 * scale;
   for (int64_t t : index_ticks(cols, std::max(2, f.width / (text_width("0000", scale) + 4)))) {
     const int x = ox + int((double(t) + 0.5) * f.ppx);
-    img.fill_rect(x, oy + f.height + 1, 1, tick_len, kAxis);
+    fill_rect(img, x, oy + f.height + 1, 1, tick_len, kAxis);
     if (x_labels) {
       const std::string s = std::to_string(t);
       draw_text(img, x - text_width(s, scale) / 2, oy + f.height + tick_len + 3, s, kText, scale);
@@ -112,7 +113,7 @@ void draw_ticks(Image& img, int ox, int oy, int64_t rows, int64_t cols, const Fi
   }
   for (int64_t t : index_ticks(rows, std::max(2, f.height / (text_height(scale) * 3)))) {
     const int y = oy + int((double(t) + 0.5) * f.ppy);
-    img.fill_rect(ox - 1 - tick_len, y, tick_len, 1, kAxis);
+    fill_rect(img, ox - 1 - tick_len, y, tick_len, 1, kAxis);
     if (y_labels) {
       const std::string s = std::to_string(t);
       draw_text(img, ox - tick_len - 4 - text_width(s, scale), y - text_height(scale) / 2, s, kText, scale);
@@ -131,19 +132,19 @@ int colorbar_width_impl(double vmin, double vmax, const std::string& label, int 
   return 16 + 8 + w + (label.empty() ? 0 : 6 + text_height(scale) + 2 * scale);
 }
 
-void draw_colorbar_impl(Image& img, int ox, int oy, int height, double vmin, double vmax, Colormap cmap,
+void draw_colorbar_impl(sr::Image& img, int ox, int oy, int height, double vmin, double vmax, Colormap cmap,
                         const std::string& label, int scale) {
   const int bar_w = 16;
   for (int y = 0; y < height; ++y) {
     const double t = 1.0 - double(y) / std::max(1, height - 1);
-    img.fill_rect(ox, oy + y, bar_w, 1, colormap(cmap, t));
+    fill_rect(img, ox, oy + y, bar_w, 1, colormap(cmap, t));
   }
-  img.draw_rect(ox - 1, oy - 1, bar_w + 2, height + 2, kAxis);
+  draw_rect(img, ox - 1, oy - 1, bar_w + 2, height + 2, kAxis);
   int w = 0;
   const double vals[3] = {vmax, (vmin + vmax) / 2, vmin};
   for (int k = 0; k < 3; ++k) {
     const int y = oy + int(std::lround(k * (height - 1) / 2.0));
-    img.fill_rect(ox + bar_w, y, 4, 1, kAxis);
+    fill_rect(img, ox + bar_w, y, 4, 1, kAxis);
     const std::string s = format_value(vals[k]);
     w = std::max(w, text_width(s, scale));
     draw_text(img, ox + bar_w + 8, std::clamp(y - text_height(scale) / 2, oy - 2, oy + height - text_height(scale)), s,
@@ -155,7 +156,7 @@ void draw_colorbar_impl(Image& img, int ox, int oy, int height, double vmin, dou
 
 }  // namespace
 
-void draw_colorbar(Image& image, int x, int y, int height, double vmin, double vmax, Colormap cmap,
+void draw_colorbar(sr::Image& image, int x, int y, int height, double vmin, double vmax, Colormap cmap,
                    const std::string& label, int scale) {
   draw_colorbar_impl(image, x, y, height, vmin, vmax, cmap, label, scale);
 }
@@ -163,7 +164,7 @@ int colorbar_width(double vmin, double vmax, const std::string& label, int scale
   return colorbar_width_impl(vmin, vmax, label, scale);
 }
 
-Image render_heatmap(const Matrix& m, const HeatmapStyle& style) {
+sr::Image render_heatmap(const Matrix& m, const HeatmapStyle& style) {
   check(m.rows > 0 && m.cols > 0 && m.data.size() == size_t(m.rows * m.cols), ErrorKind::kInvalidArgument,
         "heatmap: expected a non-empty matrix, got ", m.rows, "x", m.cols);
   const int fs = 2;  // font scale
@@ -178,7 +179,7 @@ Image render_heatmap(const Matrix& m, const HeatmapStyle& style) {
   const int right = style.colorbar ? 24 + colorbar_width_impl(vmin, vmax, style.colorbar_label, fs) + 10 : 14;
   const int title_w = text_width(style.title, fs);
   const int width = std::max(left + f.width + right, title_w + 20);
-  Image img(width, top + f.height + bottom);
+  sr::Image img = canvas(top + f.height + bottom, width);
   if (!style.title.empty()) draw_text(img, (width - title_w) / 2, 8, style.title, kText, fs);
   draw_cells(img, left, top, m, f, vmin, vmax, style.cmap);
   draw_ticks(img, left, top, m.rows, m.cols, f, fs, true, true);
@@ -190,8 +191,8 @@ Image render_heatmap(const Matrix& m, const HeatmapStyle& style) {
   return img;
 }
 
-Image render_heatmap_grid(const std::vector<Matrix>& panels, const std::vector<std::string>& titles, int columns,
-                          const HeatmapStyle& style) {
+sr::Image render_heatmap_grid(const std::vector<Matrix>& panels, const std::vector<std::string>& titles, int columns,
+                              const HeatmapStyle& style) {
   check(!panels.empty(), ErrorKind::kInvalidArgument, "heatmap grid: expected at least one panel");
   check(columns >= 1, ErrorKind::kInvalidArgument, "heatmap grid: expected columns >= 1, got ", columns);
   for (const Matrix& m : panels)
@@ -220,7 +221,7 @@ Image render_heatmap_grid(const std::vector<Matrix>& panels, const std::vector<s
   const int right = style.colorbar ? 16 + colorbar_width_impl(vmin, vmax, style.colorbar_label, big) + 10 : 10;
   const int bottom = bth + 14;
   const int width = std::max(left + grid_w + right, text_width(style.title, big) + 20);
-  Image img(width, top + grid_h + bottom);
+  sr::Image img = canvas(top + grid_h + bottom, width);
   if (!style.title.empty()) draw_text(img, (width - text_width(style.title, big)) / 2, 8, style.title, kText, big);
   for (size_t p = 0; p < panels.size(); ++p) {
     const int r = int(p) / cols, c = int(p) % cols;
@@ -239,8 +240,8 @@ Image render_heatmap_grid(const std::vector<Matrix>& panels, const std::vector<s
   return img;
 }
 
-Image render_query_focus(const Matrix& rows, const std::vector<std::string>& row_labels, const std::string& title,
-                         const HeatmapStyle& style) {
+sr::Image render_query_focus(const Matrix& rows, const std::vector<std::string>& row_labels, const std::string& title,
+                             const HeatmapStyle& style) {
   check(rows.rows > 0 && rows.cols > 0 && rows.data.size() == size_t(rows.rows * rows.cols),
         ErrorKind::kInvalidArgument, "query focus: expected a non-empty matrix, got ", rows.rows, "x", rows.cols);
   const int fs = 2;
@@ -260,12 +261,12 @@ Image render_query_focus(const Matrix& rows, const std::vector<std::string>& row
   const int bottom = 3 * fs + 8 + th + 10 + th + 12;
   const int right = style.colorbar ? 24 + colorbar_width_impl(vmin, vmax, style.colorbar_label, fs) + 10 : 14;
   const int width = std::max(left + plot_w + right, text_width(title, fs) + 20);
-  Image img(width, top + plot_h + bottom);
+  sr::Image img = canvas(top + plot_h + bottom, width);
   if (!title.empty()) draw_text(img, (width - text_width(title, fs)) / 2, 8, title, kText, fs);
   for (int64_t r = 0; r < rows.rows; ++r) {
     const int base = top + int(r) * (row_h + gap) + row_h;  // baseline y
     if (size_t(r) < row_labels.size()) draw_text(img, 10, base - row_h / 2 - th / 2, row_labels[size_t(r)], kText, fs);
-    img.fill_rect(left, base - row_h, plot_w, row_h, Rgb{245, 245, 245});
+    fill_rect(img, left, base - row_h, plot_w, row_h, Rgb{245, 245, 245});
     for (int64_t b = 0; b < nbars; ++b) {
       double best = std::numeric_limits<double>::quiet_NaN();
       for (int64_t j = b * pool; j < std::min(rows.cols, (b + 1) * pool); ++j) {
@@ -274,21 +275,21 @@ Image render_query_focus(const Matrix& rows, const std::vector<std::string>& row
       }
       const int x = left + int(b) * bar_w;
       if (std::isnan(best)) {  // masked key: grey tick under the axis
-        img.fill_rect(x, base + 1, bar_w, 4, kMaskedGrey);
+        fill_rect(img, x, base + 1, bar_w, 4, kMaskedGrey);
         continue;
       }
       const double t = std::clamp((best - vmin) / (vmax - vmin), 0.0, 1.0);
       const int h = int(std::lround(t * (row_h - 2)));
-      img.fill_rect(x, base - h, std::max(1, bar_w - (bar_w > 3 ? 1 : 0)), h, colormap(style.cmap, t));
+      fill_rect(img, x, base - h, std::max(1, bar_w - (bar_w > 3 ? 1 : 0)), h, colormap(style.cmap, t));
     }
-    img.fill_rect(left, base, plot_w, 1, kAxis);
+    fill_rect(img, left, base, plot_w, 1, kAxis);
   }
   // Key ticks along the bottom axis.
   const int axis_y = top + plot_h - gap;
   const double px_per_index = double(bar_w) / double(pool);
   for (int64_t t : index_ticks(rows.cols, std::max(2, plot_w / (text_width("0000", fs) + 8)))) {
     const int x = left + int((double(t) + 0.5) * px_per_index);
-    img.fill_rect(x, axis_y + 5, 1, 3 * fs, kAxis);
+    fill_rect(img, x, axis_y + 5, 1, 3 * fs, kAxis);
     const std::string s = std::to_string(t);
     draw_text(img, x - text_width(s, fs) / 2, axis_y + 5 + 3 * fs + 3, s, kText, fs);
   }

@@ -1,54 +1,77 @@
-// Image buffer, PNG output, colour maps, text (a small stroke font) and base64.
+// Drawing on RGB images, colour maps, text (a small stroke font) and base64.
 #include <algorithm>
 #include <array>
 #include <cmath>
 
 #include "sattn/error.hpp"
-#include "sattn/sr.hpp"
 #include "viz/viz.hpp"
 
 namespace sattn::viz {
 
-Image::Image(int width, int height, Rgb fill) : width_(width), height_(height) {
+namespace {
+void check_rgb(const sr::Image& image, const char* fn) {
+  check(image.channels == 3 && image.data.size() == size_t(image.height * image.width * 3), ErrorKind::kInvalidArgument,
+        fn, ": expected an RGB image (3 channels), given ", image.height, "x", image.width, "x", image.channels,
+        " with ", image.data.size(), " bytes");
+}
+
+bool inside(const sr::Image& image, int x, int y) { return x >= 0 && y >= 0 && x < image.width && y < image.height; }
+
+// pixel / set_pixel without the RGB check, for loops over an image already checked.
+Rgb get_rgb(const sr::Image& image, int x, int y) {
+  if (!inside(image, x, y)) return kWhite;
+  const uint8_t* d = image.data.data() + (int64_t(y) * image.width + x) * 3;
+  return {d[0], d[1], d[2]};
+}
+
+void put_rgb(sr::Image& image, int x, int y, Rgb c) {
+  if (!inside(image, x, y)) return;
+  uint8_t* d = image.data.data() + (int64_t(y) * image.width + x) * 3;
+  d[0] = c.r;
+  d[1] = c.g;
+  d[2] = c.b;
+}
+}  // namespace
+
+sr::Image canvas(int height, int width, Rgb fill) {
   check(width > 0 && height > 0 && int64_t(width) * height <= (int64_t(1) << 28), ErrorKind::kInvalidArgument,
         "image: expected a size between 1x1 and 2^28 pixels, got ", width, "x", height);
-  pixels_.resize(size_t(width) * size_t(height) * 3);
-  for (size_t p = 0; p < pixels_.size(); p += 3) {
-    pixels_[p] = fill.r;
-    pixels_[p + 1] = fill.g;
-    pixels_[p + 2] = fill.b;
+  sr::Image image(height, width, 3);
+  for (size_t p = 0; p < image.data.size(); p += 3) {
+    image.data[p] = fill.r;
+    image.data[p + 1] = fill.g;
+    image.data[p + 2] = fill.b;
   }
+  return image;
 }
 
-Rgb Image::get(int x, int y) const {
-  if (x < 0 || y < 0 || x >= width_ || y >= height_) return kWhite;
-  const size_t p = (size_t(y) * size_t(width_) + size_t(x)) * 3;
-  return {pixels_[p], pixels_[p + 1], pixels_[p + 2]};
+Rgb pixel(const sr::Image& image, int x, int y) {
+  check_rgb(image, "pixel");
+  return get_rgb(image, x, y);
 }
 
-void Image::set(int x, int y, Rgb c) {
-  if (x < 0 || y < 0 || x >= width_ || y >= height_) return;
-  const size_t p = (size_t(y) * size_t(width_) + size_t(x)) * 3;
-  pixels_[p] = c.r;
-  pixels_[p + 1] = c.g;
-  pixels_[p + 2] = c.b;
+void set_pixel(sr::Image& image, int x, int y, Rgb c) {
+  check_rgb(image, "set_pixel");
+  put_rgb(image, x, y, c);
 }
 
-void Image::fill_rect(int x, int y, int w, int h, Rgb c) {
+void fill_rect(sr::Image& image, int x, int y, int w, int h, Rgb c) {
+  check_rgb(image, "fill_rect");
   const int x0 = std::max(x, 0), y0 = std::max(y, 0);
-  const int x1 = std::min(x + w, width_), y1 = std::min(y + h, height_);
+  const int x1 = int(std::min<int64_t>(int64_t(x) + w, image.width));
+  const int y1 = int(std::min<int64_t>(int64_t(y) + h, image.height));
   for (int yy = y0; yy < y1; ++yy)
-    for (int xx = x0; xx < x1; ++xx) set(xx, yy, c);
+    for (int xx = x0; xx < x1; ++xx) put_rgb(image, xx, yy, c);
 }
 
-void Image::draw_rect(int x, int y, int w, int h, Rgb c) {
-  fill_rect(x, y, w, 1, c);
-  fill_rect(x, y + h - 1, w, 1, c);
-  fill_rect(x, y, 1, h, c);
-  fill_rect(x + w - 1, y, 1, h, c);
+void draw_rect(sr::Image& image, int x, int y, int w, int h, Rgb c) {
+  fill_rect(image, x, y, w, 1, c);
+  fill_rect(image, x, y + h - 1, w, 1, c);
+  fill_rect(image, x, y, 1, h, c);
+  fill_rect(image, x + w - 1, y, 1, h, c);
 }
 
-void Image::draw_line(double x0, double y0, double x1, double y1, Rgb c, double width) {
+void draw_line(sr::Image& image, double x0, double y0, double x1, double y1, Rgb c, double width) {
   // Stamps a square of side `width` every half pixel along the segment (no anti-aliasing; plots are simple).
   const double len = std::hypot(x1 - x0, y1 - y0);
   const int steps = std::max(1, int(std::ceil(len * 2)));
@@ -57,40 +80,31 @@ void Image::draw_line(double x0, double y0, double x1, double y1, Rgb c, double 
   for (int s = 0; s <= steps; ++s) {
     const double t = double(s) / steps;
     const int x = int(std::lround(x0 + t * (x1 - x0))), y = int(std::lround(y0 + t * (y1 - y0)));
-    fill_rect(x - half, y - half, side, side, c);
+    fill_rect(image, x - half, y - half, side, side, c);
   }
 }
 
-void Image::fill_circle(double cx, double cy, double r, Rgb c) {
+void fill_circle(sr::Image& image, double cx, double cy, double r, Rgb c) {
   for (int y = int(std::floor(cy - r)); y <= int(std::ceil(cy + r)); ++y)
     for (int x = int(std::floor(cx - r)); x <= int(std::ceil(cx + r)); ++x)
-      if ((x - cx) * (x - cx) + (y - cy) * (y - cy) <= r * r) set(x, y, c);
+      if ((x - cx) * (x - cx) + (y - cy) * (y - cy) <= r * r) set_pixel(image, x, y, c);
 }
 
-void Image::blit(const Image& src, int x, int y) {
-  for (int yy = 0; yy < src.height(); ++yy)
-    for (int xx = 0; xx < src.width(); ++xx) set(x + xx, y + yy, src.get(xx, yy));
+void blit(sr::Image& image, const sr::Image& src, int x, int y) {
+  check_rgb(image, "blit");
+  check_rgb(src, "blit");
+  for (int yy = 0; yy < int(src.height); ++yy)
+    for (int xx = 0; xx < int(src.width); ++xx) put_rgb(image, x + xx, y + yy, get_rgb(src, xx, yy));
 }
 
-Image Image::rotated_ccw() const {
-  Image out(height_, width_);
+sr::Image rotated_ccw(const sr::Image& image) {
+  check_rgb(image, "rotated_ccw");
+  const int h = int(image.height), w = int(image.width);
+  sr::Image out = canvas(w, h);
   // Pixel (x, y) goes to (y, W - 1 - x).
-  for (int y = 0; y < height_; ++y)
-    for (int x = 0; x < width_; ++x) out.set(y, width_ - 1 - x, get(x, y));
+  for (int y = 0; y < h; ++y)
+    for (int x = 0; x < w; ++x) put_rgb(out, y, w - 1 - x, get_rgb(image, x, y));
   return out;
-}
-
-// ---- PNG ---------------------------------------------------------------------------------------------------
-
-std::vector<uint8_t> encode_png(const Image& image) {
-  check(image.width() > 0 && image.height() > 0, ErrorKind::kInvalidArgument, "image: cannot encode an empty image");
-  return sr::encode_png(image.pixels().data(), image.height(), image.width(), 3);
-}
-
-void write_png(io::OutputFile& out, const Image& image) { out.write(encode_png(image)); }
-
-void write_png(const std::string& path, const Image& image) {
-  io::write_file(path, [&](io::OutputFile& out) { write_png(out, image); });
 }
 
 // ---- colour maps -------------------------------------------------------------------------------------------
@@ -205,20 +219,20 @@ std::string printable(const std::string& text) {
   return s;
 }
 
-void draw_segments(Image& image, int x, int y, const uint8_t* segments, int count, bool vertical, Rgb colour,
+void draw_segments(sr::Image& image, int x, int y, const uint8_t* segments, int count, bool vertical, Rgb colour,
                    int scale) {
   int dx = 0;
   for (int i = 0; i < count; ++i) {
     const int length = segments[i] & 7, row = segments[i] >> 4;
     dx += (segments[i] >> 3) & 1;
     if (length == 0) continue;
-    image.fill_rect(x + dx * scale, y + row * scale, (vertical ? 1 : length) * scale, (vertical ? length : 1) * scale,
-                    colour);
+    fill_rect(image, x + dx * scale, y + row * scale, (vertical ? 1 : length) * scale, (vertical ? length : 1) * scale,
+              colour);
   }
 }
 }  // namespace
 
-void draw_text(Image& image, int x, int y, const std::string& text, Rgb colour, int scale) {
+void draw_text(sr::Image& image, int x, int y, const std::string& text, Rgb colour, int scale) {
   for (const char ch : printable(text)) {
     const size_t c = size_t(ch - 32);  // printable: c + 1 <= 95
     const Glyph& g = kGlyphs[c];
@@ -237,16 +251,16 @@ int text_width(const std::string& text, int scale) {
 
 int text_height(int scale) { return 7 * scale; }
 
-void draw_text_vertical(Image& image, int x, int y, const std::string& text, Rgb colour, int scale) {
+void draw_text_vertical(sr::Image& image, int x, int y, const std::string& text, Rgb colour, int scale) {
   const int w = text_width(text, scale), h = text_height(scale) + 2 * scale;
   if (w <= 0) return;
-  Image tmp(w, h, kWhite);
+  sr::Image tmp = canvas(h, w, kWhite);
   draw_text(tmp, 0, 0, text, colour, scale);
-  const Image rot = tmp.rotated_ccw();
+  const sr::Image rot = rotated_ccw(tmp);
   // Copy only the text pixels so that the background under the label is kept.
-  for (int yy = 0; yy < rot.height(); ++yy)
-    for (int xx = 0; xx < rot.width(); ++xx)
-      if (rot.get(xx, yy) == colour) image.set(x + xx, y + yy, colour);
+  for (int yy = 0; yy < int(rot.height); ++yy)
+    for (int xx = 0; xx < int(rot.width); ++xx)
+      if (get_rgb(rot, xx, yy) == colour) set_pixel(image, x + xx, y + yy, colour);
 }
 
 // ---- base64 / HTML -------------------------------------------------------------------------------------------
@@ -274,7 +288,9 @@ std::string base64_encode(const std::vector<uint8_t>& bytes) {
   return out;
 }
 
-std::string png_data_uri(const Image& image) { return "data:image/png;base64," + base64_encode(encode_png(image)); }
+std::string png_data_uri(const sr::Image& image) {
+  return "data:image/png;base64," + base64_encode(sr::encode_png(image));
+}
 
 std::string html_escape(const std::string& text) {
   std::string out;

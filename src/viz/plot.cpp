@@ -59,24 +59,24 @@ class SvgCanvas final : public Canvas {
 
 class PngCanvas final : public Canvas {
  public:
-  Image img;
-  PngCanvas(int w, int h) : img(w, h) {}
+  sr::Image img;
+  PngCanvas(int w, int h) : img(canvas(h, w)) {}
   void line(double x0, double y0, double x1, double y1, Rgb c, double width, bool dashed) override {
     if (!dashed) {
-      img.draw_line(x0, y0, x1, y1, c, width);
+      draw_line(img, x0, y0, x1, y1, c, width);
       return;
     }
     const double len = std::hypot(x1 - x0, y1 - y0);
     for (double s = 0; s < len; s += 10) {
       const double e = std::min(len, s + 6);
-      img.draw_line(x0 + (x1 - x0) * s / len, y0 + (y1 - y0) * s / len, x0 + (x1 - x0) * e / len,
-                    y0 + (y1 - y0) * e / len, c, width);
+      draw_line(img, x0 + (x1 - x0) * s / len, y0 + (y1 - y0) * s / len, x0 + (x1 - x0) * e / len,
+                y0 + (y1 - y0) * e / len, c, width);
     }
   }
   void rect_outline(double x, double y, double w, double h, Rgb c) override {
-    img.draw_rect(int(std::lround(x)), int(std::lround(y)), int(std::lround(w)), int(std::lround(h)), c);
+    draw_rect(img, int(std::lround(x)), int(std::lround(y)), int(std::lround(w)), int(std::lround(h)), c);
   }
-  void circle(double cx, double cy, double r, Rgb c) override { img.fill_circle(cx, cy, r, c); }
+  void circle(double cx, double cy, double r, Rgb c) override { fill_circle(img, cx, cy, r, c); }
   void text(double x, double y, const std::string& s, Rgb c, Anchor anchor, bool big, bool vertical) override {
     const int scale = big ? 2 : 1;
     const double w = text_width(s, scale), h = text_height(scale);
@@ -250,7 +250,7 @@ std::string render_plots_svg(const std::vector<PlotSpec>& panels, int panel_widt
   return cv.os.str();
 }
 
-Image render_plots_png(const std::vector<PlotSpec>& panels, int panel_width, int panel_height) {
+sr::Image render_plots_png(const std::vector<PlotSpec>& panels, int panel_width, int panel_height) {
   check_panels(panels, panel_width, panel_height);
   PngCanvas cv(panel_width * int(panels.size()), panel_height);
   draw_figure(cv, panels, panel_width, panel_height);

@@ -21,7 +21,6 @@
 #include "sattn/io.hpp"
 #include "sattn/safetensors.hpp"
 #include "sattn/sr.hpp"
-#include "viz/viz.hpp"
 
 namespace fs = std::filesystem;
 using sattn::Error;
@@ -277,7 +276,6 @@ TEST_F(OutputFileTest, SeveralFilesAreRenamedOnlyAfterAllAreWritten) {
 TEST_F(OutputFileTest, LibraryWritersReportAFullDevice) {
   sattn::Tensor t(sattn::DType::kF32, {64, 64});
   sattn::sr::Image sr_image(32, 32, 3);
-  sattn::viz::Image viz_image(32, 32);
   const std::vector<std::pair<std::string, std::function<void()>>> writers = {
       {"write_npy", [&] { sattn::write_npy("/dev/full", t); }},
       {"write_safetensors",
@@ -285,7 +283,6 @@ TEST_F(OutputFileTest, LibraryWritersReportAFullDevice) {
          sattn::write_safetensors("/dev/full", {{"t", t.view()}});
        }},
       {"sr::write_png", [&] { sattn::sr::write_png("/dev/full", sr_image); }},
-      {"viz::write_png", [&] { sattn::viz::write_png("/dev/full", viz_image); }},
   };
   for (const auto& [name, write] : writers)
     EXPECT_EQ(message_of(write), "I/O error: cannot write '/dev/full': No space left on device") << name;

@@ -1,4 +1,5 @@
-// sattn::viz: PNG round trips, colour maps, text, heatmaps, grids, query focus, plots, base64, attention maps.
+// sattn::viz: drawing on sr::Image, PNG round trips, colour maps, text, heatmaps, grids, query focus, plots,
+// base64, attention maps.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -22,26 +23,49 @@ double luminance(Rgb c) { return 0.2126 * c.r + 0.7152 * c.g + 0.0722 * c.b; }
 }  // namespace
 
 TEST(VizImage, PngRoundTripIsExact) {
-  Image img(37, 23);
+  sr::Image img = canvas(23, 37);
   for (int y = 0; y < 23; ++y)
-    for (int x = 0; x < 37; ++x) img.set(x, y, Rgb{uint8_t(x * 7), uint8_t(y * 11), uint8_t((x * y) & 255)});
-  const Decoded d = decode_png_bytes(encode_png(img));
+    for (int x = 0; x < 37; ++x) set_pixel(img, x, y, Rgb{uint8_t(x * 7), uint8_t(y * 11), uint8_t((x * y) & 255)});
+  const Decoded d = decode_png_bytes(sr::encode_png(img));
   ASSERT_TRUE(d.ok);
   EXPECT_EQ(d.width, 37);
   EXPECT_EQ(d.height, 23);
-  EXPECT_EQ(d.rgb, img.pixels());
+  EXPECT_EQ(d.rgb, img.data);
 }
 
 TEST(VizImage, WritePngToBadPathThrowsIOError) {
-  Image img(4, 4);
+  const sr::Image img = canvas(4, 4);
   try {
-    write_png("/nonexistent-dir/x.png", img);
+    sr::write_png("/nonexistent-dir/x.png", img);
     FAIL() << "expected sattn::Error";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kIO);
     EXPECT_NE(std::string(e.what()).find("/nonexistent-dir/x.png"), std::string::npos);
   }
-  EXPECT_THROW(Image(0, 5), Error);
+  EXPECT_THROW(canvas(5, 0), Error);
+}
+
+// canvas takes (height, width) as sr::Image does; pixels are addressed (x, y); drawing needs RGB.
+TEST(VizImage, CanvasIsHeightByWidthAndDrawingNeedsRgb) {
+  sr::Image img = canvas(3, 5, Rgb{1, 2, 3});
+  EXPECT_EQ(img.height, 3);
+  EXPECT_EQ(img.width, 5);
+  EXPECT_EQ(img.channels, 3);
+  EXPECT_EQ(pixel(img, 4, 2), (Rgb{1, 2, 3}));
+  EXPECT_EQ(pixel(img, 5, 0), kWhite);  // outside
+  set_pixel(img, 4, 2, kBlack);
+  EXPECT_EQ(img.at(2, 4, 0), 0);
+  const sr::Image r = rotated_ccw(img);  // (x, y) -> (y, W - 1 - x)
+  EXPECT_EQ(r.height, 5);
+  EXPECT_EQ(r.width, 3);
+  EXPECT_EQ(pixel(r, 2, 0), kBlack);
+  sr::Image big = canvas(4, 8);
+  blit(big, img, 6, 1);  // clipped at the right border
+  EXPECT_EQ(pixel(big, 7, 1), (Rgb{1, 2, 3}));
+  sr::Image gray(4, 4, 1);
+  EXPECT_THROW(fill_rect(gray, 0, 0, 2, 2, kBlack), Error);
+  EXPECT_THROW(set_pixel(gray, 0, 0, kBlack), Error);
+  EXPECT_THROW(blit(big, gray, 0, 0), Error);
 }
 
 TEST(VizColormap, EndpointsMonotoneAndNaN) {
@@ -63,16 +87,17 @@ TEST(VizColormap, EndpointsMonotoneAndNaN) {
 }
 
 TEST(VizText, DrawsPixelsAndMeasures) {
-  Image img(120, 30);
+  sr::Image img = canvas(30, 120);
   draw_text(img, 2, 2, "query 12", kBlack, 2);
-  const Decoded d = decode_png_bytes(encode_png(img));
+  const Decoded d = decode_png_bytes(sr::encode_png(img));
   EXPECT_TRUE(has_colour(d, kBlack));
   EXPECT_GT(text_width("query 12", 2), text_width("q", 2));
   EXPECT_EQ(text_width("ab", 2), 2 * text_width("ab", 1));
-  Image v(30, 120);
+  sr::Image v = canvas(120, 30);
   draw_text_vertical(v, 2, 2, "key", kBlack, 2);
   bool any = false;
-  for (int y = 0; y < 120; ++y) any = any || v.get(8, y) == kBlack || v.get(6, y) == kBlack || v.get(10, y) == kBlack;
+  for (int y = 0; y < 120; ++y)
+    any = any || pixel(v, 8, y) == kBlack || pixel(v, 6, y) == kBlack || pixel(v, 10, y) == kBlack;
   EXPECT_TRUE(any);
 }
 
@@ -85,7 +110,7 @@ TEST(VizBase64, KnownVectors) {
   EXPECT_EQ(b("foobar"), "Zm9vYmFy");
   EXPECT_EQ(base64_encode({0xff, 0xfe, 0x00}), "//4A");
   EXPECT_EQ(html_escape("<a href=\"x\">&"), "&lt;a href=&quot;x&quot;&gt;&amp;");
-  EXPECT_EQ(png_data_uri(Image(2, 2)).rfind("data:image/png;base64,iVBORw0KGgo", 0), 0u);
+  EXPECT_EQ(png_data_uri(canvas(2, 2)).rfind("data:image/png;base64,iVBORw0KGgo", 0), 0u);
 }
 
 TEST(VizHeatmap, SizeColourBarAndMaskedCells) {
@@ -95,12 +120,12 @@ TEST(VizHeatmap, SizeColourBarAndMaskedCells) {
   HeatmapStyle s;
   s.title = "t";
   s.plot_side = 140;
-  const Image img = render_heatmap(m, s);
-  const Decoded d = decode_png_bytes(encode_png(img));
+  const sr::Image img = render_heatmap(m, s);
+  const Decoded d = decode_png_bytes(sr::encode_png(img));
   ASSERT_TRUE(d.ok);
-  EXPECT_EQ(d.width, img.width());
-  EXPECT_GE(img.width(), 140);  // the matrix area alone is 14 cells x 10 px
-  EXPECT_LT(img.width(), 600);
+  EXPECT_EQ(d.width, img.width);
+  EXPECT_GE(img.width, 140);  // the matrix area alone is 14 cells x 10 px
+  EXPECT_LT(img.width, 600);
   EXPECT_TRUE(d.non_constant());
   EXPECT_TRUE(has_colour(d, kMaskedGrey));                        // masked cells
   EXPECT_TRUE(has_colour(d, colormap(Colormap::kViridis, 1.0)));  // the maximum (and the colour bar top)
@@ -115,12 +140,12 @@ TEST(VizHeatmap, LargeMatrixIsPooledAndKeepsASpike) {
   HeatmapStyle s;
   s.plot_side = 256;
   s.vmax = 1.0;
-  const Image img = render_heatmap(m, s);
-  EXPECT_LT(img.height(), 256 + 200);
-  EXPECT_TRUE(has_colour(decode_png_bytes(encode_png(img)), colormap(Colormap::kViridis, 1.0)));
+  const sr::Image img = render_heatmap(m, s);
+  EXPECT_LT(img.height, 256 + 200);
+  EXPECT_TRUE(has_colour(decode_png_bytes(sr::encode_png(img)), colormap(Colormap::kViridis, 1.0)));
   int bright = 0;  // the spike covers one pooled pixel; the colour bar adds a few more rows of the top colour
-  for (int y = 0; y < img.height(); ++y)
-    for (int x = 0; x < img.width() - 150; ++x) bright += img.get(x, y) == colormap(Colormap::kViridis, 1.0);
+  for (int y = 0; y < int(img.height); ++y)
+    for (int x = 0; x < int(img.width) - 150; ++x) bright += pixel(img, x, y) == colormap(Colormap::kViridis, 1.0);
   EXPECT_GE(bright, 1);
   EXPECT_LE(bright, 4);
 }
@@ -136,17 +161,17 @@ TEST(VizHeatmap, GridAndQueryFocus) {
   }
   HeatmapStyle s;
   s.plot_side = 64;
-  const Image grid = render_heatmap_grid(panels, titles, 4, s);
-  const Image grid1 = render_heatmap_grid({panels[0]}, {"h0"}, 4, s);
-  EXPECT_GT(grid.width(), 4 * 64);
-  EXPECT_GT(grid.height(), 2 * 64);
-  EXPECT_GT(grid.width(), grid1.width() + 3 * 64);
-  EXPECT_TRUE(decode_png_bytes(encode_png(grid)).non_constant());
+  const sr::Image grid = render_heatmap_grid(panels, titles, 4, s);
+  const sr::Image grid1 = render_heatmap_grid({panels[0]}, {"h0"}, 4, s);
+  EXPECT_GT(grid.width, 4 * 64);
+  EXPECT_GT(grid.height, 2 * 64);
+  EXPECT_GT(grid.width, grid1.width + 3 * 64);
+  EXPECT_TRUE(decode_png_bytes(sr::encode_png(grid)).non_constant());
   Matrix rows(3, 20, 0.01);
   rows.at(1, 7) = 0.9;
   rows.at(2, 19) = std::nan("");
-  const Image f = render_query_focus(rows, {"h0", "h1", "h2"}, "query 5", s);
-  const Decoded d = decode_png_bytes(encode_png(f));
+  const sr::Image f = render_query_focus(rows, {"h0", "h1", "h2"}, "query 5", s);
+  const Decoded d = decode_png_bytes(sr::encode_png(f));
   ASSERT_TRUE(d.ok);
   EXPECT_TRUE(has_colour(d, colormap(Colormap::kViridis, 1.0)));  // the 0.9 bar is the maximum
   EXPECT_TRUE(has_colour(d, kMaskedGrey));                        // the masked key's tick
@@ -171,9 +196,9 @@ TEST(VizPlot, SvgIsWellFormedWithLogAxes) {
     xs.push_back(std::stod(svg.substr(p + 12)));
   ASSERT_EQ(xs.size(), 3u);
   EXPECT_NEAR(xs[1] - xs[0], xs[2] - xs[1], 1e-2);  // SVG numbers carry 6 significant digits
-  const Image png = render_plots_png({a, b}, 400, 300);
-  EXPECT_EQ(png.width(), 800);
-  EXPECT_TRUE(decode_png_bytes(encode_png(png)).non_constant());
+  const sr::Image png = render_plots_png({a, b}, 400, 300);
+  EXPECT_EQ(png.width, 800);
+  EXPECT_TRUE(decode_png_bytes(sr::encode_png(png)).non_constant());
   EXPECT_THROW(render_plots_svg({}, 400, 300), Error);
 }
 
@@ -275,8 +300,8 @@ TEST(VizHeatmap, OneQueryAgainstManyKeysStaysReadable) {
   m.at(0, 10) = 0.5;
   HeatmapStyle s;
   s.plot_side = 256;
-  const Image img = render_heatmap(m, s);
-  EXPECT_GE(img.height(), 48 + 60);  // the single row is stretched to >= 48 px
-  EXPECT_TRUE(decode_png_bytes(encode_png(img)).non_constant());
-  EXPECT_TRUE(has_colour(decode_png_bytes(encode_png(img)), colormap(Colormap::kViridis, 1.0)));
+  const sr::Image img = render_heatmap(m, s);
+  EXPECT_GE(img.height, 48 + 60);  // the single row is stretched to >= 48 px
+  EXPECT_TRUE(decode_png_bytes(sr::encode_png(img)).non_constant());
+  EXPECT_TRUE(has_colour(decode_png_bytes(sr::encode_png(img)), colormap(Colormap::kViridis, 1.0)));
 }

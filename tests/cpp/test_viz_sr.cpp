@@ -2,14 +2,18 @@
 // routing summary and errors (CLI). Uses the x2 weights committed in sr/weights/ (embedded in build/sattn).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "sattn/error.hpp"
+#include "sattn/patterns.hpp"
 #include "sattn/sr.hpp"
 #include "tools_test_util.hpp"
 
@@ -113,6 +117,47 @@ TEST(SrProbe, AgreesWithRoutingLeavesTheOutputAloneAndIsASoftmax) {
   o.tile = 16;
   bad.window = 0;
   EXPECT_THROW(m.upscale(im, o), Error);  // tiled runs cannot be probed
+}
+
+// The SR model's cyclic shifted windows (roll, full windows, Swin's mask) allow, in image coordinates, exactly the
+// pairs of the non-wrapping pattern WindowAttention2D(H, W, ws, shift) (docs/sparse.md, "Shifted windows"): every
+// window's mask, read through token_pixel, agrees with the pattern, and the windows hold all the pattern's pairs.
+TEST(SrProbe, CyclicShiftMaskAllowsThePairsOfWindowAttention2D) {
+  if (!fs::exists(x2_weights())) GTEST_SKIP() << "no " << x2_weights();
+  const auto m = sr::SrModel::load(x2_weights());
+  const sr::Image im = half_flat_half_noise(40, 30, 90, 4);  // padded to 48 x 32
+  const Tensor x = sr::image_to_tensor(im);
+  const auto geo = m.block_geometry(40, 30);
+  std::vector<std::pair<int64_t, int64_t>> done;  // (window, shift) checked
+  for (int64_t b = 0; b < int64_t(geo.size()); ++b) {
+    const auto& g = geo[size_t(b)];
+    if (std::find(done.begin(), done.end(), std::make_pair(g.window, g.shift)) != done.end()) continue;
+    done.emplace_back(g.window, g.shift);
+    const int64_t HW = g.height * g.width, L = g.window * g.window;
+    const sparse::WindowAttention2D pattern(g.height, g.width, g.window, g.shift);
+    int64_t pattern_pairs = 0, window_pairs = 0;
+    for (int64_t i = 0; i < HW; ++i)
+      for (int64_t j = 0; j < HW; ++j) pattern_pairs += pattern.allowed(0, 0, i, j, HW, HW);
+    for (int64_t n = 0; n < g.num_windows(); ++n) {
+      sr::AttentionProbe probe;
+      probe.block = b, probe.window = n;
+      sr::UpscaleOptions o;
+      o.probe = &probe;
+      m.forward(x, o);
+      const uint8_t* a = probe.allowed.data<uint8_t>();
+      for (int64_t qi = 0; qi < L; ++qi)
+        for (int64_t kj = 0; kj < L; ++kj) {
+          int64_t qy = 0, qx = 0, ky = 0, kx = 0;
+          g.token_pixel(n, qi, &qy, &qx);
+          g.token_pixel(n, kj, &ky, &kx);
+          const bool want = pattern.allowed(0, 0, qy * g.width + qx, ky * g.width + kx, HW, HW);
+          ASSERT_EQ(a[qi * L + kj] != 0, want) << "block " << b << " window " << n << " tokens " << qi << ", " << kj;
+          window_pairs += want;
+        }
+    }
+    EXPECT_EQ(window_pairs, pattern_pairs) << "block " << b;
+  }
+  EXPECT_EQ(done.size(), 4u);  // windows 8 and 16, each unshifted and shifted
 }
 
 // ---- the command -------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "fuzz_check.hpp"
-#include "sattn/sr.hpp"
+#include "sattn/image.hpp"
 
 namespace {
 // Small enough that one input decodes fast.

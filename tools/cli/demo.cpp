@@ -21,6 +21,7 @@
 #include "sattn/attention.hpp"
 #include "sattn/error.hpp"
 #include "sattn/sr.hpp"
+#include "sr/png_writer.hpp"
 #include "viz/viz.hpp"
 
 namespace sattn::cli {
@@ -187,19 +188,11 @@ sr::Image draw_scene(int64_t size) {
   const std::string line1 = "SATTN x2", line2 = "sparse attn";
   const int pad = 3 * ts, tw = std::max(viz::text_width(line1, ts), viz::text_width(line2, ts));
   const int th = 2 * viz::text_height(ts) + 3 * ts;
-  viz::Image sign(tw + 2 * pad, th + 2 * pad, viz::Rgb{245, 245, 240});
-  sign.draw_rect(0, 0, sign.width(), sign.height(), viz::Rgb{60, 60, 60});
+  sr::Image sign = viz::canvas(th + 2 * pad, tw + 2 * pad, viz::Rgb{245, 245, 240});
+  viz::draw_rect(sign, 0, 0, int(sign.width), int(sign.height), viz::Rgb{60, 60, 60});
   viz::draw_text(sign, pad, pad, line1, viz::Rgb{20, 20, 30}, ts);
   viz::draw_text(sign, pad, pad + viz::text_height(ts) + 3 * ts, line2, viz::Rgb{150, 30, 30}, ts);
-  const int64_t x0 = int64_t(0.04 * double(size)), y0 = int64_t(0.80 * double(size));
-  for (int y = 0; y < sign.height(); ++y)
-    for (int x = 0; x < sign.width(); ++x) {
-      if (y0 + y >= size || x0 + x >= size) continue;
-      const viz::Rgb p = sign.get(x, y);
-      im.at(y0 + y, x0 + x, 0) = p.r;
-      im.at(y0 + y, x0 + x, 1) = p.g;
-      im.at(y0 + y, x0 + x, 2) = p.b;
-    }
+  viz::blit(im, sign, int(0.04 * double(size)), int(0.80 * double(size)));
   return im;
 }
 
@@ -212,16 +205,14 @@ sr::Image nearest_upscale(const sr::Image& lr, int s) {
 }
 
 // Side by side, each panel with a label above: the PNG is 4 * S + 5 * gap wide, label + S + 2 * gap high.
-viz::Image side_by_side(const std::vector<sr::Image>& panels, const std::vector<std::string>& labels) {
+sr::Image side_by_side(const std::vector<sr::Image>& panels, const std::vector<std::string>& labels) {
   const int gap = 8, s = int(panels[0].width), h = int(panels[0].height);
   const int ts = s >= 192 ? 2 : 1, band = viz::text_height(ts) + 2 * gap;
-  viz::Image out(int(panels.size()) * (s + gap) + gap, band + h + gap, viz::kWhite);
+  sr::Image out = viz::canvas(band + h + gap, int(panels.size()) * (s + gap) + gap, viz::kWhite);
   for (size_t i = 0; i < panels.size(); ++i) {
     const int px = gap + int(i) * (s + gap);
     viz::draw_text(out, px, gap, labels[i], viz::kBlack, ts);
-    for (int y = 0; y < h; ++y)
-      for (int x = 0; x < s; ++x)
-        out.set(px + x, band + y, viz::Rgb{panels[i].at(y, x, 0), panels[i].at(y, x, 1), panels[i].at(y, x, 2)});
+    viz::blit(out, panels[i], px, band);
   }
   return out;
 }
@@ -285,11 +276,11 @@ int run_sr_demo(const DemoArgs& a, const sr::SrModel& model) {
   char b1[64], b2[64];
   std::snprintf(b1, sizeof b1, "bicubic %.2f dB", p_bic);
   std::snprintf(b2, sizeof b2, "sparse %.2f dB", p_sparse);
-  const viz::Image png = side_by_side({nearest_upscale(lr, s), bic, sparse, hr}, {"LR (nearest)", b1, b2, "HR"});
-  viz::write_png(out, png);
+  const sr::Image png = side_by_side({nearest_upscale(lr, s), bic, sparse, hr}, {"LR (nearest)", b1, b2, "HR"});
+  sr::write_png(out, png);
   out.commit();
-  std::printf("wrote:      %s (%dx%d: LR nearest | bicubic | sparse model | HR)\n", a.out.c_str(), png.width(),
-              png.height());
+  std::printf("wrote:      %s (%dx%d: LR nearest | bicubic | sparse model | HR)\n", a.out.c_str(), int(png.width),
+              int(png.height));
   return 0;
 }
 

@@ -10,6 +10,7 @@
 #include "sattn/diagnose.hpp"
 #include "sattn/error.hpp"
 #include "sattn/io.hpp"
+#include "sr/png_writer.hpp"
 #include "viz/viz.hpp"
 
 namespace sattn::cli {
@@ -44,7 +45,7 @@ void run_doctor(const DoctorArgs& a) {
   d.expect = parse_expectation(a.expect);
   const Diagnosis dg = diagnose(q, k, v, m.options, d);
   if (plot) {
-    viz::write_png(*plot, render_diagnosis(dg, d));
+    sr::write_png(*plot, render_diagnosis(dg, d));
     plot->commit();
   }
   if (a.json) std::cout << diagnosis_to_json(dg, 2) << "\n";

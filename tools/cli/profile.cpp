@@ -8,6 +8,7 @@
 #include "io/writers.hpp"
 #include "sattn/error.hpp"
 #include "sattn/profile.hpp"
+#include "sr/png_writer.hpp"
 #include "viz/viz.hpp"
 
 namespace sattn::cli {
@@ -15,7 +16,7 @@ namespace sattn::cli {
 // Writes the plots of `points` into `out`: PNG when its name ends in .png, else SVG text.
 void write_profile_plot(io::OutputFile& out, const std::vector<ProfilePoint>& points) {
   const auto specs = profile_plot_specs(points);
-  if (out.path().ends_with(".png")) viz::write_png(out, viz::render_plots_png(specs));
+  if (out.path().ends_with(".png")) sr::write_png(out, viz::render_plots_png(specs));
   else out.write(viz::render_plots_svg(specs));
 }
 

@@ -66,7 +66,7 @@ void run_report(ReportArgs a) {
   viz::HeatmapStyle style;
   style.plot_side = 160;
   style.title = "attention weights (grey: masked)";
-  const viz::Image grid = viz::render_heatmap_grid(maps.maps, titles, int(std::min<int64_t>(maps.heads, 4)), style);
+  const sr::Image grid = viz::render_heatmap_grid(maps.maps, titles, int(std::min<int64_t>(maps.heads, 4)), style);
   const int64_t qi = a.query >= 0 ? a.query : maps.len_q - 1;
   check(qi < maps.len_q, ErrorKind::kInvalidArgument, "--query: expected an index in [0, Lq = ", maps.len_q, "), got ",
         qi);
@@ -79,8 +79,7 @@ void run_report(ReportArgs a) {
     }
   viz::HeatmapStyle fstyle;
   fstyle.plot_side = 320;
-  const viz::Image focus =
-      viz::render_query_focus(rows, labels, "keys attended by query " + std::to_string(qi), fstyle);
+  const sr::Image focus = viz::render_query_focus(rows, labels, "keys attended by query " + std::to_string(qi), fstyle);
 
   std::ostringstream h;
   h << "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>sattn report</title>\n"

@@ -15,6 +15,7 @@
 #include "sattn/patterns.hpp"
 #include "sattn/safetensors.hpp"
 #include "sattn/sparse.hpp"
+#include "sr/png_writer.hpp"
 #include "viz/viz.hpp"
 
 namespace sattn::cli {
@@ -61,8 +62,8 @@ double mask_at(const TensorView& m, int64_t b, int64_t h, int64_t i, int64_t j) 
 
 // What --pattern adds to a viz run: the pattern's own pictures and the attn_mask the maps are computed under.
 struct PatternPictures {
-  std::vector<std::pair<std::string, viz::Image>> images;  // file name, picture
-  Tensor attn_mask;                                        // [B, Hq, Lq, Lk]: bool, or additive if --mask is float
+  std::vector<std::pair<std::string, sr::Image>> images;  // file name, picture
+  Tensor attn_mask;                                       // [B, Hq, Lq, Lk]: bool, or additive if --mask is float
 };
 
 PatternPictures pattern_pictures(const std::string& spec, const Tensor& q, const Tensor& k, const LoadedMasks& m,
@@ -246,11 +247,11 @@ void run_viz(const VizArgs& a) {
     maps = viz::attention_maps(q, k, m.options);
   }
   std::vector<std::string> written;
-  auto save = [&](const std::string& name, const viz::Image& img) {
+  auto save = [&](const std::string& name, const sr::Image& img) {
     const std::string path = (std::filesystem::path(a.out) / name).string();
     if (std::find(written.begin(), written.end(), path) != written.end()) return;  // a --query given twice
     io::OutputFile& f = path == heads_path ? heads_file : outputs.add(path, "--out");
-    viz::write_png(f, img);
+    sr::write_png(f, img);
     f.close();  // one open file at a time; the renames wait for commit()
     written.push_back(path);
   };

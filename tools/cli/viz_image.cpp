@@ -20,6 +20,7 @@
 #include "io/writers.hpp"
 #include "sattn/error.hpp"
 #include "sattn/sr.hpp"
+#include "sr/png_writer.hpp"
 #include "viz/viz.hpp"
 
 namespace sattn::cli {
@@ -65,29 +66,30 @@ int64_t parse_block(const std::string& text, const std::vector<sr::BlockGeometry
 
 std::string block_name(const sr::BlockGeometry& g) { return std::to_string(g.group) + "." + std::to_string(g.index); }
 
-// The padded LR picture (reflect bottom/right, edge not repeated, as the model pads) as a viz image.
-viz::Image padded_picture(const sr::Image& im, int64_t H, int64_t W) {
-  viz::Image out{int(W), int(H)};
+// The padded LR picture (reflect bottom/right, edge not repeated, as the model pads) of an RGB image.
+sr::Image padded_picture(const sr::Image& im, int64_t H, int64_t W) {
+  sr::Image out(H, W, 3);
   const int64_t h = im.height, w = im.width;
   for (int64_t i = 0; i < H; ++i)
     for (int64_t j = 0; j < W; ++j) {
       const int64_t si = i < h ? i : 2 * (h - 1) - i, sj = j < w ? j : 2 * (w - 1) - j;
-      out.set(int(j), int(i), viz::Rgb{im.at(si, sj, 0), im.at(si, sj, 1), im.at(si, sj, 2)});
+      for (int64_t c = 0; c < 3; ++c) out.at(i, j, c) = im.at(si, sj, c);
     }
   return out;
 }
 
-viz::Image crop_image(const viz::Image& im, int x0, int y0, int w, int h) {
-  viz::Image out(w, h);
+// The h x w part of an RGB image with its top-left at (x0, y0); white where it is outside the image.
+sr::Image crop_image(const sr::Image& im, int x0, int y0, int w, int h) {
+  sr::Image out = viz::canvas(h, w);
   for (int y = 0; y < h; ++y)
-    for (int x = 0; x < w; ++x) out.set(x, y, im.get(x0 + x, y0 + y));
+    for (int x = 0; x < w; ++x) viz::set_pixel(out, x, y, viz::pixel(im, x0 + x, y0 + y));
   return out;
 }
 
 // Dark lines between neighbouring LR pixels (of the region [x0, x0+w) x [y0, y0+h)) whose labels differ, drawn on
 // the picture magnified by f.
 template <typename Label>
-void draw_edges(viz::Image& img, int x0, int y0, int w, int h, int f, Label label, viz::Rgb c, double alpha) {
+void draw_edges(sr::Image& img, int x0, int y0, int w, int h, int f, Label label, viz::Rgb c, double alpha) {
   for (int y = 0; y < h; ++y)
     for (int x = 0; x < w; ++x) {
       const auto here = label(x0 + x, y0 + y);
@@ -98,14 +100,15 @@ void draw_edges(viz::Image& img, int x0, int y0, int w, int h, int f, Label labe
     }
 }
 
-void blend_cell(viz::Image& img, int x, int y, int f, viz::Rgb c, double alpha) {
+void blend_cell(sr::Image& img, int x, int y, int f, viz::Rgb c, double alpha) {
   for (int dy = 0; dy < f; ++dy)
     for (int dx = 0; dx < f; ++dx) viz::blend_pixel(img, x * f + dx, y * f + dy, c, alpha);
 }
 
-void mark_query(viz::Image& img, int x, int y, int f) {
+void mark_query(sr::Image& img, int x, int y, int f) {
   const int m = std::max(2, f / 2);
-  for (int k = 0; k < 2; ++k) img.draw_rect(x * f - m + k, y * f - m + k, f + 2 * (m - k), f + 2 * (m - k), kQueryMark);
+  for (int k = 0; k < 2; ++k)
+    viz::draw_rect(img, x * f - m + k, y * f - m + k, f + 2 * (m - k), f + 2 * (m - k), kQueryMark);
 }
 
 // "embedded:/a/b/w.safetensors" -> "embedded:w.safetensors" (the pictures should not show build paths)
@@ -140,11 +143,7 @@ sr::Image read_cropped_image(const VizImageArgs& a) {
     check(x0 >= 0 && y0 >= 0 && cw > 0 && ch > 0 && x0 + cw <= im.width && y0 + ch <= im.height,
           ErrorKind::kInvalidArgument, "--crop: expected X,Y,W,H inside the ", im.width, "x", im.height,
           " image with W, H > 0, given ", x0, ",", y0, ",", cw, ",", ch);
-    sr::Image c(ch, cw, 3);
-    for (int64_t y = 0; y < ch; ++y)
-      for (int64_t x = 0; x < cw; ++x)
-        for (int64_t k = 0; k < 3; ++k) c.at(y, x, k) = im.at(y0 + y, x0 + x, k);
-    im = std::move(c);
+    im = crop_image(im, int(x0), int(y0), int(cw), int(ch));
   }
   check(im.width * im.height <= a.max_pixels, ErrorKind::kInvalidArgument, "--image '", a.image, "': ", im.width, "x",
         im.height, " = ", im.width * im.height, " pixels is over --max-pixels ", a.max_pixels,
@@ -245,7 +244,7 @@ void run_probed_forward(ProbedRun& r) {
                              : "not routed, gate " + fixed(r.probe.gate) + ": weights as if it were";
 }
 
-using Save = std::function<void(const std::string&, viz::Image)>;
+using Save = std::function<void(const std::string&, sr::Image)>;
 
 // 1. per-head maps of the window's L x L attention, and the grid
 void draw_head_maps(const ProbedRun& r, const Save& save) {
@@ -280,7 +279,7 @@ void draw_head_maps(const ProbedRun& r, const Save& save) {
 }
 
 // 2. query focus over the picture: the query pixel's weights on the window's pixels
-void draw_focus(const ProbedRun& r, const viz::Image& padded, const Save& save) {
+void draw_focus(const ProbedRun& r, const sr::Image& padded, const Save& save) {
   const VizImageArgs& a = r.a;
   const sr::BlockGeometry& bg = r.bg();
   const sr::AttentionProbe& probe = r.probe;
@@ -303,7 +302,7 @@ void draw_focus(const ProbedRun& r, const viz::Image& padded, const Save& save) 
   }
   const int cw = int(x1 - x0 + 1), ch = int(y1 - y0 + 1);
   const int f = std::clamp((a.side > 0 ? a.side : 256) / std::max(cw, ch), 1, 32);
-  const viz::Image crop = crop_image(padded, int(x0), int(y0), cw, ch);
+  const sr::Image crop = crop_image(padded, int(x0), int(y0), cw, ch);
   auto in_window = [&](int x, int y) { return bg.window_of(y, x) == probe.window; };
   // colour scale from the smallest to the largest weight of the query's row (over heads): windows of flat
   // content attend almost uniformly, and a 0-based scale would hide their structure
@@ -315,15 +314,15 @@ void draw_focus(const ProbedRun& r, const viz::Image& padded, const Save& save) 
         vmin = std::min(vmin, double(wts[(hh * L + q_token) * L + l]));
       }
   vmax = std::max(vmax, vmin + 1e-12);
-  std::vector<viz::Image> panels;
+  std::vector<sr::Image> panels;
   std::vector<std::string> caps;
-  viz::Image input = viz::magnify(crop, f);
+  sr::Image input = viz::magnify(crop, f);
   draw_edges(input, int(x0), int(y0), cw, ch, f, in_window, viz::kWhite, 0.9);
   mark_query(input, int(qx - x0), int(qy - y0), f);
   panels.push_back(std::move(input));
   caps.push_back("input");
   for (int64_t hh = 0; hh < heads; ++hh) {
-    viz::Image p = viz::magnify(viz::faded_gray(crop, 0.45), f);
+    sr::Image p = viz::magnify(viz::faded_gray(crop, 0.45), f);
     for (int64_t l = 0; l < L; ++l) {
       if (!allowed[q_token * L + l]) continue;
       int64_t y = 0, x = 0;
@@ -349,18 +348,18 @@ void draw_focus(const ProbedRun& r, const viz::Image& padded, const Save& save) 
 
 // 3. routing map: every block's windows over the picture, coloured by gate where routed, grey where skipped; the
 // per-block routing goes to js["blocks"]
-void draw_routing(const ProbedRun& r, const viz::Image& padded, nlohmann::json& js, const Save& save) {
+void draw_routing(const ProbedRun& r, const sr::Image& padded, nlohmann::json& js, const Save& save) {
   const VizImageArgs& a = r.a;
   const int64_t h = r.h, w = r.w;
   const std::vector<uint8_t>& routed = r.routed;
   const std::vector<float>& gates = r.gates;
   const int f = std::clamp((a.side > 0 ? a.side : 192) / int(std::max(h, w)), 1, 16);
-  const viz::Image real = crop_image(padded, 0, 0, int(w), int(h));
-  std::vector<viz::Image> panels{viz::magnify(real, f)};
+  const sr::Image real = crop_image(padded, 0, 0, int(w), int(h));
+  std::vector<sr::Image> panels{viz::magnify(real, f)};
   std::vector<std::string> caps{"input"};
   js["blocks"] = nlohmann::json::array();
   for (const sr::BlockGeometry& g : r.geo) {
-    viz::Image p = viz::magnify(viz::faded_gray(real, 0.3), f);
+    sr::Image p = viz::magnify(viz::faded_gray(real, 0.3), f);
     int64_t n_routed = 0;
     for (int64_t n = 0; n < g.num_windows(); ++n) n_routed += routed[size_t(g.offset + n)];
     for (int y = 0; y < int(h); ++y)
@@ -433,12 +432,10 @@ VizImagePictures render_viz_image(const VizImageArgs& a) {
   run_probed_forward(r);
 
   VizImagePictures result;
-  const Save save = [&](const std::string& name, viz::Image img) {
-    result.pictures.emplace_back(name, std::move(img));
-  };
+  const Save save = [&](const std::string& name, sr::Image img) { result.pictures.emplace_back(name, std::move(img)); };
   r.cmap = viz::parse_colormap(a.cmap);
   draw_head_maps(r, save);
-  const viz::Image padded = padded_picture(im, r.H, r.W);
+  const sr::Image padded = padded_picture(im, r.H, r.W);
   draw_focus(r, padded, save);
   nlohmann::json js;
   draw_routing(r, padded, js, save);
@@ -456,7 +453,7 @@ void run_viz_image(const VizImageArgs& a) {
   for (const auto& [name, img] : r.pictures) {
     const std::string path = (fs::path(a.out) / name).string();
     io::OutputFile& f = outputs.add(path, "--out");
-    viz::write_png(f, img);
+    sr::write_png(f, img);
     f.close();  // one open file at a time; the renames wait for commit()
     written.push_back(path);
   }

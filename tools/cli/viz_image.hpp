@@ -22,9 +22,9 @@ struct VizImageArgs {
 };
 
 struct VizImagePictures {
-  std::vector<std::pair<std::string, viz::Image>> pictures;  // file name, picture
-  std::string json;                                          // routing.json
-  std::string summary;                                       // one line for a report
+  std::vector<std::pair<std::string, sr::Image>> pictures;  // file name, picture
+  std::string json;                                         // routing.json
+  std::string summary;                                      // one line for a report
 };
 // The pictures without writing them (args.out unused); `sattn report --image` embeds them.
 VizImagePictures render_viz_image(const VizImageArgs& args);
