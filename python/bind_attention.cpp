@@ -62,7 +62,7 @@ pyb::tuple forward(const pyb::object& q_obj, const pyb::object& k_obj, const pyb
     // The same limit as the reference kernel's, checked before numpy allocates.
     const double bytes = p.score_matrix_bytes(dtype_size(dt)), limit = double(memory_limit_bytes(o.memory_limit_bytes));
     check(bytes <= limit, ErrorKind::kOutOfMemory,
-          "attention weights: [B, Hq, Lq, Lk] = ", shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}), " needs ",
+          "attention weights: [B, Hq, Lq, Lk] = ", shape_text({p.batch, p.heads_q, p.len_q, p.len_k}), " needs ",
           bytes / (1 << 20), " MiB, over the memory limit of ", limit / (1 << 20),
           " MiB (default: half of physical memory)");
     weights = new_array(dt, {p.batch, p.heads_q, p.len_q, p.len_k}, &outs.weights);

@@ -34,8 +34,7 @@ pyb::object varlen(const pyb::object& q, const pyb::object& k, const pyb::object
   const TensorView qv = view_of(q, "q", keep), kv = view_of(k, "k", keep), vv = view_of(v, "v", keep);
   const TensorView cq = view_of(cu_q, "cu_seqlens_q", keep), ck = view_of(cu_k, "cu_seqlens_k", keep);
   check(qv.dim() == 3 && vv.dim() == 3, ErrorKind::kInvalidArgument,
-        "q/v: expected 3-D arrays [total, H, D], got shapes ", shape_to_string(qv.shape), " and ",
-        shape_to_string(vv.shape));
+        "q/v: expected 3-D arrays [total, H, D], got shapes ", shape_text(qv.shape), " and ", shape_text(vv.shape));
   TensorView ov, lv;
   pyb::array out = new_array(qv.dtype, {qv.shape[0], qv.shape[1], vv.shape[2]}, &ov);
   pyb::array lse = new_array(stats_dtype(qv), {qv.shape[1], qv.shape[0]}, &lv);

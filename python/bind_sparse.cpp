@@ -109,8 +109,8 @@ pybind11::object sparse_attention_py(const pybind11::array& q, const pybind11::a
   ArrayKeeper keeper;
   const TensorView qv = view_of(q, "query", keeper), kv = view_of(k, "key", keeper), vv = view_of(v, "value", keeper);
   check(qv.dim() == 4 && vv.dim() == 4, ErrorKind::kInvalidArgument,
-        "query/value: expected 4-D arrays [B, H, L, D], got query ", shape_to_string(qv.shape), " and value ",
-        shape_to_string(vv.shape));
+        "query/value: expected 4-D arrays [B, H, L, D], got query ", shape_text(qv.shape), " and value ",
+        shape_text(vv.shape));
   CallOptions c =
       make_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias, num_threads);
   TensorView ov, lv;

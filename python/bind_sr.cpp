@@ -33,9 +33,8 @@ sr::Image image_from_numpy(const pyb::object& obj, const char* name) {
   const TensorView& v = nv.view;
   const bool gray = v.dim() == 2 || (v.dim() == 3 && v.shape[2] == 1);
   check(gray || (v.dim() == 3 && v.shape[2] == 3), ErrorKind::kInvalidArgument, name,
-        ": expected shape [H, W, 3] (RGB) or [H, W] (gray), given ", shape_to_string(v.shape));
-  check(v.shape[0] > 0 && v.shape[1] > 0, ErrorKind::kInvalidArgument, name, ": empty image ",
-        shape_to_string(v.shape));
+        ": expected shape [H, W, 3] (RGB) or [H, W] (gray), given ", shape_text(v.shape));
+  check(v.shape[0] > 0 && v.shape[1] > 0, ErrorKind::kInvalidArgument, name, ": empty image ", shape_text(v.shape));
   const int64_t h = v.shape[0], w = v.shape[1];
   sr::Image im(h, w, 3);
   const auto* p = static_cast<const uint8_t*>(v.data);
@@ -110,7 +109,7 @@ pyb::object forward_py(const sr::SrModel& m, const pyb::object& x, const std::st
   check(xv.dtype == DType::kF32, ErrorKind::kTypeError, "x: expected float32 [3, h, w] in [0, 1], given ",
         to_string(xv.dtype));
   check(xv.dim() == 3 && xv.size(0) == 3, ErrorKind::kInvalidArgument, "x: expected shape [3, h, w], given ",
-        shape_to_string(xv.shape));
+        shape_text(xv.shape));
   const Tensor xt = Tensor::from_view(xv);
   sr::UpscaleOptions o = options(attention, num_threads);
   std::vector<uint8_t> rin, rout;
@@ -119,7 +118,7 @@ pyb::object forward_py(const sr::SrModel& m, const pyb::object& x, const std::st
     const TensorView rv = view_of(routing_in, "routing_in", keeper);
     check(rv.dim() == 1 && (rv.dtype == DType::kU8 || rv.dtype == DType::kBool), ErrorKind::kInvalidArgument,
           "routing_in: expected a 1-D uint8 or bool array (one value per window), given ", to_string(rv.dtype), " ",
-          shape_to_string(rv.shape));
+          shape_text(rv.shape));
     const Tensor r = Tensor::from_view(rv);
     const auto* rp = static_cast<const uint8_t*>(r.data());  // uint8 or bool: one byte per window
     rin.assign(rp, rp + r.numel());

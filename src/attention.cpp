@@ -106,8 +106,8 @@ void scaled_dot_product_attention_backward(const TensorView& dout, const TensorV
   p.backward = true;
   const Shape out_shape = {p.batch, p.heads_q, p.len_q, p.head_dim_v};
   check_view(dout, "dout");
-  check(dout.shape == out_shape, ErrorKind::kInvalidArgument, "dout: expected shape ", shape_to_string(out_shape),
-        ", got ", shape_to_string(dout.shape));
+  check(dout.shape == out_shape, ErrorKind::kInvalidArgument, "dout: expected shape ", shape_text(out_shape), ", got ",
+        shape_text(dout.shape));
   check(is_floating(dout.dtype), ErrorKind::kTypeError, "dout: expected a float tensor, got ", to_string(dout.dtype));
   check(grads.dq.data && grads.dk.data && grads.dv.data, ErrorKind::kInvalidArgument,
         "dq/dk/dv: all three are required");
@@ -144,7 +144,7 @@ AttentionResult attention(const TensorView& q, const TensorView& k, const Tensor
     const double bytes = p.score_matrix_bytes(dtype_size(out_dtype));
     const double limit = double(memory_limit_bytes(options.memory_limit_bytes));
     check(bytes <= limit, ErrorKind::kOutOfMemory,
-          "weights: the attention weights [B, Hq, Lq, Lk] = ", shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}),
+          "weights: the attention weights [B, Hq, Lq, Lk] = ", shape_text({p.batch, p.heads_q, p.len_q, p.len_k}),
           " need ", bytes / (1 << 20), " MiB, over the memory limit of ", limit / (1 << 20),
           " MiB (AttentionOptions::memory_limit_bytes; default half of physical memory)");
     r.weights = Tensor(out_dtype, {p.batch, p.heads_q, p.len_q, p.len_k});

@@ -32,23 +32,22 @@ void merge_attention_partials(const std::vector<TensorView>& outs, const std::ve
   check(outs.size() == lses.size(), ErrorKind::kInvalidArgument, "lses: expected one lse per partial output (",
         outs.size(), "), got ", lses.size());
   const Shape& oshape = outs[0].shape;
-  check(oshape.size() >= 1, ErrorKind::kInvalidArgument, "outs[0]: expected shape [..., Dv], got ",
-        shape_to_string(oshape));
+  check(oshape.size() >= 1, ErrorKind::kInvalidArgument, "outs[0]: expected shape [..., Dv], got ", shape_text(oshape));
   const Shape lshape(oshape.begin(), oshape.end() - 1);
   for (size_t c = 0; c < outs.size(); ++c) {
     check_float(outs[c], "outs");
     check_float(lses[c], "lses");
-    check(outs[c].shape == oshape, ErrorKind::kInvalidArgument, "outs[", c, "]: expected shape ",
-          shape_to_string(oshape), " (that of outs[0]), got ", shape_to_string(outs[c].shape));
-    check(lses[c].shape == lshape, ErrorKind::kInvalidArgument, "lses[", c, "]: expected shape ",
-          shape_to_string(lshape), " (outs[0] without its last dimension), got ", shape_to_string(lses[c].shape));
+    check(outs[c].shape == oshape, ErrorKind::kInvalidArgument, "outs[", c, "]: expected shape ", shape_text(oshape),
+          " (that of outs[0]), got ", shape_text(outs[c].shape));
+    check(lses[c].shape == lshape, ErrorKind::kInvalidArgument, "lses[", c, "]: expected shape ", shape_text(lshape),
+          " (outs[0] without its last dimension), got ", shape_text(lses[c].shape));
   }
   check_float(out, "out");
   check_float(lse, "lse");
-  check(out.shape == oshape, ErrorKind::kInvalidArgument, "out: expected shape ", shape_to_string(oshape), ", got ",
-        shape_to_string(out.shape));
-  check(lse.shape == lshape, ErrorKind::kInvalidArgument, "lse: expected shape ", shape_to_string(lshape), ", got ",
-        shape_to_string(lse.shape));
+  check(out.shape == oshape, ErrorKind::kInvalidArgument, "out: expected shape ", shape_text(oshape), ", got ",
+        shape_text(out.shape));
+  check(lse.shape == lshape, ErrorKind::kInvalidArgument, "lse: expected shape ", shape_text(lshape), ", got ",
+        shape_text(lse.shape));
   if (numel(oshape) == 0) return;
   const int64_t Dv = oshape.back();
   const size_t C = outs.size();

@@ -16,7 +16,7 @@ std::vector<int64_t> read_cu(const TensorView& cu, const char* name, int64_t tot
   check(cu.dtype == DType::kI32 || cu.dtype == DType::kI64, ErrorKind::kTypeError, name,
         ": expected int32 or int64, got ", to_string(cu.dtype));
   check(cu.dim() == 1 && cu.shape[0] >= 2, ErrorKind::kInvalidArgument, name,
-        ": expected a 1-D array [num_sequences + 1] with at least 2 entries, got shape ", shape_to_string(cu.shape));
+        ": expected a 1-D array [num_sequences + 1] with at least 2 entries, got shape ", shape_text(cu.shape));
   std::vector<int64_t> v(static_cast<size_t>(cu.shape[0]));
   for (int64_t s = 0; s < cu.shape[0]; ++s) v[size_t(s)] = int64_t(cu.get({s}));
   check(v[0] == 0, ErrorKind::kInvalidArgument, name, "[0]: expected 0, got ", v[0]);
@@ -35,7 +35,7 @@ std::vector<int64_t> read_cu(const TensorView& cu, const char* name, int64_t tot
 void check_packed(const TensorView& t, const char* name, const char* layout) {
   check(t.data != nullptr, ErrorKind::kInvalidArgument, name, ": required");
   check(t.dim() == 3, ErrorKind::kInvalidArgument, name, ": expected a 3-D tensor ", layout, ", got shape ",
-        shape_to_string(t.shape));
+        shape_text(t.shape));
   check(t.strides.size() == 3, ErrorKind::kInvalidArgument, name, ": strides do not match the shape");
 }
 
@@ -77,8 +77,8 @@ Layout validate(const TensorView& q, const TensorView& k, const TensorView& v, c
   check_packed(k, "key", "[total_k, Hkv, D]");
   check_packed(v, "value", "[total_k, Hkv, Dv]");
   check(k.shape[0] == v.shape[0] && k.shape[1] == v.shape[1], ErrorKind::kInvalidArgument,
-        "value: expected [total_k, Hkv, Dv] with total_k and Hkv of key ", shape_to_string(k.shape), ", got ",
-        shape_to_string(v.shape));
+        "value: expected [total_k, Hkv, Dv] with total_k and Hkv of key ", shape_text(k.shape), ", got ",
+        shape_text(v.shape));
   check(max_q >= 0 && max_k >= 0, ErrorKind::kInvalidArgument, "max_seqlen_q/max_seqlen_k: expected >= 0, got ", max_q,
         " and ", max_k);
   Layout l{read_cu(cu_q, "cu_seqlens_q", q.shape[0], max_q, "max_seqlen_q"),
@@ -96,11 +96,11 @@ void flash_attn_varlen(const TensorView& q, const TensorView& k, const TensorVie
   const Layout l = validate(q, k, v, cu_q, cu_k, max_q, max_k);
   check_packed(out, "out", "[total_q, Hq, Dv]");
   check(out.shape == Shape{q.shape[0], q.shape[1], v.shape[2]}, ErrorKind::kInvalidArgument, "out: expected shape ",
-        shape_to_string({q.shape[0], q.shape[1], v.shape[2]}), ", got ", shape_to_string(out.shape));
+        shape_text({q.shape[0], q.shape[1], v.shape[2]}), ", got ", shape_text(out.shape));
   if (lse.data)
     check(lse.dim() == 2 && lse.shape == Shape{q.shape[1], q.shape[0]}, ErrorKind::kInvalidArgument,
-          "lse: expected shape [Hq, total_q] = ", shape_to_string({q.shape[1], q.shape[0]}), ", got ",
-          shape_to_string(lse.shape));
+          "lse: expected shape [Hq, total_q] = ", shape_text({q.shape[1], q.shape[0]}), ", got ",
+          shape_text(lse.shape));
   const AttentionOptions o = to_options(options);
   for (size_t s = 0; s + 1 < l.cq.size(); ++s) {
     const int64_t q0 = l.cq[s], q1 = l.cq[s + 1], k0 = l.ck[s], k1 = l.ck[s + 1];
@@ -132,8 +132,8 @@ void flash_attn_varlen_backward(const TensorView& dout, const TensorView& q, con
   check_packed(dout, "dout", "[total_q, Hq, Dv]");
   check_packed(out, "out", "[total_q, Hq, Dv]");
   check(lse.data != nullptr && lse.dim() == 2 && lse.shape == Shape{q.shape[1], q.shape[0]},
-        ErrorKind::kInvalidArgument, "lse: expected shape [Hq, total_q] = ", shape_to_string({q.shape[1], q.shape[0]}),
-        ", got ", shape_to_string(lse.shape));
+        ErrorKind::kInvalidArgument, "lse: expected shape [Hq, total_q] = ", shape_text({q.shape[1], q.shape[0]}),
+        ", got ", shape_text(lse.shape));
   check_packed(dq, "dq", "[total_q, Hq, D]");
   check_packed(dk, "dk", "[total_k, Hkv, D]");
   check_packed(dv, "dv", "[total_k, Hkv, Dv]");

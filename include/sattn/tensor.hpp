@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <iosfwd>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,6 +24,13 @@ bool is_floating(DType dtype);
 
 using Shape = std::vector<int64_t>;
 std::string shape_to_string(const Shape& shape);
+// A shape in an error message ("[2, 3]"), written only when check/fail builds the message: check() evaluates its
+// arguments whether or not the check fails, so it takes shape_text(s) rather than shape_to_string(s).
+struct ShapeText {
+  const Shape& shape;
+};
+inline ShapeText shape_text(const Shape& shape) { return {shape}; }
+std::ostream& operator<<(std::ostream& os, const ShapeText& text);
 
 // Row-major (C-order) strides for `shape`.
 Shape contiguous_strides(const Shape& shape);

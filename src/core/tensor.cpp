@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #endif
 #include <limits>
+#include <ostream>
 
 namespace sattn {
 
@@ -61,6 +62,12 @@ std::string shape_to_string(const Shape& shape) {
     s += std::to_string(shape[i]);
   }
   return s + "]";
+}
+
+std::ostream& operator<<(std::ostream& os, const ShapeText& text) {
+  os << '[';
+  for (size_t i = 0; i < text.shape.size(); ++i) os << (i ? ", " : "") << text.shape[i];
+  return os << ']';
 }
 
 Shape contiguous_strides(const Shape& shape) {
@@ -223,17 +230,17 @@ Tensor::Tensor(DType dtype, Shape shape) : dtype_(dtype), shape_(std::move(shape
   // Sizes multiplied with an overflow check: a shape read from a file must give an error, not a wrapped size.
   uint64_t elems = 1, bytes64 = 0;
   for (int64_t d : shape_) {
-    check(d >= 0, ErrorKind::kInvalidArgument, "Tensor: negative dimension in shape ", shape_to_string(shape_));
+    check(d >= 0, ErrorKind::kInvalidArgument, "Tensor: negative dimension in shape ", shape_text(shape_));
     check(!__builtin_mul_overflow(elems, uint64_t(d), &elems), ErrorKind::kOutOfMemory, "Tensor: shape ",
-          shape_to_string(shape_), " has more than 2^64 elements");
+          shape_text(shape_), " has more than 2^64 elements");
   }
   check(!__builtin_mul_overflow(elems, uint64_t(dtype_size(dtype)), &bytes64) && bytes64 < (uint64_t(1) << 62),
-        ErrorKind::kOutOfMemory, "Tensor: cannot allocate ", to_string(dtype), shape_to_string(shape_),
+        ErrorKind::kOutOfMemory, "Tensor: cannot allocate ", to_string(dtype), shape_text(shape_),
         " (the size overflows)");
   const size_t bytes = nbytes();
   buffer_ = allocate_zeroed(bytes);
   check(buffer_ != nullptr, ErrorKind::kOutOfMemory, "Tensor: cannot allocate ", bytes, " bytes for ", to_string(dtype),
-        shape_to_string(shape_));
+        shape_text(shape_));
 }
 
 namespace {
@@ -273,7 +280,7 @@ Tensor Tensor::to(DType dtype) const {
 
 Tensor Tensor::reshape(Shape shape) const {
   check(sattn::numel(shape) == numel(), ErrorKind::kInvalidArgument, "Tensor::reshape: cannot reshape ",
-        shape_to_string(shape_), " to ", shape_to_string(shape));
+        shape_text(shape_), " to ", shape_text(shape));
   Tensor t = *this;
   t.shape_ = std::move(shape);
   return t;

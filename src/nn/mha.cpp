@@ -82,10 +82,10 @@ bool is_float_dtype(DType t) { return t == DType::kF32 || t == DType::kF64; }
 
 void check_mask_view(const TensorView& m, const char* name) {
   check(m.strides.size() == m.shape.size(), ErrorKind::kInvalidArgument, name, ": ", m.strides.size(),
-        " strides for shape ", shape_to_string(m.shape));
+        " strides for shape ", shape_text(m.shape));
   for (int64_t s : m.strides)
     check(s >= 0, ErrorKind::kInvalidArgument, name, ": negative strides are not supported, got strides ",
-          shape_to_string(m.strides));
+          shape_text(m.strides));
 }
 
 // A dense copy of `m` (bool masks become 0/1 bytes; float masks have the query's dtype, checked by forward).
@@ -439,7 +439,7 @@ void MultiheadAttention::load_state_dict(const std::map<std::string, TensorView>
   for (const auto& [name, shape] : expected) {
     const TensorView& t = tensors.at(name);
     check(t.shape == shape, ErrorKind::kInvalidArgument, "MultiheadAttention.load_state_dict: '", name,
-          "': expected shape ", shape_to_string(shape), ", got ", shape_to_string(t.shape));
+          "': expected shape ", shape_text(shape), ", got ", shape_text(t.shape));
     check(is_floating(t.dtype), ErrorKind::kTypeError, "MultiheadAttention.load_state_dict: '", name,
           "': expected a floating-point tensor, got ", to_string(t.dtype));
     check(t.data != nullptr || t.numel() == 0, ErrorKind::kInvalidArgument, "MultiheadAttention.load_state_dict: '",
@@ -483,12 +483,12 @@ std::pair<Tensor, std::optional<Tensor>> MultiheadAttention::forward(const Tenso
   }
   check(query.dim() == 2 || query.dim() == 3, ErrorKind::kInvalidArgument, "query: expected a 3-D tensor ",
         batch_first_ ? "[N, L, E]" : "[L, N, E]", " or a 2-D unbatched tensor [L, E], got shape ",
-        shape_to_string(query.shape));
+        shape_text(query.shape));
   const bool batched = query.dim() == 3;
   const char* layout_kv = !batched ? "[S, E]" : batch_first_ ? "[N, S, E]" : "[S, N, E]";
   check(key.dim() == query.dim() && value.dim() == query.dim(), ErrorKind::kInvalidArgument, "key/value: expected ",
-        query.dim(), "-D tensors ", layout_kv, " like query ", shape_to_string(query.shape), ", got key ",
-        shape_to_string(key.shape), " and value ", shape_to_string(value.shape));
+        query.dim(), "-D tensors ", layout_kv, " like query ", shape_text(query.shape), ", got key ",
+        shape_text(key.shape), " and value ", shape_text(value.shape));
   check(key.dtype == query.dtype && value.dtype == query.dtype, ErrorKind::kTypeError,
         "key/value: expected the dtype of query (", to_string(query.dtype), "), got key ", to_string(key.dtype),
         " and value ", to_string(value.dtype));
@@ -503,20 +503,20 @@ std::pair<Tensor, std::optional<Tensor>> MultiheadAttention::forward(const Tenso
   z.hd = embed_dim_ / num_heads_;
   z.Sp = z.S + (add_bias_kv_ ? 1 : 0) + (add_zero_attn_ ? 1 : 0);
   check(query.shape.back() == embed_dim_, ErrorKind::kInvalidArgument,
-        "query: expected last dimension embed_dim = ", embed_dim_, ", got shape ", shape_to_string(query.shape));
+        "query: expected last dimension embed_dim = ", embed_dim_, ", got shape ", shape_text(query.shape));
   check(key.shape.back() == kdim_, ErrorKind::kInvalidArgument, "key: expected last dimension kdim = ", kdim_,
-        ", got shape ", shape_to_string(key.shape));
+        ", got shape ", shape_text(key.shape));
   check(value.shape.back() == vdim_, ErrorKind::kInvalidArgument, "value: expected last dimension vdim = ", vdim_,
-        ", got shape ", shape_to_string(value.shape));
+        ", got shape ", shape_text(value.shape));
   if (batched) {
     check(key.shape[bd] == z.N && value.shape[bd] == z.N, ErrorKind::kInvalidArgument,
-          "key/value: expected batch size N = ", z.N, " (from query ", shape_to_string(query.shape), "), got key ",
-          shape_to_string(key.shape), " and value ", shape_to_string(value.shape));
+          "key/value: expected batch size N = ", z.N, " (from query ", shape_text(query.shape), "), got key ",
+          shape_text(key.shape), " and value ", shape_text(value.shape));
     check(value.shape[sd] == z.S, ErrorKind::kInvalidArgument, "value: expected source length S = ", z.S, " (from key ",
-          shape_to_string(key.shape), "), got ", shape_to_string(value.shape));
+          shape_text(key.shape), "), got ", shape_text(value.shape));
   } else {
     check(value.shape[0] == z.S, ErrorKind::kInvalidArgument, "value: expected source length S = ", z.S, " (from key ",
-          shape_to_string(key.shape), "), got ", shape_to_string(value.shape));
+          shape_text(key.shape), "), got ", shape_text(value.shape));
   }
   check(z.N > 0 && z.L > 0 && z.S > 0, ErrorKind::kInvalidArgument, "query/key: zero-size dimension (N = ", z.N,
         ", L = ", z.L, ", S = ", z.S, "); every size must be >= 1");
@@ -527,7 +527,7 @@ std::pair<Tensor, std::optional<Tensor>> MultiheadAttention::forward(const Tenso
     check_mask_dtype(m, "key_padding_mask", "True = padding", query.dtype);
     const Shape want = batched ? Shape{z.N, z.S} : Shape{z.S};
     check(m.shape == want, ErrorKind::kInvalidArgument, "key_padding_mask: expected shape ",
-          batched ? "[N, S] = " : "[S] = ", shape_to_string(want), ", got ", shape_to_string(m.shape));
+          batched ? "[N, S] = " : "[S] = ", shape_text(want), ", got ", shape_text(m.shape));
   }
   if (attn_mask.data) {
     const TensorView& m = attn_mask;
@@ -535,9 +535,9 @@ std::pair<Tensor, std::optional<Tensor>> MultiheadAttention::forward(const Tenso
     check_mask_dtype(m, "attn_mask", "True = may NOT attend", query.dtype);
     const Shape want2{z.L, z.S}, want3{z.N * z.H, z.L, z.S};
     check((m.dim() == 2 && m.shape == want2) || (m.dim() == 3 && m.shape == want3), ErrorKind::kInvalidArgument,
-          "attn_mask: expected a 2-D mask [L, S] = ", shape_to_string(want2), " or a 3-D mask ",
-          batched ? "[N*num_heads, L, S] = " : "[num_heads, L, S] = ", shape_to_string(want3), ", got shape ",
-          shape_to_string(m.shape));
+          "attn_mask: expected a 2-D mask [L, S] = ", shape_text(want2), " or a 3-D mask ",
+          batched ? "[N*num_heads, L, S] = " : "[num_heads, L, S] = ", shape_text(want3), ", got shape ",
+          shape_text(m.shape));
   }
   // is_causal: torch 2.x's hint that attn_mask is the causal mask ("Need attn_mask if specifying the is_causal
   // hint"). Checked here, because torch's result for a wrong hint depends on its execution path.

@@ -31,7 +31,7 @@ inline TensorView slice_batch(const TensorView& t, int64_t b) {
 inline void check_indices(const TensorView& t, const Shape& shape, const char* what) {
   check(t.dtype == DType::kI64, ErrorKind::kTypeError, "indices: expected int64, got ", to_string(t.dtype));
   check(t.shape == shape && t.strides.size() == shape.size(), ErrorKind::kInvalidArgument, "indices: expected ", what,
-        " ", shape_to_string(shape), ", got ", shape_to_string(t.shape));
+        " ", shape_text(shape), ", got ", shape_text(t.shape));
 }
 
 inline int64_t& idx_at(const TensorView& t, int64_t a, int64_t b, int64_t c, int64_t d) {

@@ -107,13 +107,13 @@ namespace {
 void check_input(const TensorView& t, const char* name, const char* layout) {
   check(t.data != nullptr, ErrorKind::kInvalidArgument, name, ": required");
   check(t.dim() == 4, ErrorKind::kInvalidArgument, name, ": expected a 4-D tensor ", layout, ", got shape ",
-        shape_to_string(t.shape));
+        shape_text(t.shape));
   check(t.strides.size() == 4, ErrorKind::kInvalidArgument, name, ": expected 4 strides, got ", t.strides.size());
   check(is_floating(t.dtype), ErrorKind::kTypeError, name, ": expected float32, float64, bfloat16 or float16, got ",
         to_string(t.dtype));
   for (int d = 0; d < 4; ++d) {
-    check(t.shape[d] > 0, ErrorKind::kInvalidArgument, name, ": zero-size dimension in shape ",
-          shape_to_string(t.shape), " (expected ", layout, ")");
+    check(t.shape[d] > 0, ErrorKind::kInvalidArgument, name, ": zero-size dimension in shape ", shape_text(t.shape),
+          " (expected ", layout, ")");
     check(t.strides[d] >= 0, ErrorKind::kInvalidArgument, name, ": negative strides are not supported");
   }
 }
@@ -160,8 +160,8 @@ void pack4(const TensorView& t, const std::vector<int32_t>& perm, FloatBuf& buf)
 }
 
 void check_output_view(const TensorView& t, const char* name, const Shape& expected) {
-  check(t.shape == expected, ErrorKind::kInvalidArgument, name, ": expected shape ", shape_to_string(expected),
-        ", got ", shape_to_string(t.shape));
+  check(t.shape == expected, ErrorKind::kInvalidArgument, name, ": expected shape ", shape_text(expected), ", got ",
+        shape_text(t.shape));
   check(t.strides.size() == t.shape.size(), ErrorKind::kInvalidArgument, name, ": strides do not match the shape");
   check(is_floating(t.dtype), ErrorKind::kTypeError, name, ": expected a float tensor, got ", to_string(t.dtype));
   for (size_t d = 0; d < t.shape.size(); ++d)
@@ -279,13 +279,13 @@ void pack_backward(Packed& p, const BlockMask& mask, const TensorView& dout, con
   check_input(out, "out", "[B, Hq, Lq, Dv]");
   const int64_t B = p.B(), Hq = p.Hq(), Lq = p.Lq(), Dv = p.Dv();
   const Shape os = {B, Hq, Lq, Dv};
-  check(dout.shape == os, ErrorKind::kInvalidArgument, "dout: expected shape ", shape_to_string(os), ", got ",
-        shape_to_string(dout.shape));
-  check(out.shape == os, ErrorKind::kInvalidArgument, "out: expected shape ", shape_to_string(os), ", got ",
-        shape_to_string(out.shape));
+  check(dout.shape == os, ErrorKind::kInvalidArgument, "dout: expected shape ", shape_text(os), ", got ",
+        shape_text(dout.shape));
+  check(out.shape == os, ErrorKind::kInvalidArgument, "out: expected shape ", shape_text(os), ", got ",
+        shape_text(out.shape));
   check(lse.data != nullptr, ErrorKind::kInvalidArgument, "lse: the forward log-sum-exp is required for the backward");
   check(lse.shape == Shape{B, Hq, Lq} && lse.strides.size() == 3, ErrorKind::kInvalidArgument, "lse: expected shape ",
-        shape_to_string({B, Hq, Lq}), ", got ", shape_to_string(lse.shape));
+        shape_text({B, Hq, Lq}), ", got ", shape_text(lse.shape));
   check(is_floating(lse.dtype), ErrorKind::kTypeError, "lse: expected a float tensor, got ", to_string(lse.dtype));
   pack4(dout, mask.q_perm, p.dout);
   p.lse.resize(size_t(B * Hq * Lq));

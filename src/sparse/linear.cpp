@@ -65,13 +65,13 @@ void store_rows(const TensorView& t, int64_t b, int64_t h, const float* r) {
 void check4(const TensorView& t, const char* name, const char* layout) {
   check(t.data != nullptr, ErrorKind::kInvalidArgument, name, ": required");
   check(t.dim() == 4 && t.strides.size() == 4, ErrorKind::kInvalidArgument, name, ": expected a 4-D tensor ", layout,
-        ", got shape ", shape_to_string(t.shape));
+        ", got shape ", shape_text(t.shape));
   check(is_floating(t.dtype), ErrorKind::kTypeError, name, ": expected a float tensor, got ", to_string(t.dtype));
   for (int d = 0; d < 4; ++d)
     check(t.shape[d] > 0 && t.strides[d] >= 0, ErrorKind::kInvalidArgument, name,
           ": zero-size dimension or negative "
           "stride in shape ",
-          shape_to_string(t.shape));
+          shape_text(t.shape));
 }
 
 // The call's problem plus linear attention's own fields: the feature map and its size F (favor+: the projection).
@@ -403,7 +403,7 @@ void linear_attention(const TensorView& q, const TensorView& k, const TensorView
   const Problem p = describe(q, k, v, o);
   check(out.data && out.shape == Shape({p.B(), p.Hq(), p.Lq(), p.Dv()}) && is_floating(out.dtype),
         ErrorKind::kInvalidArgument, "out: expected a float tensor of shape ",
-        shape_to_string({p.B(), p.Hq(), p.Lq(), p.Dv()}), ", got ", shape_to_string(out.shape));
+        shape_text({p.B(), p.Hq(), p.Lq(), p.Dv()}), ", got ", shape_text(out.shape));
   const int64_t group = p.group();
   parallel_for(p.B() * p.Hq(), p.threads, [&](int64_t bh) {
     const int64_t b = bh / p.Hq(), h = bh % p.Hq(), hk = h / group;
@@ -424,7 +424,7 @@ void linear_attention_backward(const TensorView& dout, const TensorView& q, cons
   const Problem p = describe(q, k, v, o);
   check4(dout, "dout", "[B, Hq, Lq, Dv]");
   check(dout.shape == Shape({p.B(), p.Hq(), p.Lq(), p.Dv()}), ErrorKind::kInvalidArgument, "dout: expected shape ",
-        shape_to_string({p.B(), p.Hq(), p.Lq(), p.Dv()}), ", got ", shape_to_string(dout.shape));
+        shape_text({p.B(), p.Hq(), p.Lq(), p.Dv()}), ", got ", shape_text(dout.shape));
   check(dq.data && dk.data && dv.data && dq.shape == q.shape && dk.shape == k.shape && dv.shape == v.shape,
         ErrorKind::kInvalidArgument, "dq/dk/dv: required, with the shapes of query, key and value");
   const int64_t F = p.F, Dv = p.Dv(), group = p.group();

@@ -381,13 +381,13 @@ BlockMask block_mask_from_dense(const TensorView& mask, int64_t block_q, int64_t
   check(mask.dtype == DType::kBool, ErrorKind::kTypeError, "mask: expected bool (True = may attend), got ",
         to_string(mask.dtype));
   check(mask.dim() == 2 || mask.dim() == 3, ErrorKind::kInvalidArgument, "mask: expected [Lq, Lk] or [H, Lq, Lk], got ",
-        shape_to_string(mask.shape));
+        shape_text(mask.shape));
   check(block_q >= 1 && block_k >= 1, ErrorKind::kInvalidArgument, "block: expected >= 1, got ", block_q, ", ",
         block_k);
   const int64_t off = mask.dim() - 2;
   const int64_t heads = mask.dim() == 3 ? mask.shape[0] : 1, lq = mask.shape[off], lk = mask.shape[off + 1];
   check(heads >= 1 && lq >= 1 && lk >= 1, ErrorKind::kInvalidArgument, "mask: zero-size dimension in ",
-        shape_to_string(mask.shape));
+        shape_text(mask.shape));
   check_len32(lq, "mask Lq");
   check_len32(lk, "mask Lk");
   const int64_t sh = mask.dim() == 3 ? mask.strides[0] : 0, si = mask.strides[off], sj = mask.strides[off + 1];

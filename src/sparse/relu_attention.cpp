@@ -190,7 +190,7 @@ void relu_mixed_forward(const AttentionProblem& problem, const AdaptiveNode& a, 
   if (!mixed) {
     const Shape out_shape = {B, Hq, Lq, problem.head_dim_v};
     check(out.data && out.dim() == 4 && out.shape == out_shape, ErrorKind::kInvalidArgument, "out: expected shape ",
-          shape_to_string(out_shape), ", got ", shape_to_string(out.shape));
+          shape_text(out_shape), ", got ", shape_text(out.shape));
     store4(out, o_relu);
     if (lse.data) {  // no softmax: report log(Z) (log of the row sum; -inf for an empty row)
       for (int64_t b = 0; b < B; ++b)
@@ -218,7 +218,7 @@ void relu_mixed_backward(const AttentionProblem& problem, const AdaptiveNode& a,
   detail::Packed p = detail::pack_inputs(problem, q, k, v, ident, o);
   detail::check_grads(p, q, k, v, g.dq, g.dk, g.dv);
   check(dout.data && dout.shape == Shape({p.B(), p.Hq(), p.Lq(), p.Dv()}), ErrorKind::kInvalidArgument,
-        "dout: expected shape ", shape_to_string({p.B(), p.Hq(), p.Lq(), p.Dv()}));
+        "dout: expected shape ", shape_text({p.B(), p.Hq(), p.Lq(), p.Dv()}));
   std::vector<float> dq(p.q.size(), 0.0f), dk(p.k.size(), 0.0f), dv(p.v.size(), 0.0f);
   const std::vector<float> d_out = dense4(dout);
   std::vector<float> o_relu, z;
@@ -240,7 +240,7 @@ void relu_mixed_backward(const AttentionProblem& problem, const AdaptiveNode& a,
     }
     if (g.dlogits.data) {
       check(g.dlogits.numel() == 2 && g.dlogits.dim() == 1, ErrorKind::kInvalidArgument,
-            "dlogits: expected shape [2], got ", shape_to_string(g.dlogits.shape));
+            "dlogits: expected shape [2], got ", shape_text(g.dlogits.shape));
       const double wg = w1 * g1 + w2 * g2;
       const int64_t i0[1] = {0}, i1[1] = {1};
       g.dlogits.set(i0, w1 * (g1 - wg));

@@ -126,7 +126,7 @@ BuiltinMod make_mod(const AttentionProblem& problem, const Pattern* pattern, con
     const bool ok = (b.dim() == 2 && b.shape == Shape{lq, lk}) ||
                     (b.dim() == 3 && (b.shape[0] == 1 || b.shape[0] == hq) && b.shape[1] == lq && b.shape[2] == lk);
     check(ok, ErrorKind::kInvalidArgument, "bias: expected shape [Lq, Lk] or [H, Lq, Lk] with H in {1, ", hq,
-          "}, Lq = ", lq, ", Lk = ", lk, ", got ", shape_to_string(b.shape));
+          "}, Lq = ", lq, ", Lk = ", lk, ", got ", shape_text(b.shape));
     bias_storage = dense_table(b);
     m.bias = bias_storage.data();
     m.bias_heads = b.dim() == 3 ? b.shape[0] : 1;
@@ -141,7 +141,7 @@ BuiltinMod make_mod(const AttentionProblem& problem, const Pattern* pattern, con
           "rel_pos_bias: expected float32 or float64, got ", to_string(r.dtype));
     const Shape want = {(2 * win - 1) * (2 * win - 1), hq};
     check(r.shape == want, ErrorKind::kInvalidArgument,
-          "rel_pos_bias: expected shape [(2w-1)^2, Hq] = ", shape_to_string(want), ", got ", shape_to_string(r.shape));
+          "rel_pos_bias: expected shape [(2w-1)^2, Hq] = ", shape_text(want), ", got ", shape_text(r.shape));
     rel_storage = dense_table(r);
     m.rel = rel_storage.data();
     m.rel_heads = hq;
@@ -156,8 +156,8 @@ void check_param_grad(const TensorView& g, const TensorView& param, const char* 
   if (!g.data) return;
   check(param.data != nullptr, ErrorKind::kInvalidArgument, name,
         ": given, but the option it is the gradient of is not");
-  check(g.shape == param.shape, ErrorKind::kInvalidArgument, name, ": expected shape ", shape_to_string(param.shape),
-        ", got ", shape_to_string(g.shape));
+  check(g.shape == param.shape, ErrorKind::kInvalidArgument, name, ": expected shape ", shape_text(param.shape),
+        ", got ", shape_text(g.shape));
   check(g.dtype == DType::kF32 || g.dtype == DType::kF64, ErrorKind::kTypeError, name,
         ": expected float32 or float64, got ", to_string(g.dtype));
 }
@@ -181,7 +181,7 @@ DenseMask dense_mask_mod(const TensorView& m, const BlockMask& bm) {
   check(m.dtype == DType::kBool, ErrorKind::kTypeError, "dense_mask: expected bool, got ", to_string(m.dtype));
   check((m.dim() == 2 || m.dim() == 3) && m.shape[m.dim() - 2] == bm.len_q && m.shape[m.dim() - 1] == bm.len_k,
         ErrorKind::kInvalidArgument, "dense_mask: expected [Lq, Lk] or [H, Lq, Lk] with Lq = ", bm.len_q,
-        ", Lk = ", bm.len_k, ", got ", shape_to_string(m.shape));
+        ", Lk = ", bm.len_k, ", got ", shape_text(m.shape));
   check(m.dim() == 2 || m.shape[0] == bm.heads, ErrorKind::kInvalidArgument, "dense_mask: expected ", bm.heads,
         " heads (those of the block mask), got ", m.shape[0]);
   const int64_t o = m.dim() - 2;
@@ -260,11 +260,11 @@ Tensor selection_mask(const Pattern& pattern, const TensorView& indices, int64_t
   check(a && (a->kind == AdaptiveNode::kTopK || a->kind == AdaptiveNode::kBlockTopK), ErrorKind::kInvalidArgument,
         "selection_mask: expected a TopK or BlockTopK pattern, got ", pattern.repr());
   check(indices.dtype == DType::kI64 && indices.dim() == 4, ErrorKind::kInvalidArgument,
-        "indices: expected a 4-D int64 array, got ", to_string(indices.dtype), " ", shape_to_string(indices.shape));
+        "indices: expected a 4-D int64 array, got ", to_string(indices.dtype), " ", shape_text(indices.shape));
   const int64_t B = indices.shape[0], H = indices.shape[1];
   check(indices.shape == adaptive_indices_shape(*a, B, H, len_q, len_k), ErrorKind::kInvalidArgument,
-        "indices: expected shape ", shape_to_string(adaptive_indices_shape(*a, B, H, len_q, len_k)), ", got ",
-        shape_to_string(indices.shape));
+        "indices: expected shape ", shape_text(adaptive_indices_shape(*a, B, H, len_q, len_k)), ", got ",
+        shape_text(indices.shape));
   Tensor m(DType::kBool, {B, H, len_q, len_k});
   auto* d = m.data<uint8_t>();
   auto at = [&](int64_t b, int64_t h, int64_t x, int64_t y) {

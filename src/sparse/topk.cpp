@@ -205,9 +205,9 @@ void topk_backward(const AttentionProblem& problem, const AdaptiveNode& a, const
   detail::check_grads(p, q, k, v, g.dq, g.dk, g.dv);
   check_indices(indices, {p.B(), p.Hq(), p.Lq(), K}, "[B, Hq, Lq, k]");
   check(dout.shape == Shape{p.B(), p.Hq(), p.Lq(), p.Dv()}, ErrorKind::kInvalidArgument, "dout: expected shape ",
-        shape_to_string({p.B(), p.Hq(), p.Lq(), p.Dv()}), ", got ", shape_to_string(dout.shape));
+        shape_text({p.B(), p.Hq(), p.Lq(), p.Dv()}), ", got ", shape_text(dout.shape));
   check(lse.data && lse.shape == Shape{p.B(), p.Hq(), p.Lq()}, ErrorKind::kInvalidArgument, "lse: expected shape ",
-        shape_to_string({p.B(), p.Hq(), p.Lq()}));
+        shape_text({p.B(), p.Hq(), p.Lq()}));
   detail::pack_backward(p, ident, dout, dout, lse);  // packs dout and lse (delta unused here)
   const int64_t D = p.D(), Dv = p.Dv(), group = p.group();
   for (int64_t b = 0; b < p.B(); ++b)

@@ -375,7 +375,7 @@ void SrModel::forward_impl(const Tensor& x, const UpscaleOptions& options, Upsca
   const SrConfig& c = config_;
   const Prepared& P = *prepared_;
   check(x.dtype() == DType::kF32 && x.dim() == 3 && x.size(0) == 3, ErrorKind::kInvalidArgument,
-        "SrModel::forward: x must be f32 [3, h, w], given ", to_string(x.dtype()), " ", shape_to_string(x.shape()));
+        "SrModel::forward: x must be f32 [3, h, w], given ", to_string(x.dtype()), " ", shape_text(x.shape()));
   const int64_t h = x.size(1), w = x.size(2), pm = c.pad_multiple;
   const int64_t ph = (pm - h % pm) % pm, pw = (pm - w % pm) % pm;
   check(h > ph && w > pw && h > 0 && w > 0, ErrorKind::kInvalidArgument, "SrModel::forward: image ", w, "x", h,

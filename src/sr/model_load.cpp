@@ -38,7 +38,7 @@ const Tensor& get_w(const std::map<std::string, Tensor>& w, const std::string& n
   auto it = w.find(name);
   check(it != w.end(), ErrorKind::kIO, "SR weights '", file, "': missing tensor '", name, "'");
   check(it->second.shape() == shape, ErrorKind::kIO, "SR weights '", file, "': tensor '", name, "' has shape ",
-        shape_to_string(it->second.shape()), ", expected ", shape_to_string(shape));
+        shape_text(it->second.shape()), ", expected ", shape_text(shape));
   return it->second;
 }
 std::vector<float> vec(const Tensor& t) { return std::vector<float>(t.data<float>(), t.data<float>() + t.numel()); }

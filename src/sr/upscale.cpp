@@ -41,7 +41,7 @@ inline uint8_t to_u8(float v) {
 
 Image tensor_to_image_mt(const Tensor& chw, int threads) {
   check(chw.dtype() == DType::kF32 && chw.dim() == 3 && chw.size(0) == 3, ErrorKind::kInvalidArgument,
-        "tensor_to_image: f32 [3, h, w] expected, given ", shape_to_string(chw.shape()));
+        "tensor_to_image: f32 [3, h, w] expected, given ", shape_text(chw.shape()));
   const int64_t h = chw.size(1), w = chw.size(2), n = h * w;
   Image im(h, w, 3);
   const float* p = chw.data<float>();

@@ -136,7 +136,7 @@ void check_diagnose_size(const AttentionProblem& given) {
   check(double(given.batch) * double(given.heads_q) * double(given.len_q) * double(given.len_k) <=
             double(int64_t(1) << 27),
         ErrorKind::kOutOfMemory,
-        "diagnose: [B, Hq, Lq, Lk] = ", shape_to_string({given.batch, given.heads_q, given.len_q, given.len_k}),
+        "diagnose: [B, Hq, Lq, Lk] = ", shape_text({given.batch, given.heads_q, given.len_q, given.len_k}),
         " has more than 2^27 entries (the checks keep several copies of the weights); diagnose a slice");
 }
 

@@ -38,7 +38,7 @@ AttentionMaps attention_maps(const TensorView& q, const TensorView& k, const Att
   const AttentionProblem p = describe_attention(qq, kk, v, o);
   check(double(p.batch) * double(p.heads_q) * double(p.len_q) * double(p.len_k) <= double(int64_t(1) << 27),
         ErrorKind::kOutOfMemory,
-        "attention maps: [B, Hq, Lq, Lk] = ", shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}),
+        "attention maps: [B, Hq, Lq, Lk] = ", shape_text({p.batch, p.heads_q, p.len_q, p.len_k}),
         " has more than 2^27 entries; slice the inputs (fewer heads, batch entries or queries) to draw them");
   const AttentionResult r = attention(qq, kk, v, o, false, true);
   const Tensor allowed = allowed_keys(p, o);

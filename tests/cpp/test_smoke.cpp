@@ -21,3 +21,14 @@ TEST(Smoke, TensorSizeOverflowIsAnError) {
   }
   EXPECT_EQ(sattn::Tensor(sattn::DType::kF32, {0, big}).numel(), 0);
 }
+
+TEST(Smoke, ShapeTextWritesWhatShapeToStringReturns) {
+  for (const sattn::Shape& s : {sattn::Shape{}, sattn::Shape{3}, sattn::Shape{2, 0, 41}})
+    EXPECT_EQ(sattn::message::concat(sattn::shape_text(s)), sattn::shape_to_string(s));
+  try {
+    sattn::check(false, sattn::ErrorKind::kInvalidArgument, "x: shape ", sattn::shape_text({4, 5}));
+    ADD_FAILURE() << "no error";
+  } catch (const sattn::Error& e) {
+    EXPECT_STREQ(e.what(), "x: shape [4, 5]");
+  }
+}

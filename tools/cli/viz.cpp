@@ -70,11 +70,10 @@ PatternPictures pattern_pictures(const std::string& spec, const Tensor& q, const
                                  const VizArgs& a, const viz::HeatmapStyle& base) {
   const sparse::Pattern pattern = sparse::Pattern::parse(spec);
   check(q.dim() == 4 && k.dim() == 4, ErrorKind::kInvalidArgument,
-        "--q/--k: expected [B, H, L, D] with --pattern, got ", shape_to_string(q.shape()), " and ",
-        shape_to_string(k.shape()));
+        "--q/--k: expected [B, H, L, D] with --pattern, got ", shape_text(q.shape()), " and ", shape_text(k.shape()));
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
   check(double(B) * double(H) * double(Lq) * double(Lk) <= double(int64_t(1) << 27), ErrorKind::kOutOfMemory,
-        "--pattern: [B, Hq, Lq, Lk] = ", shape_to_string({B, H, Lq, Lk}),
+        "--pattern: [B, Hq, Lq, Lk] = ", shape_text({B, H, Lq, Lk}),
         " has more than 2^27 entries; slice the inputs to draw them");
   const Shape sel_shape = sparse::selection_shape(pattern, B, H, Lq, Lk);
   const bool adaptive = !sel_shape.empty();  // TopK / BlockTopK (alone or & a fixed pattern)
@@ -142,8 +141,8 @@ PatternPictures pattern_pictures(const std::string& spec, const Tensor& q, const
     const int64_t full[4] = {B, H, Lq, Lk};
     for (int64_t d = 0; ok && d < um.dim(); ++d) ok = um.size(d) == 1 || um.size(d) == full[4 - um.dim() + d];
     check(ok, ErrorKind::kInvalidArgument,
-          "--mask: expected a shape broadcastable to [B, Hq, Lq, Lk] = ", shape_to_string({B, H, Lq, Lk}), ", got ",
-          shape_to_string(um.shape));
+          "--mask: expected a shape broadcastable to [B, Hq, Lq, Lk] = ", shape_text({B, H, Lq, Lk}), ", got ",
+          shape_text(um.shape));
   }
   const bool additive = !um.empty() && um.dtype != DType::kBool;
   out.attn_mask = Tensor(additive ? DType::kF64 : DType::kBool, {B, H, Lq, Lk});

@@ -62,7 +62,7 @@ void check_memory(const AttentionProblem& p, const AttentionOptions& o) {
   const int64_t limit = memory_limit_bytes(o);
   check(bytes <= double(limit), ErrorKind::kOutOfMemory,
         "reference attention: the materialised score matrices [B, Hq, Lq, Lk] = ",
-        shape_to_string({p.batch, p.heads_q, p.len_q, p.len_k}), " need ", bytes / (1 << 20),
+        shape_text({p.batch, p.heads_q, p.len_q, p.len_k}), " need ", bytes / (1 << 20),
         " MiB, over the memory limit of ", double(limit) / (1 << 20),
         " MiB (AttentionOptions::memory_limit_bytes; default half of physical memory)");
 }
