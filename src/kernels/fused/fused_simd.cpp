@@ -267,8 +267,6 @@ void ForwardTask(const Params& p, int64_t task) {
   FinishRows(p, b, h, i0, nq, chunk, M, L, [&](int64_t ii, int64_t dd) { return OT[dd * Br + ii]; });
 }
 
-const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
-
 }  // namespace HWY_NAMESPACE
 }  // namespace sattn::fused
 HWY_AFTER_NAMESPACE();
