@@ -283,6 +283,33 @@ TEST(Fused, BitwiseIdenticalForAnyThreadCount) {
   }
 }
 
+// Problems large enough that the backward's tasks cover several key blocks each (groups of 3 and 4 blocks, the
+// last group shorter): gradients against the reference, and bitwise the same for 1 and 3 threads.
+TEST(Fused, BackwardKeyGroupsMatchReferenceAndThreadCounts) {
+  Case a;
+  a.B = 3, a.Hq = 4, a.Hkv = 2, a.Lq = 300, a.Lk = 1180, a.D = 24, a.Dv = 40;  // 19 key blocks in groups of 3
+  a.mask = 1, a.mask_shape = 1, a.padding = 2, a.causal = sattn::Causal::kBottomRight, a.strided = true;
+  Case b;
+  b.B = 1, b.Hq = b.Hkv = 8, b.Lq = b.Lk = 1030, b.D = b.Dv = 64;  // 17 key blocks in groups of 4
+  b.padding = 1, b.causal = sattn::Causal::kTopLeft, b.dropout = 0.2;
+  uint32_t seed = 40;
+  for (const Case& c : {a, b}) {
+    SCOPED_TRACE(c.name());
+    const Problem pb = make_problem(c, ++seed);
+    const FwdResult ref = run_forward(pb, "reference", 2);
+    const FwdResult ref32{ref.out.to(DType::kF32), ref.lse.to(DType::kF32), ""};
+    const BwdResult gref = run_backward(pb, ref, "reference", 2);
+    const BwdResult g1 = run_backward(pb, ref32, "fused", 1);
+    EXPECT_LE(rel_err(g1.dq, gref.dq), 1e-4);
+    EXPECT_LE(rel_err(g1.dk, gref.dk), 1e-4);
+    EXPECT_LE(rel_err(g1.dv, gref.dv), 1e-4);
+    const BwdResult g3 = run_backward(pb, ref32, "fused", 3);
+    EXPECT_TRUE(bitwise_equal(g1.dq, g3.dq));
+    EXPECT_TRUE(bitwise_equal(g1.dk, g3.dk));
+    EXPECT_TRUE(bitwise_equal(g1.dv, g3.dv));
+  }
+}
+
 TEST(Fused, FullyMaskedRowsGiveZeroAndMinusInf) {
   Case c;
   c.Lq = 70, c.Lk = 3, c.D = 8, c.Dv = 8, c.causal = sattn::Causal::kBottomRight;  // rows i < Lq - Lk see nothing

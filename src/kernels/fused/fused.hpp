@@ -7,6 +7,7 @@
 // with a unit last stride, any head dimension D without padding.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -97,6 +98,22 @@ struct Params {
   // Query-side tiles packed once per (b, h, q block) t = (b * Hq + h) * num_q_blocks + qb:
   // (scale Q)^T [D x Br], dO^T [Dv x Br], scale Q [Br x pad16(D)], dO [Br x pad16(Dv)].
   float *pk_qt = nullptr, *pk_dot = nullptr, *pk_qr = nullptr, *pk_dor = nullptr;
+  // The one-pass backward (5 tile products instead of 7): a task covers kv_group consecutive key blocks of one
+  // (b, kv head) and computes their dK, dV and, for every query block that sees them, a partial dQ^T [D x Br]
+  // (unscaled) in dq_part [(b·Hq + h)·nqb + qb][g] (group g of key blocks); reduce_dq_task sums a block's
+  // partials in g order. The groups depend on the problem only, so the results do not depend on the thread count.
+  // kv_group 0: the two-pass schedule (dK/dV by key block, then dQ by query block).
+  int64_t kv_group = 0;
+  float* dq_part = nullptr;
+  int64_t num_kv_groups() const { return (num_k_blocks() + kv_group - 1) / kv_group; }
+  // The first query block that can see key kb (causal: i >= kb - offset).
+  int64_t first_q_block(int64_t kb) const { return causal ? std::max<int64_t>(0, (kb - causal_offset) / Br) : 0; }
+  // Whether group g wrote a dQ partial for query block qb of batch b: its first key is not past key_len and,
+  // causal, qb can see it.
+  bool group_has_dq_part(int64_t b, int64_t g, int64_t qb) const {
+    const int64_t kb = g * kv_group * Bc;
+    return (!key_len || kb < key_len[b]) && qb >= first_q_block(kb);
+  }
 
   static int64_t pad16(int64_t x) { return (x + 15) / 16 * 16; }
 
@@ -116,6 +133,10 @@ struct BackwardOps {
   void (*backward_kv_task)(const Params& p, int64_t task);
   // Backward pass 2 (dQ and dmask rows) of one (b, h, q block) task, same numbering as forward.
   void (*backward_q_task)(const Params& p, int64_t task);
+  // One-pass backward (kv_group > 0) of one (b, hkv, key group) task: task = (b * Hkv + hk) * num_kv_groups + g.
+  void (*backward_kvq_task)(const Params& p, int64_t task);
+  // dQ of one (b, h, q block) task of the one-pass backward: the sum of its partials.
+  void (*reduce_dq_task)(const Params& p, int64_t task);
   // Fills the packed query-side tiles of one (b, h, q block) task.
   void (*pack_q_task)(const Params& p, int64_t task);
   // Backward: recomputes the row max m and log l of the rows of one (b, h, q block) task whose lse needs it

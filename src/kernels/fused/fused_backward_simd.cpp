@@ -144,6 +144,17 @@ struct BwdScratch {
   }
 };
 
+// Writes dK [nk x pad16(D)] and dV [nk x pad16(Dv)] of keys [kb, kb + nk) of (b, hk).
+void StoreKeyGrads(const Params& p, int64_t b, int64_t hk, int64_t kb, int64_t nk, const float* dK, const float* dV) {
+  const int64_t Dp = Params::pad16(p.D), Dvp = Params::pad16(p.Dv);
+  const int64_t kbase = b * p.dk.sb + hk * p.dk.sh + kb * p.dk.sl;
+  const int64_t vbase = b * p.dv.sb + hk * p.dv.sh + kb * p.dv.sl;
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    StoreRow(p.dk, kbase + jj * p.dk.sl, dK + jj * Dp, p.D);
+    StoreRow(p.dv, vbase + jj * p.dv.sl, dV + jj * Dvp, p.Dv);
+  }
+}
+
 void BackwardKVTask(const Params& p, int64_t task) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
@@ -175,13 +186,48 @@ void BackwardKVTask(const Params& p, int64_t task) {
       }
     }
   }
-  const int64_t kbase = b * p.dk.sb + hk * p.dk.sh + kb * p.dk.sl;
-  const int64_t vbase = b * p.dv.sb + hk * p.dv.sh + kb * p.dv.sl;
-  for (int64_t jj = 0; jj < nk; ++jj) {
-    for (int64_t x = 0; x < p.D; ++x)
-      store_elem(p.dk.data, p.dk.dtype, kbase + jj * p.dk.sl + x * p.dk.sd, dK[jj * Dp + x]);
-    for (int64_t x = 0; x < p.Dv; ++x)
-      store_elem(p.dv.data, p.dv.dtype, vbase + jj * p.dv.sl + x * p.dv.sd, dV[jj * Dvp + x]);
+  StoreKeyGrads(p, b, hk, kb, nk, dK, dV);
+}
+
+// One-pass backward: dK, dV of the key blocks of group g and their partial dQ^T of every query block that sees
+// them. Loops: query head h, query block qb, key block of the group; dK and dV of a key block add the same tiles
+// in the same order as BackwardKVTask (so they equal its results), and dQ^T is summed over the group's key blocks.
+void BackwardKVQTask(const Params& p, int64_t task) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  const int64_t nkb = p.num_k_blocks(), nqb = p.num_q_blocks(), ng = p.num_kv_groups(), Br = p.Br, Bc = p.Bc;
+  const int64_t bhk = task / ng, g = task % ng, b = bhk / p.Hkv, hk = bhk % p.Hkv;
+  const int64_t kb0 = g * p.kv_group * Bc, kend = std::min(p.Lk, std::min(nkb, (g + 1) * p.kv_group) * Bc);
+  const int64_t nblocks = (kend - kb0 + Bc - 1) / Bc;
+  const int64_t Dp = Params::pad16(p.D), Dvp = Params::pad16(p.Dv), nvec = Br / N;
+  Scratch s_dk, s_dv;
+  float* dK = s_dk.alloc(nblocks * Bc * Dp);
+  float* dV = s_dv.alloc(nblocks * Bc * Dvp);
+  std::memset(dK, 0, sizeof(float) * size_t(nblocks * Bc * Dp));
+  std::memset(dV, 0, sizeof(float) * size_t(nblocks * Bc * Dvp));
+  const int64_t klive = p.key_len ? std::min(kend, p.key_len[b]) : kend;  // keys past key_len get 0 gradients
+  if (kb0 < klive) {
+    BwdScratch sc(p);
+    for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h)
+      for (int64_t qb = p.first_q_block(kb0); qb < nqb; ++qb) {
+        const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0), t = (b * p.Hq + h) * nqb + qb;
+        float* dQT = p.dq_part + (t * ng + g) * p.D * Br;
+        std::memset(dQT, 0, sizeof(float) * size_t(p.D * Br));
+        const float* Qr = p.pk_qr + t * Br * Dp;
+        const float* dOr = p.pk_dor + t * Br * Dvp;
+        for (int64_t kb = kb0; kb < klive; kb += Bc) {
+          const int64_t nk = std::min(Bc, klive - kb), x = (kb - kb0) / Bc;
+          Rows kr{};
+          if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk, &kr, nullptr)) continue;
+          Gemm<true>(sc.w.PdT, Br, 1, dOr, Dvp, dV + x * Bc * Dvp, Dvp, nk, Dvp / N, Br);  // dV += P'^T dO
+          Gemm<true>(sc.w.ST, Br, 1, Qr, Dp, dK + x * Bc * Dp, Dp, nk, Dp / N, Br);        // dK += dS^T (scale Q)
+          Gemm<true>(kr.ptr, 1, kr.stride, sc.w.ST, Br, dQT, Br, p.D, nvec, nk);         // dQ^T += K^T dS^T
+        }
+      }
+  }
+  for (int64_t kb = kb0; kb < kend; kb += Bc) {
+    const int64_t x = (kb - kb0) / Bc;
+    StoreKeyGrads(p, b, hk, kb, std::min(Bc, kend - kb), dK + x * Bc * Dp, dV + x * Bc * Dvp);
   }
 }
 
@@ -237,24 +283,47 @@ void BackwardQTask(const Params& p, int64_t task) {
       AddMaskGradient(p, b, h, i0, nq, kb, nk, sc.w.ST, key_sums);
     }
   }
-  const int64_t base = b * p.dq.sb + h * p.dq.sh + i0 * p.dq.sl;
-  for (int64_t ii = 0; ii < nq; ++ii)
-    for (int64_t x = 0; x < p.D; ++x)
-      store_elem(p.dq.data, p.dq.dtype, base + ii * p.dq.sl + x * p.dq.sd, dQT[x * Br + ii] * p.scale);
+  StoreTransposed(p.dq, b * p.dq.sb + h * p.dq.sh + i0 * p.dq.sl, dQT, nq, p.D, Br, p.scale);
 }
 
+// dQ = scale · Σ_g dQ^T partial of group g, in g order, of one (b, h, query block).
+void ReduceDQTask(const Params& p, int64_t task) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  const int64_t nqb = p.num_q_blocks(), ng = p.num_kv_groups(), Br = p.Br, n = p.D * Br;
+  const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq;
+  const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
+  Scratch s_dqt;
+  float* dQT = s_dqt.alloc(n);
+  std::memset(dQT, 0, sizeof(float) * size_t(n));
+  for (int64_t g = 0; g < ng; ++g) {
+    if (!p.group_has_dq_part(b, g, qb)) continue;
+    const float* part = p.dq_part + (task * ng + g) * n;
+    for (int64_t x = 0; x < n; x += N) hn::Store(hn::Add(hn::Load(d, dQT + x), hn::Load(d, part + x)), d, dQT + x);
+  }
+  StoreTransposed(p.dq, b * p.dq.sb + h * p.dq.sh + i0 * p.dq.sl, dQT, nq, p.D, Br, p.scale);
+}
+
+// The packed query-side tiles of one (b, h, query block), and Di = rowsum(dO ∘ O) of its rows (0 for NaN rows).
 void PackQTask(const Params& p, int64_t task) {
   const int64_t nqb = p.num_q_blocks(), Br = p.Br;
   const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq;
   const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
   const int64_t Dp = Params::pad16(p.D), Dvp = Params::pad16(p.Dv);
-  float *qt = p.pk_qt + task * p.D * Br, *qr = p.pk_qr + task * Br * Dp;
-  PackTransposed(p.q, b, h, i0, nq, p.D, Br, p.scale, qt);
-  PackTransposed(p.dout, b, h, i0, nq, p.Dv, Br, 1.f, p.pk_dot + task * p.Dv * Br);
-  PackRows(p.q, b, h, i0, nq, p.D, Dp, Br, p.scale, qr);
-  PackRows(p.dout, b, h, i0, nq, p.Dv, Dvp, Br, 1.f, p.pk_dor + task * Br * Dvp);
-  // A NaN in q makes the row a NaN row; its packed q is zeroed (0 · NaN would reach dK through masked keys).
+  float *qt = p.pk_qt + task * p.D * Br, *qr = p.pk_qr + task * Br * Dp, *dor = p.pk_dor + task * Br * Dvp;
+  Scratch s_rows;
+  float* buf = s_rows.alloc(nq * std::max(p.D, p.Dv));
+  PackRows(RowsOf(p.q, b, h, i0, nq, p.D, buf), nq, p.D, Dp, Br, p.scale, qr, qt);
+  PackRows(RowsOf(p.dout, b, h, i0, nq, p.Dv, buf), nq, p.Dv, Dvp, Br, 1.f, dor, p.pk_dot + task * p.Dv * Br);
   const int64_t row0 = bh * p.Lq + i0;
+  const Rows o = RowsOf(p.o, b, h, i0, nq, p.Dv, buf);
+  for (int64_t ii = 0; ii < nq; ++ii) {
+    if (p.nan_row[row0 + ii]) continue;  // marked by the driver (lse NaN): Di stays 0
+    float di = 0.f;
+    for (int64_t x = 0; x < p.Dv; ++x) di += dor[ii * Dvp + x] * o.ptr[ii * o.stride + x];
+    p.delta[row0 + ii] = di;
+  }
+  // A NaN in q makes the row a NaN row; its packed q is zeroed (0 · NaN would reach dK through masked keys).
   for (int64_t ii = 0; ii < nq; ++ii) {
     bool nan = false;
     for (int64_t x = 0; x < p.D; ++x) nan |= std::isnan(qr[ii * Dp + x]);
@@ -317,7 +386,10 @@ namespace sattn::fused {
 
 namespace {
 #define SATTN_FUSED_BACKWARD_OPS(NS) \
-  BackwardOps { &NS::BackwardKVTask, &NS::BackwardQTask, &NS::PackQTask, &NS::RowStatsTask }
+  BackwardOps {                                                                                            \
+    &NS::BackwardKVTask, &NS::BackwardQTask, &NS::BackwardKVQTask, &NS::ReduceDQTask, &NS::PackQTask, \
+        &NS::RowStatsTask                                                                                 \
+  }
 const simd::Build<BackwardOps> kBuilds[] = {SATTN_SIMD_BUILDS(SATTN_FUSED_BACKWARD_OPS)};
 }  // namespace
 

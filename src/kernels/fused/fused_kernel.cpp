@@ -190,6 +190,21 @@ void fused_forward(const ForwardArgs& a) {
   run_tasks(n, a.num_threads, [&](int64_t t) { o.forward_task(p, reverse ? n - 1 - t : t); });
 }
 
+// Key blocks per task of the one-pass backward, from the problem's sizes only (never the thread count): enough
+// groups for 32 tasks where the problem has them, at most 512 KiB of a group's dK and dV accumulators (they stay
+// in a core's L2 while the query blocks stream past), and the partial dQ tiles (one float copy of dQ per group)
+// within 256 MiB or 4 copies, whichever allows more.
+int64_t kv_group_size(const Params& p) {
+  const int64_t nkb = p.num_k_blocks();
+  const int64_t block_bytes = p.Bc * (Params::pad16(p.D) + Params::pad16(p.Dv)) * int64_t(sizeof(float));
+  const int64_t max_group = std::max<int64_t>(1, (int64_t(512) << 10) / block_bytes);
+  int64_t group = std::clamp<int64_t>(p.B * p.Hkv * nkb / 32, 1, max_group);
+  const int64_t copy_bytes = p.B * p.Hq * p.num_q_blocks() * p.Br * p.D * int64_t(sizeof(float));
+  const int64_t max_groups = std::max<int64_t>(4, (int64_t(256) << 20) / std::max<int64_t>(copy_bytes, 1));
+  while ((nkb + group - 1) / group > max_groups) ++group;
+  return std::min(group, nkb);
+}
+
 void fused_backward(const BackwardArgs& a) {
   const AttentionProblem& pr = a.problem;
   Params p = make_params(pr, a.q, a.k, a.v, a.masks);
@@ -198,8 +213,9 @@ void fused_backward(const BackwardArgs& a) {
   const BackwardOps& o = backward_ops();
   const int threads = a.num_threads;
 
-  // Row statistics: lse (+inf for rows without any allowed key, so that P = exp(s - lse) = 0) and
-  // Di = rowsum(dO ∘ O); which query blocks have a row whose lse cannot carry log l; the NaN rows (see Params).
+  // Row statistics: lse (+inf for rows without any allowed key, so that P = exp(s - lse) = 0); which query blocks
+  // have a row whose lse cannot carry log l; the NaN rows (see Params). Di = rowsum(dO ∘ O) is filled in by
+  // pack_q_task.
   const int64_t rows = p.B * p.Hq * p.Lq, nqb = p.num_q_blocks(), nqt = p.B * p.Hq * nqb;
   std::vector<float> lse_eff(static_cast<size_t>(rows)), delta(static_cast<size_t>(rows));
   std::vector<uint8_t> block_has_log_sum(static_cast<size_t>(nqt), 0), nan_row(static_cast<size_t>(rows), 0),
@@ -223,12 +239,6 @@ void fused_backward(const BackwardArgs& a) {
       const float le = l == -HUGE_VAL ? std::numeric_limits<float>::infinity() : float(l);
       lse_eff[size_t(bh * p.Lq + i)] = le;
       if (lse_needs_row_stats(le)) block_has_log_sum[size_t(bh * nqb + i / p.Br)] = 1;
-      float s = 0.f;
-      for (int64_t x = 0; x < p.Dv; ++x) {
-        const int64_t idx[4] = {b, h, i, x};
-        s += float(a.dout.get(idx)) * float(a.out.get(idx));
-      }
-      delta[size_t(bh * p.Lq + i)] = s;
     }
   });
   p.lse_eff = lse_eff.data();
@@ -266,15 +276,28 @@ void fused_backward(const BackwardArgs& a) {
     run_tasks(int64_t(stats_blocks.size()), threads, [&](int64_t x) { o.row_stats_task(p, stats_blocks[size_t(x)]); });
   }
 
+  // One pass over key groups (dK, dV and partial dQ; 5 tile products), then the partials summed per query block.
+  // The mask gradient needs the dS of every tile by query block: the two-pass schedule below.
+  if (!pr.need_dmask) {
+    p.kv_group = kv_group_size(p);
+    const int64_t ng = p.num_kv_groups();
+    const size_t part_n = static_cast<size_t>(nqt * ng * p.D * p.Br);
+    auto part = hwy::AllocateAligned<float>(part_n);
+    check(part != nullptr, ErrorKind::kOutOfMemory, "fused attention backward: cannot allocate ", part_n * 4,
+          " bytes for the partial dQ tiles");
+    workspace_add(int64_t(part_n * sizeof(float)));
+    Release release_part{int64_t(part_n * sizeof(float))};
+    p.dq_part = part.get();
+    run_tasks(p.B * p.Hkv * ng, threads, [&](int64_t t) { o.backward_kvq_task(p, t); });
+    run_tasks(nqt, threads, [&](int64_t t) { o.reduce_dq_task(p, t); });
+    return;
+  }
+
   // Pass 1: dK, dV (one task per key block).
   run_tasks(p.B * p.Hkv * p.num_k_blocks(), threads, [&](int64_t t) { o.backward_kv_task(p, t); });
 
-  // Pass 2: dQ (and dmask). Tasks that add into the same dmask elements (mask broadcast over batch, heads or
+  // Pass 2: dQ and dmask. Tasks that add into the same dmask elements (mask broadcast over batch, heads or
   // queries) form one group run in a fixed order.
-  if (!pr.need_dmask) {
-    run_tasks(p.B * p.Hq * nqb, threads, [&](int64_t t) { o.backward_q_task(p, t); });
-    return;
-  }
   const Shape& ms = pr.mask_shape;
   Shape st4(4, 0);
   {
