@@ -1,113 +1,297 @@
 #!/usr/bin/env python3
-"""sattn's fused attention against PyTorch on this CPU, in one run.
+"""sattn's SDPA against PyTorch's own SDPA on this CPU, in one process, in alternating rounds.
 
-sattn numbers come from `build/sattn bench --json` (which also measures OpenBLAS SGEMM); PyTorch's manual
-attention (softmax(q k^T * scale + mask) v, materialising the L x L scores) and, where the installed PyTorch has
-it, F.scaled_dot_product_attention are timed here with the same thread count. Materialising baselines run only up
-to L = 4096. Benchmarks are only meaningful on an idle machine.
+sattn.torch.scaled_dot_product_attention and torch.nn.functional.scaled_dot_product_attention run on the same torch
+tensors (B = --batch, H = --heads, Lq = Lk = L) with the same thread count: torch.set_num_threads(t), which
+sattn.torch reads at every call (sattn.set_num_threads(t) and OpenBLAS's pool, bench/torch_threads.py, are set to t
+too). The matrix is dtype x pass x mask x D x L x threads, plus decode (Lq 1, Lk = --decode-lens, forward, no mask,
+dtypes --decode-dtypes).
 
-  build/venv/bin/python bench/compare.py [--lens 1024,4096] [--dims 64] [--threads 1,2] [--reps 5] [--json out.json]
+Each configuration gets one warm-up call of each side, then --rounds rounds; a round times sattn and torch, sattn
+first in even rounds and torch first in odd ones, and each time is the median of --reps calls (default 1). Forward:
+the call under torch.no_grad(). Backward: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) on an output
+computed once before the rounds (the forward is not timed). One line per configuration: the median over the rounds of
+each side's time, sattn's GFLOP/s (forward 4·B·H·Lq·Lk·D, backward 2.5x that; half for causal when Lq == Lk), the
+per-round ratios torch ms / sattn ms and their median (> 1: sattn faster). The warm-up outputs (forward) or
+gradients (backward) of the two are compared; a gross mismatch is reported on stderr, the max |diff| goes to --json.
+
+Ceilings, once per thread count before its rows: OpenBLAS SGEMM at N=2048 from `build/sattn bench --json` (the
+OpenBLAS sattn links; --sattn names the binary), torch.mm at N=2048 in fp32 and bf16 (median of 5 after a warm-up).
+The header names the CPU model, its ISA flags (avx2, avx512f, avx512_bf16, avx512_fp16, amx_bf16, amx_tile), the
+SIMD build of sattn's fused kernel that runs (sattn.simd_targets()) and torch's version and CPU capability.
+Benchmarks are only meaningful on an idle machine. Needs PyTorch 2.x and the sattn module (PYTHONPATH=build/python;
+build/python is also tried when sattn is not importable).
+
+  PYTHONPATH=build/python build/venv/bin/python bench/compare.py                 # the full matrix (defaults)
+  PYTHONPATH=build/python build/venv/bin/python bench/compare.py --quick         # smoke test (seconds)
+  PYTHONPATH=build/python build/venv/bin/python bench/compare.py [--dtypes fp32,bf16,fp16] [--passes fwd,bwd]
+      [--masks full,causal] [--dims 64,128] [--lens 1024,4096] [--threads 1,2] [--decode-lens 65536]
+      [--decode-dtypes bf16,fp32] [--batch 1] [--heads 8] [--rounds 5] [--reps 1] [--sattn build/sattn]
+      [--json out.json]
+
+--quick: L 256, D 64, 2 rounds, 1 thread, decode Lk 1024, ceilings at N=512 (3 reps); options given explicitly
+override it. --decode-lens '' skips decode. --reps is the number of calls per measurement (it used to be the number
+of timed calls of the whole benchmark); --rounds sets how many measurements each side gets. --json writes every row
+(header, ceilings, one per configuration with every round's times and which side went first) to a file.
 """
 import openblas_env  # noqa: F401  (first: OpenBLAS reads OPENBLAS_CORETYPE as numpy / torch load it)
 import argparse
+import contextlib
+import importlib
 import json
-import math
 import os
+import statistics
 import subprocess
 import sys
 import time
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_threads import set_threads  # noqa: E402
+
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError as err:
+    torch = F = None
+    TORCH_ERROR = err
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+DEFAULTS = {"dtypes": "fp32,bf16,fp16", "passes": "fwd,bwd", "masks": "full,causal", "dims": "64,128",
+            "lens": "1024,4096", "threads": "1,2", "decode_lens": "65536", "decode_dtypes": "bf16,fp32", "rounds": 5,
+            "ceiling_n": 2048, "ceiling_reps": 5}
+QUICK = {"lens": "256", "dims": "64", "rounds": 2, "threads": "1", "decode_lens": "1024", "ceiling_n": 512,
+         "ceiling_reps": 3}
+# A relative max |difference| above this between the two sides' results means they did not compute the same thing
+# (a mask or scale mismatch), not rounding: bf16 / fp16 backward differences stay far below it.
+MISMATCH = 0.1
+
+
+def cpu_info():
+    """("model name", the ISA_FLAGS this CPU has) from /proc/cpuinfo."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model == "unknown":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return model, [x for x in ISA_FLAGS if x in flags]
+
+
+def import_sattn():
+    try:
+        sattn = importlib.import_module("sattn")
+    except ImportError:
+        sys.path.insert(0, os.path.join(REPO, "build", "python"))
+        try:
+            sattn = importlib.import_module("sattn")
+        except ImportError as e:
+            sys.exit(f"compare.py: the sattn module is not importable ({e}); run with PYTHONPATH=build/python")
+    try:
+        sattn_torch = importlib.import_module("sattn.torch")
+    except ImportError as e:
+        sys.exit(f"compare.py: sattn.torch is not importable ({e}); it needs PyTorch 2.x")
+    return sattn, sattn_torch
+
 
 def median_ms(fn, reps):
-    fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    return statistics.median(times)
 
 
-def torch_rows(torch, L, D, causal, threads, reps):
-    torch.set_num_threads(threads)
+def sgemm_ceiling(binary, threads, n, reps):
+    """OpenBLAS SGEMM GFLOP/s and core from `sattn bench --json` (its attention row, tiny, is ignored), or None."""
+    if not os.path.exists(binary):
+        return None
+    r = subprocess.run([binary, "bench", "--json", "--threads", str(threads), "--lens", "64", "--dims", "64",
+                        "--masks", "full", "--passes", "fwd", "--reps", str(reps), "--sgemm-n", str(n)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"compare.py: {binary} bench failed ({r.returncode}): {r.stderr.strip()}")
+    row = next(x for x in json.loads(r.stdout) if x["kind"] == "sgemm")
+    return row["gflops"], row.get("blas_core", "?")
+
+
+def mm_ceiling(dtype, n, reps):
+    """torch.mm GFLOP/s at N x N x N: median of reps calls after one warm-up."""
+    g = torch.Generator().manual_seed(1)
+    a, b = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
+    with torch.no_grad():
+        torch.mm(a, b)
+        ms = median_ms(lambda: torch.mm(a, b), reps)
+    return 2.0 * n ** 3 / (ms * 1e6)
+
+
+def flops(pas, causal, B, H, Lq, Lk, D):
+    f = 4.0 * B * H * Lq * Lk * D * (2.5 if pas == "bwd" else 1.0)
+    return f / 2 if causal and Lq == Lk else f
+
+
+def max_rel_diff(xs, ys):
+    """max |x - y| over the pairs, and that divided by max |y|."""
+    diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(xs, ys))
+    ref = max(y.float().abs().max().item() for y in ys)
+    return diff, diff / max(ref, 1e-30)
+
+
+def run_config(sdpa, dtype_name, pas, mask, D, Lq, Lk, threads, a):
+    """One configuration: warm-up, then a.rounds alternating rounds. Returns the JSON row."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    causal = mask == "causal"
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 8, L, D, generator=g) for _ in range(3))
-    scale = 1.0 / math.sqrt(D)
-    mask = torch.ones(L, L, dtype=torch.bool).tril() if causal else None
+    q = torch.randn(a.batch, a.heads, Lq, D, generator=g).to(dtype)
+    k, v = (torch.randn(a.batch, a.heads, Lk, D, generator=g).to(dtype) for _ in range(2))
+    impls = {"sattn": sdpa, "torch": F.scaled_dot_product_attention}
+    if pas == "fwd":
+        ctx = torch.no_grad
+        calls = {n: (lambda fn=fn: fn(q, k, v, is_causal=causal)) for n, fn in impls.items()}
+        with ctx():
+            warm = {n: [c()] for n, c in calls.items()}
+    else:
+        ctx = contextlib.nullcontext
+        for x in (q, k, v):
+            x.requires_grad_(True)
+        dout = torch.randn(a.batch, a.heads, Lq, D, generator=g).to(dtype)
+        outs = {n: fn(q, k, v, is_causal=causal) for n, fn in impls.items()}  # once; the rounds time the backward
+        calls = {n: (lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+                 for n, out in outs.items()}
+        warm = {n: list(c()) for n, c in calls.items()}
+    diff, rel = max_rel_diff(warm["sattn"], warm["torch"])
+    del warm
+    if not rel <= MISMATCH:
+        print(f"compare.py: sattn and torch differ: max |diff| {diff:.3g} ({rel:.3g} of torch's max |value|) at "
+              f"{dtype_name} {pas} {mask} D={D} Lq={Lq} Lk={Lk}", file=sys.stderr)
+    times = {"sattn": [], "torch": []}
+    first = []
+    with ctx():
+        for r in range(a.rounds):
+            order = ("sattn", "torch") if r % 2 == 0 else ("torch", "sattn")
+            first.append(order[0])
+            for n in order:
+                times[n].append(median_ms(calls[n], a.reps))
+    fl = flops(pas, causal, a.batch, a.heads, Lq, Lk, D)
+    ratios = [t / s for s, t in zip(times["sattn"], times["torch"])]
+    s_ms, t_ms = statistics.median(times["sattn"]), statistics.median(times["torch"])
+    return {"kind": "sdpa", "dtype": dtype_name, "pass": pas, "mask": mask, "B": a.batch, "H": a.heads, "D": D,
+            "Lq": Lq, "Lk": Lk, "threads": threads, "reps": a.reps, "first": first, "sattn_ms": times["sattn"],
+            "torch_ms": times["torch"], "sattn_median_ms": s_ms, "torch_median_ms": t_ms,
+            "sattn_gflops": fl / (s_ms * 1e6), "torch_gflops": fl / (t_ms * 1e6), "ratios": ratios,
+            "ratio_median": statistics.median(ratios), "max_abs_diff": diff, "max_rel_diff": rel}
 
-    def manual(q, k, v):
-        s = (q @ k.transpose(-2, -1)) * scale
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
-        return torch.softmax(s, dim=-1) @ v
 
-    rows = []
-    impls = [("torch_manual", manual)]
-    F = torch.nn.functional
-    if hasattr(F, "scaled_dot_product_attention"):
-        impls.append(("torch_sdpa", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
-    for name, fn in impls:
-        with torch.no_grad():
-            fwd = median_ms(lambda: fn(q, k, v), reps)
-        qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
-        dout = torch.randn(1, 8, L, D, generator=g)
+def print_row(r):
+    per_round = " ".join(f"{x:5.2f}" for x in r["ratios"])
+    print(f"  {r['dtype']:<5} {r['pass']:<4} {r['mask']:<6} {r['D']:>4} {r['Lq']:>6} {r['Lk']:>6} {r['threads']:>3} "
+          f"{r['sattn_median_ms']:>10.3f} {r['torch_median_ms']:>10.3f} {r['sattn_gflops']:>8.1f}  {per_round}  "
+          f"{r['ratio_median']:5.2f}", flush=True)
 
-        def fwd_bwd():
-            out = fn(qg, kg, vg)
-            out.backward(dout)
 
-        both = median_ms(fwd_bwd, reps)
-        rows.append({"impl": name, "L": L, "D": D, "mask": "causal" if causal else "full", "threads": threads,
-                     "fwd_ms": fwd, "bwd_ms": max(both - fwd, 0.0)})
-    return rows
+def names(text, allowed, option):
+    got = [x for x in text.split(",") if x]
+    bad = [x for x in got if x not in allowed]
+    if bad:
+        sys.exit(f"compare.py: {option}: unknown {', '.join(bad)} (expected some of {','.join(allowed)})")
+    return got
+
+
+def ints(text, option):
+    try:
+        got = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        sys.exit(f"compare.py: {option}: expected comma-separated integers, got '{text}'")
+    if any(x <= 0 for x in got):
+        sys.exit(f"compare.py: {option}: expected positive integers, got '{text}'")
+    return got
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for opt, what in (("--dtypes", "fp32,bf16,fp16"), ("--passes", "fwd,bwd"), ("--masks", "full,causal"),
+                      ("--dims", "head dims D"), ("--lens", "sequence lengths L (Lq = Lk)"),
+                      ("--threads", "thread counts"), ("--decode-lens", "decode key lengths (Lq 1; '' skips decode)"),
+                      ("--decode-dtypes", "decode dtypes")):
+        key = opt[2:].replace("-", "_")
+        ap.add_argument(opt, help=f"{what}, comma separated (default {DEFAULTS[key]})")
+    ap.add_argument("--batch", type=int, default=1, help="B (default 1)")
+    ap.add_argument("--heads", type=int, default=8, help="H (default 8)")
+    ap.add_argument("--rounds", type=int, help="alternating rounds per configuration (default 5)")
+    ap.add_argument("--reps", type=int, default=1, help="calls per measurement, median taken (default 1)")
+    ap.add_argument("--ceiling-n", type=int, help="N of the SGEMM and torch.mm ceilings (default 2048)")
+    ap.add_argument("--ceiling-reps", type=int, help="timed calls per ceiling, median taken (default 5)")
+    ap.add_argument("--sattn", default=os.path.join(REPO, "build", "sattn"),
+                    help="the sattn command, for the OpenBLAS SGEMM ceiling (default build/sattn)")
+    ap.add_argument("--json", help="also write all rows to this file")
+    ap.add_argument("--quick", action="store_true", help="a tiny matrix for smoke tests (see above)")
+    a = ap.parse_args()
+    for key, value in DEFAULTS.items():
+        if getattr(a, key) is None:
+            setattr(a, key, QUICK[key] if a.quick and key in QUICK else value)
+    for key in ("batch", "heads", "rounds", "reps", "ceiling_n", "ceiling_reps"):
+        if getattr(a, key) <= 0:
+            sys.exit(f"compare.py: --{key.replace('_', '-')}: expected a positive integer")
+    return a
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lens", default="1024,4096")
-    ap.add_argument("--dims", default="64")
-    ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--masks", default="full,causal")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--sattn", default=os.path.join(os.path.dirname(__file__), "..", "build", "sattn"))
-    ap.add_argument("--json", help="also write all rows to this file")
-    a = ap.parse_args()
-    try:
-        import torch
-    except ImportError:
-        torch = None
-        print("PyTorch not importable: only sattn is measured", file=sys.stderr)
+    a = parse_args()
+    if torch is None:
+        sys.exit(f"compare.py: PyTorch is not importable ({TORCH_ERROR}). This benchmark times sattn.torch against "
+                 "torch's own scaled_dot_product_attention in one process: run it with build/venv/bin/python "
+                 "(PyTorch 2.x, installed by scripts/bootstrap)")
+    if not hasattr(F, "scaled_dot_product_attention"):
+        sys.exit(f"compare.py: PyTorch {torch.__version__} has no scaled_dot_product_attention; PyTorch 2.x needed")
+    sattn, sattn_torch = import_sattn()
+    dtypes = names(a.dtypes, DTYPE_NAMES, "--dtypes")
+    passes = names(a.passes, ("fwd", "bwd"), "--passes")
+    masks = names(a.masks, ("full", "causal"), "--masks")
+    dims, lens, thread_counts = ints(a.dims, "--dims"), ints(a.lens, "--lens"), ints(a.threads, "--threads")
+    decode_lens = ints(a.decode_lens, "--decode-lens")
+    decode_dtypes = names(a.decode_dtypes, DTYPE_NAMES, "--decode-dtypes")
 
-    all_rows = []
-    for t in [int(x) for x in a.threads.split(",")]:
-        out = subprocess.run([a.sattn, "bench", "--json", "--threads", str(t), "--lens", a.lens, "--dims", a.dims,
-                              "--masks", a.masks, "--reps", str(a.reps)], check=True, capture_output=True, text=True)
-        srows = json.loads(out.stdout)
-        sgemm = next(r["gflops"] for r in srows if r["kind"] == "sgemm")
-        print(f"threads={t}  OpenBLAS sgemm N=2048: {sgemm:.1f} GFLOP/s")
-        print(f"  {'impl':<13} {'D':>4} {'L':>6} {'mask':<6} {'fwd_ms':>9} {'bwd_ms':>9}  fwd speed-up of sattn")
-        sat = {}
-        for r in srows:
-            if r["kind"] != "attention":
-                continue
-            key = (r["L"], r["D"], r["mask"])
-            sat.setdefault(key, {})[r["pass"] + "_ms"] = r["median_ms"]
-        for (L, D, mask), r in sorted(sat.items()):
-            row = {"impl": "sattn_fused", "L": L, "D": D, "mask": mask, "threads": t, **r}
-            all_rows.append(row)
-            print(f"  {'sattn_fused':<13} {D:>4} {L:>6} {mask:<6} {r.get('fwd_ms', float('nan')):>9.2f} "
-                  f"{r.get('bwd_ms', float('nan')):>9.2f}")
-            if torch is None or L > 4096:
-                continue
-            for tr in torch_rows(torch, L, D, mask == "causal", t, a.reps):
-                all_rows.append(tr)
-                print(f"  {tr['impl']:<13} {D:>4} {L:>6} {mask:<6} {tr['fwd_ms']:>9.2f} {tr['bwd_ms']:>9.2f}  "
-                      f"{tr['fwd_ms'] / r['fwd_ms']:.2f}x")
-        all_rows.append({"impl": "openblas_sgemm", "threads": t, "gflops": sgemm})
+    model, isa = cpu_info()
+    simd = sattn.simd_targets()
+    cap = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "?"
+    print(f"CPU: {model}; ISA flags: {' '.join(isa) or 'none of ' + ' '.join(ISA_FLAGS)}")
+    print(f"sattn {sattn.__version__} ({os.path.dirname(sattn.__file__)}): fused kernel SIMD build {simd['fused']} "
+          f"(selected {simd['selected']}; this CPU runs {', '.join(simd['available'])})")
+    print(f"torch {torch.__version__} (CPU capability {cap}); B={a.batch} H={a.heads}, {a.rounds} rounds of "
+          f"{a.reps} call(s) per side, alternating which goes first; ratio = torch ms / sattn ms (> 1: sattn faster)")
+    rows = [{"kind": "env", "cpu": model, "isa_flags": isa, "sattn_version": sattn.__version__, "sattn_simd": simd,
+             "torch_version": torch.__version__, "torch_cpu_capability": cap, "batch": a.batch, "heads": a.heads,
+             "rounds": a.rounds, "reps": a.reps}]
+
+    for t in thread_counts:
+        set_threads(torch, t)  # torch's pool (sattn.torch reads torch.get_num_threads()) and OpenBLAS's
+        sattn.set_num_threads(t)  # sattn's default for its numpy API, kept equal
+        if torch.get_num_threads() != t:
+            sys.exit(f"compare.py: torch.set_num_threads({t}) left torch at {torch.get_num_threads()} threads")
+        sg = sgemm_ceiling(a.sattn, t, a.ceiling_n, a.ceiling_reps)
+        mm32 = mm_ceiling(torch.float32, a.ceiling_n, a.ceiling_reps)
+        mm16 = mm_ceiling(torch.bfloat16, a.ceiling_n, a.ceiling_reps)
+        sg_text = f"{sg[0]:.1f} GFLOP/s (OpenBLAS {sg[1]})" if sg else f"n/a (no {a.sattn}; --sattn names it)"
+        print(f"\nthreads={t}  N={a.ceiling_n}: sgemm {sg_text}; torch.mm fp32 {mm32:.1f}, bf16 {mm16:.1f} GFLOP/s")
+        rows.append({"kind": "ceiling", "threads": t, "n": a.ceiling_n, "sgemm_gflops": sg[0] if sg else None,
+                     "blas_core": sg[1] if sg else None, "torch_mm_fp32_gflops": mm32, "torch_mm_bf16_gflops": mm16})
+        print(f"  {'dtype':<5} {'pass':<4} {'mask':<6} {'D':>4} {'Lq':>6} {'Lk':>6} {'thr':>3} {'sattn_ms':>10} "
+              f"{'torch_ms':>10} {'sattn_GF':>8}  ratio per round, median")
+        configs = [(dt, p, m, D, L, L) for dt in dtypes for p in passes for m in masks for D in dims for L in lens]
+        configs += [(dt, "fwd", "full", D, 1, L) for dt in decode_dtypes for D in dims for L in decode_lens]
+        for dt, p, m, D, Lq, Lk in configs:
+            row = run_config(sattn_torch.scaled_dot_product_attention, dt, p, m, D, Lq, Lk, t, a)
+            rows.append(row)
+            print_row(row)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(all_rows, f, indent=1)
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
