@@ -19,7 +19,8 @@ struct SimdTargets {
 
 SimdTargets simd_targets();
 
-// Selects a target by name: "avx512", "avx2", "sse4", "portable" or "auto" (the widest this CPU runs); the names
+// Selects a target by name: "avx512bf16", "avx512", "avx2", "sse4", "portable" or "auto" (the widest this CPU runs);
+// avx512bf16 differs from avx512 only in the fused kernel's bf16 products (vdpbf16ps). The names
 // "avx2+fma", "base" and "scalar" are accepted too. Throws sattn::Error: InvalidArgument for an unknown name,
 // Unsupported when this CPU cannot run it. Takes effect for calls that start after it returns.
 void set_simd_target(const std::string& name);

@@ -15,14 +15,24 @@ struct Info {
   Target target;
   const char* name;
   int64_t hwy_target;  // the Highway target whose CPU features it needs (0: none)
+  bool bf16_dot;       // and the AVX512-BF16 dot products
 };
 
 constexpr Info kTable[kNumTargets] = {
-    {Target::kAvx512, "avx512", HWY_AVX3},
-    {Target::kAvx2, "avx2", HWY_AVX2},
-    {Target::kSse4, "sse4", HWY_SSE4},
-    {Target::kPortable, "portable", 0},
+    {Target::kAvx512Bf16, "avx512bf16", HWY_AVX3, true},
+    {Target::kAvx512, "avx512", HWY_AVX3, false},
+    {Target::kAvx2, "avx2", HWY_AVX2, false},
+    {Target::kSse4, "sse4", HWY_SSE4, false},
+    {Target::kPortable, "portable", 0, false},
 };
+
+bool cpu_has_bf16_dot() {
+#if defined(__x86_64__) || defined(__i386__)
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
 
 constexpr int kUnset = -1;
 std::atomic<int> g_selected{kUnset};
@@ -38,8 +48,9 @@ Target widest_available() {
 const char* name(Target t) { return kTable[int(t)].name; }
 
 bool cpu_runs(Target t) {
-  const int64_t need = kTable[int(t)].hwy_target;
-  return need == 0 || (hwy::SupportedTargets() & need) != 0;
+  const Info& i = kTable[int(t)];
+  if (i.bf16_dot && !cpu_has_bf16_dot()) return false;
+  return i.hwy_target == 0 || (hwy::SupportedTargets() & i.hwy_target) != 0;
 }
 
 Target parse(const std::string& s, const char* what) {
@@ -57,7 +68,7 @@ Target parse(const std::string& s, const char* what) {
         ")");
     return i.target;
   }
-  fail(ErrorKind::kInvalidArgument, what, ": expected one of auto, avx512, avx2, sse4, portable; got '", s, "'");
+  fail(ErrorKind::kInvalidArgument, what, ": expected one of auto, avx512bf16, avx512, avx2, sse4, portable; got '", s, "'");
 }
 
 Target selected() {

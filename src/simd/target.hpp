@@ -9,11 +9,13 @@
 
 namespace sattn::simd {
 
-// Widest first; each target's instructions include those of the targets after it.
-enum class Target : int { kAvx512 = 0, kAvx2 = 1, kSse4 = 2, kPortable = 3 };
-inline constexpr int kNumTargets = 4;
+// Widest first; each target's instructions include those of the targets after it. avx512bf16 is AVX-512 with the
+// AVX512-BF16 dot products (vdpbf16ps): only the fused kernel has a build for it (its bf16 products); every other
+// component runs its avx512 build under it.
+enum class Target : int { kAvx512Bf16 = 0, kAvx512 = 1, kAvx2 = 2, kSse4 = 3, kPortable = 4 };
+inline constexpr int kNumTargets = 5;
 
-// "avx512", "avx2", "sse4", "portable".
+// "avx512bf16", "avx512", "avx2", "sse4", "portable".
 const char* name(Target t);
 
 // Whether this CPU runs code built for `t` (portable: always).

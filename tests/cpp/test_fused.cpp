@@ -249,8 +249,34 @@ TEST_P(FusedSweep, ForwardAndBackwardMatchReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Simd, FusedSweep, ::testing::Values("avx512", "avx2", "sse4", "portable"),
+INSTANTIATE_TEST_SUITE_P(Simd, FusedSweep, ::testing::Values("avx512bf16", "avx512", "avx2", "sse4", "portable"),
                          [](const auto& info) { return info.param; });
+
+// The sweep with bf16 inputs on the bf16 products (avx512bf16: vdpbf16ps) against the fp64 reference on the same
+// (rounded) values, with the float32 tolerances; bitwise the same for 1 and 3 threads.
+TEST(Fused, Bf16ProductsMatchReference) {
+  const auto avail = sattn::testing::simd_target_names();
+  if (std::find(avail.begin(), avail.end(), "avx512bf16") == avail.end())
+    GTEST_SKIP() << "this CPU has no AVX512-BF16 (vdpbf16ps): the bf16 products are not tested here";
+  const sattn::testing::ScopedSimdTarget target("avx512bf16");
+  uint32_t seed = 500;
+  for (const Case& c : sweep()) {
+    SCOPED_TRACE(c.name());
+    const Problem pb = make_problem(c, ++seed);
+    const Tensor q = Tensor::from_view(pb.q.view).to(DType::kBF16), k = Tensor::from_view(pb.k.view).to(DType::kBF16),
+                 v = Tensor::from_view(pb.v.view).to(DType::kBF16);
+    const Tensor qf = q.to(DType::kF32), kf = k.to(DType::kF32), vf = v.to(DType::kF32);
+    Problem in = pb, up = pb;
+    in.q.view = q.view(), in.k.view = k.view(), in.v.view = v.view();
+    up.q.view = qf.view(), up.k.view = kf.view(), up.v.view = vf.view();
+    const FwdResult ref = run_forward(up, "reference", 1);
+    const FwdResult got = run_forward(in, "fused", 1);
+    EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
+    EXPECT_LE(rel_err(got.lse, ref.lse), 2e-5);
+    const FwdResult got3 = run_forward(in, "fused", 3);
+    EXPECT_TRUE(bitwise_equal(got.out, got3.out) && bitwise_equal(got.lse, got3.lse));
+  }
+}
 
 TEST(Fused, ChosenAutomaticallyAndExplainsWeights) {
   Case c;
@@ -340,7 +366,10 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
       o.kernel = "fused";
       Tensor out(DType::kF32, {c.B, c.Hq, c.Lq, c.Dv});
       sattn::scaled_dot_product_attention(q, k, v, o, {out.view(), {}, {}});
-      EXPECT_TRUE(bitwise_equal(out, ref.out)) << sattn::to_string(dt) << " " << simd;
+      if (simd == "avx512bf16" && dt == DType::kBF16)  // its own products: as accurate, not the same bits
+        EXPECT_LE(rel_err(out, ref.out), 2e-5) << simd;
+      else
+        EXPECT_TRUE(bitwise_equal(out, ref.out)) << sattn::to_string(dt) << " " << simd;
       // Backward with half-precision q/k/v equals the backward on the up-cast inputs.
       const BwdResult gref = run_backward(up, ref, "fused", 1);
       Tensor dq(DType::kF32, q.shape()), dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());

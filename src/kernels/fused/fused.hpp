@@ -63,6 +63,15 @@ struct Params {
   float* part_sum = nullptr;
   int64_t num_kv_chunks() const { return kv_chunk > 0 ? (Lk + kv_chunk - 1) / kv_chunk : 1; }
 
+  // bf16 products (the avx512bf16 build, bf16 inputs): K and V rounded to bf16 once, in 32-bit words of two bf16
+  // each, the pairs that vdpbf16ps multiplies and adds: k_pairs [B·Hkv][Lk][D2] holds (k[j, 2x], k[j, 2x+1]) and
+  // v_pairs [B·Hkv][Lk2][Dv] holds (v[2y, x], v[2y + 1, x]), D2 = ⌈D/2⌉, Lk2 = ⌈Lk/2⌉, zero past D and Lk. The
+  // forward tiles then compute S = Q K^T and O += P V with bf16 pairs and float32 sums; nullptr: float32 products.
+  uint32_t* k_pairs = nullptr;
+  uint32_t* v_pairs = nullptr;
+  int64_t d_pairs() const { return (D + 1) / 2; }
+  int64_t lk_pairs() const { return (Lk + 1) / 2; }
+
   // Forward outputs.
   OutView4 out;  // [B, Hq, Lq, Dv]
   OutView4 lse;  // [B, Hq, Lq] (sd unused); data == nullptr when not wanted
@@ -127,6 +136,8 @@ struct ForwardOps {
   // Forward of one (b, h, q block[, key chunk]) task: task = ((b * Hq + h) * num_q_blocks + qb) * chunks + c
   // (with decode_group: (b * Hkv + hk) * chunks + c).
   void (*forward_task)(const Params& p, int64_t task);
+  // Builds with bf16 products (nullptr elsewhere): fills k_pairs and v_pairs of one (b, kv head) task.
+  void (*pack_kv_pairs)(const Params& p, int64_t task);
 };
 struct BackwardOps {
   // Backward pass 1 (dK, dV) of one (b, hkv, k block) task: task = (b * Hkv + hk) * num_k_blocks + kb.

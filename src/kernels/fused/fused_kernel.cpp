@@ -184,6 +184,14 @@ void fused_forward(const ForwardArgs& a) {
     run_tasks(p.B * p.Hkv, a.num_threads, [&](int64_t t) { o.forward_task(p, t); });
     return;
   }
+  // bf16 products (a build that has them, bf16 inputs): K and V as bf16 pairs, once.
+  std::vector<uint32_t> kv_pairs;
+  if (o.pack_kv_pairs && p.q.dtype == DType::kBF16) {
+    const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.lk_pairs() * p.Dv;
+    kv_pairs.resize(size_t(k_words + v_words));
+    p.k_pairs = kv_pairs.data(), p.v_pairs = p.k_pairs + k_words;
+    run_tasks(p.B * p.Hkv, a.num_threads, [&](int64_t t) { o.pack_kv_pairs(p, t); });
+  }
   const int64_t n = p.B * p.Hq * p.num_q_blocks();
   // Causal: the last query blocks are the most expensive; start them first (order does not change results).
   const bool reverse = p.causal;

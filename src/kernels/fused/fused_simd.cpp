@@ -267,6 +267,216 @@ void ForwardTask(const Params& p, int64_t task) {
   FinishRows(p, b, h, i0, nq, chunk, M, L, [&](int64_t ii, int64_t dd) { return OT[dd * Br + ii]; });
 }
 
+
+#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
+// ---- bf16 products (the avx512bf16 build) ------------------------------------------------------------------
+// The same tiles, masks and online softmax as ForwardTask; the two products take bf16 pairs: vdpbf16ps adds
+// a.lo·b.lo + a.hi·b.hi to each float32 lane (the products of two bf16 are exact in float32). S^T = K Q^T pairs
+// along D (K from k_pairs, Q packed per task; Q is not pre-scaled, so that bf16 inputs enter unrounded: the scale
+// multiplies the float32 sums), O^T += V^T P^T pairs along the keys (V from v_pairs; P, in float32, as the sum of
+// two bf16 matrices, so that O keeps float32 accuracy: FlashAttention rounds P to bf16 once, 2^-8 relative). With
+// bf16 inputs every product is then as accurate as the float32 path's. vdpbf16ps flushes denormal bf16 to zero.
+#define SATTN_BF16_ATTR __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16")))
+
+// C[MR x NV·16] = mul · Σ_k A2(m, k) · B2[k, :] (kAcc: C +=), over K2 pairs: A2(m, k) is the word at
+// A[m·sam + k·sak] (broadcast), B2 rows are ldb words apart (aligned).
+// With kSplit, B2 is the sum of two bf16 matrices, its rounded values (the rows) and the rounding errors (the
+// rows lo words further on): the product of a float32 operand to about 2^-16 relative instead of 2^-8.
+template <int MR, int NV, bool kAcc, bool kSplit>
+SATTN_BF16_ATTR HWY_INLINE void MicroTileBf16(const uint32_t* HWY_RESTRICT A, int64_t sam, int64_t sak,
+                                              const uint32_t* HWY_RESTRICT B, int64_t ldb, int64_t lo,
+                                              float* HWY_RESTRICT C, int64_t ldc, int64_t K2, float mul) {
+  __m512 acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    __m512bh bv[NV], bl[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = (__m512bh)_mm512_load_si512(B + k * ldb + v * 16);
+    if (kSplit)
+      for (int v = 0; v < NV; ++v) bl[v] = (__m512bh)_mm512_load_si512(B + lo + k * ldb + v * 16);
+    const uint32_t* a = A + k * sak;
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(int32_t(a[m * sam]));
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], av, bv[v]);
+      if (kSplit)
+        for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], av, bl[v]);
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(mul);
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) {
+      float* c = C + m * ldc + v * 16;
+      __m512 r = _mm512_mul_ps(acc[m][v], scale);
+      if (kAcc) r = _mm512_add_ps(r, _mm512_load_ps(c));
+      _mm512_store_ps(c, r);
+    }
+}
+
+template <int NV, bool kAcc, bool kSplit, int MR = kMR - 1>
+SATTN_BF16_ATTR HWY_INLINE void TailRowsBf16(int64_t rows, const uint32_t* A, int64_t sam, int64_t sak,
+                                             const uint32_t* B, int64_t ldb, int64_t lo, float* C, int64_t ldc,
+                                             int64_t K2, float mul) {
+  if constexpr (MR >= 1) {
+    if (rows == MR) return MicroTileBf16<MR, NV, kAcc, kSplit>(A, sam, sak, B, ldb, lo, C, ldc, K2, mul);
+    TailRowsBf16<NV, kAcc, kSplit, MR - 1>(rows, A, sam, sak, B, ldb, lo, C, ldc, K2, mul);
+  }
+}
+
+template <int NV, bool kAcc, bool kSplit>
+SATTN_BF16_ATTR HWY_INLINE void RowsLoopBf16(const uint32_t* A, int64_t sam, int64_t sak, const uint32_t* B,
+                                             int64_t ldb, int64_t lo, float* C, int64_t ldc, int64_t M, int64_t K2,
+                                             float mul) {
+  int64_t m = 0;
+  for (; m + kMR <= M; m += kMR)
+    MicroTileBf16<kMR, NV, kAcc, kSplit>(A + m * sam, sam, sak, B, ldb, lo, C + m * ldc, ldc, K2, mul);
+  if (m < M) TailRowsBf16<NV, kAcc, kSplit>(M - m, A + m * sam, sam, sak, B, ldb, lo, C + m * ldc, ldc, K2, mul);
+}
+
+template <bool kAcc, bool kSplit, int NV = kNV - 1>
+SATTN_BF16_ATTR HWY_INLINE void TailColsBf16(int64_t nv, const uint32_t* A, int64_t sam, int64_t sak,
+                                             const uint32_t* B, int64_t ldb, int64_t lo, float* C, int64_t ldc,
+                                             int64_t M, int64_t K2, float mul) {
+  if constexpr (NV >= 1) {
+    if (nv == NV) return RowsLoopBf16<NV, kAcc, kSplit>(A, sam, sak, B, ldb, lo, C, ldc, M, K2, mul);
+    TailColsBf16<kAcc, kSplit, NV - 1>(nv, A, sam, sak, B, ldb, lo, C, ldc, M, K2, mul);
+  }
+}
+
+// C[M x nvec·16] (+)= mul · A2 (M x K2 pairs) · B2 [K2 x nvec·16 words] (kSplit: + the lo parts `lo` words after
+// B2); the bf16-pair counterpart of Gemm.
+template <bool kAcc, bool kSplit>
+SATTN_BF16_ATTR void GemmBf16(const uint32_t* A, int64_t sam, int64_t sak, const uint32_t* B, int64_t ldb, int64_t lo,
+                              float* C, int64_t ldc, int64_t M, int64_t nvec, int64_t K2, float mul) {
+  int64_t n = 0;
+  for (; n + kNV <= nvec; n += kNV)
+    RowsLoopBf16<kNV, kAcc, kSplit>(A, sam, sak, B + n * 16, ldb, lo, C + n * 16, ldc, M, K2, mul);
+  if (n < nvec) TailColsBf16<kAcc, kSplit>(nvec - n, A, sam, sak, B + n * 16, ldb, lo, C + n * 16, ldc, M, K2, mul);
+}
+
+inline uint16_t Bf16Bits(const View4& t, int64_t off) {
+  return t.dtype == DType::kBF16 ? static_cast<const uint16_t*>(t.data)[off]
+                                 : float_to_bf16(load_elem(t.data, t.dtype, off));
+}
+
+// k_pairs and v_pairs of one (b, kv head): task = b * Hkv + hk.
+void PackKVPairs(const Params& p, int64_t task) {
+  const int64_t b = task / p.Hkv, hk = task % p.Hkv, D2 = p.d_pairs(), Lk2 = p.lk_pairs();
+  uint32_t* kp = p.k_pairs + task * p.Lk * D2;
+  const int64_t kbase = b * p.k.sb + hk * p.k.sh;
+  for (int64_t j = 0; j < p.Lk; ++j)
+    for (int64_t x = 0; x < D2; ++x) {
+      const int64_t off = kbase + j * p.k.sl + 2 * x * p.k.sd;
+      const uint32_t hi = 2 * x + 1 < p.D ? Bf16Bits(p.k, off + p.k.sd) : 0;
+      kp[j * D2 + x] = uint32_t(Bf16Bits(p.k, off)) | hi << 16;
+    }
+  uint32_t* vp = p.v_pairs + task * Lk2 * p.Dv;
+  const int64_t vbase = b * p.v.sb + hk * p.v.sh;
+  for (int64_t y = 0; y < Lk2; ++y)
+    for (int64_t x = 0; x < p.Dv; ++x) {
+      const int64_t off = vbase + 2 * y * p.v.sl + x * p.v.sd;
+      const uint32_t hi = 2 * y + 1 < p.Lk ? Bf16Bits(p.v, off + p.v.sl) : 0;
+      vp[y * p.Dv + x] = uint32_t(Bf16Bits(p.v, off)) | hi << 16;
+    }
+}
+
+// x rounded to bf16 (in the low 16 bits of each 32-bit lane), and the rounding error x − that, rounded to bf16.
+SATTN_BF16_ATTR HWY_INLINE void SplitBf16(__m512 x, __m512i& hi, __m512i& lo) {
+  hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
+  const __m512 rest = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
+  lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(rest));
+}
+
+// Rows 2y and 2y + 1 of P^T [nk x Br] (float) as bf16 pairs [⌈nk/2⌉ x Br words], P = hi + lo: the rounded
+// values in out, the rounding errors (rounded) ⌈nk/2⌉·Br words further on; a missing last row is 0.
+SATTN_BF16_ATTR void PackProbabilityPairs(const float* PT, int64_t nk, int64_t Br, uint32_t* out) {
+  const int64_t lo_offset = (nk + 1) / 2 * Br;
+  for (int64_t y = 0; 2 * y < nk; ++y) {
+    const float* r0 = PT + 2 * y * Br;
+    const float* r1 = 2 * y + 1 < nk ? r0 + Br : nullptr;
+    for (int64_t x = 0; x < Br; x += 16) {
+      __m512i hi0, lo0, hi1 = _mm512_setzero_si512(), lo1 = _mm512_setzero_si512();
+      SplitBf16(_mm512_load_ps(r0 + x), hi0, lo0);
+      if (r1) SplitBf16(_mm512_load_ps(r1 + x), hi1, lo1);
+      _mm512_store_si512(out + y * Br + x, _mm512_or_si512(hi0, _mm512_slli_epi32(hi1, 16)));
+      _mm512_store_si512(out + lo_offset + y * Br + x, _mm512_or_si512(lo0, _mm512_slli_epi32(lo1, 16)));
+    }
+  }
+}
+
+SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
+  if (!p.k_pairs) return ForwardTask(p, task);  // decode and float32 inputs: the float32 products
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  const int64_t nqb = p.num_q_blocks(), Br = p.Br, Bc = p.Bc, Dv = p.Dv, nvec = Br / N, D2 = p.d_pairs();
+  const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
+  const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
+  int64_t kend = p.Lk;
+  if (p.key_len) kend = std::min(kend, p.key_len[b]);
+  if (p.causal) kend = std::min(kend, i0 + nq - 1 + p.causal_offset + 1);
+
+  Scratch s_qp, s_st, s_ot, s_ml, s_bias, s_pp, s_pt;
+  auto* QP = reinterpret_cast<uint32_t*>(s_qp.alloc(D2 * Br));  // Q^T pairs [D2 x Br]
+  float* ST = s_st.alloc(Bc * Br);
+  float* OT = s_ot.alloc(Dv * Br);
+  float* M = s_ml.alloc(2 * Br);
+  float* L = M + Br;
+  float* bias = p.mask != MaskKind::kNone ? s_bias.alloc(Bc * Br) : nullptr;
+  auto* PP = reinterpret_cast<uint32_t*>(s_pp.alloc((Bc + 1) / 2 * Br * 2));  // P^T pairs [Bc/2 x Br], hi and lo
+  float* PT = p.dropout_p > 0 ? s_pt.alloc(Bc * Br) : nullptr;
+  Scratch s_vlast;
+  auto* vlast = reinterpret_cast<uint32_t*>(s_vlast.alloc(Dv));
+  uint8_t pad[1024];  // Bc <= 1024 (checked by the driver)
+
+  std::fill(M, M + Br, kNegInf);
+  std::fill(L, L + Br, 0.f);
+  std::memset(OT, 0, sizeof(float) * size_t(Dv * Br));
+  std::memset(QP, 0, sizeof(uint32_t) * size_t(D2 * Br));
+  const int64_t qbase = b * p.q.sb + h * p.q.sh + i0 * p.q.sl;
+  for (int64_t ii = 0; ii < nq; ++ii)
+    for (int64_t x = 0; x < D2; ++x) {
+      const int64_t off = qbase + ii * p.q.sl + 2 * x * p.q.sd;
+      const uint32_t hi = 2 * x + 1 < p.D ? Bf16Bits(p.q, off + p.q.sd) : 0;
+      QP[x * Br + ii] = uint32_t(Bf16Bits(p.q, off)) | hi << 16;
+    }
+  const uint32_t* kp = p.k_pairs + (b * p.Hkv + hk) * p.Lk * D2;
+  const uint32_t* vp = p.v_pairs + (b * p.Hkv + hk) * p.lk_pairs() * Dv;
+
+  const float keep_scale = p.dropout_p > 0 ? float(1.0 / (1.0 - p.dropout_p)) : 1.f;
+  for (int64_t kb = 0; kb < kend; kb += Bc) {
+    const int64_t nk = std::min(Bc, kend - kb);
+    const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, bias, pad);
+    if (tm.skip) continue;
+    GemmBf16<false, false>(kp + kb * D2, D2, 1, QP, Br, 0, ST, Br, nk, nvec, D2, p.scale);  // S^T = scale K Q^T
+    if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, bias, pad, ST);
+    for (int64_t x = 0; x < Br; x += N) {
+      const VF alpha = OnlineSoftmaxStep(d, ST + x, nk, Br, M + x, L + x);
+      if (!hn::AllTrue(d, hn::Eq(alpha, hn::Set(d, 1.f))))
+        for (int64_t dd = 0; dd < Dv; ++dd)
+          hn::Store(hn::Mul(hn::Load(d, OT + dd * Br + x), alpha), d, OT + dd * Br + x);
+    }
+    const float* P = ST;
+    if (PT) {  // dropout, as in ForwardTask
+      for (int64_t jj = 0; jj < nk; ++jj)
+        for (int64_t ii = 0; ii < Br; ++ii)
+          PT[jj * Br + ii] = ii < nq && dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(h), uint32_t(i0 + ii),
+                                                     uint32_t(kb + jj))
+                                 ? ST[jj * Br + ii] * keep_scale
+                                 : 0.f;
+      P = PT;
+    }
+    PackProbabilityPairs(P, nk, Br, PP);
+    const uint32_t* vt = vp + kb / 2 * Dv;
+    const int64_t lo = (nk + 1) / 2 * Br;
+    GemmBf16<true, true>(vt, 1, Dv, PP, Br, lo, OT, Br, Dv, nvec, nk / 2, 1.f);  // O^T += V^T P^T
+    if (nk % 2) {  // the last key alone: the pair's other value (a key past the tile's end) must not reach O
+      for (int64_t x = 0; x < Dv; ++x) vlast[x] = vt[nk / 2 * Dv + x] & 0xFFFFu;
+      GemmBf16<true, true>(vlast, 1, Dv, PP + nk / 2 * Br, Br, lo, OT, Br, Dv, nvec, 1, 1.f);
+    }
+  }
+  FinishRows(p, b, h, i0, nq, 0, M, L, [&](int64_t ii, int64_t dd) { return OT[dd * Br + ii]; });
+}
+#endif  // HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
+
 }  // namespace HWY_NAMESPACE
 }  // namespace sattn::fused
 HWY_AFTER_NAMESPACE();
@@ -282,8 +492,12 @@ namespace {
 std::atomic<int64_t> g_workspace{0}, g_workspace_peak{0};
 
 #define SATTN_FUSED_FORWARD_OPS(NS) \
-  ForwardOps { &NS::ForwardTask }
-const simd::Build<ForwardOps> kBuilds[] = {SATTN_SIMD_BUILDS(SATTN_FUSED_FORWARD_OPS)};
+  ForwardOps { &NS::ForwardTask, nullptr }
+const simd::Build<ForwardOps> kBuilds[] = {
+#if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64
+    {simd::Target::kAvx512Bf16, ForwardOps{&N_AVX3::ForwardTaskBf16, &N_AVX3::PackKVPairs}},
+#endif
+    SATTN_SIMD_BUILDS(SATTN_FUSED_FORWARD_OPS)};
 }  // namespace
 
 const ForwardOps& forward_ops() { return simd::pick(kBuilds).ops; }
