@@ -70,7 +70,14 @@ struct Params {
   uint32_t* k_pairs = nullptr;
   uint32_t* v_pairs = nullptr;
   int64_t d_pairs() const { return (D + 1) / 2; }
+  int64_t dv_pairs() const { return (Dv + 1) / 2; }
   int64_t lk_pairs() const { return (Lk + 1) / 2; }
+  // The backward's bf16 products (S^T = K Q^T and dP^T = V dO^T; the other three take float32 operands and stay
+  // float32): k_pairs as above with the rows that hold a NaN zeroed, v_row_pairs [B·Hkv][Lk][Dv2] holds
+  // (v[j, 2x], v[j, 2x+1]); per query block t, pk_qp [D2 x Br] and pk_dop [Dv2 x Br] words: Q^T (unscaled) and
+  // dO^T in pairs along D and Dv.
+  uint32_t* v_row_pairs = nullptr;
+  uint32_t *pk_qp = nullptr, *pk_dop = nullptr;
 
   // Forward outputs.
   OutView4 out;  // [B, Hq, Lq, Dv]
@@ -153,6 +160,8 @@ struct BackwardOps {
   // Backward: recomputes the row max m and log l of the rows of one (b, h, q block) task whose lse needs it
   // (into lse_eff and row_log_sum); needs the packed tiles.
   void (*row_stats_task)(const Params& p, int64_t task);
+  // Builds with bf16 products (nullptr elsewhere): fills k_pairs and v_row_pairs of one (b, kv head) task.
+  void (*pack_kv_pairs)(const Params& p, int64_t task);
 };
 
 // Whether a backward row needs its row max m and log l recomputed: float keeps lse = m + log l only to within

@@ -97,15 +97,38 @@ bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, 
   const int64_t t = (b * p.Hq + h) * p.num_q_blocks() + i0 / Br;
   w.QT = p.pk_qt + t * p.D * Br;
   w.dOT = p.pk_dot + t * p.Dv * Br;
-  Rows kr = RowsOf(p.k, b, hk, kb, nk, p.D, w.kbuf);
-  if (p.nan_key_block && p.nan_key_block[(b * p.Hkv + hk) * p.num_k_blocks() + kb / p.Bc])
-    kr = ZeroNanRows(kr, nk, p.D, w.kbuf);
-  const Rows vr = RowsOf(p.v, b, hk, kb, nk, p.Dv, w.vbuf);
-  if (kr_out) *kr_out = kr;
-  if (vr_out) *vr_out = vr;
-  Gemm<false>(kr.ptr, kr.stride, 1, w.QT, Br, w.ST, Br, nk, nvec, p.D);
-  if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, w.bias, w.pad, w.ST);
-  Gemm<false>(vr.ptr, vr.stride, 1, w.dOT, Br, w.dPT, Br, nk, nvec, p.Dv);  // dP'^T = V dO^T
+  auto k_rows = [&] {
+    const Rows kr = RowsOf(p.k, b, hk, kb, nk, p.D, w.kbuf);
+    if (p.nan_key_block && p.nan_key_block[(b * p.Hkv + hk) * p.num_k_blocks() + kb / p.Bc])
+      return ZeroNanRows(kr, nk, p.D, w.kbuf);
+    return kr;
+  };
+#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
+  if (p.k_pairs) {  // bf16 inputs on the bf16 products: S^T = scale K Q^T, and dP'^T = V dO^T when dO is bf16 too
+    const int64_t D2 = p.d_pairs(), Dv2 = p.dv_pairs(), kv = b * p.Hkv + hk;
+    if (kr_out) *kr_out = k_rows();
+    GemmBf16<false, false>(p.k_pairs + (kv * p.Lk + kb) * D2, D2, 1, p.pk_qp + t * D2 * Br, Br, 0, w.ST, Br, nk, nvec,
+                           D2, p.scale);
+    if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, w.bias, w.pad, w.ST);
+    if (p.pk_dop) {
+      GemmBf16<false, false>(p.v_row_pairs + (kv * p.Lk + kb) * Dv2, Dv2, 1, p.pk_dop + t * Dv2 * Br, Br, 0, w.dPT,
+                             Br, nk, nvec, Dv2, 1.f);
+      if (vr_out) *vr_out = RowsOf(p.v, b, hk, kb, nk, p.Dv, w.vbuf);
+    } else {
+      const Rows vr = RowsOf(p.v, b, hk, kb, nk, p.Dv, w.vbuf);
+      if (vr_out) *vr_out = vr;
+      Gemm<false>(vr.ptr, vr.stride, 1, w.dOT, Br, w.dPT, Br, nk, nvec, p.Dv);
+    }
+  } else
+#endif
+  {
+    const Rows kr = k_rows(), vr = RowsOf(p.v, b, hk, kb, nk, p.Dv, w.vbuf);
+    if (kr_out) *kr_out = kr;
+    if (vr_out) *vr_out = vr;
+    Gemm<false>(kr.ptr, kr.stride, 1, w.QT, Br, w.ST, Br, nk, nvec, p.D);
+    if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, w.bias, w.pad, w.ST);
+    Gemm<false>(vr.ptr, vr.stride, 1, w.dOT, Br, w.dPT, Br, nk, nvec, p.Dv);  // dP'^T = V dO^T
+  }
   const int64_t row0 = (b * p.Hq + h) * p.Lq + i0;
   if (p.block_has_nan_row[t])  // NaN rows: a NaN score at every allowed key (lse_eff = +inf, Di = 0 elsewhere)
     for (int64_t ii = 0; ii < nq; ++ii)
@@ -315,6 +338,25 @@ void PackQTask(const Params& p, int64_t task) {
   float* buf = s_rows.alloc(nq * std::max(p.D, p.Dv));
   PackRows(RowsOf(p.q, b, h, i0, nq, p.D, buf), nq, p.D, Dp, Br, p.scale, qr, qt);
   PackRows(RowsOf(p.dout, b, h, i0, nq, p.Dv, buf), nq, p.Dv, Dvp, Br, 1.f, dor, p.pk_dot + task * p.Dv * Br);
+#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
+  if (p.pk_qp) {  // Q^T and dO^T in bf16 pairs (a NaN row of q is zeroed below)
+    uint32_t* qp = p.pk_qp + task * p.d_pairs() * Br;
+    std::memset(qp, 0, sizeof(uint32_t) * size_t(p.d_pairs() * Br));
+    auto* row = reinterpret_cast<uint32_t*>(buf);
+    for (int64_t ii = 0; ii < nq; ++ii) {
+      PackRowPairs(p.q, b * p.q.sb + h * p.q.sh + (i0 + ii) * p.q.sl, 1, p.D, false, row);
+      for (int64_t x = 0; x < p.d_pairs(); ++x) qp[x * Br + ii] = row[x];
+    }
+    if (p.pk_dop) {  // dO is bf16 too
+      uint32_t* dop = p.pk_dop + task * p.dv_pairs() * Br;
+      std::memset(dop, 0, sizeof(uint32_t) * size_t(p.dv_pairs() * Br));
+      for (int64_t ii = 0; ii < nq; ++ii) {
+        PackRowPairs(p.dout, b * p.dout.sb + h * p.dout.sh + (i0 + ii) * p.dout.sl, 1, p.Dv, false, row);
+        for (int64_t x = 0; x < p.dv_pairs(); ++x) dop[x * Br + ii] = row[x];
+      }
+    }
+  }
+#endif
   const int64_t row0 = bh * p.Lq + i0;
   const Rows o = RowsOf(p.o, b, h, i0, nq, p.Dv, buf);
   for (int64_t ii = 0; ii < nq; ++ii) {
@@ -329,6 +371,8 @@ void PackQTask(const Params& p, int64_t task) {
     for (int64_t x = 0; x < p.D; ++x) nan |= std::isnan(qr[ii * Dp + x]);
     if (!nan) continue;
     for (int64_t x = 0; x < p.D; ++x) qr[ii * Dp + x] = qt[x * Br + ii] = 0.f;
+    if (p.pk_qp)
+      for (int64_t x = 0; x < p.d_pairs(); ++x) p.pk_qp[(task * p.d_pairs() + x) * Br + ii] = 0;
     p.nan_row[row0 + ii] = 1;
     p.lse_eff[row0 + ii] = std::numeric_limits<float>::infinity();
     p.delta[row0 + ii] = 0.f;
@@ -375,6 +419,16 @@ void RowStatsTask(const Params& p, int64_t task) {
     }
 }
 
+#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
+// k_pairs (rows with a NaN zeroed, as ZeroNanRows does for the float32 products) and v_row_pairs of one (b, kv
+// head): task = b * Hkv + hk.
+void PackKVRowPairs(const Params& p, int64_t task) {
+  const int64_t b = task / p.Hkv, hk = task % p.Hkv;
+  PackRowPairs(p.k, b * p.k.sb + hk * p.k.sh, p.Lk, p.D, true, p.k_pairs + task * p.Lk * p.d_pairs());
+  PackRowPairs(p.v, b * p.v.sb + hk * p.v.sh, p.Lk, p.Dv, false, p.v_row_pairs + task * p.Lk * p.dv_pairs());
+}
+#endif
+
 }  // namespace HWY_NAMESPACE
 }  // namespace sattn::fused
 HWY_AFTER_NAMESPACE();
@@ -388,9 +442,15 @@ namespace {
 #define SATTN_FUSED_BACKWARD_OPS(NS) \
   BackwardOps {                                                                                            \
     &NS::BackwardKVTask, &NS::BackwardQTask, &NS::BackwardKVQTask, &NS::ReduceDQTask, &NS::PackQTask, \
-        &NS::RowStatsTask                                                                                 \
+        &NS::RowStatsTask, nullptr                                                                        \
   }
-const simd::Build<BackwardOps> kBuilds[] = {SATTN_SIMD_BUILDS(SATTN_FUSED_BACKWARD_OPS)};
+const simd::Build<BackwardOps> kBuilds[] = {
+#if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64
+    {simd::Target::kAvx512Bf16,
+     BackwardOps{&N_AVX3::BackwardKVTask, &N_AVX3::BackwardQTask, &N_AVX3::BackwardKVQTask, &N_AVX3::ReduceDQTask,
+                 &N_AVX3::PackQTask, &N_AVX3::RowStatsTask, &N_AVX3::PackKVRowPairs}},
+#endif
+    SATTN_SIMD_BUILDS(SATTN_FUSED_BACKWARD_OPS)};
 }  // namespace
 
 const BackwardOps& backward_ops() { return simd::pick(kBuilds).ops; }

@@ -199,13 +199,13 @@ void fused_forward(const ForwardArgs& a) {
 }
 
 // Key blocks per task of the one-pass backward, from the problem's sizes only (never the thread count): enough
-// groups for 32 tasks where the problem has them, at most 512 KiB of a group's dK and dV accumulators (they stay
-// in a core's L2 while the query blocks stream past), and the partial dQ tiles (one float copy of dQ per group)
+// groups for 32 tasks where the problem has them, at most 1 MiB of a group's dK and dV accumulators (they stay
+// in a core's L2 while the query blocks stream past; more groups cost more partial dQ copies), and the partial dQ tiles (one float copy of dQ per group)
 // within 256 MiB or 4 copies, whichever allows more.
 int64_t kv_group_size(const Params& p) {
   const int64_t nkb = p.num_k_blocks();
   const int64_t block_bytes = p.Bc * (Params::pad16(p.D) + Params::pad16(p.Dv)) * int64_t(sizeof(float));
-  const int64_t max_group = std::max<int64_t>(1, (int64_t(512) << 10) / block_bytes);
+  const int64_t max_group = std::max<int64_t>(1, (int64_t(1024) << 10) / block_bytes);
   int64_t group = std::clamp<int64_t>(p.B * p.Hkv * nkb / 32, 1, max_group);
   const int64_t copy_bytes = p.B * p.Hq * p.num_q_blocks() * p.Br * p.D * int64_t(sizeof(float));
   const int64_t max_groups = std::max<int64_t>(4, (int64_t(256) << 20) / std::max<int64_t>(copy_bytes, 1));
@@ -267,6 +267,22 @@ void fused_backward(const BackwardArgs& a) {
   p.pk_dot = p.pk_qt + nqt * p.D * p.Br;
   p.pk_qr = p.pk_dot + nqt * p.Dv * p.Br;
   p.pk_dor = p.pk_qr + nqt * p.Br * Params::pad16(p.D);
+  // bf16 products (a build that has them, bf16 inputs): K, V and the query-side tiles also as bf16 pairs.
+  std::vector<uint32_t> kv_pairs;
+  hwy::AlignedFreeUniquePtr<uint32_t[]> q_pairs;  // read with aligned vector loads
+  if (o.pack_kv_pairs && p.q.dtype == DType::kBF16) {
+    const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.Lk * p.dv_pairs();
+    const bool dout_bf16 = p.dout.dtype == DType::kBF16;  // else dP = V dO^T stays float32 (dO unrounded)
+    const int64_t q_words = nqt * p.Br * p.d_pairs(), do_words = dout_bf16 ? nqt * p.Br * p.dv_pairs() : 0;
+    kv_pairs.resize(size_t(k_words + v_words));
+    q_pairs = hwy::AllocateAligned<uint32_t>(size_t(q_words + do_words));
+    check(q_pairs != nullptr, ErrorKind::kOutOfMemory, "fused attention backward: cannot allocate ",
+          (q_words + do_words) * 4, " bytes for the packed bf16 query tiles");
+    p.k_pairs = kv_pairs.data(), p.v_row_pairs = p.k_pairs + k_words;
+    p.pk_qp = q_pairs.get();
+    if (dout_bf16) p.pk_dop = p.pk_qp + q_words;
+    run_tasks(p.B * p.Hkv, threads, [&](int64_t t) { o.pack_kv_pairs(p, t); });
+  }
   run_tasks(nqt, threads, [&](int64_t t) { o.pack_q_task(p, t); });
 
   // Rows whose lse cannot carry log l (a huge bias on every key): the exact row max and log-sum, recomputed for
