@@ -104,8 +104,10 @@ void run_bench(const BenchConfig& cfg_in) {
         for (Tensor* x : {&q, &k, &v, &dout})
           if (x->data())
             for (int64_t i = 0; i < x->numel(); ++i) x->data<float>()[i] = nd(rng);
-        Tensor qd = q, kd = k, vd = v;
-        if (dt != DType::kF32) qd = q.to(dt), kd = k.to(dt), vd = v.to(dt);
+        // Half-precision runs take q, k, v, out, dO and the gradients in that dtype (as a PyTorch training step);
+        // lse stays float32.
+        Tensor qd = q, kd = k, vd = v, doutd = dout;
+        if (dt != DType::kF32) qd = q.to(dt), kd = k.to(dt), vd = v.to(dt), doutd = any_bwd ? dout.to(dt) : dout;
         for (const auto& mask : masks)
           for (const auto& pass : passes) {
             check(mask == "full" || mask == "causal", ErrorKind::kInvalidArgument, "--masks: expected full/causal");
@@ -114,10 +116,9 @@ void run_bench(const BenchConfig& cfg_in) {
             o.causal = mask == "causal" ? (Lq == L ? Causal::kTopLeft : Causal::kBottomRight) : Causal::kNone;
             o.num_threads = int(t);
             o.kernel = cfg.kernel;
-            Tensor out(DType::kF32, shape), lse(DType::kF32, {cfg.batch, cfg.heads, Lq});
+            Tensor out(dt, shape), lse(DType::kF32, {cfg.batch, cfg.heads, Lq});
             Tensor dq, dk, dv;  // only for the backward (keeps the forward's resident memory honest)
-            if (pass == "bwd")
-              dq = Tensor(DType::kF32, shape), dk = Tensor(DType::kF32, kshape), dv = Tensor(DType::kF32, kshape);
+            if (pass == "bwd") dq = Tensor(dt, shape), dk = Tensor(dt, kshape), dv = Tensor(dt, kshape);
             KernelInfo info;
             auto fwd = [&] { scaled_dot_product_attention(qd, kd, vd, o, {out.view(), lse.view(), {}}, &info); };
             fwd();
@@ -127,7 +128,7 @@ void run_bench(const BenchConfig& cfg_in) {
               ms = median_ms(cfg.reps, fwd);
             } else {
               ms = median_ms(cfg.reps, [&] {
-                scaled_dot_product_attention_backward(dout, qd, kd, vd, out, lse, o,
+                scaled_dot_product_attention_backward(doutd, qd, kd, vd, out, lse, o,
                                                       {dq.view(), dk.view(), dv.view(), {}}, &info);
               });
             }
