@@ -30,8 +30,7 @@ build/python is also tried when sattn is not importable).
       [--json out.json]
 
 --quick: L 256, D 64, 2 rounds, 1 thread, decode Lk 1024, ceilings at N=512 (3 reps); options given explicitly
-override it. --decode-lens '' skips decode. --reps is the number of calls per measurement (it used to be the number
-of timed calls of the whole benchmark); --rounds sets how many measurements each side gets. --json writes every row
+override it. --decode-lens '' skips decode. --reps is the number of calls per measurement; --rounds sets how many measurements each side gets. --json writes every row
 (header, ceilings, one per configuration with every round's times and which side went first) to a file.
 """
 import openblas_env  # noqa: F401  (first: OpenBLAS reads OPENBLAS_CORETYPE as numpy / torch load it)

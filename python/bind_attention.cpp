@@ -25,8 +25,9 @@ namespace {
 AttentionOptions make_options(const TensorView& attn_mask, const TensorView& key_padding_mask,
                               const TensorView& key_lengths, const std::string& causal, std::optional<double> scale,
                               double dropout_p, uint64_t seed, const std::optional<std::string>& kernel, bool strict,
-                              const pyb::object& num_threads) {
+                              const pyb::object& num_threads, const std::string& float32_precision) {
   AttentionOptions o;
+  o.float32_precision = parse_float32_precision(float32_precision);
   o.attn_mask = attn_mask;
   o.key_padding_mask = key_padding_mask;
   o.key_lengths = key_lengths;
@@ -44,13 +45,14 @@ pyb::tuple forward(const pyb::object& q_obj, const pyb::object& k_obj, const pyb
                    const pyb::object& mask_obj, const pyb::object& kpm_obj, const pyb::object& len_obj,
                    const std::string& causal, std::optional<double> scale, double dropout_p, uint64_t seed,
                    const std::optional<std::string>& kernel, bool strict, const pyb::object& num_threads, bool need_lse,
-                   bool need_weights) {
+                   bool need_weights, const std::string& float32_precision) {
   ArrayKeeper keep;
   const TensorView q = view_of(q_obj, "query", keep), k = view_of(k_obj, "key", keep),
                    v = view_of(v_obj, "value", keep);
   const AttentionOptions o =
       make_options(view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
-                   view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, kernel, strict, num_threads);
+                   view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, kernel, strict, num_threads,
+                   float32_precision);
   // Validate before allocating anything (sizes come from the validated problem).
   const AttentionProblem p = describe_attention(q, k, v, o);
   const DType dt = stats_dtype(q);
@@ -80,14 +82,15 @@ pyb::tuple backward(const pyb::object& dout_obj, const pyb::object& q_obj, const
                     const pyb::object& mask_obj, const pyb::object& kpm_obj, const pyb::object& len_obj,
                     const std::string& causal, std::optional<double> scale, double dropout_p, uint64_t seed,
                     const std::optional<std::string>& kernel, bool strict, const pyb::object& num_threads,
-                    bool need_dmask) {
+                    bool need_dmask, const std::string& float32_precision) {
   ArrayKeeper keep;
   const TensorView dout = view_of(dout_obj, "dout", keep), q = view_of(q_obj, "query", keep),
                    k = view_of(k_obj, "key", keep), v = view_of(v_obj, "value", keep),
                    out = view_of(out_obj, "out", keep), lse = view_of(lse_obj, "lse", keep);
   const AttentionOptions o =
       make_options(view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
-                   view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, kernel, strict, num_threads);
+                   view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, kernel, strict, num_threads,
+                   float32_precision);
   const AttentionOutputs fwd{out, lse, {}};
   const AttentionProblem p = describe_attention(q, k, v, o, &fwd);
   const DType dt = result_dtype(q);
@@ -113,7 +116,8 @@ pyb::tuple explain(const pyb::object& q_obj, const pyb::object& k_obj, const pyb
                    v = view_of(v_obj, "value", keep);
   const AttentionOptions o = make_options(
       view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
-      view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, std::nullopt, false, pyb::none());
+      view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, std::nullopt, false, pyb::none(),
+      "highest");
   AttentionProblem p = describe_attention(q, k, v, o);
   p.backward = is_backward;
   p.need_lse = need_lse || is_backward;
@@ -168,12 +172,12 @@ void bind_attention(pyb::module_& m) {
   using pyb::arg;
   m.def("_forward", &forward, arg("query"), arg("key"), arg("value"), arg("attn_mask"), arg("key_padding_mask"),
         arg("key_lengths"), arg("causal"), arg("scale"), arg("dropout_p"), arg("seed"), arg("kernel"), arg("strict"),
-        arg("num_threads"), arg("need_lse"), arg("need_weights"),
+        arg("num_threads"), arg("need_lse"), arg("need_weights"), arg("float32_precision") = "highest",
         "Private: 4-D forward. Returns (out, lse or None, weights or None, kernel name).");
   m.def("_backward", &backward, arg("dout"), arg("query"), arg("key"), arg("value"), arg("out"), arg("lse"),
         arg("attn_mask"), arg("key_padding_mask"), arg("key_lengths"), arg("causal"), arg("scale"), arg("dropout_p"),
         arg("seed"), arg("kernel"), arg("strict"), arg("num_threads"), arg("need_dmask"),
-        "Private: 4-D backward. Returns (dq, dk, dv, dmask or None, kernel name).");
+        arg("float32_precision") = "highest", "Private: 4-D backward. Returns (dq, dk, dv, dmask or None, kernel name).");
   m.def("_explain", &explain, arg("query"), arg("key"), arg("value"), arg("attn_mask"), arg("key_padding_mask"),
         arg("key_lengths"), arg("causal"), arg("scale"), arg("dropout_p"), arg("seed"), arg("backward"),
         arg("need_lse"), arg("need_weights"), arg("need_dmask"),

@@ -22,8 +22,10 @@ namespace pyb = pybind11;
 using Obj = const pyb::object&;
 
 AttentionOptions sdpa_options(Obj attn_mask, Obj key_padding_mask, const std::string& causal,
-                              std::optional<double> scale, double dropout_p, uint64_t seed, int num_threads) {
+                              std::optional<double> scale, double dropout_p, uint64_t seed, int num_threads,
+                              const std::string& float32_precision) {
   AttentionOptions o;
+  o.float32_precision = parse_float32_precision(float32_precision);
   o.attn_mask = torch_view(attn_mask, "attn_mask");
   o.key_padding_mask = torch_view(key_padding_mask, "key_padding_mask");
   o.causal = parse_causal(causal, "causal_alignment");
@@ -36,8 +38,9 @@ AttentionOptions sdpa_options(Obj attn_mask, Obj key_padding_mask, const std::st
 
 std::string sdpa_forward(Obj q, Obj k, Obj v, Obj attn_mask, Obj key_padding_mask, const std::string& causal,
                          std::optional<double> scale, double dropout_p, uint64_t seed, int num_threads, Obj out,
-                         Obj lse) {
-  const AttentionOptions o = sdpa_options(attn_mask, key_padding_mask, causal, scale, dropout_p, seed, num_threads);
+                         Obj lse, const std::string& float32_precision) {
+  const AttentionOptions o =
+      sdpa_options(attn_mask, key_padding_mask, causal, scale, dropout_p, seed, num_threads, float32_precision);
   const TensorView qv = torch_view(q, "query"), kv = torch_view(k, "key"), vv = torch_view(v, "value");
   const AttentionOutputs outs{torch_view(out, "out"), torch_view(lse, "lse"), {}};
   KernelInfo info;
@@ -50,8 +53,9 @@ std::string sdpa_forward(Obj q, Obj k, Obj v, Obj attn_mask, Obj key_padding_mas
 
 std::string sdpa_backward(Obj dout, Obj q, Obj k, Obj v, Obj out, Obj lse, Obj attn_mask, Obj key_padding_mask,
                           const std::string& causal, std::optional<double> scale, double dropout_p, uint64_t seed,
-                          int num_threads, Obj dq, Obj dk, Obj dv, Obj dmask) {
-  const AttentionOptions o = sdpa_options(attn_mask, key_padding_mask, causal, scale, dropout_p, seed, num_threads);
+                          int num_threads, Obj dq, Obj dk, Obj dv, Obj dmask, const std::string& float32_precision) {
+  const AttentionOptions o =
+      sdpa_options(attn_mask, key_padding_mask, causal, scale, dropout_p, seed, num_threads, float32_precision);
   const TensorView dov = torch_view(dout, "grad_out"), qv = torch_view(q, "query"), kv = torch_view(k, "key"),
                    vv = torch_view(v, "value"), ov = torch_view(out, "out"), lv = torch_view(lse, "lse");
   const AttentionGrads g{torch_view(dq, "dq"), torch_view(dk, "dk"), torch_view(dv, "dv"), torch_view(dmask, "dmask")};
@@ -151,11 +155,12 @@ void bind_torch(pyb::module_& m) {
   using pyb::arg;
   m.def("_torch_sdpa_forward", &sdpa_forward, arg("query"), arg("key"), arg("value"), arg("attn_mask"),
         arg("key_padding_mask"), arg("causal"), arg("scale"), arg("dropout_p"), arg("seed"), arg("num_threads"),
-        arg("out"), arg("lse"), "Private (sattn.torch): 4-D SDPA forward into out/lse; returns the kernel name.");
+        arg("out"), arg("lse"), arg("float32_precision") = "highest",
+        "Private (sattn.torch): 4-D SDPA forward into out/lse; returns the kernel name.");
   m.def("_torch_sdpa_backward", &sdpa_backward, arg("grad_out"), arg("query"), arg("key"), arg("value"), arg("out"),
         arg("lse"), arg("attn_mask"), arg("key_padding_mask"), arg("causal"), arg("scale"), arg("dropout_p"),
         arg("seed"), arg("num_threads"), arg("dq"), arg("dk"), arg("dv"), arg("dmask"),
-        "Private (sattn.torch): 4-D SDPA backward into dq/dk/dv (and dmask); returns the kernel name.");
+        arg("float32_precision") = "highest", "Private (sattn.torch): 4-D SDPA backward into dq/dk/dv (and dmask); returns the kernel name.");
   m.def("_torch_sparse_forward", &sparse_forward, arg("query"), arg("key"), arg("value"), arg("pattern"), arg("scale"),
         arg("enable_gqa"), arg("key_padding_mask"), arg("block"), arg("alibi_slopes"), arg("softcap"), arg("bias"),
         arg("rel_pos_bias"), arg("num_threads"), arg("out"), arg("lse"), arg("indices"),

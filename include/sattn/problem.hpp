@@ -21,6 +21,16 @@ const char* to_string(Causal causal);
 // Parses "none", "top_left"/"top-left", "bottom_right"/"bottom-right" (throws sattn::Error otherwise).
 Causal parse_causal(const std::string& text, const char* argument_name = "causal");
 
+// How float32 values may enter the fused kernel's matrix products (PyTorch's torch.set_float32_matmul_precision).
+// kHighest keeps float32 accuracy everywhere. kBF16 allows rounding them to bfloat16 where the CPU has bf16
+// products (the avx512bf16 SIMD target): float32 q/k/v/dO, and the softmax probabilities P of the forward's P·V,
+// are then rounded to bf16 (2^-9 relative each) with float32 sums — faster, less accurate. Elsewhere (other targets,
+// float16 inputs, the reference kernel) it changes nothing.
+enum class Float32Precision : uint8_t { kHighest, kBF16 };
+const char* to_string(Float32Precision precision);
+// Parses "highest" or "bf16" (throws sattn::Error naming `argument_name` otherwise).
+Float32Precision parse_float32_precision(const std::string& text, const char* argument_name = "float32_precision");
+
 enum class MaskKind : uint8_t { kNone, kBool, kAdditive };
 enum class KeyPaddingKind : uint8_t { kNone, kBool, kLengths };
 
@@ -45,6 +55,7 @@ struct AttentionOptions {
   int num_threads = 0;             // 0 = SATTN_NUM_THREADS, else the hardware's; see threads.hpp
   bool accumulate_fp64 = false;    // reference kernel: accumulate in double even for fp32 inputs
   int64_t memory_limit_bytes = 0;  // reference: refuse L×L buffers above this; 0 = half of physical memory
+  Float32Precision float32_precision = Float32Precision::kHighest;  // see Float32Precision
 };
 
 // The validated description of a call. Sizes follow the names used in the docs:

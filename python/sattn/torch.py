@@ -91,6 +91,23 @@ def _run_threads(num_threads):
     return num_threads if num_threads > 0 else torch.get_num_threads()
 
 
+def _float32_precision(x):
+    """The operators' float32_precision argument: 'highest', 'bf16', or 'auto' (None) for torch's setting, read when
+    the operator runs (dynamo cannot trace torch.get_float32_matmul_precision, as for the thread count)."""
+    if x is None:
+        return "auto"
+    if not isinstance(x, str) or x not in ("highest", "bf16"):
+        raise (_core.InvalidArgumentError if isinstance(x, str) else TypeError)(
+            f"float32_precision: expected None, 'highest' or 'bf16', got {x!r}")
+    return x
+
+
+def _run_precision(x):
+    if x == "auto":
+        return "bf16" if torch.get_float32_matmul_precision() == "medium" else "highest"
+    return x
+
+
 def _draw_seed(dropout_p):
     """The kernels' dropout seed, drawn from torch's default CPU generator (a tensor, so that compiled graphs draw a
     fresh one per call); None without dropout."""
@@ -120,18 +137,21 @@ def _contiguous_empty(shape, dtype):
 # ---- sattn::sdpa_forward / sattn::sdpa_backward -------------------------------------------------------------------
 # 4-D query [B, Hq, Lq, E], key [B, Hkv, Lk, E], value [B, Hkv, Lk, Ev]; attn_mask bool (True = may attend) or float
 # (additive), at most 4-D and broadcastable to [B, Hq, Lq, Lk]; key_padding_mask bool [B, Lk] (True = padding);
-# causal "none" | "top_left" | "bottom_right". Returns out [B, Hq, Lq, Ev] (query's dtype) and lse [B, Hq, Lq]
-# (float32; float64 for float64 inputs).
+# causal "none" | "top_left" | "bottom_right"; float32_precision "highest" | "bf16" (AttentionOptions) | "auto"
+# (torch.get_float32_matmul_precision() when the operator runs: "medium" is "bf16"). Returns out
+# [B, Hq, Lq, Ev] (query's dtype) and lse [B, Hq, Lq] (float32; float64 for float64 inputs).
 
 @torch.library.custom_op("sattn::sdpa_forward", mutates_args=(), device_types="cpu")
 def _sdpa_forward(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
                   key_padding_mask: Optional[Tensor], causal: str, scale: Optional[float], dropout_p: float,
-                  seed: Optional[Tensor], num_threads: int) -> tuple[Tensor, Tensor]:
+                  seed: Optional[Tensor], num_threads: int,
+                  float32_precision: str = "highest") -> tuple[Tensor, Tensor]:
     B, Hq, Lq, _ = query.shape
     out = _contiguous_empty((B, Hq, Lq, value.shape[-1]), query.dtype)
     lse = _contiguous_empty((B, Hq, Lq), _stats_dtype(query.dtype))
     _core._torch_sdpa_forward(query, key, value, _as_stat_float(attn_mask), key_padding_mask, causal, scale,
-                              dropout_p, _seed_value(seed), _run_threads(num_threads), out, lse)
+                              dropout_p, _seed_value(seed), _run_threads(num_threads), out, lse,
+                              _run_precision(float32_precision))
     return out, lse
 
 
@@ -151,7 +171,8 @@ def _mask_spec(mask):
 
 
 @_sdpa_forward.register_fake
-def _sdpa_forward_fake(query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p, seed, num_threads):
+def _sdpa_forward_fake(query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p, seed, num_threads,
+                       float32_precision="highest"):
     _describe_4d(query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p)
     B, Hq, Lq, _ = query.shape
     return (query.new_empty((B, Hq, Lq, value.shape[-1])),
@@ -162,14 +183,15 @@ def _sdpa_forward_fake(query, key, value, attn_mask, key_padding_mask, causal, s
 def _sdpa_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
                    attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], causal: str,
                    scale: Optional[float], dropout_p: float, seed: Optional[Tensor], num_threads: int,
-                   need_dmask: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                   need_dmask: bool, float32_precision: str = "highest") -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dq = _contiguous_empty(query.shape, query.dtype)
     dk = _contiguous_empty(key.shape, key.dtype)
     dv = _contiguous_empty(value.shape, value.dtype)
     mask = _as_stat_float(attn_mask)
     dmask = _contiguous_empty(mask.shape, mask.dtype) if need_dmask else None
     _core._torch_sdpa_backward(grad_out, query, key, value, out, lse, mask, key_padding_mask, causal, scale,
-                               dropout_p, _seed_value(seed), _run_threads(num_threads), dq, dk, dv, dmask)
+                               dropout_p, _seed_value(seed), _run_threads(num_threads), dq, dk, dv, dmask,
+                               _run_precision(float32_precision))
     if dmask is None:
         return dq, dk, dv, query.new_empty((0,))
     return dq, dk, dv, dmask.to(attn_mask.dtype)
@@ -177,27 +199,27 @@ def _sdpa_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, 
 
 @_sdpa_backward.register_fake
 def _sdpa_backward_fake(grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, causal, scale,
-                        dropout_p, seed, num_threads, need_dmask):
+                        dropout_p, seed, num_threads, need_dmask, float32_precision="highest"):
     _describe_4d(query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p)
     dmask = attn_mask.new_empty(attn_mask.shape) if need_dmask else query.new_empty((0,))
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dmask
 
 
 def _sdpa_setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p, seed, num_threads = inputs
+    query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p, seed, num_threads, precision = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, attn_mask, key_padding_mask, seed, out, lse)
-    ctx.options = (causal, scale, dropout_p, num_threads)
+    ctx.options = (causal, scale, dropout_p, num_threads, precision)
     ctx.mark_non_differentiable(lse)
 
 
 def _sdpa_autograd(ctx, grad_out, grad_lse):
     query, key, value, attn_mask, key_padding_mask, seed, out, lse = ctx.saved_tensors
-    causal, scale, dropout_p, num_threads = ctx.options
+    causal, scale, dropout_p, num_threads, precision = ctx.options
     need_dmask = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
     dq, dk, dv, dmask = _sdpa_backward(grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, causal,
-                                       scale, dropout_p, seed, num_threads, need_dmask)
-    return dq, dk, dv, (dmask if need_dmask else None), None, None, None, None, None, None
+                                       scale, dropout_p, seed, num_threads, need_dmask, precision)
+    return dq, dk, dv, (dmask if need_dmask else None), None, None, None, None, None, None, None
 
 
 def _no_double_backward(ctx, *grads):
@@ -254,7 +276,7 @@ def _sdpa_unsupported(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, key_padding_mask=None, causal_alignment="top_left",
-                                 num_threads=None):
+                                 num_threads=None, float32_precision=None):
     """torch.nn.functional.scaled_dot_product_attention on sattn's kernels (CPU tensors).
 
     query (..., Hq, Lq, E), key (..., Hkv, Lk, E), value (..., Hkv, Lk, Ev) -> (..., Hq, Lq, Ev), in the inputs'
@@ -265,6 +287,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     j <= query i) or "bottom_right" (FlashAttention: j <= i + Lk - Lq); with attn_mask the two are intersected.
     A query row with no allowed key gives 0 (as torch 2.x). Dropout's seed comes from torch's default generator.
     Differentiable with respect to query, key, value and a float attn_mask.
+    float32_precision: 'highest' or 'bf16' (float32 inputs and the softmax probabilities may be rounded to bfloat16
+    in the products where the CPU has bf16 products: faster, about 2^-9 relative per rounding); None (default)
+    follows torch.get_float32_matmul_precision(): 'medium' means 'bf16', 'high' and 'highest' mean 'highest'.
     """
     for x, name in ((query, "query"), (key, "key"), (value, "value"), (attn_mask, "attn_mask"),
                     (key_padding_mask, "key_padding_mask")):
@@ -296,7 +321,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     kpm = None if key_padding_mask is None else key_padding_mask.reshape(-1, len_k)
     q4, k4, v4 = _to_4d(query), _to_4d(key), _to_4d(value)
     out, _ = _sdpa_forward(q4, k4, v4, mask, kpm, causal, scale, dropout_p, _draw_seed(dropout_p),
-                           _threads(num_threads))
+                           _threads(num_threads), _float32_precision(float32_precision))
     return out.reshape(tuple(query.shape[:-1]) + (value.shape[-1],))
 
 

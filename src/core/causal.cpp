@@ -1,4 +1,5 @@
-// Causal's names (sattn/problem.hpp), apart from the attention entry points: the pattern parsers use them too.
+// The names of Causal and Float32Precision (sattn/problem.hpp), apart from the attention entry points: the pattern
+// parsers, the CLI and the Python module use them too.
 #include <string>
 
 #include "sattn/error.hpp"
@@ -20,6 +21,16 @@ Causal parse_causal(const std::string& text, const char* argument_name) {
   if (text == "top_left" || text == "top-left") return Causal::kTopLeft;
   if (text == "bottom_right" || text == "bottom-right") return Causal::kBottomRight;
   fail(ErrorKind::kInvalidArgument, argument_name, ": expected 'none', 'top_left' or 'bottom_right', got '", text, "'");
+}
+
+const char* to_string(Float32Precision precision) {
+  return precision == Float32Precision::kBF16 ? "bf16" : "highest";
+}
+
+Float32Precision parse_float32_precision(const std::string& text, const char* argument_name) {
+  if (text == "highest") return Float32Precision::kHighest;
+  if (text == "bf16") return Float32Precision::kBF16;
+  fail(ErrorKind::kInvalidArgument, argument_name, ": expected 'highest' or 'bf16', got '", text, "'");
 }
 
 }  // namespace sattn

@@ -285,7 +285,9 @@ TEST(Fused, Bf16ProductsMatchReference) {
     EXPECT_LE(rel_err(g1.dq, gref.dq), 1e-4);
     EXPECT_LE(rel_err(g1.dk, gref.dk), 1e-4);
     EXPECT_LE(rel_err(g1.dv, gref.dv), 1e-4);
-    if (c.mask == 2) EXPECT_LE(rel_err(g1.dmask, gref.dmask.to(DType::kF64)), 1e-4);
+    if (c.mask == 2) {
+      EXPECT_LE(rel_err(g1.dmask, gref.dmask.to(DType::kF64)), 1e-4);
+    }
     const BwdResult g3 = run_backward(in, ref32, "fused", 3);
     EXPECT_TRUE(bitwise_equal(g1.dq, g3.dq) && bitwise_equal(g1.dk, g3.dk) && bitwise_equal(g1.dv, g3.dv));
   }
@@ -349,6 +351,56 @@ TEST(Fused, BackwardKeyGroupsMatchReferenceAndThreadCounts) {
   }
 }
 
+// Float32Precision::kBF16 lets float32 inputs (and P) be rounded to bf16 in the products of the avx512bf16 build:
+// then within bf16's rounding of the fp64 reference (about 2^-9 relative per operand; 1e-2 on these unit-scale
+// problems), not the same as the float32 products, and still bitwise the same for 1 and 3 threads. kHighest (the
+// default) is the float32 path, on every target. Without AVX512-BF16 kBF16 changes nothing.
+TEST(Fused, Float32PrecisionBf16RoundsOnlyWhereAllowed) {
+  EXPECT_EQ(sattn::parse_float32_precision("bf16"), sattn::Float32Precision::kBF16);
+  EXPECT_EQ(sattn::parse_float32_precision("highest"), sattn::Float32Precision::kHighest);
+  try {
+    sattn::parse_float32_precision("medium", "--float32-precision");
+    ADD_FAILURE() << "no error";
+  } catch (const sattn::Error& e) {
+    EXPECT_EQ(std::string(e.what()), "--float32-precision: expected 'highest' or 'bf16', got 'medium'");
+  }
+  const auto avail = sattn::testing::simd_target_names();
+  const bool has_bf16 = std::find(avail.begin(), avail.end(), "avx512bf16") != avail.end();
+  Case c;
+  c.B = 2, c.Hq = 4, c.Hkv = 2, c.Lq = 130, c.Lk = 201, c.D = 40, c.Dv = 24, c.causal = sattn::Causal::kBottomRight;
+  c.padding = 1;
+  Problem pb = make_problem(c, 77);
+  const FwdResult ref = run_forward(pb, "reference", 2);
+  const FwdResult ref32{ref.out.to(DType::kF32), ref.lse.to(DType::kF32), ""};
+  const BwdResult gref = run_backward(pb, ref, "reference", 2);
+  const FwdResult highest = run_forward(pb, "fused", 1);
+  const BwdResult ghighest = run_backward(pb, ref32, "fused", 1);
+  pb.opt.float32_precision = sattn::Float32Precision::kBF16;
+  for (const std::string& simd : avail) {
+    SCOPED_TRACE(simd);
+    const sattn::testing::ScopedSimdTarget target(simd);
+    const FwdResult got = run_forward(pb, "fused", 1);
+    const BwdResult g = run_backward(pb, ref32, "fused", 1);
+    if (simd != "avx512bf16") {  // nothing to round with: the float32 products of that target
+      EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
+      EXPECT_LE(rel_err(g.dq, gref.dq), 1e-4);
+      continue;
+    }
+    EXPECT_LE(rel_err(got.out, ref.out), 1e-2);
+    EXPECT_LE(rel_err(got.lse, ref.lse), 1e-2);
+    EXPECT_FALSE(bitwise_equal(got.out, highest.out));  // the bf16 products ran
+    EXPECT_LE(rel_err(g.dq, gref.dq), 2e-2);
+    EXPECT_LE(rel_err(g.dk, gref.dk), 2e-2);
+    EXPECT_LE(rel_err(g.dv, gref.dv), 2e-2);
+    EXPECT_FALSE(bitwise_equal(g.dq, ghighest.dq));
+    const FwdResult got3 = run_forward(pb, "fused", 3);
+    const BwdResult g3 = run_backward(pb, ref32, "fused", 3);
+    EXPECT_TRUE(bitwise_equal(got.out, got3.out) && bitwise_equal(g.dq, g3.dq) && bitwise_equal(g.dk, g3.dk) &&
+                bitwise_equal(g.dv, g3.dv));
+  }
+  if (!has_bf16) GTEST_SKIP() << "this CPU has no AVX512-BF16: the bf16 rounding of float32 inputs is not tested here";
+}
+
 TEST(Fused, FullyMaskedRowsGiveZeroAndMinusInf) {
   Case c;
   c.Lq = 70, c.Lk = 3, c.D = 8, c.Dv = 8, c.causal = sattn::Causal::kBottomRight;  // rows i < Lq - Lk see nothing
@@ -379,10 +431,11 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
       o.kernel = "fused";
       Tensor out(DType::kF32, {c.B, c.Hq, c.Lq, c.Dv});
       sattn::scaled_dot_product_attention(q, k, v, o, {out.view(), {}, {}});
-      if (simd == "avx512bf16" && dt == DType::kBF16)  // its own products: as accurate, not the same bits
+      if (simd == "avx512bf16" && dt == DType::kBF16) {  // its own products: as accurate, not the same bits
         EXPECT_LE(rel_err(out, ref.out), 2e-5) << simd;
-      else
+      } else {
         EXPECT_TRUE(bitwise_equal(out, ref.out)) << sattn::to_string(dt) << " " << simd;
+      }
       // Backward with half-precision q/k/v equals the backward on the up-cast inputs.
       const BwdResult gref = run_backward(up, ref, "fused", 1);
       Tensor dq(DType::kF32, q.shape()), dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());

@@ -18,6 +18,7 @@ namespace {
 
 struct AttnArgs {
   std::string q, k, v, mask, key_padding, lengths, causal = "none", kernel, out, lse, weights;
+  std::string float32_precision = "highest";
   std::optional<double> scale;
   double dropout = 0.0;
   uint64_t seed = 0;
@@ -45,6 +46,7 @@ Tensor read_input(const std::string& option, const std::string& path) {
 }
 
 void run_attn(const AttnArgs& a) {
+  const Float32Precision precision = parse_float32_precision(a.float32_precision, "--float32-precision");
   io::OutputFiles outputs;  // opened first: an unwritable output fails before any work
   io::OutputFile& out = outputs.add(a.out, "--out");
   io::OutputFile* lse = a.lse.empty() ? nullptr : &outputs.add(a.lse, "--lse");
@@ -62,6 +64,7 @@ void run_attn(const AttnArgs& a) {
   o.kernel = a.kernel;
   o.num_threads = a.threads;
   o.accumulate_fp64 = a.fp64;
+  o.float32_precision = precision;
   const AttentionResult r = attention(q, k, v, o, !a.lse.empty(), !a.weights.empty());
   write_npy(out, r.out);
   if (lse) write_npy(*lse, r.lse);
@@ -111,6 +114,11 @@ void add_attn_command(CLI::App& app) {
       ->check(thread_range())
       ->default_str("0");
   cmd->add_flag("--fp64", a->fp64, "Accumulate in float64 (reference kernel) even for float32 inputs");
+  cmd->add_option("--float32-precision", a->float32_precision,
+                  "highest: float32 accuracy in every product; bf16: float32 inputs and the softmax probabilities "
+                  "may be rounded to bfloat16 in the fused kernel's products where the CPU has bf16 products "
+                  "(avx512bf16), as torch.set_float32_matmul_precision('medium')")
+      ->capture_default_str();
   cmd->add_option("--out", a->out, "Output .npy [B, Hq, Lq, Dv]")->required();
   cmd->add_option("--lse", a->lse, "Also write the log-sum-exp [B, Hq, Lq]");
   cmd->add_option("--weights", a->weights, "Also write the attention weights [B, Hq, Lq, Lk]");

@@ -58,7 +58,7 @@ std::vector<std::string> parse_words(const std::string& s) {
 
 struct BenchConfig {
   std::string dims = "64", lens = "1024,4096", masks = "full,causal", passes = "fwd,bwd", threads = "1,2";
-  std::string dtype = "f32", kernel = "fused", clock = "wall";
+  std::string dtype = "f32", kernel = "fused", clock = "wall", float32_precision = "highest";
   int64_t batch = 1, heads = 8, sgemm_n = 2048, lq = 0, kv_heads = 0;
   int reps = 5;
   bool all = false, json = false;
@@ -78,6 +78,7 @@ void run_bench(const BenchConfig& cfg_in) {
   check(cfg.dtype == "f32" || cfg.dtype == "bf16" || cfg.dtype == "f16", ErrorKind::kInvalidArgument,
         "--dtype: expected f32, bf16 or f16, got '", cfg.dtype, "'");
   const DType dt = cfg.dtype == "f32" ? DType::kF32 : cfg.dtype == "bf16" ? DType::kBF16 : DType::kF16;
+  const Float32Precision precision = parse_float32_precision(cfg.float32_precision, "--float32-precision");
   nlohmann::json rows = nlohmann::json::array();
   const bool tty = !cfg.json;
   for (const int64_t t : threads) {
@@ -116,6 +117,7 @@ void run_bench(const BenchConfig& cfg_in) {
             o.causal = mask == "causal" ? (Lq == L ? Causal::kTopLeft : Causal::kBottomRight) : Causal::kNone;
             o.num_threads = int(t);
             o.kernel = cfg.kernel;
+            o.float32_precision = precision;
             Tensor out(dt, shape), lse(DType::kF32, {cfg.batch, cfg.heads, Lq});
             Tensor dq, dk, dv;  // only for the backward (keeps the forward's resident memory honest)
             if (pass == "bwd") dq = Tensor(dt, shape), dk = Tensor(dt, kshape), dv = Tensor(dt, kshape);
@@ -175,6 +177,9 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--passes", cfg.passes, "fwd,bwd")->capture_default_str();
   cmd->add_option("--threads", cfg.threads, "thread counts, comma separated")->capture_default_str();
   cmd->add_option("--dtype", cfg.dtype, "f32, bf16 or f16 inputs")->capture_default_str();
+  cmd->add_option("--float32-precision", cfg.float32_precision,
+                  "highest or bf16 (float32 values may be rounded to bfloat16 in the products; see sattn attn --help)")
+      ->capture_default_str();
   cmd->add_option("--kernel", cfg.kernel, "kernel to force (fused, reference, auto)")->capture_default_str();
   cmd->add_option("--lq", cfg.lq, "query length (0 = L; e.g. 1 for decode, keys L; causal is then bottom-right)")
       ->capture_default_str();

@@ -173,6 +173,12 @@ void decode_forward(const ForwardArgs& a, Params& p, const ForwardOps& o) {
   });
 }
 
+// Whether inputs of `dtype` take the bf16 products of a build that has them: bf16 always (exact operands), float32
+// when Float32Precision::kBF16 allows rounding them; float16 never (bf16 holds 3 bits fewer).
+bool takes_bf16_products(DType dtype, const AttentionOptions& options) {
+  return dtype == DType::kBF16 || (dtype == DType::kF32 && options.float32_precision == Float32Precision::kBF16);
+}
+
 void fused_forward(const ForwardArgs& a) {
   Params p = make_params(a.problem, a.q, a.k, a.v, a.masks);
   p.out = out_view4(a.outputs.out);
@@ -184,9 +190,10 @@ void fused_forward(const ForwardArgs& a) {
     run_tasks(p.B * p.Hkv, a.num_threads, [&](int64_t t) { o.forward_task(p, t); });
     return;
   }
-  // bf16 products (a build that has them, bf16 inputs): K and V as bf16 pairs, once.
+  // bf16 products (a build that has them; bf16 inputs, or float32 ones when allowed): K and V as bf16 pairs, once.
   std::vector<uint32_t> kv_pairs;
-  if (o.pack_kv_pairs && p.q.dtype == DType::kBF16) {
+  p.round_p = a.options.float32_precision == Float32Precision::kBF16;
+  if (o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options)) {
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.lk_pairs() * p.Dv;
     kv_pairs.resize(size_t(k_words + v_words));
     p.k_pairs = kv_pairs.data(), p.v_pairs = p.k_pairs + k_words;
@@ -270,17 +277,19 @@ void fused_backward(const BackwardArgs& a) {
   // bf16 products (a build that has them, bf16 inputs): K, V and the query-side tiles also as bf16 pairs.
   std::vector<uint32_t> kv_pairs;
   hwy::AlignedFreeUniquePtr<uint32_t[]> q_pairs;  // read with aligned vector loads
-  if (o.pack_kv_pairs && p.q.dtype == DType::kBF16) {
+  if (o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options)) {
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.Lk * p.dv_pairs();
-    const bool dout_bf16 = p.dout.dtype == DType::kBF16;  // else dP = V dO^T stays float32 (dO unrounded)
-    const int64_t q_words = nqt * p.Br * p.d_pairs(), do_words = dout_bf16 ? nqt * p.Br * p.dv_pairs() : 0;
+    // else dP = V dO^T stays float32 (dO unrounded)
+    const bool dout_pairs =
+        p.dout.dtype == DType::kBF16 || a.options.float32_precision == Float32Precision::kBF16;
+    const int64_t q_words = nqt * p.Br * p.d_pairs(), do_words = dout_pairs ? nqt * p.Br * p.dv_pairs() : 0;
     kv_pairs.resize(size_t(k_words + v_words));
     q_pairs = hwy::AllocateAligned<uint32_t>(size_t(q_words + do_words));
     check(q_pairs != nullptr, ErrorKind::kOutOfMemory, "fused attention backward: cannot allocate ",
           (q_words + do_words) * 4, " bytes for the packed bf16 query tiles");
     p.k_pairs = kv_pairs.data(), p.v_row_pairs = p.k_pairs + k_words;
     p.pk_qp = q_pairs.get();
-    if (dout_bf16) p.pk_dop = p.pk_qp + q_words;
+    if (dout_pairs) p.pk_dop = p.pk_qp + q_words;
     run_tasks(p.B * p.Hkv, threads, [&](int64_t t) { o.pack_kv_pairs(p, t); });
   }
   run_tasks(nqt, threads, [&](int64_t t) { o.pack_q_task(p, t); });

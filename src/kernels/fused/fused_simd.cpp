@@ -274,8 +274,9 @@ void ForwardTask(const Params& p, int64_t task) {
 // a.lo·b.lo + a.hi·b.hi to each float32 lane (the products of two bf16 are exact in float32). S^T = K Q^T pairs
 // along D (K from k_pairs, Q packed per task; Q is not pre-scaled, so that bf16 inputs enter unrounded: the scale
 // multiplies the float32 sums), O^T += V^T P^T pairs along the keys (V from v_pairs; P, in float32, as the sum of
-// two bf16 matrices, so that O keeps float32 accuracy: FlashAttention rounds P to bf16 once, 2^-8 relative). With
-// bf16 inputs every product is then as accurate as the float32 path's. vdpbf16ps flushes denormal bf16 to zero.
+// two bf16 matrices, so that O keeps float32 accuracy; with Float32Precision::kBF16 rounded to bf16 once, as
+// FlashAttention does, 2^-9 relative). With bf16 inputs every product is then as accurate as the float32 path's.
+// float32 inputs take this path only with kBF16 (rounded to bf16 when packed). vdpbf16ps flushes denormal bf16 to zero.
 // The bf16 GEMM and packing are in fused_tiles.inc.
 SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   if (!p.k_pairs) return ForwardTask(p, task);  // decode and float32 inputs: the float32 products
@@ -341,10 +342,11 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
     PackProbabilityPairs(P, nk, Br, PP);
     const uint32_t* vt = vp + kb / 2 * Dv;
     const int64_t lo = (nk + 1) / 2 * Br;
-    GemmBf16<true, true>(vt, 1, Dv, PP, Br, lo, OT, Br, Dv, nvec, nk / 2, 1.f);  // O^T += V^T P^T
+    const auto pv = p.round_p ? &GemmBf16<true, false> : &GemmBf16<true, true>;
+    pv(vt, 1, Dv, PP, Br, lo, OT, Br, Dv, nvec, nk / 2, 1.f);  // O^T += V^T P^T
     if (nk % 2) {  // the last key alone: the pair's other value (a key past the tile's end) must not reach O
       for (int64_t x = 0; x < Dv; ++x) vlast[x] = vt[nk / 2 * Dv + x] & 0xFFFFu;
-      GemmBf16<true, true>(vlast, 1, Dv, PP + nk / 2 * Br, Br, lo, OT, Br, Dv, nvec, 1, 1.f);
+      pv(vlast, 1, Dv, PP + nk / 2 * Br, Br, lo, OT, Br, Dv, nvec, 1, 1.f);
     }
   }
   FinishRows(p, b, h, i0, nq, 0, M, L, [&](int64_t ii, int64_t dd) { return OT[dd * Br + ii]; });
