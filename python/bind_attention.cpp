@@ -114,10 +114,10 @@ pyb::tuple explain(const pyb::object& q_obj, const pyb::object& k_obj, const pyb
   ArrayKeeper keep;
   const TensorView q = view_of(q_obj, "query", keep), k = view_of(k_obj, "key", keep),
                    v = view_of(v_obj, "value", keep);
-  const AttentionOptions o = make_options(
-      view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
-      view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, std::nullopt, false, pyb::none(),
-      "highest");
+  const AttentionOptions o =
+      make_options(view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
+                   view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, std::nullopt, false,
+                   pyb::none(), "highest");
   AttentionProblem p = describe_attention(q, k, v, o);
   p.backward = is_backward;
   p.need_lse = need_lse || is_backward;
@@ -177,7 +177,8 @@ void bind_attention(pyb::module_& m) {
   m.def("_backward", &backward, arg("dout"), arg("query"), arg("key"), arg("value"), arg("out"), arg("lse"),
         arg("attn_mask"), arg("key_padding_mask"), arg("key_lengths"), arg("causal"), arg("scale"), arg("dropout_p"),
         arg("seed"), arg("kernel"), arg("strict"), arg("num_threads"), arg("need_dmask"),
-        arg("float32_precision") = "highest", "Private: 4-D backward. Returns (dq, dk, dv, dmask or None, kernel name).");
+        arg("float32_precision") = "highest",
+        "Private: 4-D backward. Returns (dq, dk, dv, dmask or None, kernel name).");
   m.def("_explain", &explain, arg("query"), arg("key"), arg("value"), arg("attn_mask"), arg("key_padding_mask"),
         arg("key_lengths"), arg("causal"), arg("scale"), arg("dropout_p"), arg("seed"), arg("backward"),
         arg("need_lse"), arg("need_weights"), arg("need_dmask"),

@@ -160,7 +160,8 @@ void bind_torch(pyb::module_& m) {
   m.def("_torch_sdpa_backward", &sdpa_backward, arg("grad_out"), arg("query"), arg("key"), arg("value"), arg("out"),
         arg("lse"), arg("attn_mask"), arg("key_padding_mask"), arg("causal"), arg("scale"), arg("dropout_p"),
         arg("seed"), arg("num_threads"), arg("dq"), arg("dk"), arg("dv"), arg("dmask"),
-        arg("float32_precision") = "highest", "Private (sattn.torch): 4-D SDPA backward into dq/dk/dv (and dmask); returns the kernel name.");
+        arg("float32_precision") = "highest",
+        "Private (sattn.torch): 4-D SDPA backward into dq/dk/dv (and dmask); returns the kernel name.");
   m.def("_torch_sparse_forward", &sparse_forward, arg("query"), arg("key"), arg("value"), arg("pattern"), arg("scale"),
         arg("enable_gqa"), arg("key_padding_mask"), arg("block"), arg("alibi_slopes"), arg("softcap"), arg("bias"),
         arg("rel_pos_bias"), arg("num_threads"), arg("out"), arg("lse"), arg("indices"),

@@ -23,9 +23,7 @@ Causal parse_causal(const std::string& text, const char* argument_name) {
   fail(ErrorKind::kInvalidArgument, argument_name, ": expected 'none', 'top_left' or 'bottom_right', got '", text, "'");
 }
 
-const char* to_string(Float32Precision precision) {
-  return precision == Float32Precision::kBF16 ? "bf16" : "highest";
-}
+const char* to_string(Float32Precision precision) { return precision == Float32Precision::kBF16 ? "bf16" : "highest"; }
 
 Float32Precision parse_float32_precision(const std::string& text, const char* argument_name) {
   if (text == "highest") return Float32Precision::kHighest;

@@ -68,7 +68,8 @@ Target parse(const std::string& s, const char* what) {
         ")");
     return i.target;
   }
-  fail(ErrorKind::kInvalidArgument, what, ": expected one of auto, avx512bf16, avx512, avx2, sse4, portable; got '", s, "'");
+  fail(ErrorKind::kInvalidArgument, what, ": expected one of auto, avx512bf16, avx512, avx2, sse4, portable; got '", s,
+       "'");
 }
 
 Target selected() {

@@ -111,8 +111,8 @@ bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, 
                            D2, p.scale);
     if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, w.bias, w.pad, w.ST);
     if (p.pk_dop) {
-      GemmBf16<false, false>(p.v_row_pairs + (kv * p.Lk + kb) * Dv2, Dv2, 1, p.pk_dop + t * Dv2 * Br, Br, 0, w.dPT,
-                             Br, nk, nvec, Dv2, 1.f);
+      GemmBf16<false, false>(p.v_row_pairs + (kv * p.Lk + kb) * Dv2, Dv2, 1, p.pk_dop + t * Dv2 * Br, Br, 0, w.dPT, Br,
+                             nk, nvec, Dv2, 1.f);
       if (vr_out) *vr_out = RowsOf(p.v, b, hk, kb, nk, p.Dv, w.vbuf);
     } else {
       const Rows vr = RowsOf(p.v, b, hk, kb, nk, p.Dv, w.vbuf);
@@ -244,7 +244,7 @@ void BackwardKVQTask(const Params& p, int64_t task) {
           if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk, &kr, nullptr)) continue;
           Gemm<true>(sc.w.PdT, Br, 1, dOr, Dvp, dV + x * Bc * Dvp, Dvp, nk, Dvp / N, Br);  // dV += P'^T dO
           Gemm<true>(sc.w.ST, Br, 1, Qr, Dp, dK + x * Bc * Dp, Dp, nk, Dp / N, Br);        // dK += dS^T (scale Q)
-          Gemm<true>(kr.ptr, 1, kr.stride, sc.w.ST, Br, dQT, Br, p.D, nvec, nk);         // dQ^T += K^T dS^T
+          Gemm<true>(kr.ptr, 1, kr.stride, sc.w.ST, Br, dQT, Br, p.D, nvec, nk);           // dQ^T += K^T dS^T
         }
       }
   }
@@ -439,10 +439,10 @@ HWY_AFTER_NAMESPACE();
 namespace sattn::fused {
 
 namespace {
-#define SATTN_FUSED_BACKWARD_OPS(NS) \
-  BackwardOps {                                                                                            \
+#define SATTN_FUSED_BACKWARD_OPS(NS)                                                                  \
+  BackwardOps {                                                                                       \
     &NS::BackwardKVTask, &NS::BackwardQTask, &NS::BackwardKVQTask, &NS::ReduceDQTask, &NS::PackQTask, \
-        &NS::RowStatsTask, nullptr                                                                        \
+        &NS::RowStatsTask, nullptr                                                                    \
   }
 const simd::Build<BackwardOps> kBuilds[] = {
 #if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64

@@ -207,8 +207,8 @@ void fused_forward(const ForwardArgs& a) {
 
 // Key blocks per task of the one-pass backward, from the problem's sizes only (never the thread count): enough
 // groups for 32 tasks where the problem has them, at most 1 MiB of a group's dK and dV accumulators (they stay
-// in a core's L2 while the query blocks stream past; more groups cost more partial dQ copies), and the partial dQ tiles (one float copy of dQ per group)
-// within 256 MiB or 4 copies, whichever allows more.
+// in a core's L2 while the query blocks stream past; more groups cost more partial dQ copies), and the partial dQ tiles
+// (one float copy of dQ per group) within 256 MiB or 4 copies, whichever allows more.
 int64_t kv_group_size(const Params& p) {
   const int64_t nkb = p.num_k_blocks();
   const int64_t block_bytes = p.Bc * (Params::pad16(p.D) + Params::pad16(p.Dv)) * int64_t(sizeof(float));
@@ -218,6 +218,25 @@ int64_t kv_group_size(const Params& p) {
   const int64_t max_groups = std::max<int64_t>(4, (int64_t(256) << 20) / std::max<int64_t>(copy_bytes, 1));
   while ((nkb + group - 1) / group > max_groups) ++group;
   return std::min(group, nkb);
+}
+
+// The backward's one pass over key groups and the sums of the partial dQ tiles (after packing; see Params).
+void one_pass_backward(Params& p, const BackwardOps& o, int threads) {
+  p.kv_group = kv_group_size(p);
+  const int64_t ng = p.num_kv_groups(), nqt = p.B * p.Hq * p.num_q_blocks();
+  const size_t part_n = static_cast<size_t>(nqt * ng * p.D * p.Br);
+  auto part = hwy::AllocateAligned<float>(part_n);
+  check(part != nullptr, ErrorKind::kOutOfMemory, "fused attention backward: cannot allocate ", part_n * 4,
+        " bytes for the partial dQ tiles");
+  const int64_t bytes = int64_t(part_n * sizeof(float));
+  workspace_add(bytes);
+  struct Release {
+    int64_t bytes;
+    ~Release() { workspace_add(-bytes); }
+  } release{bytes};
+  p.dq_part = part.get();
+  run_tasks(p.B * p.Hkv * ng, threads, [&](int64_t t) { o.backward_kvq_task(p, t); });
+  run_tasks(nqt, threads, [&](int64_t t) { o.reduce_dq_task(p, t); });
 }
 
 void fused_backward(const BackwardArgs& a) {
@@ -280,8 +299,7 @@ void fused_backward(const BackwardArgs& a) {
   if (o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options)) {
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.Lk * p.dv_pairs();
     // else dP = V dO^T stays float32 (dO unrounded)
-    const bool dout_pairs =
-        p.dout.dtype == DType::kBF16 || a.options.float32_precision == Float32Precision::kBF16;
+    const bool dout_pairs = p.dout.dtype == DType::kBF16 || a.options.float32_precision == Float32Precision::kBF16;
     const int64_t q_words = nqt * p.Br * p.d_pairs(), do_words = dout_pairs ? nqt * p.Br * p.dv_pairs() : 0;
     kv_pairs.resize(size_t(k_words + v_words));
     q_pairs = hwy::AllocateAligned<uint32_t>(size_t(q_words + do_words));
@@ -311,20 +329,7 @@ void fused_backward(const BackwardArgs& a) {
 
   // One pass over key groups (dK, dV and partial dQ; 5 tile products), then the partials summed per query block.
   // The mask gradient needs the dS of every tile by query block: the two-pass schedule below.
-  if (!pr.need_dmask) {
-    p.kv_group = kv_group_size(p);
-    const int64_t ng = p.num_kv_groups();
-    const size_t part_n = static_cast<size_t>(nqt * ng * p.D * p.Br);
-    auto part = hwy::AllocateAligned<float>(part_n);
-    check(part != nullptr, ErrorKind::kOutOfMemory, "fused attention backward: cannot allocate ", part_n * 4,
-          " bytes for the partial dQ tiles");
-    workspace_add(int64_t(part_n * sizeof(float)));
-    Release release_part{int64_t(part_n * sizeof(float))};
-    p.dq_part = part.get();
-    run_tasks(p.B * p.Hkv * ng, threads, [&](int64_t t) { o.backward_kvq_task(p, t); });
-    run_tasks(nqt, threads, [&](int64_t t) { o.reduce_dq_task(p, t); });
-    return;
-  }
+  if (!pr.need_dmask) return one_pass_backward(p, o, threads);
 
   // Pass 1: dK, dV (one task per key block).
   run_tasks(p.B * p.Hkv * p.num_k_blocks(), threads, [&](int64_t t) { o.backward_kv_task(p, t); });

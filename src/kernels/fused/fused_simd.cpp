@@ -267,7 +267,6 @@ void ForwardTask(const Params& p, int64_t task) {
   FinishRows(p, b, h, i0, nq, chunk, M, L, [&](int64_t ii, int64_t dd) { return OT[dd * Br + ii]; });
 }
 
-
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
 // ---- bf16 products (the avx512bf16 build) ------------------------------------------------------------------
 // The same tiles, masks and online softmax as ForwardTask; the two products take bf16 pairs: vdpbf16ps adds
