@@ -6,6 +6,7 @@
 #include <exception>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,6 +62,15 @@ Params make_params(const AttentionProblem& pr, const TensorView& q, const Tensor
   p.Bc = bc;
   return p;
 }
+
+// Counts `bytes` of scratch in the workspace accounting (workspace_peak_bytes, `sattn bench`'s ws_MiB) while it lives.
+struct CountedBytes {
+  int64_t bytes;
+  explicit CountedBytes(int64_t n) : bytes(n) { workspace_add(bytes); }
+  ~CountedBytes() { workspace_add(-bytes); }
+  CountedBytes(const CountedBytes&) = delete;
+  CountedBytes& operator=(const CountedBytes&) = delete;
+};
 
 // Runs f(task) for every task on up to `threads` threads; rethrows the first exception on the caller.
 template <typename F>
@@ -126,11 +136,7 @@ void decode_forward(const ForwardArgs& a, Params& p, const ForwardOps& o) {
   std::vector<float> part_o(static_cast<size_t>(rows * C * p.Dv)), part_max(static_cast<size_t>(rows * C)),
       part_sum(static_cast<size_t>(rows * C));
   const int64_t bytes = int64_t((part_o.size() + part_max.size() + part_sum.size()) * sizeof(float));
-  workspace_add(bytes);
-  struct Release {
-    int64_t bytes;
-    ~Release() { workspace_add(-bytes); }
-  } release{bytes};
+  const CountedBytes counted(bytes);
   p.part_o = part_o.data(), p.part_max = part_max.data(), p.part_sum = part_sum.data();
   const int64_t n = (p.decode_group ? p.B * p.Hkv : p.B * p.Hq * p.num_q_blocks()) * C;
   run_tasks(n, a.num_threads, [&](int64_t t) { o.forward_task(p, t); });
@@ -192,10 +198,12 @@ void fused_forward(const ForwardArgs& a) {
   }
   // bf16 products (a build that has them; bf16 inputs, or float32 ones when allowed): K and V as bf16 pairs, once.
   std::vector<uint32_t> kv_pairs;
+  std::optional<CountedBytes> counted_pairs;
   p.round_p = a.options.float32_precision == Float32Precision::kBF16;
   if (o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options)) {
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.lk_pairs() * p.Dv;
     kv_pairs.resize(size_t(k_words + v_words));
+    counted_pairs.emplace(int64_t((k_words + v_words) * sizeof(uint32_t)));
     p.k_pairs = kv_pairs.data(), p.v_pairs = p.k_pairs + k_words;
     run_tasks(p.B * p.Hkv, a.num_threads, [&](int64_t t) { o.pack_kv_pairs(p, t); });
   }
@@ -228,12 +236,7 @@ void one_pass_backward(Params& p, const BackwardOps& o, int threads) {
   auto part = hwy::AllocateAligned<float>(part_n);
   check(part != nullptr, ErrorKind::kOutOfMemory, "fused attention backward: cannot allocate ", part_n * 4,
         " bytes for the partial dQ tiles");
-  const int64_t bytes = int64_t(part_n * sizeof(float));
-  workspace_add(bytes);
-  struct Release {
-    int64_t bytes;
-    ~Release() { workspace_add(-bytes); }
-  } release{bytes};
+  const CountedBytes counted(int64_t(part_n * sizeof(float)));
   p.dq_part = part.get();
   run_tasks(p.B * p.Hkv * ng, threads, [&](int64_t t) { o.backward_kvq_task(p, t); });
   run_tasks(nqt, threads, [&](int64_t t) { o.reduce_dq_task(p, t); });
@@ -254,11 +257,7 @@ void fused_backward(const BackwardArgs& a) {
   std::vector<float> lse_eff(static_cast<size_t>(rows)), delta(static_cast<size_t>(rows));
   std::vector<uint8_t> block_has_log_sum(static_cast<size_t>(nqt), 0), nan_row(static_cast<size_t>(rows), 0),
       block_has_nan_row(static_cast<size_t>(nqt), 0);
-  workspace_add(int64_t(2 * rows * sizeof(float)));
-  struct Release {
-    int64_t bytes;
-    ~Release() { workspace_add(-bytes); }
-  } release{int64_t(2 * rows * sizeof(float))};
+  const CountedBytes counted_rows(int64_t(2 * rows * sizeof(float)));
   run_tasks(p.B * p.Hq, threads, [&](int64_t bh) {
     const int64_t b = bh / p.Hq, h = bh % p.Hq;
     for (int64_t i = 0; i < p.Lq; ++i) {
@@ -287,21 +286,22 @@ void fused_backward(const BackwardArgs& a) {
   auto packed = hwy::AllocateAligned<float>(pk_n);  // tiles are loaded with aligned vector loads
   check(packed != nullptr, ErrorKind::kOutOfMemory, "fused attention backward: cannot allocate ", pk_n * 4,
         " bytes for the packed query tiles");
-  workspace_add(int64_t(pk_n * sizeof(float)));
-  Release release_packed{int64_t(pk_n * sizeof(float))};
+  const CountedBytes counted_packed(int64_t(pk_n * sizeof(float)));
   p.pk_qt = packed.get();
   p.pk_dot = p.pk_qt + nqt * p.D * p.Br;
   p.pk_qr = p.pk_dot + nqt * p.Dv * p.Br;
   p.pk_dor = p.pk_qr + nqt * p.Br * Params::pad16(p.D);
-  // bf16 products (a build that has them, bf16 inputs): K, V and the query-side tiles also as bf16 pairs.
+  // bf16 products (a build that has them; bf16 inputs, or float32 ones when allowed): K, V and the query-side
+  // tiles also as bf16 pairs; dO only when it is bf16 or may be rounded (else dP = V dO^T stays float32).
   std::vector<uint32_t> kv_pairs;
   hwy::AlignedFreeUniquePtr<uint32_t[]> q_pairs;  // read with aligned vector loads
+  std::optional<CountedBytes> counted_pairs;
   if (o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options)) {
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.Lk * p.dv_pairs();
-    // else dP = V dO^T stays float32 (dO unrounded)
     const bool dout_pairs = p.dout.dtype == DType::kBF16 || a.options.float32_precision == Float32Precision::kBF16;
     const int64_t q_words = nqt * p.Br * p.d_pairs(), do_words = dout_pairs ? nqt * p.Br * p.dv_pairs() : 0;
     kv_pairs.resize(size_t(k_words + v_words));
+    counted_pairs.emplace(int64_t((k_words + v_words + q_words + do_words) * sizeof(uint32_t)));
     q_pairs = hwy::AllocateAligned<uint32_t>(size_t(q_words + do_words));
     check(q_pairs != nullptr, ErrorKind::kOutOfMemory, "fused attention backward: cannot allocate ",
           (q_words + do_words) * 4, " bytes for the packed bf16 query tiles");
@@ -319,8 +319,7 @@ void fused_backward(const BackwardArgs& a) {
     if (block_has_log_sum[size_t(t)]) stats_blocks.push_back(t);
   std::vector<float> row_log_sum(stats_blocks.empty() ? 0 : size_t(rows), 0.f);
   const int64_t log_sum_bytes = int64_t(row_log_sum.size() * sizeof(float));
-  workspace_add(log_sum_bytes);
-  Release release_log_sum{log_sum_bytes};
+  const CountedBytes counted_log_sum(log_sum_bytes);
   if (!stats_blocks.empty()) {
     p.row_log_sum = row_log_sum.data();
     p.block_has_log_sum = block_has_log_sum.data();
