@@ -14,6 +14,7 @@
 #include "core/memory.hpp"
 #include "sattn/attention.hpp"
 #include "sattn/error.hpp"
+#include "sattn/simd.hpp"
 
 namespace pyb = pybind11;
 
@@ -110,14 +111,15 @@ pyb::tuple backward(const pyb::object& dout_obj, const pyb::object& q_obj, const
 pyb::tuple explain(const pyb::object& q_obj, const pyb::object& k_obj, const pyb::object& v_obj,
                    const pyb::object& mask_obj, const pyb::object& kpm_obj, const pyb::object& len_obj,
                    const std::string& causal, std::optional<double> scale, double dropout_p, uint64_t seed,
-                   bool is_backward, bool need_lse, bool need_weights, bool need_dmask) {
+                   bool is_backward, bool need_lse, bool need_weights, bool need_dmask,
+                   const std::string& float32_precision) {
   ArrayKeeper keep;
   const TensorView q = view_of(q_obj, "query", keep), k = view_of(k_obj, "key", keep),
                    v = view_of(v_obj, "value", keep);
   const AttentionOptions o =
       make_options(view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
                    view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, std::nullopt, false,
-                   pyb::none(), "highest");
+                   pyb::none(), float32_precision);
   AttentionProblem p = describe_attention(q, k, v, o);
   p.backward = is_backward;
   p.need_lse = need_lse || is_backward;
@@ -126,7 +128,10 @@ pyb::tuple explain(const pyb::object& q_obj, const pyb::object& k_obj, const pyb
   pyb::list kernels;
   for (const auto& [name, why] : explain_kernels(p))
     kernels.append(pyb::make_tuple(name, why.empty() ? pyb::object(pyb::none()) : pyb::object(pyb::str(why))));
-  return pyb::make_tuple(p.to_string(), kernels);
+  pyb::list targets;
+  for (const auto& [name, why] : explain_simd_targets(q.dtype, o.float32_precision))
+    targets.append(pyb::make_tuple(name, why.empty() ? pyb::object(pyb::none()) : pyb::object(pyb::str(why))));
+  return pyb::make_tuple(p.to_string(), kernels, targets);
 }
 
 // (shape, dtype name) or None -> a TensorSpec.
@@ -181,8 +186,9 @@ void bind_attention(pyb::module_& m) {
         "Private: 4-D backward. Returns (dq, dk, dv, dmask or None, kernel name).");
   m.def("_explain", &explain, arg("query"), arg("key"), arg("value"), arg("attn_mask"), arg("key_padding_mask"),
         arg("key_lengths"), arg("causal"), arg("scale"), arg("dropout_p"), arg("seed"), arg("backward"),
-        arg("need_lse"), arg("need_weights"), arg("need_dmask"),
-        "Private: (problem description, [(kernel, None if eligible else why not)]) in registry order.");
+        arg("need_lse"), arg("need_weights"), arg("need_dmask"), arg("float32_precision") = "highest",
+        "Private: (problem description, [(kernel, None if eligible else why not)] in registry order, [(SIMD target,\n"
+        "None if the fused kernel would run its build else why not)] widest first).");
   m.def(
       "_describe", &describe, arg("query"), arg("key"), arg("value"), arg("attn_mask"), arg("key_padding_mask"),
       arg("key_lengths"), arg("causal"), arg("scale"), arg("dropout_p"), arg("enable_gqa"),

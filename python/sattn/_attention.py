@@ -315,22 +315,25 @@ def attention_weights(query, key, attn_mask=None, dropout_p=0.0, is_causal=False
     return call.cast_back(weights.reshape(call.weights_shape))
 
 
-KernelReport = namedtuple("KernelReport", ["selected", "kernels", "problem"])
+KernelReport = namedtuple("KernelReport", ["selected", "kernels", "problem", "simd"])
 KernelReport.__doc__ = """Which kernel the registry would choose for a problem and why the others were not eligible.
 selected: name of the first eligible kernel (what runs when neither kernel= nor $SATTN_KERNEL forces one);
-kernels: [(name, None if eligible else the reason)] in registry order (reference last); problem: a description."""
+kernels: [(name, None if eligible else the reason)] in registry order (reference last); problem: a description;
+simd: [(SIMD target, None if the fused kernel would run its build else the reason)], widest first (the CPU lacks
+it, another target is selected, the inputs' dtype or float32_precision do not take it, a wider one runs)."""
 
 
 def explain_kernels(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                     *, key_padding_mask=None, key_lengths=None, causal_alignment="top_left", seed=0, backward=False,
-                    return_lse=False, need_weights=False):
+                    return_lse=False, need_weights=False, float32_precision="highest"):
     """Asks the registry, without running anything, which kernel a call with these arguments would use (forward,
     or the backward with backward=True) and why each faster kernel was rejected. Returns a KernelReport."""
     call = _Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
-                 key_lengths, causal_alignment, seed, None, False, None)
-    problem, kernels = _core._explain(call.q, call.k, call.v, **call.options(), backward=_check_flag(backward,
-                                      "backward"), need_lse=_check_flag(return_lse, "return_lse"),
-                                      need_weights=_check_flag(need_weights, "need_weights"),
-                                      need_dmask=call.mask_is_float)
+                 key_lengths, causal_alignment, seed, None, False, None, float32_precision)
+    problem, kernels, simd = _core._explain(call.q, call.k, call.v, **call.options(),
+                                            backward=_check_flag(backward, "backward"),
+                                            need_lse=_check_flag(return_lse, "return_lse"),
+                                            need_weights=_check_flag(need_weights, "need_weights"),
+                                            need_dmask=call.mask_is_float, float32_precision=call.float32_precision)
     selected = next((name for name, why in kernels if why is None), None)
-    return KernelReport(selected, list(kernels), problem)
+    return KernelReport(selected, list(kernels), problem, list(simd))

@@ -188,3 +188,42 @@ def test_bad_SATTN_SIMD_is_an_error_naming_the_variable_and_SATTN_SPARSE_ISA_say
     assert r.returncode == 0 and r.stdout == "", (r.stdout, r.stderr)
     assert r.stderr.count("SATTN_SPARSE_ISA is no longer read") == 1, r.stderr
     assert "SATTN_SIMD" in r.stderr
+
+
+def test_explain_kernels_lists_every_target_used_or_why_not():
+    rng = np.random.default_rng(4)
+    q32 = rng.standard_normal((1, 2, 8, 16)).astype(np.float32)
+    names = ["avx512bf16", "avx512", "avx2", "sse4", "portable"]
+    avail = sattn.simd_targets()["available"]
+    before = sattn.simd_targets()["selected"]
+
+    def report(q, **kw):
+        simd = sattn.explain_kernels(q, q, q, **kw).simd
+        assert [name for name, _ in simd] == names
+        return dict(simd)
+
+    try:
+        sattn.set_simd_target("auto")
+        r = report(q32)
+        widest = avail[0]
+        for name in names:
+            if name not in avail:
+                assert r[name].startswith("this CPU lacks"), (name, r[name])
+        used = "avx512" if widest == "avx512bf16" else widest
+        assert r[used] is None and sum(why is None for why in r.values()) == 1, r
+        if widest == "avx512bf16":
+            assert r["avx512bf16"] == "float32 inputs take the bf16 products only with float32_precision='bf16'"
+            assert report(q32, float32_precision="bf16")["avx512bf16"] is None
+            assert report(q32.astype(np.float16))["avx512bf16"].startswith("float16 inputs run the float32 products")
+        narrower = names[names.index(used) + 1]
+        if narrower in avail:
+            assert r[narrower] == f"the wider '{used}' build runs"
+        sattn.set_simd_target("portable")
+        r = report(q32)
+        assert r["portable"] is None
+        for name in avail[:-1]:
+            assert r[name] == "wider than the selected target 'portable' (SATTN_SIMD or set_simd_target chose it)"
+        assert all(why.startswith("float64 inputs run the reference kernel") for why in
+                   report(q32.astype(np.float64)).values())
+    finally:
+        sattn.set_simd_target(before)

@@ -209,9 +209,10 @@ def _describe(query: typing.Any, key: typing.Any, value: typing.Any, attn_mask: 
     Private: validates a call of PyTorch's layout given by (shape, dtype name) pairs (None = absent); returns its
     4-D problem's sizes as a dict. The checks and messages are describe_attention's.
     """
-def _explain(query: typing.Any, key: typing.Any, value: typing.Any, attn_mask: typing.Any, key_padding_mask: typing.Any, key_lengths: typing.Any, causal: str, scale: typing.SupportsFloat | typing.SupportsIndex | None, dropout_p: typing.SupportsFloat | typing.SupportsIndex, seed: typing.SupportsInt | typing.SupportsIndex, backward: bool, need_lse: bool, need_weights: bool, need_dmask: bool) -> tuple:
+def _explain(query: typing.Any, key: typing.Any, value: typing.Any, attn_mask: typing.Any, key_padding_mask: typing.Any, key_lengths: typing.Any, causal: str, scale: typing.SupportsFloat | typing.SupportsIndex | None, dropout_p: typing.SupportsFloat | typing.SupportsIndex, seed: typing.SupportsInt | typing.SupportsIndex, backward: bool, need_lse: bool, need_weights: bool, need_dmask: bool, float32_precision: str = 'highest') -> tuple:
     """
-    Private: (problem description, [(kernel, None if eligible else why not)]) in registry order.
+    Private: (problem description, [(kernel, None if eligible else why not)] in registry order, [(SIMD target,
+    None if the fused kernel would run its build else why not)] widest first).
     """
 def _forward(query: typing.Any, key: typing.Any, value: typing.Any, attn_mask: typing.Any, key_padding_mask: typing.Any, key_lengths: typing.Any, causal: str, scale: typing.SupportsFloat | typing.SupportsIndex | None, dropout_p: typing.SupportsFloat | typing.SupportsIndex, seed: typing.SupportsInt | typing.SupportsIndex, kernel: str | None, strict: bool, num_threads: typing.Any, need_lse: bool, need_weights: bool, float32_precision: str = 'highest') -> tuple:
     """
