@@ -184,6 +184,16 @@ BwdResult run_backward(const Problem& pb, const FwdResult& fwd, const std::strin
   return r;
 }
 
+// dq, dk, dv (and dmask, when the reference has one) within `tol` of the reference's (rel_err).
+void expect_grads_near(const BwdResult& got, const BwdResult& ref, double tol = 1e-4) {
+  EXPECT_LE(rel_err(got.dq, ref.dq), tol);
+  EXPECT_LE(rel_err(got.dk, ref.dk), tol);
+  EXPECT_LE(rel_err(got.dv, ref.dv), tol);
+  if (ref.dmask.data() != nullptr) {
+    EXPECT_LE(rel_err(got.dmask, ref.dmask), tol);
+  }
+}
+
 bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
 }
@@ -240,12 +250,7 @@ TEST_P(FusedSweep, ForwardAndBackwardMatchReference) {
     FwdResult ref32{ref.out.to(DType::kF32), ref.lse.to(DType::kF32), ""};
     const BwdResult gref = run_backward(pb, ref, "reference", 1);
     const BwdResult gget = run_backward(pb, ref32, "fused", 2);
-    EXPECT_LE(rel_err(gget.dq, gref.dq), 1e-4);
-    EXPECT_LE(rel_err(gget.dk, gref.dk), 1e-4);
-    EXPECT_LE(rel_err(gget.dv, gref.dv), 1e-4);
-    if (c.mask == 2) {
-      EXPECT_LE(rel_err(gget.dmask, gref.dmask.to(DType::kF64)), 1e-4);
-    }
+    expect_grads_near(gget, gref);
   }
 }
 
@@ -282,12 +287,7 @@ TEST(Fused, Bf16ProductsMatchReference) {
     const FwdResult ref32{ref.out.to(DType::kF32), ref.lse.to(DType::kF32), ""};
     const BwdResult gref = run_backward(up, ref, "reference", 1);
     const BwdResult g1 = run_backward(in, ref32, "fused", 1);
-    EXPECT_LE(rel_err(g1.dq, gref.dq), 1e-4);
-    EXPECT_LE(rel_err(g1.dk, gref.dk), 1e-4);
-    EXPECT_LE(rel_err(g1.dv, gref.dv), 1e-4);
-    if (c.mask == 2) {
-      EXPECT_LE(rel_err(g1.dmask, gref.dmask.to(DType::kF64)), 1e-4);
-    }
+    expect_grads_near(g1, gref);
     const BwdResult g3 = run_backward(in, ref32, "fused", 3);
     EXPECT_TRUE(bitwise_equal(g1.dq, g3.dq) && bitwise_equal(g1.dk, g3.dk) && bitwise_equal(g1.dv, g3.dv));
   }
@@ -341,9 +341,7 @@ TEST(Fused, BackwardKeyGroupsMatchReferenceAndThreadCounts) {
     const FwdResult ref32{ref.out.to(DType::kF32), ref.lse.to(DType::kF32), ""};
     const BwdResult gref = run_backward(pb, ref, "reference", 2);
     const BwdResult g1 = run_backward(pb, ref32, "fused", 1);
-    EXPECT_LE(rel_err(g1.dq, gref.dq), 1e-4);
-    EXPECT_LE(rel_err(g1.dk, gref.dk), 1e-4);
-    EXPECT_LE(rel_err(g1.dv, gref.dv), 1e-4);
+    expect_grads_near(g1, gref);
     const BwdResult g3 = run_backward(pb, ref32, "fused", 3);
     EXPECT_TRUE(bitwise_equal(g1.dq, g3.dq));
     EXPECT_TRUE(bitwise_equal(g1.dk, g3.dk));
@@ -383,15 +381,13 @@ TEST(Fused, Float32PrecisionBf16RoundsOnlyWhereAllowed) {
     const BwdResult g = run_backward(pb, ref32, "fused", 1);
     if (simd != "avx512bf16") {  // nothing to round with: the float32 products of that target
       EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
-      EXPECT_LE(rel_err(g.dq, gref.dq), 1e-4);
+      expect_grads_near(g, gref);
       continue;
     }
     EXPECT_LE(rel_err(got.out, ref.out), 1e-2);
     EXPECT_LE(rel_err(got.lse, ref.lse), 1e-2);
     EXPECT_FALSE(bitwise_equal(got.out, highest.out));  // the bf16 products ran
-    EXPECT_LE(rel_err(g.dq, gref.dq), 2e-2);
-    EXPECT_LE(rel_err(g.dk, gref.dk), 2e-2);
-    EXPECT_LE(rel_err(g.dv, gref.dv), 2e-2);
+    expect_grads_near(g, gref, 2e-2);
     EXPECT_FALSE(bitwise_equal(g.dq, ghighest.dq));
     const FwdResult got3 = run_forward(pb, "fused", 3);
     const BwdResult g3 = run_backward(pb, ref32, "fused", 3);
@@ -505,10 +501,7 @@ TEST(Fused, HugeUniformBiasRowsMatchReference) {
         EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
         EXPECT_TRUE(lse_ok(got.lse, ref.lse));
         const BwdResult g1 = run_backward(in, got, "fused", 1);
-        EXPECT_LE(rel_err(g1.dq, gref.dq), 1e-4);
-        EXPECT_LE(rel_err(g1.dk, gref.dk), 1e-4);
-        EXPECT_LE(rel_err(g1.dv, gref.dv), 1e-4);
-        EXPECT_LE(rel_err(g1.dmask, gref.dmask), 1e-4);
+        expect_grads_near(g1, gref);
         const BwdResult g3 = run_backward(in, got, "fused", 3);
         EXPECT_TRUE(bitwise_equal(g1.dq, g3.dq) && bitwise_equal(g1.dk, g3.dk) && bitwise_equal(g1.dv, g3.dv) &&
                     bitwise_equal(g1.dmask, g3.dmask));

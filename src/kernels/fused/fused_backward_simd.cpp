@@ -339,22 +339,9 @@ void PackQTask(const Params& p, int64_t task) {
   PackRows(RowsOf(p.q, b, h, i0, nq, p.D, buf), nq, p.D, Dp, Br, p.scale, qr, qt);
   PackRows(RowsOf(p.dout, b, h, i0, nq, p.Dv, buf), nq, p.Dv, Dvp, Br, 1.f, dor, p.pk_dot + task * p.Dv * Br);
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
-  if (p.pk_qp) {  // Q^T and dO^T in bf16 pairs (a NaN row of q is zeroed below)
-    uint32_t* qp = p.pk_qp + task * p.d_pairs() * Br;
-    std::memset(qp, 0, sizeof(uint32_t) * size_t(p.d_pairs() * Br));
-    auto* row = reinterpret_cast<uint32_t*>(buf);
-    for (int64_t ii = 0; ii < nq; ++ii) {
-      PackRowPairs(p.q, b * p.q.sb + h * p.q.sh + (i0 + ii) * p.q.sl, 1, p.D, false, row);
-      for (int64_t x = 0; x < p.d_pairs(); ++x) qp[x * Br + ii] = row[x];
-    }
-    if (p.pk_dop) {  // dO is bf16 too
-      uint32_t* dop = p.pk_dop + task * p.dv_pairs() * Br;
-      std::memset(dop, 0, sizeof(uint32_t) * size_t(p.dv_pairs() * Br));
-      for (int64_t ii = 0; ii < nq; ++ii) {
-        PackRowPairs(p.dout, b * p.dout.sb + h * p.dout.sh + (i0 + ii) * p.dout.sl, 1, p.Dv, false, row);
-        for (int64_t x = 0; x < p.dv_pairs(); ++x) dop[x * Br + ii] = row[x];
-      }
-    }
+  if (p.pk_qp) {  // Q^T and dO^T (when dO is bf16 too) in bf16 pairs; a NaN row of q is zeroed below
+    PackTransposedPairs(p.q, b, h, i0, nq, p.D, Br, p.pk_qp + task * p.d_pairs() * Br);
+    if (p.pk_dop) PackTransposedPairs(p.dout, b, h, i0, nq, p.Dv, Br, p.pk_dop + task * p.dv_pairs() * Br);
   }
 #endif
   const int64_t row0 = bh * p.Lq + i0;

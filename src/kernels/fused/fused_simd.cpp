@@ -234,7 +234,6 @@ void ForwardTask(const Params& p, int64_t task) {
   std::memset(OT, 0, sizeof(float) * size_t(Dv * Br));
   if (kend > kbeg) PackTransposed(p.q, b, h, i0, nq, D, Br, p.scale, QT);
 
-  const float keep_scale = p.dropout_p > 0 ? float(1.0 / (1.0 - p.dropout_p)) : 1.f;
   for (int64_t kb = kbeg; kb < kend; kb += Bc) {
     const int64_t nk = std::min(Bc, kend - kb);
     const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, bias, pad);
@@ -242,24 +241,7 @@ void ForwardTask(const Params& p, int64_t task) {
     const Rows kr = RowsOf(p.k, b, hk, kb, nk, D, kbuf);
     Gemm<false>(kr.ptr, kr.stride, 1, QT, Br, ST, Br, nk, nvec, D);  // S^T = K (scale Q)^T
     if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, bias, pad, ST);
-
-    // Online softmax, lane-wise: m' = max(m, max_j s), l' = l e^{m - m'} + sum_j e^{s - m'}, O' = O e^{m - m'}.
-    for (int64_t x = 0; x < Br; x += N) {
-      const VF alpha = OnlineSoftmaxStep(d, ST + x, nk, Br, M + x, L + x);
-      if (!hn::AllTrue(d, hn::Eq(alpha, hn::Set(d, 1.f))))
-        for (int64_t dd = 0; dd < Dv; ++dd)
-          hn::Store(hn::Mul(hn::Load(d, OT + dd * Br + x), alpha), d, OT + dd * Br + x);
-    }
-    const float* P = ST;
-    if (PT) {  // dropout: P' = P keep / (1 - p) feeds the output; the normaliser l uses P
-      for (int64_t jj = 0; jj < nk; ++jj)
-        for (int64_t ii = 0; ii < Br; ++ii)
-          PT[jj * Br + ii] = ii < nq && dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(h), uint32_t(i0 + ii),
-                                                     uint32_t(kb + jj))
-                                 ? ST[jj * Br + ii] * keep_scale
-                                 : 0.f;
-      P = PT;
-    }
+    const float* P = SoftmaxTile(p, b, h, i0, nq, kb, nk, ST, PT, OT, M, L);
     const Rows vr = RowsOf(p.v, b, hk, kb, nk, Dv, vbuf);
     Gemm<true>(vr.ptr, 1, vr.stride, P, Br, OT, Br, Dv, nvec, nk);  // O^T += V^T P^T
   }
@@ -304,40 +286,17 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   std::fill(M, M + Br, kNegInf);
   std::fill(L, L + Br, 0.f);
   std::memset(OT, 0, sizeof(float) * size_t(Dv * Br));
-  std::memset(QP, 0, sizeof(uint32_t) * size_t(D2 * Br));
-  const int64_t qbase = b * p.q.sb + h * p.q.sh + i0 * p.q.sl;
-  for (int64_t ii = 0; ii < nq; ++ii)
-    for (int64_t x = 0; x < D2; ++x) {
-      const int64_t off = qbase + ii * p.q.sl + 2 * x * p.q.sd;
-      const uint32_t hi = 2 * x + 1 < p.D ? Bf16Bits(p.q, off + p.q.sd) : 0;
-      QP[x * Br + ii] = uint32_t(Bf16Bits(p.q, off)) | hi << 16;
-    }
+  PackTransposedPairs(p.q, b, h, i0, nq, p.D, Br, QP);
   const uint32_t* kp = p.k_pairs + (b * p.Hkv + hk) * p.Lk * D2;
   const uint32_t* vp = p.v_pairs + (b * p.Hkv + hk) * p.lk_pairs() * Dv;
 
-  const float keep_scale = p.dropout_p > 0 ? float(1.0 / (1.0 - p.dropout_p)) : 1.f;
   for (int64_t kb = 0; kb < kend; kb += Bc) {
     const int64_t nk = std::min(Bc, kend - kb);
     const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, bias, pad);
     if (tm.skip) continue;
     GemmBf16<false, false>(kp + kb * D2, D2, 1, QP, Br, 0, ST, Br, nk, nvec, D2, p.scale);  // S^T = scale K Q^T
     if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, bias, pad, ST);
-    for (int64_t x = 0; x < Br; x += N) {
-      const VF alpha = OnlineSoftmaxStep(d, ST + x, nk, Br, M + x, L + x);
-      if (!hn::AllTrue(d, hn::Eq(alpha, hn::Set(d, 1.f))))
-        for (int64_t dd = 0; dd < Dv; ++dd)
-          hn::Store(hn::Mul(hn::Load(d, OT + dd * Br + x), alpha), d, OT + dd * Br + x);
-    }
-    const float* P = ST;
-    if (PT) {  // dropout, as in ForwardTask
-      for (int64_t jj = 0; jj < nk; ++jj)
-        for (int64_t ii = 0; ii < Br; ++ii)
-          PT[jj * Br + ii] = ii < nq && dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(h), uint32_t(i0 + ii),
-                                                     uint32_t(kb + jj))
-                                 ? ST[jj * Br + ii] * keep_scale
-                                 : 0.f;
-      P = PT;
-    }
+    const float* P = SoftmaxTile(p, b, h, i0, nq, kb, nk, ST, PT, OT, M, L);
     PackProbabilityPairs(P, nk, Br, PP);
     const uint32_t* vt = vp + kb / 2 * Dv;
     const int64_t lo = (nk + 1) / 2 * Br;
