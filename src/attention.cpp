@@ -24,6 +24,9 @@ std::string AttentionProblem::to_string() const {
   if (key_padding == KeyPaddingKind::kLengths) s += " key_padding=lengths";
   if (causal != Causal::kNone) s += std::string(" causal=") + sattn::to_string(causal);
   if (dropout_p > 0) s += message::concat(" dropout=", dropout_p);
+  if (has_positions())
+    s +=
+        message::concat(" positions=", query_offset, "+", position_stride, "i,", key_offset, "+", position_stride, "j");
   if (backward) s += " backward";
   return s;
 }
@@ -39,7 +42,12 @@ MaskData make_mask_data(const AttentionProblem& p, const AttentionOptions& o) {
     md.kp_stride_k = o.key_padding_mask.strides[1];
   } else if (p.key_padding == KeyPaddingKind::kLengths) {
     md.key_lengths.resize(p.batch);
-    for (int64_t b = 0; b < p.batch; ++b) md.key_lengths[b] = int64_t(o.key_lengths.get({b}));
+    for (int64_t b = 0; b < p.batch; ++b) {
+      // Global lengths of a shard become local ones: key j is padding iff key_position(j) >= length.
+      const int64_t over = int64_t(o.key_lengths.get({b})) - p.key_offset;
+      const int64_t local = over <= 0 ? 0 : (over + p.position_stride - 1) / p.position_stride;
+      md.key_lengths[b] = std::min(local, p.len_k);
+    }
   }
   return md;
 }

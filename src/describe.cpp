@@ -203,6 +203,31 @@ void check_attention_input(const TensorView& t, const char* name, const char* la
          shape_to_string(t.shape));
 }
 
+// query_offset, key_offset, position_stride: the global positions of a shard (dropout keys them as 32-bit words).
+constexpr int64_t kMaxPosition = (int64_t(1) << 32) - 1;
+void check_positions(const AttentionOptions& o, AttentionProblem& p) {
+  check(o.query_offset >= 0, ErrorKind::kInvalidArgument, "query_offset: expected a position >= 0, got ",
+        o.query_offset);
+  check(o.key_offset >= 0, ErrorKind::kInvalidArgument, "key_offset: expected a position >= 0, got ", o.key_offset);
+  check(o.position_stride >= 1, ErrorKind::kInvalidArgument, "position_stride: expected >= 1, got ", o.position_stride);
+  p.query_offset = o.query_offset;
+  p.key_offset = o.key_offset;
+  p.position_stride = o.position_stride;
+  if (!p.has_positions()) return;
+  const auto last = [&](int64_t offset, int64_t len) {
+    return double(offset) + double(o.position_stride) * double(std::max<int64_t>(len - 1, 0));
+  };
+  check(last(o.query_offset, p.len_q) <= double(kMaxPosition), ErrorKind::kInvalidArgument,
+        "query_offset/position_stride: the last query's global position must be below 2^32, got query_offset = ",
+        o.query_offset, ", position_stride = ", o.position_stride, ", Lq = ", p.len_q);
+  check(last(o.key_offset, p.len_k) <= double(kMaxPosition), ErrorKind::kInvalidArgument,
+        "key_offset/position_stride: the last key's global position must be below 2^32, got key_offset = ",
+        o.key_offset, ", position_stride = ", o.position_stride, ", Lk = ", p.len_k);
+  check(o.causal != Causal::kBottomRight, ErrorKind::kInvalidArgument,
+        "causal: bottom_right is defined by the local lengths; with query_offset/key_offset/position_stride use "
+        "top_left on the global positions (bottom-right alignment is query_offset = key_offset + Lk - Lq)");
+}
+
 }  // namespace
 
 AttentionProblem describe_attention(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -225,6 +250,7 @@ AttentionProblem describe_attention(const TensorView& q, const TensorView& k, co
   check_scalars(o.scale, o.dropout_p, p);
   p.seed = o.seed;
   p.causal = o.causal;
+  check_positions(o, p);
   check(o.num_threads >= 0, ErrorKind::kInvalidArgument,
         "num_threads: expected 0 (automatic) or a positive count, got ", o.num_threads);
   check(o.memory_limit_bytes >= 0, ErrorKind::kInvalidArgument,
@@ -249,8 +275,10 @@ AttentionProblem describe_attention(const TensorView& q, const TensorView& k, co
   if (has_len)
     for (int64_t b = 0; b < p.batch; ++b) {
       const double len = o.key_lengths.get({b});
-      if (!(len >= 0 && len <= double(p.len_k)))
-        fail(ErrorKind::kInvalidArgument, "key_lengths[", b, "]: expected a length in [0, Lk = ", p.len_k, "], got ",
+      // Keys at (global) positions >= the length are padding; a length past the last key leaves them all valid,
+      // as a shard of a longer sequence needs.
+      if (!(len >= 0 && len <= double(kMaxPosition)))
+        fail(ErrorKind::kInvalidArgument, "key_lengths[", b, "]: expected a length in [0, 2^32 - 1], got ",
              int64_t(len));
     }
 

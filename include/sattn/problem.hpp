@@ -42,12 +42,20 @@ struct AttentionOptions {
   TensorView attn_mask;
   // Bool [B, Lk] with True = padding (nn.MultiheadAttention's key_padding_mask).
   TensorView key_padding_mask;
-  // Int32/int64 [B]: keys j >= key_lengths[b] are padding. Exclusive with key_padding_mask.
+  // Int32/int64 [B]: keys j >= key_lengths[b] are padding (j the global position, see query_offset; a length past
+  // the last key leaves every key valid). Exclusive with key_padding_mask.
   TensorView key_lengths;
   Causal causal = Causal::kNone;  // intersected with attn_mask when both are given
   std::optional<double> scale;    // default 1/sqrt(D)
   double dropout_p = 0.0;         // in [0, 1); keep(b,h,i,j) = philox(seed; b,h,i,j), see random.hpp
   uint64_t seed = 0;
+  // Global positions, for a call on one shard of a longer sequence (sequence/context parallelism, sattn::dist):
+  // local query row i sits at global position query_offset + position_stride·i, local key j at
+  // key_offset + position_stride·j. Causal masking (top-left on the global positions), dropout's (i, j) and
+  // key_lengths (then global lengths: key j is padding iff its global position >= key_lengths[b]) use them.
+  // Defaults: the call is the whole sequence. Any other value needs causal kNone or kTopLeft.
+  int64_t query_offset = 0, key_offset = 0;
+  int64_t position_stride = 1;
 
   // Execution.
   std::string kernel;              // "" = choose automatically; else a registry name; env SATTN_KERNEL
@@ -72,11 +80,26 @@ struct AttentionProblem {
   double scale = 0.0;
   double dropout_p = 0.0;
   uint64_t seed = 0;
+  int64_t query_offset = 0, key_offset = 0, position_stride = 1;  // see AttentionOptions
   bool need_lse = false, need_weights = false;
   bool backward = false, need_dmask = false;
 
   int64_t group_size() const { return heads_q / heads_kv; }  // query heads per kv head
   bool has_dropout() const { return dropout_p > 0.0; }
+  bool has_positions() const { return query_offset != 0 || key_offset != 0 || position_stride != 1; }
+  int64_t query_position(int64_t i) const { return query_offset + position_stride * i; }
+  int64_t key_position(int64_t j) const { return key_offset + position_stride * j; }
+  // Causality in local indices: key j is allowed for query i iff j <= i + causal_diagonal() (when causal).
+  int64_t causal_diagonal() const {
+    if (causal == Causal::kBottomRight) return len_k - len_q;
+    const int64_t d = query_offset - key_offset;  // floor((qo - ko) / stride): q_pos(i) >= k_pos(j)
+    return d >= 0 ? d / position_stride : -((-d + position_stride - 1) / position_stride);
+  }
+  // The same rule on the positions themselves (what the reference kernel reads).
+  bool causal_allows(int64_t i, int64_t j) const {
+    if (causal == Causal::kBottomRight) return j <= i + len_k - len_q;
+    return causal == Causal::kNone || key_position(j) <= query_position(i);
+  }
   // Bytes of one [B, Hq, Lq, Lk] buffer of `elem` bytes (the materialised score matrix).
   double score_matrix_bytes(size_t elem) const { return double(batch) * heads_q * len_q * len_k * elem; }
   std::string to_string() const;  // e.g. "B=1 Hq=8 Hkv=2 Lq=7 Lk=129 D=64 Dv=64 f32 mask=bool causal=bottom_right"

@@ -18,7 +18,7 @@ Tensor allowed_keys(const AttentionProblem& p, const AttentionOptions& options) 
     for (int64_t h = 0; h < p.heads_q; ++h)
       for (int64_t i = 0; i < p.len_q; ++i)
         for (int64_t j = 0; j < p.len_k; ++j) {
-          bool ok = causal_allows(p.causal, i, j, p.len_q, p.len_k) && !md.key_is_padding(b, j);
+          bool ok = p.causal_allows(i, j) && !md.key_is_padding(b, j);
           if (ok && p.mask == MaskKind::kBool) ok = md.mask_value(b, h, i, j) != 0.0;
           if (ok && p.mask == MaskKind::kAdditive)
             ok = md.mask_value(b, h, i, j) != -std::numeric_limits<double>::infinity();

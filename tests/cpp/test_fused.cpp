@@ -31,11 +31,12 @@ struct Case {
   int padding = 0;     // 0 none, 1 bool, 2 lengths
   sattn::Causal causal = sattn::Causal::kNone;
   double dropout = 0.0;
-  bool strided = false;  // q/k/v as [B, L, H, D] memory viewed as [B, H, L, D]
+  bool strided = false;                            // q/k/v as [B, L, H, D] memory viewed as [B, H, L, D]
+  int64_t q_offset = 0, k_offset = 0, stride = 1;  // global positions (AttentionOptions::query_offset, ...)
   std::string name() const {
     return sattn::message::concat("B", B, " H", Hq, "/", Hkv, " L", Lq, "x", Lk, " D", D, "/", Dv, " mask", mask, ":",
                                   mask_shape, " pad", padding, " causal=", sattn::to_string(causal), " drop", dropout,
-                                  strided ? " strided" : "");
+                                  strided ? " strided" : "", " pos ", q_offset, "/", k_offset, "/", stride);
   }
 };
 
@@ -104,9 +105,10 @@ Problem make_problem(const Case& c, uint32_t seed) {
   } else if (c.padding == 2) {
     pb.lengths = Tensor(DType::kI64, {c.B});
     for (int64_t b = 0; b < c.B; ++b)
-      pb.lengths.data<int64_t>()[b] = b == 1 ? 0 : std::max<int64_t>(1, c.Lk - 5 - 37 * b);
+      pb.lengths.data<int64_t>()[b] = c.k_offset + c.stride * (b == 1 ? 0 : std::max<int64_t>(1, c.Lk - 5 - 37 * b));
     pb.opt.key_lengths = pb.lengths.view();
   }
+  pb.opt.query_offset = c.q_offset, pb.opt.key_offset = c.k_offset, pb.opt.position_stride = c.stride;
   pb.opt.causal = c.causal;
   pb.opt.dropout_p = c.dropout;
   pb.opt.seed = 1234 + seed;
@@ -218,6 +220,10 @@ std::vector<Case> sweep() {
       c.padding = (n / 2) % 3;
       c.strided = variant == 4 || variant == 1;
       c.dropout = variant == 5 ? 0.3 : 0.0;
+      if (c.causal != Causal::kBottomRight && (variant == 2 || variant == 5)) {  // a shard of a longer sequence
+        c.stride = 1 + n % 3;
+        c.q_offset = (n * 37) % 150, c.k_offset = (n * 53) % 150;
+      }
       cs.push_back(c);
     }
   }
@@ -322,6 +328,53 @@ TEST(Fused, BitwiseIdenticalForAnyThreadCount) {
     EXPECT_TRUE(bitwise_equal(b1.dv, bt.dv)) << t;
     EXPECT_TRUE(bitwise_equal(b1.dmask, bt.dmask)) << t;
   }
+}
+
+// Rows [a, b) of dimension 2 of a 4-D view, or of dimension 1 of a 2-D view (no copy).
+TensorView narrow(const TensorView& t, int64_t dim, int64_t a, int64_t b) {
+  TensorView r = t;
+  r.shape[dim] = b - a;
+  r.data = static_cast<char*>(t.data) + a * t.strides[dim] * int64_t(sattn::dtype_size(t.dtype));
+  return r;
+}
+
+// A shard of queries and keys, told its global positions, computes exactly its part of the whole call: the
+// causal diagonal, dropout and global key lengths follow the positions. Two key shards merged through their
+// log-sum-exp give the rows of the whole call.
+TEST(Fused, ShardsWithGlobalPositionsMatchTheWholeCall) {
+  Case c;
+  c.B = 2, c.Hq = 4, c.Hkv = 2, c.Lq = 190, c.Lk = 190, c.D = 32, c.Dv = 24, c.padding = 2;
+  c.causal = sattn::Causal::kTopLeft, c.dropout = 0.2;
+  const Problem whole = make_problem(c, 7);
+  const FwdResult ref = run_forward(whole, "fused", 2);
+  const int64_t q0 = 70, q1 = 150, split = 100;  // queries [70, 150); keys [0, 100) and [100, 190)
+  std::vector<Tensor> outs, lses;
+  for (const auto& [k0, k1] : {std::pair<int64_t, int64_t>{0, split}, {split, c.Lk}}) {
+    sattn::AttentionOptions o = whole.opt;
+    o.kernel = "fused";
+    o.query_offset = q0, o.key_offset = k0;
+    Tensor out(DType::kF32, {c.B, c.Hq, q1 - q0, c.Dv}), lse(DType::kF32, {c.B, c.Hq, q1 - q0});
+    sattn::KernelInfo info;
+    sattn::scaled_dot_product_attention(narrow(whole.q.view, 2, q0, q1), narrow(whole.k.view, 2, k0, k1),
+                                        narrow(whole.v.view, 2, k0, k1), o, {out.view(), lse.view(), {}}, &info);
+    EXPECT_EQ(info.kernel, "fused");
+    outs.push_back(std::move(out));
+    lses.push_back(std::move(lse));
+  }
+  const auto merged =
+      sattn::merge_attention_partials({outs[0].view(), outs[1].view()}, {lses[0].view(), lses[1].view()});
+  EXPECT_LE(rel_err(merged.out, Tensor::from_view(narrow(ref.out.view(), 2, q0, q1))), 2e-6);
+  EXPECT_LE(rel_err(merged.lse, Tensor::from_view(narrow(ref.lse.view(), 2, q0, q1))), 2e-6);
+  // Bottom-right alignment is stated through the positions instead; a negative offset is refused.
+  sattn::AttentionOptions bad = whole.opt;
+  bad.query_offset = 1;
+  bad.causal = sattn::Causal::kBottomRight;
+  Tensor out(DType::kF32, {c.B, c.Hq, c.Lq, c.Dv});
+  EXPECT_THROW(sattn::scaled_dot_product_attention(whole.q.view, whole.k.view, whole.v.view, bad, {out.view(), {}, {}}),
+               sattn::Error);
+  bad.causal = sattn::Causal::kTopLeft, bad.query_offset = -1;
+  EXPECT_THROW(sattn::scaled_dot_product_attention(whole.q.view, whole.k.view, whole.v.view, bad, {out.view(), {}, {}}),
+               sattn::Error);
 }
 
 // Problems large enough that the backward's tasks cover several key blocks each (groups of 3 and 4 blocks, the

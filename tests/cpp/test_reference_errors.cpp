@@ -197,9 +197,11 @@ TEST(ReferenceErrors, Masks) {
       ErrorKind::kTypeError, {"key_padding_mask", "True = padding", "float32"}, "kpm dtype");
   Tensor lengths(DType::kI64, {2});
   lengths.data<int64_t>()[0] = 3;
-  lengths.data<int64_t>()[1] = 7;
-  expect_error([&] { with_padding({}, lengths); }, ErrorKind::kInvalidArgument, {"key_lengths[1]", "Lk = 6", "7"},
-               "length > Lk");
+  lengths.data<int64_t>()[1] = int64_t(1) << 32;
+  expect_error([&] { with_padding({}, lengths); }, ErrorKind::kInvalidArgument,
+               {"key_lengths[1]", "[0, 2^32 - 1]", "4294967296"}, "length >= 2^32");
+  lengths.data<int64_t>()[1] = 7;  // past the last key (Lk = 6): every key valid, as a shard's global length may be
+  EXPECT_NO_THROW(with_padding({}, lengths));
   lengths.data<int64_t>()[1] = -1;
   expect_error([&] { with_padding({}, lengths); }, ErrorKind::kInvalidArgument, {"key_lengths[1]", "-1"},
                "negative length");

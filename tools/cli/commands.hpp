@@ -15,4 +15,5 @@ void add_report_command(CLI::App& app);   // report.cpp
 void add_bench_command(CLI::App& app);    // bench.cpp
 void add_sparse_command(CLI::App& app);   // sparse.cpp: sparse, sparse-bench
 void add_sr_command(CLI::App& app);       // sr.cpp
+void add_ring_command(CLI::App& app);     // ring.cpp: ring attention over MPI (built with MPI)
 }  // namespace sattn::cli

@@ -81,6 +81,7 @@ int main(int argc, char** argv) {
   sattn::cli::add_bench_command(app);
   sattn::cli::add_sparse_command(app);
   sattn::cli::add_sr_command(app);
+  sattn::cli::add_ring_command(app);
   sattn::cli::add_version_command(app);
   sattn::cli::add_viz_command(app);
   sattn::cli::add_doctor_command(app);

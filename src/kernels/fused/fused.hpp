@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "sattn/problem.hpp"
+#include "sattn/random.hpp"
 #include "sattn/tensor.hpp"
 
 namespace sattn::fused {
@@ -44,9 +45,14 @@ struct Params {
   const uint8_t* kp = nullptr;
   int64_t kp_sb = 0, kp_sk = 0;
   const int64_t* key_len = nullptr;  // [B] or nullptr
-  // Dropout.
+  // Dropout, keyed by global positions: query row i is q_pos0 + pos_stride·i, key j is k_pos0 + pos_stride·j.
   double dropout_p = 0.0;
   uint64_t seed = 0;
+  int64_t q_pos0 = 0, k_pos0 = 0, pos_stride = 1;
+  bool keep(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    return dropout_keep(seed, dropout_p, uint32_t(b), uint32_t(h), uint32_t(q_pos0 + pos_stride * i),
+                        uint32_t(k_pos0 + pos_stride * j));
+  }
   // Tiles: Br queries (multiple of 16) x Bc keys.
   int64_t Br = 64, Bc = 64;
 

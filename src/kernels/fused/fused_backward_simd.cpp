@@ -52,9 +52,7 @@ HWY_INLINE void TileProbabilities(const Params& p, BwdTile& w, int64_t b, int64_
     float* pdrow = w.PdT + jj * Br;
     if (p.dropout_p > 0) {
       for (int64_t ii = 0; ii < nq; ++ii) {
-        const bool keep =
-            dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(h), uint32_t(i0 + ii), uint32_t(kb + jj));
-        pdrow[ii] = keep ? keep_scale : 0.f;  // temporarily the dropout factor
+        pdrow[ii] = p.keep(b, h, i0 + ii, kb + jj) ? keep_scale : 0.f;  // temporarily the dropout factor
       }
       for (int64_t ii = nq; ii < Br; ++ii) pdrow[ii] = 0.f;
     }

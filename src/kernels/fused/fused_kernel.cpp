@@ -51,12 +51,13 @@ Params make_params(const AttentionProblem& pr, const TensorView& q, const Tensor
   p.q = view4(q), p.k = view4(k), p.v = view4(v);
   p.scale = float(pr.scale);
   p.causal = pr.causal != Causal::kNone;
-  p.causal_offset = pr.causal == Causal::kBottomRight ? pr.len_k - pr.len_q : 0;
+  p.causal_offset = pr.causal_diagonal();
   p.mask = pr.mask;
   if (pr.mask != MaskKind::kNone) p.mask_view = view4(m.attn_mask);
   p.kp = m.key_padding, p.kp_sb = m.kp_stride_b, p.kp_sk = m.kp_stride_k;
   p.key_len = m.key_lengths.empty() ? nullptr : m.key_lengths.data();
   p.dropout_p = pr.dropout_p, p.seed = pr.seed;
+  p.q_pos0 = pr.query_offset, p.k_pos0 = pr.key_offset, p.pos_stride = pr.position_stride;
   static const int64_t br = env_tile("SATTN_FUSED_BR", 64), bc = env_tile("SATTN_FUSED_BC", 64);
   p.Br = pr.len_q <= 16 ? 16 : br;  // few queries: the narrowest tile (a row's result does not depend on Br)
   p.Bc = bc;

@@ -152,11 +152,7 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
       if (alpha != 1.f)
         for (int64_t x = 0; x < Dv; ++x) O[ii * Dvp + x] *= alpha;
       if (p.dropout_p > 0) {
-        for (int64_t j = 0; j < nk; ++j) {
-          const bool keep =
-              dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(rh[ii]), uint32_t(ri[ii]), uint32_t(kb + j));
-          srow[j] = keep ? srow[j] * keep_scale : 0.f;
-        }
+        for (int64_t j = 0; j < nk; ++j) srow[j] = p.keep(b, rh[ii], ri[ii], kb + j) ? srow[j] * keep_scale : 0.f;
       }
     }
     const Rows vr = RowsOf(p.v, b, hk, kb, nk, Dv, vbuf);

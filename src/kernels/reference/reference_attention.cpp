@@ -83,7 +83,7 @@ Materialised<T> compute_probabilities(const AttentionProblem& p, const MaskData&
       const T* qi = &q[size_t(((b * p.heads_q + h) * p.len_q + i) * D)];
       T row_max = -std::numeric_limits<T>::infinity();
       for (int64_t j = 0; j < p.len_k; ++j) {
-        bool ok = causal_allows(p.causal, i, j, p.len_q, p.len_k) && !m.key_is_padding(b, j);
+        bool ok = p.causal_allows(i, j) && !m.key_is_padding(b, j);
         T bias = 0;
         if (p.mask == MaskKind::kBool) ok = ok && m.mask_value(b, h, i, j) != 0.0;
         if (p.mask == MaskKind::kAdditive) {
@@ -115,7 +115,8 @@ Materialised<T> compute_probabilities(const AttentionProblem& p, const MaskData&
 template <typename T>
 T dropout_factor(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, int64_t j) {
   if (!p.has_dropout()) return T(1);
-  return dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(h), uint32_t(i), uint32_t(j))
+  return dropout_keep(p.seed, p.dropout_p, uint32_t(b), uint32_t(h), uint32_t(p.query_position(i)),
+                      uint32_t(p.key_position(j)))
              ? T(1.0 / (1.0 - p.dropout_p))
              : T(0);
 }
