@@ -9,10 +9,12 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <thread>
 
+#include "core/env.hpp"
 #include "dist/ring_internal.hpp"
 #include "sattn/attention.hpp"
 
@@ -139,6 +141,16 @@ void agree_on_failure(const Ring& ring, std::exception_ptr& error, ErrorKind kin
        " (its own error says why); every rank stops");
 }
 
+// SATTN_TEST_RING_FAULT=RANK:STEP makes that rank fail at that step, after the entry check (the tests of the
+// error agreement use it); anything else leaves the ring alone.
+void injected_fault(const Ring& ring, int step) {
+  const auto spec = env::get("SATTN_TEST_RING_FAULT");
+  int rank = -1, at = -1;
+  if (spec && std::sscanf(spec->c_str(), "%d:%d", &rank, &at) == 2 && rank == ring.rank && at == step)
+    fail(ErrorKind::kInternal, ring.name, ": rank ", rank, " failed at ring step ", step,
+         " (injected: SATTN_TEST_RING_FAULT)");
+}
+
 }  // namespace
 
 // ---- forward ------------------------------------------------------------------------------------------------
@@ -168,6 +180,7 @@ void ring_attention(const TensorView& q, const TensorView& k, const TensorView& 
     std::exception_ptr error;
     ErrorKind kind = ErrorKind::kInternal;
     try {
+      injected_fault(ring, step);
       const auto& qsegs = ring.segments[size_t(ring.rank)];
       for (size_t a = 0; a < qsegs.size(); ++a)
         for (const Segment& ks : ring.segments[size_t(src)]) {
@@ -236,6 +249,7 @@ void ring_attention_backward(const TensorView& dout, const TensorView& q, const 
     std::exception_ptr error;
     ErrorKind kind = ErrorKind::kInternal;
     try {
+      injected_fault(ring, step);
       g.compute_step(q, blocks, src, grads, st);
     } catch (const Error& e) {
       error = std::current_exception(), kind = e.kind();

@@ -228,6 +228,30 @@ void check_errors() {
          "causal on one rank only: got \"" + what + "\"");
 }
 
+// Under SATTN_TEST_RING_FAULT=1:1 (rank 1 fails at step 1, after the entry check): every rank raises, in the
+// forward and in the backward, at the end of that step, and says which rank failed.
+void check_fault_agreement() {
+  Config c;
+  c.layout = Layout::kZigzag, c.causal = true;
+  const Problem p = make_problem(c, 3);
+  const Tensor q = shard_of(p.q, p.segs), k = shard_of(p.k, p.segs), v = shard_of(p.v, p.segs);
+  Tensor out(DType::kF32, {p.B, c.Hq, q.shape()[2], p.Dv}), lse(DType::kF32, {p.B, c.Hq, q.shape()[2]});
+  Tensor dq(DType::kF32, q.shape()), dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
+  const std::string own = "rank 1 failed at ring step 1 (injected", other = "rank 1 failed at ring step 1 (its own";
+  const std::string& want = g_rank == 1 ? own : other;
+  for (bool backward : {false, true}) {
+    std::string what;
+    try {
+      if (!backward) sattn::dist::ring_attention(q, k, v, p.ring, MPI_COMM_WORLD, out, lse);
+      else sattn::dist::ring_attention_backward(out, q, k, v, out, lse, p.ring, MPI_COMM_WORLD, dq, dk, dv);
+    } catch (const sattn::Error& e) {
+      what = e.what();
+    }
+    expect(what.find(want) != std::string::npos,
+           sattn::message::concat(backward ? "backward" : "forward", ": expected \"", want, "\", got \"", what, "\""));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -237,6 +261,16 @@ int main(int argc, char** argv) {
   MPI_Comm_size(MPI_COMM_WORLD, &g_size);
   uint32_t seed = 0;
   int configs = 0;
+  const bool fault_mode = argc > 1 && std::string(argv[1]) == "--fault";
+  if (fault_mode) {  // run with SATTN_TEST_RING_FAULT=1:1 and >= 2 ranks
+    check_fault_agreement();
+    int failures = g_failures;
+    MPI_Allreduce(MPI_IN_PLACE, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    if (g_rank == 0)
+      std::printf("ring attention, %d ranks: fault agreement %s\n", g_size, failures ? "FAILED" : "passed");
+    MPI_Finalize();
+    return failures == 0 ? 0 : 1;
+  }
   for (Layout layout : {Layout::kContiguous, Layout::kZigzag, Layout::kStriped})
     for (bool causal : {false, true})
       for (int variant = 0; variant < 5; ++variant) {
