@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <string>
 #include <utility>
 
@@ -42,18 +43,27 @@ AttentionOptions make_options(const TensorView& attn_mask, const TensorView& key
   return o;
 }
 
+// (query_offset, key_offset, position_stride): a shard's global positions (AttentionOptions).
+using Positions = std::tuple<int64_t, int64_t, int64_t>;
+void set_positions(AttentionOptions& o, const Positions& p) {
+  o.query_offset = std::get<0>(p);
+  o.key_offset = std::get<1>(p);
+  o.position_stride = std::get<2>(p);
+}
+
 pyb::tuple forward(const pyb::object& q_obj, const pyb::object& k_obj, const pyb::object& v_obj,
                    const pyb::object& mask_obj, const pyb::object& kpm_obj, const pyb::object& len_obj,
                    const std::string& causal, std::optional<double> scale, double dropout_p, uint64_t seed,
                    const std::optional<std::string>& kernel, bool strict, const pyb::object& num_threads, bool need_lse,
-                   bool need_weights, const std::string& float32_precision) {
+                   bool need_weights, const std::string& float32_precision, const Positions& positions) {
   ArrayKeeper keep;
   const TensorView q = view_of(q_obj, "query", keep), k = view_of(k_obj, "key", keep),
                    v = view_of(v_obj, "value", keep);
-  const AttentionOptions o =
+  AttentionOptions o =
       make_options(view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
                    view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, kernel, strict, num_threads,
                    float32_precision);
+  set_positions(o, positions);
   // Validate before allocating anything (sizes come from the validated problem).
   const AttentionProblem p = describe_attention(q, k, v, o);
   const DType dt = stats_dtype(q);
@@ -83,15 +93,16 @@ pyb::tuple backward(const pyb::object& dout_obj, const pyb::object& q_obj, const
                     const pyb::object& mask_obj, const pyb::object& kpm_obj, const pyb::object& len_obj,
                     const std::string& causal, std::optional<double> scale, double dropout_p, uint64_t seed,
                     const std::optional<std::string>& kernel, bool strict, const pyb::object& num_threads,
-                    bool need_dmask, const std::string& float32_precision) {
+                    bool need_dmask, const std::string& float32_precision, const Positions& positions) {
   ArrayKeeper keep;
   const TensorView dout = view_of(dout_obj, "dout", keep), q = view_of(q_obj, "query", keep),
                    k = view_of(k_obj, "key", keep), v = view_of(v_obj, "value", keep),
                    out = view_of(out_obj, "out", keep), lse = view_of(lse_obj, "lse", keep);
-  const AttentionOptions o =
+  AttentionOptions o =
       make_options(view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
                    view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, kernel, strict, num_threads,
                    float32_precision);
+  set_positions(o, positions);
   const AttentionOutputs fwd{out, lse, {}};
   const AttentionProblem p = describe_attention(q, k, v, o, &fwd);
   const DType dt = result_dtype(q);
@@ -178,11 +189,12 @@ void bind_attention(pyb::module_& m) {
   m.def("_forward", &forward, arg("query"), arg("key"), arg("value"), arg("attn_mask"), arg("key_padding_mask"),
         arg("key_lengths"), arg("causal"), arg("scale"), arg("dropout_p"), arg("seed"), arg("kernel"), arg("strict"),
         arg("num_threads"), arg("need_lse"), arg("need_weights"), arg("float32_precision") = "highest",
+        arg("positions") = Positions{0, 0, 1},
         "Private: 4-D forward. Returns (out, lse or None, weights or None, kernel name).");
   m.def("_backward", &backward, arg("dout"), arg("query"), arg("key"), arg("value"), arg("out"), arg("lse"),
         arg("attn_mask"), arg("key_padding_mask"), arg("key_lengths"), arg("causal"), arg("scale"), arg("dropout_p"),
         arg("seed"), arg("kernel"), arg("strict"), arg("num_threads"), arg("need_dmask"),
-        arg("float32_precision") = "highest",
+        arg("float32_precision") = "highest", arg("positions") = Positions{0, 0, 1},
         "Private: 4-D backward. Returns (dq, dk, dv, dmask or None, kernel name).");
   m.def("_explain", &explain, arg("query"), arg("key"), arg("value"), arg("attn_mask"), arg("key_padding_mask"),
         arg("key_lengths"), arg("causal"), arg("scale"), arg("dropout_p"), arg("seed"), arg("backward"),

@@ -164,7 +164,8 @@ class _Call:
     """The arguments of one call, checked (by describe) and normalised to the native 4-D form [B, H, L, E]."""
 
     def __init__(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
-                 key_lengths, causal_alignment, seed, kernel, strict, num_threads, float32_precision="highest"):
+                 key_lengths, causal_alignment, seed, kernel, strict, num_threads, float32_precision="highest",
+                 positions=(0, 0, 1)):
         q, k, v = _as_array(query, "query"), _as_array(key, "key"), _as_array(value, "value")
         self.in_dtype = q.dtype
         mask = None if attn_mask is None else _as_array(attn_mask, "attn_mask")
@@ -197,6 +198,10 @@ class _Call:
         self.strict = _check_flag(strict, "strict")
         self.num_threads = num_threads
         self.float32_precision = _check_float32_precision(float32_precision)
+        for name, x in zip(("query_offset", "key_offset", "position_stride"), positions):
+            if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+                raise _type_error(f"{name}: expected an int, got {type(x).__name__}")
+        self.positions = tuple(int(x) for x in positions)
         self._fold_mask(mask)
         self.kpm = None if kpm is None else kpm.reshape(self.batch, self.len_k)
         self.klen = None if klen is None else klen.reshape(self.batch)
@@ -225,7 +230,7 @@ class _Call:
 
     def run_options(self):
         return dict(self.options(), kernel=self.kernel, strict=self.strict, num_threads=self.num_threads,
-                    float32_precision=self.float32_precision)
+                    float32_precision=self.float32_precision, positions=self.positions)
 
     def unfold_dmask(self, dmask):
         if self.mask_fold is not None:
@@ -241,7 +246,8 @@ class _Call:
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, key_padding_mask=None, key_lengths=None,
                                  causal_alignment="top_left", return_lse=False, seed=0, kernel=None, strict=False,
-                                 num_threads=None, return_kernel=False, float32_precision="highest"):
+                                 num_threads=None, return_kernel=False, float32_precision="highest", query_offset=0,
+                                 key_offset=0, position_stride=1):
     """Scaled dot-product attention with the semantics of torch.nn.functional.scaled_dot_product_attention.
 
     query (..., Hq, Lq, E), key (..., Hkv, Lk, E), value (..., Hkv, Lk, Ev) -> out (..., Hq, Lq, Ev).
@@ -253,11 +259,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     float32_precision: 'highest' (default) or 'bf16', as torch.set_float32_matmul_precision('medium'): float32
     inputs and the softmax probabilities may be rounded to bfloat16 in the fused kernel's products where the CPU
     has bf16 products (the avx512bf16 SIMD target) — faster, about 2^-9 relative per rounding; elsewhere no change.
+    query_offset, key_offset, position_stride: the call is one shard of a longer sequence (sequence parallelism, as
+    sattn.dist does): query row i sits at global position query_offset + position_stride * i, key j at
+    key_offset + position_stride * j; is_causal (top_left), dropout and key_lengths (then global lengths) use them.
     Returns out; (out, lse) with return_lse=True, lse (..., Hq, Lq); the kernel's name is appended with
     return_kernel=True.
     """
     call = _Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
-                 key_lengths, causal_alignment, seed, kernel, strict, num_threads, float32_precision)
+                 key_lengths, causal_alignment, seed, kernel, strict, num_threads, float32_precision,
+                 (query_offset, key_offset, position_stride))
     return_lse = _check_flag(return_lse, "return_lse")
     out, lse, _, name = _core._forward(call.q, call.k, call.v, **call.run_options(), need_lse=return_lse,
                                        need_weights=False)
@@ -274,16 +284,20 @@ def scaled_dot_product_attention_backward(dout, query, key, value, out, lse, att
                                           is_causal=False, scale=None, enable_gqa=False, *, key_padding_mask=None,
                                           key_lengths=None, causal_alignment="top_left", seed=0, kernel=None,
                                           strict=False, num_threads=None, return_kernel=False,
-                                          float32_precision="highest"):
+                                          float32_precision="highest", query_offset=0, key_offset=0,
+                                          position_stride=1):
     """Gradients of scaled_dot_product_attention (same options, which must match the forward call).
 
     dout and out (..., Hq, Lq, Ev), lse (..., Hq, Lq) from the forward with return_lse=True.
     Returns (dq, dk, dv), or (dq, dk, dv, dmask) when attn_mask is a float array (dmask has the mask's own shape:
     the gradient summed over the dimensions it broadcasts along). Rows with no allowed key contribute nothing.
     float32_precision as in scaled_dot_product_attention (here: q, k, v and dout rounded in S = QK^T, dP = dO V^T).
+    query_offset, key_offset, position_stride as in scaled_dot_product_attention; with the forward's global out
+    and lse, a shard's backward gives that shard's part of the gradients.
     """
     call = _Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
-                 key_lengths, causal_alignment, seed, kernel, strict, num_threads, float32_precision)
+                 key_lengths, causal_alignment, seed, kernel, strict, num_threads, float32_precision,
+                 (query_offset, key_offset, position_stride))
     out_shape = call.q_shape[:-1] + (call.v_shape[-1],)
     arrays = {}
     for x, name, shape in ((dout, "dout", out_shape), (out, "out", out_shape), (lse, "lse", call.q_shape[:-1])):

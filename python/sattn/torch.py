@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _core
 from ._attention import _causal, _check_flag, _check_real, _check_scale, _describe, _mask_fold, _spec
+from ._torch_ring import ring_attention
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -43,6 +44,7 @@ __all__ = [
     "MultiheadAttention",
     "multi_head_attention_forward",
     "use_sattn",
+    "ring_attention",
 ]
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)

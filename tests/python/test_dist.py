@@ -91,3 +91,13 @@ def test_a_killed_rank_ends_the_job_within_30_seconds():
         if job.poll() is None:
             job.kill()
             job.wait()
+
+
+def test_torch_ring_attention_over_gloo_matches_whole_sdpa():
+    """sattn.torch.ring_attention with 2 torchrun processes on 127.0.0.1 (gloo), forward and backward."""
+    pytest.importorskip("torch")
+    worker = os.path.join(os.path.dirname(__file__), "torch_ring_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", SATTN_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", worker]
+    r = subprocess.run(["timeout", "300"] + cmd, capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "torch ring worker: passed" in r.stdout, r.stdout + r.stderr

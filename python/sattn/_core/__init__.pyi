@@ -200,7 +200,7 @@ class TopK(Pattern):
 class WindowAttention2D(Pattern):
     def __init__(self, height: typing.SupportsInt | typing.SupportsIndex, width: typing.SupportsInt | typing.SupportsIndex, window: typing.SupportsInt | typing.SupportsIndex, shift: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
         ...
-def _backward(dout: typing.Any, query: typing.Any, key: typing.Any, value: typing.Any, out: typing.Any, lse: typing.Any, attn_mask: typing.Any, key_padding_mask: typing.Any, key_lengths: typing.Any, causal: str, scale: typing.SupportsFloat | typing.SupportsIndex | None, dropout_p: typing.SupportsFloat | typing.SupportsIndex, seed: typing.SupportsInt | typing.SupportsIndex, kernel: str | None, strict: bool, num_threads: typing.Any, need_dmask: bool, float32_precision: str = 'highest') -> tuple:
+def _backward(dout: typing.Any, query: typing.Any, key: typing.Any, value: typing.Any, out: typing.Any, lse: typing.Any, attn_mask: typing.Any, key_padding_mask: typing.Any, key_lengths: typing.Any, causal: str, scale: typing.SupportsFloat | typing.SupportsIndex | None, dropout_p: typing.SupportsFloat | typing.SupportsIndex, seed: typing.SupportsInt | typing.SupportsIndex, kernel: str | None, strict: bool, num_threads: typing.Any, need_dmask: bool, float32_precision: str = 'highest', positions: tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex] = (0, 0, 1)) -> tuple:
     """
     Private: 4-D backward. Returns (dq, dk, dv, dmask or None, kernel name).
     """
@@ -214,7 +214,7 @@ def _explain(query: typing.Any, key: typing.Any, value: typing.Any, attn_mask: t
     Private: (problem description, [(kernel, None if eligible else why not)] in registry order, [(SIMD target,
     None if the fused kernel would run its build else why not)] widest first).
     """
-def _forward(query: typing.Any, key: typing.Any, value: typing.Any, attn_mask: typing.Any, key_padding_mask: typing.Any, key_lengths: typing.Any, causal: str, scale: typing.SupportsFloat | typing.SupportsIndex | None, dropout_p: typing.SupportsFloat | typing.SupportsIndex, seed: typing.SupportsInt | typing.SupportsIndex, kernel: str | None, strict: bool, num_threads: typing.Any, need_lse: bool, need_weights: bool, float32_precision: str = 'highest') -> tuple:
+def _forward(query: typing.Any, key: typing.Any, value: typing.Any, attn_mask: typing.Any, key_padding_mask: typing.Any, key_lengths: typing.Any, causal: str, scale: typing.SupportsFloat | typing.SupportsIndex | None, dropout_p: typing.SupportsFloat | typing.SupportsIndex, seed: typing.SupportsInt | typing.SupportsIndex, kernel: str | None, strict: bool, num_threads: typing.Any, need_lse: bool, need_weights: bool, float32_precision: str = 'highest', positions: tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex] = (0, 0, 1)) -> tuple:
     """
     Private: 4-D forward. Returns (out, lse or None, weights or None, kernel name).
     """
