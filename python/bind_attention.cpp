@@ -59,10 +59,9 @@ pyb::tuple forward(const pyb::object& q_obj, const pyb::object& k_obj, const pyb
   ArrayKeeper keep;
   const TensorView q = view_of(q_obj, "query", keep), k = view_of(k_obj, "key", keep),
                    v = view_of(v_obj, "value", keep);
-  AttentionOptions o =
-      make_options(view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
-                   view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, kernel, strict, num_threads,
-                   float32_precision);
+  AttentionOptions o = make_options(view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
+                                    view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, kernel,
+                                    strict, num_threads, float32_precision);
   set_positions(o, positions);
   // Validate before allocating anything (sizes come from the validated problem).
   const AttentionProblem p = describe_attention(q, k, v, o);
@@ -98,10 +97,9 @@ pyb::tuple backward(const pyb::object& dout_obj, const pyb::object& q_obj, const
   const TensorView dout = view_of(dout_obj, "dout", keep), q = view_of(q_obj, "query", keep),
                    k = view_of(k_obj, "key", keep), v = view_of(v_obj, "value", keep),
                    out = view_of(out_obj, "out", keep), lse = view_of(lse_obj, "lse", keep);
-  AttentionOptions o =
-      make_options(view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
-                   view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, kernel, strict, num_threads,
-                   float32_precision);
+  AttentionOptions o = make_options(view_of(mask_obj, "attn_mask", keep), view_of(kpm_obj, "key_padding_mask", keep),
+                                    view_of(len_obj, "key_lengths", keep), causal, scale, dropout_p, seed, kernel,
+                                    strict, num_threads, float32_precision);
   set_positions(o, positions);
   const AttentionOutputs fwd{out, lse, {}};
   const AttentionProblem p = describe_attention(q, k, v, o, &fwd);
