@@ -364,7 +364,15 @@ GradAccumulators::GradAccumulators(const Ring& ring) : ring_(ring) {
   dq_.assign(size_t(ring.B * ring.Hq * ring.len * ring.D), 0.f);
   step_dk_.resize(size_t(ring.B * ring.Hkv * lmax * ring.D));
   step_dv_.resize(size_t(ring.B * ring.Hkv * lmax * ring.Dv));
-  q_written_.assign(ring.segments[size_t(ring.rank)].size(), false);
+  // The backward's query side runs in pieces of at most kBackwardRows rows: the fused backward's scratch (packed
+  // query tiles and a partial dQ per group of key tiles) grows with the rows of a call, so pieces keep it a small
+  // fraction of the ring's own memory; the pieces' extra work (packing, adding dK/dV) is O(rows·D) per call.
+  constexpr int64_t kBackwardRows = 2048;
+  for (const Segment& s : ring.segments[size_t(ring.rank)])
+    for (int64_t t = 0; t < s.length; t += kBackwardRows)
+      q_pieces_.push_back(
+          {s.local_start + t, std::min(kBackwardRows, s.length - t), s.global_start + s.stride * t, s.stride});
+  q_written_.assign(q_pieces_.size(), false);
   const size_t cap = size_t(ring.B * ring.Hkv * lmax * (ring.D + ring.Dv));
   dkv_[0].reset(new float[cap]);
   std::fill_n(dkv_[0].get(), cap, 0.f);  // our own block's accumulators start at zero
@@ -382,7 +390,7 @@ void GradAccumulators::compute_step(const TensorView& q, const KVBlocks& blocks,
   const TensorView step_dk = dense_f32(step_dk_.data(), {B, Hkv, Lb, D});
   const TensorView step_dv = dense_f32(step_dv_.data(), {B, Hkv, Lb, Dv});
   const TensorView dq_all = dense_f32(dq_.data(), {B, Hq, ring_.len, D});
-  const auto& qsegs = ring_.segments[size_t(ring_.rank)];
+  const auto& qsegs = q_pieces_;
   const auto& ksegs = ring_.segments[size_t(src)];
   step_written_.assign(ksegs.size(), false);
   for (size_t a = 0; a < qsegs.size(); ++a)

@@ -83,10 +83,11 @@ struct Config {
   int64_t Hq = 4, Hkv = 4;
   double dropout = 0;
   DType dtype = DType::kF32;
+  bool long_shards = false;  // shards past the backward's query pieces (2048 rows), B = 1
   std::string name() const {
     return sattn::message::concat(to_string(layout), causal ? " causal" : "", " H", Hq, "/", Hkv,
                                   lengths ? " key_lengths" : "", dropout > 0 ? " dropout" : "", " ",
-                                  sattn::to_string(dtype));
+                                  sattn::to_string(dtype), long_shards ? " long shards" : "");
   }
 };
 
@@ -95,9 +96,11 @@ struct Results {
 };
 
 // Every rank's shard length under `layout` (contiguous: unequal ones).
-std::vector<int64_t> shard_lengths(Layout layout) {
+std::vector<int64_t> shard_lengths(Layout layout, bool long_shards) {
   std::vector<int64_t> lengths;
-  for (int r = 0; r < g_size; ++r) lengths.push_back(layout == Layout::kContiguous ? 45 + 13 * r : 74);
+  for (int r = 0; r < g_size; ++r)
+    lengths.push_back(long_shards ? (layout == Layout::kContiguous ? 2100 + 13 * r : 2110)
+                                  : (layout == Layout::kContiguous ? 45 + 13 * r : 74));
   return lengths;
 }
 
@@ -113,7 +116,8 @@ struct Problem {
 Problem make_problem(const Config& c, uint32_t seed) {
   Problem p;
   p.c = c;
-  const auto lengths = shard_lengths(c.layout);
+  const auto lengths = shard_lengths(c.layout, c.long_shards);
+  if (c.long_shards) p.B = 1;
   for (int64_t n : lengths) p.L += n;
   p.segs = sattn::dist::shard_segments(c.layout, g_rank, lengths);
   std::mt19937 rng(seed);  // the same whole problem on every rank
@@ -132,7 +136,7 @@ Problem make_problem(const Config& c, uint32_t seed) {
   if (c.lengths) {
     p.key_lengths = Tensor(DType::kI64, {p.B});
     p.key_lengths.data<int64_t>()[0] = p.L - 29;
-    p.key_lengths.data<int64_t>()[1] = p.L / 3;
+    if (p.B > 1) p.key_lengths.data<int64_t>()[1] = p.L / 3;
     p.ring.key_lengths = p.key_lengths.view();
   }
   p.whole.kernel = "fused";
@@ -287,6 +291,16 @@ int main(int argc, char** argv) {
         }
         ++configs;
       }
+  for (Layout layout : {Layout::kContiguous, Layout::kStriped}) {  // the backward's query side in pieces
+    Config c;
+    c.layout = layout, c.causal = true, c.long_shards = true, c.Hq = 2, c.Hkv = 1, c.lengths = true, c.dropout = 0.1;
+    try {
+      check_config(c, ++seed);
+    } catch (const std::exception& e) {
+      expect(false, c.name() + ": threw " + e.what());
+    }
+    ++configs;
+  }
   check_thread_independence();
   check_errors();
   int failures = g_failures;
