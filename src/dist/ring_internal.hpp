@@ -95,7 +95,7 @@ class GradAccumulators {
  private:
   const Ring& ring_;
   std::vector<float> dq_, step_dk_, step_dv_, scratch_q_, scratch_k_, scratch_v_;
-  std::vector<Segment> q_pieces_;  // this rank's query segments in pieces (see the constructor)
+  std::vector<Segment> q_pieces_, k_pieces_;  // this rank's query segments and the step's key segments in pieces
   std::vector<bool> q_written_, step_written_;
   std::unique_ptr<float[]> dkv_[2];
   int cur_ = 0;

@@ -359,19 +359,29 @@ void Accumulator::finish(const std::vector<bool>& written, const TensorView& out
 
 // ---- the backward's accumulators ----
 
+namespace {
+
+// The backward runs each (query segment, key segment) pair in pieces of an eighth of a shard (256 to 2048 rows) on
+// both sides: the fused backward's scratch (packed query tiles, a partial dQ per group of key tiles) and the
+// scratch of the contributions after a piece's first grow with the rows of a call, so pieces keep them a small
+// fraction of the ring's own memory. Their extra work (packing, adding dQ or dK/dV) is O(rows·D) a call.
+std::vector<Segment> backward_pieces(const std::vector<Segment>& segments, int64_t shard_len) {
+  const int64_t piece = std::clamp<int64_t>(shard_len / 8, 256, 2048);
+  std::vector<Segment> pieces;
+  for (const Segment& s : segments)
+    for (int64_t t = 0; t < s.length; t += piece)
+      pieces.push_back({s.local_start + t, std::min(piece, s.length - t), s.global_start + s.stride * t, s.stride});
+  return pieces;
+}
+
+}  // namespace
+
 GradAccumulators::GradAccumulators(const Ring& ring) : ring_(ring) {
   const int64_t lmax = *std::max_element(ring.lengths.begin(), ring.lengths.end());
   dq_.assign(size_t(ring.B * ring.Hq * ring.len * ring.D), 0.f);
   step_dk_.resize(size_t(ring.B * ring.Hkv * lmax * ring.D));
   step_dv_.resize(size_t(ring.B * ring.Hkv * lmax * ring.Dv));
-  // The backward's query side runs in pieces of at most kBackwardRows rows: the fused backward's scratch (packed
-  // query tiles and a partial dQ per group of key tiles) grows with the rows of a call, so pieces keep it a small
-  // fraction of the ring's own memory; the pieces' extra work (packing, adding dK/dV) is O(rows·D) per call.
-  constexpr int64_t kBackwardRows = 2048;
-  for (const Segment& s : ring.segments[size_t(ring.rank)])
-    for (int64_t t = 0; t < s.length; t += kBackwardRows)
-      q_pieces_.push_back(
-          {s.local_start + t, std::min(kBackwardRows, s.length - t), s.global_start + s.stride * t, s.stride});
+  q_pieces_ = backward_pieces(ring.segments[size_t(ring.rank)], ring.len);
   q_written_.assign(q_pieces_.size(), false);
   const size_t cap = size_t(ring.B * ring.Hkv * lmax * (ring.D + ring.Dv));
   dkv_[0].reset(new float[cap]);
@@ -391,7 +401,8 @@ void GradAccumulators::compute_step(const TensorView& q, const KVBlocks& blocks,
   const TensorView step_dv = dense_f32(step_dv_.data(), {B, Hkv, Lb, Dv});
   const TensorView dq_all = dense_f32(dq_.data(), {B, Hq, ring_.len, D});
   const auto& qsegs = q_pieces_;
-  const auto& ksegs = ring_.segments[size_t(src)];
+  k_pieces_ = backward_pieces(ring_.segments[size_t(src)], Lb);
+  const auto& ksegs = k_pieces_;
   step_written_.assign(ksegs.size(), false);
   for (size_t a = 0; a < qsegs.size(); ++a)
     for (size_t c = 0; c < ksegs.size(); ++c) {
@@ -434,7 +445,7 @@ void GradAccumulators::add_block_contributions(int src) {
   const TensorView acc_k = dense_f32(dk, {B, Hkv, Lb, D}), acc_v = dense_f32(dv, {B, Hkv, Lb, Dv});
   const TensorView step_k = dense_f32(step_dk_.data(), {B, Hkv, Lb, D});
   const TensorView step_v = dense_f32(step_dv_.data(), {B, Hkv, Lb, Dv});
-  const auto& ksegs = ring_.segments[size_t(src)];
+  const auto& ksegs = k_pieces_;  // of src's block, from compute_step
   for (size_t c = 0; c < ksegs.size(); ++c) {
     if (c >= step_written_.size() || !step_written_[c]) continue;
     add_into(narrow_rows(acc_k, ksegs[c].local_start, ksegs[c].length),

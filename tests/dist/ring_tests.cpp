@@ -83,7 +83,7 @@ struct Config {
   int64_t Hq = 4, Hkv = 4;
   double dropout = 0;
   DType dtype = DType::kF32;
-  bool long_shards = false;  // shards past the backward's query pieces (2048 rows), B = 1
+  bool long_shards = false;  // shards of several backward query pieces (an eighth of the shard, >= 256 rows), B = 1
   std::string name() const {
     return sattn::message::concat(to_string(layout), causal ? " causal" : "", " H", Hq, "/", Hkv,
                                   lengths ? " key_lengths" : "", dropout > 0 ? " dropout" : "", " ",
