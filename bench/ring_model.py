@@ -119,8 +119,9 @@ def memory_bytes(c, backward=False):
     listed += 2 * q + 2 * kv                                  # dout, dq, dk, dv (live during the forward too)
     dkv = B * Hkv * n * 2 * D * 4
     bwd_buffers = B * H * n * D * 4 + ((2 if c.P > 1 else 1) + 1) * dkv  # f32 dq, travelling and step dK/dV
-    bwd_scratch = (merges * B * H * seg * D * 4 + (c.layout == "zigzag") * B * Hkv * seg * 2 * D * 4
-                   + fused_backward_scratch(c, seg, seg))
+    piece = min(max(n // 8, 256), 2048, seg)  # the backward runs pairs in pieces of both sides (ring_parts.cpp)
+    bwd_scratch = (B * H * piece * D * 4 + B * Hkv * piece * 2 * D * 4  # a later piece's dQ and dK/dV
+                   + fused_backward_scratch(c, piece, piece))
     return listed + bwd_buffers, listed + max(fwd_scratch, bwd_buffers + bwd_scratch)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Measures `sattn ring` for docs/distributed.md: one JSON object per run (sattn ring --json) into OUT/runs.jsonl.
-#   bench/ring_scaling.sh [OUT] [ROUNDS]
+#   bench/ring_scaling.sh [OUT] [ROUNDS] [PARTS]      PARTS: "small big" (default), or one of them
 # 1. L = 16384, P = 1, 2, 4 (4 oversubscribed on this 2-core machine), contiguous/zigzag, full/causal, with the
 #    backward; and the same commands at L = 1024 (the RSS baseline of the memory model).
 # 2. L = 65536, causal: P = 1 zigzag, P = 2 zigzag, P = 2 contiguous, alternating, ROUNDS rounds (default 5);
@@ -10,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench/out/ring}
 ROUNDS=${2:-5}
+PARTS=${3:-small big}
 mkdir -p "$OUT"
 RUNS="$OUT/runs.jsonl"
 : > "$RUNS"
@@ -22,7 +23,7 @@ run() {  # run NP ARGS...: one sattn ring run, its JSON on one line
   tail -n 1 "$RUNS" | python3 -c 'import json, sys; j = json.load(sys.stdin); print("P=%d L=%d %s causal=%s fwd %.3f s bwd %s" % (
     j["ranks"], j["L"], j["layout"], j["causal"], j["forward_seconds"], j.get("backward_seconds", "-")))'
 }
-for L in 1024 16384; do
+[[ " $PARTS " == *" small "* ]] && for L in 1024 16384; do
   for np in 1 2 4; do
     for layout in contiguous zigzag; do
       run "$np" --L "$L" --layout "$layout" --backward --reps 1
@@ -30,6 +31,7 @@ for L in 1024 16384; do
     done
   done
 done
+[[ " $PARTS " == *" big "* ]] || { echo "runs: $RUNS"; exit 0; }
 for round in $(seq "$ROUNDS"); do
   echo "round $round of $ROUNDS (L = 65536, causal)"
   run 1 --L 65536 --causal --layout zigzag --reps 1
