@@ -90,7 +90,7 @@ def unshard(shards, layout, axis=-2):
 
 
 def _as4d(name, x):
-    x = np.asarray(x) if not hasattr(x, "__array_interface__") else x
+    x = np.asarray(x)
     if x.ndim not in (3, 4):
         raise ValueError(f"{name}: expected a 3-D (H, L, E) or 4-D (B, H, L, E) array, got shape {x.shape}")
     return x if x.ndim == 4 else x[None]
