@@ -83,7 +83,7 @@ struct Config {
   int64_t Hq = 4, Hkv = 4;
   double dropout = 0;
   DType dtype = DType::kF32;
-  bool long_shards = false;  // shards of several backward query pieces (an eighth of the shard, >= 256 rows), B = 1
+  bool long_shards = false;  // shards of three backward pieces (an eighth of a shard, >= 256 rows), B = 1
   std::string name() const {
     return sattn::message::concat(to_string(layout), causal ? " causal" : "", " H", Hq, "/", Hkv,
                                   lengths ? " key_lengths" : "", dropout > 0 ? " dropout" : "", " ",
@@ -99,7 +99,7 @@ struct Results {
 std::vector<int64_t> shard_lengths(Layout layout, bool long_shards) {
   std::vector<int64_t> lengths;
   for (int r = 0; r < g_size; ++r)
-    lengths.push_back(long_shards ? (layout == Layout::kContiguous ? 2100 + 13 * r : 2110)
+    lengths.push_back(long_shards ? (layout == Layout::kContiguous ? 600 + 13 * r : 610)
                                   : (layout == Layout::kContiguous ? 45 + 13 * r : 74));
   return lengths;
 }
