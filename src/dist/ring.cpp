@@ -151,6 +151,17 @@ void injected_fault(const Ring& ring, int step) {
          " (injected: SATTN_TEST_RING_FAULT)");
 }
 
+// Posts the exchange of a step's K/V block: the one held goes to rank + 1 while rank − 1's arrives (none after
+// the last step).
+void pass_block_on(const Ring& ring, const KVBlocks& blocks, int step, Exchange& ex) {
+  const int P = ring.size, src = (ring.rank - step + P) % P;
+  if (step + 1 < P) {
+    ex.recv(blocks.next(), blocks.bytes_of((src - 1 + P) % P), (ring.rank - 1 + P) % P, 1);
+    ex.send(blocks.current(), blocks.bytes_of(src), (ring.rank + 1) % P, 1);
+  }
+  ex.start();
+}
+
 }  // namespace
 
 // ---- forward ------------------------------------------------------------------------------------------------
@@ -171,11 +182,7 @@ void ring_attention(const TensorView& q, const TensorView& k, const TensorView& 
   for (int step = 0; step < P; ++step) {
     const int src = (ring.rank - step + P) % P;
     Exchange ex(comm, threaded);
-    if (step + 1 < P) {
-      ex.recv(blocks.next(), blocks.bytes_of((src - 1 + P) % P), (ring.rank - 1 + P) % P, 1);
-      ex.send(blocks.current(), blocks.bytes_of(src), (ring.rank + 1) % P, 1);
-    }
-    ex.start();
+    pass_block_on(ring, blocks, step, ex);
     const auto tc = Clock::now();
     std::exception_ptr error;
     ErrorKind kind = ErrorKind::kInternal;
@@ -217,7 +224,7 @@ void ring_attention(const TensorView& q, const TensorView& k, const TensorView& 
     agree_on_failure(ring, error, kind, step);
     blocks.rotate();
   }
-  acc.finish(written, out, lse);
+  acc.finish(written, out);
   st.seconds = seconds_since(t0);
   if (stats) *stats = std::move(st);
 }
@@ -240,11 +247,7 @@ void ring_attention_backward(const TensorView& dout, const TensorView& q, const 
   for (int step = 0; step < P; ++step) {
     const int src = (ring.rank - step + P) % P;
     Exchange ex(comm, threaded);
-    if (step + 1 < P) {
-      ex.recv(blocks.next(), blocks.bytes_of((src - 1 + P) % P), (ring.rank - 1 + P) % P, 1);
-      ex.send(blocks.current(), blocks.bytes_of(src), (ring.rank + 1) % P, 1);
-    }
-    ex.start();
+    pass_block_on(ring, blocks, step, ex);
     const auto tc = Clock::now();
     std::exception_ptr error;
     ErrorKind kind = ErrorKind::kInternal;

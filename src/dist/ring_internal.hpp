@@ -69,8 +69,8 @@ class Accumulator {
   TensorView lse_rows(const Segment& s) const { return narrow_rows(lse_, s.local_start, s.length); }
   // Folds a partial result (dense [B, Hq, s.length, Dv] and [B, Hq, s.length]) into the rows of segment s.
   void merge(const Segment& s, const float* part_out, const float* part_lse) const;
-  // Rows that no key reached get out = 0, lse = -inf; then the results go to the caller's out and lse.
-  void finish(const std::vector<bool>& written, const TensorView& out, const TensorView& lse) const;
+  // Rows that no key reached get out = 0, lse = -inf; then out goes to the caller's (lse already is the caller's).
+  void finish(const std::vector<bool>& written, const TensorView& out) const;
 
  private:
   const Ring& ring_;

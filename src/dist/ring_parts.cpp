@@ -341,7 +341,7 @@ void Accumulator::merge(const Segment& s, const float* part_out, const float* pa
       }
 }
 
-void Accumulator::finish(const std::vector<bool>& written, const TensorView& out, const TensorView& lse) const {
+void Accumulator::finish(const std::vector<bool>& written, const TensorView& out) const {
   const auto& segs = ring_.segments[size_t(ring_.rank)];
   for (size_t a = 0; a < segs.size(); ++a) {
     if (written[a]) continue;  // never reached by any key: out = 0, lse = -inf
@@ -353,8 +353,7 @@ void Accumulator::finish(const std::vector<bool>& written, const TensorView& out
           for (int64_t x = 0; x < ring_.Dv; ++x) static_cast<float*>(o.data)[offset_of(o, b, h, i, x)] = 0.f;
         }
   }
-  if (out.data != out_.data) copy_converting(out_, out);
-  (void)lse;  // lse_ is the caller's lse when given
+  if (out.data != out_.data) copy_converting(out_, out);  // lse_ is the caller's lse when one is given
 }
 
 // ---- the backward's accumulators ----
