@@ -35,6 +35,26 @@ def default_config(scale):
                 threshold=0.5, keep_ratio=0.4)
 
 
+def check_config(cfg):
+    """Raises ValueError naming the first key of an architecture configuration that cannot be built."""
+    dim, heads = cfg.get("dim"), cfg.get("heads")
+    if not isinstance(dim, int) or dim < 1:
+        raise ValueError("dim: expected a positive integer, got %r" % (dim,))
+    if not isinstance(heads, int) or heads < 1 or dim % heads:
+        raise ValueError("heads: expected a positive integer dividing dim = %d, got %r" % (dim, heads))
+    if not isinstance(cfg.get("mlp_ratio"), (int, float)) or int(dim * cfg["mlp_ratio"]) < 1:
+        raise ValueError("mlp_ratio: expected a number with dim * mlp_ratio >= 1, got %r" % (cfg.get("mlp_ratio"),))
+    groups = cfg.get("groups")
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, list) and g for g in groups):
+        raise ValueError("groups: expected a non-empty list of non-empty lists of window sizes, got %r" % (groups,))
+    for g in groups:
+        for ws in g:
+            if not isinstance(ws, int) or ws < 2 or ws % 2:
+                raise ValueError("groups: window sizes must be even integers >= 2, got %r" % (ws,))
+    if not isinstance(cfg.get("threshold"), (int, float)) or not 0.0 < cfg["threshold"] < 1.0:
+        raise ValueError("threshold: expected a number in (0, 1), got %r" % (cfg.get("threshold"),))
+
+
 def window_partition(x, ws):
     """[B, H, W, C] -> [B * nW, ws*ws, C]; windows in row-major order, tokens row-major inside a window."""
     b, h, w, c = x.shape

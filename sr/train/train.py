@@ -19,6 +19,10 @@ memory but is slower.
 --sparsity-mean cost (with --keep-ratio R) bounds the fraction of the dense window work the gates keep (each gate
 weighted by its window's multiply-adds, window_cost) instead of the plain mean gate: the mean gate lets the few, 7x
 dearer 16x16 windows stay routed while the many cheap 8x8 ones are pruned (sr/README.md).
+--arch JSON starts a fresh model from the default configuration with these overrides (dim, heads, mlp_ratio, groups,
+threshold), e.g. '{"dim": 64, "heads": 4, "groups": [[8, 8], [16, 16], [16, 16], [8, 8]]}'.
+--autocast bf16 runs the forward and backward under torch.autocast(dtype=torch.bfloat16) with float32 master weights
+(only worth it where the CPU has bf16 matrix instructions; sr/README.md has the measured step times).
 --grow JSON with --init builds a larger model than the --init one and loads it function-preservingly
 (model.grow_state): '{"groups": [...]}' appends groups, '{"mlp_ratio": R}' widens the MLPs.
 """
@@ -171,6 +175,11 @@ def main():
                     help="with --init: a larger model than the --init one, as config overrides, e.g. "
                          "'{\"groups\": [[8,8],[8,8],[16,16],[16,16]]}' (a new group appended) or "
                          "'{\"mlp_ratio\": 4}' (wider MLPs); grown function-preservingly (model.grow_state)")
+    ap.add_argument("--arch", default=None, metavar="JSON",
+                    help="a fresh model: config overrides of the default, keys from dim, heads, mlp_ratio, groups, "
+                         "threshold, e.g. '{\"dim\": 64, \"heads\": 4}' (not with --resume/--init)")
+    ap.add_argument("--autocast", default="off", choices=("off", "bf16"),
+                    help="bf16: forward and backward under torch.autocast (bfloat16), float32 master weights")
     ap.add_argument("--stop-after", type=int, default=None, help="stop this run after N steps")
     ap.add_argument("--reschedule", action="store_true",
                     help="on resume, replace the checkpoint's schedule length by --steps (the cosine is "
@@ -251,6 +260,21 @@ def main():
         cfg = MD.default_config(a.scale)
     if not ck and a.dim:
         cfg["dim"] = a.dim
+    if a.arch is not None:
+        if ck or a.init:
+            ap.error("--arch describes a fresh model: not with a checkpoint to resume or --init")
+        try:
+            over = json.loads(a.arch)
+        except ValueError as e:
+            ap.error("--arch %r: not JSON (%s)" % (a.arch, e))
+        keys = {"dim", "heads", "mlp_ratio", "groups", "threshold"}
+        if not isinstance(over, dict) or not set(over) <= keys:
+            ap.error("--arch %r: expected an object with keys from %s" % (a.arch, ", ".join(sorted(keys))))
+        cfg.update(over)
+        try:
+            MD.check_config(cfg)
+        except ValueError as e:
+            ap.error("--arch %r: %s" % (a.arch, e))
     if a.grow and not ck:
         if not a.init:
             ap.error("--grow needs --init (the weights to grow from)")
@@ -307,6 +331,7 @@ def main():
     hp.setdefault("ema", 0.0)                   # checkpoints from before --ema
     hp.setdefault("loss", "l1")                 # checkpoints from before --loss
     hp.setdefault("sparsity_mean", "count")     # checkpoints from before --sparsity-mean
+    hp.setdefault("autocast", "off")            # checkpoints from before --autocast
     blocks = [blk for grp in model.groups for blk in grp.blocks]
     costs = ([window_cost(blk.ws, cfg["dim"], blk.fc1.out_features) for blk in blocks]
              if hp["sparsity_mean"] == "cost" else None)
@@ -362,7 +387,10 @@ def main():
         x, y = x.to(device), y.to(device)
         mode = "dense" if rng.random() < hp["dense_prob"] else "sparse"
         stats = []
-        out = model(x, mode=mode, stats=stats)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=hp["autocast"] == "bf16"):
+            out = model(x, mode=mode, stats=stats)
+        out = out.float()
+        stats = [(g.float(), kept) for g, kept in stats]
         l1 = F.l1_loss(out, y)                  # logged whatever the loss, so runs compare
         pixel = l1 if hp["loss"] == "l1" else F.mse_loss(out, y)
         sl, gmean, kept, kept_work = sparsity_loss(stats, cfg["keep_ratio"], costs)

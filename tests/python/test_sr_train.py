@@ -281,3 +281,43 @@ def test_sparsity_mean_and_keep_ratio_options(tmp_path):
                           str(tmp_path / "b"), "--threads", "1", "--keep-ratio", "1.5"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "--keep-ratio must be in (0, 1]" in bad.stderr, bad.stderr
+
+
+def test_arch_builds_a_fresh_model_and_refuses_bad_configurations(tmp_path):
+    root = str(tmp_path / "data")
+    make_data(root)
+    ck = run(root, str(tmp_path / "a"), "--arch", '{"dim": 12, "heads": 3, "groups": [[8, 8], [16, 16]]}',
+             "--stop-after", "2")
+    assert ck["config"]["dim"] == 12 and ck["config"]["heads"] == 3
+    assert ck["config"]["groups"] == [[8, 8], [16, 16]] and ck["step"] == 2
+    assert ck["model"]["groups.1.blocks.0.qkv.weight"].shape == (36, 12)
+    # the checkpoint resumes with its own architecture
+    resumed = run(root, str(tmp_path / "a"), "--resume", "auto")
+    assert resumed["config"] == ck["config"] and resumed["step"] == 6
+    for bad, msg in (("{dim", "not JSON"), ('{"scale": 4}', "expected an object with keys"),
+                     ('{"dim": 12, "heads": 5}', "heads: expected a positive integer dividing dim = 12, got 5"),
+                     ('{"groups": [[8, 7]]}', "window sizes must be even integers >= 2, got 7"),
+                     ('{"groups": []}', "groups: expected a non-empty list"),
+                     ('{"threshold": 1.5}', "threshold: expected a number in (0, 1), got 1.5")):
+        r = subprocess.run([sys.executable, TRAIN, "--scale", "2", "--steps", "2", "--arch", bad, "--data", root,
+                            "--ckpt-dir", str(tmp_path / "x"), "--threads", "1"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and msg in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, TRAIN, "--scale", "2", "--steps", "2", "--arch", '{"dim": 16}', "--init",
+                        str(tmp_path / "a" / "x2_last.pt"), "--data", root, "--ckpt-dir", str(tmp_path / "y"),
+                        "--threads", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--arch describes a fresh model" in r.stderr
+
+
+def test_bf16_autocast_trains_with_float32_master_weights(tmp_path):
+    root = str(tmp_path / "data")
+    make_data(root)
+    plain = run(root, str(tmp_path / "a"), "--stop-after", "3")
+    mixed = run(root, str(tmp_path / "b"), "--stop-after", "3", "--autocast", "bf16")
+    assert mixed["hparams"]["autocast"] == "bf16" and mixed["step"] == 3
+    assert all(v.dtype == torch.float32 for v in mixed["model"].values() if v.is_floating_point())
+    # the same seeds and data: the bf16 products change the weights, but not far from the float32 run's
+    diffs = [float((mixed["model"][k] - v).abs().max()) for k, v in plain["model"].items() if v.is_floating_point()]
+    assert 0 < max(diffs) < 0.05
+    log = read_text(str(tmp_path / "b" / "x2_train.log"))
+    assert "'autocast': 'bf16'" in log and "step 3 " in log
