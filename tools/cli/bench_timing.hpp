@@ -1,5 +1,5 @@
-// Timing for the benchmark commands (bench, sparse-bench): one clock setting, the median of repeated runs, and the
-// OpenBLAS SGEMM rate that their "% of SGEMM" columns divide by, measured in the same process.
+// Timing for the benchmark commands (bench, sparse-bench, ring, sr): one clock setting, the median of repeated runs,
+// and the OpenBLAS SGEMM rate that their "% of SGEMM" columns divide by, measured in the same process.
 #pragma once
 
 #include <algorithm>
@@ -27,6 +27,13 @@ double median_seconds(int reps, F&& f) {
   }
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
+}
+
+// The median of v (the mean of the two middle values for an even count); 0 for none.
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
 // SGEMM GFLOP/s of an n x n x n product (2·n³ flops) on `threads` threads, the median of `reps` runs; 0 without a

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/bench_timing.hpp"
 #include "cli/commands.hpp"
 #include "sattn/error.hpp"
 #ifdef SATTN_HAVE_MPI
@@ -64,11 +65,6 @@ double peak_rss_bytes() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
   return double(u.ru_maxrss) * 1024.0;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
 // Seconds of one ring pass that only moves the blocks (no attention): the communication the ring has to hide.

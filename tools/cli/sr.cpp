@@ -15,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli/bench_timing.hpp"
 #include "cli/commands.hpp"
 #include "cli/options.hpp"
 #include "cli/sr_weights.hpp"
@@ -87,11 +88,6 @@ struct UpscaleArgs {
 int64_t auto_tile(int64_t tile, const sr::Image& lr) {
   if (tile >= 0) return tile;
   return sr::auto_tile_size(lr.height, lr.width);
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
 // --profile: per stage, the median over the runs of its wall time (ms), its share of the stages' total and, for the
