@@ -165,6 +165,17 @@ def save_atomic(obj, path):
     os.replace(tmp, path)
 
 
+def config_overrides(ap, flag, text, keys):
+    """The JSON object `text` given to `flag`, whose keys must come from `keys` (else ap.error names them)."""
+    try:
+        over = json.loads(text)
+    except ValueError as e:
+        ap.error("%s %r: not JSON (%s)" % (flag, text, e))
+    if not isinstance(over, dict) or not set(over) <= set(keys):
+        ap.error("%s %r: expected an object with keys from %s" % (flag, text, ", ".join(keys)))
+    return over
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", type=int, default=2, choices=(2, 4))
@@ -263,14 +274,7 @@ def main():
     if a.arch is not None:
         if ck or a.init:
             ap.error("--arch describes a fresh model: not with a checkpoint to resume or --init")
-        try:
-            over = json.loads(a.arch)
-        except ValueError as e:
-            ap.error("--arch %r: not JSON (%s)" % (a.arch, e))
-        keys = {"dim", "heads", "mlp_ratio", "groups", "threshold"}
-        if not isinstance(over, dict) or not set(over) <= keys:
-            ap.error("--arch %r: expected an object with keys from %s" % (a.arch, ", ".join(sorted(keys))))
-        cfg.update(over)
+        cfg.update(config_overrides(ap, "--arch", a.arch, ("dim", "heads", "mlp_ratio", "groups", "threshold")))
         try:
             MD.check_config(cfg)
         except ValueError as e:
@@ -278,13 +282,7 @@ def main():
     if a.grow and not ck:
         if not a.init:
             ap.error("--grow needs --init (the weights to grow from)")
-        try:
-            over = json.loads(a.grow)
-        except ValueError as e:
-            ap.error("--grow %r: not JSON (%s)" % (a.grow, e))
-        if not isinstance(over, dict) or not set(over) <= {"groups", "mlp_ratio"}:
-            ap.error("--grow %r: expected an object with keys from groups, mlp_ratio" % a.grow)
-        cfg.update(over)
+        cfg.update(config_overrides(ap, "--grow", a.grow, ("groups", "mlp_ratio")))
     if a.keep_ratio is not None:
         if not 0.0 < a.keep_ratio <= 1.0:
             ap.error("--keep-ratio must be in (0, 1], got %g" % a.keep_ratio)
