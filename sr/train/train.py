@@ -18,7 +18,8 @@ the CPU time on page faults. Run the trainer under jemalloc with purging off (De
 memory but is slower.
 --sparsity-mean cost (with --keep-ratio R) bounds the fraction of the dense window work the gates keep (each gate
 weighted by its window's multiply-adds, window_cost) instead of the plain mean gate: the mean gate lets the few, 7x
-dearer 16x16 windows stay routed while the many cheap 8x8 ones are pruned (sr/README.md).
+dearer 16x16 windows stay routed while the many cheap 8x8 ones are pruned (sr/README.md). --sparsity-per image
+applies the hinge to each image's mean instead of the batch's (a batch mean lets textured images route far more).
 --arch JSON starts a fresh model from the default configuration with these overrides (dim, heads, mlp_ratio, groups,
 threshold), e.g. '{"dim": 64, "heads": 4, "groups": [[8, 8], [16, 16], [16, 16], [8, 8]]}'.
 --autocast bf16 runs the forward and backward under torch.autocast(dtype=torch.bfloat16) with float32 master weights
@@ -121,23 +122,31 @@ def lr_at(step, total, base, warmup, floor):
 window_cost = MD.window_cost   # multiply-adds of one routed window (model.py)
 
 
-def sparsity_loss(stats, keep_ratio, costs=None):
+def sparsity_loss(stats, keep_ratio, costs=None, images=None):
     """Hinge on the mean gate above keep_ratio + a push of every gate towards 0 or 1 (g(1-g)).
 
     stats: one (gates, kept) per block, in forward order. costs=None: the mean over all gates (every window counts
     the same, so the many cheap 8x8 windows dominate it); costs = one window_cost per block: the mean weighted by
     each window's cost, i.e. the fraction of the dense window work that the gates keep (--sparsity-mean cost).
+    images=None: one hinge on the mean over the whole batch; images=B: the gates of each block are B images' windows
+    in order, and the loss is the mean over images of each image's own hinge, so a textured image above the bound
+    is pushed down even when flat images in its batch leave the batch mean below it (--sparsity-per image).
     Returns (loss, mean gate, kept fraction of windows, kept fraction of the window work)."""
     if costs is not None and len(costs) != len(stats):
         raise ValueError("sparsity_loss: %d costs for %d blocks" % (len(costs), len(stats)))
+    if images is not None and any(s[0].numel() % images for s in stats):
+        raise ValueError("sparsity_loss: a block's gate count is not a multiple of %d images" % images)
     g = torch.cat([s[0] for s in stats])
     w = costs if costs is not None else [1.0] * len(stats)
     den = sum(c * s[0].numel() for c, s in zip(w, stats))
     kept = [float(s[1].sum()) for s in stats]
     kept_work = sum(c * k for c, k in zip(w, kept)) / den
-    mean = g.mean() if costs is None else sum(c * s[0].sum() for c, s in zip(w, stats)) / den
-    return F.relu(mean - keep_ratio) + 0.5 * (g * (1 - g)).mean(), float(g.detach().mean()), \
-        sum(kept) / g.numel(), kept_work
+    if images is None:
+        hinge = F.relu(sum(c * s[0].sum() for c, s in zip(w, stats)) / den - keep_ratio)
+    else:
+        per_image = sum(c * s[0].view(images, -1).sum(1) for c, s in zip(w, stats)) / (den / images)
+        hinge = F.relu(per_image - keep_ratio).mean()
+    return hinge + 0.5 * (g * (1 - g)).mean(), float(g.detach().mean()), sum(kept) / g.numel(), kept_work
 
 
 @torch.no_grad()
@@ -210,6 +219,9 @@ def main():
                          "which the shipped weights were trained with) or the mean weighted by each window's "
                          "multiply-adds (cost: the fraction of the dense window work kept, so the deep 16x16 "
                          "blocks, 7x dearer per window, count 7x)")
+    ap.add_argument("--sparsity-per", default="batch", choices=("batch", "image"),
+                    help="where the hinge applies: to the batch's mean (batch, the default) or to each image's "
+                         "own mean, averaged (image: textured images are held to the bound too)")
     ap.add_argument("--keep-ratio", type=float, default=None,
                     help="override the config's keep_ratio (the hinge's bound; stored in the config)")
     ap.add_argument("--ema", type=float, default=0.0, help="weight EMA decay per step (0: off), e.g. 0.999")
@@ -330,6 +342,7 @@ def main():
     hp.setdefault("loss", "l1")                 # checkpoints from before --loss
     hp.setdefault("sparsity_mean", "count")     # checkpoints from before --sparsity-mean
     hp.setdefault("autocast", "off")            # checkpoints from before --autocast
+    hp.setdefault("sparsity_per", "batch")      # checkpoints from before --sparsity-per
     blocks = [blk for grp in model.groups for blk in grp.blocks]
     costs = ([window_cost(blk.ws, cfg["dim"], blk.fc1.out_features) for blk in blocks]
              if hp["sparsity_mean"] == "cost" else None)
@@ -391,7 +404,8 @@ def main():
         stats = [(g.float(), kept) for g, kept in stats]
         l1 = F.l1_loss(out, y)                  # logged whatever the loss, so runs compare
         pixel = l1 if hp["loss"] == "l1" else F.mse_loss(out, y)
-        sl, gmean, kept, kept_work = sparsity_loss(stats, cfg["keep_ratio"], costs)
+        sl, gmean, kept, kept_work = sparsity_loss(stats, cfg["keep_ratio"], costs,
+                                                       hp["batch"] if hp["sparsity_per"] == "image" else None)
         loss = pixel + hp["sparsity_weight"] * sl
         opt.zero_grad(set_to_none=True)
         loss.backward()

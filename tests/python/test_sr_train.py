@@ -268,15 +268,42 @@ def test_cost_weighted_sparsity_loss():
         train.sparsity_loss(stats[:1], 0.3, [1.0, 6.0])
 
 
+def test_per_image_sparsity_hinge():
+    sys.path.insert(0, os.path.join(REPO, "sr", "train"))
+    import train
+    # 2 images; block A (cost 1) has 2 windows per image, block B (cost 2) 1 window per image
+    ga = torch.tensor([0.9, 0.9, 0.1, 0.1], requires_grad=True)
+    gb = torch.tensor([0.8, 0.0], requires_grad=True)
+    stats = [(ga, ga > 0.5), (gb, gb > 0.5)]
+    g = torch.cat([ga, gb]).detach()
+    binar = 0.5 * float((g * (1 - g)).mean())
+    # image 0 keeps (0.9 + 0.9 + 2 * 0.8) / 4 = 0.85 of its work, image 1 0.2 / 4 = 0.05; the batch 0.45
+    batch, *_ = train.sparsity_loss(stats, 0.5, [1.0, 2.0])
+    assert abs(float(batch.detach()) - binar) < 1e-6                # the batch mean is under the bound
+    loss, gmean, kept, kept_work = train.sparsity_loss(stats, 0.5, [1.0, 2.0], images=2)
+    assert abs(float(loss.detach()) - ((0.85 - 0.5) / 2 + binar)) < 1e-6
+    assert abs(gmean - 2.8 / 6) < 1e-6 and abs(kept - 3 / 6) < 1e-6 and abs(kept_work - 4 / 8) < 1e-6
+    loss.backward()
+    # only image 0's gates feel the hinge: d/dg = cost / (4 * 2 images), plus the binarising term
+    bin_grad = lambda t, i: 0.5 * (1 - 2 * float(t[i])) / 6
+    assert abs(float(ga.grad[0]) - bin_grad(ga, 0) - 1 / 8) < 1e-6
+    assert abs(float(gb.grad[0]) - bin_grad(gb, 0) - 2 / 8) < 1e-6
+    assert abs(float(ga.grad[2]) - bin_grad(ga, 2)) < 1e-6 and abs(float(gb.grad[1]) - bin_grad(gb, 1)) < 1e-6
+    with pytest.raises(ValueError, match="not a multiple of 3 images"):
+        train.sparsity_loss(stats, 0.5, [1.0, 2.0], images=3)
+
+
 def test_sparsity_mean_and_keep_ratio_options(tmp_path):
     root = str(tmp_path / "data")
     make_data(root)
-    ck = run(root, str(tmp_path / "c"), "--sparsity-mean", "cost", "--keep-ratio", "0.25")
+    ck = run(root, str(tmp_path / "c"), "--sparsity-mean", "cost", "--keep-ratio", "0.25", "--sparsity-per", "image")
     assert ck["hparams"]["sparsity_mean"] == "cost" and ck["config"]["keep_ratio"] == 0.25
+    assert ck["hparams"]["sparsity_per"] == "image"
     log = read_text(str(tmp_path / "c" / "x2_train.log"))
     assert " work " in log
     plain = run(root, str(tmp_path / "p"))
     assert plain["hparams"]["sparsity_mean"] == "count" and plain["config"]["keep_ratio"] == 0.4
+    assert plain["hparams"]["sparsity_per"] == "batch"
     bad = subprocess.run([sys.executable, TRAIN, "--scale", "2", "--steps", "5", "--data", root, "--ckpt-dir",
                           str(tmp_path / "b"), "--threads", "1", "--keep-ratio", "1.5"], capture_output=True,
                          text=True, timeout=120)
