@@ -195,8 +195,13 @@ void bind_sr(pybind11::module_& top) {
       "truncated or unsupported files.");
   m.def(
       "write_png",
-      [](const std::string& path, const pyb::object& image) { sr::write_png(path, image_from_numpy(image, "image")); },
-      "path"_a, "image"_a, "uint8 RGB [H, W, 3] (or gray [H, W], written as RGB) -> 8-bit PNG.");
+      [](const std::string& path, const pyb::object& image, int compression_level) {
+        sr::write_png(path, image_from_numpy(image, "image"), compression_level);
+      },
+      "path"_a, "image"_a, pyb::kw_only(), "compression_level"_a = sr::kDefaultPngCompression,
+      "uint8 RGB [H, W, 3] (or gray [H, W], written as RGB) -> 8-bit PNG, replacing `path` atomically.\n"
+      "compression_level: zlib level 0 (stored) .. 9 (smallest); 1 (the default, as OpenCV's) is the fastest\n"
+      "that compresses.");
   m.def(
       "downscale",
       [](const pyb::object& hr, int scale) {

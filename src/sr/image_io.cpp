@@ -106,9 +106,10 @@ bool png_pixels_step(PngCodec* c, png_bytep* rows) {
   return true;
 }
 
-bool png_encode_step(PngCodec* c, const uint8_t* pixels, int channels) {
+bool png_encode_step(PngCodec* c, const uint8_t* pixels, int channels, int compression_level) {
   if (setjmp(png_jmpbuf(c->png))) return false;
   png_set_write_fn(c->png, c, png_on_write, png_on_flush);
+  png_set_compression_level(c->png, compression_level);
   png_set_IHDR(c->png, c->info, c->width, c->height, 8, channels == 3 ? PNG_COLOR_TYPE_RGB : PNG_COLOR_TYPE_GRAY,
                PNG_INTERLACE_NONE, PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
   png_write_info(c->png, c->info);
@@ -267,9 +268,12 @@ Image read_image(const std::string& path, int64_t max_pixels, int scale) {
   return decode_image(buf.data(), buf.size(), path, max_pixels, scale);
 }
 
-std::vector<uint8_t> encode_png(const uint8_t* pixels, int64_t height, int64_t width, int64_t channels) {
+std::vector<uint8_t> encode_png(const uint8_t* pixels, int64_t height, int64_t width, int64_t channels,
+                                int compression_level) {
   check(channels == 1 || channels == 3, ErrorKind::kInvalidArgument, "encode_png: channels must be 1 or 3, given ",
         channels);
+  check(compression_level >= 0 && compression_level <= 9, ErrorKind::kInvalidArgument,
+        "encode_png: compression_level must be in 0..9, given ", compression_level);
   check(height > 0 && width > 0 && height <= PNG_UINT_31_MAX && width <= PNG_UINT_31_MAX / 3,
         ErrorKind::kInvalidArgument, "encode_png: invalid image size ", width, "x", height);
   std::vector<uint8_t> bytes;
@@ -285,23 +289,26 @@ std::vector<uint8_t> encode_png(const uint8_t* pixels, int64_t height, int64_t w
   } free_codec{c};
   c.info = png_create_info_struct(c.png);
   check(c.info != nullptr, ErrorKind::kOutOfMemory, "encode_png: cannot create a PNG encoder");
-  if (!png_encode_step(&c, pixels, int(channels)))
+  if (!png_encode_step(&c, pixels, int(channels), compression_level))
     fail(c.out_of_memory ? ErrorKind::kOutOfMemory : ErrorKind::kInternal, "encode_png: ", width, "x", height,
          " image: ", c.message);
   return bytes;
 }
 
-std::vector<uint8_t> encode_png(const Image& image) {
+std::vector<uint8_t> encode_png(const Image& image, int compression_level) {
   check(image.data.size() == size_t(image.height * image.width * image.channels), ErrorKind::kInvalidArgument,
         "encode_png: image data size ", image.data.size(), " does not match ", image.width, "x", image.height, "x",
         image.channels);
-  return encode_png(image.data.data(), image.height, image.width, image.channels);
+  return encode_png(image.data.data(), image.height, image.width, image.channels, compression_level);
 }
 
-void write_png(io::OutputFile& out, const Image& image) { out.write(encode_png(image)); }
+void write_png(io::OutputFile& out, const Image& image, int compression_level) {
+  out.write(encode_png(image, compression_level));
+}
 
-void write_png(const std::string& path, const Image& image) {
-  io::write_file(path, [&](io::OutputFile& out) { write_png(out, image); });
+void write_png(const std::string& path, const Image& image, int compression_level) {
+  const std::vector<uint8_t> bytes = encode_png(image, compression_level);  // a bad level fails before the file opens
+  io::write_file(path, [&](io::OutputFile& out) { out.write(bytes); });
 }
 
 }  // namespace sattn::sr

@@ -7,6 +7,6 @@
 
 namespace sattn::sr {
 
-void write_png(io::OutputFile& out, const Image& image);
+void write_png(io::OutputFile& out, const Image& image, int compression_level = kDefaultPngCompression);
 
 }  // namespace sattn::sr

@@ -391,6 +391,41 @@ TEST(SrImageDecode, OutputPixelsSaturates) {
   EXPECT_EQ(sattn::sr::output_pixels(int64_t(1) << 30, int64_t(1) << 30, int64_t(1) << 20), INT64_MAX);
 }
 
+// Every zlib level gives the same pixels back; a higher level a smaller file on a smooth picture; a level outside
+// 0..9 is refused, naming it, before any file is touched.
+TEST(SrImageEncode, EveryCompressionLevelRoundTripsAndBadLevelsAreRefused) {
+  Image im;
+  im.height = 48, im.width = 40, im.channels = 3;
+  im.data.resize(size_t(48 * 40 * 3));
+  std::mt19937 rng(7);
+  for (size_t i = 0; i < im.data.size(); ++i) im.data[i] = uint8_t((i / 3) % 40 * 5 + (i % 3) * 20 + rng() % 4);
+  size_t stored = 0, smallest = 0;
+  for (int level = 0; level <= 9; ++level) {
+    const Bytes png = sattn::sr::encode_png(im, level);
+    const Image back = sattn::sr::decode_image(png.data(), png.size(), "level.png");
+    ASSERT_EQ(back.data, im.data) << "level " << level;
+    if (level == 0) stored = png.size();
+    if (level == 9) smallest = png.size();
+  }
+  EXPECT_GT(stored, im.data.size());  // stored blocks: the raw rows and their filter bytes
+  EXPECT_LT(smallest, stored / 2);
+  EXPECT_EQ(sattn::sr::encode_png(im), sattn::sr::encode_png(im, sattn::sr::kDefaultPngCompression));
+  const std::string path = temp_path("untouched.png");
+  std::filesystem::remove(path);
+  for (int bad : {-1, 10}) {
+    try {
+      sattn::sr::write_png(path, im, bad);
+      ADD_FAILURE() << "level " << bad << " accepted";
+    } catch (const sattn::Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("compression_level must be in 0..9, given " + std::to_string(bad)),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
 TEST(SrImageDecode, UnsupportedAndEmpty) {
   decode_error({}, "empty.png", "empty file");
   decode_error(Bytes(100, 0x42), "x.bin", "unsupported format");

@@ -210,6 +210,11 @@ def test_sr_functions(tmp_path):
     sr.write_png(path, img)
     np.testing.assert_array_equal(sr.read_image(path), img)
     np.testing.assert_array_equal(sr.read_image(path), sr.mod_crop(img, 1))
+    for level in (0, 9):
+        sr.write_png(path, img, compression_level=level)
+        np.testing.assert_array_equal(sr.read_image(path), img)
+    with pytest.raises(ValueError, match="compression_level must be in 0..9, given 10"):
+        sr.write_png(path, img, compression_level=10)
     gray = img[..., 0]
     np.testing.assert_array_equal(sr.mod_crop(gray, 4), np.repeat(gray[:24, :20, None], 3, axis=2))
     lr = sr.downscale(img, 2)

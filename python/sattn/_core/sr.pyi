@@ -69,7 +69,9 @@ def upscale_bicubic(lr: typing.Any, scale: typing.SupportsInt | typing.SupportsI
     """
     MATLAB imresize(LR, scale, 'bicubic'): the bicubic baseline.
     """
-def write_png(path: str, image: typing.Any) -> None:
+def write_png(path: str, image: typing.Any, *, compression_level: typing.SupportsInt | typing.SupportsIndex = 1) -> None:
     """
-    uint8 RGB [H, W, 3] (or gray [H, W], written as RGB) -> 8-bit PNG.
+    uint8 RGB [H, W, 3] (or gray [H, W], written as RGB) -> 8-bit PNG, replacing `path` atomically.
+    compression_level: zlib level 0 (stored) .. 9 (smallest); 1 (the default, as OpenCV's) is the fastest
+    that compresses.
     """
