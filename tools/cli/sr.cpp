@@ -88,7 +88,7 @@ struct UpscaleArgs {
 void add_png_compression_option(CLI::App* cmd, int& level) {
   cmd->add_option("--png-compression", level,
                   "zlib level of the output PNG: 0 (stored) to 9 (smallest); 1 is the fastest that compresses "
-                  "(a 512x512 photo in ~20 ms, where libpng's usual 6 takes ~80)")
+                  "(1.4-4x faster than libpng's usual 6 on 512x512 photos; the same pixels at every level)")
       ->check(CLI::Range(0, 9))
       ->capture_default_str();
 }
