@@ -255,14 +255,23 @@ TEST(SrOps, LinearLayerNormGelu) {
       for (int k = 0; k < K; ++k) s += double(x[size_t(m * K + k)]) * w[size_t(n * K + k)];
       ASSERT_NEAR(y[size_t(m * N + n)], s, 1e-5 * (1 + std::fabs(s)));
     }
-  std::vector<float> g(size_t(K), 1.5f), be(size_t(K), -0.25f), ln(size_t(M * K));
-  sattn::nn::layer_norm(x.data(), M, K, g.data(), be.data(), 1e-5f, ln.data());
-  for (int m = 0; m < M; ++m) {
-    double mean = 0, var = 0;
-    for (int k = 0; k < K; ++k) mean += x[size_t(m * K + k)] / double(K);
-    for (int k = 0; k < K; ++k) var += std::pow(x[size_t(m * K + k)] - mean, 2) / K;
-    for (int k = 0; k < K; ++k)
-      ASSERT_NEAR(ln[size_t(m * K + k)], (x[size_t(m * K + k)] - mean) / std::sqrt(var + 1e-5) * 1.5 - 0.25, 1e-5);
+  // LayerNorm over channel counts that are and are not whole vectors of every target (4, 8 or 16 lanes), out of
+  // place and in place
+  for (const int Cn : {7, 16, 48, 50, 64}) {
+    const auto xs = randv(size_t(M * Cn), 11), gs = randv(size_t(Cn), 12), bs = randv(size_t(Cn), 13);
+    std::vector<float> ln(size_t(M * Cn)), in_place = xs;
+    sattn::nn::layer_norm(xs.data(), M, Cn, gs.data(), bs.data(), 1e-5f, ln.data());
+    sattn::nn::layer_norm(in_place.data(), M, Cn, gs.data(), bs.data(), 1e-5f, in_place.data());
+    ASSERT_EQ(ln, in_place) << "C = " << Cn;
+    for (int m = 0; m < M; ++m) {
+      double mean = 0, var = 0;
+      for (int k = 0; k < Cn; ++k) mean += xs[size_t(m * Cn + k)] / double(Cn);
+      for (int k = 0; k < Cn; ++k) var += std::pow(xs[size_t(m * Cn + k)] - mean, 2) / Cn;
+      for (int k = 0; k < Cn; ++k) {
+        const double e = (xs[size_t(m * Cn + k)] - mean) / std::sqrt(var + 1e-5) * gs[size_t(k)] + bs[size_t(k)];
+        ASSERT_NEAR(ln[size_t(m * Cn + k)], e, 1e-5 * (1 + std::fabs(e))) << "C = " << Cn << ", row " << m;
+      }
+    }
   }
   std::vector<float> v;
   for (int i = -4000; i <= 4000; ++i) v.push_back(float(i) * 0.0025f);  // [-10, 10]
