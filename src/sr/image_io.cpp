@@ -110,6 +110,8 @@ bool png_encode_step(PngCodec* c, const uint8_t* pixels, int channels, int compr
   if (setjmp(png_jmpbuf(c->png))) return false;
   png_set_write_fn(c->png, c, png_on_write, png_on_flush);
   png_set_compression_level(c->png, compression_level);
+  // Stored (level 0), filtering cannot shrink the file: libpng's adaptive filter choice would only cost time.
+  if (compression_level == 0) png_set_filter(c->png, PNG_FILTER_TYPE_BASE, PNG_FILTER_NONE);
   png_set_IHDR(c->png, c->info, c->width, c->height, 8, channels == 3 ? PNG_COLOR_TYPE_RGB : PNG_COLOR_TYPE_GRAY,
                PNG_INTERLACE_NONE, PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
   png_write_info(c->png, c->info);

@@ -139,6 +139,22 @@ TEST_F(Cli, BenchSgemmPeerUsesTheCpusKernels) {
   EXPECT_EQ(core_of(forced.out), "Prescott") << forced.out;
 }
 
+TEST_F(Cli, OnlyTheBenchmarksOpenTheBlas) {
+  // The BLAS (the benchmarks' SGEMM peer) is opened at run time by bench / sparse-bench alone: OpenBLAS's thread pool
+  // spins for its first ~0.1 s beside the kernels' threads of any process that loads it. glibc's loader names every
+  // library it opens under LD_DEBUG=files.
+  auto opens_blas = [](const std::string& err) { return err.find("blas") != std::string::npos; };
+  const CliRun plain = run("version", "env LD_DEBUG=files");
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  ASSERT_NE(plain.err.find("libc.so"), std::string::npos) << "LD_DEBUG gave no file list: " << plain.err;
+  EXPECT_FALSE(opens_blas(plain.err)) << plain.err;
+  const CliRun bench =
+      run("bench --dims 8 --lens 16 --masks full --passes fwd --threads 1 --reps 1 --sgemm-n 64", "env LD_DEBUG=files");
+  ASSERT_EQ(bench.code, 0) << bench.err;
+  if (bench.out.find("sgemm N=64: 0.0 GFLOP/s") != std::string::npos) GTEST_SKIP() << "no BLAS: " << bench.out;
+  EXPECT_TRUE(opens_blas(bench.err)) << bench.out;
+}
+
 TEST_F(Cli, AttnMatchesTheLibraryBitwise) {
   sattn::testing::Config c;
   c.batch = 2, c.heads_q = 4, c.heads_kv = 2, c.len_q = 9, c.len_k = 13, c.head_dim = 8, c.head_dim_v = 5;

@@ -404,7 +404,18 @@ TEST(SrImageEncode, EveryCompressionLevelRoundTripsAndBadLevelsAreRefused) {
     const Bytes png = sattn::sr::encode_png(im, level);
     const Image back = sattn::sr::decode_image(png.data(), png.size(), "level.png");
     ASSERT_EQ(back.data, im.data) << "level " << level;
-    if (level == 0) stored = png.size();
+    if (level == 0) {
+      stored = png.size();
+      // stored rows are not filtered (filtering cannot shrink them): each row appears verbatim after filter byte 0
+      // (the whole image fits one IDAT chunk and one stored block here)
+      const size_t row = size_t(im.width * im.channels);
+      for (int64_t y = 0; y < im.height; ++y) {
+        Bytes needle{0};
+        needle.insert(needle.end(), im.data.begin() + std::ptrdiff_t(size_t(y) * row),
+                      im.data.begin() + std::ptrdiff_t(size_t(y + 1) * row));
+        EXPECT_NE(std::search(png.begin(), png.end(), needle.begin(), needle.end()), png.end()) << "row " << y;
+      }
+    }
     if (level == 9) smallest = png.size();
   }
   EXPECT_GT(stored, im.data.size());  // stored blocks: the raw rows and their filter bytes

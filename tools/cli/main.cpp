@@ -1,6 +1,5 @@
 // The `sattn` command: parses the subcommand and maps errors to exit codes
 // (0 ok, 1 a finding/failed check where a subcommand says so, 2 bad usage or input).
-#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +14,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "cli/bench_timing.hpp"
 #include "cli/commands.hpp"
 #include "sattn/error.hpp"
 
@@ -22,16 +22,15 @@ namespace {
 // OpenBLAS picks its kernels from the CPU model in cpuid; on a VM that hides the model (this one reports a
 // generic "Intel(R) Xeon(R) Processor") it falls back to its Prescott (SSE3) kernels: SGEMM at ~30 GFLOP/s instead
 // of ~150 on this AVX-512 machine, which would make every "% of SGEMM" of the benchmarks 3-5x too flattering.
-// The benchmark commands (bench, sparse-bench) then re-execute themselves once with OPENBLAS_CORETYPE chosen from the
-// CPU's features (OpenBLAS reads it as it loads). An OPENBLAS_CORETYPE already set is always respected.
+// The benchmark commands (bench, sparse-bench; the only ones that open the BLAS) then re-execute themselves once with
+// OPENBLAS_CORETYPE chosen from the CPU's features (OpenBLAS reads it as it loads). An OPENBLAS_CORETYPE already set
+// is always respected.
 void fix_openblas_core(int argc, char** argv) {
   if (argc < 2 || std::getenv("OPENBLAS_CORETYPE")) return;
   const std::string cmd = argv[1];
   if (cmd != "bench" && cmd != "sparse-bench") return;
-  using CoreName = char* (*)();
-  const auto core_name = reinterpret_cast<CoreName>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
-  if (!core_name || !core_name()) return;
-  std::string core = core_name();
+  std::string core = sattn::cli::blas_core();
+  if (core.empty()) return;
   std::transform(core.begin(), core.end(), core.begin(), [](unsigned char c) { return char(std::tolower(c)); });
   const bool pre_avx2 = core == "prescott" || core == "core2" || core == "penryn" || core == "dunnington" ||
                         core == "nehalem" || core == "atom" || core == "katmai" || core == "northwood" ||
