@@ -195,13 +195,15 @@ void bind_sr(pybind11::module_& top) {
       "truncated or unsupported files.");
   m.def(
       "write_png",
-      [](const std::string& path, const pyb::object& image, int compression_level) {
-        sr::write_png(path, image_from_numpy(image, "image"), compression_level);
+      [](const std::string& path, const pyb::object& image, int compression_level, const pyb::object& num_threads) {
+        sr::write_png(path, image_from_numpy(image, "image"), compression_level, resolve_python_threads(num_threads));
       },
       "path"_a, "image"_a, pyb::kw_only(), "compression_level"_a = sr::kDefaultPngCompression,
+      "num_threads"_a = pyb::none(),
       "uint8 RGB [H, W, 3] (or gray [H, W], written as RGB) -> 8-bit PNG, replacing `path` atomically.\n"
       "compression_level: zlib level 0 (stored) .. 9 (smallest); 1 (the default, as OpenCV's) is the fastest\n"
-      "that compresses.");
+      "that compresses. num_threads: threads compressing bands of rows (None = SATTN_NUM_THREADS or all cores;\n"
+      "the file's bytes do not depend on it).");
   m.def(
       "downscale",
       [](const pyb::object& hr, int scale) {

@@ -41,18 +41,21 @@ Image decode_image(const void* data, size_t size, const std::string& name, int64
                    int scale = 1);
 
 // zlib level of the PNG encoder: 0 (stored) to 9 (smallest). The default is OpenCV's, 1 (fastest with compression):
-// with libpng's adaptive row filters it wrote 512x512 photos 1.4-4x faster than level 6 (libpng's own default), at
-// sizes within 5 % of it.
+// it wrote 512x512 photos 1.4-4x faster than level 6 (libpng's own default), at sizes within 5 % of it.
 inline constexpr int kDefaultPngCompression = 1;
 
-// 8-bit PNG (libpng) of an image with 1 or 3 channels, in memory. Throws kInvalidArgument for a compression_level
-// outside 0..9.
-std::vector<uint8_t> encode_png(const Image& image, int compression_level = kDefaultPngCompression);
+// 8-bit PNG of an image with 1 or 3 channels, in memory: per row the filter libpng would choose (none at level 0),
+// zlib at compression_level, bands of ~128 KiB of rows compressed on up to num_threads threads (0 = SATTN_NUM_THREADS
+// or all cores; the bytes do not depend on it). Throws kInvalidArgument for a compression_level outside 0..9 or a
+// negative num_threads.
+std::vector<uint8_t> encode_png(const Image& image, int compression_level = kDefaultPngCompression,
+                                int num_threads = 0);
 // Same from interleaved pixels: height rows of width * channels bytes.
 std::vector<uint8_t> encode_png(const uint8_t* pixels, int64_t height, int64_t width, int64_t channels,
-                                int compression_level = kDefaultPngCompression);
+                                int compression_level = kDefaultPngCompression, int num_threads = 0);
 // encode_png, written to `path`, replacing a regular file atomically (docs/reliability.md). Throws sattn::Error(kIO)
 // naming the file when it cannot be written; the old file is then untouched.
-void write_png(const std::string& path, const Image& image, int compression_level = kDefaultPngCompression);
+void write_png(const std::string& path, const Image& image, int compression_level = kDefaultPngCompression,
+               int num_threads = 0);
 
 }  // namespace sattn::sr

@@ -1,18 +1,24 @@
-// PNG and JPEG decoding (libpng, libjpeg-turbo) and PNG encoding (libpng), in memory, with the pixel limit checked
-// from the header before any pixel buffer is allocated.
+// PNG and JPEG decoding (libpng, libjpeg-turbo), with the pixel limit checked from the header before any pixel
+// buffer is allocated, and PNG encoding (zlib, compressing bands of rows in parallel), in memory.
 //
-// Both libraries report errors by longjmp to a setjmp of their caller, the documented way (a C++ exception must
+// Both decoders report errors by longjmp to a setjmp of their caller, the documented way (a C++ exception must
 // not cross their C frames). The functions that call setjmp (the *_step functions) own no C++ object with a
 // destructor and keep all their state in a plain struct passed by pointer, so the longjmp skips no destructor and
 // no local has to be volatile; their callers turn the saved message into sattn::Error.
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <csetjmp>
 #include <cstdio>  // before jpeglib.h, which needs FILE
 #include <cstring>
 #include <fstream>
+#include <new>
 
 #include <jpeglib.h>
 #include <png.h>
+#include <zlib.h>
+
+#include "core/threads.hpp"
 
 #include "sr/png_writer.hpp"
 #include "sattn/error.hpp"
@@ -45,8 +51,6 @@ struct PngCodec {
   png_infop info = nullptr;
   const uint8_t* data = nullptr;  // reading: the file
   size_t size = 0, pos = 0;
-  std::vector<uint8_t>* out = nullptr;  // writing
-  bool out_of_memory = false;
   png_uint_32 width = 0, height = 0;
   int file_channels = 0;
   char message[256] = "";
@@ -65,17 +69,6 @@ void png_on_read(png_structp png, png_bytep out, size_t n) {
   std::memcpy(out, c->data + c->pos, n);
   c->pos += n;
 }
-
-void png_on_write(png_structp png, png_bytep data, size_t n) {
-  auto* c = static_cast<PngCodec*>(png_get_io_ptr(png));
-  try {
-    c->out->insert(c->out->end(), data, data + n);
-  } catch (...) {
-    c->out_of_memory = true;
-  }
-  if (c->out_of_memory) png_error(png, "out of memory");  // outside the handler: it longjmps
-}
-void png_on_flush(png_structp) {}
 
 // Reads the header and sets up the transforms to 8-bit RGB. false: c->message says why.
 bool png_header_step(PngCodec* c) {
@@ -106,19 +99,150 @@ bool png_pixels_step(PngCodec* c, png_bytep* rows) {
   return true;
 }
 
-bool png_encode_step(PngCodec* c, const uint8_t* pixels, int channels, int compression_level) {
-  if (setjmp(png_jmpbuf(c->png))) return false;
-  png_set_write_fn(c->png, c, png_on_write, png_on_flush);
-  png_set_compression_level(c->png, compression_level);
-  // Stored (level 0), filtering cannot shrink the file: libpng's adaptive filter choice would only cost time.
-  if (compression_level == 0) png_set_filter(c->png, PNG_FILTER_TYPE_BASE, PNG_FILTER_NONE);
-  png_set_IHDR(c->png, c->info, c->width, c->height, 8, channels == 3 ? PNG_COLOR_TYPE_RGB : PNG_COLOR_TYPE_GRAY,
-               PNG_INTERLACE_NONE, PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
-  png_write_info(c->png, c->info);
-  const size_t stride = size_t(c->width) * size_t(channels);
-  for (png_uint_32 y = 0; y < c->height; ++y) png_write_row(c->png, pixels + y * stride);
-  png_write_end(c->png, nullptr);
-  return true;
+// ---- PNG encoding ----------------------------------------------------------------------------------------------
+// The container (signature, IHDR, IDAT, IEND; CRCs by zlib) is written here so that the compression can run in
+// parallel: the filtered rows are cut into bands of about kPngBandBytes, each band is deflated on its own (raw
+// deflate with the previous 32 KiB as its dictionary, so the ratio stays that of one stream, ended by a sync flush so
+// that the next band starts on a byte boundary), and the bands form one zlib stream (header, the bands, the adler32
+// of all the data combined from theirs). The bands do not depend on the thread count, so neither do the bytes.
+
+constexpr int64_t kPngBandBytes = int64_t(1) << 17;
+
+// Row filters (PNG spec 9.2): type t of byte i from x = cur[i], a = the byte bpp to the left, b = above, c = above
+// left (0 outside the image): 0 None x, 1 Sub x - a, 2 Up x - b, 3 Average x - floor((a + b) / 2), 4 Paeth x - the
+// one of a, b, c nearest to a + b - c (ties in that order). libpng's default choice per row: the type with the
+// smallest sum of |byte read as signed| (the first one on ties). out = [type, n filtered bytes]; prev = nullptr for
+// the first row; tmp holds 5 n bytes.
+void filter_png_row(const uint8_t* __restrict cur, const uint8_t* __restrict prev, int64_t n, int bpp,
+                    uint8_t* __restrict tmp, uint8_t* __restrict out) {
+  uint32_t sum[5] = {0, 0, 0, 0, 0};
+  for (int64_t i = 0; i < n; ++i) {
+    const int x = cur[i], a = i >= bpp ? cur[i - bpp] : 0, b = prev ? prev[i] : 0;
+    const int c = prev && i >= bpp ? prev[i - bpp] : 0;
+    const int p = a + b - c, pa = std::abs(p - a), pb = std::abs(p - b), pc = std::abs(p - c);
+    const int paeth = pa <= pb && pa <= pc ? a : (pb <= pc ? b : c);
+    const uint8_t v[5] = {uint8_t(x), uint8_t(x - a), uint8_t(x - b), uint8_t(x - ((a + b) >> 1)), uint8_t(x - paeth)};
+    for (int t = 0; t < 5; ++t) {
+      tmp[t * n + i] = v[t];
+      sum[t] += uint32_t(std::abs(int(int8_t(v[t]))));
+    }
+  }
+  int best = 0;
+  for (int t = 1; t < 5; ++t)
+    if (sum[t] < sum[best]) best = t;
+  out[0] = uint8_t(best);
+  std::memcpy(out + 1, tmp + best * n, size_t(n));
+}
+
+void put_u32_be(std::vector<uint8_t>& o, uint32_t v) {
+  const uint8_t b[4] = {uint8_t(v >> 24), uint8_t(v >> 16), uint8_t(v >> 8), uint8_t(v)};
+  o.insert(o.end(), b, b + 4);
+}
+
+// A chunk: length, type, data, CRC-32 of type and data. IDAT data may span any number of chunks.
+void put_png_chunk(std::vector<uint8_t>& o, const char* type, const uint8_t* data, size_t n) {
+  put_u32_be(o, uint32_t(n));
+  const size_t start = o.size();
+  o.insert(o.end(), type, type + 4);
+  if (n) o.insert(o.end(), data, data + n);
+  put_u32_be(o, uint32_t(crc32(0, o.data() + start, uInt(n + 4))));
+}
+
+std::vector<uint8_t> encode_png_bands(const uint8_t* pixels, int64_t height, int64_t width, int channels, int level,
+                                      int threads) {
+  const int64_t n = width * channels, stride = n + 1;
+  const int64_t rows_per_band = std::max<int64_t>(1, kPngBandBytes / stride);
+  const int64_t bands = (height + rows_per_band - 1) / rows_per_band;
+  std::vector<uint8_t> filtered(size_t(height * stride));
+  // 1. filters (stored data at level 0 cannot shrink: type 0, no search)
+  parallel_for(bands, threads, [&](int64_t band) {
+    const int64_t y0 = band * rows_per_band, y1 = std::min(height, y0 + rows_per_band);
+    if (level == 0) {
+      for (int64_t y = y0; y < y1; ++y) {
+        filtered[size_t(y * stride)] = 0;
+        std::memcpy(&filtered[size_t(y * stride + 1)], pixels + y * n, size_t(n));
+      }
+      return;
+    }
+    thread_local std::vector<uint8_t> tmp;
+    tmp.resize(size_t(5 * n));
+    for (int64_t y = y0; y < y1; ++y)
+      filter_png_row(pixels + y * n, y ? pixels + (y - 1) * n : nullptr, n, channels, tmp.data(),
+                     &filtered[size_t(y * stride)]);
+  });
+  // 2. each band deflated (it reads the band before it as its dictionary: after all the filters)
+  std::vector<std::vector<uint8_t>> parts(static_cast<size_t>(bands));
+  std::vector<uLong> adler(static_cast<size_t>(bands)), length(static_cast<size_t>(bands));
+  std::vector<int> status(static_cast<size_t>(bands), Z_OK);  // zlib's error of a band (no throwing in the loop)
+  parallel_for(bands, threads, [&](int64_t band) {
+    const size_t begin = size_t(band * rows_per_band * stride);
+    const size_t len = size_t(std::min(height, (band + 1) * rows_per_band) * stride) - begin;
+    const uint8_t* src = filtered.data() + begin;
+    const bool last = band + 1 == bands;
+    z_stream z{};
+    int& st = status[size_t(band)];
+    // libpng's choice: Z_FILTERED for filtered rows (it favours short matches over literals at levels >= 4)
+    const int strategy = level == 0 ? Z_DEFAULT_STRATEGY : Z_FILTERED;
+    if ((st = deflateInit2(&z, level, Z_DEFLATED, -15, 8, strategy)) != Z_OK) return;
+    const size_t dict = std::min<size_t>(begin, 32768);
+    if (dict) st = deflateSetDictionary(&z, src - dict, uInt(dict));
+    std::vector<uint8_t>& out = parts[size_t(band)];
+    if (st == Z_OK) {
+      try {
+        out.resize(deflateBound(&z, uLong(len)) + 64);  // + the sync flush's empty stored block
+      } catch (const std::bad_alloc&) {
+        st = Z_MEM_ERROR;
+      }
+    }
+    if (st == Z_OK) {
+      z.next_in = const_cast<Bytef*>(src);
+      z.avail_in = uInt(len);
+      z.next_out = out.data();
+      z.avail_out = uInt(out.size());
+      st = deflate(&z, last ? Z_FINISH : Z_SYNC_FLUSH);
+      // complete: all input read and, for a sync flush, room left (else the flush may be unfinished)
+      if (last ? st == Z_STREAM_END : st == Z_OK && z.avail_in == 0 && z.avail_out > 0) st = Z_OK;
+      else if (st == Z_OK || st == Z_STREAM_END) st = Z_BUF_ERROR;
+      out.resize(out.size() - z.avail_out);
+    }
+    deflateEnd(&z);
+    adler[size_t(band)] = adler32(adler32(0, nullptr, 0), src, uInt(len));
+    length[size_t(band)] = uLong(len);
+  });
+  for (int st : status) {
+    check(st != Z_MEM_ERROR, ErrorKind::kOutOfMemory, "encode_png: out of memory in zlib");
+    check(st == Z_OK, ErrorKind::kInternal, "encode_png: zlib error ", st);
+  }
+  uLong total_adler = adler[0];
+  for (size_t b = 1; b < parts.size(); ++b) total_adler = adler32_combine(total_adler, adler[b], z_off_t(length[b]));
+  // 3. the file; zlib header: deflate with a 32 KiB window, FLEVEL from the level (informative), FCHECK
+  size_t idat_bytes = 6;
+  for (const auto& part : parts) idat_bytes += part.size();
+  std::vector<uint8_t> zs;
+  zs.reserve(idat_bytes);
+  const unsigned cmf = 0x78, flevel = level < 2 ? 0 : level < 6 ? 1 : level == 6 ? 2 : 3;
+  const unsigned flg = (flevel << 6) + 31 - (cmf * 256 + (flevel << 6)) % 31;
+  zs.push_back(uint8_t(cmf));
+  zs.push_back(uint8_t(flg));
+  for (auto& part : parts) {
+    zs.insert(zs.end(), part.begin(), part.end());
+    std::vector<uint8_t>().swap(part);
+  }
+  put_u32_be(zs, uint32_t(total_adler));
+  std::vector<uint8_t> o = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
+  o.reserve(zs.size() + 64 + zs.size() / (size_t(1) << 30) * 12);
+  std::vector<uint8_t> ihdr;
+  put_u32_be(ihdr, uint32_t(width));
+  put_u32_be(ihdr, uint32_t(height));
+  // bit depth 8, colour type 2 (RGB) or 0 (gray), compression 0, filter method 0, no interlace
+  const uint8_t rest[5] = {8, uint8_t(channels == 3 ? 2 : 0), 0, 0, 0};
+  ihdr.insert(ihdr.end(), rest, rest + 5);
+  put_png_chunk(o, "IHDR", ihdr.data(), ihdr.size());
+  constexpr size_t kMaxChunk = size_t(1) << 30;  // a chunk holds < 2^31 bytes
+  for (size_t at = 0; at < zs.size(); at += kMaxChunk)
+    put_png_chunk(o, "IDAT", zs.data() + at, std::min(kMaxChunk, zs.size() - at));
+  put_png_chunk(o, "IEND", nullptr, 0);
+  return o;
 }
 
 Image decode_png(const uint8_t* data, size_t size, const std::string& name, int64_t max_pixels, int scale) {
@@ -271,45 +395,36 @@ Image read_image(const std::string& path, int64_t max_pixels, int scale) {
 }
 
 std::vector<uint8_t> encode_png(const uint8_t* pixels, int64_t height, int64_t width, int64_t channels,
-                                int compression_level) {
+                                int compression_level, int num_threads) {
   check(channels == 1 || channels == 3, ErrorKind::kInvalidArgument, "encode_png: channels must be 1 or 3, given ",
         channels);
   check(compression_level >= 0 && compression_level <= 9, ErrorKind::kInvalidArgument,
         "encode_png: compression_level must be in 0..9, given ", compression_level);
   check(height > 0 && width > 0 && height <= PNG_UINT_31_MAX && width <= PNG_UINT_31_MAX / 3,
         ErrorKind::kInvalidArgument, "encode_png: invalid image size ", width, "x", height);
-  std::vector<uint8_t> bytes;
-  PngCodec c;
-  c.out = &bytes;
-  c.width = png_uint_32(width);
-  c.height = png_uint_32(height);
-  c.png = png_create_write_struct(PNG_LIBPNG_VER_STRING, &c, png_on_error, png_on_warning);
-  check(c.png != nullptr, ErrorKind::kOutOfMemory, "encode_png: cannot create a PNG encoder");
-  struct Free {
-    PngCodec& c;
-    ~Free() { png_destroy_write_struct(&c.png, &c.info); }
-  } free_codec{c};
-  c.info = png_create_info_struct(c.png);
-  check(c.info != nullptr, ErrorKind::kOutOfMemory, "encode_png: cannot create a PNG encoder");
-  if (!png_encode_step(&c, pixels, int(channels), compression_level))
-    fail(c.out_of_memory ? ErrorKind::kOutOfMemory : ErrorKind::kInternal, "encode_png: ", width, "x", height,
-         " image: ", c.message);
-  return bytes;
+  check(num_threads >= 0, ErrorKind::kInvalidArgument, "encode_png: num_threads must be >= 0, given ", num_threads);
+  try {
+    return encode_png_bands(pixels, height, width, int(channels), compression_level,
+                            resolve_num_threads(num_threads));
+  } catch (const std::bad_alloc&) {
+    fail(ErrorKind::kOutOfMemory, "encode_png: ", width, "x", height, " image: out of memory");
+  }
 }
 
-std::vector<uint8_t> encode_png(const Image& image, int compression_level) {
+std::vector<uint8_t> encode_png(const Image& image, int compression_level, int num_threads) {
   check(image.data.size() == size_t(image.height * image.width * image.channels), ErrorKind::kInvalidArgument,
         "encode_png: image data size ", image.data.size(), " does not match ", image.width, "x", image.height, "x",
         image.channels);
-  return encode_png(image.data.data(), image.height, image.width, image.channels, compression_level);
+  return encode_png(image.data.data(), image.height, image.width, image.channels, compression_level, num_threads);
 }
 
-void write_png(io::OutputFile& out, const Image& image, int compression_level) {
-  out.write(encode_png(image, compression_level));
+void write_png(io::OutputFile& out, const Image& image, int compression_level, int num_threads) {
+  out.write(encode_png(image, compression_level, num_threads));
 }
 
-void write_png(const std::string& path, const Image& image, int compression_level) {
-  const std::vector<uint8_t> bytes = encode_png(image, compression_level);  // a bad level fails before the file opens
+void write_png(const std::string& path, const Image& image, int compression_level, int num_threads) {
+  // a bad level fails before the file opens
+  const std::vector<uint8_t> bytes = encode_png(image, compression_level, num_threads);
   io::write_file(path, [&](io::OutputFile& out) { out.write(bytes); });
 }
 

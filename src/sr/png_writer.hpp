@@ -7,6 +7,7 @@
 
 namespace sattn::sr {
 
-void write_png(io::OutputFile& out, const Image& image, int compression_level = kDefaultPngCompression);
+void write_png(io::OutputFile& out, const Image& image, int compression_level = kDefaultPngCompression,
+               int num_threads = 0);
 
 }  // namespace sattn::sr

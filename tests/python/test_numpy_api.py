@@ -215,6 +215,15 @@ def test_sr_functions(tmp_path):
         np.testing.assert_array_equal(sr.read_image(path), img)
     with pytest.raises(ValueError, match="compression_level must be in 0..9, given 10"):
         sr.write_png(path, img, compression_level=10)
+    # several bands of rows (~128 KiB each), compressed on any number of threads: the same bytes
+    big = rng.integers(0, 256, (300, 400, 3), dtype=np.uint8)
+    files = []
+    for threads in (1, 2, None):
+        p = tmp_path / ("big%s.png" % threads)
+        sr.write_png(str(p), big, num_threads=threads)
+        np.testing.assert_array_equal(sr.read_image(str(p)), big)
+        files.append(p.read_bytes())
+    assert files[0] == files[1] == files[2]
     gray = img[..., 0]
     np.testing.assert_array_equal(sr.mod_crop(gray, 4), np.repeat(gray[:24, :20, None], 3, axis=2))
     lr = sr.downscale(img, 2)

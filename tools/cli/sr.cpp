@@ -188,7 +188,7 @@ void run_upscale(const UpscaleArgs& a) {
     if (a.profile) profiles.push_back(st.stages);
   }
   const double secs = median(walls), cpu_secs = median(cpus);
-  sr::write_png(out_file, out, a.png_compression);
+  sr::write_png(out_file, out, a.png_compression, a.threads);
   if (routing_file) {
     Tensor t(DType::kU8, {int64_t(rout.size())});
     std::copy(rout.begin(), rout.end(), t.data<uint8_t>());

@@ -69,9 +69,10 @@ def upscale_bicubic(lr: typing.Any, scale: typing.SupportsInt | typing.SupportsI
     """
     MATLAB imresize(LR, scale, 'bicubic'): the bicubic baseline.
     """
-def write_png(path: str, image: typing.Any, *, compression_level: typing.SupportsInt | typing.SupportsIndex = 1) -> None:
+def write_png(path: str, image: typing.Any, *, compression_level: typing.SupportsInt | typing.SupportsIndex = 1, num_threads: typing.Any = None) -> None:
     """
     uint8 RGB [H, W, 3] (or gray [H, W], written as RGB) -> 8-bit PNG, replacing `path` atomically.
     compression_level: zlib level 0 (stored) .. 9 (smallest); 1 (the default, as OpenCV's) is the fastest
-    that compresses.
+    that compresses. num_threads: threads compressing bands of rows (None = SATTN_NUM_THREADS or all cores;
+    the file's bytes do not depend on it).
     """
