@@ -6,10 +6,11 @@
 // destructor and keep all their state in a plain struct passed by pointer, so the longjmp skips no destructor and
 // no local has to be volatile; their callers turn the saved message into sattn::Error.
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
-#include <cstdlib>
 #include <csetjmp>
 #include <cstdio>  // before jpeglib.h, which needs FILE
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <new>
@@ -154,7 +155,8 @@ std::vector<uint8_t> encode_png_bands(const uint8_t* pixels, int64_t height, int
   const int64_t rows_per_band = std::max<int64_t>(1, kPngBandBytes / stride);
   const int64_t bands = (height + rows_per_band - 1) / rows_per_band;
   std::vector<uint8_t> filtered(size_t(height * stride));
-  // 1. filters (stored data at level 0 cannot shrink: type 0, no search)
+  // 1. filters (stored data at level 0 cannot shrink: type 0, no search); nothing may throw out of the parallel loops
+  std::atomic<bool> out_of_memory{false};
   parallel_for(bands, threads, [&](int64_t band) {
     const int64_t y0 = band * rows_per_band, y1 = std::min(height, y0 + rows_per_band);
     if (level == 0) {
@@ -165,11 +167,17 @@ std::vector<uint8_t> encode_png_bands(const uint8_t* pixels, int64_t height, int
       return;
     }
     thread_local std::vector<uint8_t> tmp;
-    tmp.resize(size_t(5 * n));
+    try {
+      tmp.resize(size_t(5 * n));
+    } catch (const std::bad_alloc&) {
+      out_of_memory = true;
+      return;
+    }
     for (int64_t y = y0; y < y1; ++y)
       filter_png_row(pixels + y * n, y ? pixels + (y - 1) * n : nullptr, n, channels, tmp.data(),
                      &filtered[size_t(y * stride)]);
   });
+  if (out_of_memory) throw std::bad_alloc();
   // 2. each band deflated (it reads the band before it as its dictionary: after all the filters)
   std::vector<std::vector<uint8_t>> parts(static_cast<size_t>(bands));
   std::vector<uLong> adler(static_cast<size_t>(bands)), length(static_cast<size_t>(bands));
