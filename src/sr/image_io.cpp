@@ -412,8 +412,7 @@ std::vector<uint8_t> encode_png(const uint8_t* pixels, int64_t height, int64_t w
         ErrorKind::kInvalidArgument, "encode_png: invalid image size ", width, "x", height);
   check(num_threads >= 0, ErrorKind::kInvalidArgument, "encode_png: num_threads must be >= 0, given ", num_threads);
   try {
-    return encode_png_bands(pixels, height, width, int(channels), compression_level,
-                            resolve_num_threads(num_threads));
+    return encode_png_bands(pixels, height, width, int(channels), compression_level, resolve_num_threads(num_threads));
   } catch (const std::bad_alloc&) {
     fail(ErrorKind::kOutOfMemory, "encode_png: ", width, "x", height, " image: out of memory");
   }

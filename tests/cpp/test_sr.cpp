@@ -378,10 +378,9 @@ TEST(SrOps, PlanarToU8RgbRoundsExactlyAsTheScalarFormula) {
 TEST(SrOps, DepthwiseGeluPointwiseMatchesPlainLoops) {
   // out = res + pw_b + act(dw(in) + dw_b) · PW, in place on `in` (the model's cheap path) and with act = identity
   // rows are split into four bands per thread: heights around the band counts test the band borders
-  for (auto [H, W, C, threads] :
-       {std::tuple{5, 7, 3, 2}, std::tuple{1, 1, 2, 2}, std::tuple{4, 9, 40, 2}, std::tuple{13, 6, 40, 3},
-        std::tuple{2, 5, 7, 3}, std::tuple{9, 4, 16, 1}, std::tuple{7, 3, 5, 7}, std::tuple{6, 5, 48, 2},
-        std::tuple{3, 4, 64, 3}}) {
+  for (auto [H, W, C, threads] : {std::tuple{5, 7, 3, 2}, std::tuple{1, 1, 2, 2}, std::tuple{4, 9, 40, 2},
+                                  std::tuple{13, 6, 40, 3}, std::tuple{2, 5, 7, 3}, std::tuple{9, 4, 16, 1},
+                                  std::tuple{7, 3, 5, 7}, std::tuple{6, 5, 48, 2}, std::tuple{3, 4, 64, 3}}) {
     const auto in = randv(size_t(H * W * C), 11), res = randv(size_t(H * W * C), 12), wd = randv(size_t(9 * C), 13),
                bd = randv(size_t(C), 14), pw = randv(size_t(C * C), 15), bp = randv(size_t(C), 16);
     for (bool gelu : {true, false}) {

@@ -451,8 +451,7 @@ size_t libpng_encoded_size(const Image& im, int level) {
                im.channels == 3 ? PNG_COLOR_TYPE_RGB : PNG_COLOR_TYPE_GRAY, PNG_INTERLACE_NONE,
                PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
   png_write_info(png, info);
-  for (int64_t y = 0; y < im.height; ++y)
-    png_write_row(png, im.data.data() + size_t(y * im.width * im.channels));
+  for (int64_t y = 0; y < im.height; ++y) png_write_row(png, im.data.data() + size_t(y * im.width * im.channels));
   png_write_end(png, nullptr);
   png_destroy_write_struct(&png, &info);
   return n;
@@ -482,8 +481,8 @@ TEST(SrImageEncode, BandsMakeOneStreamWhateverTheThreadCount) {
   struct Case {
     int64_t h, w, c;
   };
-  for (const Case k : {Case{48, 40, 3}, Case{701, 300, 3}, Case{300, 1000, 1}, Case{3, 50000, 3}, Case{70000, 1, 1},
-                       Case{1, 1, 3}}) {
+  for (const Case k :
+       {Case{48, 40, 3}, Case{701, 300, 3}, Case{300, 1000, 1}, Case{3, 50000, 3}, Case{70000, 1, 1}, Case{1, 1, 3}}) {
     Image im;
     im.height = k.h, im.width = k.w, im.channels = int(k.c);
     im.data.resize(size_t(k.h * k.w * k.c));

@@ -70,8 +70,8 @@ double sgemm_gflops(int threads, int64_t n, int reps) {
   for (auto& x : w) x = u(rng);
   const int ni = int(n);
   const double s = median_seconds(reps, [&] {
-    b.sgemm(Blas::kRowMajor, Blas::kNoTrans, Blas::kNoTrans, ni, ni, ni, 1.f, a.data(), ni, w.data(), ni, 0.f,
-            c.data(), ni);
+    b.sgemm(Blas::kRowMajor, Blas::kNoTrans, Blas::kNoTrans, ni, ni, ni, 1.f, a.data(), ni, w.data(), ni, 0.f, c.data(),
+            ni);
   });
   return 2.0 * double(n) * double(n) * double(n) / (s * 1e9);
 }
