@@ -16,7 +16,8 @@ per-round ratios torch ms / sattn ms and their median (> 1: sattn faster). The w
 gradients (backward) of the two are compared; a gross mismatch is reported on stderr, the max |diff| goes to --json.
 
 Ceilings, once per thread count before its rows: OpenBLAS SGEMM at N=2048 from `build/sattn bench --json` (the
-OpenBLAS sattn links; --sattn names the binary), torch.mm at N=2048 in fp32 and bf16 (median of 5 after a warm-up).
+OpenBLAS that sattn bench opens; --sattn names the binary), torch.mm at N=2048 in fp32 and bf16 (median of 5 after
+a warm-up).
 The header names the CPU model, its ISA flags (avx2, avx512f, avx512_bf16, avx512_fp16, amx_bf16, amx_tile), the
 SIMD build of sattn's fused kernel that runs (sattn.simd_targets()) and torch's version and CPU capability.
 Benchmarks are only meaningful on an idle machine. Needs PyTorch 2.x and the sattn module (PYTHONPATH=build/python;
