@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include <hwy/highway.h>
+
 #include "oracle.hpp"
 #include "sattn/attention.hpp"
 #include "sattn/io.hpp"
@@ -153,6 +155,24 @@ TEST_F(Cli, OnlyTheBenchmarksOpenTheBlas) {
   ASSERT_EQ(bench.code, 0) << bench.err;
   if (bench.out.find("sgemm N=64: 0.0 GFLOP/s") != std::string::npos) GTEST_SKIP() << "no BLAS: " << bench.out;
   EXPECT_TRUE(opens_blas(bench.err)) << bench.out;
+}
+
+TEST_F(Cli, HighwaysBenchmarkTimerIsNotCalibratedAtStartUp) {
+  // libhwy 1.0.x's load-time initialiser calibrates its nanobenchmark timer (~7 ms of every process on a VM); the
+  // sattn executable defines the function it calls (tools/cli/hwy_timer.cpp), and glibc binds libhwy's call to it.
+#if HWY_MAJOR == 1 && HWY_MINOR == 0 && defined(__x86_64__) && defined(__linux__)
+  const CliRun r = run("version", "env LD_DEBUG=bindings");
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::istringstream lines(r.err);
+  std::string line, binding;
+  while (std::getline(lines, line))
+    if (line.find("`_ZN3hwy8platform15TimerResolutionEv'") != std::string::npos) binding = line;
+  ASSERT_FALSE(binding.empty()) << "libhwy bound no TimerResolution under LD_DEBUG=bindings";
+  EXPECT_NE(binding.find("libhwy"), std::string::npos) << binding;
+  EXPECT_NE(binding.find(" to " + binary_.string() + " ["), std::string::npos) << binding;
+#else
+  GTEST_SKIP() << "Highway " << HWY_MAJOR << "." << HWY_MINOR << " on this platform: no load-time calibration replaced";
+#endif
 }
 
 TEST_F(Cli, AttnMatchesTheLibraryBitwise) {
