@@ -299,10 +299,13 @@ void run_block(const BlockW& b, const BlockCtx& cx, const float* src, float* y, 
     probe_window(b, cx, y, n, gate, std::binary_search(routed.begin(), routed.end(), n), cx.probe);
   }
   cx.clock->mark(stage_name("router"));
-  // 6. routed windows, in chunks of ~1024 tokens (each chunk serial inside; chunks in parallel). Results do not
-  // depend on the chunking: every GEMM row and every attention window is computed the same way wherever it sits.
-  const int64_t per_chunk = std::max<int64_t>(1, 1024 / L);
-  const int64_t nchunks = (int64_t(routed.size()) + per_chunk - 1) / per_chunk;
+  // 6. routed windows, in chunks of up to ~1024 tokens (each chunk serial inside; chunks in parallel), smaller where
+  // few windows are routed, so that each thread gets ~8 chunks (a deep block routing a handful of 16x16 windows
+  // would otherwise run them as one or two chunks, one thread idle). Results do not depend on the chunking: every
+  // GEMM row and every attention window is computed the same way wherever it sits.
+  const int64_t nr = int64_t(routed.size()), spread = 8 * int64_t(std::max(cx.threads, 1));
+  const int64_t per_chunk = std::clamp<int64_t>((nr + spread - 1) / spread, 1, std::max<int64_t>(1, 1024 / L));
+  const int64_t nchunks = (nr + per_chunk - 1) / per_chunk;
   parallel_for(nchunks, cx.threads, [&](int64_t ch) {
     const int64_t i0 = ch * per_chunk, i1 = std::min<int64_t>(int64_t(routed.size()), i0 + per_chunk);
     run_window_chunk(b, cx, wg, routed.data() + i0, i1 - i0, gate.data());
