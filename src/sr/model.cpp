@@ -307,7 +307,7 @@ void run_block(const BlockW& b, const BlockCtx& cx, const float* src, float* y, 
   const int64_t per_chunk = std::clamp<int64_t>((nr + spread - 1) / spread, 1, std::max<int64_t>(1, 1024 / L));
   const int64_t nchunks = (nr + per_chunk - 1) / per_chunk;
   parallel_for(nchunks, cx.threads, [&](int64_t ch) {
-    const int64_t i0 = ch * per_chunk, i1 = std::min<int64_t>(int64_t(routed.size()), i0 + per_chunk);
+    const int64_t i0 = ch * per_chunk, i1 = std::min(nr, i0 + per_chunk);
     run_window_chunk(b, cx, wg, routed.data() + i0, i1 - i0, gate.data());
   });
   cx.clock->mark(stage_name("attention windows"), nW, int64_t(routed.size()));

@@ -158,7 +158,7 @@ TEST_F(Cli, OnlyTheBenchmarksOpenTheBlas) {
 }
 
 TEST_F(Cli, HighwaysBenchmarkTimerIsNotCalibratedAtStartUp) {
-  // libhwy 1.0.x's load-time initialiser calibrates its nanobenchmark timer (~7 ms of every process on a VM); the
+  // libhwy 1.0.x's load-time initialiser calibrates its nanobenchmark timer (~5 ms of every process on a VM); the
   // sattn executable defines the function it calls (tools/cli/hwy_timer.cpp), and glibc binds libhwy's call to it.
 #if HWY_MAJOR == 1 && HWY_MINOR == 0 && defined(__x86_64__) && defined(__linux__)
   const CliRun r = run("version", "env LD_DEBUG=bindings");

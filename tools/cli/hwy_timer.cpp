@@ -1,8 +1,8 @@
 // Start-up cost of Highway's shared library. libhwy 1.0.x calibrates the timer of its nanobenchmark in a load-time
-// initialiser: hwy::platform::TimerResolution() takes the mode of 256 x 256 serialised timer reads, about 7 ms of
+// initialiser: hwy::platform::TimerResolution() takes the mode of 256 x 256 serialised timer reads, about 5 ms of
 // every process on a VM, before main() and whether or not anything benchmarks. sattn never calls Highway's
 // nanobenchmark. The initialiser calls the function through libhwy's PLT, so this definition in the executable is
-// the one it gets (as an executable's malloc is libc's): the same measurement on 256 reads, the minimum of them.
+// the one it gets (as an executable's malloc is libc's): the minimum of 256 back-to-back fenced reads instead.
 // Only for the Highway versions known to do this, on x86-64 (where their timer is the time-stamp counter).
 #include <hwy/highway.h>
 #include <hwy/nanobenchmark.h>
