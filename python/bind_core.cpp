@@ -135,9 +135,9 @@ void bind_core(pybind11::module_& m) {
       "('fused', 'sparse_tiles', 'topk', 'nn': the widest it was compiled for, no wider than 'selected').");
   m.def(
       "set_simd_target", [](const std::string& name) { sattn::set_simd_target(name); }, pybind11::arg("name"),
-      "Selects the SIMD target of every component: 'avx512bf16', 'avx512', 'avx2', 'sse4', 'portable' or 'auto' (the "
-      "widest this "
-      "CPU runs). Raises InvalidArgumentError for an unknown name and UnsupportedError when this CPU cannot run it. "
+      "Selects the SIMD target of every component: 'amx', 'avx512bf16', 'avx512', 'avx2', 'sse4', 'portable' or "
+      "'auto' (the widest this CPU runs). Raises InvalidArgumentError for an unknown name and UnsupportedError when "
+      "this CPU cannot run it. "
       "Takes effect for calls that start after it returns.");
   m.def(
       "get_num_threads", []() { return resolve_num_threads(g_default_threads.load()); },

@@ -24,13 +24,13 @@ SimdTargets simd_targets();
 
 // For every SIMD target of the table (widest first), whether the fused kernel would run that target's build for
 // inputs of `dtype` with `precision` (second = "") or why not: the CPU lacks it, it is wider than the selected
-// target, it has nothing for this dtype/option (avx512bf16: only bf16 inputs, or float32 ones with
+// target, it has nothing for this dtype/option (amx and avx512bf16: only bf16 inputs, or float32 ones with
 // Float32Precision::kBF16), or a wider build runs. float64 inputs run the reference kernel: every entry says so.
 std::vector<std::pair<std::string, std::string>> explain_simd_targets(DType dtype, Float32Precision precision);
 
-// Selects a target by name: "avx512bf16", "avx512", "avx2", "sse4", "portable" or "auto" (the widest this CPU runs);
-// avx512bf16 differs from avx512 only in the fused kernel's bf16 products (vdpbf16ps). The names
-// "avx2+fma", "base" and "scalar" are accepted too. Throws sattn::Error: InvalidArgument for an unknown name,
+// Selects a target by name: "amx", "avx512bf16", "avx512", "avx2", "sse4", "portable" or "auto" (the widest this CPU
+// runs); amx and avx512bf16 differ from avx512 only in the fused kernel's bf16 products (AMX tiles, vdpbf16ps). The
+// names "avx2+fma", "base" and "scalar" are accepted too. Throws sattn::Error: InvalidArgument for an unknown name,
 // Unsupported when this CPU cannot run it. Takes effect for calls that start after it returns.
 void set_simd_target(const std::string& name);
 

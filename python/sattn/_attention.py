@@ -258,7 +258,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     A query row with no allowed key returns 0 (PyTorch returns NaN) and lse = -inf.
     float32_precision: 'highest' (default) or 'bf16', as torch.set_float32_matmul_precision('medium'): float32
     inputs and the softmax probabilities may be rounded to bfloat16 in the fused kernel's products where the CPU
-    has bf16 products (the avx512bf16 SIMD target) — faster, about 2^-9 relative per rounding; elsewhere no change.
+    has bf16 products (the amx and avx512bf16 SIMD targets) — faster, about 2^-9 relative per rounding; elsewhere no change.
     query_offset, key_offset, position_stride: the call is one shard of a longer sequence (sequence parallelism, as
     sattn.dist does): query row i sits at global position query_offset + position_stride * i, key j at
     key_offset + position_stride * j; is_causal (top_left), dropout and key_lengths (then global lengths) use them.

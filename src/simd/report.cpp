@@ -44,21 +44,28 @@ std::vector<std::pair<std::string, std::string>> explain_simd_targets(DType dtyp
   const Target selected = simd::selected(), picked = simd::parse(fused::simd_build(), "fused build");
   // The fused kernel's build under `selected`: the bf16 entry serves only the inputs that take the bf16 products.
   const bool bf16_products = dtype == DType::kBF16 || (dtype == DType::kF32 && precision == Float32Precision::kBF16);
-  const Target used = picked == Target::kAvx512Bf16 && !bf16_products ? Target::kAvx512 : picked;
-  const char* needs[simd::kNumTargets] = {"AVX-512 (F, BW, DQ, VL) and AVX512-BF16", "AVX-512 (F, BW, DQ, VL)",
-                                          "AVX2 and FMA", "SSE4.1/4.2", ""};
+  const bool bf16_build = picked == Target::kAmx || picked == Target::kAvx512Bf16;
+  const Target used = bf16_build && !bf16_products ? Target::kAvx512 : picked;
+  const char* needs[simd::kNumTargets] = {"",  // amx: simd::amx_unavailable_reason()
+                                          "AVX-512 (F, BW, DQ, VL) and AVX512-BF16",
+                                          "AVX-512 (F, BW, DQ, VL)",
+                                          "AVX2 and FMA",
+                                          "SSE4.1/4.2",
+                                          ""};
   std::vector<std::pair<std::string, std::string>> out;
   for (int i = 0; i < simd::kNumTargets; ++i) {
     const Target t = Target(i);
     std::string why;
     if (dtype == DType::kF64) {
       why = "float64 inputs run the reference kernel (no SIMD build)";
+    } else if (t == Target::kAmx && !simd::cpu_runs(t)) {
+      why = simd::amx_unavailable_reason();
     } else if (!simd::cpu_runs(t)) {
       why = std::string("this CPU lacks ") + needs[i];
     } else if (i < int(selected)) {
       why = std::string("wider than the selected target '") + simd::name(selected) +
             "' (SATTN_SIMD or set_simd_target chose it)";
-    } else if (t == Target::kAvx512Bf16 && t != used) {
+    } else if ((t == Target::kAmx || t == Target::kAvx512Bf16) && t != used && !bf16_products) {
       why = dtype == DType::kF16 ? "float16 inputs run the float32 products (bf16 holds 3 bits fewer)"
                                  : "float32 inputs take the bf16 products only with float32_precision='bf16'";
     } else if (t != used) {

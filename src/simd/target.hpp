@@ -10,16 +10,20 @@
 namespace sattn::simd {
 
 // Widest first; each target's instructions include those of the targets after it. avx512bf16 is AVX-512 with the
-// AVX512-BF16 dot products (vdpbf16ps): only the fused kernel has a build for it (its bf16 products); every other
-// component runs its avx512 build under it.
-enum class Target : int { kAvx512Bf16 = 0, kAvx512 = 1, kAvx2 = 2, kSse4 = 3, kPortable = 4 };
-inline constexpr int kNumTargets = 5;
+// AVX512-BF16 dot products (vdpbf16ps); amx adds the AMX-BF16 tile products (tdpbf16ps). Only the fused kernel has
+// builds for these two (its bf16 products); every other component runs its avx512 build under them.
+enum class Target : int { kAmx = 0, kAvx512Bf16 = 1, kAvx512 = 2, kAvx2 = 3, kSse4 = 4, kPortable = 5 };
+inline constexpr int kNumTargets = 6;
 
-// "avx512bf16", "avx512", "avx2", "sse4", "portable".
+// "amx", "avx512bf16", "avx512", "avx2", "sse4", "portable".
 const char* name(Target t);
 
-// Whether this CPU runs code built for `t` (portable: always).
+// Whether this CPU runs code built for `t` (portable: always). For amx that includes the Linux permission to use
+// the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM), requested once per process on the first call.
 bool cpu_runs(Target t);
+
+// Why the amx target does not run here ("" when it does): the missing CPU features, or the refused tile permission.
+std::string amx_unavailable_reason();
 
 // The target named `name`: one of the names above, "auto" (the widest this CPU runs), or an older name
 // ("avx2+fma", "base", "scalar", "emu128"). Throws sattn::Error: InvalidArgument for an unknown name, Unsupported

@@ -260,16 +260,24 @@ TEST_P(FusedSweep, ForwardAndBackwardMatchReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Simd, FusedSweep, ::testing::Values("avx512bf16", "avx512", "avx2", "sse4", "portable"),
+INSTANTIATE_TEST_SUITE_P(Simd, FusedSweep, ::testing::Values("amx", "avx512bf16", "avx512", "avx2", "sse4", "portable"),
                          [](const auto& info) { return info.param; });
 
-// The sweep with bf16 inputs on the bf16 products (avx512bf16: vdpbf16ps), forward and backward, against the fp64
-// reference on the same (rounded) values, with the float32 tolerances; bitwise the same for 1 and 3 threads.
-TEST(Fused, Bf16ProductsMatchReference) {
+// The targets whose fused kernel has bf16 products: amx (tdpbf16ps tiles) and avx512bf16 (vdpbf16ps).
+bool has_bf16_products(const std::string& simd) { return simd == "amx" || simd == "avx512bf16"; }
+
+// The sweep with bf16 inputs on the bf16 products of each target that has them, forward and backward, against
+// the fp64 reference on the same (rounded) values, with the float32 tolerances; bitwise the same for 1 and 3
+// threads.
+class FusedBf16Products : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(FusedBf16Products, MatchReference) {
   const auto avail = sattn::testing::simd_target_names();
-  if (std::find(avail.begin(), avail.end(), "avx512bf16") == avail.end())
-    GTEST_SKIP() << "this CPU has no AVX512-BF16 (vdpbf16ps): the bf16 products are not tested here";
-  const sattn::testing::ScopedSimdTarget target("avx512bf16");
+  if (std::find(avail.begin(), avail.end(), GetParam()) == avail.end())
+    GTEST_SKIP() << "this CPU does not run " << GetParam() << " ("
+                 << (GetParam() == "amx" ? sattn::simd::amx_unavailable_reason() : "no AVX512-BF16")
+                 << "): its bf16 products are not tested here";
+  const sattn::testing::ScopedSimdTarget target(GetParam());
   uint32_t seed = 500;
   for (const Case& c : sweep()) {
     SCOPED_TRACE(c.name());
@@ -298,6 +306,9 @@ TEST(Fused, Bf16ProductsMatchReference) {
     EXPECT_TRUE(bitwise_equal(g1.dq, g3.dq) && bitwise_equal(g1.dk, g3.dk) && bitwise_equal(g1.dv, g3.dv));
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Simd, FusedBf16Products, ::testing::Values("amx", "avx512bf16"),
+                         [](const auto& info) { return info.param; });
 
 TEST(Fused, ChosenAutomaticallyAndExplainsWeights) {
   Case c;
@@ -402,7 +413,7 @@ TEST(Fused, BackwardKeyGroupsMatchReferenceAndThreadCounts) {
   }
 }
 
-// Float32Precision::kBF16 lets float32 inputs (and P) be rounded to bf16 in the products of the avx512bf16 build:
+// Float32Precision::kBF16 lets float32 inputs (and P) be rounded to bf16 in the bf16 products (amx, avx512bf16):
 // then within bf16's rounding of the fp64 reference (about 2^-9 relative per operand; 1e-2 on these unit-scale
 // problems), not the same as the float32 products, and still bitwise the same for 1 and 3 threads. kHighest (the
 // default) is the float32 path, on every target. Without AVX512-BF16 kBF16 changes nothing.
@@ -416,7 +427,7 @@ TEST(Fused, Float32PrecisionBf16RoundsOnlyWhereAllowed) {
     EXPECT_EQ(std::string(e.what()), "--float32-precision: expected 'highest' or 'bf16', got 'medium'");
   }
   const auto avail = sattn::testing::simd_target_names();
-  const bool has_bf16 = std::find(avail.begin(), avail.end(), "avx512bf16") != avail.end();
+  const bool has_bf16 = std::any_of(avail.begin(), avail.end(), has_bf16_products);
   Case c;
   c.B = 2, c.Hq = 4, c.Hkv = 2, c.Lq = 130, c.Lk = 201, c.D = 40, c.Dv = 24, c.causal = sattn::Causal::kBottomRight;
   c.padding = 1;
@@ -432,7 +443,7 @@ TEST(Fused, Float32PrecisionBf16RoundsOnlyWhereAllowed) {
     const sattn::testing::ScopedSimdTarget target(simd);
     const FwdResult got = run_forward(pb, "fused", 1);
     const BwdResult g = run_backward(pb, ref32, "fused", 1);
-    if (simd != "avx512bf16") {  // nothing to round with: the float32 products of that target
+    if (!has_bf16_products(simd)) {  // nothing to round with: the float32 products of that target
       EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
       expect_grads_near(g, gref);
       continue;
@@ -447,7 +458,9 @@ TEST(Fused, Float32PrecisionBf16RoundsOnlyWhereAllowed) {
     EXPECT_TRUE(bitwise_equal(got.out, got3.out) && bitwise_equal(g.dq, g3.dq) && bitwise_equal(g.dk, g3.dk) &&
                 bitwise_equal(g.dv, g3.dv));
   }
-  if (!has_bf16) GTEST_SKIP() << "this CPU has no AVX512-BF16: the bf16 rounding of float32 inputs is not tested here";
+  if (!has_bf16)
+    GTEST_SKIP() << "this CPU has no bf16 products (amx, avx512bf16): the bf16 rounding of float32 inputs is not "
+                    "tested here";
 }
 
 TEST(Fused, FullyMaskedRowsGiveZeroAndMinusInf) {
@@ -480,7 +493,7 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
       o.kernel = "fused";
       Tensor out(DType::kF32, {c.B, c.Hq, c.Lq, c.Dv});
       sattn::scaled_dot_product_attention(q, k, v, o, {out.view(), {}, {}});
-      if (simd == "avx512bf16" && dt == DType::kBF16) {  // its own products: as accurate, not the same bits
+      if (has_bf16_products(simd) && dt == DType::kBF16) {  // its own products: as accurate, not the same bits
         EXPECT_LE(rel_err(out, ref.out), 2e-5) << simd;
       } else {
         EXPECT_TRUE(bitwise_equal(out, ref.out)) << sattn::to_string(dt) << " " << simd;
@@ -490,7 +503,7 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
       Tensor dq(DType::kF32, q.shape()), dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape());
       sattn::scaled_dot_product_attention_backward(pb.dout.view, q, k, v, ref.out, ref.lse, o,
                                                    {dq.view(), dk.view(), dv.view(), {}});
-      if (simd == "avx512bf16" && dt == DType::kBF16) {
+      if (has_bf16_products(simd) && dt == DType::kBF16) {
         EXPECT_LE(rel_err(dq, gref.dq), 1e-4);
         EXPECT_LE(rel_err(dk, gref.dk), 1e-4);
         EXPECT_LE(rel_err(dv, gref.dv), 1e-4);

@@ -1,7 +1,7 @@
 """The bf16 products. bf16 inputs against PyTorch 2.x's own bf16 SDPA: on 20 random problems (D 64/128, L <= 1024,
 full and causal, GQA) the largest absolute error of out, dq, dk and dv against the fp64 reference on the same bf16
 values is at most twice torch's bf16 error + 1e-5, for every fused build this CPU runs that has its own bf16 path
-(avx512bf16: the vdpbf16ps products) and for the default one. float32_precision='bf16' (numpy API, sattn.torch and
+(amx: AMX tiles; avx512bf16: the vdpbf16ps products) and for the default one. float32_precision='bf16' (numpy API, sattn.torch and
 torch.set_float32_matmul_precision('medium')): float32 inputs rounded only where the CPU has bf16 products."""
 import numpy as np
 import pytest
@@ -34,7 +34,7 @@ def grads(fn, q, k, v, dout, causal, gqa):
     return [t.double() for t in (o, dq, dk, dv)]
 
 
-@pytest.mark.parametrize("target", ["default", "avx512bf16"])
+@pytest.mark.parametrize("target", ["default", "amx", "avx512bf16"])
 def test_bf16_errors_within_twice_torch(target):
     before = sattn.simd_targets()["selected"]
     if target != "default":
@@ -70,7 +70,7 @@ def test_float32_precision_bf16_rounds_float32_inputs_only_where_the_cpu_has_bf1
     rounded = sattn.scaled_dot_product_attention(q, k, v, is_causal=True, float32_precision="bf16")
     assert np.abs(highest - ref).max() <= 1e-5
     assert np.abs(rounded - ref).max() <= 2e-2
-    if sattn.simd_targets()["fused"] == "avx512bf16":
+    if sattn.simd_targets()["fused"] in ("amx", "avx512bf16"):
         assert np.abs(rounded - highest).max() > 1e-5  # the bf16 products ran
     else:
         np.testing.assert_array_equal(rounded, highest)  # nothing to round with on this target
@@ -98,7 +98,7 @@ def test_sattn_torch_follows_torch_float32_matmul_precision():
     assert (medium.double() - ref).abs().max() <= 2e-2
     for got, want in zip(grads, ref_grads):
         assert (got.double() - want).abs().max() <= 5e-2 * max(1.0, want.abs().max().item())
-    if sattn.simd_targets()["fused"] == "avx512bf16":
+    if sattn.simd_targets()["fused"] in ("amx", "avx512bf16"):
         assert not torch.equal(medium, highest)
     with pytest.raises(sattn.InvalidArgumentError, match="float32_precision: expected None, 'highest' or 'bf16'"):
         st.scaled_dot_product_attention(q, k, v, float32_precision="medium")

@@ -17,6 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TRAIN = os.path.join(REPO, "sr", "train")
 WEIGHTS = os.path.join(REPO, "sr", "weights", "sattn_sr_x2.safetensors")
 COMPONENTS = ("fused", "sparse_tiles", "topk", "nn")
+BF16_TARGETS = ("amx", "avx512bf16")  # the fused kernel's bf16 products; every other component: avx512
 
 
 def test_report_and_selection():
@@ -28,16 +29,16 @@ def test_report_and_selection():
         for name in t["available"]:
             sattn.set_simd_target(name)
             now = sattn.simd_targets()
-            # avx512bf16 differs only in the fused kernel; the other components run their avx512 build under it
+            # amx and avx512bf16 differ only in the fused kernel; the other components run their avx512 build
             assert now["selected"] == name and now["fused"] == name, now
-            assert all(now[c] == ("avx512" if name == "avx512bf16" else name) for c in COMPONENTS[1:]), now
+            assert all(now[c] == ("avx512" if name in BF16_TARGETS else name) for c in COMPONENTS[1:]), now
         sattn.set_simd_target("base")  # an older name of the portable target
         assert sattn.simd_targets()["selected"] == "portable"
         sattn.set_simd_target("auto")
         assert sattn.simd_targets()["selected"] == t["available"][0]
-        with pytest.raises(sattn.InvalidArgumentError, match="expected one of auto, avx512bf16, avx512, avx2, sse4, portable"):
+        with pytest.raises(sattn.InvalidArgumentError, match="expected one of auto, amx, avx512bf16, avx512, avx2, sse4, portable"):
             sattn.set_simd_target("avx1024")
-        missing = [n for n in ("avx512bf16", "avx512", "avx2", "sse4") if n not in t["available"]]
+        missing = [n for n in ("amx", "avx512bf16", "avx512", "avx2", "sse4") if n not in t["available"]]
         for name in missing:
             with pytest.raises(sattn.UnsupportedError, match="this CPU does not run"):
                 sattn.set_simd_target(name)
@@ -129,7 +130,7 @@ def sr_oracle(tmp_path_factory):
     return dict(x=str(tmp / "x.npy"), routing=str(tmp / "routing.npy"), dense=dense, sparse=sparse)
 
 
-@pytest.mark.parametrize("target", ["avx512bf16", "avx512", "avx2", "sse4", "portable"])
+@pytest.mark.parametrize("target", ["amx", "avx512bf16", "avx512", "avx2", "sse4", "portable"])
 def test_every_component_runs_the_target_set_by_SATTN_SIMD(target, problems, sr_oracle, tmp_path):
     if target not in sattn.simd_targets()["available"]:
         pytest.skip(f"this CPU does not run {target}: its builds are NOT checked here")
@@ -140,7 +141,7 @@ def test_every_component_runs_the_target_set_by_SATTN_SIMD(target, problems, sr_
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
-    want = "avx512" if target == "avx512bf16" else target  # avx512bf16: only the fused kernel has its own build
+    want = "avx512" if target in BF16_TARGETS else target  # amx, avx512bf16: only the fused kernel has its own build
     assert report["selected"] == target and report["fused"] == target, report
     assert all(report[c] == want for c in COMPONENTS[1:]), report
     got = np.load(npz)
@@ -182,7 +183,7 @@ def test_bad_SATTN_SIMD_is_an_error_naming_the_variable_and_SATTN_SPARSE_ISA_say
     r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, SATTN_SIMD="avx1024"),
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert "error: SATTN_SIMD: expected one of auto, avx512bf16, avx512, avx2, sse4, portable; got 'avx1024'" in r.stdout
+    assert "error: SATTN_SIMD: expected one of auto, amx, avx512bf16, avx512, avx2, sse4, portable; got 'avx1024'" in r.stdout
     r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, SATTN_SPARSE_ISA="avx2"),
                        capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout == "", (r.stdout, r.stderr)
@@ -193,7 +194,7 @@ def test_bad_SATTN_SIMD_is_an_error_naming_the_variable_and_SATTN_SPARSE_ISA_say
 def test_explain_kernels_lists_every_target_used_or_why_not():
     rng = np.random.default_rng(4)
     q32 = rng.standard_normal((1, 2, 8, 16)).astype(np.float32)
-    names = ["avx512bf16", "avx512", "avx2", "sse4", "portable"]
+    names = ["amx", "avx512bf16", "avx512", "avx2", "sse4", "portable"]
     avail = sattn.simd_targets()["available"]
     before = sattn.simd_targets()["selected"]
 
@@ -207,14 +208,18 @@ def test_explain_kernels_lists_every_target_used_or_why_not():
         r = report(q32)
         widest = avail[0]
         for name in names:
-            if name not in avail:
-                assert r[name].startswith("this CPU lacks"), (name, r[name])
-        used = "avx512" if widest == "avx512bf16" else widest
+            if name not in avail:  # amx: or the kernel refused the tile state
+                assert r[name].startswith("this CPU lacks") or (name == "amx" and r[name].startswith("Linux refused")), (
+                    name, r[name])
+        used = "avx512" if widest in BF16_TARGETS else widest
         assert r[used] is None and sum(why is None for why in r.values()) == 1, r
-        if widest == "avx512bf16":
-            assert r["avx512bf16"] == "float32 inputs take the bf16 products only with float32_precision='bf16'"
-            assert report(q32, float32_precision="bf16")["avx512bf16"] is None
-            assert report(q32.astype(np.float16))["avx512bf16"].startswith("float16 inputs run the float32 products")
+        if widest in BF16_TARGETS:
+            assert r[widest] == "float32 inputs take the bf16 products only with float32_precision='bf16'"
+            assert report(q32, float32_precision="bf16")[widest] is None
+            assert report(q32.astype(np.float16))[widest].startswith("float16 inputs run the float32 products")
+            if widest == "amx":
+                assert report(q32.astype(np.float16))["avx512bf16"].startswith("float16 inputs run the float32")
+                assert report(q32, float32_precision="bf16")["avx512bf16"] == "the wider 'amx' build runs"
         narrower = names[names.index(used) + 1]
         if narrower in avail:
             assert r[narrower] == f"the wider '{used}' build runs"

@@ -117,7 +117,7 @@ void add_attn_command(CLI::App& app) {
   cmd->add_option("--float32-precision", a->float32_precision,
                   "highest: float32 accuracy in every product; bf16: float32 inputs and the softmax probabilities "
                   "may be rounded to bfloat16 in the fused kernel's products where the CPU has bf16 products "
-                  "(avx512bf16), as torch.set_float32_matmul_precision('medium')")
+                  "(amx, avx512bf16), as torch.set_float32_matmul_precision('medium')")
       ->capture_default_str();
   cmd->add_option("--out", a->out, "Output .npy [B, Hq, Lq, Dv]")->required();
   cmd->add_option("--lse", a->lse, "Also write the log-sum-exp [B, Hq, Lq]");

@@ -308,7 +308,7 @@ def set_num_threads(num_threads: typing.Any) -> None:
     """
 def set_simd_target(name: str) -> None:
     """
-    Selects the SIMD target of every component: 'avx512bf16', 'avx512', 'avx2', 'sse4', 'portable' or 'auto' (the widest this CPU runs). Raises InvalidArgumentError for an unknown name and UnsupportedError when this CPU cannot run it. Takes effect for calls that start after it returns.
+    Selects the SIMD target of every component: 'amx', 'avx512bf16', 'avx512', 'avx2', 'sse4', 'portable' or 'auto' (the widest this CPU runs). Raises InvalidArgumentError for an unknown name and UnsupportedError when this CPU cannot run it. Takes effect for calls that start after it returns.
     """
 def simd_targets() -> dict:
     """

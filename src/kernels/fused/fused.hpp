@@ -69,8 +69,8 @@ struct Params {
   float* part_sum = nullptr;
   int64_t num_kv_chunks() const { return kv_chunk > 0 ? (Lk + kv_chunk - 1) / kv_chunk : 1; }
 
-  // bf16 products (the avx512bf16 build, bf16 inputs): K and V rounded to bf16 once, in 32-bit words of two bf16
-  // each, the pairs that vdpbf16ps multiplies and adds: k_pairs [B·Hkv][Lk][D2] holds (k[j, 2x], k[j, 2x+1]) and
+  // bf16 products (the amx and avx512bf16 builds, bf16 inputs): K and V rounded to bf16 once, in 32-bit words of two
+  // bf16 each, the pairs that vdpbf16ps multiplies and adds: k_pairs [B·Hkv][Lk][D2] holds (k[j, 2x], k[j, 2x+1]) and
   // v_pairs [B·Hkv][Lk2][Dv] holds (v[2y, x], v[2y + 1, x]), D2 = ⌈D/2⌉, Lk2 = ⌈Lk/2⌉, zero past D and Lk. The
   // forward tiles then compute S = Q K^T and O += P V with bf16 pairs and float32 sums; nullptr: float32 products.
   uint32_t* k_pairs = nullptr;
@@ -85,6 +85,10 @@ struct Params {
   // dO^T in pairs along D and Dv.
   uint32_t* v_row_pairs = nullptr;
   uint32_t *pk_qp = nullptr, *pk_dop = nullptr;
+  // The amx build: those bf16 products on AMX tiles (tdpbf16ps, simd/amx_tiles.hpp) instead of vdpbf16ps. Its tiles
+  // take the left operand with rows along the sum, so the forward's v_pairs hold V^T: [B·Hkv][Dv][Lk2] words
+  // (v[2y, x], v[2y + 1, x]) at x·Lk2 + y.
+  bool amx_tiles = false;
 
   // Forward outputs.
   OutView4 out;  // [B, Hq, Lq, Dv]
@@ -152,6 +156,7 @@ struct ForwardOps {
   void (*forward_task)(const Params& p, int64_t task);
   // Builds with bf16 products (nullptr elsewhere): fills k_pairs and v_pairs of one (b, kv head) task.
   void (*pack_kv_pairs)(const Params& p, int64_t task);
+  bool amx_tiles = false;  // the amx build (Params::amx_tiles)
 };
 struct BackwardOps {
   // Backward pass 1 (dK, dV) of one (b, hkv, k block) task: task = (b * Hkv + hk) * num_k_blocks + kb.
@@ -169,6 +174,7 @@ struct BackwardOps {
   void (*row_stats_task)(const Params& p, int64_t task);
   // Builds with bf16 products (nullptr elsewhere): fills k_pairs and v_row_pairs of one (b, kv head) task.
   void (*pack_kv_pairs)(const Params& p, int64_t task);
+  bool amx_tiles = false;  // the amx build (Params::amx_tiles)
 };
 
 // Whether a backward row needs its row max m and log l recomputed: float keeps lse = m + log l only to within

@@ -18,6 +18,7 @@
 #include "kernels/fused/fused.hpp"
 #include "sattn/error.hpp"
 #include "sattn/random.hpp"
+#include "simd/amx_tiles.hpp"
 
 #include "kernels/fused/fused_tiles.inc"  // per target: the tile operations
 
@@ -105,12 +106,16 @@ bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, 
   if (p.k_pairs) {  // bf16 inputs on the bf16 products: S^T = scale K Q^T, and dP'^T = V dO^T when dO is bf16 too
     const int64_t D2 = p.d_pairs(), Dv2 = p.dv_pairs(), kv = b * p.Hkv + hk;
     if (kr_out) *kr_out = k_rows();
-    GemmBf16<false, false>(p.k_pairs + (kv * p.Lk + kb) * D2, D2, 1, p.pk_qp + t * D2 * Br, Br, 0, w.ST, Br, nk, nvec,
-                           D2, p.scale);
+    // On the amx build the tiles multiply the same pairs (the task holds the tile configuration).
+    const auto product = [&](const uint32_t* A, int64_t K2, const uint32_t* B, float* C, float mul) {
+      if (p.amx_tiles)
+        simd::amx::gemm_pairs<simd::amx::HardwareTiles, false, false>(A, K2, B, Br, 0, C, Br, nk, Br, 2 * K2, mul);
+      else GemmBf16<false, false>(A, K2, 1, B, Br, 0, C, Br, nk, nvec, K2, mul);
+    };
+    product(p.k_pairs + (kv * p.Lk + kb) * D2, D2, p.pk_qp + t * D2 * Br, w.ST, p.scale);
     if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, w.bias, w.pad, w.ST);
     if (p.pk_dop) {
-      GemmBf16<false, false>(p.v_row_pairs + (kv * p.Lk + kb) * Dv2, Dv2, 1, p.pk_dop + t * Dv2 * Br, Br, 0, w.dPT, Br,
-                             nk, nvec, Dv2, 1.f);
+      product(p.v_row_pairs + (kv * p.Lk + kb) * Dv2, Dv2, p.pk_dop + t * Dv2 * Br, w.dPT, 1.f);
       if (vr_out) *vr_out = RowsOf(p.v, b, hk, kb, nk, p.Dv, w.vbuf);
     } else {
       const Rows vr = RowsOf(p.v, b, hk, kb, nk, p.Dv, w.vbuf);
@@ -177,6 +182,10 @@ void StoreKeyGrads(const Params& p, int64_t b, int64_t hk, int64_t kb, int64_t n
 }
 
 void BackwardKVTask(const Params& p, int64_t task) {
+#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
+  const simd::amx::TileConfigScope<simd::amx::HardwareTiles> tile_config(  // the amx build's products
+      p.amx_tiles && p.k_pairs);
+#endif
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
   const int64_t nkb = p.num_k_blocks(), nqb = p.num_q_blocks(), Br = p.Br, Bc = p.Bc;
@@ -214,6 +223,10 @@ void BackwardKVTask(const Params& p, int64_t task) {
 // them. Loops: query head h, query block qb, key block of the group; dK and dV of a key block add the same tiles
 // in the same order as BackwardKVTask (so they equal its results), and dQ^T is summed over the group's key blocks.
 void BackwardKVQTask(const Params& p, int64_t task) {
+#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
+  const simd::amx::TileConfigScope<simd::amx::HardwareTiles> tile_config(  // the amx build's products
+      p.amx_tiles && p.k_pairs);
+#endif
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
   const int64_t nkb = p.num_k_blocks(), nqb = p.num_q_blocks(), ng = p.num_kv_groups(), Br = p.Br, Bc = p.Bc;
@@ -278,6 +291,10 @@ void AddMaskGradient(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t 
 // rows of this block. Tasks whose mask rows are shared (mask broadcast over b, h or queries) are serialised by
 // the driver.
 void BackwardQTask(const Params& p, int64_t task) {
+#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
+  const simd::amx::TileConfigScope<simd::amx::HardwareTiles> tile_config(  // the amx build's products
+      p.amx_tiles && p.k_pairs);
+#endif
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
   const int64_t nqb = p.num_q_blocks(), Br = p.Br, Bc = p.Bc, nvec = Br / N;
@@ -427,13 +444,16 @@ namespace {
 #define SATTN_FUSED_BACKWARD_OPS(NS)                                                                  \
   BackwardOps {                                                                                       \
     &NS::BackwardKVTask, &NS::BackwardQTask, &NS::BackwardKVQTask, &NS::ReduceDQTask, &NS::PackQTask, \
-        &NS::RowStatsTask, nullptr                                                                    \
+        &NS::RowStatsTask, nullptr, false                                                             \
   }
 const simd::Build<BackwardOps> kBuilds[] = {
 #if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64
+    {simd::Target::kAmx,
+     BackwardOps{&N_AVX3::BackwardKVTask, &N_AVX3::BackwardQTask, &N_AVX3::BackwardKVQTask, &N_AVX3::ReduceDQTask,
+                 &N_AVX3::PackQTask, &N_AVX3::RowStatsTask, &N_AVX3::PackKVRowPairs, true}},
     {simd::Target::kAvx512Bf16,
      BackwardOps{&N_AVX3::BackwardKVTask, &N_AVX3::BackwardQTask, &N_AVX3::BackwardKVQTask, &N_AVX3::ReduceDQTask,
-                 &N_AVX3::PackQTask, &N_AVX3::RowStatsTask, &N_AVX3::PackKVRowPairs}},
+                 &N_AVX3::PackQTask, &N_AVX3::RowStatsTask, &N_AVX3::PackKVRowPairs, false}},
 #endif
     SATTN_SIMD_BUILDS(SATTN_FUSED_BACKWARD_OPS)};
 }  // namespace

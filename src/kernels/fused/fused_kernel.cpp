@@ -201,6 +201,7 @@ void fused_forward(const ForwardArgs& a) {
   std::vector<uint32_t> kv_pairs;
   std::optional<CountedBytes> counted_pairs;
   p.round_p = a.options.float32_precision == Float32Precision::kBF16;
+  p.amx_tiles = o.amx_tiles;
   if (o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options)) {
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.lk_pairs() * p.Dv;
     kv_pairs.resize(size_t(k_words + v_words));
@@ -307,6 +308,7 @@ void fused_backward(const BackwardArgs& a) {
     check(q_pairs != nullptr, ErrorKind::kOutOfMemory, "fused attention backward: cannot allocate ",
           (q_words + do_words) * 4, " bytes for the packed bf16 query tiles");
     p.k_pairs = kv_pairs.data(), p.v_row_pairs = p.k_pairs + k_words;
+    p.amx_tiles = o.amx_tiles;
     p.pk_qp = q_pairs.get();
     if (dout_pairs) p.pk_dop = p.pk_qp + q_words;
     run_tasks(p.B * p.Hkv, threads, [&](int64_t t) { o.pack_kv_pairs(p, t); });

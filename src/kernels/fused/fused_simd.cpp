@@ -23,6 +23,7 @@
 #include "kernels/fused/fused.hpp"
 #include "sattn/error.hpp"
 #include "sattn/random.hpp"
+#include "simd/amx_tiles.hpp"
 
 #include "kernels/fused/fused_tiles.inc"  // per target: the tile operations
 
@@ -246,7 +247,7 @@ void ForwardTask(const Params& p, int64_t task) {
 }
 
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
-// ---- bf16 products (the avx512bf16 build) ------------------------------------------------------------------
+// ---- bf16 products (the amx and avx512bf16 builds) ---------------------------------------------------------
 // The same tiles, masks and online softmax as ForwardTask; the two products take bf16 pairs: vdpbf16ps adds
 // a.lo·b.lo + a.hi·b.hi to each float32 lane (the products of two bf16 are exact in float32). S^T = K Q^T pairs
 // along D (K from k_pairs, Q packed per task; Q is not pre-scaled, so that bf16 inputs enter unrounded: the scale
@@ -254,7 +255,8 @@ void ForwardTask(const Params& p, int64_t task) {
 // two bf16 matrices, so that O keeps float32 accuracy; with Float32Precision::kBF16 rounded to bf16 once, as
 // FlashAttention does, 2^-9 relative). With bf16 inputs every product is then as accurate as the float32 path's.
 // float32 inputs take this path only with kBF16 (rounded to bf16 when packed). vdpbf16ps flushes denormal bf16 to zero.
-// The bf16 GEMM and packing are in fused_tiles.inc.
+// The bf16 GEMM and packing are in fused_tiles.inc. The amx build computes the same products on AMX tiles
+// (simd/amx_tiles.hpp; V^T pairs, see Params::amx_tiles), which flush bf16 denormals too.
 SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   if (!p.k_pairs) return ForwardTask(p, task);  // decode and float32 inputs: the float32 products
   const DF d;
@@ -283,19 +285,30 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   std::fill(L, L + Br, 0.f);
   std::memset(OT, 0, sizeof(float) * size_t(Dv * Br));
   PackTransposedPairs(p.q, b, h, i0, nq, p.D, Br, QP);
+  const int64_t Lk2 = p.lk_pairs();
   const uint32_t* kp = p.k_pairs + (b * p.Hkv + hk) * p.Lk * D2;
-  const uint32_t* vp = p.v_pairs + (b * p.Hkv + hk) * p.lk_pairs() * Dv;
+  const uint32_t* vp = p.v_pairs + (b * p.Hkv + hk) * Lk2 * Dv;
+  using Tiles = simd::amx::HardwareTiles;
+  const simd::amx::TileConfigScope<Tiles> tile_config(p.amx_tiles);
 
   for (int64_t kb = 0; kb < kend; kb += Bc) {
     const int64_t nk = std::min(Bc, kend - kb);
     const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, bias, pad);
     if (tm.skip) continue;
-    GemmBf16<false, false>(kp + kb * D2, D2, 1, QP, Br, 0, ST, Br, nk, nvec, D2, p.scale);  // S^T = scale K Q^T
+    if (p.amx_tiles)  // S^T = scale K Q^T
+      simd::amx::gemm_pairs<Tiles, false, false>(kp + kb * D2, D2, QP, Br, 0, ST, Br, nk, Br, 2 * D2, p.scale);
+    else GemmBf16<false, false>(kp + kb * D2, D2, 1, QP, Br, 0, ST, Br, nk, nvec, D2, p.scale);
     if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, bias, pad, ST);
     const float* P = SoftmaxTile(p, b, h, i0, nq, kb, nk, ST, PT, OT, M, L);
     PackProbabilityPairs(P, nk, Br, PP);
-    const uint32_t* vt = vp + kb / 2 * Dv;
     const int64_t lo = (nk + 1) / 2 * Br;
+    if (p.amx_tiles) {  // O^T += V^T P^T over the tile's nk keys (V^T pairs from column kb / 2; kb is even)
+      const auto pv_tiles =
+          p.round_p ? &simd::amx::gemm_pairs<Tiles, true, false> : &simd::amx::gemm_pairs<Tiles, true, true>;
+      pv_tiles(vp + kb / 2, Lk2, PP, Br, lo, OT, Br, Dv, Br, nk, 1.f);
+      continue;
+    }
+    const uint32_t* vt = vp + kb / 2 * Dv;
     const auto pv = p.round_p ? &GemmBf16<true, false> : &GemmBf16<true, true>;
     pv(vt, 1, Dv, PP, Br, lo, OT, Br, Dv, nvec, nk / 2, 1.f);  // O^T += V^T P^T
     if (nk % 2) {  // the last key alone: the pair's other value (a key past the tile's end) must not reach O
@@ -322,10 +335,11 @@ namespace {
 std::atomic<int64_t> g_workspace{0}, g_workspace_peak{0};
 
 #define SATTN_FUSED_FORWARD_OPS(NS) \
-  ForwardOps { &NS::ForwardTask, nullptr }
+  ForwardOps { &NS::ForwardTask, nullptr, false }
 const simd::Build<ForwardOps> kBuilds[] = {
 #if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64
-    {simd::Target::kAvx512Bf16, ForwardOps{&N_AVX3::ForwardTaskBf16, &N_AVX3::PackKVPairs}},
+    {simd::Target::kAmx, ForwardOps{&N_AVX3::ForwardTaskBf16, &N_AVX3::PackKVPairs, true}},
+    {simd::Target::kAvx512Bf16, ForwardOps{&N_AVX3::ForwardTaskBf16, &N_AVX3::PackKVPairs, false}},
 #endif
     SATTN_SIMD_BUILDS(SATTN_FUSED_FORWARD_OPS)};
 }  // namespace

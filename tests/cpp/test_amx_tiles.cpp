@@ -1,0 +1,189 @@
+// The AMX tile products (simd/amx_tiles.hpp) against a float64 product of the same bf16 pairs, over awkward
+// shapes: on a software model of the tiles everywhere, and on the CPU's tiles where it has AMX-BF16.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "simd/amx_tiles.hpp"
+#include "simd/target.hpp"
+
+namespace {
+
+using sattn::simd::amx::TileConfig;
+
+float bf16_value(uint32_t bits16) {
+  uint32_t b = bits16 << 16;
+  if ((b & 0x7F800000u) == 0) b &= 0x80000000u;  // denormals are zero
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+// The tiles as the architecture describes them: 8 tiles of 16 rows x 64 bytes; tdpbf16ps adds, per element and
+// per pair k, the low then the high product, each addition rounded to float32. It refuses work before a
+// configuration of 16 x 64-byte tiles is loaded, and tile numbers outside the product's roles.
+struct EmulatedTiles {
+  struct State {
+    bool configured = false;
+    uint32_t tile[8][16][16] = {};
+  };
+  static State& state() {
+    thread_local State s;
+    return s;
+  }
+  static void require_configured() {
+    if (!state().configured) throw std::logic_error("tile instruction without a loaded configuration");
+  }
+  static void configure(const TileConfig& c) {
+    if (c.palette_id != 1 || c.start_row != 0) throw std::logic_error("palette 1 from row 0 expected");
+    for (int t = 0; t < 8; ++t)
+      if (c.colsb[t] != 64 || c.rows[t] != 16) throw std::logic_error("16 x 64-byte tiles expected");
+    state().configured = true;
+  }
+  static void release() { state().configured = false; }
+  template <int t>
+  static void zero() {
+    require_configured();
+    std::memset(state().tile[t], 0, sizeof state().tile[t]);
+  }
+  template <int t>
+  static void load(const void* base, int64_t stride) {
+    require_configured();
+    for (int r = 0; r < 16; ++r) std::memcpy(state().tile[t][r], static_cast<const char*>(base) + r * stride, 64);
+  }
+  template <int t>
+  static void store(void* base, int64_t stride) {
+    require_configured();
+    for (int r = 0; r < 16; ++r) std::memcpy(static_cast<char*>(base) + r * stride, state().tile[t][r], 64);
+  }
+  template <int c, int a, int b>
+  static void dot() {
+    static_assert(c >= 0 && c < 4 && a >= 4 && a < 6 && b >= 6 && b < 8, "accumulator, left, right tiles");
+    require_configured();
+    auto& s = state();
+    for (int m = 0; m < 16; ++m)
+      for (int n = 0; n < 16; ++n) {
+        float acc;
+        std::memcpy(&acc, &s.tile[c][m][n], sizeof acc);
+        for (int k = 0; k < 16; ++k) {
+          const uint32_t x = s.tile[a][m][k], y = s.tile[b][k][n];
+          acc += bf16_value(x & 0xFFFFu) * bf16_value(y & 0xFFFFu);
+          acc += bf16_value(x >> 16) * bf16_value(y >> 16);
+        }
+        std::memcpy(&s.tile[c][m][n], &acc, sizeof acc);
+      }
+  }
+};
+
+uint16_t to_bf16(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return uint16_t((b + 0x7FFFu + (b >> 16 & 1u)) >> 16);
+}
+
+constexpr uint32_t kNaNPair = 0x7FC07FC0u;
+
+struct Case {
+  int64_t M, N, K;
+  bool acc, split;
+  float mul;
+};
+
+// Runs gemm_pairs on Tiles for one case and checks every element of C against float64, and that nothing outside
+// C [M x N] changed. Memory past the operands (the rest of A's rows, pairs past K, the high half of an odd K's
+// last pair) holds NaN: none of it may reach C.
+template <class Tiles>
+void check_case(const Case& c, std::mt19937& rng) {
+  using sattn::simd::amx::gemm_pairs;
+  const int64_t K2 = (c.K + 1) / 2, lda = K2 + 3, ldb = c.N + 16, ldc = c.N + 5;
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<uint32_t> A(size_t(c.M * lda), kNaNPair), B(size_t((K2 + 2) * ldb * 2), kNaNPair);
+  auto elem = [](uint32_t w, int half) { return double(bf16_value(half ? w >> 16 : w & 0xFFFFu)); };
+  for (int64_t m = 0; m < c.M; ++m)
+    for (int64_t k = 0; k < K2; ++k) {
+      const uint32_t hi = 2 * k + 1 < c.K ? to_bf16(normal(rng)) : 0x7FC0u;
+      A[size_t(m * lda + k)] = to_bf16(normal(rng)) | hi << 16;
+    }
+  const int64_t lo = (K2 + 2) * ldb;  // the second right-hand matrix (kSplit)
+  for (int part = 0; part < 2; ++part)
+    for (int64_t k = 0; k < K2; ++k)
+      for (int64_t n = 0; n < c.N; ++n) {
+        const float scale = part ? 1.f / 256 : 1.f;
+        const uint32_t hi = 2 * k + 1 < c.K ? to_bf16(scale * normal(rng)) : 0x7FC0u;
+        B[size_t(part * lo + k * ldb + n)] = to_bf16(scale * normal(rng)) | hi << 16;
+      }
+  const int64_t rows_c = c.M + 2;
+  std::vector<float> C(size_t(rows_c * ldc));
+  for (auto& x : C) x = normal(rng);
+  const std::vector<float> C0 = C;
+
+  const sattn::simd::amx::TileConfigScope<Tiles> scope(true);
+  auto run = [&](auto f) { f(A.data(), lda, B.data(), ldb, lo, C.data(), ldc, c.M, c.N, c.K, c.mul); };
+  if (c.acc && c.split) run(gemm_pairs<Tiles, true, true>);
+  if (c.acc && !c.split) run(gemm_pairs<Tiles, true, false>);
+  if (!c.acc && c.split) run(gemm_pairs<Tiles, false, true>);
+  if (!c.acc && !c.split) run(gemm_pairs<Tiles, false, false>);
+
+  const std::string where = "M " + std::to_string(c.M) + " N " + std::to_string(c.N) + " K " + std::to_string(c.K) +
+                            (c.acc ? " acc" : "") + (c.split ? " split" : "") + " mul " + std::to_string(c.mul);
+  for (int64_t m = 0; m < rows_c; ++m)
+    for (int64_t n = 0; n < ldc; ++n) {
+      const float got = C[size_t(m * ldc + n)];
+      if (m >= c.M || n >= c.N) {
+        ASSERT_EQ(got, C0[size_t(m * ldc + n)]) << where << ": element (" << m << ", " << n << ") outside C changed";
+        continue;
+      }
+      double sum = 0, magnitude = 0;
+      for (int part = 0; part < (c.split ? 2 : 1); ++part)
+        for (int64_t k = 0; k < c.K; ++k) {
+          const double t =
+              elem(A[size_t(m * lda + k / 2)], int(k % 2)) * elem(B[size_t(part * lo + k / 2 * ldb + n)], int(k % 2));
+          sum += t, magnitude += std::fabs(t);
+        }
+      const double want = c.mul * sum + (c.acc ? double(C0[size_t(m * ldc + n)]) : 0.0);
+      const double tol = 4e-7 * (std::fabs(c.mul) * magnitude * double(c.K + 2) + std::fabs(want)) + 1e-30;
+      ASSERT_NEAR(got, want, tol) << where << ": element (" << m << ", " << n << ")";
+    }
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (int64_t M : {1, 15, 16, 17, 31, 32, 33, 64, 70})
+    for (int64_t N : {16, 32, 48, 64})
+      for (int64_t K : {1, 2, 3, 31, 32, 33, 64, 65, 128})
+        out.push_back({M, N, K, (M + N + K) % 2 == 0, (M + K) % 3 == 0, (N / 16 + K) % 2 ? 0.125f : 1.f});
+  for (bool acc : {false, true})
+    for (bool split : {false, true})
+      for (float mul : {1.f, 0.125f}) out.push_back({33, 48, 63, acc, split, mul});
+  return out;
+}
+
+TEST(AmxTiles, ProductsOnTheTileModelMatchFloat64OverAwkwardShapes) {
+  std::mt19937 rng(7);
+  for (const Case& c : cases()) check_case<EmulatedTiles>(c, rng);
+}
+
+TEST(AmxTiles, TheModelRefusesWorkWithoutAConfiguration) {
+  std::vector<uint32_t> A(16 * 16, 0), B(16 * 16, 0);
+  std::vector<float> C(16 * 16, 0.f);
+  EXPECT_THROW((sattn::simd::amx::gemm_pairs<EmulatedTiles, false, false>(A.data(), 16, B.data(), 16, 0, C.data(), 16,
+                                                                          16, 16, 32, 1.f)),
+               std::logic_error);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+TEST(AmxTiles, ProductsOnTheCpuTilesMatchFloat64OverAwkwardShapes) {
+  const std::string why = sattn::simd::amx_unavailable_reason();
+  if (!why.empty()) GTEST_SKIP() << "no AMX tiles here: " << why;
+  std::mt19937 rng(7);
+  for (const Case& c : cases()) check_case<sattn::simd::amx::HardwareTiles>(c, rng);
+}
+#endif
+
+}  // namespace
