@@ -171,7 +171,7 @@ TEST(SparseTopKScan, EverySimdTargetSelectsATopK) {
     if (target == "portable") {
       EXPECT_TRUE(topk::tile_width() == 16 || topk::tile_width() == 4);
     } else {
-      EXPECT_EQ(topk::tile_width(), target.rfind("avx512", 0) == 0 ? 64 : target == "avx2" ? 16 : 8);
+      EXPECT_EQ(topk::tile_width(), target.rfind("avx512", 0) == 0 || target == "amx" ? 64 : target == "avx2" ? 16 : 8);
     }
     const Result r = run_topk(c, q, k, v, 1);
     check_selection(c, q, k, r.idx, false);
