@@ -14,7 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
+#include <type_traits>
 
 namespace sattn::simd::amx {
 

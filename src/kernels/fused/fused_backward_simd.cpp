@@ -108,8 +108,7 @@ bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, 
     if (kr_out) *kr_out = k_rows();
     // On the amx build the tiles multiply the same pairs (the task holds the tile configuration).
     const auto product = [&](const uint32_t* A, int64_t K2, const uint32_t* B, float* C, float mul) {
-      if (p.amx_tiles)
-        simd::amx::gemm_pairs<simd::amx::HardwareTiles, false, false>(A, K2, B, Br, 0, C, Br, nk, Br, 2 * K2, mul);
+      if (p.amx_tiles) simd::amx::gemm_pairs<AmxTiles, false, false>(A, K2, B, Br, 0, C, Br, nk, Br, 2 * K2, mul);
       else GemmBf16<false, false>(A, K2, 1, B, Br, 0, C, Br, nk, nvec, K2, mul);
     };
     product(p.k_pairs + (kv * p.Lk + kb) * D2, D2, p.pk_qp + t * D2 * Br, w.ST, p.scale);
@@ -182,10 +181,7 @@ void StoreKeyGrads(const Params& p, int64_t b, int64_t hk, int64_t kb, int64_t n
 }
 
 void BackwardKVTask(const Params& p, int64_t task) {
-#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
-  const simd::amx::TileConfigScope<simd::amx::HardwareTiles> tile_config(  // the amx build's products
-      p.amx_tiles && p.k_pairs);
-#endif
+  const AmxTaskScope tile_config(p.amx_tiles && p.k_pairs);
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
   const int64_t nkb = p.num_k_blocks(), nqb = p.num_q_blocks(), Br = p.Br, Bc = p.Bc;
@@ -223,10 +219,7 @@ void BackwardKVTask(const Params& p, int64_t task) {
 // them. Loops: query head h, query block qb, key block of the group; dK and dV of a key block add the same tiles
 // in the same order as BackwardKVTask (so they equal its results), and dQ^T is summed over the group's key blocks.
 void BackwardKVQTask(const Params& p, int64_t task) {
-#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
-  const simd::amx::TileConfigScope<simd::amx::HardwareTiles> tile_config(  // the amx build's products
-      p.amx_tiles && p.k_pairs);
-#endif
+  const AmxTaskScope tile_config(p.amx_tiles && p.k_pairs);
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
   const int64_t nkb = p.num_k_blocks(), nqb = p.num_q_blocks(), ng = p.num_kv_groups(), Br = p.Br, Bc = p.Bc;
@@ -291,10 +284,7 @@ void AddMaskGradient(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t 
 // rows of this block. Tasks whose mask rows are shared (mask broadcast over b, h or queries) are serialised by
 // the driver.
 void BackwardQTask(const Params& p, int64_t task) {
-#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
-  const simd::amx::TileConfigScope<simd::amx::HardwareTiles> tile_config(  // the amx build's products
-      p.amx_tiles && p.k_pairs);
-#endif
+  const AmxTaskScope tile_config(p.amx_tiles && p.k_pairs);
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
   const int64_t nqb = p.num_q_blocks(), Br = p.Br, Bc = p.Bc, nvec = Br / N;

@@ -288,15 +288,14 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   const int64_t Lk2 = p.lk_pairs();
   const uint32_t* kp = p.k_pairs + (b * p.Hkv + hk) * p.Lk * D2;
   const uint32_t* vp = p.v_pairs + (b * p.Hkv + hk) * Lk2 * Dv;
-  using Tiles = simd::amx::HardwareTiles;
-  const simd::amx::TileConfigScope<Tiles> tile_config(p.amx_tiles);
+  const AmxTaskScope tile_config(p.amx_tiles);
 
   for (int64_t kb = 0; kb < kend; kb += Bc) {
     const int64_t nk = std::min(Bc, kend - kb);
     const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, bias, pad);
     if (tm.skip) continue;
     if (p.amx_tiles)  // S^T = scale K Q^T
-      simd::amx::gemm_pairs<Tiles, false, false>(kp + kb * D2, D2, QP, Br, 0, ST, Br, nk, Br, 2 * D2, p.scale);
+      simd::amx::gemm_pairs<AmxTiles, false, false>(kp + kb * D2, D2, QP, Br, 0, ST, Br, nk, Br, 2 * D2, p.scale);
     else GemmBf16<false, false>(kp + kb * D2, D2, 1, QP, Br, 0, ST, Br, nk, nvec, D2, p.scale);
     if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, bias, pad, ST);
     const float* P = SoftmaxTile(p, b, h, i0, nq, kb, nk, ST, PT, OT, M, L);
@@ -304,7 +303,7 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
     const int64_t lo = (nk + 1) / 2 * Br;
     if (p.amx_tiles) {  // O^T += V^T P^T over the tile's nk keys (V^T pairs from column kb / 2; kb is even)
       const auto pv_tiles =
-          p.round_p ? &simd::amx::gemm_pairs<Tiles, true, false> : &simd::amx::gemm_pairs<Tiles, true, true>;
+          p.round_p ? &simd::amx::gemm_pairs<AmxTiles, true, false> : &simd::amx::gemm_pairs<AmxTiles, true, true>;
       pv_tiles(vp + kb / 2, Lk2, PP, Br, lo, OT, Br, Dv, Br, nk, 1.f);
       continue;
     }
