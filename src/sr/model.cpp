@@ -132,7 +132,7 @@ struct WindowGrid {
 
 // Per-thread scratch of a chunk of routed windows, reused across chunks and blocks.
 struct WindowScratch {
-  std::vector<float> xw, a, qkv, o, t, h, qb, ob;
+  std::vector<float> xw, a, qkv, o, t, h;
   std::vector<uint8_t> mask;
 };
 
@@ -169,46 +169,29 @@ void route_windows(const BlockW& b, const BlockCtx& cx, const WindowGrid& wg, fl
   });
 }
 
-// Attention of the chunk's windows `list` (indices into the chunk; windows[i] is the window index of chunk entry
-// i): q, k, v read from sc.qkv [nw, L, 3C], the result written to sc.o [nw, L, C]; with_mask: the cyclic-shift mask.
-void attend_windows(const BlockCtx& cx, const WindowGrid& wg, const int64_t* windows, const std::vector<int64_t>& list,
+// Attention of the chunk's windows i0 .. i1 - 1 (windows[i] is the window index of chunk entry i), in place: q, k,
+// v read from sc.qkv [nw, L, 3C], the result written to sc.o [nw, L, C]; with_mask: the cyclic-shift mask.
+void attend_windows(const BlockCtx& cx, const WindowGrid& wg, const int64_t* windows, int64_t i0, int64_t i1,
                     bool with_mask, WindowScratch& sc) {
-  if (list.empty()) return;
   const int64_t L = wg.L, C = wg.C, ws = wg.ws, s = wg.s, nwx = wg.nwx, heads = cx.heads, hd = cx.hd;
-  const int64_t nb = int64_t(list.size());
-  // a contiguous run of the chunk's windows is read/written in place, otherwise gathered
-  const bool run = list.back() - list.front() == nb - 1;
-  const float* qsrc = sc.qkv.data() + list.front() * L * 3 * C;
-  float* odst = sc.o.data() + list.front() * L * C;
-  if (!run) {
-    sc.qb.resize(size_t(nb * L * 3 * C));
-    sc.ob.resize(size_t(nb * L * C));
-    for (int64_t j = 0; j < nb; ++j)
-      std::memcpy(&sc.qb[size_t(j * L * 3 * C)], &sc.qkv[size_t(list[size_t(j)] * L * 3 * C)],
-                  size_t(L * 3 * C) * sizeof(float));
-    qsrc = sc.qb.data();
-    odst = sc.ob.data();
-  }
+  const int64_t nb = i1 - i0;
   // qkv channel index = which*C + head*hd + d, token-major: q [nb, heads, L, hd] strided
   const Shape shape{nb, heads, L, hd}, strides{L * 3 * C, hd, 3 * C, 1};
-  float* qp = const_cast<float*>(qsrc);
+  float* qp = sc.qkv.data() + i0 * L * 3 * C;
   TensorView q(qp, DType::kF32, shape, strides), k(qp + C, DType::kF32, shape, strides),
       v(qp + 2 * C, DType::kF32, shape, strides);
-  TensorView out(odst, DType::kF32, shape, Shape{L * C, hd, C, 1});
+  TensorView out(sc.o.data() + i0 * L * C, DType::kF32, shape, Shape{L * C, hd, C, 1});
   AttentionOptions opt;
   opt.num_threads = 1;
   if (with_mask) {
     sc.mask.resize(size_t(nb * L * L));
     for (int64_t j = 0; j < nb; ++j) {
-      const int64_t n = windows[list[size_t(j)]];
+      const int64_t n = windows[i0 + j];
       cyclic_shift_mask(n / nwx, n % nwx, wg.H, wg.W, ws, s, &sc.mask[size_t(j * L * L)]);
     }
     opt.attn_mask = TensorView(sc.mask.data(), DType::kBool, Shape{nb, 1, L, L});
   }
   scaled_dot_product_attention(q, k, v, opt, AttentionOutputs{out, {}, {}});
-  if (!run)
-    for (int64_t j = 0; j < nb; ++j)
-      std::memcpy(&sc.o[size_t(list[size_t(j)] * L * C)], &sc.ob[size_t(j * L * C)], size_t(L * C) * sizeof(float));
 }
 
 // The rest of the block for the chunk's nw windows (window indices windows[0..nw)), from sc.xw (tokens) and sc.o
@@ -238,8 +221,8 @@ void mlp_and_scatter(const BlockW& b, const BlockCtx& cx, const WindowGrid& wg, 
   }
 }
 
-// One chunk of routed windows (window indices windows[0..nw)), serial: gather, LayerNorm 1, qkv, attention (windows
-// without a mask in one call, masked windows in another), then MLP and scatter.
+// One chunk of routed windows (window indices windows[0..nw)), serial: gather, LayerNorm 1, qkv, attention, then
+// MLP and scatter.
 void run_window_chunk(const BlockW& b, const BlockCtx& cx, const WindowGrid& wg, const int64_t* windows, int64_t nw,
                       const float* gate) {
   const int64_t L = wg.L, C = wg.C, M = nw * L, hid = cx.hid;
@@ -258,10 +241,12 @@ void run_window_chunk(const BlockW& b, const BlockCtx& cx, const WindowGrid& wg,
   }
   nn::layer_norm(sc.xw.data(), M, C, b.n1_w.data(), b.n1_b.data(), cx.ln_eps, sc.a.data());
   nn::linear(sc.a.data(), M, C, b.qkv.data(), b.qkv_b.data(), 3 * C, sc.qkv.data(), 1);
-  std::vector<int64_t> plain, masked;
-  for (int64_t i = 0; i < nw; ++i) (wg.needs_mask(windows[i]) ? masked : plain).push_back(i);
-  attend_windows(cx, wg, windows, plain, false, sc);
-  attend_windows(cx, wg, windows, masked, true, sc);
+  // one attention call per run of consecutive windows that all need the mask or all do not (in place, no copies)
+  for (int64_t i0 = 0, i1; i0 < nw; i0 = i1) {
+    const bool with_mask = wg.needs_mask(windows[i0]);
+    for (i1 = i0 + 1; i1 < nw && wg.needs_mask(windows[i1]) == with_mask;) ++i1;
+    attend_windows(cx, wg, windows, i0, i1, with_mask, sc);
+  }
   mlp_and_scatter(b, cx, wg, windows, nw, gate, sc);
 }
 

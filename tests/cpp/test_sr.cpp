@@ -324,9 +324,10 @@ TEST(SrOps, GemmSegmentsAwkwardShapesAndRowIndependence) {
 }
 
 TEST(SrOps, RouterWindowSumsEqualThePlainLoopsBitwise) {
-  // the router's per-channel sums over pixel runs (channels around the vector width, runs of 1..16 pixels):
-  // the same float sums as the plain loops, in pixel order and with the square rounded before it is added
-  for (const int64_t C : {1, 3, 16, 40, 41}) {
+  // the router's per-channel sums over pixel runs (channels around the vector width and the 4-vector blocks,
+  // runs of 1..16 pixels): the same float sums as the plain loops, in pixel order and with the square rounded
+  // before it is added
+  for (const int64_t C : {1, 3, 16, 32, 40, 41, 48, 64, 100, 130}) {
     for (const int64_t count : {1, 8, 16}) {
       const auto p = randv(size_t(count * C), 21), mean = randv(size_t(C + 2), 22), acc0 = randv(size_t(C + 2), 23);
       auto sum = acc0, sq = acc0, sum_ref = acc0, sq_ref = acc0;
