@@ -312,8 +312,7 @@ void AddRowStats(const float* HWY_RESTRICT p, int64_t count, int64_t C, const fl
   const DF d;
   const int64_t L = int64_t(hn::Lanes(d));
   for (int64_t c0 = 0; c0 < C; c0 += kStatVectors * L) {
-    const int64_t nv = std::min(kStatVectors, (C - c0 + L - 1) / L);
-    if (nv == kStatVectors && c0 + kStatVectors * L <= C) {  // whole vectors: the unrolled loop
+    if (c0 + kStatVectors * L <= C) {  // whole vectors: the unrolled loop
       VF a[kStatVectors], mu[kStatVectors];
       for (int64_t k = 0; k < kStatVectors; ++k) {
         a[k] = hn::LoadU(d, acc + c0 + k * L);
