@@ -311,6 +311,15 @@ void AddRowStats(const float* HWY_RESTRICT p, int64_t count, int64_t C, const fl
                             float* HWY_RESTRICT acc) {
   const DF d;
   const int64_t L = int64_t(hn::Lanes(d));
+  // a + x, or a + (x - mu)^2
+  const auto add = [](VF a, VF x, VF mu) {
+    if constexpr (kSquares) {
+      const VF dv = hn::Sub(x, mu);
+      return hn::Add(a, hn::Mul(dv, dv));
+    } else {
+      return hn::Add(a, x);
+    }
+  };
   for (int64_t c0 = 0; c0 < C; c0 += kStatVectors * L) {
     if (c0 + kStatVectors * L <= C) {  // whole vectors: the unrolled loop
       VF a[kStatVectors], mu[kStatVectors];
@@ -321,13 +330,7 @@ void AddRowStats(const float* HWY_RESTRICT p, int64_t count, int64_t C, const fl
       for (int64_t t = 0; t < count; ++t) {
         const float* row = p + t * C + c0;
         for (int64_t k = 0; k < kStatVectors; ++k) {
-          const VF x = hn::LoadU(d, row + k * L);
-          if constexpr (kSquares) {
-            const VF dv = hn::Sub(x, mu[k]);
-            a[k] = hn::Add(a[k], hn::Mul(dv, dv));
-          } else {
-            a[k] = hn::Add(a[k], x);
-          }
+          a[k] = add(a[k], hn::LoadU(d, row + k * L), mu[k]);
         }
       }
       for (int64_t k = 0; k < kStatVectors; ++k) hn::StoreU(a[k], d, acc + c0 + k * L);
@@ -338,13 +341,7 @@ void AddRowStats(const float* HWY_RESTRICT p, int64_t count, int64_t C, const fl
       VF a = hn::MaskedLoad(m, d, acc + c);
       const VF mu = kSquares ? hn::MaskedLoad(m, d, mean + c) : hn::Zero(d);
       for (int64_t t = 0; t < count; ++t) {
-        const VF x = hn::MaskedLoad(m, d, p + t * C + c);
-        if constexpr (kSquares) {
-          const VF dv = hn::Sub(x, mu);
-          a = hn::Add(a, hn::Mul(dv, dv));
-        } else {
-          a = hn::Add(a, x);
-        }
+        a = add(a, hn::MaskedLoad(m, d, p + t * C + c), mu);
       }
       hn::BlendedStore(a, m, d, acc + c);
     }
