@@ -12,6 +12,7 @@
 #include <hwy/foreach_target.h>  // must come before highway.h
 
 #include <hwy/aligned_allocator.h>
+#include <hwy/cache_control.h>
 #include <hwy/highway.h>
 #include <hwy/contrib/math/math-inl.h>
 
@@ -62,6 +63,59 @@ void FinishRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, i
   }
 }
 
+// Decode scores of KEYS consecutive keys (rows of K, stride kstride) against NQ query rows (Q, stride qstride,
+// zero padded to whole vectors): S[ii * sstride + j] = Q[ii] · K[j] over D. Each key and query has its own
+// accumulator, so NQ × KEYS independent FMA chains run side by side instead of one chain of D / N.
+constexpr int64_t kPrefetchRows = 32;
+template <int NQ, int KEYS>
+HWY_INLINE void DecodeScores(const float* k, int64_t kstride, const float* Q, int64_t qstride, int64_t D, float* S,
+                             int64_t sstride) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d)), Dfull = D / N * N;
+  VF acc[NQ][KEYS];
+  for (int ii = 0; ii < NQ; ++ii)
+    for (int j = 0; j < KEYS; ++j) acc[ii][j] = hn::Zero(d);
+  for (int64_t x = 0; x < Dfull; x += N) {
+    VF qv[NQ];
+    for (int ii = 0; ii < NQ; ++ii) qv[ii] = hn::Load(d, Q + ii * qstride + x);
+    for (int j = 0; j < KEYS; ++j) {
+      hwy::Prefetch(k + (j + kPrefetchRows) * kstride + x);
+      const VF kv = hn::LoadU(d, k + j * kstride + x);
+      for (int ii = 0; ii < NQ; ++ii) acc[ii][j] = hn::MulAdd(kv, qv[ii], acc[ii][j]);
+    }
+  }
+  for (int ii = 0; ii < NQ; ++ii)
+    for (int j = 0; j < KEYS; ++j) {
+      float sdot = hn::GetLane(hn::SumOfLanes(d, acc[ii][j]));
+      for (int64_t x = Dfull; x < D; ++x) sdot += k[j * kstride + x] * Q[ii * qstride + x];
+      S[ii * sstride + j] = sdot;
+    }
+}
+
+// Decode output update over one key tile: O[ii, 0 : COLS·N] += sum_j P[ii, j] V[j, x0 : x0 + COLS·N], with P in
+// S (stride sstride) and O rows of stride ostride. The NQ × COLS accumulators stay in registers over all nk keys.
+template <int NQ, int COLS>
+HWY_INLINE void DecodeAccumulate(const Rows& vr, int64_t nk, const float* S, int64_t sstride, float* O, int64_t ostride,
+                                 int64_t x0) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  VF acc[NQ][COLS];
+  for (int ii = 0; ii < NQ; ++ii)
+    for (int c = 0; c < COLS; ++c) acc[ii][c] = hn::Load(d, O + ii * ostride + c * N);
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    const float* vrow = vr.ptr + jj * vr.stride + x0;
+    for (int c = 0; c < COLS; c += 2) hwy::Prefetch(vrow + kPrefetchRows * vr.stride + c * N);
+    VF pv[NQ];
+    for (int ii = 0; ii < NQ; ++ii) pv[ii] = hn::Set(d, S[ii * sstride + jj]);
+    for (int c = 0; c < COLS; ++c) {
+      const VF vv = hn::LoadU(d, vrow + c * N);
+      for (int ii = 0; ii < NQ; ++ii) acc[ii][c] = hn::MulAdd(pv[ii], vv, acc[ii][c]);
+    }
+  }
+  for (int ii = 0; ii < NQ; ++ii)
+    for (int c = 0; c < COLS; ++c) hn::Store(acc[ii][c], d, O + ii * ostride + c * N);
+}
+
 // Few queries (decode): keys in the lanes instead of queries, so that no lane is wasted when Lq = 1.
 // Scores are dot products over D (vector FMAs + one lane reduction per key and query), the softmax runs over
 // lanes of keys, and O[i, :] += p_ij V[j, :] uses vectors over Dv. Same masks, dropout and results layout.
@@ -73,7 +127,8 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
   const int64_t Bc = p.Bc, D = p.D, Dv = p.Dv, Br = p.Br;
-  const int64_t Dp = Params::pad16(D), Dvp = Params::pad16(Dv), Dfull = D / N * N, Dvfull = Dv / N * N;
+  const int64_t Dp = Params::pad16(D), Dvp = Params::pad16(Dv), Dvfull = Dv / N * N;
+  constexpr int kKeys = NQ == 1 ? 8 : NQ == 2 ? 4 : 2, kCols = NQ == 1 ? 8 : NQ == 2 ? 4 : 2;  // about 8 chains
   Scratch s_q, s_o, s_s, s_bias, s_kbuf, s_vbuf;
   float* Q = s_q.alloc(NQ * Dp);  // scale·q rows, zero padded
   float* O = s_o.alloc(NQ * Dvp);
@@ -102,20 +157,10 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
     }
     if (!live) continue;
     const Rows kr = RowsOf(p.k, b, hk, kb, nk, D, kbuf);
-    for (int64_t jj = 0; jj < nk; ++jj) {  // S[ii, jj] = (scale q_ii) · k_jj
-      const float* krow = kr.ptr + jj * kr.stride;
-      VF acc[NQ];
-      for (int ii = 0; ii < NQ; ++ii) acc[ii] = hn::Zero(d);
-      for (int64_t x = 0; x < Dfull; x += N) {
-        const VF kv = hn::LoadU(d, krow + x);
-        for (int ii = 0; ii < NQ; ++ii) acc[ii] = hn::MulAdd(kv, hn::Load(d, Q + ii * Dp + x), acc[ii]);
-      }
-      for (int ii = 0; ii < NQ; ++ii) {
-        float sdot = hn::GetLane(hn::SumOfLanes(d, acc[ii]));
-        for (int64_t x = Dfull; x < D; ++x) sdot += krow[x] * Q[ii * Dp + x];
-        S[ii * Bc + jj] = sdot;
-      }
-    }
+    int64_t j0 = 0;  // S[ii, jj] = (scale q_ii) · k_jj: kKeys keys at a time, so that the FMA chains overlap
+    for (; j0 + kKeys <= nk; j0 += kKeys)
+      DecodeScores<NQ, kKeys>(kr.ptr + j0 * kr.stride, kr.stride, Q, Dp, D, S + j0, Bc);
+    for (; j0 < nk; ++j0) DecodeScores<NQ, 1>(kr.ptr + j0 * kr.stride, kr.stride, Q, Dp, D, S + j0, Bc);
     if (masked)
       for (int ii = 0; ii < NQ; ++ii)
         for (int64_t jj = 0; jj < nk; ++jj) {
@@ -157,15 +202,11 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
       }
     }
     const Rows vr = RowsOf(p.v, b, hk, kb, nk, Dv, vbuf);
-    for (int64_t x = 0; x < Dvfull; x += N) {  // O[ii, x:x+N] += sum_j P[ii, j] V[j, x:x+N]
-      VF acc[NQ];
-      for (int ii = 0; ii < NQ; ++ii) acc[ii] = hn::Load(d, O + ii * Dvp + x);
-      for (int64_t jj = 0; jj < nk; ++jj) {
-        const VF vv = hn::LoadU(d, vr.ptr + jj * vr.stride + x);
-        for (int ii = 0; ii < NQ; ++ii) acc[ii] = hn::MulAdd(hn::Set(d, S[ii * Bc + jj]), vv, acc[ii]);
-      }
-      for (int ii = 0; ii < NQ; ++ii) hn::Store(acc[ii], d, O + ii * Dvp + x);
-    }
+    int64_t x0 = 0;  // O[ii, x] += sum_j P[ii, j] V[j, x]: up to kCols vectors of O per query held over the tile
+    for (; x0 + kCols * N <= Dvfull; x0 += kCols * N) DecodeAccumulate<NQ, kCols>(vr, nk, S, Bc, O + x0, Dvp, x0);
+    if (kCols > 4 && x0 + 4 * N <= Dvfull) DecodeAccumulate<NQ, 4>(vr, nk, S, Bc, O + x0, Dvp, x0), x0 += 4 * N;
+    if (kCols > 2 && x0 + 2 * N <= Dvfull) DecodeAccumulate<NQ, 2>(vr, nk, S, Bc, O + x0, Dvp, x0), x0 += 2 * N;
+    for (; x0 < Dvfull; x0 += N) DecodeAccumulate<NQ, 1>(vr, nk, S, Bc, O + x0, Dvp, x0);
     for (int64_t x = Dvfull; x < Dv; ++x)
       for (int64_t jj = 0; jj < nk; ++jj)
         for (int ii = 0; ii < NQ; ++ii) O[ii * Dvp + x] += S[ii * Bc + jj] * vr.ptr[jj * vr.stride + x];
