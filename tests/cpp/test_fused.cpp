@@ -413,6 +413,56 @@ TEST(Fused, BackwardKeyGroupsMatchReferenceAndThreadCounts) {
   }
 }
 
+// Non-contiguous float32 K and V rows are read through one dense copy per call: the results are bitwise those of
+// contiguous inputs holding the same values, forward and backward, for rows interleaved with other heads (B = 1,
+// whose batch stride is normalised to 0, and B = 2), a non-unit last stride, and K/V broadcast over the heads
+// (a zero head stride, which is read in place).
+TEST(Fused, NonContiguousKeysAndValuesGiveTheContiguousResultsBitwise) {
+  struct Layout {
+    int64_t B, Hq, Hkv, Lq, Lk, D, Dv;
+    int kind;  // 0: [B, L, H, D] memory; 1: every other element of the last dim; 2: one head broadcast to Hkv
+  };
+  const Layout layouts[] = {{1, 4, 4, 130, 200, 64, 40, 0},
+                            {2, 4, 2, 70, 129, 17, 24, 0},
+                            {2, 2, 2, 65, 90, 16, 8, 1},
+                            {1, 4, 2, 100, 150, 32, 32, 2}};
+  uint32_t seed = 60;
+  for (const Layout& l : layouts) {
+    Case c;
+    c.B = l.B, c.Hq = l.Hq, c.Hkv = l.Hkv, c.Lq = l.Lq, c.Lk = l.Lk, c.D = l.D, c.Dv = l.Dv;
+    c.causal = sattn::Causal::kBottomRight, c.strided = l.kind == 0;
+    SCOPED_TRACE(c.name() + " layout " + std::to_string(l.kind));
+    Problem pb = make_problem(c, ++seed);
+    std::vector<Tensor> keep;
+    auto respace = [&](Input& in, int64_t width) {
+      if (l.kind == 1) {  // the same values at a last-dim stride of 2
+        Tensor wide(DType::kF32, {c.B, c.Hkv, c.Lk, 2 * width});
+        TensorView v(wide.data(), DType::kF32, {c.B, c.Hkv, c.Lk, width},
+                     {c.Hkv * c.Lk * 2 * width, c.Lk * 2 * width, 2 * width, 2});
+        const Tensor dense = Tensor::from_view(in.view);
+        for (int64_t x = 0; x < dense.numel(); ++x) wide.data<float>()[2 * x] = dense.data<float>()[x];
+        in.view = v, keep.push_back(wide);
+      } else if (l.kind == 2) {  // head 0 of every batch, seen by every kv head
+        TensorView v = in.view;
+        v.shape[1] = c.Hkv, v.strides[1] = 0;
+        in.view = v;
+      }
+    };
+    respace(pb.k, c.D), respace(pb.v, c.Dv);
+    Problem dense = pb;
+    dense.k.storage = Tensor::from_view(pb.k.view), dense.k.view = dense.k.storage.view();
+    dense.v.storage = Tensor::from_view(pb.v.view), dense.v.view = dense.v.storage.view();
+    ASSERT_FALSE(pb.k.view.is_contiguous());
+    for (int threads : {1, 2}) {
+      const FwdResult a = run_forward(pb, "fused", threads), b = run_forward(dense, "fused", threads);
+      EXPECT_TRUE(bitwise_equal(a.out, b.out) && bitwise_equal(a.lse, b.lse));
+      const BwdResult ga = run_backward(pb, a, "fused", threads), gb = run_backward(dense, b, "fused", threads);
+      EXPECT_TRUE(bitwise_equal(ga.dq, gb.dq));
+      EXPECT_TRUE(bitwise_equal(ga.dk, gb.dk) && bitwise_equal(ga.dv, gb.dv));
+    }
+  }
+}
+
 // Float32Precision::kBF16 lets float32 inputs (and P) be rounded to bf16 in the bf16 products (amx, avx512bf16):
 // then within bf16's rounding of the fp64 reference (about 2^-9 relative per operand; 1e-2 on these unit-scale
 // problems), not the same as the float32 products, and still bitwise the same for 1 and 3 threads. kHighest (the
