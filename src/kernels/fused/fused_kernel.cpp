@@ -103,6 +103,7 @@ struct DenseRows {
     const bool broadcast = (B > 1 && t.sb == 0) || (H > 1 && t.sh == 0);
     if (t.dtype != DType::kF32 || (t.sd == 1 && t.sl == width) || broadcast) return;
     const size_t n = static_cast<size_t>(B * H * L * width);
+    if (n == 0) return;
     data = hwy::AllocateAligned<float>(n);
     check(data != nullptr, ErrorKind::kOutOfMemory, "fused attention: cannot allocate ", n * sizeof(float),
           " bytes for dense key/value rows");
