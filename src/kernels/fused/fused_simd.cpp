@@ -104,7 +104,7 @@ HWY_INLINE void DecodeAccumulate(const Rows& vr, int64_t nk, const float* S, int
     for (int c = 0; c < COLS; ++c) acc[ii][c] = hn::Load(d, O + ii * ostride + c * N);
   for (int64_t jj = 0; jj < nk; ++jj) {
     const float* vrow = vr.ptr + jj * vr.stride + x0;
-    for (int c = 0; c < COLS; c += 2) hwy::Prefetch(vrow + kPrefetchRows * vr.stride + c * N);
+    for (int64_t x = 0; x < COLS * N; x += 16) hwy::Prefetch(vrow + kPrefetchRows * vr.stride + x);  // 64-byte lines
     VF pv[NQ];
     for (int ii = 0; ii < NQ; ++ii) pv[ii] = hn::Set(d, S[ii * sstride + jj]);
     for (int c = 0; c < COLS; ++c) {
