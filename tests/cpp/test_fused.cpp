@@ -416,7 +416,7 @@ TEST(Fused, BackwardKeyGroupsMatchReferenceAndThreadCounts) {
 // Non-contiguous float32 K and V rows are read through one dense copy per call: the results are bitwise those of
 // contiguous inputs holding the same values, forward and backward, for rows interleaved with other heads (B = 1,
 // whose batch stride is normalised to 0, and B = 2), a non-unit last stride, and K/V broadcast over the heads
-// (a zero head stride, which is read in place).
+// (a zero head stride).
 TEST(Fused, NonContiguousKeysAndValuesGiveTheContiguousResultsBitwise) {
   struct Layout {
     int64_t B, Hq, Hkv, Lq, Lk, D, Dv;

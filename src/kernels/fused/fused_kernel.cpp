@@ -124,6 +124,17 @@ struct DenseRows {
   }
 };
 
+// p.k and p.v as dense rows (DenseRows) where they are read more than once: once per query block and head of a
+// GQA group. The forward (past decode) and the backward both start with it.
+struct DenseKV {
+  DenseRows k, v;
+  DenseKV(Params& p, int threads) {
+    if (p.num_q_blocks() == 1 && p.group == 1) return;
+    k.make(p.k, p.B, p.Hkv, p.Lk, p.D, threads);
+    v.make(p.v, p.B, p.Hkv, p.Lk, p.Dv, threads);
+  }
+};
+
 // Marks the key blocks (b, kv head, key block of Bc keys) whose K rows hold a NaN; empty when there is none.
 std::vector<uint8_t> nan_key_blocks(const TensorView& k, const Params& p, int threads) {
   const int64_t nkb = p.num_k_blocks();
@@ -232,11 +243,7 @@ void fused_forward(const ForwardArgs& a) {
     run_tasks(p.B * p.Hkv, a.num_threads, [&](int64_t t) { o.forward_task(p, t); });
     return;
   }
-  DenseRows dense_k, dense_v;  // K and V are read once per query block and head of the group
-  if (p.num_q_blocks() > 1 || p.group > 1) {
-    dense_k.make(p.k, p.B, p.Hkv, p.Lk, p.D, a.num_threads);
-    dense_v.make(p.v, p.B, p.Hkv, p.Lk, p.Dv, a.num_threads);
-  }
+  const DenseKV dense_kv(p, a.num_threads);
   // bf16 products (a build that has them; bf16 inputs, or float32 ones when allowed): K and V as bf16 pairs, once.
   std::vector<uint32_t> kv_pairs;
   std::optional<CountedBytes> counted_pairs;
@@ -291,11 +298,7 @@ void fused_backward(const BackwardArgs& a) {
   p.dq = out_view4(a.grads.dq), p.dk = out_view4(a.grads.dk), p.dv = out_view4(a.grads.dv);
   const BackwardOps& o = backward_ops();
   const int threads = a.num_threads;
-  DenseRows dense_k, dense_v;  // as in the forward
-  if (p.num_q_blocks() > 1 || p.group > 1) {
-    dense_k.make(p.k, p.B, p.Hkv, p.Lk, p.D, threads);
-    dense_v.make(p.v, p.B, p.Hkv, p.Lk, p.Dv, threads);
-  }
+  const DenseKV dense_kv(p, threads);
 
   // Row statistics: lse (+inf for rows without any allowed key, so that P = exp(s - lse) = 0); which query blocks
   // have a row whose lse cannot carry log l; the NaN rows (see Params). Di = rowsum(dO ∘ O) is filled in by
