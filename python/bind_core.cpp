@@ -156,6 +156,11 @@ void bind_core(pybind11::module_& m) {
       pybind11::arg("num_threads"),
       "Sets the default thread count of calls made with num_threads=None (process-wide). None or 0 restores the "
       "default ($SATTN_NUM_THREADS, else the number of online cores).");
+  m.def("workspace_cache_bytes", &sattn::workspace_cache_bytes,
+        "Bytes of freed large kernel scratch (4 MiB and more: packed tiles, partial gradients) kept for the next "
+        "call, at most 8 blocks and $SATTN_WORKSPACE_CACHE_MB MiB (default 1024; 0 disables the cache).");
+  m.def("empty_workspace_cache", &sattn::empty_workspace_cache,
+        "Returns the scratch kept for the next call (workspace_cache_bytes()) to the system.");
 }
 
 }  // namespace sattn::py

@@ -94,4 +94,10 @@ std::vector<std::string> kernel_names();
 // For each registered kernel, whether it supports `problem` and, if not, why.
 std::vector<std::pair<std::string, std::string>> explain_kernels(const AttentionProblem& problem);
 
+// Large scratch arrays of the kernels (4 MiB and more: packed tiles, partial gradients, dense copies) are kept after
+// a call, in a cache of at most 8 freed blocks and SATTN_WORKSPACE_CACHE_MB MiB (default 1024; 0 disables it), so
+// that the next call does not fault in fresh pages. The bytes held there now, and a way to give them back.
+int64_t workspace_cache_bytes();
+void empty_workspace_cache();
+
 }  // namespace sattn

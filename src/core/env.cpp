@@ -19,7 +19,8 @@ const std::vector<Variable>& variables() {
       {"SATTN_FUSED_BR", "the fused kernel's query tile rows (a multiple of 16 in [16, 1024]; for measurements)"},
       {"SATTN_FUSED_BC", "the fused kernel's key tile columns (a multiple of 16 in [16, 1024]; for measurements)"},
       {"SATTN_SPARSE_BACKWARD", "the sparse backward's form: one_pass or two_pass (default: chosen per pattern)"},
-      {"SATTN_SPARSE_CACHE_MB", "MiB of freed sparse buffers kept for reuse (default 1024; 0 disables)"},
+      {"SATTN_WORKSPACE_CACHE_MB", "MiB of freed large kernel scratch kept for reuse (default 1024; 0 disables)"},
+      {"SATTN_SPARSE_CACHE_MB", "the older name of SATTN_WORKSPACE_CACHE_MB, read when that is not set"},
       {"SATTN_TEST_RING_FAULT", "RANK:STEP: that rank of a ring attention fails at that step (tests the error path)"},
       {"SATTN_SPARSE_ISA", "no longer read: SATTN_SIMD replaces it (setting it prints one line saying so)"},
   };

@@ -431,7 +431,7 @@ void blocktopk_forward_direct(const AttentionProblem& problem, const AdaptiveNod
   const int64_t bw = std::min(blk, lk);  // columns of a key block in memory (one block of Lk keys when blk > Lk)
   if (indices.data) check_indices(indices, {p.B(), p.Hq(), nqb, KB}, "[B, Hq, num_query_blocks, k_blocks]");
   // K of one (b, kv head) at a time as transposed key blocks [nkb][D][bw] (one head's worth of memory).
-  detail::HugeVector<float> kt(static_cast<size_t>(nkb * D * bw));
+  WorkspaceVector<float> kt(static_cast<size_t>(nkb * D * bw));
   std::vector<int32_t> qbounds = {0};
   for (int32_t x : aligned_bounds(lq, off, blk)) qbounds.push_back(x);
   for (int64_t b = 0; b < p.B(); ++b) {

@@ -27,6 +27,7 @@
 #include <optional>
 #include <vector>
 
+#include "core/workspace.hpp"
 #include "sattn/patterns.hpp"
 #include "sattn/sparse.hpp"  // EngineOptions
 #include "sattn/tensor.hpp"
@@ -48,30 +49,10 @@ struct AllowAll {
 
 namespace detail {
 
-// Large scratch arrays (packed inputs, key-gradient buffers): 2 MiB-aligned and, on Linux, advised as transparent
-// huge pages, so that a fresh 32 MiB buffer costs 16 page faults instead of 8192 (small sizes: plain malloc).
-void* huge_alloc(size_t bytes);
-void huge_free(void* p) noexcept;
-template <typename T>
-struct HugeAlloc {
-  using value_type = T;
-  HugeAlloc() = default;
-  template <typename U>
-  HugeAlloc(const HugeAlloc<U>&) {}
-  T* allocate(size_t n) { return static_cast<T*>(huge_alloc(n * sizeof(T))); }
-  void deallocate(T* p, size_t) noexcept { huge_free(p); }
-  template <typename U>
-  bool operator==(const HugeAlloc<U>&) const {
-    return true;
-  }
-};
-template <typename T>
-using HugeVector = std::vector<T, HugeAlloc<T>>;
-
 // A read-only fp32 array [B, H, L, D] in layout order: a view of the caller's tensor when that already is fp32,
 // contiguous and in layout order (no copy), else an owned packed copy.
 struct FloatBuf {
-  HugeVector<float> own;
+  WorkspaceVector<float> own;
   const float* ptr = nullptr;
   size_t n = 0;
   FloatBuf() = default;
@@ -429,7 +410,7 @@ void backward_one_pass(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, 
                        const std::vector<int64_t>& colour_start, const std::vector<int32_t>& colour_runs,
                        const std::vector<int32_t>& run_ends, const TensorView& dq, const TensorView& dk,
                        const TensorView& dv) {
-  HugeVector<float> gk(size_t(p.B() * p.Hkv() * p.Lk() * p.D()), 0.0f),
+  WorkspaceVector<float> gk(size_t(p.B() * p.Hkv() * p.Lk() * p.D()), 0.0f),
       gv(size_t(p.B() * p.Hkv() * p.Lk() * p.Dv()), 0.0f);
   int64_t c_lo = 0, c_n = 0;
   // One item: a run of consecutive query blocks of one colour for one (b, kv head), block after block.

@@ -6,13 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <mutex>
-#include <new>
-#include <unordered_map>
 #include <utility>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 #include "core/env.hpp"
 #include "core/threads.hpp"
@@ -20,87 +14,6 @@
 #include "sparse/engine.hpp"
 
 namespace sattn::sparse::detail {
-
-namespace {
-
-constexpr size_t kHuge = size_t(2) << 20;
-
-// A small cache of freed large blocks (best fit, at most 8 blocks and SATTN_SPARSE_CACHE_MB MiB, default 1024;
-// 0 disables): repeated calls reuse their packing buffers instead of faulting in fresh pages every time.
-struct BlockCache {
-  std::mutex mu;
-  std::vector<std::pair<void*, size_t>> blocks;  // (pointer, size), oldest first
-  std::unordered_map<void*, size_t> sizes;       // every live or cached large block
-  size_t cached = 0;
-  size_t limit = size_t(env::get_integer("SATTN_SPARSE_CACHE_MB", 0, int64_t(1) << 30, 1024)) << 20;
-};
-BlockCache& block_cache() {
-  static BlockCache* c = new BlockCache;  // never destroyed: blocks may be freed during static destruction
-  return *c;
-}
-
-}  // namespace
-
-void* huge_alloc(size_t bytes) {
-  if (bytes < 2 * kHuge) {
-    void* p = std::malloc(bytes > 0 ? bytes : 1);
-    if (!p) throw std::bad_alloc();
-    return p;
-  }
-  const size_t size = (bytes + kHuge - 1) / kHuge * kHuge;
-  BlockCache& c = block_cache();
-  {
-    std::lock_guard<std::mutex> lock(c.mu);
-    size_t best = c.blocks.size();
-    for (size_t x = 0; x < c.blocks.size(); ++x)
-      if (c.blocks[x].second >= size && c.blocks[x].second <= 2 * size &&
-          (best == c.blocks.size() || c.blocks[x].second < c.blocks[best].second))
-        best = x;
-    if (best < c.blocks.size()) {
-      void* p = c.blocks[best].first;
-      c.cached -= c.blocks[best].second;
-      c.blocks.erase(c.blocks.begin() + std::ptrdiff_t(best));
-      return p;
-    }
-  }
-  void* p = std::aligned_alloc(kHuge, size);
-  if (!p) throw std::bad_alloc();
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  madvise(p, size, MADV_HUGEPAGE);  // a hint: ignored where transparent huge pages are off
-#endif
-  std::lock_guard<std::mutex> lock(c.mu);
-  c.sizes[p] = size;
-  return p;
-}
-
-void huge_free(void* p) noexcept {
-  if (!p) return;
-  BlockCache& c = block_cache();
-  std::vector<void*> release;
-  {
-    std::lock_guard<std::mutex> lock(c.mu);
-    const auto it = c.sizes.find(p);
-    if (it == c.sizes.end()) {  // a small block
-      std::free(p);
-      return;
-    }
-    const size_t size = it->second;
-    if (size > c.limit) {
-      c.sizes.erase(it);
-      release.push_back(p);
-    } else {
-      c.blocks.emplace_back(p, size);
-      c.cached += size;
-      while (c.cached > c.limit || c.blocks.size() > 8) {  // evict the oldest
-        c.cached -= c.blocks.front().second;
-        c.sizes.erase(c.blocks.front().first);
-        release.push_back(c.blocks.front().first);
-        c.blocks.erase(c.blocks.begin());
-      }
-    }
-  }
-  for (void* q : release) std::free(q);
-}
 
 namespace {
 
@@ -139,7 +52,7 @@ void pack4(const TensorView& t, const std::vector<int32_t>& perm, FloatBuf& buf)
     buf.ptr = static_cast<const float*>(t.data);
     return;
   }
-  HugeVector<float>& out = buf.own;
+  WorkspaceVector<float>& out = buf.own;
   out.resize(buf.n);
   buf.ptr = out.data();
   for (int64_t b = 0; b < B; ++b)

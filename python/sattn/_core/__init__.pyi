@@ -14,7 +14,7 @@ from sattn import OutOfMemoryError
 from sattn import UnsupportedError
 import typing
 from . import sr
-__all__: list[str] = ['BigBird', 'BlockLocal', 'BlockMask', 'BlockTopK', 'DTypeError', 'Dilated', 'Error', 'FileFormatError', 'Full', 'GlobalTokens', 'InternalError', 'InvalidArgumentError', 'MixedAttention', 'MultiheadAttention', 'Neighborhood2D', 'OutOfMemoryError', 'Pattern', 'ReLUAttention', 'SlidingWindow', 'TopK', 'UnsupportedError', 'WindowAttention2D', 'alibi_slopes', 'block_mask_from_dense', 'diagnose', 'favor_projection', 'flash_attn_varlen', 'flash_attn_varlen_backward', 'get_num_threads', 'kernel_names', 'linear_attention', 'linear_attention_backward', 'parse_pattern', 'read_safetensors', 'selection_mask', 'set_num_threads', 'set_simd_target', 'simd_targets', 'sparse_attention', 'sparse_attention_backward', 'sr', 'write_safetensors']
+__all__: list[str] = ['BigBird', 'BlockLocal', 'BlockMask', 'BlockTopK', 'DTypeError', 'Dilated', 'Error', 'FileFormatError', 'Full', 'GlobalTokens', 'InternalError', 'InvalidArgumentError', 'MixedAttention', 'MultiheadAttention', 'Neighborhood2D', 'OutOfMemoryError', 'Pattern', 'ReLUAttention', 'SlidingWindow', 'TopK', 'UnsupportedError', 'WindowAttention2D', 'alibi_slopes', 'block_mask_from_dense', 'diagnose', 'empty_workspace_cache', 'favor_projection', 'flash_attn_varlen', 'flash_attn_varlen_backward', 'get_num_threads', 'kernel_names', 'linear_attention', 'linear_attention_backward', 'parse_pattern', 'read_safetensors', 'selection_mask', 'set_num_threads', 'set_simd_target', 'simd_targets', 'sparse_attention', 'sparse_attention_backward', 'sr', 'workspace_cache_bytes', 'write_safetensors']
 class BigBird(Pattern):
     def __init__(self, block: typing.SupportsInt | typing.SupportsIndex, window_blocks: typing.SupportsInt | typing.SupportsIndex, global_blocks: typing.SupportsInt | typing.SupportsIndex, random_blocks: typing.SupportsInt | typing.SupportsIndex, seed: typing.SupportsInt | typing.SupportsIndex = 0, alignment: str = 'bottom_right') -> None:
         ...
@@ -261,6 +261,10 @@ def diagnose(query: typing.Any, key: typing.Any, value: typing.Any, attn_mask: t
     where the padding is and are not applied. Codes: saturated_softmax, unscaled_scores, fully_masked_rows,
     nan_or_inf, causal_leak, padding_leak, mask_polarity_suspect, nondeterministic.
     """
+def empty_workspace_cache() -> None:
+    """
+    Returns the scratch kept for the next call (workspace_cache_bytes()) to the system.
+    """
 def favor_projection(head_dim: typing.SupportsInt | typing.SupportsIndex, num_features: typing.SupportsInt | typing.SupportsIndex, seed: typing.SupportsInt | typing.SupportsIndex = 0) -> numpy.typing.NDArray[numpy.float64]:
     """
     The FAVOR+ projection omega [m, D] used by linear_attention.
@@ -321,6 +325,10 @@ def sparse_attention(query: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], 
 def sparse_attention_backward(dout: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], query: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], key: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], value: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], out: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], lse: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], pattern: Pattern, scale: typing.SupportsFloat | typing.SupportsIndex | None = None, enable_gqa: bool = False, *, key_padding_mask: numpy.ndarray | None = None, block: typing.SupportsInt | typing.SupportsIndex = 64, alibi_slopes: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] | None = None, softcap: typing.SupportsFloat | typing.SupportsIndex = 0.0, bias: numpy.ndarray | None = None, rel_pos_bias: numpy.ndarray | None = None, num_threads: typing.SupportsInt | typing.SupportsIndex = 0, indices: numpy.ndarray | None = None) -> tuple:
     """
     Backward of sparse_attention: returns (dq, dk, dv, grads) with grads a dict of parameter gradients ('bias', 'rel_pos_bias', 'logits' for MixedAttention) for the options given.
+    """
+def workspace_cache_bytes() -> int:
+    """
+    Bytes of freed large kernel scratch (4 MiB and more: packed tiles, partial gradients) kept for the next call, at most 8 blocks and $SATTN_WORKSPACE_CACHE_MB MiB (default 1024; 0 disables the cache).
     """
 def write_safetensors(path: str, tensors: dict, metadata: collections.abc.Mapping[str, str] | None = None) -> None:
     """

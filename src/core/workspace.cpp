@@ -1,0 +1,135 @@
+#include "core/workspace.hpp"
+
+#include <cstdlib>
+#include <mutex>
+#include <new>
+#include <unordered_map>
+#include <utility>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include "core/env.hpp"
+#include "sattn/attention.hpp"
+#include "sattn/error.hpp"
+
+namespace sattn {
+
+namespace {
+
+constexpr size_t kHugePage = size_t(2) << 20;
+constexpr size_t kCachedFrom = 2 * kHugePage;
+constexpr size_t kMaxBlocks = 8;
+
+// Freed large blocks, best fit, at most kMaxBlocks and `limit` bytes (SATTN_WORKSPACE_CACHE_MB, default 1024;
+// 0 disables): glibc serves requests of 32 MiB and more with a fresh mmap every time, whose pages are faulted in
+// and zeroed one by one on first touch.
+struct BlockCache {
+  std::mutex mu;
+  std::vector<std::pair<void*, size_t>> blocks;  // (pointer, size), oldest first
+  std::unordered_map<void*, size_t> sizes;       // every live or cached large block
+  size_t cached = 0;
+  size_t limit = cache_limit();
+
+  static size_t cache_limit() {
+    const long long kMax = (1LL << 30);
+    // The older name of the variable is still read when the new one is not set.
+    const long long old = env::get_integer("SATTN_SPARSE_CACHE_MB", 0, kMax, 1024);
+    return size_t(env::get_integer("SATTN_WORKSPACE_CACHE_MB", 0, kMax, old)) << 20;
+  }
+};
+BlockCache& block_cache() {
+  static BlockCache* c = new BlockCache;  // never destroyed: blocks may be freed during static destruction
+  return *c;
+}
+
+}  // namespace
+
+void* workspace_alloc(size_t bytes) {
+  if (bytes < kCachedFrom) {
+    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64 + (bytes == 0 ? 64 : 0));
+    if (!p) throw std::bad_alloc();
+    return p;
+  }
+  const size_t size = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  BlockCache& c = block_cache();
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    size_t best = c.blocks.size();
+    for (size_t x = 0; x < c.blocks.size(); ++x)
+      if (c.blocks[x].second >= size && c.blocks[x].second <= 2 * size &&
+          (best == c.blocks.size() || c.blocks[x].second < c.blocks[best].second))
+        best = x;
+    if (best < c.blocks.size()) {
+      void* p = c.blocks[best].first;
+      c.cached -= c.blocks[best].second;
+      c.blocks.erase(c.blocks.begin() + std::ptrdiff_t(best));
+      return p;
+    }
+  }
+  void* p = std::aligned_alloc(kHugePage, size);
+  if (!p) throw std::bad_alloc();
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  madvise(p, size, MADV_HUGEPAGE);  // a hint: ignored where transparent huge pages are off
+#endif
+  std::lock_guard<std::mutex> lock(c.mu);
+  c.sizes[p] = size;
+  return p;
+}
+
+void workspace_free(void* p) noexcept {
+  if (!p) return;
+  BlockCache& c = block_cache();
+  std::vector<void*> release;
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    const auto it = c.sizes.find(p);
+    if (it == c.sizes.end()) {  // a small block
+      std::free(p);
+      return;
+    }
+    const size_t size = it->second;
+    if (size > c.limit) {
+      c.sizes.erase(it);
+      release.push_back(p);
+    } else {
+      c.blocks.emplace_back(p, size);
+      c.cached += size;
+      while (c.cached > c.limit || c.blocks.size() > kMaxBlocks) {  // evict the oldest
+        c.cached -= c.blocks.front().second;
+        c.sizes.erase(c.blocks.front().first);
+        release.push_back(c.blocks.front().first);
+        c.blocks.erase(c.blocks.begin());
+      }
+    }
+  }
+  for (void* q : release) std::free(q);
+}
+
+void* workspace_alloc_or_fail(size_t bytes, const char* what) {
+  try {
+    return workspace_alloc(bytes);
+  } catch (const std::bad_alloc&) {
+    fail(ErrorKind::kOutOfMemory, what, ": cannot allocate ", bytes, " bytes");
+  }
+}
+
+int64_t workspace_cache_bytes() {
+  BlockCache& c = block_cache();
+  std::lock_guard<std::mutex> lock(c.mu);
+  return int64_t(c.cached);
+}
+
+void empty_workspace_cache() {
+  BlockCache& c = block_cache();
+  std::vector<std::pair<void*, size_t>> release;
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    release.swap(c.blocks);
+    for (const auto& b : release) c.sizes.erase(b.first);
+    c.cached = 0;
+  }
+  for (const auto& b : release) std::free(b.first);
+}
+
+}  // namespace sattn

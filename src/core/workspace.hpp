@@ -1,0 +1,51 @@
+// The kernels' large scratch arrays, in one place: 2 MiB-aligned blocks advised as transparent huge pages, kept
+// after use in a small best-fit cache of freed blocks so that repeated calls do not fault in fresh pages.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace sattn {
+
+// At least `bytes` bytes, 64-byte aligned (2 MiB-aligned from 4 MiB on), contents unspecified; throws
+// std::bad_alloc when out of memory. From 4 MiB on, a freed block of at least that size (and at most twice it) is
+// reused when the cache holds one; smaller requests are plain malloc (glibc keeps those in its arenas).
+void* workspace_alloc(size_t bytes);
+// Returns a block of workspace_alloc to the cache (at most 8 blocks and the cache limit; the oldest are released
+// first), or to the system.
+void workspace_free(void* p) noexcept;
+
+// An owned workspace array of n elements (n may be 0); out of memory is an OutOfMemory error starting with
+// `what` ("fused attention backward: the partial dQ tiles").
+template <typename T>
+struct WorkspaceDeleter {
+  void operator()(T* p) const noexcept { workspace_free(p); }
+};
+template <typename T>
+using WorkspacePtr = std::unique_ptr<T[], WorkspaceDeleter<T>>;
+void* workspace_alloc_or_fail(size_t bytes, const char* what);
+template <typename T>
+WorkspacePtr<T> workspace_array(size_t n, const char* what) {
+  return WorkspacePtr<T>(static_cast<T*>(workspace_alloc_or_fail(n * sizeof(T), what)));
+}
+
+// A std::vector allocator over workspace_alloc / workspace_free.
+template <typename T>
+struct WorkspaceAllocator {
+  using value_type = T;
+  WorkspaceAllocator() = default;
+  template <typename U>
+  WorkspaceAllocator(const WorkspaceAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(workspace_alloc(n * sizeof(T))); }
+  void deallocate(T* p, size_t) noexcept { workspace_free(p); }
+  template <typename U>
+  bool operator==(const WorkspaceAllocator<U>&) const {
+    return true;
+  }
+};
+template <typename T>
+using WorkspaceVector = std::vector<T, WorkspaceAllocator<T>>;
+
+}  // namespace sattn
