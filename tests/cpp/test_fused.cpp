@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/workspace.hpp"
 #include "kernels/fused/fused.hpp"
 #include "scoped.hpp"
 #include "sattn/attention.hpp"
@@ -460,6 +461,44 @@ TEST(Fused, NonContiguousKeysAndValuesGiveTheContiguousResultsBitwise) {
       EXPECT_TRUE(bitwise_equal(ga.dq, gb.dq));
       EXPECT_TRUE(bitwise_equal(ga.dk, gb.dk) && bitwise_equal(ga.dv, gb.dv));
     }
+  }
+}
+
+// Large scratch (the backward's partial dQ and packed query tiles, dense K/V copies) comes from the workspace
+// cache, reused between calls without being cleared. A call that finds the cache full of NaN blocks of every size
+// it could take gives the results of a call on fresh (zeroed) pages, bitwise; after it the cache holds its blocks,
+// and empty_workspace_cache() gives them back.
+TEST(Fused, ReusedWorkspaceGivesTheFreshResultsBitwise) {
+  if (const char* e = std::getenv("SATTN_WORKSPACE_CACHE_MB"); e && std::string(e) == "0")
+    GTEST_SKIP() << "SATTN_WORKSPACE_CACHE_MB=0 disables the workspace cache";
+  Case c;
+  c.B = 1, c.Hq = 8, c.Hkv = 8, c.Lq = 2048, c.Lk = 2048, c.D = 64, c.Dv = 64;
+  c.causal = sattn::Causal::kTopLeft, c.strided = true;
+  const Problem pb = make_problem(c, 77);
+  for (int threads : {1, 2}) {
+    SCOPED_TRACE(threads);
+    sattn::empty_workspace_cache();
+    EXPECT_EQ(sattn::workspace_cache_bytes(), 0);
+    const FwdResult fresh = run_forward(pb, "fused", threads);
+    const BwdResult fresh_g = run_backward(pb, fresh, "fused", threads);
+    EXPECT_GT(sattn::workspace_cache_bytes(), 0);  // the backward's blocks, kept
+    // NaN blocks of 4 .. 45 MiB (8, the most the cache keeps): any request of 4 .. 45 MiB finds one of at most
+    // twice its size
+    sattn::empty_workspace_cache();
+    std::vector<void*> blocks;
+    for (size_t mib : {4, 6, 8, 11, 16, 23, 32, 45}) {
+      blocks.push_back(sattn::workspace_alloc(mib << 20));
+      std::memset(blocks.back(), 0xff, mib << 20);
+    }
+    for (void* b : blocks) sattn::workspace_free(b);
+    EXPECT_GE(sattn::workspace_cache_bytes(), int64_t(145) << 20);
+    const FwdResult reused = run_forward(pb, "fused", threads);
+    const BwdResult reused_g = run_backward(pb, reused, "fused", threads);
+    EXPECT_TRUE(bitwise_equal(fresh.out, reused.out) && bitwise_equal(fresh.lse, reused.lse));
+    EXPECT_TRUE(bitwise_equal(fresh_g.dq, reused_g.dq));
+    EXPECT_TRUE(bitwise_equal(fresh_g.dk, reused_g.dk) && bitwise_equal(fresh_g.dv, reused_g.dv));
+    sattn::empty_workspace_cache();
+    EXPECT_EQ(sattn::workspace_cache_bytes(), 0);
   }
 }
 

@@ -83,6 +83,24 @@ def test_num_threads_settings():
     assert sattn.get_num_threads() == default
 
 
+def test_workspace_cache_keeps_the_backward_scratch_until_emptied():
+    # a backward whose packed query tiles and partial dQ tiles are 4 MiB and more each
+    rng = np.random.default_rng(2)
+    q, k, v, do = (rng.standard_normal((1, 4, 1024, 64)).astype(np.float32) for _ in range(4))
+    out, lse = sattn.scaled_dot_product_attention(q, k, v, return_lse=True)
+    sattn.empty_workspace_cache()
+    assert sattn.workspace_cache_bytes() == 0
+    first = sattn.scaled_dot_product_attention_backward(do, q, k, v, out, lse, kernel="fused")
+    kept = sattn.workspace_cache_bytes()
+    assert kept >= 4 << 20
+    again = sattn.scaled_dot_product_attention_backward(do, q, k, v, out, lse, kernel="fused")
+    assert sattn.workspace_cache_bytes() == kept  # the same blocks, reused
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+    sattn.empty_workspace_cache()
+    assert sattn.workspace_cache_bytes() == 0
+
+
 def test_results_do_not_depend_on_thread_count():
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((2, 3, 33, 16)).astype(np.float32) for _ in range(3))

@@ -11,10 +11,9 @@
 #include <string>
 #include <vector>
 
-#include <hwy/aligned_allocator.h>
-
 #include "core/env.hpp"
 #include "core/threads.hpp"
+#include "core/workspace.hpp"
 #include "kernels/fused/fused.hpp"
 #include "kernels/kernel.hpp"
 
@@ -96,7 +95,7 @@ void run_tasks(int64_t n, int threads, F&& f) {
 // 1.4x as long at L = 4096, H = 4, D = 64 on an AMD EPYC). One copy per call reads K and V once. Views that
 // broadcast over batch or heads (a zero stride) are left as they are, and so is any other dtype (converted per tile).
 struct DenseRows {
-  hwy::AlignedFreeUniquePtr<float[]> data;
+  WorkspacePtr<float> data;
   std::optional<CountedBytes> counted;
 
   void make(View4& t, int64_t B, int64_t H, int64_t L, int64_t width, int threads) {
@@ -104,9 +103,7 @@ struct DenseRows {
     if (t.dtype != DType::kF32 || (t.sd == 1 && t.sl == width) || broadcast) return;
     const size_t n = static_cast<size_t>(B * H * L * width);
     if (n == 0) return;
-    data = hwy::AllocateAligned<float>(n);
-    check(data != nullptr, ErrorKind::kOutOfMemory, "fused attention: cannot allocate ", n * sizeof(float),
-          " bytes for dense key/value rows");
+    data = workspace_array<float>(n, "fused attention: dense key/value rows");
     counted.emplace(int64_t(n * sizeof(float)));
     const View4 src = t;
     float* dst = data.get();
@@ -245,7 +242,7 @@ void fused_forward(const ForwardArgs& a) {
   }
   const DenseKV dense_kv(p, a.num_threads);
   // bf16 products (a build that has them; bf16 inputs, or float32 ones when allowed): K and V as bf16 pairs, once.
-  std::vector<uint32_t> kv_pairs;
+  WorkspaceVector<uint32_t> kv_pairs;  // zeroed by resize
   std::optional<CountedBytes> counted_pairs;
   p.round_p = a.options.float32_precision == Float32Precision::kBF16;
   p.amx_tiles = o.amx_tiles;
@@ -282,9 +279,7 @@ void one_pass_backward(Params& p, const BackwardOps& o, int threads) {
   p.kv_group = kv_group_size(p);
   const int64_t ng = p.num_kv_groups(), nqt = p.B * p.Hq * p.num_q_blocks();
   const size_t part_n = static_cast<size_t>(nqt * ng * p.D * p.Br);
-  auto part = hwy::AllocateAligned<float>(part_n);
-  check(part != nullptr, ErrorKind::kOutOfMemory, "fused attention backward: cannot allocate ", part_n * 4,
-        " bytes for the partial dQ tiles");
+  const WorkspacePtr<float> part = workspace_array<float>(part_n, "fused attention backward: the partial dQ tiles");
   const CountedBytes counted(int64_t(part_n * sizeof(float)));
   p.dq_part = part.get();
   run_tasks(p.B * p.Hkv * ng, threads, [&](int64_t t) { o.backward_kvq_task(p, t); });
@@ -333,9 +328,8 @@ void fused_backward(const BackwardArgs& a) {
 
   // Query-side tiles, packed once (O(B·Hq·Lq·(D+Dv)) floats, like the inputs).
   const size_t pk_n = static_cast<size_t>(nqt * p.Br * (p.D + p.Dv + Params::pad16(p.D) + Params::pad16(p.Dv)));
-  auto packed = hwy::AllocateAligned<float>(pk_n);  // tiles are loaded with aligned vector loads
-  check(packed != nullptr, ErrorKind::kOutOfMemory, "fused attention backward: cannot allocate ", pk_n * 4,
-        " bytes for the packed query tiles");
+  // 64-byte aligned: the tiles are loaded with aligned vector loads
+  const WorkspacePtr<float> packed = workspace_array<float>(pk_n, "fused attention backward: the packed query tiles");
   const CountedBytes counted_packed(int64_t(pk_n * sizeof(float)));
   p.pk_qt = packed.get();
   p.pk_dot = p.pk_qt + nqt * p.D * p.Br;
@@ -343,8 +337,8 @@ void fused_backward(const BackwardArgs& a) {
   p.pk_dor = p.pk_qr + nqt * p.Br * Params::pad16(p.D);
   // bf16 products (a build that has them; bf16 inputs, or float32 ones when allowed): K, V and the query-side
   // tiles also as bf16 pairs; dO only when it is bf16 or may be rounded (else dP = V dO^T stays float32).
-  std::vector<uint32_t> kv_pairs;
-  hwy::AlignedFreeUniquePtr<uint32_t[]> q_pairs;  // read with aligned vector loads
+  WorkspaceVector<uint32_t> kv_pairs;  // zeroed by resize
+  WorkspacePtr<uint32_t> q_pairs;      // read with aligned vector loads
   std::optional<CountedBytes> counted_pairs;
   if (o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options)) {
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.Lk * p.dv_pairs();
@@ -352,9 +346,8 @@ void fused_backward(const BackwardArgs& a) {
     const int64_t q_words = nqt * p.Br * p.d_pairs(), do_words = dout_pairs ? nqt * p.Br * p.dv_pairs() : 0;
     kv_pairs.resize(size_t(k_words + v_words));
     counted_pairs.emplace(int64_t((k_words + v_words + q_words + do_words) * sizeof(uint32_t)));
-    q_pairs = hwy::AllocateAligned<uint32_t>(size_t(q_words + do_words));
-    check(q_pairs != nullptr, ErrorKind::kOutOfMemory, "fused attention backward: cannot allocate ",
-          (q_words + do_words) * 4, " bytes for the packed bf16 query tiles");
+    q_pairs =
+        workspace_array<uint32_t>(size_t(q_words + do_words), "fused attention backward: the packed bf16 query tiles");
     p.k_pairs = kv_pairs.data(), p.v_row_pairs = p.k_pairs + k_words;
     p.amx_tiles = o.amx_tiles;
     p.pk_qp = q_pairs.get();
