@@ -1,11 +1,13 @@
 #include "core/workspace.hpp"
 
+#include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <new>
 #include <unordered_map>
 #include <utility>
 #if defined(__linux__)
+#include <pthread.h>
 #include <sys/mman.h>
 #endif
 
@@ -39,7 +41,16 @@ struct BlockCache {
   }
 };
 BlockCache& block_cache() {
-  static BlockCache* c = new BlockCache;  // never destroyed: blocks may be freed during static destruction
+  // Never destroyed: blocks may be freed during static destruction. A fork holds the lock, so that the child does
+  // not inherit it taken by a thread that the child does not have (the child would hang on its first large block).
+  static BlockCache* c = [] {
+    auto* cache = new BlockCache;
+#if defined(__linux__)
+    pthread_atfork([] { block_cache().mu.lock(); }, [] { block_cache().mu.unlock(); },
+                   [] { block_cache().mu.unlock(); });
+#endif
+    return cache;
+  }();
   return *c;
 }
 
@@ -51,6 +62,7 @@ void* workspace_alloc(size_t bytes) {
     if (!p) throw std::bad_alloc();
     return p;
   }
+  if (bytes > SIZE_MAX - kHugePage) throw std::bad_alloc();
   const size_t size = (bytes + kHugePage - 1) / kHugePage * kHugePage;
   BlockCache& c = block_cache();
   {

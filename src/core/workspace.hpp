@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <vector>
 
 namespace sattn {
@@ -28,7 +29,8 @@ using WorkspacePtr = std::unique_ptr<T[], WorkspaceDeleter<T>>;
 void* workspace_alloc_or_fail(size_t bytes, const char* what);
 template <typename T>
 WorkspacePtr<T> workspace_array(size_t n, const char* what) {
-  return WorkspacePtr<T>(static_cast<T*>(workspace_alloc_or_fail(n * sizeof(T), what)));
+  const size_t bytes = n > SIZE_MAX / sizeof(T) ? SIZE_MAX : n * sizeof(T);  // SIZE_MAX: fails as out of memory
+  return WorkspacePtr<T>(static_cast<T*>(workspace_alloc_or_fail(bytes, what)));
 }
 
 // A std::vector allocator over workspace_alloc / workspace_free.
@@ -38,7 +40,10 @@ struct WorkspaceAllocator {
   WorkspaceAllocator() = default;
   template <typename U>
   WorkspaceAllocator(const WorkspaceAllocator<U>&) {}
-  T* allocate(size_t n) { return static_cast<T*>(workspace_alloc(n * sizeof(T))); }
+  T* allocate(size_t n) {
+    if (n > SIZE_MAX / sizeof(T)) throw std::bad_array_new_length();
+    return static_cast<T*>(workspace_alloc(n * sizeof(T)));
+  }
   void deallocate(T* p, size_t) noexcept { workspace_free(p); }
   template <typename U>
   bool operator==(const WorkspaceAllocator<U>&) const {
