@@ -126,6 +126,8 @@ void* workspace_alloc_or_fail(size_t bytes, const char* what) {
   }
 }
 
+size_t workspace_cache_limit() { return block_cache().limit; }
+
 int64_t workspace_cache_bytes() {
   BlockCache& c = block_cache();
   std::lock_guard<std::mutex> lock(c.mu);

@@ -17,6 +17,8 @@ void* workspace_alloc(size_t bytes);
 // Returns a block of workspace_alloc to the cache (at most 8 blocks and the cache limit; the oldest are released
 // first), or to the system.
 void workspace_free(void* p) noexcept;
+// The most bytes the cache keeps (SATTN_WORKSPACE_CACHE_MB, read once per process; 0: no cache).
+size_t workspace_cache_limit();
 
 // An owned workspace array of n elements (n may be 0); out of memory is an OutOfMemory error starting with
 // `what` ("fused attention backward: the partial dQ tiles").

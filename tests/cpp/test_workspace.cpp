@@ -12,7 +12,6 @@
 #include <thread>
 #include <vector>
 
-#include "core/env.hpp"
 #include "core/workspace.hpp"
 #include "sattn/attention.hpp"
 #include "sattn/error.hpp"
@@ -20,12 +19,6 @@
 namespace {
 
 constexpr size_t kMiB = size_t(1) << 20;
-
-// The cache's limit in MiB, as the library reads it (the older variable name as the fallback).
-long long cache_limit_mb() {
-  const long long old = sattn::env::get_integer("SATTN_SPARSE_CACHE_MB", 0, 1LL << 30, 1024);
-  return sattn::env::get_integer("SATTN_WORKSPACE_CACHE_MB", 0, 1LL << 30, old);
-}
 
 TEST(Workspace, SmallBlocksAre64ByteAlignedAndLargeOnes2MiB) {
   for (size_t bytes : {size_t(0), size_t(1), size_t(100), size_t(4 * kMiB - 1)}) {
@@ -43,7 +36,8 @@ TEST(Workspace, SmallBlocksAre64ByteAlignedAndLargeOnes2MiB) {
 }
 
 TEST(Workspace, FreedLargeBlocksAreReusedBestFitUntilEmptied) {
-  if (cache_limit_mb() < 512) GTEST_SKIP() << "SATTN_WORKSPACE_CACHE_MB is under the 512 MiB this test fills";
+  if (sattn::workspace_cache_limit() < 512 * kMiB)
+    GTEST_SKIP() << "SATTN_WORKSPACE_CACHE_MB is under the 512 MiB this test fills";
   sattn::empty_workspace_cache();
   ASSERT_EQ(sattn::workspace_cache_bytes(), 0);
   void* small = sattn::workspace_alloc(kMiB);  // below 4 MiB: never cached
@@ -93,7 +87,8 @@ TEST(Workspace, SizesPastTheAddressSpaceAreOutOfMemoryErrorsNamingTheArray) {
 // A fork while another thread is inside the cache's lock must not leave the child with that lock taken: the child
 // takes a cached block (no malloc in the child) and must exit at once.
 TEST(Workspace, ForkedChildUsesTheCacheWhileAnotherThreadWasInIt) {
-  if (cache_limit_mb() < 8) GTEST_SKIP() << "SATTN_WORKSPACE_CACHE_MB is under the 8 MiB this test keeps";
+  if (sattn::workspace_cache_limit() < 8 * kMiB)
+    GTEST_SKIP() << "SATTN_WORKSPACE_CACHE_MB is under the 8 MiB this test keeps";
   sattn::empty_workspace_cache();
   sattn::workspace_free(sattn::workspace_alloc(6 * kMiB));  // the child's block
   std::atomic<bool> stop{false};
