@@ -775,7 +775,7 @@ AttentionOptions run_options(const Problem& p, const CheckOptions& o) {
   const std::vector<double> dout_exact = to_doubles(dout.view());
   Tensor dq(odt, p.q.shape), dk(odt, p.k.shape), dv(odt, p.v.shape), dmask;
   AttentionGrads grads{dq.view(), dk.view(), dv.view(), {}};
-  const bool additive = is_additive(p.config.mask);
+  const bool additive = is_additive(p.config.mask) && o.mask_grad;
   if (additive) dmask = Tensor(ldt, p.mask_shape), grads.dmask = dmask.view();
   const AttentionOptions opts = run_options(p, o);
   const std::string where = " [" + p.config.name() + ", kernel " + o.kernel + ", backward]";

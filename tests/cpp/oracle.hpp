@@ -146,6 +146,7 @@ struct CheckOptions {
   int num_threads = 0;
   bool skip_unsupported = true;   // a kernel that does not support the problem: *skipped = true, success
   DType out_dtype = DType::kF32;  // dtype of out/lse/weights/grads (f64 when the problem is f64)
+  bool mask_grad = true;          // backward: request an additive mask's gradient
 };
 double default_tolerance(DType dtype);
 

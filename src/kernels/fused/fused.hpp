@@ -85,6 +85,15 @@ struct Params {
   // dO^T in pairs along D and Dv.
   uint32_t* v_row_pairs = nullptr;
   uint32_t *pk_qp = nullptr, *pk_dop = nullptr;
+  // round_grads: the one-pass backward's other three products on bf16 pairs too, with P' and dS rounded to bf16
+  // once, as FlashAttention does (Float32Precision::kBF16, or bf16 inputs whose dq, dk and dv are stored in bf16,
+  // whose own rounding is of the same size): dV += P'^T dO and dK += scale dS^T Q take P'^T and dS^T in pairs along
+  // the queries and pk_qrp [Br/2 x pad16(D)], pk_dorp [Br/2 x pad16(Dv)] words per query block t: Q (unscaled) and
+  // dO in pairs along the queries (q[2y, x], q[2y + 1, x]); dQ^T += K^T dS^T takes kt_pairs [B·Hkv][Lk2][D] words
+  // (k[2y, x], k[2y + 1, x]) (rows that hold a NaN zeroed, zero past Lk) and dS^T in pairs along the keys.
+  bool round_grads = false;
+  uint32_t* kt_pairs = nullptr;
+  uint32_t *pk_qrp = nullptr, *pk_dorp = nullptr;
   // The amx build: those bf16 products on AMX tiles (tdpbf16ps, simd/amx_tiles.hpp) instead of vdpbf16ps. Its tiles
   // take the left operand with rows along the sum, so the forward's v_pairs hold V^T: [B·Hkv][Dv][Lk2] words
   // (v[2y, x], v[2y + 1, x]) at x·Lk2 + y.

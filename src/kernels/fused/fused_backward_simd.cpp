@@ -155,9 +155,12 @@ bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, 
 }
 
 struct BwdScratch {
-  Scratch s_st, s_dpt, s_pdt, s_bias, s_kbuf, s_vbuf;
+  Scratch s_st, s_dpt, s_pdt, s_bias, s_kbuf, s_vbuf, s_pairs;
   BwdTile w{};
   uint8_t pad[1024];
+  // round_grads: P'^T and dS^T in pairs along the queries [Bc x Br/2] words, dS^T in pairs along the keys
+  // [Bc/2 x Br], and one row of K^T pairs [D] for an odd last key whose partner must not be read.
+  uint32_t *pd_pairs = nullptr, *ds_pairs = nullptr, *ds_key_pairs = nullptr, *kt_last = nullptr;
   explicit BwdScratch(const Params& p) {
     w.ST = s_st.alloc(p.Bc * p.Br);
     w.dPT = s_dpt.alloc(p.Bc * p.Br);
@@ -166,6 +169,13 @@ struct BwdScratch {
     w.kbuf = s_kbuf.alloc(p.Bc * p.D);
     w.vbuf = s_vbuf.alloc(p.Bc * p.Dv);
     w.pad = pad;
+    if (p.round_grads) {
+      const int64_t tile_words = p.Bc * p.Br / 2;
+      pd_pairs = reinterpret_cast<uint32_t*>(s_pairs.alloc(3 * tile_words + Params::pad16(p.D)));
+      ds_pairs = pd_pairs + tile_words;
+      ds_key_pairs = ds_pairs + tile_words;
+      kt_last = ds_key_pairs + tile_words;
+    }
   }
 };
 
@@ -215,6 +225,29 @@ void BackwardKVTask(const Params& p, int64_t task) {
   StoreKeyGrads(p, b, hk, kb, nk, dK, dV);
 }
 
+#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
+// round_grads: dV += P'^T dO, dK += scale dS^T Q and dQ^T += K^T dS^T of one computed tile (P'^T in sc.w.PdT,
+// dS^T in sc.w.ST) on the bf16 products, P' and dS rounded to bf16 once.
+void RoundedGradProducts(const Params& p, BwdScratch& sc, int64_t b, int64_t hk, int64_t t, int64_t kb, int64_t nk,
+                         float* dK, float* dV, float* dQT) {
+  const int64_t Br = p.Br, Br2 = Br / 2, Dp = Params::pad16(p.D), Dvp = Params::pad16(p.Dv), nk2 = (nk + 1) / 2;
+  PackRowsAsPairs(sc.w.PdT, nk, Br, sc.pd_pairs);
+  PackRowsAsPairs(sc.w.ST, nk, Br, sc.ds_pairs);
+  PackProbabilityPairs<false>(sc.w.ST, nk, Br, sc.ds_key_pairs);
+  GemmBf16<true, false>(sc.pd_pairs, Br2, 1, p.pk_dorp + t * Br2 * Dvp, Dvp, 0, dV, Dvp, nk, Dvp / 16, Br2, 1.f);
+  GemmBf16<true, false>(sc.ds_pairs, Br2, 1, p.pk_qrp + t * Br2 * Dp, Dp, 0, dK, Dp, nk, Dp / 16, Br2, p.scale);
+  const uint32_t* kt = p.kt_pairs + ((b * p.Hkv + hk) * p.lk_pairs() + kb / 2) * p.D;
+  if (nk % 2 == 0 || kb + nk == p.Lk) {  // the pair past an odd last key is zero in kt_pairs only at Lk
+    GemmBf16<true, false>(kt, 1, p.D, sc.ds_key_pairs, Br, 0, dQT, Br, p.D, Br / 16, nk2, 1.f);
+    return;
+  }
+  // An odd last key before Lk (key_len): its partner (a key the reference never reads) is left out.
+  if (nk2 > 1) GemmBf16<true, false>(kt, 1, p.D, sc.ds_key_pairs, Br, 0, dQT, Br, p.D, Br / 16, nk2 - 1, 1.f);
+  for (int64_t x = 0; x < p.D; ++x) sc.kt_last[x] = kt[(nk2 - 1) * p.D + x] & 0xFFFFu;
+  GemmBf16<true, false>(sc.kt_last, 1, p.D, sc.ds_key_pairs + (nk2 - 1) * Br, Br, 0, dQT, Br, p.D, Br / 16, 1, 1.f);
+}
+#endif
+
 // One-pass backward: dK, dV of the key blocks of group g and their partial dQ^T of every query block that sees
 // them. Loops: query head h, query block qb, key block of the group; dK and dV of a key block add the same tiles
 // in the same order as BackwardKVTask (so they equal its results), and dQ^T is summed over the group's key blocks.
@@ -244,6 +277,13 @@ void BackwardKVQTask(const Params& p, int64_t task) {
         const float* dOr = p.pk_dor + t * Br * Dvp;
         for (int64_t kb = kb0; kb < klive; kb += Bc) {
           const int64_t nk = std::min(Bc, klive - kb), x = (kb - kb0) / Bc;
+#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
+          if (p.round_grads) {
+            if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk, nullptr, nullptr)) continue;
+            RoundedGradProducts(p, sc, b, hk, t, kb, nk, dK + x * Bc * Dp, dV + x * Bc * Dvp, dQT);
+            continue;
+          }
+#endif
           Rows kr{};
           if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk, &kr, nullptr)) continue;
           Gemm<true>(sc.w.PdT, Br, 1, dOr, Dvp, dV + x * Bc * Dvp, Dvp, nk, Dvp / N, Br);  // dV += P'^T dO
@@ -347,6 +387,10 @@ void PackQTask(const Params& p, int64_t task) {
   if (p.pk_qp) {  // Q^T and dO^T (when dO is bf16 too) in bf16 pairs; a NaN row of q is zeroed below
     PackTransposedPairs(p.q, b, h, i0, nq, p.D, Br, p.pk_qp + task * p.d_pairs() * Br);
     if (p.pk_dop) PackTransposedPairs(p.dout, b, h, i0, nq, p.Dv, Br, p.pk_dop + task * p.dv_pairs() * Br);
+    if (p.pk_qrp) {
+      PackRowPairsAlongRows(p.q, b, h, i0, nq, p.D, Dp, Br, p.pk_qrp + task * (Br / 2) * Dp);
+      PackRowPairsAlongRows(p.dout, b, h, i0, nq, p.Dv, Dvp, Br, p.pk_dorp + task * (Br / 2) * Dvp);
+    }
   }
 #endif
   const int64_t row0 = bh * p.Lq + i0;
@@ -365,6 +409,8 @@ void PackQTask(const Params& p, int64_t task) {
     for (int64_t x = 0; x < p.D; ++x) qr[ii * Dp + x] = qt[x * Br + ii] = 0.f;
     if (p.pk_qp)
       for (int64_t x = 0; x < p.d_pairs(); ++x) p.pk_qp[(task * p.d_pairs() + x) * Br + ii] = 0;
+    if (p.pk_qrp)  // the row's half of its pairs
+      for (int64_t x = 0; x < p.D; ++x) p.pk_qrp[(task * (Br / 2) + ii / 2) * Dp + x] &= ii % 2 ? 0xFFFFu : 0xFFFF0000u;
     p.nan_row[row0 + ii] = 1;
     p.lse_eff[row0 + ii] = std::numeric_limits<float>::infinity();
     p.delta[row0 + ii] = 0.f;
@@ -418,6 +464,16 @@ void PackKVRowPairs(const Params& p, int64_t task) {
   const int64_t b = task / p.Hkv, hk = task % p.Hkv;
   PackRowPairs(p.k, b * p.k.sb + hk * p.k.sh, p.Lk, p.D, true, p.k_pairs + task * p.Lk * p.d_pairs());
   PackRowPairs(p.v, b * p.v.sb + hk * p.v.sh, p.Lk, p.Dv, false, p.v_row_pairs + task * p.Lk * p.dv_pairs());
+  if (!p.kt_pairs) return;
+  // kt_pairs from the k_pairs just packed (NaN rows already zero): (k[2y, x], k[2y + 1, x]).
+  const int64_t D2 = p.d_pairs();
+  const uint32_t* kp = p.k_pairs + task * p.Lk * D2;
+  uint32_t* kt = p.kt_pairs + task * p.lk_pairs() * p.D;
+  const auto half = [&](int64_t j, int64_t x) {
+    return j < p.Lk ? kp[j * D2 + x / 2] >> (x % 2 ? 16 : 0) & 0xFFFFu : 0u;
+  };
+  for (int64_t y = 0; y < p.lk_pairs(); ++y)
+    for (int64_t x = 0; x < p.D; ++x) kt[y * p.D + x] = half(2 * y, x) | half(2 * y + 1, x) << 16;
 }
 #endif
 

@@ -244,7 +244,10 @@ void fused_forward(const ForwardArgs& a) {
   // bf16 products (a build that has them; bf16 inputs, or float32 ones when allowed): K and V as bf16 pairs, once.
   WorkspaceVector<uint32_t> kv_pairs;  // zeroed by resize
   std::optional<CountedBytes> counted_pairs;
-  p.round_p = a.options.float32_precision == Float32Precision::kBF16;
+  // P rounded to bf16 once for P·V where rounding is allowed, or where the inputs and the output are bf16 (the
+  // output's own rounding is of the same size); else as two bf16 parts, to float32 accuracy.
+  p.round_p = a.options.float32_precision == Float32Precision::kBF16 ||
+              (p.q.dtype == DType::kBF16 && p.out.dtype == DType::kBF16);
   p.amx_tiles = o.amx_tiles;
   if (o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options)) {
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.lk_pairs() * p.Dv;
@@ -341,17 +344,29 @@ void fused_backward(const BackwardArgs& a) {
   WorkspacePtr<uint32_t> q_pairs;      // read with aligned vector loads
   std::optional<CountedBytes> counted_pairs;
   if (o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options)) {
+    const bool bf16_precision = a.options.float32_precision == Float32Precision::kBF16;
+    // All five products on bf16 pairs (P' and dS rounded once) where rounding is allowed or the gradients are bf16
+    // anyway; the two-pass schedule of the mask gradient keeps its float32 products.
+    const bool bf16_grads = p.dq.dtype == DType::kBF16 && p.dk.dtype == DType::kBF16 && p.dv.dtype == DType::kBF16;
+    p.round_grads = !pr.need_dmask && (bf16_precision || bf16_grads);
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.Lk * p.dv_pairs();
-    const bool dout_pairs = p.dout.dtype == DType::kBF16 || a.options.float32_precision == Float32Precision::kBF16;
+    const int64_t kt_words = p.round_grads ? p.B * p.Hkv * p.lk_pairs() * p.D : 0;
+    const bool dout_pairs = p.dout.dtype == DType::kBF16 || bf16_precision || p.round_grads;
     const int64_t q_words = nqt * p.Br * p.d_pairs(), do_words = dout_pairs ? nqt * p.Br * p.dv_pairs() : 0;
-    kv_pairs.resize(size_t(k_words + v_words));
-    counted_pairs.emplace(int64_t((k_words + v_words + q_words + do_words) * sizeof(uint32_t)));
-    q_pairs =
-        workspace_array<uint32_t>(size_t(q_words + do_words), "fused attention backward: the packed bf16 query tiles");
+    const int64_t rows_words = p.round_grads ? nqt * (p.Br / 2) * (Params::pad16(p.D) + Params::pad16(p.Dv)) : 0;
+    kv_pairs.resize(size_t(k_words + v_words + kt_words));
+    counted_pairs.emplace(int64_t((k_words + v_words + kt_words + q_words + do_words + rows_words) * sizeof(uint32_t)));
+    q_pairs = workspace_array<uint32_t>(size_t(q_words + do_words + rows_words),
+                                        "fused attention backward: the packed bf16 query tiles");
     p.k_pairs = kv_pairs.data(), p.v_row_pairs = p.k_pairs + k_words;
+    if (p.round_grads) p.kt_pairs = p.v_row_pairs + v_words;
     p.amx_tiles = o.amx_tiles;
     p.pk_qp = q_pairs.get();
     if (dout_pairs) p.pk_dop = p.pk_qp + q_words;
+    if (p.round_grads) {
+      p.pk_qrp = p.pk_qp + q_words + do_words;
+      p.pk_dorp = p.pk_qrp + nqt * (p.Br / 2) * Params::pad16(p.D);
+    }
     run_tasks(p.B * p.Hkv, threads, [&](int64_t t) { o.pack_kv_pairs(p, t); });
   }
   run_tasks(nqt, threads, [&](int64_t t) { o.pack_q_task(p, t); });
