@@ -340,7 +340,8 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
     else GemmBf16<false, false>(kp + kb * D2, D2, 1, QP, Br, 0, ST, Br, nk, nvec, D2, p.scale);
     if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, bias, pad, ST);
     const float* P = SoftmaxTile(p, b, h, i0, nq, kb, nk, ST, PT, OT, M, L);
-    PackProbabilityPairs(P, nk, Br, PP);
+    if (p.round_p) PackProbabilityPairs<false>(P, nk, Br, PP);  // P rounded once: no lo parts
+    else PackProbabilityPairs(P, nk, Br, PP);
     const int64_t lo = (nk + 1) / 2 * Br;
     if (p.amx_tiles) {  // O^T += V^T P^T over the tile's nk keys (V^T pairs from column kb / 2; kb is even)
       const auto pv_tiles =
