@@ -23,9 +23,11 @@ Causal parse_causal(const std::string& text, const char* argument_name = "causal
 
 // How float32 values may enter the fused kernel's matrix products (PyTorch's torch.set_float32_matmul_precision).
 // kHighest keeps float32 accuracy everywhere. kBF16 allows rounding them to bfloat16 where the CPU has bf16
-// products (the avx512bf16 SIMD target): float32 q/k/v/dO, and the softmax probabilities P of the forward's P·V,
-// are then rounded to bf16 (2^-9 relative each) with float32 sums — faster, less accurate. Elsewhere (other targets,
-// float16 inputs, the reference kernel) it changes nothing.
+// products (the avx512bf16 and amx SIMD targets): float32 q/k/v/dO, the softmax probabilities P of the forward's
+// P·V and the backward's P' and dS are then rounded to bf16 (2^-9 relative each) with float32 sums — faster, less
+// accurate. Elsewhere (other targets, float16 inputs, the reference kernel) it changes nothing. bf16 inputs on those
+// targets round P, P' and dS once whenever out (forward) or dq, dk and dv (backward) are stored in bf16, as
+// FlashAttention does, and keep float32 accuracy in the products otherwise.
 enum class Float32Precision : uint8_t { kHighest, kBF16 };
 const char* to_string(Float32Precision precision);
 // Parses "highest" or "bf16" (throws sattn::Error naming `argument_name` otherwise).

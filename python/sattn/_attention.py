@@ -259,6 +259,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     float32_precision: 'highest' (default) or 'bf16', as torch.set_float32_matmul_precision('medium'): float32
     inputs and the softmax probabilities may be rounded to bfloat16 in the fused kernel's products where the CPU
     has bf16 products (the amx and avx512bf16 SIMD targets) — faster, about 2^-9 relative per rounding; elsewhere no change.
+    (bfloat16 inputs, whose out here is bfloat16, round the probabilities once on those targets in any case.)
     query_offset, key_offset, position_stride: the call is one shard of a longer sequence (sequence parallelism, as
     sattn.dist does): query row i sits at global position query_offset + position_stride * i, key j at
     key_offset + position_stride * j; is_causal (top_left), dropout and key_lengths (then global lengths) use them.
@@ -291,7 +292,8 @@ def scaled_dot_product_attention_backward(dout, query, key, value, out, lse, att
     dout and out (..., Hq, Lq, Ev), lse (..., Hq, Lq) from the forward with return_lse=True.
     Returns (dq, dk, dv), or (dq, dk, dv, dmask) when attn_mask is a float array (dmask has the mask's own shape:
     the gradient summed over the dimensions it broadcasts along). Rows with no allowed key contribute nothing.
-    float32_precision as in scaled_dot_product_attention (here: q, k, v and dout rounded in S = QK^T, dP = dO V^T).
+    float32_precision as in scaled_dot_product_attention (here: q, k, v and dout rounded in S = QK^T, dP = dO V^T,
+    and P and dS rounded in the products of dv, dk and dq; bfloat16 inputs round those once in any case).
     query_offset, key_offset, position_stride as in scaled_dot_product_attention; with the forward's global out
     and lse, a shard's backward gives that shard's part of the gradients.
     """
