@@ -89,11 +89,13 @@ def test_varlen_half_inputs_match_upcast(dtype_name):
     ref = sattn.flash_attn_varlen(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), cu, cu, 33, 33,
                                   causal=True)
     # Half-precision inputs are read natively and the output has their dtype (as FlashAttention's); the kernel
-    # computes in float32, so it is the float32 result rounded once. The bf16 products (amx, avx512bf16 builds) compute
-    # it with other float32 roundings: then within half a bf16 unit in the last place (2^-8 relative) of it.
+    # computes in float32, so it is the float32 result rounded once. The bf16 products (amx, avx512bf16 builds) round
+    # the probabilities to bf16 once for a bf16 out, as FlashAttention does: then within 1e-2 of the largest value
+    # (the C++ bf16-output sweep's bound).
     assert out.dtype == np.dtype(dt)
     if dtype_name == "bfloat16" and sattn.simd_targets()["fused"] in ("amx", "avx512bf16"):
-        np.testing.assert_allclose(out.astype(np.float32), ref, rtol=2.0**-8, atol=1e-6)
+        assert np.abs(out.astype(np.float32) - ref).max() <= 1e-2 * max(1.0, np.abs(ref).max())
+        assert not np.array_equal(out, ref.astype(dt))  # the rounded products ran
     else:
         np.testing.assert_array_equal(out, ref.astype(dt))
     dout = rng.standard_normal(out.shape).astype(dt)

@@ -155,8 +155,8 @@ def test_bfloat16_if_ml_dtypes_is_installed():
     out = sattn.scaled_dot_product_attention(q, k, v)
     assert out.dtype == np.dtype(ml_dtypes.bfloat16)
     ref = sattn.scaled_dot_product_attention(*(x.astype(np.float32) for x in (q, k, v)))
-    if sattn.simd_targets()["fused"] in ("amx", "avx512bf16"):  # bf16 products: other float32 roundings before the cast
-        np.testing.assert_allclose(out.astype(np.float32), ref, rtol=2.0**-8, atol=1e-6)
+    if sattn.simd_targets()["fused"] in ("amx", "avx512bf16"):  # bf16 products, P rounded to bf16 once for a bf16 out
+        assert np.abs(out.astype(np.float32) - ref).max() <= 1e-2 * max(1.0, np.abs(ref).max())
     else:
         np.testing.assert_array_equal(out, ref.astype(ml_dtypes.bfloat16))
 
