@@ -75,7 +75,8 @@ struct Params {
   // forward tiles then compute S = Q K^T and O += P V with bf16 pairs and float32 sums; nullptr: float32 products.
   uint32_t* k_pairs = nullptr;
   uint32_t* v_pairs = nullptr;
-  bool round_p = false;  // Float32Precision::kBF16: P·V takes P rounded to bf16 once (else as two bf16 parts)
+  // P·V takes P rounded to bf16 once (Float32Precision::kBF16, or bf16 inputs with a bf16 out), else as two bf16 parts
+  bool round_p = false;
   int64_t d_pairs() const { return (D + 1) / 2; }
   int64_t dv_pairs() const { return (Dv + 1) / 2; }
   int64_t lk_pairs() const { return (Lk + 1) / 2; }
