@@ -271,15 +271,21 @@ bool has_bf16_products(const std::string& simd) { return simd == "amx" || simd =
 // The sweep with bf16 inputs on the bf16 products of each target that has them, forward and backward, against
 // the fp64 reference on the same (rounded) values, with the float32 tolerances; bitwise the same for 1 and 3
 // threads.
-class FusedBf16Products : public ::testing::TestWithParam<std::string> {};
+class FusedBf16Products : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    const auto avail = sattn::testing::simd_target_names();
+    if (std::find(avail.begin(), avail.end(), GetParam()) == avail.end())
+      GTEST_SKIP() << "this CPU does not run " << GetParam() << " ("
+                   << (GetParam() == "amx" ? sattn::simd::amx_unavailable_reason() : "no AVX512-BF16")
+                   << "): its bf16 products are not tested here";
+    target_.emplace(GetParam());
+  }
+  void TearDown() override { target_.reset(); }
+  std::optional<sattn::testing::ScopedSimdTarget> target_;
+};
 
 TEST_P(FusedBf16Products, MatchReference) {
-  const auto avail = sattn::testing::simd_target_names();
-  if (std::find(avail.begin(), avail.end(), GetParam()) == avail.end())
-    GTEST_SKIP() << "this CPU does not run " << GetParam() << " ("
-                 << (GetParam() == "amx" ? sattn::simd::amx_unavailable_reason() : "no AVX512-BF16")
-                 << "): its bf16 products are not tested here";
-  const sattn::testing::ScopedSimdTarget target(GetParam());
   uint32_t seed = 500;
   for (const Case& c : sweep()) {
     SCOPED_TRACE(c.name());
@@ -319,10 +325,6 @@ TEST_P(FusedBf16Products, MatchReference) {
 constexpr double kBf16OutTol = 1e-2, kBf16GradTol = 3e-2;
 
 TEST_P(FusedBf16Products, Bf16OutputsRoundPAndDsOnce) {
-  const auto avail = sattn::testing::simd_target_names();
-  if (std::find(avail.begin(), avail.end(), GetParam()) == avail.end())
-    GTEST_SKIP() << "this CPU does not run " << GetParam() << ": its rounded bf16 products are not tested here";
-  const sattn::testing::ScopedSimdTarget target(GetParam());
   uint32_t seed = 900;
   double worst_fwd = 0, worst_bwd = 0;
   int differs = 0, grads_differ = 0;
@@ -362,10 +364,13 @@ TEST_P(FusedBf16Products, Bf16OutputsRoundPAndDsOnce) {
     // The backward from the reference's out (rounded to bf16, as a bf16 forward returns it) and lse.
     const FwdResult ref16{ref.out.to(DType::kBF16), ref.lse.to(DType::kF32), ""};
     const BwdResult g1 = backward(ref16, 1);
-    for (const Tensor* t : {&g1.dq, &g1.dk, &g1.dv}) {
-      const Tensor& r = t == &g1.dq ? gref.dq : t == &g1.dk ? gref.dk : gref.dv;
-      worst_bwd = std::max(worst_bwd, rel_err(*t, r));
-      EXPECT_LE(rel_err(*t, r), kBf16GradTol) << (t == &g1.dq ? "dq" : t == &g1.dk ? "dk" : "dv");
+    const struct {
+      const char* name;
+      const Tensor &got, &ref;
+    } grads[] = {{"dq", g1.dq, gref.dq}, {"dk", g1.dk, gref.dk}, {"dv", g1.dv, gref.dv}};
+    for (const auto& g : grads) {
+      worst_bwd = std::max(worst_bwd, rel_err(g.got, g.ref));
+      EXPECT_LE(rel_err(g.got, g.ref), kBf16GradTol) << g.name;
     }
     const BwdResult g3 = backward(ref16, 3);
     EXPECT_TRUE(bitwise_equal(g1.dq, g3.dq) && bitwise_equal(g1.dk, g3.dk) && bitwise_equal(g1.dv, g3.dv));
@@ -387,10 +392,6 @@ TEST_P(FusedBf16Products, Bf16OutputsRoundPAndDsOnce) {
 // An odd number of live keys (key_lengths) pairs the last one with a key past the length in the bf16 products:
 // that key must not reach the results even when it holds inf (inf · 0 = NaN).
 TEST_P(FusedBf16Products, KeysPastTheLengthAreNeverReadIntoTheRoundedProducts) {
-  const auto avail = sattn::testing::simd_target_names();
-  if (std::find(avail.begin(), avail.end(), GetParam()) == avail.end())
-    GTEST_SKIP() << "this CPU does not run " << GetParam() << ": its rounded bf16 products are not tested here";
-  const sattn::testing::ScopedSimdTarget target(GetParam());
   Case c;
   c.B = 2, c.Hq = 2, c.Hkv = 1, c.Lq = 70, c.Lk = 150, c.D = 20, c.Dv = 12, c.padding = 2;
   const Problem pb = make_problem(c, 31);  // key lengths 145 and 0

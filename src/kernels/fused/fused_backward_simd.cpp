@@ -159,7 +159,7 @@ struct BwdScratch {
   BwdTile w{};
   uint8_t pad[1024];
   // round_grads: P'^T and dS^T in pairs along the queries [Bc x Br/2] words, dS^T in pairs along the keys
-  // [Bc/2 x Br], and one row of K^T pairs [D] for an odd last key whose partner must not be read.
+  // [Bc/2 x Br], and one row of K^T pairs [D] for an odd last key (GemmKeyPairs).
   uint32_t *pd_pairs = nullptr, *ds_pairs = nullptr, *ds_key_pairs = nullptr, *kt_last = nullptr;
   explicit BwdScratch(const Params& p) {
     w.ST = s_st.alloc(p.Bc * p.Br);
@@ -230,21 +230,14 @@ void BackwardKVTask(const Params& p, int64_t task) {
 // dS^T in sc.w.ST) on the bf16 products, P' and dS rounded to bf16 once.
 void RoundedGradProducts(const Params& p, BwdScratch& sc, int64_t b, int64_t hk, int64_t t, int64_t kb, int64_t nk,
                          float* dK, float* dV, float* dQT) {
-  const int64_t Br = p.Br, Br2 = Br / 2, Dp = Params::pad16(p.D), Dvp = Params::pad16(p.Dv), nk2 = (nk + 1) / 2;
+  const int64_t Br = p.Br, Br2 = Br / 2, Dp = Params::pad16(p.D), Dvp = Params::pad16(p.Dv);
   PackRowsAsPairs(sc.w.PdT, nk, Br, sc.pd_pairs);
   PackRowsAsPairs(sc.w.ST, nk, Br, sc.ds_pairs);
   PackProbabilityPairs<false>(sc.w.ST, nk, Br, sc.ds_key_pairs);
   GemmBf16<true, false>(sc.pd_pairs, Br2, 1, p.pk_dorp + t * Br2 * Dvp, Dvp, 0, dV, Dvp, nk, Dvp / 16, Br2, 1.f);
   GemmBf16<true, false>(sc.ds_pairs, Br2, 1, p.pk_qrp + t * Br2 * Dp, Dp, 0, dK, Dp, nk, Dp / 16, Br2, p.scale);
   const uint32_t* kt = p.kt_pairs + ((b * p.Hkv + hk) * p.lk_pairs() + kb / 2) * p.D;
-  if (nk % 2 == 0 || kb + nk == p.Lk) {  // the pair past an odd last key is zero in kt_pairs only at Lk
-    GemmBf16<true, false>(kt, 1, p.D, sc.ds_key_pairs, Br, 0, dQT, Br, p.D, Br / 16, nk2, 1.f);
-    return;
-  }
-  // An odd last key before Lk (key_len): its partner (a key the reference never reads) is left out.
-  if (nk2 > 1) GemmBf16<true, false>(kt, 1, p.D, sc.ds_key_pairs, Br, 0, dQT, Br, p.D, Br / 16, nk2 - 1, 1.f);
-  for (int64_t x = 0; x < p.D; ++x) sc.kt_last[x] = kt[(nk2 - 1) * p.D + x] & 0xFFFFu;
-  GemmBf16<true, false>(sc.kt_last, 1, p.D, sc.ds_key_pairs + (nk2 - 1) * Br, Br, 0, dQT, Br, p.D, Br / 16, 1, 1.f);
+  GemmKeyPairs<false>(kt, p.D, sc.ds_key_pairs, Br, 0, dQT, Br, Br / 16, nk, sc.kt_last);
 }
 #endif
 

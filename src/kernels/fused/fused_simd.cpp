@@ -349,13 +349,9 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
       pv_tiles(vp + kb / 2, Lk2, PP, Br, lo, OT, Br, Dv, Br, nk, 1.f);
       continue;
     }
-    const uint32_t* vt = vp + kb / 2 * Dv;
-    const auto pv = p.round_p ? &GemmBf16<true, false> : &GemmBf16<true, true>;
-    pv(vt, 1, Dv, PP, Br, lo, OT, Br, Dv, nvec, nk / 2, 1.f);  // O^T += V^T P^T
-    if (nk % 2) {  // the last key alone: the pair's other value (a key past the tile's end) must not reach O
-      for (int64_t x = 0; x < Dv; ++x) vlast[x] = vt[nk / 2 * Dv + x] & 0xFFFFu;
-      pv(vlast, 1, Dv, PP + nk / 2 * Br, Br, lo, OT, Br, Dv, nvec, 1, 1.f);
-    }
+    const uint32_t* vt = vp + kb / 2 * Dv;  // O^T += V^T P^T
+    if (p.round_p) GemmKeyPairs<false>(vt, Dv, PP, Br, lo, OT, Br, nvec, nk, vlast);
+    else GemmKeyPairs<true>(vt, Dv, PP, Br, lo, OT, Br, nvec, nk, vlast);
   }
   FinishRows(p, b, h, i0, nq, 0, M, L, [&](int64_t ii, int64_t dd) { return OT[dd * Br + ii]; });
 }
