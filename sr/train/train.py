@@ -251,6 +251,8 @@ def main():
         ap.error("--device %s: this torch sees no CUDA GPU" % a.device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True               # fixed patch shapes: let cuDNN pick its conv kernels
+        torch.backends.cuda.matmul.allow_tf32 = True        # the attention's matmuls on TF32 tensor cores, as
+        # cuDNN's convolutions already are by default (float32 weights, Adam and loss; the C++ evaluator scores)
     torch.set_num_threads(a.threads)
     os.makedirs(a.ckpt_dir, exist_ok=True)
     log_path = a.log or os.path.join(a.ckpt_dir, "x%d_train.log" % a.scale)

@@ -65,3 +65,27 @@ def test_bicubic_calibration_set5(scale, published):
     assert abs(np.mean(rounded) - published) <= 0.02, np.mean(rounded)
     # the BasicSR protocol (unrounded Y) differs from it only by the Y rounding
     assert abs(np.mean(basicsr) - np.mean(rounded)) < 0.05
+
+
+SET14 = os.path.join(REPO, "..", "shared", "data", "sr", "test", "Set14")
+
+
+@pytest.mark.skipif(not os.path.isdir(SET14), reason="../shared/data/sr/test/Set14 not present")
+def test_pillow_fallback_reads_the_pixels_of_sattns_decoder(tmp_path):
+    """Where sattn is not built (a GPU machine), imgio decodes with Pillow: the same RGB pixels as sattn's libpng
+    decoder (grayscale bridge.png replicated alike), and lossless WebP copies of the training set read back equal."""
+    pytest.importorskip("PIL", reason="Pillow is not installed (python/requirements-dev.txt pins it)")
+    from PIL import Image
+    import imgio
+    import sattn.sr as sr
+    names = ["baboon.png", "bridge.png", "comic.png"]
+    for name in names:
+        path = os.path.join(SET14, name)
+        ref = sr.read_image(path)
+        got = imgio._pillow_read(path)
+        assert got.dtype == np.uint8 and got.shape == ref.shape, name
+        np.testing.assert_array_equal(got, ref, err_msg=name)
+        Image.fromarray(ref).save(tmp_path / (name[:-4] + ".webp"), lossless=True, quality=100, method=0)
+    assert [os.path.basename(p) for p in imgio.list_images(tmp_path)] == [n[:-4] + ".webp" for n in names]
+    for name, p in zip(names, imgio.list_images(tmp_path)):
+        np.testing.assert_array_equal(imgio.read_image(p), sr.read_image(os.path.join(SET14, name)), err_msg=name)
