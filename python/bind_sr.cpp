@@ -83,9 +83,10 @@ sr::UpscaleOptions options(const std::string& attention, const pyb::object& num_
 
 pyb::object upscale_py(const sr::SrModel& m, const pyb::object& image, const std::string& attention,
                        const pyb::object& num_threads, int64_t tile, int64_t overlap, bool self_ensemble, bool profile,
-                       bool return_stats, int64_t max_output_pixels) {
+                       bool return_stats, int64_t max_output_pixels, const std::string& float32_precision) {
   const sr::Image lr = image_from_numpy(image, "image");
   sr::UpscaleOptions o = options(attention, num_threads);
+  o.float32_precision = parse_float32_precision(float32_precision, "float32_precision");
   check(tile >= -1, ErrorKind::kInvalidArgument, "tile: expected -1 (auto), 0 (whole image) or >= 16, given ", tile);
   o.tile = tile >= 0 ? tile : sr::auto_tile_size(lr.height, lr.width);
   o.overlap = overlap;
@@ -175,14 +176,16 @@ void bind_sr(pybind11::module_& top) {
       .def_property_readonly("receptive_radius", &sr::SrModel::receptive_radius)
       .def("upscale", &upscale_py, "image"_a, pyb::kw_only(), "attention"_a = "sparse", "num_threads"_a = pyb::none(),
            "tile"_a = -1, "overlap"_a = -1, "self_ensemble"_a = false, "profile"_a = false, "return_stats"_a = false,
-           "max_output_pixels"_a = sr::kDefaultMaxPixels,
+           "max_output_pixels"_a = sr::kDefaultMaxPixels, "float32_precision"_a = "highest",
            "Upscale uint8 RGB [H, W, 3] (or gray [H, W], replicated) to uint8 [s*H, s*W, 3].\n"
            "attention: 'sparse' (routed windows only, the default) or 'dense' (every window). tile: LR tile size\n"
            "(-1 = whole image up to 512x512, else 256, as the CLI; 0 = whole image; >= 16), overlap: context per\n"
            "side (-1 = the receptive radius: tiled == untiled).\n"
            "self_ensemble: x8 flips/transposes averaged. return_stats=True returns (image, stats): windows_total,\n"
            "windows_routed, tiles and, with profile=True, 'stages' [{name, seconds, windows_total, windows_routed}].\n"
-           "max_output_pixels: larger outputs (s*H * s*W pixels) are refused (ValueError) before any work.")
+           "max_output_pixels: larger outputs (s*H * s*W pixels) are refused (ValueError) before any work.\n"
+           "float32_precision: 'highest', or 'bf16': the window attention's Q·Kᵀ and P·V on bf16-rounded operands\n"
+           "with float32 sums where the CPU has bf16 products (the CLI's --precision bf16).")
       .def("forward", &forward_py, "x"_a, pyb::kw_only(), "attention"_a = "sparse", "num_threads"_a = pyb::none(),
            "routing_in"_a = pyb::none(), "return_routing"_a = false,
            "The model's unclamped output float32 [3, s*h, s*w] for float32 x [3, h, w] in [0, 1] (the PyTorch\n"

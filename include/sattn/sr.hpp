@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "sattn/image.hpp"
+#include "sattn/problem.hpp"
 #include "sattn/tensor.hpp"
 
 namespace sattn::sr {
@@ -95,6 +96,10 @@ struct UpscaleOptions {
   std::function<void(int64_t, int64_t)> progress;
   // Time each stage of the model (UpscaleStats::stages): where the time goes, and what the routing saves.
   bool profile = false;
+  // kBF16: the window attention's two products (Q·Kᵀ and P·V) take bf16-rounded operands with float32 accumulation,
+  // as AttentionOptions::float32_precision, on a SIMD target with bf16 products (elsewhere float32 as kHighest). The
+  // convolutions, router, LayerNorms, projections and MLP stay float32.
+  Float32Precision float32_precision = Float32Precision::kHighest;
 };
 
 // Wall time of one stage of the model's forward pass, summed over tiles, ensemble passes and calls with the same

@@ -67,7 +67,8 @@ struct BlockCtx {
   int64_t H, W, C, heads, hd, hid;
   float ln_eps, std_eps, threshold;
   int threads;
-  AttentionProbe* probe = nullptr;  // set for the probed block only (UpscaleOptions::probe)
+  Float32Precision precision = Float32Precision::kHighest;  // of the window attention (UpscaleOptions)
+  AttentionProbe* probe = nullptr;                          // set for the probed block only (UpscaleOptions::probe)
   StageClock* clock = nullptr;
   int64_t block_index = 0;
 };
@@ -183,6 +184,7 @@ void attend_windows(const BlockCtx& cx, const WindowGrid& wg, const int64_t* win
   TensorView out(sc.o.data() + i0 * L * C, DType::kF32, shape, Shape{L * C, hd, C, 1});
   AttentionOptions opt;
   opt.num_threads = 1;
+  opt.float32_precision = cx.precision;
   if (with_mask) {
     sc.mask.resize(size_t(nb * L * L));
     for (int64_t j = 0; j < nb; ++j) {
@@ -425,6 +427,7 @@ void SrModel::forward_impl(const Tensor& x, const UpscaleOptions& options, Upsca
               float(c.route_threshold),
               threads};
   cx.clock = &clock;
+  cx.precision = options.float32_precision;
   int64_t offset = 0, routed = 0, block_index = 0, group_index = 0;
   // No copies of the full map: a group reads its input `gin` (kept for the group's residual) and writes its blocks'
   // stream to the other buffer `cur`; y and y_in alternate as group outputs, feat (the first group's input and the

@@ -15,6 +15,7 @@
 #include "nn/ops.hpp"
 #include "sattn/safetensors.hpp"
 #include "sattn/sr.hpp"
+#include "scoped.hpp"
 
 namespace {
 
@@ -703,4 +704,56 @@ TEST(SrModel, ProfileTimesEveryStageInOrderAndChangesNothing) {
   int64_t tt = 0;
   for (const auto& s : tiled.stages) tt += s.windows_total;
   EXPECT_EQ(tt, tiled.windows_total);
+}
+
+// ---- --precision bf16: the window attention's products on bf16 operands ----------------------------------------
+namespace {
+std::string shipped_x2_weights() { return std::string(SATTN_TEST_SOURCE_DIR) + "/sr/weights/sattn_sr_x2.safetensors"; }
+
+float max_abs_diff(const sattn::Tensor& a, const sattn::Tensor& b) {
+  float m = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) m = std::max(m, std::abs(a.data<float>()[i] - b.data<float>()[i]));
+  return m;
+}
+}  // namespace
+
+TEST(SrModel, Bf16PrecisionIsFloat32WhereTheTargetHasNoBf16Products) {
+  const auto m = sattn::sr::SrModel::load(shipped_x2_weights());
+  const sattn::Tensor x = sattn::sr::image_to_tensor(random_image(40, 36, 3, 31));
+  for (const std::string& target : sattn::testing::simd_target_names()) {
+    if (target == "amx" || target == "avx512bf16") continue;
+    sattn::testing::ScopedSimdTarget scoped(target);
+    sattn::sr::UpscaleOptions fp32, bf16;
+    fp32.mode = bf16.mode = sattn::sr::AttentionMode::kDense;
+    bf16.float32_precision = sattn::Float32Precision::kBF16;
+    const sattn::Tensor a = m.forward(x, fp32), b = m.forward(x, bf16);
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.nbytes())) << target;
+  }
+}
+
+// Shipped x2 weights (head dim 20: ten bf16 pairs), dense and sparse (the float32 run's routing fed in, so that both
+// run the same windows): the output moves by under one 8-bit gray level (1/255) and does move (bf16 products ran).
+TEST(SrModel, Bf16AttentionMovesTheOutputByUnderOneGrayLevel) {
+  std::vector<std::string> bf16_targets;
+  for (const std::string& t : sattn::testing::simd_target_names())
+    if (t == "amx" || t == "avx512bf16") bf16_targets.push_back(t);
+  if (bf16_targets.empty()) GTEST_SKIP() << "this CPU has no bf16 products (AVX512-BF16 or AMX-BF16): not checked";
+  const auto m = sattn::sr::SrModel::load(shipped_x2_weights());
+  const sattn::Tensor x = sattn::sr::image_to_tensor(random_image(40, 36, 3, 32));
+  for (const std::string& target : bf16_targets) {
+    sattn::testing::ScopedSimdTarget scoped(target);
+    for (const auto mode : {sattn::sr::AttentionMode::kDense, sattn::sr::AttentionMode::kSparse}) {
+      std::vector<uint8_t> routing;
+      sattn::sr::UpscaleOptions fp32, bf16;
+      fp32.mode = bf16.mode = mode;
+      if (mode == sattn::sr::AttentionMode::kSparse) fp32.routing_out = &routing, bf16.routing_in = &routing;
+      bf16.float32_precision = sattn::Float32Precision::kBF16;
+      const sattn::Tensor a = m.forward(x, fp32), b = m.forward(x, bf16);
+      const float d = max_abs_diff(a, b);
+      EXPECT_GT(d, 0.0f) << target << ": no change, so the bf16 products did not run";
+      EXPECT_LT(d, 1.0f / 255) << target;
+      std::printf("%s %s: max |bf16 - fp32| = %.3g\n", target.c_str(),
+                  mode == sattn::sr::AttentionMode::kDense ? "dense" : "sparse", double(d));
+    }
+  }
 }

@@ -78,7 +78,7 @@ std::vector<uint8_t> read_routing(const std::string& path) {
 }
 
 struct UpscaleArgs {
-  std::string in, out, weights, attention = "sparse", float_out, routing_in, routing_out, gates_out;
+  std::string in, out, weights, attention = "sparse", float_out, routing_in, routing_out, gates_out, precision = "fp32";
   int scale = 2, threads = 0, repeat = 1, png_compression = sr::kDefaultPngCompression;
   int64_t tile = -1, overlap = -1, max_output_pixels = sr::kDefaultMaxPixels;
   bool self_ensemble = false, profile = false;
@@ -92,6 +92,17 @@ void add_png_compression_option(CLI::App* cmd, int& level) {
       ->check(CLI::Range(0, 9))
       ->capture_default_str();
 }
+
+// --precision of the SR commands: fp32, or bf16 (the window attention's products on bf16 operands).
+Float32Precision parse_sr_precision(const std::string& text) {
+  check(text == "fp32" || text == "bf16", ErrorKind::kInvalidArgument, "--precision: expected fp32 or bf16, given '",
+        text, "'");
+  return text == "bf16" ? Float32Precision::kBF16 : Float32Precision::kHighest;
+}
+
+constexpr const char* kPrecisionHelp =
+    "fp32, or bf16: the window attention's two products (Q·Kᵀ, P·V) on bf16-rounded operands with float32 sums, on a "
+    "CPU with bf16 products (AVX512-BF16, AMX; elsewhere the same as fp32); everything else stays float32";
 
 // --tile -1 (default): whole image up to 512x512 LR pixels, else tiles of 256.
 int64_t auto_tile(int64_t tile, const sr::Image& lr) {
@@ -140,6 +151,7 @@ void run_upscale(const UpscaleArgs& a) {
   sr::UpscaleOptions opt;
   opt.mode = sr::parse_attention_mode(a.attention);
   opt.num_threads = a.threads;
+  opt.float32_precision = parse_sr_precision(a.precision);
   check(
       !a.self_ensemble || (a.float_out.empty() && a.routing_in.empty() && a.routing_out.empty() && a.gates_out.empty()),
       ErrorKind::kInvalidArgument, "--self-ensemble: not with --float-out, --routing-in, --routing-out or --gates-out");
@@ -202,16 +214,17 @@ void run_upscale(const UpscaleArgs& a) {
   outputs.commit();
   std::ostringstream summary;  // one write to the unbuffered stderr, not one per piece
   summary << "sr upscale: " << lr.width << "x" << lr.height << " -> " << out.width << "x" << out.height << " x"
-          << a.scale << " " << a.attention << (a.self_ensemble ? " x8 self-ensemble" : "") << ", " << st.tiles
-          << " tile(s), windows routed " << st.windows_routed << "/" << st.windows_total << ", weights "
-          << model->name() << (a.repeat > 1 ? ", median of " + std::to_string(a.repeat) + " runs" : "") << ", cpu "
-          << cpu_secs << " s, " << secs << " s\n";
+          << a.scale << " " << a.attention << (a.precision == "bf16" ? " (bf16 attention products)" : "")
+          << (a.self_ensemble ? " x8 self-ensemble" : "") << ", " << st.tiles << " tile(s), windows routed "
+          << st.windows_routed << "/" << st.windows_total << ", weights " << model->name()
+          << (a.repeat > 1 ? ", median of " + std::to_string(a.repeat) + " runs" : "") << ", cpu " << cpu_secs << " s, "
+          << secs << " s\n";
   std::cerr << summary.str();
   if (a.profile) print_profile(profiles, secs, a);
 }
 
 struct EvalArgs {
-  std::string data, weights, attention = "both";
+  std::string data, weights, attention = "both", precision = "fp32";
   int scale = 2, threads = 0;
   int64_t tile = -1, limit = 0, max_output_pixels = sr::kDefaultMaxPixels;
   bool json = false, self_ensemble = false;
@@ -224,6 +237,7 @@ struct ModeResult {
 
 void run_eval(const EvalArgs& a) {
   check_scale(a.scale);
+  const Float32Precision precision = parse_sr_precision(a.precision);
   check_max_output_pixels(a.max_output_pixels);
   check(fs::is_directory(a.data), ErrorKind::kIO, "--data: '", a.data, "' is not a directory");
   std::vector<fs::path> files;
@@ -279,6 +293,7 @@ void run_eval(const EvalArgs& a) {
         opt.tile = auto_tile(a.tile, lr);
         opt.self_ensemble = a.self_ensemble;
         opt.max_output_pixels = a.max_output_pixels;
+        opt.float32_precision = precision;
         out = model->upscale(lr, opt, &st);
       }
       const double secs = seconds_since(t0);
@@ -336,6 +351,7 @@ void add_sr_command(CLI::App& app) {
                  "context around each tile in LR pixels (-1 = the model's receptive radius: tiled == untiled)")
       ->capture_default_str();
   up->add_option("--weights", ua->weights, "safetensors weights (default: embedded / sr/weights/)");
+  up->add_option("--precision", ua->precision, kPrecisionHelp)->capture_default_str();
   up->add_option("--max-output-pixels", ua->max_output_pixels,
                  "refuse inputs whose output (width x height x scale^2) has more pixels, checked from the file "
                  "header before decoding")
@@ -384,6 +400,7 @@ void add_sr_command(CLI::App& app) {
       ->capture_default_str();
   ev->add_flag("--json", ea->json, "print JSON (per image and mean) instead of the table");
   ev->add_flag("--self-ensemble", ea->self_ensemble, "model rows with the x8 geometric self-ensemble (8x the time)");
+  ev->add_option("--precision", ea->precision, kPrecisionHelp)->capture_default_str();
   ev->callback([ea] {
     check(
         ea->attention == "both" || ea->attention == "dense" || ea->attention == "sparse" || ea->attention == "bicubic",

@@ -19,7 +19,7 @@ class SrModel:
         as the PyTorch stats list) used instead of the router's decisions (sparse only).
         return_routing=True returns (y, routing uint8 [n], gates float32 [n]).
         """
-    def upscale(self, image: typing.Any, *, attention: str = 'sparse', num_threads: typing.Any = None, tile: typing.SupportsInt | typing.SupportsIndex = -1, overlap: typing.SupportsInt | typing.SupportsIndex = -1, self_ensemble: bool = False, profile: bool = False, return_stats: bool = False, max_output_pixels: typing.SupportsInt | typing.SupportsIndex = 134217728) -> typing.Any:
+    def upscale(self, image: typing.Any, *, attention: str = 'sparse', num_threads: typing.Any = None, tile: typing.SupportsInt | typing.SupportsIndex = -1, overlap: typing.SupportsInt | typing.SupportsIndex = -1, self_ensemble: bool = False, profile: bool = False, return_stats: bool = False, max_output_pixels: typing.SupportsInt | typing.SupportsIndex = 134217728, float32_precision: str = 'highest') -> typing.Any:
         """
         Upscale uint8 RGB [H, W, 3] (or gray [H, W], replicated) to uint8 [s*H, s*W, 3].
         attention: 'sparse' (routed windows only, the default) or 'dense' (every window). tile: LR tile size
@@ -28,6 +28,8 @@ class SrModel:
         self_ensemble: x8 flips/transposes averaged. return_stats=True returns (image, stats): windows_total,
         windows_routed, tiles and, with profile=True, 'stages' [{name, seconds, windows_total, windows_routed}].
         max_output_pixels: larger outputs (s*H * s*W pixels) are refused (ValueError) before any work.
+        float32_precision: 'highest', or 'bf16': the window attention's Q·Kᵀ and P·V on bf16-rounded operands
+        with float32 sums where the CPU has bf16 products (the CLI's --precision bf16).
         """
     @property
     def config(self) -> dict:
