@@ -255,3 +255,12 @@ def test_precision_bf16_stays_within_a_gray_level_and_bad_values_are_named(tmp_p
     assert r.returncode == 2 and "--precision: expected fp32 or bf16, given 'fp16'" in r.stderr, r.stderr
     with pytest.raises(ValueError, match="float32_precision"):
         model.upscale(img, float32_precision="fp16")
+    hr = tmp_path / "hr"
+    hr.mkdir()
+    sr_png.write_png(str(hr / "a.png"), synth(48, 40, 12))
+    r = run("eval", "--scale", "2", "--data", str(hr), "--weights", weights, "--threads", "2", "--precision", "bf16")
+    assert "model rows: the window attention's products on bf16 operands" in r.stdout, r.stdout
+    js = json.loads(run("eval", "--scale", "2", "--data", str(hr), "--weights", weights, "--json").stdout)
+    assert js["precision"] == "fp32"
+    r = run("eval", "--scale", "2", "--data", str(hr), "--precision", "half", ok=False)
+    assert r.returncode == 2 and "--precision: expected fp32 or bf16, given 'half'" in r.stderr, r.stderr

@@ -266,7 +266,10 @@ void run_eval(const EvalArgs& a) {
   js["protocol"] = "BasicSR: HR mod-crop, MATLAB bicubic LR, Y (BT.601, unrounded), border = scale";
   if (model) js["weights_training_step"] = model->config().training_step;
   js["self_ensemble"] = a.self_ensemble;
+  js["precision"] = a.precision;
   if (!a.json && a.self_ensemble) std::printf("model rows: x8 geometric self-ensemble\n");
+  if (!a.json && model && precision == Float32Precision::kBF16)
+    std::printf("model rows: the window attention's products on bf16 operands (--precision bf16)\n");
   std::map<std::string, ModeResult> mean;
   if (!a.json) {
     std::printf("%-16s", "image");
