@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <iosfwd>
 #include <memory>
@@ -99,9 +100,21 @@ class Tensor {
   std::shared_ptr<unsigned char[]> buffer_;
 };
 
-// Element conversions for the half-precision types (round to nearest even).
-float bf16_to_float(uint16_t bits);
-uint16_t float_to_bf16(float value);
+// Element conversions for the half-precision types (round to nearest even). The bf16 pair is inline: the kernels
+// convert element by element where they pack or load bf16 operands.
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t u = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t float_to_bf16(float value) {
+  uint32_t u;
+  std::memcpy(&u, &value, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);                                         // round to nearest even
+  return uint16_t(u >> 16);
+}
 float fp16_to_float(uint16_t bits);
 uint16_t float_to_fp16(float value);
 

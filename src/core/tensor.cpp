@@ -104,19 +104,6 @@ TensorView::TensorView(void* data_, DType dtype_, Shape shape_, Shape strides_)
 bool TensorView::is_contiguous() const { return numel() <= 1 || strides == contiguous_strides(shape); }
 
 // ---- half precision ------------------------------------------------------------------------------------
-float bf16_to_float(uint16_t bits) {
-  uint32_t u = uint32_t(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-uint16_t float_to_bf16(float value) {
-  uint32_t u;
-  std::memcpy(&u, &value, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);                                         // round to nearest even
-  return uint16_t(u >> 16);
-}
 float fp16_to_float(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, u;
