@@ -153,15 +153,16 @@ void block(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, int64
   const bool odd_k = K % 2 != 0;
   bool full[2];
   for (int i = 0; i < 2; ++i) full[i] = m0 + kTileRows * (i + 1) <= M;
-  // With kAcc and mul 1 the accumulators start from C itself (full rows); otherwise from zero, combined after.
-  const bool direct = kAcc && mul == 1.f;
+  // With mul 1 the accumulators go straight to C (full rows), with kAcc starting from C itself; otherwise they
+  // start from zero and are combined with C after, through a staging buffer.
+  const bool direct = mul == 1.f;
   alignas(64) uint32_t a_stage[2][kTileRows * kTileRows];
   alignas(64) uint32_t b_stage[2][kTileRows * kTileRows];
   alignas(64) float c_stage[kTileRows * kTileRows];
 
   auto init = [&](auto ic, auto jc) {
     constexpr int i = decltype(ic)::value, j = decltype(jc)::value;
-    if (direct && full[i])
+    if (kAcc && direct && full[i])
       Tiles::template load<2 * i + j>(C + (m0 + kTileRows * i) * ldc + n0 + kTileRows * j, ldc * 4);
     else Tiles::template zero<2 * i + j>();
   };
@@ -231,6 +232,8 @@ void block(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, int64
 //   rounding errors of a float32 operand split into two bf16);
 // - N a multiple of 16; C rows ldc floats apart.
 // With odd K the high halves of pair K2 − 1 (elements past the sum) do not reach C, whatever they hold.
+// mul 1 stores the accumulators straight into C (full rows of 16); any other factor goes through a staging
+// buffer and scalar code, so callers with a factor to apply on every element do better to apply it themselves.
 // The tiles must be configured (TileConfigScope).
 template <class Tiles, bool kAcc, bool kSplit>
 void gemm_pairs(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, int64_t lo, float* C, int64_t ldc,

@@ -109,8 +109,10 @@ bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, 
     if (kr_out) *kr_out = k_rows();
     // On the amx build the tiles multiply the same pairs (the task holds the tile configuration).
     const auto product = [&](const uint32_t* A, int64_t K2, const uint32_t* B, float* C, float mul) {
-      if (p.amx_tiles) simd::amx::gemm_pairs<AmxTiles, false, false>(A, K2, B, Br, 0, C, Br, nk, Br, 2 * K2, mul);
-      else GemmBf16<false, false>(A, K2, 1, B, Br, 0, C, Br, nk, nvec, K2, mul);
+      if (p.amx_tiles) {
+        simd::amx::gemm_pairs<AmxTiles, false, false>(A, K2, B, Br, 0, C, Br, nk, Br, 2 * K2, 1.f);
+        if (mul != 1.f) ScaleRows(C, nk, Br, mul);
+      } else GemmBf16<false, false>(A, K2, 1, B, Br, 0, C, Br, nk, nvec, K2, mul);
     };
     product(p.k_pairs + (kv * p.Lk + kb) * D2, D2, p.pk_qp + t * D2 * Br, w.ST, p.scale);
     if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, w.bias, w.pad, w.ST);
@@ -162,6 +164,8 @@ struct BwdScratch {
   // round_grads: P'^T and dS^T in pairs along the queries [Bc x Br/2] words, dS^T in pairs along the keys
   // [Bc/2 x Br], and one row of K^T pairs [D] for an odd last key (GemmKeyPairs).
   uint32_t *pd_pairs = nullptr, *ds_pairs = nullptr, *ds_key_pairs = nullptr, *kt_last = nullptr;
+  float* dk_tile = nullptr;  // the amx build's dS^T Q [Bc x pad16(D)], before it is scaled into dK
+  Scratch s_dk_tile;
   explicit BwdScratch(const Params& p) {
     w.ST = s_st.alloc(p.Bc * p.Br);
     w.dPT = s_dpt.alloc(p.Bc * p.Br);
@@ -176,6 +180,7 @@ struct BwdScratch {
       ds_pairs = pd_pairs + tile_words;
       ds_key_pairs = ds_pairs + tile_words;
       kt_last = ds_key_pairs + tile_words;
+      if (p.amx_tiles) dk_tile = s_dk_tile.alloc(p.Bc * Params::pad16(p.D));
     }
   }
 };
@@ -235,6 +240,17 @@ void RoundedGradProducts(const Params& p, BwdScratch& sc, int64_t b, int64_t hk,
   PackRowsAsPairs(sc.w.PdT, nk, Br, sc.pd_pairs);
   PackRowsAsPairs(sc.w.ST, nk, Br, sc.ds_pairs);
   PackProbabilityPairs<false>(sc.w.ST, nk, Br, sc.ds_key_pairs);
+  if (p.amx_tiles) {  // the same three products on the tiles (K^T pairs per key block, Params::kt_pairs_head_words)
+    namespace amx = simd::amx;
+    amx::gemm_pairs<AmxTiles, true, false>(sc.pd_pairs, Br2, p.pk_dorp + t * Br2 * Dvp, Dvp, 0, dV, Dvp, nk, Dvp, Br,
+                                           1.f);
+    amx::gemm_pairs<AmxTiles, false, false>(sc.ds_pairs, Br2, p.pk_qrp + t * Br2 * Dp, Dp, 0, sc.dk_tile, Dp, nk, Dp,
+                                            Br, 1.f);
+    AddScaledRows(dK, sc.dk_tile, nk * Dp, p.scale);  // dK += scale · (dS^T Q)
+    const uint32_t* ktb = p.kt_pairs + (b * p.Hkv + hk) * p.kt_pairs_head_words() + kb / 2 * p.D;
+    amx::gemm_pairs<AmxTiles, true, false>(ktb, p.Bc / 2, sc.ds_key_pairs, Br, 0, dQT, Br, p.D, Br, nk, 1.f);
+    return;
+  }
   GemmBf16<true, false>(sc.pd_pairs, Br2, 1, p.pk_dorp + t * Br2 * Dvp, Dvp, 0, dV, Dvp, nk, Dvp / 16, Br2, 1.f);
   GemmBf16<true, false>(sc.ds_pairs, Br2, 1, p.pk_qrp + t * Br2 * Dp, Dp, 0, dK, Dp, nk, Dp / 16, Br2, p.scale);
   const uint32_t* kt = p.kt_pairs + ((b * p.Hkv + hk) * p.lk_pairs() + kb / 2) * p.D;
@@ -462,12 +478,14 @@ void PackKVRowPairs(const Params& p, int64_t task) {
   // kt_pairs from the k_pairs just packed (NaN rows already zero): (k[2y, x], k[2y + 1, x]).
   const int64_t D2 = p.d_pairs();
   const uint32_t* kp = p.k_pairs + task * p.Lk * D2;
-  uint32_t* kt = p.kt_pairs + task * p.lk_pairs() * p.D;
+  uint32_t* kt = p.kt_pairs + task * p.kt_pairs_head_words();
   const auto half = [&](int64_t j, int64_t x) {
     return j < p.Lk ? kp[j * D2 + x / 2] >> (x % 2 ? 16 : 0) & 0xFFFFu : 0u;
   };
+  const int64_t Bc2 = p.Bc / 2;
   for (int64_t y = 0; y < p.lk_pairs(); ++y)
-    for (int64_t x = 0; x < p.D; ++x) kt[y * p.D + x] = half(2 * y, x) | half(2 * y + 1, x) << 16;
+    for (int64_t x = 0; x < p.D; ++x)
+      kt[p.amx_tiles ? (y / Bc2 * p.D + x) * Bc2 + y % Bc2 : y * p.D + x] = half(2 * y, x) | half(2 * y + 1, x) << 16;
 }
 #endif
 

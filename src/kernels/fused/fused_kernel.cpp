@@ -250,7 +250,7 @@ void fused_forward(const ForwardArgs& a) {
               (p.q.dtype == DType::kBF16 && p.out.dtype == DType::kBF16);
   p.amx_tiles = o.amx_tiles;
   if (o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options)) {
-    const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.lk_pairs() * p.Dv;
+    const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.v_pairs_head_words();
     kv_pairs.resize(size_t(k_words + v_words));
     counted_pairs.emplace(int64_t((k_words + v_words) * sizeof(uint32_t)));
     p.k_pairs = kv_pairs.data(), p.v_pairs = p.k_pairs + k_words;
@@ -350,7 +350,8 @@ void fused_backward(const BackwardArgs& a) {
     const bool bf16_grads = p.dq.dtype == DType::kBF16 && p.dk.dtype == DType::kBF16 && p.dv.dtype == DType::kBF16;
     p.round_grads = !pr.need_dmask && (bf16_precision || bf16_grads);
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.Lk * p.dv_pairs();
-    const int64_t kt_words = p.round_grads ? p.B * p.Hkv * p.lk_pairs() * p.D : 0;
+    p.amx_tiles = o.amx_tiles;
+    const int64_t kt_words = p.round_grads ? p.B * p.Hkv * p.kt_pairs_head_words() : 0;
     const bool dout_pairs = p.dout.dtype == DType::kBF16 || bf16_precision || p.round_grads;
     const int64_t q_words = nqt * p.Br * p.d_pairs(), do_words = dout_pairs ? nqt * p.Br * p.dv_pairs() : 0;
     const int64_t rows_words = p.round_grads ? nqt * (p.Br / 2) * (Params::pad16(p.D) + Params::pad16(p.Dv)) : 0;
@@ -360,7 +361,6 @@ void fused_backward(const BackwardArgs& a) {
                                         "fused attention backward: the packed bf16 query tiles");
     p.k_pairs = kv_pairs.data(), p.v_row_pairs = p.k_pairs + k_words;
     if (p.round_grads) p.kt_pairs = p.v_row_pairs + v_words;
-    p.amx_tiles = o.amx_tiles;
     p.pk_qp = q_pairs.get();
     if (dout_pairs) p.pk_dop = p.pk_qp + q_words;
     if (p.round_grads) {

@@ -327,27 +327,27 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   std::fill(L, L + Br, 0.f);
   std::memset(OT, 0, sizeof(float) * size_t(Dv * Br));
   PackTransposedPairs(p.q, b, h, i0, nq, p.D, Br, QP);
-  const int64_t Lk2 = p.lk_pairs();
   const uint32_t* kp = p.k_pairs + (b * p.Hkv + hk) * p.Lk * D2;
-  const uint32_t* vp = p.v_pairs + (b * p.Hkv + hk) * Lk2 * Dv;
+  const uint32_t* vp = p.v_pairs + (b * p.Hkv + hk) * p.v_pairs_head_words();
   const AmxTaskScope tile_config(p.amx_tiles);
 
   for (int64_t kb = 0; kb < kend; kb += Bc) {
     const int64_t nk = std::min(Bc, kend - kb);
     const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, bias, pad);
     if (tm.skip) continue;
-    if (p.amx_tiles)  // S^T = scale K Q^T
-      simd::amx::gemm_pairs<AmxTiles, false, false>(kp + kb * D2, D2, QP, Br, 0, ST, Br, nk, Br, 2 * D2, p.scale);
-    else GemmBf16<false, false>(kp + kb * D2, D2, 1, QP, Br, 0, ST, Br, nk, nvec, D2, p.scale);
+    if (p.amx_tiles) {  // S^T = scale K Q^T
+      simd::amx::gemm_pairs<AmxTiles, false, false>(kp + kb * D2, D2, QP, Br, 0, ST, Br, nk, Br, 2 * D2, 1.f);
+      if (p.scale != 1.f) ScaleRows(ST, nk, Br, p.scale);
+    } else GemmBf16<false, false>(kp + kb * D2, D2, 1, QP, Br, 0, ST, Br, nk, nvec, D2, p.scale);
     if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, bias, pad, ST);
     const float* P = SoftmaxTile(p, b, h, i0, nq, kb, nk, ST, PT, OT, M, L);
     if (p.round_p) PackProbabilityPairs<false>(P, nk, Br, PP);  // P rounded once: no lo parts
     else PackProbabilityPairs(P, nk, Br, PP);
     const int64_t lo = (nk + 1) / 2 * Br;
-    if (p.amx_tiles) {  // O^T += V^T P^T over the tile's nk keys (V^T pairs from column kb / 2; kb is even)
+    if (p.amx_tiles) {  // O^T += V^T P^T over the tile's nk keys (the key block's V^T pairs, Bc/2 words a row)
       const auto pv_tiles =
           p.round_p ? &simd::amx::gemm_pairs<AmxTiles, true, false> : &simd::amx::gemm_pairs<AmxTiles, true, true>;
-      pv_tiles(vp + kb / 2, Lk2, PP, Br, lo, OT, Br, Dv, Br, nk, 1.f);
+      pv_tiles(vp + kb / 2 * Dv, Bc / 2, PP, Br, lo, OT, Br, Dv, Br, nk, 1.f);
       continue;
     }
     const uint32_t* vt = vp + kb / 2 * Dv;  // O^T += V^T P^T
