@@ -335,14 +335,22 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
     const int64_t nk = std::min(Bc, kend - kb);
     const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, bias, pad);
     if (tm.skip) continue;
-    if (p.amx_tiles) {  // S^T = scale K Q^T
+    // S^T = scale K Q^T. The tiles store unscaled sums; the scale then goes into the softmax's exponent (fold),
+    // or onto S^T first where a float bias is added to the scaled scores.
+    float fold = 1.f;
+    if (p.amx_tiles) {
       simd::amx::gemm_pairs<AmxTiles, false, false>(kp + kb * D2, D2, QP, Br, 0, ST, Br, nk, Br, 2 * D2, 1.f);
-      if (p.scale != 1.f) ScaleRows(ST, nk, Br, p.scale);
+      if (tm.has_bias || !(p.scale > 0.f)) ScaleRows(ST, nk, Br, p.scale);
+      else fold = p.scale;
     } else GemmBf16<false, false>(kp + kb * D2, D2, 1, QP, Br, 0, ST, Br, nk, nvec, D2, p.scale);
     if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, bias, pad, ST);
-    const float* P = SoftmaxTile(p, b, h, i0, nq, kb, nk, ST, PT, OT, M, L);
-    if (p.round_p) PackProbabilityPairs<false>(P, nk, Br, PP);  // P rounded once: no lo parts
-    else PackProbabilityPairs(P, nk, Br, PP);
+    if (PT) {  // dropout: P and the dropped P' in float32, then packed
+      if (fold != 1.f) ScaleRows(ST, nk, Br, fold);
+      const float* P = SoftmaxTile(p, b, h, i0, nq, kb, nk, ST, PT, OT, M, L);
+      if (p.round_p) PackProbabilityPairs<false>(P, nk, Br, PP);  // P rounded once: no lo parts
+      else PackProbabilityPairs(P, nk, Br, PP);
+    } else if (p.round_p) SoftmaxToPairs<false>(p, nk, ST, fold, PP, OT, M, L);
+    else SoftmaxToPairs<true>(p, nk, ST, fold, PP, OT, M, L);
     const int64_t lo = (nk + 1) / 2 * Br;
     if (p.amx_tiles) {  // O^T += V^T P^T over the tile's nk keys (the key block's V^T pairs, Bc/2 words a row)
       const auto pv_tiles =
