@@ -236,21 +236,37 @@ void block(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, int64
 // buffer and scalar code, so callers with a factor to apply on every element do better to apply it themselves.
 // The tiles must be configured (TileConfigScope).
 template <class Tiles, bool kAcc, bool kSplit>
+struct PairsProduct {
+  const uint32_t* A;
+  int64_t lda;
+  const uint32_t* B;
+  int64_t ldb, lo;
+  float* C;
+  int64_t ldc, M, N, K;
+  float mul;
+
+  // Blocks of up to 32 x 32 of C, rows [32·(i / nbn), +32) x columns [32·(i % nbn), +32).
+  int64_t num_blocks() const { return (M + 31) / 32 * ((N + 31) / 32); }
+  void run_block(int64_t i) const {
+    constexpr int64_t T = kTileRows;
+    const int64_t nbn = (N + 2 * T - 1) / (2 * T), m0 = i / nbn * 2 * T, n0 = i % nbn * 2 * T;
+    const bool two_rows = M - m0 > T, two_cols = N - n0 > T;
+    if (two_rows && two_cols) detail::block<Tiles, 2, 2, kAcc, kSplit>(A, lda, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
+    else if (two_rows) detail::block<Tiles, 2, 1, kAcc, kSplit>(A, lda, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
+    else if (two_cols) detail::block<Tiles, 1, 2, kAcc, kSplit>(A, lda, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
+    else detail::block<Tiles, 1, 1, kAcc, kSplit>(A, lda, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
+  }
+  void run() const {
+    for (int64_t i = 0; i < num_blocks(); ++i) run_block(i);
+  }
+};
+
+// The whole product at once; PairsProduct runs the same blocks one at a time, so that a caller can interleave
+// them with vector work (the tiles compute while the vector units run, in out-of-order execution).
+template <class Tiles, bool kAcc, bool kSplit>
 void gemm_pairs(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, int64_t lo, float* C, int64_t ldc,
                 int64_t M, int64_t N, int64_t K, float mul) {
-  constexpr int64_t T = kTileRows;
-  for (int64_t m0 = 0; m0 < M; m0 += 2 * T) {
-    const bool two_rows = M - m0 > T;
-    int64_t n0 = 0;
-    for (; n0 + 2 * T <= N; n0 += 2 * T) {
-      if (two_rows) detail::block<Tiles, 2, 2, kAcc, kSplit>(A, lda, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
-      else detail::block<Tiles, 1, 2, kAcc, kSplit>(A, lda, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
-    }
-    if (n0 < N) {
-      if (two_rows) detail::block<Tiles, 2, 1, kAcc, kSplit>(A, lda, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
-      else detail::block<Tiles, 1, 1, kAcc, kSplit>(A, lda, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
-    }
-  }
+  PairsProduct<Tiles, kAcc, kSplit>{A, lda, B, ldb, lo, C, ldc, M, N, K, mul}.run();
 }
 
 }  // namespace sattn::simd::amx

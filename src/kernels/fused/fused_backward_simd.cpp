@@ -110,6 +110,7 @@ bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, 
     // On the amx build the tiles multiply the same pairs (the task holds the tile configuration).
     const auto product = [&](const uint32_t* A, int64_t K2, const uint32_t* B, float* C, float mul) {
       if (p.amx_tiles) {
+        CleanVectorsForTiles();
         simd::amx::gemm_pairs<AmxTiles, false, false>(A, K2, B, Br, 0, C, Br, nk, Br, 2 * K2, 1.f);
         if (mul != 1.f) ScaleRows(C, nk, Br, mul);
       } else GemmBf16<false, false>(A, K2, 1, B, Br, 0, C, Br, nk, nvec, K2, mul);
@@ -242,12 +243,15 @@ void RoundedGradProducts(const Params& p, BwdScratch& sc, int64_t b, int64_t hk,
   PackProbabilityPairs<false>(sc.w.ST, nk, Br, sc.ds_key_pairs);
   if (p.amx_tiles) {  // the same three products on the tiles (K^T pairs per key block, Params::kt_pairs_head_words)
     namespace amx = simd::amx;
+    CleanVectorsForTiles();
     amx::gemm_pairs<AmxTiles, true, false>(sc.pd_pairs, Br2, p.pk_dorp + t * Br2 * Dvp, Dvp, 0, dV, Dvp, nk, Dvp, Br,
                                            1.f);
+    CleanVectorsForTiles();
     amx::gemm_pairs<AmxTiles, false, false>(sc.ds_pairs, Br2, p.pk_qrp + t * Br2 * Dp, Dp, 0, sc.dk_tile, Dp, nk, Dp,
                                             Br, 1.f);
     AddScaledRows(dK, sc.dk_tile, nk * Dp, p.scale);  // dK += scale · (dS^T Q)
     const uint32_t* ktb = p.kt_pairs + (b * p.Hkv + hk) * p.kt_pairs_head_words() + kb / 2 * p.D;
+    CleanVectorsForTiles();
     amx::gemm_pairs<AmxTiles, true, false>(ktb, p.Bc / 2, sc.ds_key_pairs, Br, 0, dQT, Br, p.D, Br, nk, 1.f);
     return;
   }

@@ -299,6 +299,73 @@ void ForwardTask(const Params& p, int64_t task) {
 // float32 inputs take this path only with kBF16 (rounded to bf16 when packed). vdpbf16ps flushes denormal bf16 to zero.
 // The bf16 GEMM and packing are in fused_tiles.inc. The amx build computes the same products on AMX tiles
 // (simd/amx_tiles.hpp; V^T pairs, see Params::amx_tiles), which flush bf16 denormals too.
+// One query block's tiles on the bf16 products.
+struct Bf16ForwardTile {
+  int64_t b, h, i0, nq, kend;
+  const uint32_t *kp, *vp;  // this head's K pairs and V (or V^T) pairs
+  uint32_t* QP;             // Q^T pairs [D2 x Br]
+  float* ST[2];             // S^T [Bc x Br]; the second for the amx loop, which computes the next while using one
+  float *OT, *M, *L, *bias, *PT;
+  uint32_t* PP;  // P^T pairs [Bc/2 x Br], hi and lo
+  uint8_t* pad;
+};
+
+// The online softmax of S^T (scores divided by fold) into P^T pairs, O^T rescaled; between(x) runs before each
+// group of query lanes x (the amx loop's next S^T product).
+template <class Between>
+SATTN_BF16_ATTR void SoftmaxIntoPairs(const Params& p, const Bf16ForwardTile& t, int64_t kb, int64_t nk, float* ST,
+                                      float fold, Between&& between) {
+  if (t.PT) {  // dropout: P and the dropped P' in float32, then packed
+    if (fold != 1.f) ScaleRows(ST, nk, p.Br, fold);
+    const float* P = SoftmaxTile(p, t.b, t.h, t.i0, t.nq, kb, nk, ST, t.PT, t.OT, t.M, t.L);
+    if (p.round_p) PackProbabilityPairs<false>(P, nk, p.Br, t.PP);  // P rounded once: no lo parts
+    else PackProbabilityPairs(P, nk, p.Br, t.PP);
+  } else if (p.round_p) SoftmaxToPairs<false>(p, nk, ST, fold, t.PP, t.OT, t.M, t.L, between);
+  else SoftmaxToPairs<true>(p, nk, ST, fold, t.PP, t.OT, t.M, t.L, between);
+}
+
+// The amx build's key loop. The tiles take S^T of the next live key block while the vector units run this
+// block's softmax (its blocks are issued between the softmax's lane groups; out-of-order execution overlaps them),
+// then O^T += V^T P^T. The tiles store unscaled sums: the scale goes into the softmax's exponent (fold), or onto
+// S^T first where a float bias is added to the scaled scores. Same products and order as one block at a time.
+SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t) {
+  const int64_t Br = p.Br, Bc = p.Bc, D2 = p.d_pairs();
+  namespace amx = simd::amx;
+  const auto next_live = [&](int64_t kb, TileMask& tm) {  // fills bias and pad for the block it returns
+    for (; kb < t.kend; kb += Bc)
+      if (!(tm = PrepareTileMask(p, t.b, t.h, t.i0, t.nq, kb, std::min(Bc, t.kend - kb), t.bias, t.pad)).skip) break;
+    return kb;
+  };
+  const auto scores = [&](int64_t kb, float* ST) {
+    const int64_t nk = std::min(Bc, t.kend - kb);
+    return amx::PairsProduct<AmxTiles, false, false>{t.kp + kb * D2, D2, t.QP, Br, 0, ST, Br, nk, Br, 2 * D2, 1.f};
+  };
+  TileMask tm;
+  int64_t kb = next_live(0, tm);
+  if (kb < t.kend) scores(kb, t.ST[0]).run();
+  for (int cur = 0; kb < t.kend; cur ^= 1) {
+    const int64_t nk = std::min(Bc, t.kend - kb);
+    float* ST = t.ST[cur];
+    float fold = p.scale;
+    if (tm.has_bias || !(p.scale > 0.f)) ScaleRows(ST, nk, Br, p.scale), fold = 1.f;
+    if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, t.i0, kb, nk, t.bias, t.pad, ST);
+    TileMask tm_next;
+    const int64_t kb_next = next_live(kb + Bc, tm_next);
+    const auto next = scores(std::min(kb_next, t.kend - 1), t.ST[cur ^ 1]);
+    const int64_t nblocks = kb_next < t.kend ? next.num_blocks() : 0;
+    int64_t done = 0;
+    SoftmaxIntoPairs(p, t, kb, nk, ST, fold, [&](int64_t) {
+      if (done < nblocks) CleanVectorsForTiles(), next.run_block(done++);
+    });
+    while (done < nblocks) next.run_block(done++);
+    const int64_t lo = (nk + 1) / 2 * Br;  // O^T += V^T P^T (the key block's V^T pairs, Bc/2 words a row)
+    if (p.round_p)
+      amx::gemm_pairs<AmxTiles, true, false>(t.vp + kb / 2 * p.Dv, Bc / 2, t.PP, Br, lo, t.OT, Br, p.Dv, Br, nk, 1.f);
+    else amx::gemm_pairs<AmxTiles, true, true>(t.vp + kb / 2 * p.Dv, Bc / 2, t.PP, Br, lo, t.OT, Br, p.Dv, Br, nk, 1.f);
+    kb = kb_next, tm = tm_next;
+  }
+}
+
 SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   if (!p.k_pairs) return ForwardTask(p, task);  // decode and float32 inputs: the float32 products
   const DF d;
@@ -310,59 +377,49 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   if (p.key_len) kend = std::min(kend, p.key_len[b]);
   if (p.causal) kend = std::min(kend, i0 + nq - 1 + p.causal_offset + 1);
 
-  Scratch s_qp, s_st, s_ot, s_ml, s_bias, s_pp, s_pt;
-  auto* QP = reinterpret_cast<uint32_t*>(s_qp.alloc(D2 * Br));  // Q^T pairs [D2 x Br]
-  float* ST = s_st.alloc(Bc * Br);
-  float* OT = s_ot.alloc(Dv * Br);
-  float* M = s_ml.alloc(2 * Br);
-  float* L = M + Br;
-  float* bias = p.mask != MaskKind::kNone ? s_bias.alloc(Bc * Br) : nullptr;
-  auto* PP = reinterpret_cast<uint32_t*>(s_pp.alloc((Bc + 1) / 2 * Br * 2));  // P^T pairs [Bc/2 x Br], hi and lo
-  float* PT = p.dropout_p > 0 ? s_pt.alloc(Bc * Br) : nullptr;
-  Scratch s_vlast;
-  auto* vlast = reinterpret_cast<uint32_t*>(s_vlast.alloc(Dv));
+  Scratch s_qp, s_st, s_ot, s_ml, s_bias, s_pp, s_pt, s_vlast;
   uint8_t pad[1024];  // Bc <= 1024 (checked by the driver)
+  Bf16ForwardTile t{b,
+                    h,
+                    i0,
+                    nq,
+                    kend,
+                    p.k_pairs + (b * p.Hkv + hk) * p.Lk * D2,
+                    p.v_pairs + (b * p.Hkv + hk) * p.v_pairs_head_words()};
+  t.QP = reinterpret_cast<uint32_t*>(s_qp.alloc(D2 * Br));
+  t.ST[0] = s_st.alloc(Bc * Br * (p.amx_tiles ? 2 : 1));
+  t.ST[1] = t.ST[0] + (p.amx_tiles ? Bc * Br : 0);
+  t.OT = s_ot.alloc(Dv * Br);
+  t.M = s_ml.alloc(2 * Br);
+  t.L = t.M + Br;
+  t.bias = p.mask != MaskKind::kNone ? s_bias.alloc(Bc * Br) : nullptr;
+  t.PP = reinterpret_cast<uint32_t*>(s_pp.alloc((Bc + 1) / 2 * Br * 2));
+  t.PT = p.dropout_p > 0 ? s_pt.alloc(Bc * Br) : nullptr;
+  t.pad = pad;
+  auto* vlast = reinterpret_cast<uint32_t*>(s_vlast.alloc(Dv));
 
-  std::fill(M, M + Br, kNegInf);
-  std::fill(L, L + Br, 0.f);
-  std::memset(OT, 0, sizeof(float) * size_t(Dv * Br));
-  PackTransposedPairs(p.q, b, h, i0, nq, p.D, Br, QP);
-  const uint32_t* kp = p.k_pairs + (b * p.Hkv + hk) * p.Lk * D2;
-  const uint32_t* vp = p.v_pairs + (b * p.Hkv + hk) * p.v_pairs_head_words();
-  const AmxTaskScope tile_config(p.amx_tiles);
-
-  for (int64_t kb = 0; kb < kend; kb += Bc) {
-    const int64_t nk = std::min(Bc, kend - kb);
-    const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, bias, pad);
-    if (tm.skip) continue;
-    // S^T = scale K Q^T. The tiles store unscaled sums; the scale then goes into the softmax's exponent (fold),
-    // or onto S^T first where a float bias is added to the scaled scores.
-    float fold = 1.f;
-    if (p.amx_tiles) {
-      simd::amx::gemm_pairs<AmxTiles, false, false>(kp + kb * D2, D2, QP, Br, 0, ST, Br, nk, Br, 2 * D2, 1.f);
-      if (tm.has_bias || !(p.scale > 0.f)) ScaleRows(ST, nk, Br, p.scale);
-      else fold = p.scale;
-    } else GemmBf16<false, false>(kp + kb * D2, D2, 1, QP, Br, 0, ST, Br, nk, nvec, D2, p.scale);
-    if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, bias, pad, ST);
-    if (PT) {  // dropout: P and the dropped P' in float32, then packed
-      if (fold != 1.f) ScaleRows(ST, nk, Br, fold);
-      const float* P = SoftmaxTile(p, b, h, i0, nq, kb, nk, ST, PT, OT, M, L);
-      if (p.round_p) PackProbabilityPairs<false>(P, nk, Br, PP);  // P rounded once: no lo parts
-      else PackProbabilityPairs(P, nk, Br, PP);
-    } else if (p.round_p) SoftmaxToPairs<false>(p, nk, ST, fold, PP, OT, M, L);
-    else SoftmaxToPairs<true>(p, nk, ST, fold, PP, OT, M, L);
-    const int64_t lo = (nk + 1) / 2 * Br;
-    if (p.amx_tiles) {  // O^T += V^T P^T over the tile's nk keys (the key block's V^T pairs, Bc/2 words a row)
-      const auto pv_tiles =
-          p.round_p ? &simd::amx::gemm_pairs<AmxTiles, true, false> : &simd::amx::gemm_pairs<AmxTiles, true, true>;
-      pv_tiles(vp + kb / 2 * Dv, Bc / 2, PP, Br, lo, OT, Br, Dv, Br, nk, 1.f);
-      continue;
+  std::fill(t.M, t.M + Br, kNegInf);
+  std::fill(t.L, t.L + Br, 0.f);
+  std::memset(t.OT, 0, sizeof(float) * size_t(Dv * Br));
+  PackTransposedPairs(p.q, b, h, i0, nq, p.D, Br, t.QP);
+  if (p.amx_tiles) {
+    const AmxTaskScope tile_config(true);
+    ForwardKeysAmx(p, t);
+  } else {
+    for (int64_t kb = 0; kb < kend; kb += Bc) {
+      const int64_t nk = std::min(Bc, kend - kb);
+      const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, t.bias, pad);
+      if (tm.skip) continue;
+      GemmBf16<false, false>(t.kp + kb * D2, D2, 1, t.QP, Br, 0, t.ST[0], Br, nk, nvec, D2, p.scale);  // scale K Q^T
+      if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, t.bias, pad, t.ST[0]);
+      SoftmaxIntoPairs(p, t, kb, nk, t.ST[0], 1.f, [](int64_t) {});
+      const uint32_t* vt = t.vp + kb / 2 * Dv;  // O^T += V^T P^T
+      const int64_t lo = (nk + 1) / 2 * Br;
+      if (p.round_p) GemmKeyPairs<false>(vt, Dv, t.PP, Br, lo, t.OT, Br, nvec, nk, vlast);
+      else GemmKeyPairs<true>(vt, Dv, t.PP, Br, lo, t.OT, Br, nvec, nk, vlast);
     }
-    const uint32_t* vt = vp + kb / 2 * Dv;  // O^T += V^T P^T
-    if (p.round_p) GemmKeyPairs<false>(vt, Dv, PP, Br, lo, OT, Br, nvec, nk, vlast);
-    else GemmKeyPairs<true>(vt, Dv, PP, Br, lo, OT, Br, nvec, nk, vlast);
   }
-  FinishRows(p, b, h, i0, nq, 0, M, L, [&](int64_t ii, int64_t dd) { return OT[dd * Br + ii]; });
+  FinishRows(p, b, h, i0, nq, 0, t.M, t.L, [&](int64_t ii, int64_t dd) { return t.OT[dd * Br + ii]; });
 }
 #endif  // HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
 
