@@ -64,12 +64,20 @@ void FinishRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, i
   }
 }
 
-// Decode scores of KEYS consecutive keys (rows of K, stride kstride) against NQ query rows (Q, stride qstride,
-// zero padded to whole vectors): S[ii * sstride + j] = Q[ii] · K[j] over D. Each key and query has its own
-// accumulator, so NQ × KEYS independent FMA chains run side by side instead of one chain of D / N.
+// A vector of a row of float32 or bf16 values (bf16 widened in the register: exact).
+HWY_INLINE VF LoadRowVec(DF d, const float* p) { return hn::LoadU(d, p); }
+HWY_INLINE VF LoadRowVec(DF d, const hwy::bfloat16_t* p) {
+  return hn::PromoteTo(d, hn::LoadU(hn::Rebind<hwy::bfloat16_t, DF>(), p));
+}
+HWY_INLINE float RowElem(const float* p) { return *p; }
+HWY_INLINE float RowElem(const hwy::bfloat16_t* p) { return hwy::F32FromBF16(*p); }
+
+// Decode scores of KEYS consecutive keys (rows of K, stride kstride, float32 or bf16 read in place) against NQ query
+// rows (Q, stride qstride, zero padded to whole vectors): S[ii * sstride + j] = Q[ii] · K[j] over D. Each key and
+// query has its own accumulator, so NQ × KEYS independent FMA chains run side by side instead of one chain of D / N.
 constexpr int64_t kPrefetchRows = 32;
-template <int NQ, int KEYS>
-HWY_INLINE void DecodeScores(const float* k, int64_t kstride, const float* Q, int64_t qstride, int64_t D, float* S,
+template <int NQ, int KEYS, typename T>
+HWY_INLINE void DecodeScores(const T* k, int64_t kstride, const float* Q, int64_t qstride, int64_t D, float* S,
                              int64_t sstride) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d)), Dfull = D / N * N;
@@ -81,40 +89,67 @@ HWY_INLINE void DecodeScores(const float* k, int64_t kstride, const float* Q, in
     for (int ii = 0; ii < NQ; ++ii) qv[ii] = hn::Load(d, Q + ii * qstride + x);
     for (int j = 0; j < KEYS; ++j) {
       hwy::Prefetch(k + (j + kPrefetchRows) * kstride + x);
-      const VF kv = hn::LoadU(d, k + j * kstride + x);
+      const VF kv = LoadRowVec(d, k + j * kstride + x);
       for (int ii = 0; ii < NQ; ++ii) acc[ii][j] = hn::MulAdd(kv, qv[ii], acc[ii][j]);
     }
   }
   for (int ii = 0; ii < NQ; ++ii)
     for (int j = 0; j < KEYS; ++j) {
       float sdot = hn::GetLane(hn::SumOfLanes(d, acc[ii][j]));
-      for (int64_t x = Dfull; x < D; ++x) sdot += k[j * kstride + x] * Q[ii * qstride + x];
+      for (int64_t x = Dfull; x < D; ++x) sdot += RowElem(k + j * kstride + x) * Q[ii * qstride + x];
       S[ii * sstride + j] = sdot;
     }
 }
 
-// Decode output update over one key tile: O[ii, 0 : COLS·N] += sum_j P[ii, j] V[j, x0 : x0 + COLS·N], with P in
-// S (stride sstride) and O rows of stride ostride. The NQ × COLS accumulators stay in registers over all nk keys.
-template <int NQ, int COLS>
-HWY_INLINE void DecodeAccumulate(const Rows& vr, int64_t nk, const float* S, int64_t sstride, float* O, int64_t ostride,
-                                 int64_t x0) {
+// Decode output update over one key tile: O[ii, 0 : COLS·N] += sum_j P[ii, j] V[j, x0 : x0 + COLS·N], with V rows
+// (float32 or bf16, stride vstride), P in S (stride sstride) and O rows of stride ostride. The NQ × COLS
+// accumulators stay in registers over all nk keys.
+template <int NQ, int COLS, typename T>
+HWY_INLINE void DecodeAccumulate(const T* v, int64_t vstride, int64_t nk, const float* S, int64_t sstride, float* O,
+                                 int64_t ostride, int64_t x0) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
+  constexpr int64_t kLineElems = 64 / sizeof(T);
   VF acc[NQ][COLS];
   for (int ii = 0; ii < NQ; ++ii)
     for (int c = 0; c < COLS; ++c) acc[ii][c] = hn::Load(d, O + ii * ostride + c * N);
   for (int64_t jj = 0; jj < nk; ++jj) {
-    const float* vrow = vr.ptr + jj * vr.stride + x0;
-    for (int64_t x = 0; x < COLS * N; x += 16) hwy::Prefetch(vrow + kPrefetchRows * vr.stride + x);  // 64-byte lines
+    const T* vrow = v + jj * vstride + x0;
+    for (int64_t x = 0; x < COLS * N; x += kLineElems) hwy::Prefetch(vrow + kPrefetchRows * vstride + x);
     VF pv[NQ];
     for (int ii = 0; ii < NQ; ++ii) pv[ii] = hn::Set(d, S[ii * sstride + jj]);
     for (int c = 0; c < COLS; ++c) {
-      const VF vv = hn::LoadU(d, vrow + c * N);
+      const VF vv = LoadRowVec(d, vrow + c * N);
       for (int ii = 0; ii < NQ; ++ii) acc[ii][c] = hn::MulAdd(pv[ii], vv, acc[ii][c]);
     }
   }
   for (int ii = 0; ii < NQ; ++ii)
     for (int c = 0; c < COLS; ++c) hn::Store(acc[ii][c], d, O + ii * ostride + c * N);
+}
+
+// The scores S = Q K^T and the update O += P V of one decode key tile, on rows read where they are (float32 rows
+// of unit stride, or bf16 ones: no converted copy) or from a float32 copy (kr, vr).
+template <int NQ, int KEYS, typename T>
+HWY_INLINE void DecodeTileScores(const T* k, int64_t kstride, int64_t nk, const float* Q, int64_t D, float* S,
+                                 int64_t Bc) {
+  const int64_t Dp = Params::pad16(D);
+  int64_t j0 = 0;  // S[ii, jj] = (scale q_ii) · k_jj: KEYS keys at a time, so that the FMA chains overlap
+  for (; j0 + KEYS <= nk; j0 += KEYS) DecodeScores<NQ, KEYS>(k + j0 * kstride, kstride, Q, Dp, D, S + j0, Bc);
+  for (; j0 < nk; ++j0) DecodeScores<NQ, 1>(k + j0 * kstride, kstride, Q, Dp, D, S + j0, Bc);
+}
+template <int NQ, int COLS, typename T>
+HWY_INLINE void DecodeTileUpdate(const T* v, int64_t vstride, int64_t nk, const float* S, int64_t Bc, float* O,
+                                 int64_t Dv) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d)), Dvp = Params::pad16(Dv), Dvfull = Dv / N * N;
+  int64_t x0 = 0;  // O[ii, x] += sum_j P[ii, j] V[j, x]: up to COLS vectors of O per query held over the tile
+  for (; x0 + COLS * N <= Dvfull; x0 += COLS * N) DecodeAccumulate<NQ, COLS>(v, vstride, nk, S, Bc, O + x0, Dvp, x0);
+  if (COLS > 4 && x0 + 4 * N <= Dvfull) DecodeAccumulate<NQ, 4>(v, vstride, nk, S, Bc, O + x0, Dvp, x0), x0 += 4 * N;
+  if (COLS > 2 && x0 + 2 * N <= Dvfull) DecodeAccumulate<NQ, 2>(v, vstride, nk, S, Bc, O + x0, Dvp, x0), x0 += 2 * N;
+  for (; x0 < Dvfull; x0 += N) DecodeAccumulate<NQ, 1>(v, vstride, nk, S, Bc, O + x0, Dvp, x0);
+  for (int64_t x = Dvfull; x < Dv; ++x)
+    for (int64_t jj = 0; jj < nk; ++jj)
+      for (int ii = 0; ii < NQ; ++ii) O[ii * Dvp + x] += S[ii * Bc + jj] * RowElem(v + jj * vstride + x);
 }
 
 // Few queries (decode): keys in the lanes instead of queries, so that no lane is wasted when Lq = 1.
@@ -128,7 +163,7 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
   const int64_t Bc = p.Bc, D = p.D, Dv = p.Dv, Br = p.Br;
-  const int64_t Dp = Params::pad16(D), Dvp = Params::pad16(Dv), Dvfull = Dv / N * N;
+  const int64_t Dp = Params::pad16(D), Dvp = Params::pad16(Dv);
   constexpr int kKeys = NQ == 1 ? 8 : NQ == 2 ? 4 : 2, kCols = NQ == 1 ? 8 : NQ == 2 ? 4 : 2;  // about 8 chains
   Scratch s_q, s_o, s_s, s_bias, s_kbuf, s_vbuf;
   float* Q = s_q.alloc(NQ * Dp);  // scale·q rows, zero padded
@@ -148,6 +183,8 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
     for (int64_t x = 0; x < D; ++x) Q[ii * Dp + x] = load_elem(p.q.data, p.q.dtype, base + x * p.q.sd) * p.scale;
   }
   const float keep_scale = p.dropout_p > 0 ? float(1.0 / (1.0 - p.dropout_p)) : 1.f;
+  // bf16 rows of unit stride are read in place (widened in registers); others through a float32 copy per tile
+  const bool k_bf16 = p.k.dtype == DType::kBF16 && p.k.sd == 1, v_bf16 = p.v.dtype == DType::kBF16 && p.v.sd == 1;
   for (int64_t kb = kbeg; kb < kend; kb += Bc) {
     const int64_t nk = std::min(Bc, kend - kb);
     bool live = false, masked = false;
@@ -157,11 +194,13 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
       masked |= tm[ii].skip || tm[ii].has_bias || tm[ii].has_pad || tm[ii].causal_partial;
     }
     if (!live) continue;
-    const Rows kr = RowsOf(p.k, b, hk, kb, nk, D, kbuf);
-    int64_t j0 = 0;  // S[ii, jj] = (scale q_ii) · k_jj: kKeys keys at a time, so that the FMA chains overlap
-    for (; j0 + kKeys <= nk; j0 += kKeys)
-      DecodeScores<NQ, kKeys>(kr.ptr + j0 * kr.stride, kr.stride, Q, Dp, D, S + j0, Bc);
-    for (; j0 < nk; ++j0) DecodeScores<NQ, 1>(kr.ptr + j0 * kr.stride, kr.stride, Q, Dp, D, S + j0, Bc);
+    if (k_bf16) {
+      const auto* k = static_cast<const hwy::bfloat16_t*>(p.k.data) + b * p.k.sb + hk * p.k.sh + kb * p.k.sl;
+      DecodeTileScores<NQ, kKeys>(k, p.k.sl, nk, Q, D, S, Bc);
+    } else {
+      const Rows kr = RowsOf(p.k, b, hk, kb, nk, D, kbuf);
+      DecodeTileScores<NQ, kKeys>(kr.ptr, kr.stride, nk, Q, D, S, Bc);
+    }
     if (masked)
       for (int ii = 0; ii < NQ; ++ii)
         for (int64_t jj = 0; jj < nk; ++jj) {
@@ -202,15 +241,13 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
         for (int64_t j = 0; j < nk; ++j) srow[j] = p.keep(b, rh[ii], ri[ii], kb + j) ? srow[j] * keep_scale : 0.f;
       }
     }
-    const Rows vr = RowsOf(p.v, b, hk, kb, nk, Dv, vbuf);
-    int64_t x0 = 0;  // O[ii, x] += sum_j P[ii, j] V[j, x]: up to kCols vectors of O per query held over the tile
-    for (; x0 + kCols * N <= Dvfull; x0 += kCols * N) DecodeAccumulate<NQ, kCols>(vr, nk, S, Bc, O + x0, Dvp, x0);
-    if (kCols > 4 && x0 + 4 * N <= Dvfull) DecodeAccumulate<NQ, 4>(vr, nk, S, Bc, O + x0, Dvp, x0), x0 += 4 * N;
-    if (kCols > 2 && x0 + 2 * N <= Dvfull) DecodeAccumulate<NQ, 2>(vr, nk, S, Bc, O + x0, Dvp, x0), x0 += 2 * N;
-    for (; x0 < Dvfull; x0 += N) DecodeAccumulate<NQ, 1>(vr, nk, S, Bc, O + x0, Dvp, x0);
-    for (int64_t x = Dvfull; x < Dv; ++x)
-      for (int64_t jj = 0; jj < nk; ++jj)
-        for (int ii = 0; ii < NQ; ++ii) O[ii * Dvp + x] += S[ii * Bc + jj] * vr.ptr[jj * vr.stride + x];
+    if (v_bf16) {
+      const auto* v = static_cast<const hwy::bfloat16_t*>(p.v.data) + b * p.v.sb + hk * p.v.sh + kb * p.v.sl;
+      DecodeTileUpdate<NQ, kCols>(v, p.v.sl, nk, S, Bc, O, Dv);
+    } else {
+      const Rows vr = RowsOf(p.v, b, hk, kb, nk, Dv, vbuf);
+      DecodeTileUpdate<NQ, kCols>(vr.ptr, vr.stride, nk, S, Bc, O, Dv);
+    }
   }
   for (int ii = 0; ii < NQ; ++ii)
     FinishRows(p, b, rh[ii], ri[ii], 1, chunk, M + ii, L + ii, [&](int64_t, int64_t dd) { return O[ii * Dvp + dd]; });
