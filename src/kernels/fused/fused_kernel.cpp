@@ -250,6 +250,9 @@ void fused_forward(const ForwardArgs& a) {
               (p.q.dtype == DType::kBF16 && p.out.dtype == DType::kBF16);
   p.amx_tiles = o.amx_tiles;
   if (o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options)) {
+    // On the tiles, heads of up to 64 run faster in query blocks of 32 (measured at L = 4096: about 10 %; at
+    // D = 128 slower). A row's result does not depend on Br.
+    if (p.amx_tiles && p.Br == 64 && p.D <= 64 && p.Dv <= 64 && !std::getenv("SATTN_FUSED_BR")) p.Br = 32;
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.v_pairs_head_words();
     kv_pairs.resize(size_t(k_words + v_words));
     counted_pairs.emplace(int64_t((k_words + v_words) * sizeof(uint32_t)));
