@@ -127,37 +127,37 @@ double max_abs(const Tensor& t) {
   return m;
 }
 
-// ‖got − ref‖∞ / max(1, ‖ref‖∞); -inf must match -inf exactly.
-double rel_err(const Tensor& got, const Tensor& ref) {
+// Calls f(a, b) on the pairs of elements of got and ref (as double) that are finite in both; false where an
+// infinity does not match exactly or a NaN appears.
+template <class F>
+bool for_finite_pairs(const Tensor& got, const Tensor& ref, F&& f) {
   EXPECT_EQ(got.numel(), ref.numel());
   const Tensor g = got.to(DType::kF64), r = ref.to(DType::kF64);
-  double e = 0;
   for (int64_t x = 0; x < g.numel(); ++x) {
     const double a = g.data<double>()[x], b = r.data<double>()[x];
     if (std::isinf(b) || std::isinf(a)) {
-      if (a != b) return std::numeric_limits<double>::infinity();
+      if (a != b) return false;
       continue;
     }
-    if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<double>::infinity();
-    e = std::max(e, std::fabs(a - b));
+    if (std::isnan(a) || std::isnan(b)) return false;
+    f(a, b);
   }
-  return e / std::max(1.0, max_abs(r));
+  return true;
+}
+
+// ‖got − ref‖∞ / max(1, ‖ref‖∞); -inf must match -inf exactly.
+double rel_err(const Tensor& got, const Tensor& ref) {
+  double e = 0;
+  if (!for_finite_pairs(got, ref, [&](double a, double b) { e = std::max(e, std::fabs(a - b)); }))
+    return std::numeric_limits<double>::infinity();
+  return e / std::max(1.0, max_abs(ref.to(DType::kF64)));
 }
 
 // ‖got − ref‖₂ / ‖ref‖₂ over the entries finite in both (-inf must match -inf exactly, as in rel_err).
 double norm_err(const Tensor& got, const Tensor& ref) {
-  EXPECT_EQ(got.numel(), ref.numel());
-  const Tensor g = got.to(DType::kF64), r = ref.to(DType::kF64);
   double num = 0, den = 0;
-  for (int64_t x = 0; x < g.numel(); ++x) {
-    const double a = g.data<double>()[x], b = r.data<double>()[x];
-    if (std::isinf(a) || std::isinf(b)) {
-      if (a != b) return std::numeric_limits<double>::infinity();
-      continue;
-    }
-    if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<double>::infinity();
-    num += (a - b) * (a - b), den += b * b;
-  }
+  if (!for_finite_pairs(got, ref, [&](double a, double b) { num += (a - b) * (a - b), den += b * b; }))
+    return std::numeric_limits<double>::infinity();
   return std::sqrt(num / std::max(den, 1e-300));
 }
 

@@ -59,7 +59,9 @@ Params make_params(const AttentionProblem& pr, const TensorView& q, const Tensor
   p.dropout_p = pr.dropout_p, p.seed = pr.seed;
   p.q_pos0 = pr.query_offset, p.k_pos0 = pr.key_offset, p.pos_stride = pr.position_stride;
   static const int64_t br = env_tile("SATTN_FUSED_BR", 64), bc = env_tile("SATTN_FUSED_BC", 64);
+  static const bool br_from_env = std::getenv("SATTN_FUSED_BR") != nullptr;
   p.Br = pr.len_q <= 16 ? 16 : br;  // few queries: the narrowest tile (a row's result does not depend on Br)
+  p.Br_from_env = br_from_env;
   p.Bc = bc;
   return p;
 }
@@ -252,7 +254,7 @@ void fused_forward(const ForwardArgs& a) {
   if (o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options)) {
     // On the tiles, heads of up to 64 run faster in query blocks of 32 (measured at L = 4096: about 10 %; at
     // D = 128 slower). A row's result does not depend on Br.
-    if (p.amx_tiles && p.Br == 64 && p.D <= 64 && p.Dv <= 64 && !std::getenv("SATTN_FUSED_BR")) p.Br = 32;
+    if (p.amx_tiles && p.Br == 64 && p.D <= 64 && p.Dv <= 64 && !p.Br_from_env) p.Br = 32;
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.v_pairs_head_words();
     kv_pairs.resize(size_t(k_words + v_words));
     counted_pairs.emplace(int64_t((k_words + v_words) * sizeof(uint32_t)));

@@ -127,6 +127,17 @@ HWY_INLINE void DecodeAccumulate(const T* v, int64_t vstride, int64_t nk, const 
     for (int c = 0; c < COLS; ++c) hn::Store(acc[ii][c], d, O + ii * ostride + c * N);
 }
 
+// Calls f(rows, stride) on rows [j0, j0 + n) of (b, h) of t: bf16 rows of unit stride where they are (widened in
+// registers by the decode products), others as a float32 copy in buf (RowsOf).
+template <class F>
+HWY_INLINE void WithDecodeRows(const View4& t, int64_t b, int64_t h, int64_t j0, int64_t n, int64_t width, float* buf,
+                               F&& f) {
+  if (t.dtype == DType::kBF16 && t.sd == 1)
+    return f(static_cast<const hwy::bfloat16_t*>(t.data) + b * t.sb + h * t.sh + j0 * t.sl, t.sl);
+  const Rows r = RowsOf(t, b, h, j0, n, width, buf);
+  f(r.ptr, r.stride);
+}
+
 // The scores S = Q K^T and the update O += P V of one decode key tile, on rows read where they are (float32 rows
 // of unit stride, or bf16 ones: no converted copy) or from a float32 copy (kr, vr).
 template <int NQ, int KEYS, typename T>
@@ -183,8 +194,6 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
     for (int64_t x = 0; x < D; ++x) Q[ii * Dp + x] = load_elem(p.q.data, p.q.dtype, base + x * p.q.sd) * p.scale;
   }
   const float keep_scale = p.dropout_p > 0 ? float(1.0 / (1.0 - p.dropout_p)) : 1.f;
-  // bf16 rows of unit stride are read in place (widened in registers); others through a float32 copy per tile
-  const bool k_bf16 = p.k.dtype == DType::kBF16 && p.k.sd == 1, v_bf16 = p.v.dtype == DType::kBF16 && p.v.sd == 1;
   for (int64_t kb = kbeg; kb < kend; kb += Bc) {
     const int64_t nk = std::min(Bc, kend - kb);
     bool live = false, masked = false;
@@ -194,13 +203,8 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
       masked |= tm[ii].skip || tm[ii].has_bias || tm[ii].has_pad || tm[ii].causal_partial;
     }
     if (!live) continue;
-    if (k_bf16) {
-      const auto* k = static_cast<const hwy::bfloat16_t*>(p.k.data) + b * p.k.sb + hk * p.k.sh + kb * p.k.sl;
-      DecodeTileScores<NQ, kKeys>(k, p.k.sl, nk, Q, D, S, Bc);
-    } else {
-      const Rows kr = RowsOf(p.k, b, hk, kb, nk, D, kbuf);
-      DecodeTileScores<NQ, kKeys>(kr.ptr, kr.stride, nk, Q, D, S, Bc);
-    }
+    WithDecodeRows(p.k, b, hk, kb, nk, D, kbuf,
+                   [&](const auto* k, int64_t ks) { DecodeTileScores<NQ, kKeys>(k, ks, nk, Q, D, S, Bc); });
     if (masked)
       for (int ii = 0; ii < NQ; ++ii)
         for (int64_t jj = 0; jj < nk; ++jj) {
@@ -241,13 +245,8 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
         for (int64_t j = 0; j < nk; ++j) srow[j] = p.keep(b, rh[ii], ri[ii], kb + j) ? srow[j] * keep_scale : 0.f;
       }
     }
-    if (v_bf16) {
-      const auto* v = static_cast<const hwy::bfloat16_t*>(p.v.data) + b * p.v.sb + hk * p.v.sh + kb * p.v.sl;
-      DecodeTileUpdate<NQ, kCols>(v, p.v.sl, nk, S, Bc, O, Dv);
-    } else {
-      const Rows vr = RowsOf(p.v, b, hk, kb, nk, Dv, vbuf);
-      DecodeTileUpdate<NQ, kCols>(vr.ptr, vr.stride, nk, S, Bc, O, Dv);
-    }
+    WithDecodeRows(p.v, b, hk, kb, nk, Dv, vbuf,
+                   [&](const auto* v, int64_t vs) { DecodeTileUpdate<NQ, kCols>(v, vs, nk, S, Bc, O, Dv); });
   }
   for (int ii = 0; ii < NQ; ++ii)
     FinishRows(p, b, rh[ii], ri[ii], 1, chunk, M + ii, L + ii, [&](int64_t, int64_t dd) { return O[ii * Dvp + dd]; });
