@@ -407,6 +407,50 @@ TEST_P(FusedBf16Products, Bf16OutputsRoundPAndDsOnce) {
               worst_bwd);
 }
 
+// Long key ranges on the bf16 products: the amx forward sums the P of up to pv_keys() keys into O^T at once and
+// moves a row's max only when a tile's scores exceed it by more than kLazyMax. Keys whose scores grow along the
+// sequence move the max by small and large steps; a masked run of whole key tiles (skipped) splits a slab's keys;
+// the lengths cross slabs of 256 keys and end on an odd key. float32 out (P in two bf16 parts) within the float32
+// sweep's 2e-5, bf16 out within kBf16OutTol; bitwise the same for 1 and 3 threads.
+TEST_P(FusedBf16Products, LongKeyRunsAndARisingMax) {
+  uint32_t seed = 1300;
+  for (const int64_t Lk : {333, 700}) {
+    Case c;
+    c.B = 2, c.Hq = 2, c.Hkv = 1, c.Lq = 40, c.Lk = Lk, c.D = 64, c.Dv = 48, c.mask = 1, c.mask_shape = 2;
+    SCOPED_TRACE(c.name());
+    Problem pb = make_problem(c, ++seed);
+    float* kd = pb.k.storage.data<float>();  // batch 0 (one kv head): scores growing along the keys
+    for (int64_t j = 0; j < Lk; ++j)
+      for (int64_t x = 0; x < c.D; ++x) kd[j * c.D + x] *= 1.f + 5.f * float(j) / float(Lk);
+    uint8_t* keep = pb.mask.data<uint8_t>();
+    for (int64_t j = 0; j < Lk; ++j) {
+      keep[j] = (j / 37) % 4 != 1 && keep[j] ? 1 : 0;  // batch 0: runs of 37 masked keys
+      keep[Lk + j] = j < 64 || j >= 192;               // batch 1: keys [64, 192) masked, two whole tiles skipped
+    }
+    const Tensor q = Tensor::from_view(pb.q.view).to(DType::kBF16), k = Tensor::from_view(pb.k.view).to(DType::kBF16),
+                 v = Tensor::from_view(pb.v.view).to(DType::kBF16);
+    Problem up = pb;
+    const Tensor qf = q.to(DType::kF32), kf = k.to(DType::kF32), vf = v.to(DType::kF32);
+    up.q.view = qf.view(), up.k.view = kf.view(), up.v.view = vf.view();
+    const FwdResult ref = run_forward(up, "reference", 1);
+    for (const DType out_dtype : {DType::kF32, DType::kBF16}) {
+      sattn::AttentionOptions o = pb.opt;
+      o.kernel = "fused";
+      const auto forward = [&](int threads) {
+        o.num_threads = threads;
+        FwdResult r{Tensor(out_dtype, {c.B, c.Hq, c.Lq, c.Dv}), Tensor(DType::kF32, {c.B, c.Hq, c.Lq}), ""};
+        sattn::scaled_dot_product_attention(q, k, v, o, {r.out.view(), r.lse.view(), {}});
+        return r;
+      };
+      const FwdResult got = forward(1), got3 = forward(3);
+      EXPECT_LE(rel_err(got.out, ref.out), out_dtype == DType::kF32 ? 2e-5 : kBf16OutTol)
+          << sattn::to_string(out_dtype);
+      EXPECT_LE(rel_err(got.lse, ref.lse), 2e-5) << sattn::to_string(out_dtype);
+      EXPECT_TRUE(bitwise_equal(got.out, got3.out) && bitwise_equal(got.lse, got3.lse));
+    }
+  }
+}
+
 // An odd number of live keys (key_lengths) pairs the last one with a key past the length in the bf16 products:
 // that key must not reach the results even when it holds inf (inf · 0 = NaN).
 TEST_P(FusedBf16Products, KeysPastTheLengthAreNeverReadIntoTheRoundedProducts) {

@@ -97,13 +97,17 @@ struct Params {
   uint32_t* kt_pairs = nullptr;
   uint32_t *pk_qrp = nullptr, *pk_dorp = nullptr;
   // The amx build: those bf16 products on AMX tiles (tdpbf16ps, simd/amx_tiles.hpp) instead of vdpbf16ps. Its tiles
-  // take the left operand with rows along the sum, so the forward's v_pairs hold V^T per key block of Bc keys:
-  // [B·Hkv][num_k_blocks][Dv][Bc/2] words, pair y of dimension x at (y / (Bc/2))·Dv·(Bc/2) + x·(Bc/2) + y % (Bc/2),
-  // zero past Lk. (A tile's 16 rows are then Bc/2 words apart; rows of a whole [Dv][Lk2] V^T would be Lk2 words
-  // apart, a multiple of 4 KiB at long lengths, and all fall into the same L1 set.)
+  // take the left operand with rows along the sum, so the forward's v_pairs hold V^T per slab of pv_keys() keys,
+  // kPvTiles key blocks (the forward sums their P into O^T in one product: ForwardKeysAmx):
+  // [B·Hkv][num_pv_slabs][Dv][pv_keys/2] words, pair y of dimension x at (y / S2)·Dv·S2 + x·S2 + y % S2 with
+  // S2 = pv_keys/2, zero past Lk. (A tile's 16 rows are then S2 words apart; rows of a whole [Dv][Lk2] V^T would be
+  // Lk2 words apart, a multiple of 4 KiB at long lengths, and all fall into the same L1 set.)
   bool amx_tiles = false;
+  static constexpr int64_t kPvTiles = 4;
+  int64_t pv_keys() const { return amx_tiles ? kPvTiles * Bc : Bc; }
+  int64_t num_pv_slabs() const { return (Lk + pv_keys() - 1) / pv_keys(); }
   // Words of v_pairs per (b, kv head).
-  int64_t v_pairs_head_words() const { return amx_tiles ? num_k_blocks() * (Bc / 2) * Dv : lk_pairs() * Dv; }
+  int64_t v_pairs_head_words() const { return amx_tiles ? num_pv_slabs() * (pv_keys() / 2) * Dv : lk_pairs() * Dv; }
   // Words of kt_pairs per (b, kv head); the amx build holds K^T per key block as it holds V^T: [num_k_blocks][D]
   // [Bc/2], and computes all five backward products on tiles.
   int64_t kt_pairs_head_words() const { return amx_tiles ? num_k_blocks() * (Bc / 2) * D : lk_pairs() * D; }

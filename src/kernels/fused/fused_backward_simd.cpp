@@ -240,7 +240,7 @@ void RoundedGradProducts(const Params& p, BwdScratch& sc, int64_t b, int64_t hk,
   const int64_t Br = p.Br, Br2 = Br / 2, Dp = Params::pad16(p.D), Dvp = Params::pad16(p.Dv);
   PackRowsAsPairs(sc.w.PdT, nk, Br, sc.pd_pairs);
   PackRowsAsPairs(sc.w.ST, nk, Br, sc.ds_pairs);
-  PackProbabilityPairs<false>(sc.w.ST, nk, Br, sc.ds_key_pairs);
+  PackProbabilityPairs<false>(sc.w.ST, nk, Br, sc.ds_key_pairs, 0);  // no lo parts
   if (p.amx_tiles) {  // the same three products on the tiles (K^T pairs per key block, Params::kt_pairs_head_words)
     namespace amx = simd::amx;
     CleanVectorsForTiles();

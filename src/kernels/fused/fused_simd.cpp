@@ -341,31 +341,35 @@ struct Bf16ForwardTile {
   const uint32_t *kp, *vp;  // this head's K pairs and V (or V^T) pairs
   uint32_t* QP;             // Q^T pairs [D2 x Br]
   float* ST[2];             // S^T [Bc x Br]; the second for the amx loop, which computes the next while using one
-  float *OT, *M, *L, *bias, *PT;
-  uint32_t* PP;  // P^T pairs [Bc/2 x Br], hi and lo
+  float *OT, *M, *L, *MX, *bias, *PT;
+  uint32_t* PP;  // P^T pairs [pv_keys/2 x Br], hi and lo
   uint8_t* pad;
 };
 
-// The online softmax of S^T (scores divided by fold) into P^T pairs, O^T rescaled; between(x) runs before each
-// group of query lanes x (the amx loop's next S^T product).
+// The online softmax of S^T (scores divided by fold) into P^T pairs at out (their lo parts lo_offset words on),
+// against the max the caller has moved where TileMaxMoves asked; between(x) runs before each group of query
+// lanes x (the amx loop's next S^T product). With dropout, SoftmaxTile moves the max and rescales O^T itself.
 template <class Between>
 SATTN_BF16_ATTR void SoftmaxIntoPairs(const Params& p, const Bf16ForwardTile& t, int64_t kb, int64_t nk, float* ST,
-                                      float fold, Between&& between) {
+                                      float fold, uint32_t* out, int64_t lo_offset, Between&& between) {
   if (t.PT) {  // dropout: P and the dropped P' in float32, then packed
     if (fold != 1.f) ScaleRows(ST, nk, p.Br, fold);
     const float* P = SoftmaxTile(p, t.b, t.h, t.i0, t.nq, kb, nk, ST, t.PT, t.OT, t.M, t.L);
-    if (p.round_p) PackProbabilityPairs<false>(P, nk, p.Br, t.PP);  // P rounded once: no lo parts
-    else PackProbabilityPairs(P, nk, p.Br, t.PP);
-  } else if (p.round_p) SoftmaxToPairs<false>(p, nk, ST, fold, t.PP, t.OT, t.M, t.L, between);
-  else SoftmaxToPairs<true>(p, nk, ST, fold, t.PP, t.OT, t.M, t.L, between);
+    if (p.round_p) PackProbabilityPairs<false>(P, nk, p.Br, out, lo_offset);  // P rounded once: no lo parts
+    else PackProbabilityPairs(P, nk, p.Br, out, lo_offset);
+  } else if (p.round_p) SoftmaxToPairs<false>(p, nk, ST, fold, out, lo_offset, t.M, t.L, between);
+  else SoftmaxToPairs<true>(p, nk, ST, fold, out, lo_offset, t.M, t.L, between);
 }
 
 // The amx build's key loop. The tiles take S^T of the next live key block while the vector units run this
-// block's softmax (its blocks are issued between the softmax's lane groups; out-of-order execution overlaps them),
-// then O^T += V^T P^T. The tiles store unscaled sums: the scale goes into the softmax's exponent (fold), or onto
-// S^T first where a float bias is added to the scaled scores. Same products and order as one block at a time.
+// block's softmax (its blocks are issued between the softmax's lane groups; out-of-order execution overlaps them).
+// The P of consecutive key blocks collect in t.PP, up to a slab of pv_keys() keys, and go into O^T in one product
+// O^T += V^T P^T (one load and store of each O^T tile per slab instead of per key block): before the max moves
+// (it rescales O^T), at the end of a slab or of a run of live blocks, and after every block with dropout. The tiles
+// store unscaled sums: the scale goes into the softmax's exponent (fold), or onto S^T first where a float bias is
+// added to the scaled scores.
 SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t) {
-  const int64_t Br = p.Br, Bc = p.Bc, D2 = p.d_pairs();
+  const int64_t Br = p.Br, Bc = p.Bc, D2 = p.d_pairs(), S = p.pv_keys(), S2 = S / 2, lo_offset = S2 * Br;
   namespace amx = simd::amx;
   const auto next_live = [&](int64_t kb, TileMask& tm) {  // fills bias and pad for the block it returns
     for (; kb < t.kend; kb += Bc)
@@ -376,6 +380,14 @@ SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t) {
     const int64_t nk = std::min(Bc, t.kend - kb);
     return amx::PairsProduct<AmxTiles, false, false>{t.kp + kb * D2, D2, t.QP, Br, 0, ST, Br, nk, Br, 2 * D2, 1.f};
   };
+  int64_t buf_k0 = 0, buf_n = 0;  // keys [buf_k0, buf_k0 + buf_n) have their P in t.PP, not yet in O^T
+  const auto flush = [&] {
+    if (buf_n == 0) return;
+    const uint32_t* vt = t.vp + buf_k0 / S * p.Dv * S2 + buf_k0 % S / 2;  // their V^T pairs, rows S2 words apart
+    if (p.round_p) amx::gemm_pairs<AmxTiles, true, false>(vt, S2, t.PP, Br, lo_offset, t.OT, Br, p.Dv, Br, buf_n, 1.f);
+    else amx::gemm_pairs<AmxTiles, true, true>(vt, S2, t.PP, Br, lo_offset, t.OT, Br, p.Dv, Br, buf_n, 1.f);
+    buf_n = 0;
+  };
   TileMask tm;
   int64_t kb = next_live(0, tm);
   if (kb < t.kend) scores(kb, t.ST[0]).run();
@@ -385,21 +397,24 @@ SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t) {
     float fold = p.scale;
     if (tm.has_bias || !(p.scale > 0.f)) ScaleRows(ST, nk, Br, p.scale), fold = 1.f;
     if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, t.i0, kb, nk, t.bias, t.pad, ST);
+    const bool moves = !t.PT && TileMaxMoves(p, nk, ST, fold, t.M, t.MX);
+    if (moves || t.PT || kb != buf_k0 + buf_n || kb / S != buf_k0 / S) flush();
+    if (moves) MoveTileMax(p, t.MX, t.M, t.L, t.OT);
+    if (buf_n == 0) buf_k0 = kb;
     TileMask tm_next;
     const int64_t kb_next = next_live(kb + Bc, tm_next);
     const auto next = scores(std::min(kb_next, t.kend - 1), t.ST[cur ^ 1]);
     const int64_t nblocks = kb_next < t.kend ? next.num_blocks() : 0;
     int64_t done = 0;
-    SoftmaxIntoPairs(p, t, kb, nk, ST, fold, [&](int64_t) {
+    SoftmaxIntoPairs(p, t, kb, nk, ST, fold, t.PP + buf_n / 2 * Br, lo_offset, [&](int64_t) {
       if (done < nblocks) CleanVectorsForTiles(), next.run_block(done++);
     });
     while (done < nblocks) next.run_block(done++);
-    const int64_t lo = (nk + 1) / 2 * Br;  // O^T += V^T P^T (the key block's V^T pairs, Bc/2 words a row)
-    if (p.round_p)
-      amx::gemm_pairs<AmxTiles, true, false>(t.vp + kb / 2 * p.Dv, Bc / 2, t.PP, Br, lo, t.OT, Br, p.Dv, Br, nk, 1.f);
-    else amx::gemm_pairs<AmxTiles, true, true>(t.vp + kb / 2 * p.Dv, Bc / 2, t.PP, Br, lo, t.OT, Br, p.Dv, Br, nk, 1.f);
+    buf_n += nk;
+    if (t.PT || nk % 2) flush();  // dropout rescales O^T in the next SoftmaxTile; an odd tile ends the keys
     kb = kb_next, tm = tm_next;
   }
+  flush();
 }
 
 SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
@@ -426,10 +441,11 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   t.ST[0] = s_st.alloc(Bc * Br * (p.amx_tiles ? 2 : 1));
   t.ST[1] = t.ST[0] + (p.amx_tiles ? Bc * Br : 0);
   t.OT = s_ot.alloc(Dv * Br);
-  t.M = s_ml.alloc(2 * Br);
+  t.M = s_ml.alloc(3 * Br);
   t.L = t.M + Br;
+  t.MX = t.L + Br;
   t.bias = p.mask != MaskKind::kNone ? s_bias.alloc(Bc * Br) : nullptr;
-  t.PP = reinterpret_cast<uint32_t*>(s_pp.alloc((Bc + 1) / 2 * Br * 2));
+  t.PP = reinterpret_cast<uint32_t*>(s_pp.alloc(p.pv_keys() / 2 * Br * 2));
   t.PT = p.dropout_p > 0 ? s_pt.alloc(Bc * Br) : nullptr;
   t.pad = pad;
   auto* vlast = reinterpret_cast<uint32_t*>(s_vlast.alloc(Dv));
@@ -448,7 +464,8 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
       if (tm.skip) continue;
       GemmBf16<false, false>(t.kp + kb * D2, D2, 1, t.QP, Br, 0, t.ST[0], Br, nk, nvec, D2, p.scale);  // scale K Q^T
       if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, t.bias, pad, t.ST[0]);
-      SoftmaxIntoPairs(p, t, kb, nk, t.ST[0], 1.f, [](int64_t) {});
+      if (!t.PT && TileMaxMoves(p, nk, t.ST[0], 1.f, t.M, t.MX)) MoveTileMax(p, t.MX, t.M, t.L, t.OT);
+      SoftmaxIntoPairs(p, t, kb, nk, t.ST[0], 1.f, t.PP, (nk + 1) / 2 * Br, [](int64_t) {});
       const uint32_t* vt = t.vp + kb / 2 * Dv;  // O^T += V^T P^T
       const int64_t lo = (nk + 1) / 2 * Br;
       if (p.round_p) GemmKeyPairs<false>(vt, Dv, t.PP, Br, lo, t.OT, Br, nvec, nk, vlast);
