@@ -335,7 +335,7 @@ TEST_P(FusedBf16Products, MatchReference) {
 // bf16 inputs whose out, dq, dk and dv are stored in bf16 too (as PyTorch returns them): there the bf16 products
 // take P (forward) and P', dS (backward) rounded to bf16 once, as FlashAttention does, an error of the size of
 // the outputs' own rounding. Against the fp64 reference on the same bf16 values (rel_err; the rounding of the exact
-// result to bf16 alone gives up to 2^-9 = 2e-3): out within 1e-2 (measured up to 4e-3), dq, dk, dv within the oracle
+// result to bf16 alone gives up to 2^-9 = 2e-3): out within 1e-2 (measured up to 5.2e-3), dq, dk, dv within the oracle
 // harness's bf16 tolerance 3e-2 (its backward sweeps allow 5 times that; measured up to 2.2e-2, dk of a D = 1 case,
 // where dS·q cancels); bitwise the same for 1 and 3 threads. Additive masks without their gradient, so that the
 // backward takes its one pass.
