@@ -783,9 +783,11 @@ TEST(Fused, FullyMaskedRowsGiveZeroAndMinusInf) {
   for (int64_t x = 0; x < (c.Lq - c.Lk) * c.D; ++x) EXPECT_EQ(g.dq.data<float>()[x], 0.f);
 }
 
+// bf16 and float16 inputs compute what their float32 values do (K and V widened once per call where the float32
+// products read them); float16 outputs are the float32 results rounded.
 TEST(Fused, HalfPrecisionInputsMatchUpcast) {
   Case c;
-  c.Hq = 2, c.Hkv = 2, c.Lq = 77, c.Lk = 90, c.D = 32, c.Dv = 32, c.causal = sattn::Causal::kTopLeft;
+  c.Hq = 2, c.Hkv = 2, c.Lq = 77, c.Lk = 90, c.D = 40, c.Dv = 83, c.causal = sattn::Causal::kTopLeft;  // rows past 64
   const Problem pb = make_problem(c, 5);
   for (const std::string& simd : sattn::testing::simd_target_names())
     for (DType dt : {DType::kBF16, DType::kF16}) {
@@ -817,6 +819,17 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
       } else {
         EXPECT_TRUE(bitwise_equal(dq, gref.dq) && bitwise_equal(dk, gref.dk) && bitwise_equal(dv, gref.dv))
             << sattn::to_string(dt) << " " << simd;
+      }
+      if (dt == DType::kF16) {  // float16 results: the float32 ones, rounded once (vectors of them where possible)
+        Tensor out16(DType::kF16, out.shape()), dq16(DType::kF16, q.shape()), dk16(DType::kF16, k.shape()),
+            dv16(DType::kF16, v.shape());
+        sattn::scaled_dot_product_attention(q, k, v, o, {out16.view(), {}, {}});
+        sattn::scaled_dot_product_attention_backward(pb.dout.view, q, k, v, ref.out, ref.lse, o,
+                                                     {dq16.view(), dk16.view(), dv16.view(), {}});
+        EXPECT_TRUE(bitwise_equal(out16, out.to(DType::kF16))) << simd;
+        EXPECT_TRUE(bitwise_equal(dq16, dq.to(DType::kF16)) && bitwise_equal(dk16, dk.to(DType::kF16)) &&
+                    bitwise_equal(dv16, dv.to(DType::kF16)))
+            << simd;
       }
     }
 }

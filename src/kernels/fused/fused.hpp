@@ -179,6 +179,8 @@ struct ForwardOps {
   // Builds with bf16 products (nullptr elsewhere): fills k_pairs and v_pairs of one (b, kv head) task.
   void (*pack_kv_pairs)(const Params& p, int64_t task);
   bool amx_tiles = false;  // the amx build (Params::amx_tiles)
+  // Rows [0, L) x [0, width) of (b, h) of t (unit element stride) as dense float32 rows [L x width] at out.
+  void (*widen_rows)(const View4& t, int64_t b, int64_t h, int64_t L, int64_t width, float* out) = nullptr;
 };
 struct BackwardOps {
   // Backward pass 1 (dK, dV) of one (b, hkv, k block) task: task = (b * Hkv + hk) * num_k_blocks + kb.

@@ -100,17 +100,23 @@ struct DenseRows {
   WorkspacePtr<float> data;
   std::optional<CountedBytes> counted;
 
-  void make(View4& t, int64_t B, int64_t H, int64_t L, int64_t width, int threads) {
+  // halves: bf16 and float16 rows too (widened once here instead of once per tile that reads them).
+  void make(View4& t, int64_t B, int64_t H, int64_t L, int64_t width, int threads, bool halves) {
     const bool broadcast = (B > 1 && t.sb == 0) || (H > 1 && t.sh == 0);
-    if (t.dtype != DType::kF32 || (t.sd == 1 && t.sl == width) || broadcast) return;
+    const bool half = t.dtype == DType::kBF16 || t.dtype == DType::kF16;
+    if (broadcast || (half && !(halves && t.sd == 1))) return;
+    if (t.dtype == DType::kF32 && t.sd == 1 && t.sl == width) return;  // already dense
+    if (!half && t.dtype != DType::kF32) return;
     const size_t n = static_cast<size_t>(B * H * L * width);
     if (n == 0) return;
     data = workspace_array<float>(n, "fused attention: dense key/value rows");
     counted.emplace(int64_t(n * sizeof(float)));
     const View4 src = t;
     float* dst = data.get();
+    const auto widen = forward_ops().widen_rows;
     run_tasks(B * H, threads, [&](int64_t bh) {
       const int64_t b = bh / H, h = bh % H;
+      if (half) return widen(src, b, h, L, width, dst + bh * L * width);
       for (int64_t j = 0; j < L; ++j) {
         const float* row = static_cast<const float*>(src.data) + b * src.sb + h * src.sh + j * src.sl;
         float* out = dst + (bh * L + j) * width;
@@ -123,14 +129,15 @@ struct DenseRows {
   }
 };
 
-// p.k and p.v as dense rows (DenseRows) where they are read more than once: once per query block and head of a
-// GQA group. The forward (past decode) and the backward both start with it.
+// p.k and p.v as dense float32 rows (DenseRows) where they are read more than once: once per query block and head
+// of a GQA group. The forward (past decode) and the backward both start with it. halves: where the float32 products
+// read bf16 or float16 K and V (not where the bf16 products take them as pairs), widened once per call.
 struct DenseKV {
   DenseRows k, v;
-  DenseKV(Params& p, int threads) {
+  DenseKV(Params& p, int threads, bool halves) {
     if (p.num_q_blocks() == 1 && p.group == 1) return;
-    k.make(p.k, p.B, p.Hkv, p.Lk, p.D, threads);
-    v.make(p.v, p.B, p.Hkv, p.Lk, p.Dv, threads);
+    k.make(p.k, p.B, p.Hkv, p.Lk, p.D, threads, halves);
+    v.make(p.v, p.B, p.Hkv, p.Lk, p.Dv, threads, halves);
   }
 };
 
@@ -242,7 +249,7 @@ void fused_forward(const ForwardArgs& a) {
     run_tasks(p.B * p.Hkv, a.num_threads, [&](int64_t t) { o.forward_task(p, t); });
     return;
   }
-  const DenseKV dense_kv(p, a.num_threads);
+  const DenseKV dense_kv(p, a.num_threads, !(o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options)));
   // bf16 products (a build that has them; bf16 inputs, or float32 ones when allowed): K and V as bf16 pairs, once.
   WorkspaceVector<uint32_t> kv_pairs;  // zeroed by resize
   std::optional<CountedBytes> counted_pairs;
@@ -301,7 +308,7 @@ void fused_backward(const BackwardArgs& a) {
   p.dq = out_view4(a.grads.dq), p.dk = out_view4(a.grads.dk), p.dv = out_view4(a.grads.dv);
   const BackwardOps& o = backward_ops();
   const int threads = a.num_threads;
-  const DenseKV dense_kv(p, threads);
+  const DenseKV dense_kv(p, threads, !(o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options)));
 
   // Row statistics: lse (+inf for rows without any allowed key, so that P = exp(s - lse) = 0); which query blocks
   // have a row whose lse cannot carry log l; the NaN rows (see Params). Di = rowsum(dO ∘ O) is filled in by

@@ -57,6 +57,13 @@ void FinishRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, i
     if (p.out.dtype == DType::kF32) {
       float* po = static_cast<float*>(p.out.data) + obase;
       for (int64_t dd = 0; dd < Dv; ++dd) po[dd * p.out.sd] = o(ii, dd) * inv;
+    } else if (p.out.dtype == DType::kF16 && p.out.sd == 1) {  // the row gathered, then converted per vector
+      float row[64];
+      for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
+        const int64_t n = std::min<int64_t>(64, Dv - d0);
+        for (int64_t dd = 0; dd < n; ++dd) row[dd] = o(ii, d0 + dd);
+        StoreF16(static_cast<uint16_t*>(p.out.data) + obase + d0, row, n, inv);
+      }
     } else {
       for (int64_t dd = 0; dd < Dv; ++dd) store_elem(p.out.data, p.out.dtype, obase + dd * p.out.sd, o(ii, dd) * inv);
     }
@@ -250,6 +257,18 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
   }
   for (int ii = 0; ii < NQ; ++ii)
     FinishRows(p, b, rh[ii], ri[ii], 1, chunk, M + ii, L + ii, [&](int64_t, int64_t dd) { return O[ii * Dvp + dd]; });
+}
+
+// Rows [0, L) x [0, width) of (b, h) of t (unit element stride; float32, bf16 or float16) as dense float32 rows.
+void WidenRows(const View4& t, int64_t b, int64_t h, int64_t L, int64_t width, float* out) {
+  constexpr int64_t kRows = 64;
+  for (int64_t j0 = 0; j0 < L; j0 += kRows) {
+    const int64_t n = std::min(kRows, L - j0);
+    const Rows r = RowsOf(t, b, h, j0, n, width, out + j0 * width);
+    if (r.ptr != out + j0 * width)  // float32 rows are read in place: copy them
+      for (int64_t j = 0; j < n; ++j)
+        std::memcpy(out + (j0 + j) * width, r.ptr + j * r.stride, sizeof(float) * size_t(width));
+  }
 }
 
 void ForwardTask(const Params& p, int64_t task) {
@@ -491,11 +510,11 @@ namespace {
 std::atomic<int64_t> g_workspace{0}, g_workspace_peak{0};
 
 #define SATTN_FUSED_FORWARD_OPS(NS) \
-  ForwardOps { &NS::ForwardTask, nullptr, false }
+  ForwardOps { &NS::ForwardTask, nullptr, false, &NS::WidenRows }
 const simd::Build<ForwardOps> kBuilds[] = {
 #if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64
-    {simd::Target::kAmx, ForwardOps{&N_AVX3::ForwardTaskBf16, &N_AVX3::PackKVPairs, true}},
-    {simd::Target::kAvx512Bf16, ForwardOps{&N_AVX3::ForwardTaskBf16, &N_AVX3::PackKVPairs, false}},
+    {simd::Target::kAmx, ForwardOps{&N_AVX3::ForwardTaskBf16, &N_AVX3::PackKVPairs, true, &N_AVX3::WidenRows}},
+    {simd::Target::kAvx512Bf16, ForwardOps{&N_AVX3::ForwardTaskBf16, &N_AVX3::PackKVPairs, false, &N_AVX3::WidenRows}},
 #endif
     SATTN_SIMD_BUILDS(SATTN_FUSED_FORWARD_OPS)};
 }  // namespace
