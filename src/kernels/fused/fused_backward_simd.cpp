@@ -42,7 +42,8 @@ struct BwdTile {
 // P, P' = P·dropout factor and dS = P (dP − Di) of one tile, in place of S^T, dP'^T and PdT.
 // P = exp(S − lse); with kLogSum, P = exp((S − m) − log l): lse_t then holds the row max m (or lse for the rows
 // that do not need it, whose log_sum_t is 0).
-template <bool kLogSum>
+// kRounded: P' and dS are rounded to bf16 next (Params::round_grads), so P takes the shorter exponential there.
+template <bool kLogSum, bool kRounded>
 HWY_INLINE void TileProbabilities(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t kb,
                                   int64_t nk, const float* lse_t, const float* log_sum_t, const float* delta_t) {
   const DF d;
@@ -61,7 +62,12 @@ HWY_INLINE void TileProbabilities(const Params& p, BwdTile& w, int64_t b, int64_
     for (int64_t x = 0; x < Br; x += N) {
       VF z = hn::Sub(hn::Load(d, srow + x), hn::Load(d, lse_t + x));
       if constexpr (kLogSum) z = hn::Sub(z, hn::Load(d, log_sum_t + x));
+#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
+      // P (z clamped to 88 as Exp<false> does; min returns its second operand, z, when z is NaN)
+      const VF pr = kRounded ? VF{ExpForBf16(hn::Min(hn::Set(d, 88.f), z).raw)} : Exp<false>(d, z);
+#else
       const VF pr = Exp<false>(d, z);  // P
+#endif
       VF dp = hn::Load(d, dprow + x);
       VF pd = pr;  // P' = P keep/(1-p)
       if (p.dropout_p > 0) {
@@ -151,9 +157,12 @@ bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, 
   if (p.row_log_sum && p.block_has_log_sum[t]) {
     alignas(64) float log_sum_t[1024];
     for (int64_t ii = 0; ii < Br; ++ii) log_sum_t[ii] = ii < nq ? p.row_log_sum[row0 + ii] : 0.f;
-    TileProbabilities<true>(p, w, b, h, i0, nq, kb, nk, lse_t, log_sum_t, delta_t);
+    if (p.round_grads) TileProbabilities<true, true>(p, w, b, h, i0, nq, kb, nk, lse_t, log_sum_t, delta_t);
+    else TileProbabilities<true, false>(p, w, b, h, i0, nq, kb, nk, lse_t, log_sum_t, delta_t);
+  } else if (p.round_grads) {
+    TileProbabilities<false, true>(p, w, b, h, i0, nq, kb, nk, lse_t, nullptr, delta_t);
   } else {
-    TileProbabilities<false>(p, w, b, h, i0, nq, kb, nk, lse_t, nullptr, delta_t);
+    TileProbabilities<false, false>(p, w, b, h, i0, nq, kb, nk, lse_t, nullptr, delta_t);
   }
   return true;
 }
