@@ -784,7 +784,7 @@ TEST(Fused, FullyMaskedRowsGiveZeroAndMinusInf) {
 }
 
 // bf16 and float16 inputs compute what their float32 values do (K and V widened once per call where the float32
-// products read them); float16 outputs are the float32 results rounded.
+// products read them); float16 and bf16 outputs of that computation are the float32 results rounded.
 TEST(Fused, HalfPrecisionInputsMatchUpcast) {
   Case c;
   c.Hq = 2, c.Hkv = 2, c.Lq = 77, c.Lk = 90, c.D = 40, c.Dv = 83, c.causal = sattn::Causal::kTopLeft;  // rows past 64
@@ -820,16 +820,16 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
         EXPECT_TRUE(bitwise_equal(dq, gref.dq) && bitwise_equal(dk, gref.dk) && bitwise_equal(dv, gref.dv))
             << sattn::to_string(dt) << " " << simd;
       }
-      if (dt == DType::kF16) {  // float16 results: the float32 ones, rounded once (vectors of them where possible)
-        Tensor out16(DType::kF16, out.shape()), dq16(DType::kF16, q.shape()), dk16(DType::kF16, k.shape()),
-            dv16(DType::kF16, v.shape());
+      // float16 results, and bf16 ones where the bf16 products do not take them: the float32 ones, rounded once
+      // (vectors of them where possible)
+      if (dt == DType::kF16 || !has_bf16_products(simd)) {
+        Tensor out16(dt, out.shape()), dq16(dt, q.shape()), dk16(dt, k.shape()), dv16(dt, v.shape());
         sattn::scaled_dot_product_attention(q, k, v, o, {out16.view(), {}, {}});
         sattn::scaled_dot_product_attention_backward(pb.dout.view, q, k, v, ref.out, ref.lse, o,
                                                      {dq16.view(), dk16.view(), dv16.view(), {}});
-        EXPECT_TRUE(bitwise_equal(out16, out.to(DType::kF16))) << simd;
-        EXPECT_TRUE(bitwise_equal(dq16, dq.to(DType::kF16)) && bitwise_equal(dk16, dk.to(DType::kF16)) &&
-                    bitwise_equal(dv16, dv.to(DType::kF16)))
-            << simd;
+        EXPECT_TRUE(bitwise_equal(out16, out.to(dt))) << sattn::to_string(dt) << " " << simd;
+        EXPECT_TRUE(bitwise_equal(dq16, dq.to(dt)) && bitwise_equal(dk16, dk.to(dt)) && bitwise_equal(dv16, dv.to(dt)))
+            << sattn::to_string(dt) << " " << simd;
       }
     }
 }

@@ -57,12 +57,14 @@ void FinishRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, i
     if (p.out.dtype == DType::kF32) {
       float* po = static_cast<float*>(p.out.data) + obase;
       for (int64_t dd = 0; dd < Dv; ++dd) po[dd * p.out.sd] = o(ii, dd) * inv;
-    } else if (p.out.dtype == DType::kF16 && p.out.sd == 1) {  // the row gathered, then converted per vector
-      float row[64];
+    } else if ((p.out.dtype == DType::kF16 || p.out.dtype == DType::kBF16) && p.out.sd == 1) {
+      float row[64];  // the row gathered, then converted a vector at a time
       for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
         const int64_t n = std::min<int64_t>(64, Dv - d0);
         for (int64_t dd = 0; dd < n; ++dd) row[dd] = o(ii, d0 + dd);
-        StoreF16(static_cast<uint16_t*>(p.out.data) + obase + d0, row, n, inv);
+        uint16_t* dst = static_cast<uint16_t*>(p.out.data) + obase + d0;
+        if (p.out.dtype == DType::kF16) StoreF16(dst, row, n, inv);
+        else StoreBf16(dst, row, n, inv);
       }
     } else {
       for (int64_t dd = 0; dd < Dv; ++dd) store_elem(p.out.data, p.out.dtype, obase + dd * p.out.sd, o(ii, dd) * inv);
@@ -436,6 +438,14 @@ SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t) {
   flush();
 }
 
+// O^T [Dv x Br] read as rows for FinishRows. (A lambda inside ForwardTaskBf16 would carry its bf16 target and
+// could not be inlined into FinishRows: a call per element.)
+struct TransposedRows {
+  const float* OT;
+  int64_t Br;
+  float operator()(int64_t ii, int64_t dd) const { return OT[dd * Br + ii]; }
+};
+
 SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   if (!p.k_pairs) return ForwardTask(p, task);  // decode and float32 inputs: the float32 products
   const DF d;
@@ -491,7 +501,7 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
       else GemmKeyPairs<true>(vt, Dv, t.PP, Br, lo, t.OT, Br, nvec, nk, vlast);
     }
   }
-  FinishRows(p, b, h, i0, nq, 0, t.M, t.L, [&](int64_t ii, int64_t dd) { return t.OT[dd * Br + ii]; });
+  FinishRows(p, b, h, i0, nq, 0, t.M, t.L, TransposedRows{t.OT, Br});
 }
 #endif  // HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
 
