@@ -60,7 +60,9 @@ Params make_params(const AttentionProblem& pr, const TensorView& q, const Tensor
   p.q_pos0 = pr.query_offset, p.k_pos0 = pr.key_offset, p.pos_stride = pr.position_stride;
   static const int64_t br = env_tile("SATTN_FUSED_BR", 64), bc = env_tile("SATTN_FUSED_BC", 64);
   static const bool br_from_env = std::getenv("SATTN_FUSED_BR") != nullptr;
-  p.Br = pr.len_q <= 16 ? 16 : br;  // few queries: the narrowest tile (a row's result does not depend on Br)
+  // few queries: the narrowest tile (a row's result does not depend on Br, except through the bf16 products' lazy
+  // max and P·V batches, which follow the whole query block: by rounding there)
+  p.Br = pr.len_q <= 16 ? 16 : br;
   p.Br_from_env = br_from_env;
   p.Bc = bc;
   return p;
@@ -104,9 +106,8 @@ struct DenseRows {
   void make(View4& t, int64_t B, int64_t H, int64_t L, int64_t width, int threads, bool halves) {
     const bool broadcast = (B > 1 && t.sb == 0) || (H > 1 && t.sh == 0);
     const bool half = t.dtype == DType::kBF16 || t.dtype == DType::kF16;
-    if (broadcast || (half && !(halves && t.sd == 1))) return;
-    if (t.dtype == DType::kF32 && t.sd == 1 && t.sl == width) return;  // already dense
-    if (!half && t.dtype != DType::kF32) return;
+    const bool wanted = half ? halves && t.sd == 1 : t.dtype == DType::kF32 && !(t.sd == 1 && t.sl == width);
+    if (broadcast || !wanted) return;
     const size_t n = static_cast<size_t>(B * H * L * width);
     if (n == 0) return;
     data = workspace_array<float>(n, "fused attention: dense key/value rows");
@@ -249,7 +250,8 @@ void fused_forward(const ForwardArgs& a) {
     run_tasks(p.B * p.Hkv, a.num_threads, [&](int64_t t) { o.forward_task(p, t); });
     return;
   }
-  const DenseKV dense_kv(p, a.num_threads, !(o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options)));
+  const bool bf16_products = o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options);
+  const DenseKV dense_kv(p, a.num_threads, !bf16_products);
   // bf16 products (a build that has them; bf16 inputs, or float32 ones when allowed): K and V as bf16 pairs, once.
   WorkspaceVector<uint32_t> kv_pairs;  // zeroed by resize
   std::optional<CountedBytes> counted_pairs;
@@ -258,9 +260,8 @@ void fused_forward(const ForwardArgs& a) {
   p.round_p = a.options.float32_precision == Float32Precision::kBF16 ||
               (p.q.dtype == DType::kBF16 && p.out.dtype == DType::kBF16);
   p.amx_tiles = o.amx_tiles;
-  if (o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options)) {
-    // On the tiles, heads of up to 64 run faster in query blocks of 32 (measured at L = 4096: about 10 %; at
-    // D = 128 slower). A row's result does not depend on Br.
+  if (bf16_products) {
+    // Heads of up to 64 take query blocks of 32 on the tiles (see docs/fused.md).
     if (p.amx_tiles && p.Br == 64 && p.D <= 64 && p.Dv <= 64 && !p.Br_from_env) p.Br = 32;
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.v_pairs_head_words();
     kv_pairs.resize(size_t(k_words + v_words));
@@ -308,7 +309,8 @@ void fused_backward(const BackwardArgs& a) {
   p.dq = out_view4(a.grads.dq), p.dk = out_view4(a.grads.dk), p.dv = out_view4(a.grads.dv);
   const BackwardOps& o = backward_ops();
   const int threads = a.num_threads;
-  const DenseKV dense_kv(p, threads, !(o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options)));
+  const bool bf16_products = o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options);
+  const DenseKV dense_kv(p, threads, !bf16_products);
 
   // Row statistics: lse (+inf for rows without any allowed key, so that P = exp(s - lse) = 0); which query blocks
   // have a row whose lse cannot carry log l; the NaN rows (see Params). Di = rowsum(dO ∘ O) is filled in by
@@ -355,7 +357,7 @@ void fused_backward(const BackwardArgs& a) {
   WorkspaceVector<uint32_t> kv_pairs;  // zeroed by resize
   WorkspacePtr<uint32_t> q_pairs;      // read with aligned vector loads
   std::optional<CountedBytes> counted_pairs;
-  if (o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options)) {
+  if (bf16_products) {
     const bool bf16_precision = a.options.float32_precision == Float32Precision::kBF16;
     // All five products on bf16 pairs (P' and dS rounded once) where rounding is allowed or the gradients are bf16
     // anyway; the two-pass schedule of the mask gradient keeps its float32 products.

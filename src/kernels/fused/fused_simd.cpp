@@ -62,9 +62,7 @@ void FinishRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, i
       for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
         const int64_t n = std::min<int64_t>(64, Dv - d0);
         for (int64_t dd = 0; dd < n; ++dd) row[dd] = o(ii, d0 + dd);
-        uint16_t* dst = static_cast<uint16_t*>(p.out.data) + obase + d0;
-        if (p.out.dtype == DType::kF16) StoreF16(dst, row, n, inv);
-        else StoreBf16(dst, row, n, inv);
+        StoreHalf(p.out.dtype, static_cast<uint16_t*>(p.out.data) + obase + d0, row, n, inv);
       }
     } else {
       for (int64_t dd = 0; dd < Dv; ++dd) store_elem(p.out.data, p.out.dtype, obase + dd * p.out.sd, o(ii, dd) * inv);
@@ -261,16 +259,9 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
     FinishRows(p, b, rh[ii], ri[ii], 1, chunk, M + ii, L + ii, [&](int64_t, int64_t dd) { return O[ii * Dvp + dd]; });
 }
 
-// Rows [0, L) x [0, width) of (b, h) of t (unit element stride; float32, bf16 or float16) as dense float32 rows.
+// Rows [0, L) x [0, width) of (b, h) of t (bf16 or float16, unit element stride) as dense float32 rows.
 void WidenRows(const View4& t, int64_t b, int64_t h, int64_t L, int64_t width, float* out) {
-  constexpr int64_t kRows = 64;
-  for (int64_t j0 = 0; j0 < L; j0 += kRows) {
-    const int64_t n = std::min(kRows, L - j0);
-    const Rows r = RowsOf(t, b, h, j0, n, width, out + j0 * width);
-    if (r.ptr != out + j0 * width)  // float32 rows are read in place: copy them
-      for (int64_t j = 0; j < n; ++j)
-        std::memcpy(out + (j0 + j) * width, r.ptr + j * r.stride, sizeof(float) * size_t(width));
-  }
+  for (int64_t j0 = 0; j0 < L; j0 += 64) RowsOf(t, b, h, j0, std::min<int64_t>(64, L - j0), width, out + j0 * width);
 }
 
 void ForwardTask(const Params& p, int64_t task) {
