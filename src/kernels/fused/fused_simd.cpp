@@ -82,7 +82,12 @@ HWY_INLINE float RowElem(const hwy::bfloat16_t* p) { return hwy::F32FromBF16(*p)
 // Decode scores of KEYS consecutive keys (rows of K, stride kstride, float32 or bf16 read in place) against NQ query
 // rows (Q, stride qstride, zero padded to whole vectors): S[ii * sstride + j] = Q[ii] · K[j] over D. Each key and
 // query has its own accumulator, so NQ × KEYS independent FMA chains run side by side instead of one chain of D / N.
-constexpr int64_t kPrefetchRows = 32;
+// Rows of K and V are prefetched this many rows ahead, each cache line once. bf16 rows want a shorter distance than
+// float32 ones (measured, Lq 1, Lk 65536, D 64/128: 12 bf16 rows ahead read 1.3x faster than 32, 64 or 128).
+template <typename T>
+constexpr int64_t kPrefetchRows = sizeof(T) == 2 ? 12 : 32;
+template <typename T>
+constexpr int64_t kLineElems = 64 / sizeof(T);
 template <int NQ, int KEYS, typename T>
 HWY_INLINE void DecodeScores(const T* k, int64_t kstride, const float* Q, int64_t qstride, int64_t D, float* S,
                              int64_t sstride) {
@@ -95,7 +100,7 @@ HWY_INLINE void DecodeScores(const T* k, int64_t kstride, const float* Q, int64_
     VF qv[NQ];
     for (int ii = 0; ii < NQ; ++ii) qv[ii] = hn::Load(d, Q + ii * qstride + x);
     for (int j = 0; j < KEYS; ++j) {
-      hwy::Prefetch(k + (j + kPrefetchRows) * kstride + x);
+      if (x % kLineElems<T> == 0) hwy::Prefetch(k + (j + kPrefetchRows<T>)*kstride + x);
       const VF kv = LoadRowVec(d, k + j * kstride + x);
       for (int ii = 0; ii < NQ; ++ii) acc[ii][j] = hn::MulAdd(kv, qv[ii], acc[ii][j]);
     }
@@ -116,13 +121,12 @@ HWY_INLINE void DecodeAccumulate(const T* v, int64_t vstride, int64_t nk, const 
                                  int64_t ostride, int64_t x0) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
-  constexpr int64_t kLineElems = 64 / sizeof(T);
   VF acc[NQ][COLS];
   for (int ii = 0; ii < NQ; ++ii)
     for (int c = 0; c < COLS; ++c) acc[ii][c] = hn::Load(d, O + ii * ostride + c * N);
   for (int64_t jj = 0; jj < nk; ++jj) {
     const T* vrow = v + jj * vstride + x0;
-    for (int64_t x = 0; x < COLS * N; x += kLineElems) hwy::Prefetch(vrow + kPrefetchRows * vstride + x);
+    for (int64_t x = 0; x < COLS * N; x += kLineElems<T>) hwy::Prefetch(vrow + kPrefetchRows<T> * vstride + x);
     VF pv[NQ];
     for (int ii = 0; ii < NQ; ++ii) pv[ii] = hn::Set(d, S[ii * sstride + jj]);
     for (int c = 0; c < COLS; ++c) {
