@@ -55,7 +55,6 @@ struct Params {
   }
   // Tiles: Br queries (multiple of 16) x Bc keys.
   int64_t Br = 64, Bc = 64;
-  bool Br_from_env = false;  // SATTN_FUSED_BR set: the amx bf16 forward keeps its Br
 
   // Decode: keys split into chunks of kv_chunk (a multiple of Bc; 0 = no split) whose partial results
   // part_o [B·Hq·Lq, nchunks, Dv] (normalised), part_max and part_sum [B·Hq·Lq, nchunks] (the chunk's row max m

@@ -59,11 +59,9 @@ Params make_params(const AttentionProblem& pr, const TensorView& q, const Tensor
   p.dropout_p = pr.dropout_p, p.seed = pr.seed;
   p.q_pos0 = pr.query_offset, p.k_pos0 = pr.key_offset, p.pos_stride = pr.position_stride;
   static const int64_t br = env_tile("SATTN_FUSED_BR", 64), bc = env_tile("SATTN_FUSED_BC", 64);
-  static const bool br_from_env = std::getenv("SATTN_FUSED_BR") != nullptr;
   // few queries: the narrowest tile (a row's result does not depend on Br, except through the bf16 products' lazy
   // max and P·V batches, which follow the whole query block: by rounding there)
   p.Br = pr.len_q <= 16 ? 16 : br;
-  p.Br_from_env = br_from_env;
   p.Bc = bc;
   return p;
 }
@@ -261,8 +259,6 @@ void fused_forward(const ForwardArgs& a) {
               (p.q.dtype == DType::kBF16 && p.out.dtype == DType::kBF16);
   p.amx_tiles = o.amx_tiles;
   if (bf16_products) {
-    // Heads of up to 64 take query blocks of 32 on the tiles (see docs/fused.md).
-    if (p.amx_tiles && p.Br == 64 && p.D <= 64 && p.Dv <= 64 && !p.Br_from_env) p.Br = 32;
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.v_pairs_head_words();
     kv_pairs.resize(size_t(k_words + v_words));
     counted_pairs.emplace(int64_t((k_words + v_words) * sizeof(uint32_t)));
