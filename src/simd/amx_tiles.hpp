@@ -146,9 +146,9 @@ void dot() {
 }
 
 // One block of MB x NB accumulator tiles: rows [m0, m0 + 16·MB) ∩ [0, M), columns [n0, n0 + 16·NB).
-template <class Tiles, int MB, int NB, bool kAcc, bool kSplit>
-void block(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, int64_t lo, float* C, int64_t ldc, int64_t M,
-           int64_t m0, int64_t n0, int64_t K, float mul) {
+template <class Tiles, int MB, int NB, bool kAcc, bool kSplit, bool kSplitA>
+void block(const uint32_t* A, int64_t lda, int64_t alo, const uint32_t* B, int64_t ldb, int64_t lo, float* C,
+           int64_t ldc, int64_t M, int64_t m0, int64_t n0, int64_t K, float mul) {
   const int64_t K2 = (K + 1) / 2;
   const bool odd_k = K % 2 != 0;
   bool full[2];
@@ -188,11 +188,11 @@ void block(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, int64
   for (int64_t k0 = 0; k0 < K2; k0 += kTileRows) {
     // A chunk is loaded in place when it lies inside the matrix and holds no element past an odd K.
     const bool k_whole = k0 + kTileRows < K2 || (k0 + kTileRows == K2 && !odd_k);
-    auto load_a_tile = [&](auto ic) {
+    auto load_a_tile = [&](auto ic, const uint32_t* a) {
       constexpr int i = decltype(ic)::value;
       const int64_t m = m0 + kTileRows * i;
-      if (full[i] && k_whole) return load_a<Tiles, i>(A + m * lda + k0, lda);
-      stage_a(A, lda, m, M, k0, K2, odd_k, a_stage[i]);
+      if (full[i] && k_whole) return load_a<Tiles, i>(a + m * lda + k0, lda);
+      stage_a(a, lda, m, M, k0, K2, odd_k, a_stage[i]);
       load_a<Tiles, i>(a_stage[i], kTileRows);
     };
     auto load_b_tile = [&](auto jc, const uint32_t* b) {
@@ -208,13 +208,21 @@ void block(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, int64
       if constexpr (MB > 1) dot<Tiles, 1, 0>();
       if constexpr (MB > 1 && NB > 1) dot<Tiles, 1, 1>();
     };
-    load_a_tile(I0{});
-    if constexpr (MB > 1) load_a_tile(I1{});
-    for (int part = 0; part < (kSplit ? 2 : 1); ++part) {
-      const uint32_t* b = B + part * lo;
-      load_b_tile(I0{}, b);
-      if constexpr (NB > 1) load_b_tile(I1{}, b);
-      dots();
+    constexpr int kParts = kSplit ? 2 : 1;
+    for (int apart = 0; apart < (kSplitA ? 2 : 1); ++apart) {
+      const uint32_t* a = A + apart * alo;
+      load_a_tile(I0{}, a);
+      if constexpr (MB > 1) load_a_tile(I1{}, a);
+      // The second part of A takes B's parts in reverse order: the last one loaded is still in its tiles.
+      for (int part = 0; part < kParts; ++part) {
+        const int bpart = apart == 0 ? part : kParts - 1 - part;
+        if (apart == 0 || part > 0) {
+          const uint32_t* b = B + bpart * lo;
+          load_b_tile(I0{}, b);
+          if constexpr (NB > 1) load_b_tile(I1{}, b);
+        }
+        dots();
+      }
     }
   }
 
@@ -230,12 +238,13 @@ void block(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, int64
 // - A2 [M x K2] words, row m at A + m·lda (rows run along the sum: keys for K, dimensions for V^T);
 // - B2 [K2 x N] words, pair row k at B + k·ldb; kSplit adds a second right-hand matrix `lo` words after B (the
 //   rounding errors of a float32 operand split into two bf16);
+// - kSplitA adds a second left-hand matrix `alo` words after A, multiplied by B (and B's second part) alike;
 // - N a multiple of 16; C rows ldc floats apart.
 // With odd K the high halves of pair K2 − 1 (elements past the sum) do not reach C, whatever they hold.
 // mul 1 stores the accumulators straight into C (full rows of 16); any other factor goes through a staging
 // buffer and scalar code, so callers with a factor to apply on every element do better to apply it themselves.
 // The tiles must be configured (TileConfigScope).
-template <class Tiles, bool kAcc, bool kSplit>
+template <class Tiles, bool kAcc, bool kSplit, bool kSplitA = false>
 struct PairsProduct {
   const uint32_t* A;
   int64_t lda;
@@ -244,6 +253,7 @@ struct PairsProduct {
   float* C;
   int64_t ldc, M, N, K;
   float mul;
+  int64_t alo = 0;
 
   // Blocks of up to 32 x 32 of C, rows [32·(i / nbn), +32) x columns [32·(i % nbn), +32).
   int64_t num_blocks() const { return (M + 31) / 32 * ((N + 31) / 32); }
@@ -251,10 +261,12 @@ struct PairsProduct {
     constexpr int64_t T = kTileRows;
     const int64_t nbn = (N + 2 * T - 1) / (2 * T), m0 = i / nbn * 2 * T, n0 = i % nbn * 2 * T;
     const bool two_rows = M - m0 > T, two_cols = N - n0 > T;
-    if (two_rows && two_cols) detail::block<Tiles, 2, 2, kAcc, kSplit>(A, lda, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
-    else if (two_rows) detail::block<Tiles, 2, 1, kAcc, kSplit>(A, lda, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
-    else if (two_cols) detail::block<Tiles, 1, 2, kAcc, kSplit>(A, lda, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
-    else detail::block<Tiles, 1, 1, kAcc, kSplit>(A, lda, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
+    using detail::block;
+    if (two_rows && two_cols)
+      block<Tiles, 2, 2, kAcc, kSplit, kSplitA>(A, lda, alo, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
+    else if (two_rows) block<Tiles, 2, 1, kAcc, kSplit, kSplitA>(A, lda, alo, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
+    else if (two_cols) block<Tiles, 1, 2, kAcc, kSplit, kSplitA>(A, lda, alo, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
+    else block<Tiles, 1, 1, kAcc, kSplit, kSplitA>(A, lda, alo, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
   }
   void run() const {
     for (int64_t i = 0; i < num_blocks(); ++i) run_block(i);
@@ -263,10 +275,10 @@ struct PairsProduct {
 
 // The whole product at once; PairsProduct runs the same blocks one at a time, so that a caller can interleave
 // them with vector work (the tiles compute while the vector units run, in out-of-order execution).
-template <class Tiles, bool kAcc, bool kSplit>
+template <class Tiles, bool kAcc, bool kSplit, bool kSplitA = false>
 void gemm_pairs(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, int64_t lo, float* C, int64_t ldc,
-                int64_t M, int64_t N, int64_t K, float mul) {
-  PairsProduct<Tiles, kAcc, kSplit>{A, lda, B, ldb, lo, C, ldc, M, N, K, mul}.run();
+                int64_t M, int64_t N, int64_t K, float mul, int64_t alo = 0) {
+  PairsProduct<Tiles, kAcc, kSplit, kSplitA>{A, lda, B, ldb, lo, C, ldc, M, N, K, mul, alo}.run();
 }
 
 }  // namespace sattn::simd::amx

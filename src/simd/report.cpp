@@ -43,7 +43,9 @@ std::vector<std::pair<std::string, std::string>> explain_simd_targets(DType dtyp
   using simd::Target;
   const Target selected = simd::selected(), picked = simd::parse(fused::simd_build(), "fused build");
   // The fused kernel's build under `selected`: the bf16 entry serves only the inputs that take the bf16 products.
-  const bool bf16_products = dtype == DType::kBF16 || (dtype == DType::kF32 && precision == Float32Precision::kBF16);
+  // float16 inputs take the amx build's tiles in the forward (each value as two bf16), never vdpbf16ps.
+  const bool bf16_products = dtype == DType::kBF16 || (dtype == DType::kF32 && precision == Float32Precision::kBF16) ||
+                             (dtype == DType::kF16 && picked == Target::kAmx);
   const bool bf16_build = picked == Target::kAmx || picked == Target::kAvx512Bf16;
   const Target used = bf16_build && !bf16_products ? Target::kAvx512 : picked;
   const char* needs[simd::kNumTargets] = {"",  // amx: simd::amx_unavailable_reason()
@@ -66,8 +68,9 @@ std::vector<std::pair<std::string, std::string>> explain_simd_targets(DType dtyp
       why = std::string("wider than the selected target '") + simd::name(selected) +
             "' (SATTN_SIMD or set_simd_target chose it)";
     } else if ((t == Target::kAmx || t == Target::kAvx512Bf16) && t != used && !bf16_products) {
-      why = dtype == DType::kF16 ? "float16 inputs run the float32 products (bf16 holds 3 bits fewer)"
-                                 : "float32 inputs take the bf16 products only with float32_precision='bf16'";
+      why = dtype == DType::kF16
+                ? "float16 inputs take bf16 products only on AMX tiles (each value as two bf16), else the float32 ones"
+                : "float32 inputs take the bf16 products only with float32_precision='bf16'";
     } else if (t != used) {
       why = std::string("the wider '") + simd::name(used) + "' build runs";
     }

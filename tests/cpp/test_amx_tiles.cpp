@@ -93,6 +93,7 @@ struct Case {
   int64_t M, N, K;
   bool acc, split;
   float mul;
+  bool split_a = false;
 };
 
 // Runs gemm_pairs on Tiles for one case and checks every element of C against float64, and that nothing outside
@@ -103,13 +104,16 @@ void check_case(const Case& c, std::mt19937& rng) {
   using sattn::simd::amx::gemm_pairs;
   const int64_t K2 = (c.K + 1) / 2, lda = K2 + 3, ldb = c.N + 16, ldc = c.N + 5;
   std::normal_distribution<float> normal(0.f, 1.f);
-  std::vector<uint32_t> A(size_t(c.M * lda), kNaNPair), B(size_t((K2 + 2) * ldb * 2), kNaNPair);
+  const int64_t alo = (c.M + 1) * lda;  // the second left-hand matrix (split_a)
+  std::vector<uint32_t> A(size_t(alo * 2), kNaNPair), B(size_t((K2 + 2) * ldb * 2), kNaNPair);
   auto elem = [](uint32_t w, int half) { return double(bf16_value(half ? w >> 16 : w & 0xFFFFu)); };
-  for (int64_t m = 0; m < c.M; ++m)
-    for (int64_t k = 0; k < K2; ++k) {
-      const uint32_t hi = 2 * k + 1 < c.K ? to_bf16(normal(rng)) : 0x7FC0u;
-      A[size_t(m * lda + k)] = to_bf16(normal(rng)) | hi << 16;
-    }
+  for (int part = 0; part < 2; ++part)
+    for (int64_t m = 0; m < c.M; ++m)
+      for (int64_t k = 0; k < K2; ++k) {
+        const float scale = part ? 1.f / 512 : 1.f;
+        const uint32_t hi = 2 * k + 1 < c.K ? to_bf16(scale * normal(rng)) : 0x7FC0u;
+        A[size_t(part * alo + m * lda + k)] = to_bf16(scale * normal(rng)) | hi << 16;
+      }
   const int64_t lo = (K2 + 2) * ldb;  // the second right-hand matrix (kSplit)
   for (int part = 0; part < 2; ++part)
     for (int64_t k = 0; k < K2; ++k)
@@ -124,14 +128,22 @@ void check_case(const Case& c, std::mt19937& rng) {
   const std::vector<float> C0 = C;
 
   const sattn::simd::amx::TileConfigScope<Tiles> scope(true);
-  auto run = [&](auto f) { f(A.data(), lda, B.data(), ldb, lo, C.data(), ldc, c.M, c.N, c.K, c.mul); };
-  if (c.acc && c.split) run(gemm_pairs<Tiles, true, true>);
-  if (c.acc && !c.split) run(gemm_pairs<Tiles, true, false>);
-  if (!c.acc && c.split) run(gemm_pairs<Tiles, false, true>);
-  if (!c.acc && !c.split) run(gemm_pairs<Tiles, false, false>);
+  auto run = [&](auto f) { f(A.data(), lda, B.data(), ldb, lo, C.data(), ldc, c.M, c.N, c.K, c.mul, alo); };
+  if (c.split_a) {
+    if (c.acc && c.split) run(gemm_pairs<Tiles, true, true, true>);
+    if (c.acc && !c.split) run(gemm_pairs<Tiles, true, false, true>);
+    if (!c.acc && c.split) run(gemm_pairs<Tiles, false, true, true>);
+    if (!c.acc && !c.split) run(gemm_pairs<Tiles, false, false, true>);
+  } else {
+    if (c.acc && c.split) run(gemm_pairs<Tiles, true, true>);
+    if (c.acc && !c.split) run(gemm_pairs<Tiles, true, false>);
+    if (!c.acc && c.split) run(gemm_pairs<Tiles, false, true>);
+    if (!c.acc && !c.split) run(gemm_pairs<Tiles, false, false>);
+  }
 
   const std::string where = "M " + std::to_string(c.M) + " N " + std::to_string(c.N) + " K " + std::to_string(c.K) +
-                            (c.acc ? " acc" : "") + (c.split ? " split" : "") + " mul " + std::to_string(c.mul);
+                            (c.acc ? " acc" : "") + (c.split ? " split" : "") + (c.split_a ? " split_a" : "") +
+                            " mul " + std::to_string(c.mul);
   for (int64_t m = 0; m < rows_c; ++m)
     for (int64_t n = 0; n < ldc; ++n) {
       const float got = C[size_t(m * ldc + n)];
@@ -140,14 +152,16 @@ void check_case(const Case& c, std::mt19937& rng) {
         continue;
       }
       double sum = 0, magnitude = 0;
-      for (int part = 0; part < (c.split ? 2 : 1); ++part)
-        for (int64_t k = 0; k < c.K; ++k) {
-          const double t =
-              elem(A[size_t(m * lda + k / 2)], int(k % 2)) * elem(B[size_t(part * lo + k / 2 * ldb + n)], int(k % 2));
-          sum += t, magnitude += std::fabs(t);
-        }
+      for (int apart = 0; apart < (c.split_a ? 2 : 1); ++apart)
+        for (int part = 0; part < (c.split ? 2 : 1); ++part)
+          for (int64_t k = 0; k < c.K; ++k) {
+            const double t = elem(A[size_t(apart * alo + m * lda + k / 2)], int(k % 2)) *
+                             elem(B[size_t(part * lo + k / 2 * ldb + n)], int(k % 2));
+            sum += t, magnitude += std::fabs(t);
+          }
       const double want = c.mul * sum + (c.acc ? double(C0[size_t(m * ldc + n)]) : 0.0);
-      const double tol = 4e-7 * (std::fabs(c.mul) * magnitude * double(c.K + 2) + std::fabs(want)) + 1e-30;
+      const double terms = double(c.K * (c.split_a ? 2 : 1) + 2);  // additions into one element, about
+      const double tol = 4e-7 * (std::fabs(c.mul) * magnitude * terms + std::fabs(want)) + 1e-30;
       ASSERT_NEAR(got, want, tol) << where << ": element (" << m << ", " << n << ")";
     }
 }
@@ -161,6 +175,11 @@ std::vector<Case> cases() {
   for (bool acc : {false, true})
     for (bool split : {false, true})
       for (float mul : {1.f, 0.125f}) out.push_back({33, 48, 63, acc, split, mul});
+  // a second left-hand matrix (float16 operands as two bf16 parts)
+  for (int64_t M : {16, 17, 33, 64})
+    for (int64_t K : {31, 64, 65})
+      for (bool acc : {false, true})
+        for (bool split : {false, true}) out.push_back({M, 48, K, acc, split, M % 2 ? 0.125f : 1.f, true});
   return out;
 }
 

@@ -332,6 +332,67 @@ TEST_P(FusedBf16Products, MatchReference) {
   }
 }
 
+// float16 inputs: the amx forward takes each value as two bf16 (hi + lo, exact), the avx512bf16 build the float32
+// products; either way the float32 tolerances against the fp64 reference on the same values, and bitwise the same
+// for 1 and 3 threads. With an infinity in q, k or v the forward takes the float32 products (the parts' products
+// would meet inf · 0): bitwise what the float32 inputs give.
+// A float16 [B, H, L, D] tensor's values with their elements two apart (a last-dimension stride of 2).
+Input spread_half(const Tensor& t) {
+  const int64_t B = t.shape()[0], H = t.shape()[1], L = t.shape()[2], D = t.shape()[3];
+  Input in;
+  in.storage = Tensor(DType::kF16, {B, H, L, 2 * D});
+  const auto* src = static_cast<const uint16_t*>(t.data());
+  auto* dst = static_cast<uint16_t*>(in.storage.data());
+  for (int64_t r = 0; r < B * H * L; ++r)
+    for (int64_t x = 0; x < D; ++x) dst[r * 2 * D + 2 * x] = src[r * D + x], dst[r * 2 * D + 2 * x + 1] = 0x7E00u;
+  in.view = TensorView(in.storage.data(), DType::kF16, {B, H, L, D}, {H * L * 2 * D, L * 2 * D, 2 * D, 2});
+  return in;
+}
+
+TEST_P(FusedBf16Products, Float16InputsMatchReference) {
+  uint32_t seed = 700;
+  for (const Case& c : sweep()) {
+    SCOPED_TRACE(c.name());
+    const Problem pb = make_problem(c, ++seed);
+    const Tensor q = Tensor::from_view(pb.q.view).to(DType::kF16), k = Tensor::from_view(pb.k.view).to(DType::kF16),
+                 v = Tensor::from_view(pb.v.view).to(DType::kF16);
+    const Tensor qf = q.to(DType::kF32), kf = k.to(DType::kF32), vf = v.to(DType::kF32);
+    Problem in = pb, up = pb;
+    in.q.view = q.view(), in.k.view = k.view(), in.v.view = v.view();
+    up.q.view = qf.view(), up.k.view = kf.view(), up.v.view = vf.view();
+    const FwdResult ref = run_forward(up, "reference", 1);
+    const FwdResult got = run_forward(in, "fused", 1);
+    EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
+    EXPECT_LE(rel_err(got.lse, ref.lse), 2e-5);
+    const FwdResult got3 = run_forward(in, "fused", 3);
+    EXPECT_TRUE(bitwise_equal(got.out, got3.out) && bitwise_equal(got.lse, got3.lse));
+    if (c.strided) {  // elements two apart (NaN between them): the same values packed, the same results
+      const Input qs = spread_half(q), ks = spread_half(k), vs = spread_half(v);
+      Problem sp = in;
+      sp.q.view = qs.view, sp.k.view = ks.view, sp.v.view = vs.view;
+      const FwdResult got_s = run_forward(sp, "fused", 1);
+      EXPECT_TRUE(bitwise_equal(got.out, got_s.out) && bitwise_equal(got.lse, got_s.lse));
+    }
+  }
+  Case c;
+  c.Hq = 2, c.Hkv = 2, c.Lq = 70, c.Lk = 81, c.D = 24, c.Dv = 40;
+  for (int which = 0; which < 3; ++which) {
+    SCOPED_TRACE("an infinity in " + std::string(which == 0 ? "q" : which == 1 ? "k" : "v"));
+    const Problem pb = make_problem(c, 9);
+    Tensor t[3] = {Tensor::from_view(pb.q.view).to(DType::kF16), Tensor::from_view(pb.k.view).to(DType::kF16),
+                   Tensor::from_view(pb.v.view).to(DType::kF16)};
+    static_cast<uint16_t*>(t[which].data())[77] = 0xFC00u;  // -inf
+    const Tensor tf[3] = {t[0].to(DType::kF32), t[1].to(DType::kF32), t[2].to(DType::kF32)};
+    Problem in = pb, up = pb;
+    in.q.view = t[0].view(), in.k.view = t[1].view(), in.v.view = t[2].view();
+    up.q.view = tf[0].view(), up.k.view = tf[1].view(), up.v.view = tf[2].view();
+    const FwdResult got = run_forward(in, "fused", 1);
+    const sattn::testing::ScopedSimdTarget float32_products("avx512");
+    const FwdResult want = run_forward(up, "fused", 1);
+    EXPECT_TRUE(bitwise_equal(got.out, want.out) && bitwise_equal(got.lse, want.lse));
+  }
+}
+
 // bf16 inputs whose out, dq, dk and dv are stored in bf16 too (as PyTorch returns them): there the bf16 products
 // take P (forward) and P', dS (backward) rounded to bf16 once, as FlashAttention does, an error of the size of
 // the outputs' own rounding. Against the fp64 reference on the same bf16 values (rel_err; the rounding of the exact
@@ -784,7 +845,8 @@ TEST(Fused, FullyMaskedRowsGiveZeroAndMinusInf) {
 }
 
 // bf16 and float16 inputs compute what their float32 values do (K and V widened once per call where the float32
-// products read them); float16 and bf16 outputs of that computation are the float32 results rounded.
+// products read them; the amx forward takes float16 as two bf16 each, exactly); float16 and bf16 outputs of that
+// computation are the float32 results rounded.
 TEST(Fused, HalfPrecisionInputsMatchUpcast) {
   Case c;
   c.Hq = 2, c.Hkv = 2, c.Lq = 77, c.Lk = 90, c.D = 40, c.Dv = 83, c.causal = sattn::Causal::kTopLeft;  // rows past 64
@@ -802,8 +864,10 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
       o.kernel = "fused";
       Tensor out(DType::kF32, {c.B, c.Hq, c.Lq, c.Dv});
       sattn::scaled_dot_product_attention(q, k, v, o, {out.view(), {}, {}});
-      if (has_bf16_products(simd) && dt == DType::kBF16) {  // its own products: as accurate, not the same bits
-        EXPECT_LE(rel_err(out, ref.out), 2e-5) << simd;
+      // its own products: as accurate, not the same bits
+      if ((has_bf16_products(simd) && dt == DType::kBF16) || (simd == "amx" && dt == DType::kF16)) {
+        EXPECT_LE(rel_err(out, ref.out), 2e-5) << sattn::to_string(dt) << " " << simd;
+        EXPECT_FALSE(bitwise_equal(out, ref.out)) << sattn::to_string(dt) << " " << simd;
       } else {
         EXPECT_TRUE(bitwise_equal(out, ref.out)) << sattn::to_string(dt) << " " << simd;
       }
@@ -838,7 +902,7 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
 // bias swallows the scores, the exact softmax is uniform, and lse = -1e30 + log Lk rounds to -1e30, so a backward
 // that forms P = exp(s - lse) gets P = 1 instead of 1/Lk. Rows i % 3 == 0 carry the bias on every key, rows
 // i % 3 == 1 on every other key. Forward (tiles and split-key decode) and backward against the fp64 reference,
-// for float32 and bfloat16 inputs and every SIMD implementation, and bitwise identical for 1 and 3 threads.
+// for float32, bfloat16 and float16 inputs and every SIMD implementation, and bitwise identical for 1 and 3 threads.
 TEST(Fused, HugeUniformBiasRowsMatchReference) {
   const float lowest = std::numeric_limits<float>::lowest();
   const struct {
@@ -869,7 +933,7 @@ TEST(Fused, HugeUniformBiasRowsMatchReference) {
       for (int64_t j = 0; j < c.Lk; ++j)
         if (i % 3 == 0 || (i % 3 == 1 && j % 2 == 1)) m[i * c.Lk + j] = huge;
     const auto simds = sattn::testing::simd_target_names();
-    for (DType dt : {DType::kF32, DType::kBF16}) {
+    for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
       // The fused kernel gets q, k, v in dt; the reference the same (rounded) values in float32.
       const Tensor q = Tensor::from_view(pb.q.view).to(dt), k = Tensor::from_view(pb.k.view).to(dt),
                    v = Tensor::from_view(pb.v.view).to(dt);

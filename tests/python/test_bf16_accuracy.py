@@ -1,7 +1,8 @@
 """The bf16 products. bf16 inputs against PyTorch 2.x's own bf16 SDPA: on 20 random problems (D 64/128, L <= 1024,
 full and causal, GQA) the largest absolute error of out, dq, dk and dv against the fp64 reference on the same bf16
 values is at most twice torch's bf16 error + 1e-5, for every fused build this CPU runs that has its own bf16 path
-(amx: AMX tiles; avx512bf16: the vdpbf16ps products) and for the default one. float32_precision='bf16' (numpy API, sattn.torch and
+(amx: AMX tiles; avx512bf16: the vdpbf16ps products) and for the default one; the same for float16 inputs against
+torch's float16 SDPA (the amx forward takes them as two bf16 each). float32_precision='bf16' (numpy API, sattn.torch and
 torch.set_float32_matmul_precision('medium')): float32 inputs rounded only where the CPU has bf16 products."""
 import numpy as np
 import pytest
@@ -34,8 +35,9 @@ def grads(fn, q, k, v, dout, causal, gqa):
     return [t.double() for t in (o, dq, dk, dv)]
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("target", ["default", "amx", "avx512bf16"])
-def test_bf16_errors_within_twice_torch(target):
+def test_bf16_errors_within_twice_torch(target, dtype):
     before = sattn.simd_targets()["selected"]
     if target != "default":
         if target not in sattn.simd_targets()["available"]:
@@ -44,9 +46,10 @@ def test_bf16_errors_within_twice_torch(target):
     try:
         for n, D, Lq, Lk, causal, hq, hkv in problems():
             g = torch.Generator().manual_seed(n)
-            q = torch.randn(1, hq, Lq, D, generator=g).bfloat16()
-            k, v = (torch.randn(1, hkv, Lk, D, generator=g).bfloat16() for _ in range(2))
-            dout = torch.randn(1, hq, Lq, D, generator=g).bfloat16()
+            dt = torch.bfloat16 if dtype == "bf16" else torch.float16
+            q = torch.randn(1, hq, Lq, D, generator=g).to(dt)
+            k, v = (torch.randn(1, hkv, Lk, D, generator=g).to(dt) for _ in range(2))
+            dout = torch.randn(1, hq, Lq, D, generator=g).to(dt)
             gqa = hq != hkv
             ref = grads(F.scaled_dot_product_attention, q.double(), k.double(), v.double(), dout.double(), causal, gqa)
             theirs = grads(F.scaled_dot_product_attention, q, k, v, dout, causal, gqa)

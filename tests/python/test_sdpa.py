@@ -143,7 +143,13 @@ def test_half_precision_is_upconverted_and_cast_back():
     out, lse = sattn.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
     assert out.dtype == np.float16 and lse.dtype == np.float32
     ref = sattn.scaled_dot_product_attention(*(x.astype(np.float32) for x in (q, k, v)), is_causal=True)
-    np.testing.assert_array_equal(out, ref.astype(np.float16))
+    if sattn.simd_targets()["fused"] == "amx":
+        # float16 as two bf16 each on the tiles, exactly: the float32 result up to float32 rounding, then rounded to
+        # float16 (half a float16 ulp)
+        err = np.abs(out.astype(np.float64) - ref.astype(np.float64))
+        assert (err <= 2.0**-11 * np.abs(ref) + 2e-5 * max(1.0, np.abs(ref).max())).all(), err.max()
+    else:
+        np.testing.assert_array_equal(out, ref.astype(np.float16))
     grads = sattn.scaled_dot_product_attention_backward(np.ones_like(out), q, k, v, out, lse, is_causal=True)
     assert all(g.dtype == np.float16 for g in grads)
 

@@ -77,6 +77,13 @@ struct Params {
   uint32_t* v_pairs = nullptr;
   // P·V takes P rounded to bf16 once (Float32Precision::kBF16, or bf16 inputs with a bf16 out), else as two bf16 parts
   bool round_p = false;
+  // float16 inputs on the amx tiles: every float16 is the sum of two bf16 exactly (its 11 significant bits are the 8
+  // of its bf16 rounding and at most 3 more), so K and V are packed twice, the rounded values (k_pairs, v_pairs)
+  // and the remainders half_lo words after them, and Q likewise per task; every product then sums all four part
+  // products, each exact in float32, and is as accurate as the float32 products (the inputs' own values, no
+  // rounding). Inputs holding an infinity do not take this path (inf · 0 between parts would make a NaN).
+  bool split_halves = false;
+  int64_t k_lo_words = 0, v_lo_words = 0;
   int64_t d_pairs() const { return (D + 1) / 2; }
   int64_t dv_pairs() const { return (Dv + 1) / 2; }
   int64_t lk_pairs() const { return (Lk + 1) / 2; }

@@ -1,6 +1,7 @@
 // The fused kernel's registry entry and drivers: eligibility, parameters, the task split over threads.
 // The tile loops themselves are in fused_simd.cpp (one copy per SIMD target).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -232,9 +233,29 @@ void decode_forward(const ForwardArgs& a, Params& p, const ForwardOps& o) {
 }
 
 // Whether inputs of `dtype` take the bf16 products of a build that has them: bf16 always (exact operands), float32
-// when Float32Precision::kBF16 allows rounding them; float16 never (bf16 holds 3 bits fewer).
+// when Float32Precision::kBF16 allows rounding them; float16 not (bf16 holds 3 bits fewer), except in the forward of
+// the amx build, which takes each float16 value as two bf16 (Params::split_halves, decided in fused_forward).
 bool takes_bf16_products(DType dtype, const AttentionOptions& options) {
   return dtype == DType::kBF16 || (dtype == DType::kF32 && options.float32_precision == Float32Precision::kBF16);
+}
+
+// Whether a float16 view holds an infinity (+-inf: exponent all ones, mantissa zero). Tasks per (b, head), any order.
+bool has_half_infinity(const View4& t, int64_t B, int64_t H, int64_t L, int64_t width, int threads) {
+  std::atomic<bool> found{false};
+  run_tasks(B * H, threads, [&](int64_t task) {
+    const int64_t b = task / H, h = task % H;
+    const auto* data = static_cast<const uint16_t*>(t.data);
+    bool inf = false;
+    for (int64_t j = 0; j < L; ++j) {
+      const uint16_t* row = data + b * t.sb + h * t.sh + j * t.sl;
+      if (t.sd == 1)
+        for (int64_t x = 0; x < width; ++x) inf |= (row[x] & 0x7FFFu) == 0x7C00u;
+      else
+        for (int64_t x = 0; x < width; ++x) inf |= (row[x * t.sd] & 0x7FFFu) == 0x7C00u;
+    }
+    if (inf) found = true;
+  });
+  return found;
 }
 
 void fused_forward(const ForwardArgs& a) {
@@ -248,21 +269,28 @@ void fused_forward(const ForwardArgs& a) {
     run_tasks(p.B * p.Hkv, a.num_threads, [&](int64_t t) { o.forward_task(p, t); });
     return;
   }
-  const bool bf16_products = o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options);
+  p.amx_tiles = o.amx_tiles;
+  // float16 as two bf16 each on the tiles, unless an input holds an infinity (inf · 0 between the parts)
+  p.split_halves = o.amx_tiles && p.q.dtype == DType::kF16 &&
+                   !has_half_infinity(p.q, p.B, p.Hq, p.Lq, p.D, a.num_threads) &&
+                   !has_half_infinity(p.k, p.B, p.Hkv, p.Lk, p.D, a.num_threads) &&
+                   !has_half_infinity(p.v, p.B, p.Hkv, p.Lk, p.Dv, a.num_threads);
+  const bool bf16_products = o.pack_kv_pairs && (takes_bf16_products(p.q.dtype, a.options) || p.split_halves);
   const DenseKV dense_kv(p, a.num_threads, !bf16_products);
   // bf16 products (a build that has them; bf16 inputs, or float32 ones when allowed): K and V as bf16 pairs, once.
   WorkspaceVector<uint32_t> kv_pairs;  // zeroed by resize
   std::optional<CountedBytes> counted_pairs;
   // P rounded to bf16 once for P·V where rounding is allowed, or where the inputs and the output are bf16 (the
   // output's own rounding is of the same size); else as two bf16 parts, to float32 accuracy.
-  p.round_p = a.options.float32_precision == Float32Precision::kBF16 ||
-              (p.q.dtype == DType::kBF16 && p.out.dtype == DType::kBF16);
-  p.amx_tiles = o.amx_tiles;
+  p.round_p = !p.split_halves && (a.options.float32_precision == Float32Precision::kBF16 ||
+                                  (p.q.dtype == DType::kBF16 && p.out.dtype == DType::kBF16));
   if (bf16_products) {
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.v_pairs_head_words();
-    kv_pairs.resize(size_t(k_words + v_words));
-    counted_pairs.emplace(int64_t((k_words + v_words) * sizeof(uint32_t)));
-    p.k_pairs = kv_pairs.data(), p.v_pairs = p.k_pairs + k_words;
+    const int64_t parts = p.split_halves ? 2 : 1;  // the remainders of float16 values after the rounded ones
+    kv_pairs.resize(size_t(parts * (k_words + v_words)));
+    counted_pairs.emplace(int64_t(parts * (k_words + v_words) * sizeof(uint32_t)));
+    p.k_pairs = kv_pairs.data(), p.v_pairs = p.k_pairs + parts * k_words;
+    if (p.split_halves) p.k_lo_words = k_words, p.v_lo_words = v_words;
     run_tasks(p.B * p.Hkv, a.num_threads, [&](int64_t t) { o.pack_kv_pairs(p, t); });
   }
   const int64_t n = p.B * p.Hq * p.num_q_blocks();

@@ -383,7 +383,9 @@ SATTN_BF16_ATTR void SoftmaxIntoPairs(const Params& p, const Bf16ForwardTile& t,
 // O^T += V^T P^T (one load and store of each O^T tile per slab instead of per key block): before the max moves
 // (it rescales O^T), at the end of a slab or of a run of live blocks, and after every block with dropout. The tiles
 // store unscaled sums: the scale goes into the softmax's exponent (fold), or onto S^T first where a float bias is
-// added to the scaled scores.
+// added to the scaled scores. kHalves (Params::split_halves): K, Q and V in two bf16 parts each, every product
+// summing the four part products (P is in two parts already: round_p is off).
+template <bool kHalves>
 SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t) {
   const int64_t Br = p.Br, Bc = p.Bc, D2 = p.d_pairs(), S = p.pv_keys(), S2 = S / 2, lo_offset = S2 * Br;
   namespace amx = simd::amx;
@@ -394,13 +396,18 @@ SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t) {
   };
   const auto scores = [&](int64_t kb, float* ST) {
     const int64_t nk = std::min(Bc, t.kend - kb);
-    return amx::PairsProduct<AmxTiles, false, false>{t.kp + kb * D2, D2, t.QP, Br, 0, ST, Br, nk, Br, 2 * D2, 1.f};
+    return amx::PairsProduct<AmxTiles, false, kHalves, kHalves>{
+        t.kp + kb * D2, D2, t.QP, Br, kHalves ? D2 * Br : 0, ST, Br, nk, Br, 2 * D2, 1.f, p.k_lo_words};
   };
   int64_t buf_k0 = 0, buf_n = 0;  // keys [buf_k0, buf_k0 + buf_n) have their P in t.PP, not yet in O^T
   const auto flush = [&] {
     if (buf_n == 0) return;
     const uint32_t* vt = t.vp + buf_k0 / S * p.Dv * S2 + buf_k0 % S / 2;  // their V^T pairs, rows S2 words apart
-    if (p.round_p) amx::gemm_pairs<AmxTiles, true, false>(vt, S2, t.PP, Br, lo_offset, t.OT, Br, p.Dv, Br, buf_n, 1.f);
+    if (kHalves)
+      amx::gemm_pairs<AmxTiles, true, true, true>(vt, S2, t.PP, Br, lo_offset, t.OT, Br, p.Dv, Br, buf_n, 1.f,
+                                                  p.v_lo_words);
+    else if (p.round_p)
+      amx::gemm_pairs<AmxTiles, true, false>(vt, S2, t.PP, Br, lo_offset, t.OT, Br, p.Dv, Br, buf_n, 1.f);
     else amx::gemm_pairs<AmxTiles, true, true>(vt, S2, t.PP, Br, lo_offset, t.OT, Br, p.Dv, Br, buf_n, 1.f);
     buf_n = 0;
   };
@@ -461,7 +468,7 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
                     kend,
                     p.k_pairs + (b * p.Hkv + hk) * p.Lk * D2,
                     p.v_pairs + (b * p.Hkv + hk) * p.v_pairs_head_words()};
-  t.QP = reinterpret_cast<uint32_t*>(s_qp.alloc(D2 * Br));
+  t.QP = reinterpret_cast<uint32_t*>(s_qp.alloc(D2 * Br * (p.split_halves ? 2 : 1)));
   t.ST[0] = s_st.alloc(Bc * Br * (p.amx_tiles ? 2 : 1));
   t.ST[1] = t.ST[0] + (p.amx_tiles ? Bc * Br : 0);
   t.OT = s_ot.alloc(Dv * Br);
@@ -477,10 +484,12 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   std::fill(t.M, t.M + Br, kNegInf);
   std::fill(t.L, t.L + Br, 0.f);
   std::memset(t.OT, 0, sizeof(float) * size_t(Dv * Br));
-  PackTransposedPairs(p.q, b, h, i0, nq, p.D, Br, t.QP);
+  if (p.split_halves) PackTransposedHalfPairs(p.q, b, h, i0, nq, p.D, Br, t.QP, D2 * Br);
+  else PackTransposedPairs(p.q, b, h, i0, nq, p.D, Br, t.QP);
   if (p.amx_tiles) {
     const AmxTaskScope tile_config(true);
-    ForwardKeysAmx(p, t);
+    if (p.split_halves) ForwardKeysAmx<true>(p, t);
+    else ForwardKeysAmx<false>(p, t);
   } else {
     for (int64_t kb = 0; kb < kend; kb += Bc) {
       const int64_t nk = std::min(Bc, kend - kb);
