@@ -1048,6 +1048,25 @@ TEST(FusedDecode, SplitKeysMatchReference) {
       const FwdResult one = run_forward(pb, "fused", 1), three = run_forward(pb, "fused", 3);
       EXPECT_TRUE(bitwise_equal(one.out, got.out) && bitwise_equal(three.out, got.out));
       EXPECT_TRUE(bitwise_equal(one.lse, got.lse) && bitwise_equal(three.lse, got.lse));
+      // The split-key decode (Lk >= 1024) with bf16 and float16 K and V (read in place by the keys-in-lanes kernel,
+      // widened in registers): what their float32 values give (the decode computes in float32; bitwise but for the
+      // scalar tails of D and Dv past whole vectors, which the compiler may contract into FMAs differently)
+      for (DType dt : {DType::kBF16, DType::kF16}) {
+        if (c.Lk < 1024) break;
+        const Tensor q = Tensor::from_view(pb.q.view).to(dt), k = Tensor::from_view(pb.k.view).to(dt),
+                     v = Tensor::from_view(pb.v.view).to(dt);
+        const Tensor qf = q.to(DType::kF32), kf = k.to(DType::kF32), vf = v.to(DType::kF32);
+        Problem in = pb, up = pb;
+        in.q.view = q.view(), in.k.view = k.view(), in.v.view = v.view();
+        up.q.view = qf.view(), up.k.view = kf.view(), up.v.view = vf.view();
+        const FwdResult half = run_forward(in, "fused", 2), upcast = run_forward(up, "fused", 2);
+        if (c.D % 16 == 0 && c.Dv % 16 == 0) {
+          EXPECT_TRUE(bitwise_equal(half.out, upcast.out) && bitwise_equal(half.lse, upcast.lse))
+              << sattn::to_string(dt);
+        }
+        EXPECT_LE(rel_err(half.out, upcast.out), 1e-6) << sattn::to_string(dt);
+        EXPECT_LE(rel_err(half.lse, upcast.lse), 1e-6) << sattn::to_string(dt);
+      }
     }
   }
 }
