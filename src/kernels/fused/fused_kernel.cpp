@@ -245,13 +245,13 @@ bool has_half_infinity(const View4& t, int64_t B, int64_t H, int64_t L, int64_t 
   run_tasks(B * H, threads, [&](int64_t task) {
     const int64_t b = task / H, h = task % H;
     const auto* data = static_cast<const uint16_t*>(t.data);
-    bool inf = false;
+    uint16_t inf = 0;  // an integer OR that the compiler vectorises
     for (int64_t j = 0; j < L; ++j) {
       const uint16_t* row = data + b * t.sb + h * t.sh + j * t.sl;
       if (t.sd == 1)
-        for (int64_t x = 0; x < width; ++x) inf |= (row[x] & 0x7FFFu) == 0x7C00u;
+        for (int64_t x = 0; x < width; ++x) inf |= uint16_t((row[x] & 0x7FFFu) == 0x7C00u);
       else
-        for (int64_t x = 0; x < width; ++x) inf |= (row[x * t.sd] & 0x7FFFu) == 0x7C00u;
+        for (int64_t x = 0; x < width; ++x) inf |= uint16_t((row[x * t.sd] & 0x7FFFu) == 0x7C00u);
     }
     if (inf) found = true;
   });
