@@ -489,16 +489,25 @@ void PackKVRowPairs(const Params& p, int64_t task) {
   PackRowPairs(p.v, b * p.v.sb + hk * p.v.sh, p.Lk, p.Dv, false, p.v_row_pairs + task * p.Lk * p.dv_pairs());
   if (!p.kt_pairs) return;
   // kt_pairs from the k_pairs just packed (NaN rows already zero): (k[2y, x], k[2y + 1, x]).
-  const int64_t D2 = p.d_pairs();
-  const uint32_t* kp = p.k_pairs + task * p.Lk * D2;
+  const int64_t D2 = p.d_pairs(), Lk2 = p.lk_pairs(), Bc2 = p.Bc / 2;
+  // the bf16 elements of k_pairs' rows (2·D2 halves apart)
+  const auto* k16 = reinterpret_cast<const uint16_t*>(p.k_pairs + task * p.Lk * D2);
   uint32_t* kt = p.kt_pairs + task * p.kt_pairs_head_words();
-  const auto half = [&](int64_t j, int64_t x) {
-    return j < p.Lk ? kp[j * D2 + x / 2] >> (x % 2 ? 16 : 0) & 0xFFFFu : 0u;
+  const auto pair_row = [&](int64_t y, uint32_t* out) {
+    const uint16_t* r0 = k16 + 2 * y * 2 * D2;
+    PairsAcrossRowsContiguous(r0, 2 * y + 1 < p.Lk ? r0 + 2 * D2 : nullptr, p.D, out);
   };
-  const int64_t Bc2 = p.Bc / 2;
-  for (int64_t y = 0; y < p.lk_pairs(); ++y)
-    for (int64_t x = 0; x < p.D; ++x)
-      kt[p.amx_tiles ? (y / Bc2 * p.D + x) * Bc2 + y % Bc2 : y * p.D + x] = half(2 * y, x) | half(2 * y + 1, x) << 16;
+  std::vector<uint32_t> rows(size_t(16 * p.D));
+  int64_t y = 0;
+  if (p.amx_tiles)  // K^T per key block, pair y of dimension x at (y / Bc2)·D·Bc2 + x·Bc2 + y % Bc2: 16 pair rows
+    for (; y + 16 <= Lk2 && Bc2 % 16 == 0; y += 16) {  // at a time, transposed in registers
+      for (int64_t i = 0; i < 16; ++i) pair_row(y + i, rows.data() + i * p.D);
+      StoreTransposed16(rows.data(), p.D, p.D, kt + y / Bc2 * p.D * Bc2 + y % Bc2, Bc2);
+    }
+  for (; y < Lk2; ++y) {
+    pair_row(y, rows.data());
+    for (int64_t x = 0; x < p.D; ++x) kt[p.amx_tiles ? (y / Bc2 * p.D + x) * Bc2 + y % Bc2 : y * p.D + x] = rows[x];
+  }
 }
 #endif
 
