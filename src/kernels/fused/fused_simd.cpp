@@ -449,12 +449,27 @@ SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t) {
   flush();
 }
 
-// O^T [Dv x Br] read as rows for FinishRows. (A lambda inside ForwardTaskBf16 would carry its bf16 target and
-// could not be inlined into FinishRows: a call per element.)
-struct TransposedRows {
-  const float* OT;
-  int64_t Br;
-  float operator()(int64_t ii, int64_t dd) const { return OT[dd * Br + ii]; }
+// O^T [Dv x Br] as rows O [nq x ld] for FinishRows: 16 x 16 blocks transposed in registers, the last Dv % 16
+// dimensions one by one (FinishRows reading O^T in place reads a cache line per element).
+inline void TransposeToRows(const float* OT, int64_t Dv, int64_t Br, int64_t nq, float* O, int64_t ld) {
+  int64_t d0 = 0;
+  for (; d0 + 16 <= Dv; d0 += 16)
+    for (int64_t q0 = 0; q0 < nq; q0 += 16) {  // Br is a multiple of 16
+      __m512i r[16];
+      for (int k = 0; k < 16; ++k) r[k] = _mm512_loadu_si512(OT + (d0 + k) * Br + q0);
+      Transpose16x16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(O + (q0 + i) * ld + d0, r[i]);
+    }
+  for (; d0 < Dv; ++d0)
+    for (int64_t ii = 0; ii < nq; ++ii) O[ii * ld + d0] = OT[d0 * Br + ii];
+}
+
+// Rows of O for FinishRows. (A lambda inside ForwardTaskBf16 would carry its bf16 target and could not be inlined
+// into FinishRows: a call per element.)
+struct DenseRows {
+  const float* O;
+  int64_t ld;
+  float operator()(int64_t ii, int64_t dd) const { return O[ii * ld + dd]; }
 };
 
 SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
@@ -468,7 +483,7 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   if (p.key_len) kend = std::min(kend, p.key_len[b]);
   if (p.causal) kend = std::min(kend, i0 + nq - 1 + p.causal_offset + 1);
 
-  Scratch s_qp, s_st, s_ot, s_ml, s_bias, s_pp, s_pt, s_vlast;
+  Scratch s_qp, s_st, s_ot, s_ml, s_bias, s_pp, s_pt, s_vlast, s_o;
   uint8_t pad[1024];  // Bc <= 1024 (checked by the driver)
   Bf16ForwardTile t{b,
                     h,
@@ -514,7 +529,9 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
       else GemmKeyPairs<true>(vt, Dv, t.PP, Br, lo, t.OT, Br, nvec, nk, vlast);
     }
   }
-  FinishRows(p, b, h, i0, nq, 0, t.M, t.L, TransposedRows{t.OT, Br});
+  float* O = s_o.alloc(Br * Params::pad16(Dv));
+  TransposeToRows(t.OT, Dv, Br, nq, O, Params::pad16(Dv));
+  FinishRows(p, b, h, i0, nq, 0, t.M, t.L, DenseRows{O, Params::pad16(Dv)});
 }
 #endif  // HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
 
