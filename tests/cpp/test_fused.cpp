@@ -336,6 +336,20 @@ TEST_P(FusedBf16Products, MatchReference) {
 // products; either way the float32 tolerances against the fp64 reference on the same values, and bitwise the same
 // for 1 and 3 threads. With an infinity in q, k or v the forward takes the float32 products (the parts' products
 // would meet inf · 0): bitwise what the float32 inputs give; a NaN makes NaN where the float32 products do.
+// NaN exactly where `want` has NaN; the other values equal, or within tol of the largest finite |want| (at least 1).
+bool same_nans_and_close(const Tensor& got, const Tensor& want, double tol) {
+  const Tensor g = got.to(DType::kF64), w = want.to(DType::kF64);
+  double scale = 1.0;
+  for (int64_t x = 0; x < w.numel(); ++x)
+    if (std::isfinite(w.data<double>()[x])) scale = std::max(scale, std::fabs(w.data<double>()[x]));
+  for (int64_t x = 0; x < g.numel(); ++x) {
+    const double a = g.data<double>()[x], b = w.data<double>()[x];
+    if (std::isnan(a) != std::isnan(b) || (!std::isnan(b) && a != b && !(std::fabs(a - b) <= tol * scale)))
+      return false;
+  }
+  return true;
+}
+
 // A float16 [B, H, L, D] tensor's values with their elements two apart (a last-dimension stride of 2).
 Input spread_half(const Tensor& t) {
   const int64_t B = t.shape()[0], H = t.shape()[1], L = t.shape()[2], D = t.shape()[3];
@@ -376,19 +390,6 @@ TEST_P(FusedBf16Products, Float16InputsMatchReference) {
   }
   Case c;
   c.Hq = 2, c.Hkv = 2, c.Lq = 70, c.Lk = 81, c.D = 24, c.Dv = 40;
-  // NaN where the float32 products have NaN, the other values to float32 rounding
-  auto same_nans_and_close = [](const Tensor& got, const Tensor& want) {
-    const Tensor g = got.to(DType::kF64), w = want.to(DType::kF64);
-    double scale = 1.0;
-    for (int64_t x = 0; x < w.numel(); ++x)
-      if (std::isfinite(w.data<double>()[x])) scale = std::max(scale, std::fabs(w.data<double>()[x]));
-    for (int64_t x = 0; x < g.numel(); ++x) {
-      const double a = g.data<double>()[x], b = w.data<double>()[x];
-      if (std::isnan(a) != std::isnan(b) || (!std::isnan(b) && a != b && !(std::fabs(a - b) <= 2e-5 * scale)))
-        return false;
-    }
-    return true;
-  };
   for (int which = 0; which < 6; ++which) {
     const bool nan = which >= 3;
     SCOPED_TRACE(std::string(nan ? "a NaN in " : "an infinity in ") + "qkv"[which % 3]);
@@ -406,7 +407,7 @@ TEST_P(FusedBf16Products, Float16InputsMatchReference) {
     if (!nan) {
       EXPECT_TRUE(bitwise_equal(got.out, want.out) && bitwise_equal(got.lse, want.lse));
     }
-    EXPECT_TRUE(same_nans_and_close(got.out, want.out) && same_nans_and_close(got.lse, want.lse));
+    EXPECT_TRUE(same_nans_and_close(got.out, want.out, 2e-5) && same_nans_and_close(got.lse, want.lse, 2e-5));
   }
 }
 
@@ -912,6 +913,33 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
         EXPECT_TRUE(bitwise_equal(dq16, dq.to(dt)) && bitwise_equal(dk16, dk.to(dt)) && bitwise_equal(dv16, dv.to(dt)))
             << sattn::to_string(dt) << " " << simd;
       }
+    }
+}
+
+// A key row holding a NaN, with bf16 and float16 inputs, every SIMD target: the backward (and forward) give what
+// the same values in float32 give (the backward zeroes such rows wherever K is read; float32 products: bitwise).
+TEST(Fused, HalfPrecisionNanKeyRowsMatchUpcast) {
+  Case c;
+  c.Hq = 2, c.Hkv = 2, c.Lq = 40, c.Lk = 70, c.D = 24, c.Dv = 16;
+  c.causal =
+      sattn::Causal::kTopLeft;  // queries 0..4 do not see key 5: their rows stay finite (0 · NaN must not reach them)
+  const Problem pb = make_problem(c, 17);
+  for (const std::string& simd : sattn::testing::simd_target_names())
+    for (DType dt : {DType::kBF16, DType::kF16}) {
+      SCOPED_TRACE(simd + " " + sattn::to_string(dt));
+      const sattn::testing::ScopedSimdTarget simd_target(simd);
+      Tensor k = Tensor::from_view(pb.k.view).to(dt);
+      static_cast<uint16_t*>(k.data())[5 * c.D + 3] = dt == DType::kBF16 ? 0x7FC0u : 0x7E00u;  // key 5: NaN
+      const Tensor q = Tensor::from_view(pb.q.view).to(dt), v = Tensor::from_view(pb.v.view).to(dt);
+      const Tensor qf = q.to(DType::kF32), kf = k.to(DType::kF32), vf = v.to(DType::kF32);
+      Problem in = pb, up = pb;
+      in.q.view = q.view(), in.k.view = k.view(), in.v.view = v.view();
+      up.q.view = qf.view(), up.k.view = kf.view(), up.v.view = vf.view();
+      const FwdResult ref = run_forward(up, "fused", 1);
+      const BwdResult want = run_backward(up, ref, "fused", 1), got = run_backward(in, ref, "fused", 1);
+      const double tol = has_bf16_products(simd) && dt == DType::kBF16 ? 1e-4 : 0.0;  // its own products
+      EXPECT_TRUE(same_nans_and_close(got.dq, want.dq, tol) && same_nans_and_close(got.dk, want.dk, tol) &&
+                  same_nans_and_close(got.dv, want.dv, tol));
     }
 }
 

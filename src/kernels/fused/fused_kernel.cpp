@@ -149,9 +149,17 @@ std::vector<uint8_t> nan_key_blocks(const TensorView& k, const Params& p, int th
     const int64_t b = bhk / p.Hkv, hk = bhk % p.Hkv;
     for (int64_t j = 0; j < p.Lk; ++j) {
       bool nan = false;
+      const int64_t first = b * p.k.sb + hk * p.k.sh + j * p.k.sl;
       if (p.k.dtype == DType::kF32 && p.k.sd == 1) {
-        const float* row = static_cast<const float*>(p.k.data) + b * p.k.sb + hk * p.k.sh + j * p.k.sl;
+        const float* row = static_cast<const float*>(p.k.data) + first;
         for (int64_t x = 0; x < p.D; ++x) nan |= std::isnan(row[x]);
+      } else if ((p.k.dtype == DType::kBF16 || p.k.dtype == DType::kF16) && p.k.sd == 1) {
+        // NaN: exponent all ones and a nonzero mantissa (above 0x7F80 in bf16, 0x7C00 in float16)
+        const auto* row = static_cast<const uint16_t*>(p.k.data) + first;
+        const uint16_t inf = p.k.dtype == DType::kBF16 ? 0x7F80u : 0x7C00u;
+        uint16_t any_nan = 0;  // an integer OR that the compiler vectorises
+        for (int64_t x = 0; x < p.D; ++x) any_nan |= uint16_t((row[x] & 0x7FFFu) > inf);
+        nan |= any_nan != 0;
       } else {
         for (int64_t x = 0; x < p.D; ++x) {
           const int64_t idx[4] = {b, hk, j, x};
