@@ -117,6 +117,32 @@ Problem make_problem(const Case& c, uint32_t seed) {
   return pb;
 }
 
+// q, k and v of a problem rounded to dt: `in` reads them in dt, `up` reads the same values in float32. The tensors
+// live in the struct (the problems' views point into their buffers); `edit` may change q, k, v before the upcast.
+struct RoundedInputs {
+  Tensor q, k, v, qf, kf, vf;
+  Problem in, up;
+};
+template <class Edit>
+RoundedInputs rounded_inputs(const Problem& pb, DType dt, Edit&& edit) {
+  RoundedInputs r{Tensor::from_view(pb.q.view).to(dt),
+                  Tensor::from_view(pb.k.view).to(dt),
+                  Tensor::from_view(pb.v.view).to(dt),
+                  {},
+                  {},
+                  {},
+                  pb,
+                  pb};
+  edit(r.q, r.k, r.v);
+  r.qf = r.q.to(DType::kF32), r.kf = r.k.to(DType::kF32), r.vf = r.v.to(DType::kF32);
+  r.in.q.view = r.q.view(), r.in.k.view = r.k.view(), r.in.v.view = r.v.view();
+  r.up.q.view = r.qf.view(), r.up.k.view = r.kf.view(), r.up.v.view = r.vf.view();
+  return r;
+}
+RoundedInputs rounded_inputs(const Problem& pb, DType dt) {
+  return rounded_inputs(pb, dt, [](Tensor&, Tensor&, Tensor&) {});
+}
+
 double max_abs(const Tensor& t) {
   double m = 0;
   const auto v = t.view();
@@ -307,15 +333,12 @@ TEST_P(FusedBf16Products, MatchReference) {
   for (const Case& c : sweep()) {
     SCOPED_TRACE(c.name());
     const Problem pb = make_problem(c, ++seed);
-    const Tensor q = Tensor::from_view(pb.q.view).to(DType::kBF16), k = Tensor::from_view(pb.k.view).to(DType::kBF16),
-                 v = Tensor::from_view(pb.v.view).to(DType::kBF16);
-    const Tensor qf = q.to(DType::kF32), kf = k.to(DType::kF32), vf = v.to(DType::kF32);
+    RoundedInputs r = rounded_inputs(pb, DType::kBF16);
+    Problem &in = r.in, &up = r.up;
     // dO in bf16 too for every other case (then dP = V dO^T is a bf16 product as well)
     const Tensor dout = Tensor::from_view(pb.dout.view).to(seed % 2 ? DType::kBF16 : DType::kF32);
     const Tensor doutf = dout.to(DType::kF32);
-    Problem in = pb, up = pb;
-    in.q.view = q.view(), in.k.view = k.view(), in.v.view = v.view(), in.dout.view = dout.view();
-    up.q.view = qf.view(), up.k.view = kf.view(), up.v.view = vf.view(), up.dout.view = doutf.view();
+    in.dout.view = dout.view(), up.dout.view = doutf.view();
     const FwdResult ref = run_forward(up, "reference", 1);
     const FwdResult got = run_forward(in, "fused", 1);
     EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
@@ -332,10 +355,6 @@ TEST_P(FusedBf16Products, MatchReference) {
   }
 }
 
-// float16 inputs: the amx forward takes each value as two bf16 (hi + lo, exact), the avx512bf16 build the float32
-// products; either way the float32 tolerances against the fp64 reference on the same values, and bitwise the same
-// for 1 and 3 threads. With an infinity in q, k or v the forward takes the float32 products (the parts' products
-// would meet inf · 0): bitwise what the float32 inputs give; a NaN makes NaN where the float32 products do.
 // NaN exactly where `want` has NaN; the other values equal, or within tol of the largest finite |want| (at least 1).
 bool same_nans_and_close(const Tensor& got, const Tensor& want, double tol) {
   const Tensor g = got.to(DType::kF64), w = want.to(DType::kF64);
@@ -363,17 +382,17 @@ Input spread_half(const Tensor& t) {
   return in;
 }
 
+// float16 inputs: the amx forward takes each value as two bf16 (hi + lo, exact), the avx512bf16 build the float32
+// products; either way the float32 tolerances against the fp64 reference on the same values, and bitwise the same
+// for 1 and 3 threads. With an infinity in q, k or v the forward takes the float32 products (the parts' products
+// would meet inf · 0): bitwise what the float32 inputs give; a NaN makes NaN where the float32 products do.
 TEST_P(FusedBf16Products, Float16InputsMatchReference) {
   uint32_t seed = 700;
   for (const Case& c : sweep()) {
     SCOPED_TRACE(c.name());
     const Problem pb = make_problem(c, ++seed);
-    const Tensor q = Tensor::from_view(pb.q.view).to(DType::kF16), k = Tensor::from_view(pb.k.view).to(DType::kF16),
-                 v = Tensor::from_view(pb.v.view).to(DType::kF16);
-    const Tensor qf = q.to(DType::kF32), kf = k.to(DType::kF32), vf = v.to(DType::kF32);
-    Problem in = pb, up = pb;
-    in.q.view = q.view(), in.k.view = k.view(), in.v.view = v.view();
-    up.q.view = qf.view(), up.k.view = kf.view(), up.v.view = vf.view();
+    const RoundedInputs r = rounded_inputs(pb, DType::kF16);
+    const Problem &in = r.in, &up = r.up;
     const FwdResult ref = run_forward(up, "reference", 1);
     const FwdResult got = run_forward(in, "fused", 1);
     EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
@@ -381,7 +400,7 @@ TEST_P(FusedBf16Products, Float16InputsMatchReference) {
     const FwdResult got3 = run_forward(in, "fused", 3);
     EXPECT_TRUE(bitwise_equal(got.out, got3.out) && bitwise_equal(got.lse, got3.lse));
     if (c.strided) {  // elements two apart (NaN between them): the same values packed, the same results
-      const Input qs = spread_half(q), ks = spread_half(k), vs = spread_half(v);
+      const Input qs = spread_half(r.q), ks = spread_half(r.k), vs = spread_half(r.v);
       Problem sp = in;
       sp.q.view = qs.view, sp.k.view = ks.view, sp.v.view = vs.view;
       const FwdResult got_s = run_forward(sp, "fused", 1);
@@ -393,17 +412,13 @@ TEST_P(FusedBf16Products, Float16InputsMatchReference) {
   for (int which = 0; which < 6; ++which) {
     const bool nan = which >= 3;
     SCOPED_TRACE(std::string(nan ? "a NaN in " : "an infinity in ") + "qkv"[which % 3]);
-    const Problem pb = make_problem(c, 9);
-    Tensor t[3] = {Tensor::from_view(pb.q.view).to(DType::kF16), Tensor::from_view(pb.k.view).to(DType::kF16),
-                   Tensor::from_view(pb.v.view).to(DType::kF16)};
-    static_cast<uint16_t*>(t[which % 3].data())[77] = nan ? 0x7E00u : 0xFC00u;  // NaN or -inf
-    const Tensor tf[3] = {t[0].to(DType::kF32), t[1].to(DType::kF32), t[2].to(DType::kF32)};
-    Problem in = pb, up = pb;
-    in.q.view = t[0].view(), in.k.view = t[1].view(), in.v.view = t[2].view();
-    up.q.view = tf[0].view(), up.k.view = tf[1].view(), up.v.view = tf[2].view();
-    const FwdResult got = run_forward(in, "fused", 1);
+    const RoundedInputs r = rounded_inputs(make_problem(c, 9), DType::kF16, [&](Tensor& q, Tensor& k, Tensor& v) {
+      Tensor* t[3] = {&q, &k, &v};
+      static_cast<uint16_t*>(t[which % 3]->data())[77] = nan ? 0x7E00u : 0xFC00u;  // NaN or -inf
+    });
+    const FwdResult got = run_forward(r.in, "fused", 1);
     const sattn::testing::ScopedSimdTarget float32_products("avx512");
-    const FwdResult want = run_forward(up, "fused", 1);
+    const FwdResult want = run_forward(r.up, "fused", 1);
     if (!nan) {
       EXPECT_TRUE(bitwise_equal(got.out, want.out) && bitwise_equal(got.lse, want.lse));
     }
@@ -928,13 +943,10 @@ TEST(Fused, HalfPrecisionNanKeyRowsMatchUpcast) {
     for (DType dt : {DType::kBF16, DType::kF16}) {
       SCOPED_TRACE(simd + " " + sattn::to_string(dt));
       const sattn::testing::ScopedSimdTarget simd_target(simd);
-      Tensor k = Tensor::from_view(pb.k.view).to(dt);
-      static_cast<uint16_t*>(k.data())[5 * c.D + 3] = dt == DType::kBF16 ? 0x7FC0u : 0x7E00u;  // key 5: NaN
-      const Tensor q = Tensor::from_view(pb.q.view).to(dt), v = Tensor::from_view(pb.v.view).to(dt);
-      const Tensor qf = q.to(DType::kF32), kf = k.to(DType::kF32), vf = v.to(DType::kF32);
-      Problem in = pb, up = pb;
-      in.q.view = q.view(), in.k.view = k.view(), in.v.view = v.view();
-      up.q.view = qf.view(), up.k.view = kf.view(), up.v.view = vf.view();
+      const RoundedInputs r = rounded_inputs(pb, dt, [&](Tensor&, Tensor& k, Tensor&) {
+        static_cast<uint16_t*>(k.data())[5 * c.D + 3] = dt == DType::kBF16 ? 0x7FC0u : 0x7E00u;  // key 5: NaN
+      });
+      const Problem &in = r.in, &up = r.up;
       const FwdResult ref = run_forward(up, "fused", 1);
       const BwdResult want = run_backward(up, ref, "fused", 1), got = run_backward(in, ref, "fused", 1);
       const double tol = has_bf16_products(simd) && dt == DType::kBF16 ? 1e-4 : 0.0;  // its own products
@@ -980,12 +992,8 @@ TEST(Fused, HugeUniformBiasRowsMatchReference) {
     const auto simds = sattn::testing::simd_target_names();
     for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
       // The fused kernel gets q, k, v in dt; the reference the same (rounded) values in float32.
-      const Tensor q = Tensor::from_view(pb.q.view).to(dt), k = Tensor::from_view(pb.k.view).to(dt),
-                   v = Tensor::from_view(pb.v.view).to(dt);
-      const Tensor qf = q.to(DType::kF32), kf = k.to(DType::kF32), vf = v.to(DType::kF32);
-      Problem in = pb, up = pb;
-      in.q.view = q.view(), in.k.view = k.view(), in.v.view = v.view();
-      up.q.view = qf.view(), up.k.view = kf.view(), up.v.view = vf.view();
+      const RoundedInputs r = rounded_inputs(pb, dt);
+      const Problem &in = r.in, &up = r.up;
       const FwdResult ref = run_forward(up, "reference", 2);
       const BwdResult gref = run_backward(up, ref, "reference", 2);
       for (const std::string& simd : simds) {
@@ -1098,13 +1106,8 @@ TEST(FusedDecode, SplitKeysMatchReference) {
       // scalar tails of D and Dv past whole vectors, which the compiler may contract into FMAs differently)
       for (DType dt : {DType::kBF16, DType::kF16}) {
         if (c.Lk < 1024) break;
-        const Tensor q = Tensor::from_view(pb.q.view).to(dt), k = Tensor::from_view(pb.k.view).to(dt),
-                     v = Tensor::from_view(pb.v.view).to(dt);
-        const Tensor qf = q.to(DType::kF32), kf = k.to(DType::kF32), vf = v.to(DType::kF32);
-        Problem in = pb, up = pb;
-        in.q.view = q.view(), in.k.view = k.view(), in.v.view = v.view();
-        up.q.view = qf.view(), up.k.view = kf.view(), up.v.view = vf.view();
-        const FwdResult half = run_forward(in, "fused", 2), upcast = run_forward(up, "fused", 2);
+        const RoundedInputs r = rounded_inputs(pb, dt);
+        const FwdResult half = run_forward(r.in, "fused", 2), upcast = run_forward(r.up, "fused", 2);
         if (c.D % 16 == 0 && c.Dv % 16 == 0) {
           EXPECT_TRUE(bitwise_equal(half.out, upcast.out) && bitwise_equal(half.lse, upcast.lse))
               << sattn::to_string(dt);
