@@ -15,9 +15,11 @@ each side's time, sattn's GFLOP/s (forward 4·B·H·Lq·Lk·D, backward 2.5x tha
 per-round ratios torch ms / sattn ms and their median (> 1: sattn faster). The warm-up outputs (forward) or
 gradients (backward) of the two are compared; a gross mismatch is reported on stderr, the max |diff| goes to --json.
 
-Ceilings, once per thread count before its rows: OpenBLAS SGEMM at N=2048 from `build/sattn bench --json` (the
-OpenBLAS that sattn bench opens; --sattn names the binary), torch.mm at N=2048 in fp32 and bf16 (median of 5 after
-a warm-up).
+Ceilings, once per thread count before its rows: the FMA limit (independent vector FMA chains of sattn's selected SIMD
+build on that many threads) and OpenBLAS SGEMM at N=2048, both from `build/sattn bench --json` (the OpenBLAS that
+sattn bench opens; --sattn names the binary), torch.mm at N=2048 in fp32 and bf16 (median of 5 after a warm-up;
+at N=256 where one call at N=2048 would take over a second, as bf16 does on a CPU without bf16 products).
+Each row's sattn_GF is also given as a share of the FMA limit (%fma; above 100 % only where the matrix units run).
 The header names the CPU model, its ISA flags (avx2, avx512f, avx512_bf16, avx512_fp16, amx_bf16, amx_tile), the
 SIMD build of sattn's fused kernel that runs (sattn.simd_targets()) and torch's version and CPU capability.
 Benchmarks are only meaningful on an idle machine. Needs PyTorch 2.x and the sattn module (PYTHONPATH=build/python;
@@ -108,8 +110,9 @@ def median_ms(fn, reps):
     return statistics.median(times)
 
 
-def sgemm_ceiling(binary, threads, n, reps):
-    """OpenBLAS SGEMM GFLOP/s and core from `sattn bench --json` (its attention row, tiny, is ignored), or None."""
+def sattn_ceilings(binary, threads, n, reps):
+    """(FMA limit GFLOP/s or None where the build has none, OpenBLAS SGEMM GFLOP/s, its core) from `sattn bench
+    --json` (its attention row, tiny, is ignored), or None without the binary."""
     if not os.path.exists(binary):
         return None
     r = subprocess.run([binary, "bench", "--json", "--threads", str(threads), "--lens", "64", "--dims", "64",
@@ -117,18 +120,28 @@ def sgemm_ceiling(binary, threads, n, reps):
                        capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"compare.py: {binary} bench failed ({r.returncode}): {r.stderr.strip()}")
-    row = next(x for x in json.loads(r.stdout) if x["kind"] == "sgemm")
-    return row["gflops"], row.get("blas_core", "?")
+    rows = json.loads(r.stdout)
+    sgemm = next(x for x in rows if x["kind"] == "sgemm")
+    fma = next((x["gflops"] for x in rows if x["kind"] == "fma_limit"), 0.0)
+    return fma or None, sgemm["gflops"], sgemm.get("blas_core", "?")
 
 
 def mm_ceiling(dtype, n, reps):
-    """torch.mm GFLOP/s at N x N x N: median of reps calls after one warm-up."""
+    """(torch.mm GFLOP/s at N x N x N: median of reps calls after one warm-up, the N used). A smaller N (256) where
+    one call at the full N would take over a second: bf16 on a CPU without bf16 products runs at ~0.3 GFLOP/s, and
+    6 calls at N = 2048 would take minutes."""
     g = torch.Generator().manual_seed(1)
-    a, b = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
     with torch.no_grad():
+        small = min(n, 256)
+        a, b = (torch.randn(small, small, generator=g).to(dtype) for _ in range(2))
         torch.mm(a, b)
+        if median_ms(lambda: torch.mm(a, b), 1) * (n / small) ** 3 > 1e3:
+            n = small
+        else:
+            a, b = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
+            torch.mm(a, b)
         ms = median_ms(lambda: torch.mm(a, b), reps)
-    return 2.0 * n ** 3 / (ms * 1e6)
+    return 2.0 * n ** 3 / (ms * 1e6), n
 
 
 def flops(pas, causal, B, H, Lq, Lk, D):
@@ -190,9 +203,10 @@ def run_config(sdpa, dtype_name, pas, mask, D, Lq, Lk, threads, a):
 
 def print_row(r):
     per_round = " ".join(f"{x:5.2f}" for x in r["ratios"])
+    pct = f"{r['sattn_pct_fma_limit']:5.1f}%" if r.get("sattn_pct_fma_limit") is not None else "   n/a"
     print(f"  {r['dtype']:<5} {r['pass']:<4} {r['mask']:<6} {r['D']:>4} {r['Lq']:>6} {r['Lk']:>6} {r['threads']:>3} "
-          f"{r['sattn_median_ms']:>10.3f} {r['torch_median_ms']:>10.3f} {r['sattn_gflops']:>8.1f}  {per_round}  "
-          f"{r['ratio_median']:5.2f}", flush=True)
+          f"{r['sattn_median_ms']:>10.3f} {r['torch_median_ms']:>10.3f} {r['sattn_gflops']:>8.1f} {pct}  "
+          f"{per_round}  {r['ratio_median']:5.2f}", flush=True)
 
 
 def names(text, allowed, option):
@@ -274,24 +288,39 @@ def main():
         sattn.set_num_threads(t)  # sattn's default for its numpy API, kept equal
         if torch.get_num_threads() != t:
             sys.exit(f"compare.py: torch.set_num_threads({t}) left torch at {torch.get_num_threads()} threads")
-        sg = sgemm_ceiling(a.sattn, t, a.ceiling_n, a.ceiling_reps)
-        mm32 = mm_ceiling(torch.float32, a.ceiling_n, a.ceiling_reps)
-        mm16 = mm_ceiling(torch.bfloat16, a.ceiling_n, a.ceiling_reps)
-        sg_text = f"{sg[0]:.1f} GFLOP/s (OpenBLAS {sg[1]})" if sg else f"n/a (no {a.sattn}; --sattn names it)"
-        print(f"\nthreads={t}  N={a.ceiling_n}: sgemm {sg_text}; torch.mm fp32 {mm32:.1f}, bf16 {mm16:.1f} GFLOP/s")
-        rows.append({"kind": "ceiling", "threads": t, "n": a.ceiling_n, "sgemm_gflops": sg[0] if sg else None,
-                     "blas_core": sg[1] if sg else None, "torch_mm_fp32_gflops": mm32, "torch_mm_bf16_gflops": mm16})
+        ceil = sattn_ceilings(a.sattn, t, a.ceiling_n, a.ceiling_reps)
+        fma = ceil[0] if ceil else None
+        mm32, n32 = mm_ceiling(torch.float32, a.ceiling_n, a.ceiling_reps)
+        mm16, n16 = mm_ceiling(torch.bfloat16, a.ceiling_n, a.ceiling_reps)
+        at_n = lambda n: "" if n == a.ceiling_n else f" (N={n})"  # noqa: E731
+        no_binary = f"n/a (no {a.sattn}; --sattn names it)"
+        fma_text = f"{fma:.1f} GFLOP/s" if fma else ("n/a (portable build)" if ceil else no_binary)
+        sg_text = f"{ceil[1]:.1f} GFLOP/s (OpenBLAS {ceil[2]})" if ceil else no_binary
+        print(f"\nthreads={t}  FMA limit {fma_text}; N={a.ceiling_n}: sgemm {sg_text}; torch.mm fp32 {mm32:.1f}"
+              f"{at_n(n32)}, bf16 {mm16:.1f}{at_n(n16)} GFLOP/s", flush=True)
+        rows.append({"kind": "ceiling", "threads": t, "n": a.ceiling_n, "fma_limit_gflops": fma,
+                     "sgemm_gflops": ceil[1] if ceil else None, "blas_core": ceil[2] if ceil else None,
+                     "torch_mm_fp32_gflops": mm32, "torch_mm_fp32_n": n32,
+                     "torch_mm_bf16_gflops": mm16, "torch_mm_bf16_n": n16})
         print(f"  {'dtype':<5} {'pass':<4} {'mask':<6} {'D':>4} {'Lq':>6} {'Lk':>6} {'thr':>3} {'sattn_ms':>10} "
-              f"{'torch_ms':>10} {'sattn_GF':>8}  ratio per round, median")
+              f"{'torch_ms':>10} {'sattn_GF':>8} {'%fma':>6}  ratio per round, median")
         configs = [(dt, p, m, D, L, L) for dt in dtypes for p in passes for m in masks for D in dims for L in lens]
         configs += [(dt, "fwd", "full", D, 1, L) for dt in decode_dtypes for D in dims for L in decode_lens]
         for dt, p, m, D, Lq, Lk in configs:
             row = run_config(sattn_torch.scaled_dot_product_attention, dt, p, m, D, Lq, Lk, t, a)
+            row["sattn_pct_fma_limit"] = 100.0 * row["sattn_gflops"] / fma if fma else None
             rows.append(row)
             print_row(row)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    if a.json:  # atomically: a file of that name is replaced only by a complete one
+        tmp = f"{a.json}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(rows, f, indent=1)
+            os.replace(tmp, a.json)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
 
 
 if __name__ == "__main__":

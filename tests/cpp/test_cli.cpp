@@ -16,6 +16,7 @@
 #include <vector>
 
 #include <hwy/highway.h>
+#include <nlohmann/json.hpp>
 
 #include "oracle.hpp"
 #include "sattn/attention.hpp"
@@ -139,6 +140,29 @@ TEST_F(Cli, BenchSgemmPeerUsesTheCpusKernels) {
   const CliRun forced = run(args, "env OPENBLAS_CORETYPE=Prescott");
   ASSERT_EQ(forced.code, 0) << forced.err;
   EXPECT_EQ(core_of(forced.out), "Prescott") << forced.out;
+}
+
+TEST_F(Cli, BenchReportsTheFmaLimitAndEachRowsShareOfIt) {
+  const CliRun r = run("bench --dims 8 --lens 16 --masks full --passes fwd --threads 1 --reps 1 --sgemm-n 0 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const nlohmann::json rows = nlohmann::json::parse(r.out);
+  const auto limit = std::find_if(rows.begin(), rows.end(), [](const auto& x) { return x["kind"] == "fma_limit"; });
+  ASSERT_NE(limit, rows.end()) << r.out;
+  const double gflops = (*limit)["gflops"];
+  const auto attention = std::find_if(rows.begin(), rows.end(), [](const auto& x) { return x["kind"] == "attention"; });
+  ASSERT_NE(attention, rows.end()) << r.out;
+  if ((*limit)["simd"] == "portable") {
+    EXPECT_EQ(gflops, 0.0) << r.out;
+    return;
+  }
+  ASSERT_GT(gflops, 0.0) << r.out;
+  const double row_gflops = (*attention)["gflops"], pct = (*attention)["pct_fma_limit"];
+  EXPECT_NEAR(pct, 100.0 * row_gflops / gflops, 1e-9 * pct) << r.out;
+  const CliRun table = run("bench --dims 8 --lens 16 --masks full --passes fwd --threads 1 --reps 1 --sgemm-n 0");
+  ASSERT_EQ(table.code, 0) << table.err;
+  EXPECT_NE(table.out.find("FMA limit: "), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("sgemm skipped (--sgemm-n 0)"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("%fma"), std::string::npos) << table.out;
 }
 
 TEST_F(Cli, OnlyTheBenchmarksOpenTheBlas) {

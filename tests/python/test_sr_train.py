@@ -285,7 +285,7 @@ def test_per_image_sparsity_hinge():
     assert abs(gmean - 2.8 / 6) < 1e-6 and abs(kept - 3 / 6) < 1e-6 and abs(kept_work - 4 / 8) < 1e-6
     loss.backward()
     # only image 0's gates feel the hinge: d/dg = cost / (4 * 2 images), plus the binarising term
-    bin_grad = lambda t, i: 0.5 * (1 - 2 * float(t[i])) / 6
+    bin_grad = lambda t, i: 0.5 * (1 - 2 * float(t[i].detach())) / 6
     assert abs(float(ga.grad[0]) - bin_grad(ga, 0) - 1 / 8) < 1e-6
     assert abs(float(gb.grad[0]) - bin_grad(gb, 0) - 2 / 8) < 1e-6
     assert abs(float(ga.grad[2]) - bin_grad(ga, 2)) < 1e-6 and abs(float(gb.grad[1]) - bin_grad(gb, 1)) < 1e-6

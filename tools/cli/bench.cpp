@@ -1,8 +1,10 @@
-// `sattn bench`: times exact attention (forward and backward) against OpenBLAS SGEMM measured in the same run.
+// `sattn bench`: times exact attention (forward and backward) against the FMA limit and OpenBLAS SGEMM measured in the
+// same run.
 //
-// GFLOP/s: forward 4·B·H·Lq·Lk·D (half of it for causal), backward 2.5x the forward. "% sgemm" divides by the
-// cblas_sgemm rate (N=2048, same thread count) measured in the same process just before. Benchmarks are only
-// meaningful on an idle machine.
+// GFLOP/s: forward 4·B·H·Lq·Lk·D (half of it for causal), backward 2.5x the forward. Two ceilings, measured in the
+// same process before the rows of each thread count: "% fma" divides by the FMA limit (independent vector FMA
+// chains of the selected SIMD build on that many threads, simd/fma_limit.hpp), "% sgemm" by the cblas_sgemm rate
+// (N=2048, same thread count). Benchmarks are only meaningful on an idle machine.
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -22,6 +24,7 @@
 #include "cli/commands.hpp"
 #include "cli/options.hpp"
 #include "kernels/fused/fused.hpp"
+#include "simd/fma_limit.hpp"
 #include "sattn/attention.hpp"
 
 namespace sattn::cli {
@@ -47,6 +50,12 @@ std::vector<int64_t> parse_list(const std::string& s, const char* option) {
   }
   return v;
 }
+std::string fmt1(double x) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.1f", x);
+  return b;
+}
+
 std::vector<std::string> parse_words(const std::string& s) {
   std::vector<std::string> v;
   std::stringstream ss(s);
@@ -82,16 +91,23 @@ void run_bench(const BenchConfig& cfg_in) {
   nlohmann::json rows = nlohmann::json::array();
   const bool tty = !cfg.json;
   for (const int64_t t : threads) {
+    const simd::FmaLimit fma = simd::fma_limit(int(t));
     const double sg = sgemm_gflops(int(t), cfg.sgemm_n, cfg.reps);
+    if (tty) {
+      const std::string fma_text = fma.gflops > 0 ? message::concat(fmt1(fma.gflops), " GFLOP/s (", fma.build, ")")
+                                                  : std::string("n/a (portable build)");
+      const std::string sg_text = cfg.sgemm_n > 0
+                                      ? message::concat("N=", cfg.sgemm_n, ": ", fmt1(sg), " GFLOP/s",
+                                                        blas_core().empty() ? "" : " (OpenBLAS " + blas_core() + ")")
+                                      : std::string("skipped (--sgemm-n 0)");
+      std::printf("threads=%lld  FMA limit: %s  sgemm %s  simd=%s\n", (long long)t, fma_text.c_str(), sg_text.c_str(),
+                  fused::simd_build());
+    }
+    rows.push_back({{"kind", "fma_limit"}, {"threads", t}, {"gflops", fma.gflops}, {"simd", fma.build}});  // 0: n/a
+    rows.push_back({{"kind", "sgemm"}, {"threads", t}, {"n", cfg.sgemm_n}, {"gflops", sg}, {"blas_core", blas_core()}});
     if (tty)
-      std::printf("threads=%lld  sgemm N=%lld: %.1f GFLOP/s%s  simd=%s\n", (long long)t, (long long)cfg.sgemm_n, sg,
-                  blas_core().empty() ? "" : (" (OpenBLAS " + blas_core() + ")").c_str(), fused::simd_build());
-    nlohmann::json srow = {
-        {"kind", "sgemm"}, {"threads", t}, {"n", cfg.sgemm_n}, {"gflops", sg}, {"blas_core", blas_core()}};
-    rows.push_back(srow);
-    if (tty)
-      std::printf("  %-4s %6s %-6s %-3s %10s %9s %8s %10s %s\n", "D", "L", "mask", "pass", "median_ms", "GFLOP/s",
-                  "%sgemm", "ws_MiB", "kernel");
+      std::printf("  %-4s %6s %-6s %-3s %10s %9s %7s %8s %10s %s\n", "D", "L", "mask", "pass", "median_ms", "GFLOP/s",
+                  "%fma", "%sgemm", "ws_MiB", "kernel");
     for (const int64_t D : dims)
       for (const int64_t L : lens) {
         std::mt19937 rng(42);
@@ -139,10 +155,10 @@ void run_bench(const BenchConfig& cfg_in) {
             if (pass == "bwd") flops *= 2.5;
             const double gf = flops / (ms * 1e6);
             const double ws = double(fused::workspace_peak_bytes()) / (1 << 20);
-            const double pct = sg > 0 ? 100.0 * gf / sg : 0.0;
+            const double pct = sg > 0 ? 100.0 * gf / sg : 0.0, pct_fma = fma.gflops > 0 ? 100.0 * gf / fma.gflops : 0.0;
             if (tty)
-              std::printf("  %-4lld %6lld %-6s %-4s %10.2f %9.1f %7.1f%% %10.2f %s\n", (long long)D, (long long)L,
-                          mask.c_str(), pass.c_str(), ms, gf, pct, ws, info.kernel.c_str());
+              std::printf("  %-4lld %6lld %-6s %-4s %10.2f %9.1f %6.1f%% %7.1f%% %10.2f %s\n", (long long)D,
+                          (long long)L, mask.c_str(), pass.c_str(), ms, gf, pct_fma, pct, ws, info.kernel.c_str());
             std::fflush(stdout);
             rows.push_back({{"kind", "attention"},
                             {"threads", t},
@@ -156,6 +172,7 @@ void run_bench(const BenchConfig& cfg_in) {
                             {"dtype", cfg.dtype},
                             {"median_ms", ms},
                             {"gflops", gf},
+                            {"pct_fma_limit", pct_fma},
                             {"pct_sgemm", pct},
                             {"workspace_peak_bytes", fused::workspace_peak_bytes()},
                             {"kernel", info.kernel},
@@ -169,7 +186,8 @@ void run_bench(const BenchConfig& cfg_in) {
 }  // namespace
 
 void add_bench_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("bench", "Benchmark exact attention against SGEMM measured in the same run");
+  auto* cmd =
+      app.add_subcommand("bench", "Benchmark exact attention against the FMA limit and SGEMM measured in the same run");
   static BenchConfig cfg;
   cmd->add_option("--dims", cfg.dims, "head dims, comma separated")->capture_default_str();
   cmd->add_option("--lens", cfg.lens, "sequence lengths (Lq = Lk), comma separated")->capture_default_str();

@@ -1,0 +1,100 @@
+// simd::fma_limit (simd/fma_limit.hpp): the float32 FMA rate of the selected build, per Highway target of the one
+// table (simd/hwy_targets.hpp).
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "simd/fma_limit.cpp"
+#include "simd/hwy_targets.hpp"
+#include <hwy/foreach_target.h>  // must come before highway.h
+
+#include <hwy/highway.h>
+
+#include <cstdint>
+
+HWY_BEFORE_NAMESPACE();
+namespace sattn::simd {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// `steps` rounds of kChains independent a = a·m + c chains (each FMA waits only for its own chain's previous one,
+// so the FMA units, not their latency, set the pace: 12 chains cover 2 units × 5 cycles). Returns the lanes per
+// vector; the chains' sum goes to *sink so that no chain can be dropped.
+HWY_NOINLINE int64_t FmaChains(int64_t steps, float* sink) {
+  using DF = hn::ScalableTag<float>;
+  const DF d;
+  const auto m = hn::Set(d, 0.999999f), c = hn::Set(d, 1e-7f);
+  auto a0 = hn::Set(d, 0.f), a1 = hn::Set(d, 1.f), a2 = hn::Set(d, 2.f), a3 = hn::Set(d, 3.f);
+  auto a4 = hn::Set(d, 4.f), a5 = hn::Set(d, 5.f), a6 = hn::Set(d, 6.f), a7 = hn::Set(d, 7.f);
+  auto a8 = hn::Set(d, 8.f), a9 = hn::Set(d, 9.f), a10 = hn::Set(d, 10.f), a11 = hn::Set(d, 11.f);
+  for (int64_t s = 0; s < steps; ++s) {
+    a0 = hn::MulAdd(a0, m, c), a1 = hn::MulAdd(a1, m, c), a2 = hn::MulAdd(a2, m, c), a3 = hn::MulAdd(a3, m, c);
+    a4 = hn::MulAdd(a4, m, c), a5 = hn::MulAdd(a5, m, c), a6 = hn::MulAdd(a6, m, c), a7 = hn::MulAdd(a7, m, c);
+    a8 = hn::MulAdd(a8, m, c), a9 = hn::MulAdd(a9, m, c), a10 = hn::MulAdd(a10, m, c), a11 = hn::MulAdd(a11, m, c);
+  }
+  const auto sum =
+      hn::Add(hn::Add(hn::Add(hn::Add(a0, a1), hn::Add(a2, a3)), hn::Add(hn::Add(a4, a5), hn::Add(a6, a7))),
+              hn::Add(hn::Add(a8, a9), hn::Add(a10, a11)));
+  *sink = hn::GetLane(sum);
+  return int64_t(hn::Lanes(d));
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace sattn::simd
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <vector>
+
+#include "core/threads.hpp"
+#include "sattn/error.hpp"
+#include "simd/dispatch.hpp"
+#include "simd/fma_limit.hpp"
+
+namespace sattn::simd {
+namespace {
+constexpr int kFmaChains = 12;  // FmaChains' chain count
+using ChainsFn = int64_t (*)(int64_t, float*);
+#define SATTN_FMA_CHAINS(NS) &NS::FmaChains
+const Build<ChainsFn> kBuilds[] = {SATTN_SIMD_BUILDS(SATTN_FMA_CHAINS)};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+FmaLimit fma_limit(int threads, double seconds) {
+  check(threads >= 1, ErrorKind::kInvalidArgument, "fma_limit: threads must be >= 1, got ", threads);
+  check(seconds > 0 && seconds <= 60, ErrorKind::kInvalidArgument, "fma_limit: seconds must be in (0, 60], got ",
+        seconds);
+  const Build<ChainsFn>& build = pick(kBuilds);
+  FmaLimit r;
+  r.build = name(build.target);
+  // Highway's portable build emulates its vectors in plain loops that the compiler vectorises as it sees fit, so a
+  // kernel of that build may run faster than its FMA chains: no limit to report.
+  if (build.target == Target::kPortable) return r;
+  std::vector<double> rates(size_t(threads), 0.0);
+  std::atomic<int> started{0};
+  parallel_region(threads, [&](int index, int count) {
+    float sink = 0;
+    // Warm-up (clock ramp, first-touch of the code), then steps sized from it to take about `seconds`.
+    int64_t steps = 1 << 16;
+    auto t0 = std::chrono::steady_clock::now();
+    int64_t lanes = build.ops(steps, &sink);
+    while (seconds_since(t0) < 0.02) steps *= 2, t0 = std::chrono::steady_clock::now(), build.ops(steps, &sink);
+    steps = std::max<int64_t>(steps, int64_t(double(steps) * seconds / std::max(seconds_since(t0), 1e-6)));
+    // All threads time the same interval: wait until each has finished its warm-up.
+    started.fetch_add(1);
+    while (started.load() < count) {
+    }
+    t0 = std::chrono::steady_clock::now();
+    lanes = build.ops(steps, &sink);
+    const double s = seconds_since(t0);
+    rates[size_t(index)] = 2.0 * kFmaChains * double(lanes) * double(steps) / s / 1e9;
+  });
+  for (const double x : rates) r.gflops += x;
+  return r;
+}
+
+}  // namespace sattn::simd
+#endif  // HWY_ONCE

@@ -1,0 +1,38 @@
+"""bench/compare.py on a tiny problem: its ceilings (the FMA limit and SGEMM from `sattn bench --json`, torch.mm),
+each row's share of the FMA limit, and its --json file, written atomically (an existing file is replaced whole)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+import sattn  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO, "bench", "compare.py")
+CLI = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(sattn.__file__)))), "sattn")
+
+
+@pytest.mark.skipif(not os.path.exists(CLI), reason=f"CLI {CLI} not built")
+def test_tiny_run_reports_ceilings_and_shares_of_the_fma_limit(tmp_path):
+    out = tmp_path / "rows.json"
+    out.write_text("an earlier file")
+    proc = subprocess.run([sys.executable, SCRIPT, "--dtypes", "fp32", "--passes", "fwd", "--masks", "full",
+                           "--dims", "16", "--lens", "64", "--threads", "1", "--rounds", "1", "--decode-lens", "",
+                           "--ceiling-n", "64", "--ceiling-reps", "1", "--sattn", CLI, "--json", str(out)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout
+    assert "FMA limit " in proc.stdout and "%fma" in proc.stdout, proc.stdout
+    rows = json.loads(out.read_text())
+    assert [p.name for p in tmp_path.iterdir()] == ["rows.json"]  # no temporary file left behind
+    ceiling = next(r for r in rows if r["kind"] == "ceiling")
+    row = next(r for r in rows if r.get("pass") == "fwd")
+    assert ceiling["torch_mm_fp32_n"] == ceiling["torch_mm_bf16_n"] == 64  # --ceiling-n 64: small enough to time
+    fma = ceiling["fma_limit_gflops"]
+    if sattn.simd_targets()["selected"] == "portable":
+        assert fma is None and row["sattn_pct_fma_limit"] is None
+    else:
+        assert fma > 0
+        assert row["sattn_pct_fma_limit"] == pytest.approx(100 * row["sattn_gflops"] / fma)
