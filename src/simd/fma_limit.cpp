@@ -73,26 +73,36 @@ FmaLimit fma_limit(int threads, double seconds) {
   // Highway's portable build emulates its vectors in plain loops that the compiler vectorises as it sees fit, so a
   // kernel of that build may run faster than its FMA chains: no limit to report.
   if (build.target == Target::kPortable) return r;
-  std::vector<double> rates(size_t(threads), 0.0);
+  // Each thread's flops and the interval it ran them in; the limit is all the flops over the span from the first
+  // start to the last end (a sum of per-thread rates would count time-sliced threads, oversubscribed, as parallel).
+  using Clock = std::chrono::steady_clock;
+  std::vector<double> flops(size_t(threads), 0.0);
+  std::vector<Clock::time_point> starts(static_cast<size_t>(threads)), ends(static_cast<size_t>(threads));
   std::atomic<int> started{0};
+  int ran = 1;
   parallel_region(threads, [&](int index, int count) {
     float sink = 0;
     // Warm-up (clock ramp, first-touch of the code), then steps sized from it to take about `seconds`.
     int64_t steps = 1 << 16;
-    auto t0 = std::chrono::steady_clock::now();
-    int64_t lanes = build.ops(steps, &sink);
-    while (seconds_since(t0) < 0.02) steps *= 2, t0 = std::chrono::steady_clock::now(), build.ops(steps, &sink);
+    auto t0 = Clock::now();
+    build.ops(steps, &sink);
+    while (seconds_since(t0) < 0.02) steps *= 2, t0 = Clock::now(), build.ops(steps, &sink);
     steps = std::max<int64_t>(steps, int64_t(double(steps) * seconds / std::max(seconds_since(t0), 1e-6)));
-    // All threads time the same interval: wait until each has finished its warm-up.
+    // All threads start timing after every one has warmed up.
     started.fetch_add(1);
     while (started.load() < count) {
     }
-    t0 = std::chrono::steady_clock::now();
-    lanes = build.ops(steps, &sink);
-    const double s = seconds_since(t0);
-    rates[size_t(index)] = 2.0 * kFmaChains * double(lanes) * double(steps) / s / 1e9;
+    if (index == 0) ran = count;
+    starts[size_t(index)] = Clock::now();
+    const int64_t lanes = build.ops(steps, &sink);
+    ends[size_t(index)] = Clock::now();
+    flops[size_t(index)] = 2.0 * kFmaChains * double(lanes) * double(steps);
   });
-  for (const double x : rates) r.gflops += x;
+  const auto first = *std::min_element(starts.begin(), starts.begin() + ran);
+  const auto last = *std::max_element(ends.begin(), ends.begin() + ran);
+  double total = 0;
+  for (int i = 0; i < ran; ++i) total += flops[size_t(i)];
+  r.gflops = total / std::chrono::duration<double>(last - first).count() / 1e9;
   return r;
 }
 
