@@ -19,7 +19,8 @@ Ceilings, once per thread count before its rows: the FMA limit (independent vect
 build on that many threads) and OpenBLAS SGEMM at N=2048, both from `build/sattn bench --json` (the OpenBLAS that
 sattn bench opens; --sattn names the binary), torch.mm at N=2048 in fp32 and bf16 (median of 5 after a warm-up;
 at N=256 where one call at N=2048 would take over a second, as bf16 does on a CPU without bf16 products).
-Each row's sattn_GF is also given as a share of the FMA limit (%fma; above 100 % only where the matrix units run).
+Each row's sattn_GF is also given as a share of the FMA limit (%fma; bf16 products on AMX tiles or vdpbf16ps are not
+bound by it).
 The header names the CPU model, its ISA flags (avx2, avx512f, avx512_bf16, avx512_fp16, amx_bf16, amx_tile), the
 SIMD build of sattn's fused kernel that runs (sattn.simd_targets()) and torch's version and CPU capability.
 Benchmarks are only meaningful on an idle machine. Needs PyTorch 2.x and the sattn module (PYTHONPATH=build/python;
@@ -45,6 +46,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,6 +144,11 @@ def mm_ceiling(dtype, n, reps):
             torch.mm(a, b)
         ms = median_ms(lambda: torch.mm(a, b), reps)
     return 2.0 * n ** 3 / (ms * 1e6), n
+
+
+def at_n(n, ceiling_n):
+    """' (N=n)' where a ceiling was timed at another N than --ceiling-n, else ''."""
+    return "" if n == ceiling_n else f" (N={n})"
 
 
 def flops(pas, causal, B, H, Lq, Lk, D):
@@ -292,12 +299,11 @@ def main():
         fma = ceil[0] if ceil else None
         mm32, n32 = mm_ceiling(torch.float32, a.ceiling_n, a.ceiling_reps)
         mm16, n16 = mm_ceiling(torch.bfloat16, a.ceiling_n, a.ceiling_reps)
-        at_n = lambda n: "" if n == a.ceiling_n else f" (N={n})"  # noqa: E731
         no_binary = f"n/a (no {a.sattn}; --sattn names it)"
         fma_text = f"{fma:.1f} GFLOP/s" if fma else ("n/a (portable build)" if ceil else no_binary)
         sg_text = f"{ceil[1]:.1f} GFLOP/s (OpenBLAS {ceil[2]})" if ceil else no_binary
         print(f"\nthreads={t}  FMA limit {fma_text}; N={a.ceiling_n}: sgemm {sg_text}; torch.mm fp32 {mm32:.1f}"
-              f"{at_n(n32)}, bf16 {mm16:.1f}{at_n(n16)} GFLOP/s", flush=True)
+              f"{at_n(n32, a.ceiling_n)}, bf16 {mm16:.1f}{at_n(n16, a.ceiling_n)} GFLOP/s", flush=True)
         rows.append({"kind": "ceiling", "threads": t, "n": a.ceiling_n, "fma_limit_gflops": fma,
                      "sgemm_gflops": ceil[1] if ceil else None, "blas_core": ceil[2] if ceil else None,
                      "torch_mm_fp32_gflops": mm32, "torch_mm_fp32_n": n32,
@@ -312,16 +318,14 @@ def main():
             rows.append(row)
             print_row(row)
     if a.json:  # atomically: a file of that name is replaced only by a complete one
-        tmp = f"{a.json}.tmp{os.getpid()}"
+        fd, tmp = tempfile.mkstemp(prefix=".compare.", suffix=".json", dir=os.path.dirname(os.path.abspath(a.json)))
         try:
-            with open(tmp, "w") as f:
+            with os.fdopen(fd, "w") as f:
                 json.dump(rows, f, indent=1)
             os.replace(tmp, a.json)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
+            os.unlink(tmp)
             raise
-
 
 if __name__ == "__main__":
     main()

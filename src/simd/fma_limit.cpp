@@ -78,8 +78,7 @@ FmaLimit fma_limit(int threads, double seconds) {
   using Clock = std::chrono::steady_clock;
   std::vector<double> flops(size_t(threads), 0.0);
   std::vector<Clock::time_point> starts(static_cast<size_t>(threads)), ends(static_cast<size_t>(threads));
-  std::atomic<int> started{0};
-  int ran = 1;
+  std::atomic<int> started{0};  // after the region: the number of threads that ran
   parallel_region(threads, [&](int index, int count) {
     float sink = 0;
     // Warm-up (clock ramp, first-touch of the code), then steps sized from it to take about `seconds`.
@@ -92,12 +91,12 @@ FmaLimit fma_limit(int threads, double seconds) {
     started.fetch_add(1);
     while (started.load() < count) {
     }
-    if (index == 0) ran = count;
     starts[size_t(index)] = Clock::now();
     const int64_t lanes = build.ops(steps, &sink);
     ends[size_t(index)] = Clock::now();
     flops[size_t(index)] = 2.0 * kFmaChains * double(lanes) * double(steps);
   });
+  const int ran = started.load();
   const auto first = *std::min_element(starts.begin(), starts.begin() + ran);
   const auto last = *std::max_element(ends.begin(), ends.begin() + ran);
   double total = 0;

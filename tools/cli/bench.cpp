@@ -50,12 +50,6 @@ std::vector<int64_t> parse_list(const std::string& s, const char* option) {
   }
   return v;
 }
-std::string fmt1(double x) {
-  char b[32];
-  std::snprintf(b, sizeof b, "%.1f", x);
-  return b;
-}
-
 std::vector<std::string> parse_words(const std::string& s) {
   std::vector<std::string> v;
   std::stringstream ss(s);
@@ -94,14 +88,14 @@ void run_bench(const BenchConfig& cfg_in) {
     const simd::FmaLimit fma = simd::fma_limit(int(t));
     const double sg = sgemm_gflops(int(t), cfg.sgemm_n, cfg.reps);
     if (tty) {
-      const std::string fma_text = fma.gflops > 0 ? message::concat(fmt1(fma.gflops), " GFLOP/s (", fma.build, ")")
-                                                  : std::string("n/a (portable build)");
-      const std::string sg_text = cfg.sgemm_n > 0
-                                      ? message::concat("N=", cfg.sgemm_n, ": ", fmt1(sg), " GFLOP/s",
-                                                        blas_core().empty() ? "" : " (OpenBLAS " + blas_core() + ")")
-                                      : std::string("skipped (--sgemm-n 0)");
-      std::printf("threads=%lld  FMA limit: %s  sgemm %s  simd=%s\n", (long long)t, fma_text.c_str(), sg_text.c_str(),
-                  fused::simd_build());
+      std::printf("threads=%lld  FMA limit: ", (long long)t);
+      if (fma.gflops > 0) std::printf("%.1f GFLOP/s (%s)", fma.gflops, fma.build);
+      else std::printf("n/a (portable build)");
+      if (cfg.sgemm_n > 0)
+        std::printf("  sgemm N=%lld: %.1f GFLOP/s%s", (long long)cfg.sgemm_n, sg,
+                    blas_core().empty() ? "" : (" (OpenBLAS " + blas_core() + ")").c_str());
+      else std::printf("  sgemm skipped (--sgemm-n 0)");
+      std::printf("  simd=%s\n", fused::simd_build());
     }
     rows.push_back({{"kind", "fma_limit"}, {"threads", t}, {"gflops", fma.gflops}, {"simd", fma.build}});  // 0: n/a
     rows.push_back({{"kind", "sgemm"}, {"threads", t}, {"n", cfg.sgemm_n}, {"gflops", sg}, {"blas_core", blas_core()}});
