@@ -3,7 +3,7 @@
 // matrix product is one register-blocked micro-kernel, the same scheme as the dense
 // fused kernel (fused_simd.cpp):  C[M x N] = alpha · A(M x K) · B[K x N] (+ C),  A read by scalar broadcasts through
 // two strides (so Q, P and Pᵀ are read in place), B and C in lanes, the last vector of a row masked when N is not a
-// multiple of the vector width. The exponential is a polynomial (Cephes expf, |relative error| < 2e-7) that gives
+// multiple of the vector width. The exponential is simd/exp.inc's polynomial (|relative error| < 1.9e-7) that gives
 // exactly 0 for -inf.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "sparse/tiles_simd.cpp"
