@@ -327,5 +327,6 @@ def main():
             os.unlink(tmp)
             raise
 
+
 if __name__ == "__main__":
     main()
