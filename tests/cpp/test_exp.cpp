@@ -1,6 +1,6 @@
 // The float32 exp of the softmaxes (simd/exp.inc) against std::exp in double, on every build this CPU runs:
-// relative error, exact zeros at and below -88, NaN kept, e^0 = 1, finite at 88, and Exp<true> equal to Exp<false>
-// where x <= 0.
+// relative error, exact zeros at and below -88, NaN kept, e^0 = 1, finite at 88, Exp<true> equal to Exp<false>
+// where x <= 0, and ExpN (several vectors interleaved) bitwise equal to Exp.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "test_exp.cpp"
 #include "simd/hwy_targets.hpp"
@@ -15,7 +15,7 @@ namespace sattn_test_exp {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-#include "simd/exp.inc"  // Exp<kNoUpper>(d, x)
+#include "simd/exp.inc"  // Exp<kNoUpper>(d, x), ExpN<kNoUpper, kN>(d, x)
 
 // y[i] = Exp<kNoUpper>(x[i]), i < n; n a multiple of 16 (the widest vector).
 template <bool kNoUpper>
@@ -26,6 +26,23 @@ void ExpAll(const float* x, float* y, size_t n) {
 void ExpAnySign(const float* x, float* y, size_t n) { ExpAll<false>(x, y, n); }
 void ExpNonPositive(const float* x, float* y, size_t n) { ExpAll<true>(x, y, n); }
 
+// The same through ExpN, four vectors at a time (the rest one at a time); n a multiple of 16.
+template <bool kNoUpper>
+void ExpAllFour(const float* x, float* y, size_t n) {
+  const hn::ScalableTag<float> d;
+  const size_t N = hn::Lanes(d);
+  size_t i = 0;
+  for (; i + 4 * N <= n; i += 4 * N) {
+    hn::Vec<decltype(d)> v[4];
+    for (size_t u = 0; u < 4; ++u) v[u] = hn::LoadU(d, x + i + u * N);
+    ExpN<kNoUpper>(d, v);
+    for (size_t u = 0; u < 4; ++u) hn::StoreU(v[u], d, y + i + u * N);
+  }
+  for (; i < n; i += N) hn::StoreU(Exp<kNoUpper>(d, hn::LoadU(d, x + i)), d, y + i);
+}
+void ExpFourAnySign(const float* x, float* y, size_t n) { ExpAllFour<false>(x, y, n); }
+void ExpFourNonPositive(const float* x, float* y, size_t n) { ExpAllFour<true>(x, y, n); }
+
 }  // namespace HWY_NAMESPACE
 }  // namespace sattn_test_exp
 HWY_AFTER_NAMESPACE();
@@ -35,6 +52,7 @@ HWY_AFTER_NAMESPACE();
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -47,10 +65,10 @@ namespace {
 
 using ExpFn = void (*)(const float*, float*, size_t);
 struct ExpOps {
-  ExpFn any_sign, non_positive;
+  ExpFn any_sign, non_positive, four_any_sign, four_non_positive;
 };
 #define SATTN_TEST_EXP_OPS(NS) \
-  ExpOps { &NS::ExpAnySign, &NS::ExpNonPositive }
+  ExpOps { &NS::ExpAnySign, &NS::ExpNonPositive, &NS::ExpFourAnySign, &NS::ExpFourNonPositive }
 const sattn::simd::Build<ExpOps> kBuilds[] = {SATTN_SIMD_BUILDS(SATTN_TEST_EXP_OPS)};
 
 std::vector<float> Padded(std::vector<float> x) {
@@ -107,6 +125,24 @@ TEST(Exp, ExactZerosOneAndNanOnEveryBuild) {
       }
       EXPECT_TRUE(std::isnan(y[7])) << name;
       EXPECT_TRUE(std::isnan(y[8])) << name;
+    }
+  }
+}
+
+TEST(Exp, InterleavedEqualsOneAtATimeOnEveryBuild) {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> x;
+  for (int i = 0; i <= 400000; ++i) x.push_back(-100.f + 200.f * float(i) / 400000.f);  // both clamps included
+  for (float v : {0.f, -0.f, -88.f, 88.f, -inf, inf, nan, 1e-30f, -1e-30f}) x.push_back(v);
+  x = Padded(x);
+  for (const auto& build : kBuilds) {
+    if (!sattn::simd::cpu_runs(build.target)) continue;
+    const std::string name = sattn::simd::name(build.target);
+    const std::vector<float> one = Apply(build.ops.any_sign, x), four = Apply(build.ops.four_any_sign, x);
+    const std::vector<float> one0 = Apply(build.ops.non_positive, x), four0 = Apply(build.ops.four_non_positive, x);
+    for (size_t i = 0; i < x.size(); ++i) {
+      ASSERT_EQ(std::memcmp(&one[i], &four[i], sizeof(float)), 0) << name << ": x = " << x[i];
+      ASSERT_EQ(std::memcmp(&one0[i], &four0[i], sizeof(float)), 0) << name << ": x = " << x[i] << " (x <= 0 form)";
     }
   }
 }

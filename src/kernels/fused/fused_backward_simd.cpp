@@ -59,25 +59,40 @@ HWY_INLINE void TileProbabilities(const Params& p, BwdTile& w, int64_t b, int64_
       }
       for (int64_t ii = nq; ii < Br; ++ii) pdrow[ii] = 0.f;
     }
-    for (int64_t x = 0; x < Br; x += N) {
-      VF z = hn::Sub(hn::Load(d, srow + x), hn::Load(d, lse_t + x));
-      if constexpr (kLogSum) z = hn::Sub(z, hn::Load(d, log_sum_t + x));
-#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
-      // P (z clamped to 88 as Exp<false> does; min returns its second operand, z, when z is NaN)
-      const VF pr = kRounded ? VF{ExpForBf16(hn::Min(hn::Set(d, 88.f), z).raw)} : Exp<false>(d, z);
-#else
-      const VF pr = Exp<false>(d, z);  // P
-#endif
-      VF dp = hn::Load(d, dprow + x);
-      VF pd = pr;  // P' = P keep/(1-p)
-      if (p.dropout_p > 0) {
-        const VF f = hn::Load(d, pdrow + x);
-        dp = hn::Mul(dp, f);
-        pd = hn::Mul(pr, f);
+    // kU vectors of the row at a time: their exponentials interleaved (ExpN)
+    const auto vectors = [&](int64_t x, auto u) {
+      constexpr int kU = decltype(u)::value;
+      VF pr[kU];
+      for (int i = 0; i < kU; ++i) {
+        pr[i] = hn::Sub(hn::Load(d, srow + x + i * N), hn::Load(d, lse_t + x + i * N));
+        if constexpr (kLogSum) pr[i] = hn::Sub(pr[i], hn::Load(d, log_sum_t + x + i * N));
       }
-      hn::Store(pd, d, pdrow + x);
-      hn::Store(hn::Mul(pr, hn::Sub(dp, hn::Load(d, delta_t + x))), d, srow + x);  // dS^T (in place of S^T)
-    }
+#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
+      if constexpr (kRounded) {
+        // P (z clamped to 88 as Exp<false> does; min returns its second operand, z, when z is NaN)
+        for (int i = 0; i < kU; ++i) pr[i] = VF{ExpForBf16(hn::Min(hn::Set(d, 88.f), pr[i]).raw)};
+      } else {
+        ExpN<false>(d, pr);  // P
+      }
+#else
+      ExpN<false>(d, pr);  // P
+#endif
+      for (int i = 0; i < kU; ++i) {
+        const int64_t xi = x + i * N;
+        VF dp = hn::Load(d, dprow + xi);
+        VF pd = pr[i];  // P' = P keep/(1-p)
+        if (p.dropout_p > 0) {
+          const VF f = hn::Load(d, pdrow + xi);
+          dp = hn::Mul(dp, f);
+          pd = hn::Mul(pr[i], f);
+        }
+        hn::Store(pd, d, pdrow + xi);
+        hn::Store(hn::Mul(pr[i], hn::Sub(dp, hn::Load(d, delta_t + xi))), d, srow + xi);  // dS^T (in place of S^T)
+      }
+    };
+    int64_t x = 0;
+    for (; x + 4 * N <= Br; x += 4 * N) vectors(x, std::integral_constant<int, 4>());
+    for (; x < Br; x += N) vectors(x, std::integral_constant<int, 1>());
   }
 }
 
