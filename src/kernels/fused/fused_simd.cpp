@@ -120,12 +120,17 @@ HWY_INLINE void DecodeScores(const T* k, int64_t kstride, const float* Q, int64_
         for (int ii = 0; ii < NQ; ++ii) acc[ii][j] = hn::MulAdd(kv, qv[ii], acc[ii][j]);
       }
     }
+  // The lane sums first, in a loop of constant trip counts only: with the tail's loop inside it, the compiler kept acc
+  // in memory and stored every accumulator on each step of the products.
   for (int ii = 0; ii < NQ; ++ii)
-    for (int j = 0; j < KEYS; ++j) {
-      float sdot = hn::GetLane(hn::SumOfLanes(d, acc[ii][j]));
-      for (int64_t x = Dfull; x < D; ++x) sdot += RowElem(k + j * kstride + x) * Q[ii * qstride + x];
-      S[ii * sstride + j] = sdot;
-    }
+    for (int j = 0; j < KEYS; ++j) S[ii * sstride + j] = hn::GetLane(hn::SumOfLanes(d, acc[ii][j]));
+  if (Dfull < D)
+    for (int ii = 0; ii < NQ; ++ii)
+      for (int j = 0; j < KEYS; ++j) {
+        float sdot = S[ii * sstride + j];
+        for (int64_t x = Dfull; x < D; ++x) sdot += RowElem(k + j * kstride + x) * Q[ii * qstride + x];
+        S[ii * sstride + j] = sdot;
+      }
 }
 
 // Decode output update over one key tile: O[ii, 0 : COLS·N] += sum_j P[ii, j] V[j, x0 : x0 + COLS·N], with V rows
