@@ -185,11 +185,25 @@ HWY_INLINE void DecodeTileUpdate(const T* v, int64_t vstride, int64_t nk, const 
                                  int64_t Dv) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d)), Dvp = Params::pad16(Dv), Dvfull = Dv / N * N;
-  int64_t x0 = 0;  // O[ii, x] += sum_j P[ii, j] V[j, x]: up to COLS vectors of O per query held over the tile
-  for (; x0 + COLS * N <= Dvfull; x0 += COLS * N) DecodeAccumulate<NQ, COLS>(v, vstride, nk, S, Bc, O + x0, Dvp, x0);
-  if (COLS > 4 && x0 + 4 * N <= Dvfull) DecodeAccumulate<NQ, 4>(v, vstride, nk, S, Bc, O + x0, Dvp, x0), x0 += 4 * N;
-  if (COLS > 2 && x0 + 2 * N <= Dvfull) DecodeAccumulate<NQ, 2>(v, vstride, nk, S, Bc, O + x0, Dvp, x0), x0 += 2 * N;
-  for (; x0 < Dvfull; x0 += N) DecodeAccumulate<NQ, 1>(v, vstride, nk, S, Bc, O + x0, Dvp, x0);
+  // O[ii, x] += sum_j P[ii, j] V[j, x]: up to COLS vectors of O per query held over a run of keys, the strips of
+  // COLS vectors one after the other. With several queries (GQA decode: few vectors per strip, several strips per
+  // row) and rows of at most 256 bytes, the runs are 4 keys: the strips of a run read the same 4 rows, so a row's
+  // lines are read (and prefetched ahead by the strips) close together instead of one strip's line of every row of
+  // the tile at a time. Measured on Zen 2 (Hq 8, Hkv 2, Lk 65536, one thread): float32 D 64 1.10x, bf16 D 64 1.06x,
+  // bf16 D 128 1.44x faster; float32 D 128 (512-byte rows) gained nothing from runs, so it keeps whole-tile strips.
+  // The same FMA chain per element, keys ascending.
+  const bool runs = NQ > 1 && COLS * N < Dvfull && Dv * int64_t(sizeof(T)) <= 256;
+  const int64_t run = runs ? 4 : nk;
+  for (int64_t j0 = 0; j0 < nk; j0 += run) {
+    const int64_t n = std::min(run, nk - j0);
+    const T* vr = v + j0 * vstride;
+    const float* Sr = S + j0;
+    int64_t x0 = 0;
+    for (; x0 + COLS * N <= Dvfull; x0 += COLS * N) DecodeAccumulate<NQ, COLS>(vr, vstride, n, Sr, Bc, O + x0, Dvp, x0);
+    if (COLS > 4 && x0 + 4 * N <= Dvfull) DecodeAccumulate<NQ, 4>(vr, vstride, n, Sr, Bc, O + x0, Dvp, x0), x0 += 4 * N;
+    if (COLS > 2 && x0 + 2 * N <= Dvfull) DecodeAccumulate<NQ, 2>(vr, vstride, n, Sr, Bc, O + x0, Dvp, x0), x0 += 2 * N;
+    for (; x0 < Dvfull; x0 += N) DecodeAccumulate<NQ, 1>(vr, vstride, n, Sr, Bc, O + x0, Dvp, x0);
+  }
   for (int64_t x = Dvfull; x < Dv; ++x)
     for (int64_t jj = 0; jj < nk; ++jj)
       for (int ii = 0; ii < NQ; ++ii) O[ii * Dvp + x] += S[ii * Bc + jj] * RowElem(v + jj * vstride + x);
