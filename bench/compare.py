@@ -2,7 +2,7 @@
 """sattn's SDPA against PyTorch's own SDPA on this CPU, in one process, in alternating rounds.
 
 sattn.torch.scaled_dot_product_attention and torch.nn.functional.scaled_dot_product_attention run on the same torch
-tensors (B = --batch, H = --heads, Lq = Lk = L) with the same thread count: torch.set_num_threads(t), which
+tensors (B = --batch, H = --heads query heads over --kv-heads key/value heads, Lq = Lk = L) with the same thread count: torch.set_num_threads(t), which
 sattn.torch reads at every call (sattn.set_num_threads(t) and OpenBLAS's pool, bench/torch_threads.py, are set to t
 too). The matrix is dtype x pass x mask x D x L x threads, plus decode (Lq 1, Lk = --decode-lens, forward, no mask,
 dtypes --decode-dtypes).
@@ -30,11 +30,13 @@ build/python is also tried when sattn is not importable).
   PYTHONPATH=build/python build/venv/bin/python bench/compare.py --quick         # smoke test (seconds)
   PYTHONPATH=build/python build/venv/bin/python bench/compare.py [--dtypes fp32,bf16,fp16] [--passes fwd,bwd]
       [--masks full,causal] [--dims 64,128] [--lens 1024,4096] [--threads 1,2] [--decode-lens 65536]
-      [--decode-dtypes bf16,fp32] [--batch 1] [--heads 8] [--rounds 5] [--reps 1] [--sattn build/sattn]
+      [--decode-dtypes bf16,fp32] [--batch 1] [--heads 8] [--kv-heads H] [--rounds 5] [--reps 1]
+      [--sattn build/sattn]
       [--json out.json]
 
 --quick: L 256, D 64, 2 rounds, 1 thread, decode Lk 1024, ceilings at N=512 (3 reps); options given explicitly
-override it. --decode-lens '' skips decode. --reps is the number of calls per measurement; --rounds sets how many measurements each side gets. --json writes every row
+override it. --decode-lens '' skips decode. --kv-heads below --heads times grouped-query attention (both sides with
+enable_gqa=True; query head h reads key/value head h // (H / Hkv)). --reps is the number of calls per measurement; --rounds sets how many measurements each side gets. --json writes every row
 (header, ceilings, one per configuration with every round's times and which side went first) to a file.
 """
 import openblas_env  # noqa: F401  (first: OpenBLAS reads OPENBLAS_CORETYPE as numpy / torch load it)
@@ -169,11 +171,12 @@ def run_config(sdpa, dtype_name, pas, mask, D, Lq, Lk, threads, a):
     causal = mask == "causal"
     g = torch.Generator().manual_seed(0)
     q = torch.randn(a.batch, a.heads, Lq, D, generator=g).to(dtype)
-    k, v = (torch.randn(a.batch, a.heads, Lk, D, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(a.batch, a.kv_heads, Lk, D, generator=g).to(dtype) for _ in range(2))
+    gqa = {"enable_gqa": True} if a.kv_heads != a.heads else {}
     impls = {"sattn": sdpa, "torch": F.scaled_dot_product_attention}
     if pas == "fwd":
         ctx = torch.no_grad
-        calls = {n: (lambda fn=fn: fn(q, k, v, is_causal=causal)) for n, fn in impls.items()}
+        calls = {n: (lambda fn=fn: fn(q, k, v, is_causal=causal, **gqa)) for n, fn in impls.items()}
         with ctx():
             warm = {n: [c()] for n, c in calls.items()}
     else:
@@ -181,7 +184,7 @@ def run_config(sdpa, dtype_name, pas, mask, D, Lq, Lk, threads, a):
         for x in (q, k, v):
             x.requires_grad_(True)
         dout = torch.randn(a.batch, a.heads, Lq, D, generator=g).to(dtype)
-        outs = {n: fn(q, k, v, is_causal=causal) for n, fn in impls.items()}  # once; the rounds time the backward
+        outs = {n: fn(q, k, v, is_causal=causal, **gqa) for n, fn in impls.items()}  # once; the rounds time the backward
         calls = {n: (lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
                  for n, out in outs.items()}
         warm = {n: list(c()) for n, c in calls.items()}
@@ -201,7 +204,8 @@ def run_config(sdpa, dtype_name, pas, mask, D, Lq, Lk, threads, a):
     fl = flops(pas, causal, a.batch, a.heads, Lq, Lk, D)
     ratios = [t / s for s, t in zip(times["sattn"], times["torch"])]
     s_ms, t_ms = statistics.median(times["sattn"]), statistics.median(times["torch"])
-    return {"kind": "sdpa", "dtype": dtype_name, "pass": pas, "mask": mask, "B": a.batch, "H": a.heads, "D": D,
+    return {"kind": "sdpa", "dtype": dtype_name, "pass": pas, "mask": mask, "B": a.batch, "H": a.heads,
+            "Hkv": a.kv_heads, "D": D,
             "Lq": Lq, "Lk": Lk, "threads": threads, "reps": a.reps, "first": first, "sattn_ms": times["sattn"],
             "torch_ms": times["torch"], "sattn_median_ms": s_ms, "torch_median_ms": t_ms,
             "sattn_gflops": fl / (s_ms * 1e6), "torch_gflops": fl / (t_ms * 1e6), "ratios": ratios,
@@ -243,7 +247,8 @@ def parse_args():
         key = opt[2:].replace("-", "_")
         ap.add_argument(opt, help=f"{what}, comma separated (default {DEFAULTS[key]})")
     ap.add_argument("--batch", type=int, default=1, help="B (default 1)")
-    ap.add_argument("--heads", type=int, default=8, help="H (default 8)")
+    ap.add_argument("--heads", type=int, default=8, help="H, query heads (default 8)")
+    ap.add_argument("--kv-heads", type=int, help="key/value heads, a divisor of H (default H; fewer: GQA)")
     ap.add_argument("--rounds", type=int, help="alternating rounds per configuration (default 5)")
     ap.add_argument("--reps", type=int, default=1, help="calls per measurement, median taken (default 1)")
     ap.add_argument("--ceiling-n", type=int, help="N of the SGEMM and torch.mm ceilings (default 2048)")
@@ -256,9 +261,13 @@ def parse_args():
     for key, value in DEFAULTS.items():
         if getattr(a, key) is None:
             setattr(a, key, QUICK[key] if a.quick and key in QUICK else value)
-    for key in ("batch", "heads", "rounds", "reps", "ceiling_n", "ceiling_reps"):
+    if a.kv_heads is None:
+        a.kv_heads = a.heads
+    for key in ("batch", "heads", "kv_heads", "rounds", "reps", "ceiling_n", "ceiling_reps"):
         if getattr(a, key) <= 0:
             sys.exit(f"compare.py: --{key.replace('_', '-')}: expected a positive integer")
+    if a.heads % a.kv_heads:
+        sys.exit(f"compare.py: --kv-heads: expected a divisor of --heads ({a.heads}), got {a.kv_heads}")
     return a
 
 
@@ -284,10 +293,11 @@ def main():
     print(f"CPU: {model}; ISA flags: {' '.join(isa) or 'none of ' + ' '.join(ISA_FLAGS)}")
     print(f"sattn {sattn.__version__} ({os.path.dirname(sattn.__file__)}): fused kernel SIMD build {simd['fused']} "
           f"(selected {simd['selected']}; this CPU runs {', '.join(simd['available'])})")
-    print(f"torch {torch.__version__} (CPU capability {cap}); B={a.batch} H={a.heads}, {a.rounds} rounds of "
+    print(f"torch {torch.__version__} (CPU capability {cap}); B={a.batch} H={a.heads} Hkv={a.kv_heads}, {a.rounds} rounds of "
           f"{a.reps} call(s) per side, alternating which goes first; ratio = torch ms / sattn ms (> 1: sattn faster)")
     rows = [{"kind": "env", "cpu": model, "isa_flags": isa, "sattn_version": sattn.__version__, "sattn_simd": simd,
              "torch_version": torch.__version__, "torch_cpu_capability": cap, "batch": a.batch, "heads": a.heads,
+             "kv_heads": a.kv_heads,
              "rounds": a.rounds, "reps": a.reps}]
 
     for t in thread_counts:
