@@ -2,8 +2,8 @@
 """sattn's SDPA against PyTorch's own SDPA on this CPU, in one process, in alternating rounds.
 
 sattn.torch.scaled_dot_product_attention and torch.nn.functional.scaled_dot_product_attention run on the same torch
-tensors (B = --batch, H = --heads query heads over --kv-heads key/value heads, Lq = Lk = L) with the same thread count: torch.set_num_threads(t), which
-sattn.torch reads at every call (sattn.set_num_threads(t) and OpenBLAS's pool, bench/torch_threads.py, are set to t
+tensors (B = --batch, H = --heads query heads over --kv-heads key/value heads, Lq = Lk = L) with the same thread
+count: torch.set_num_threads(t), which sattn.torch reads at every call (sattn.set_num_threads(t) and OpenBLAS's pool, bench/torch_threads.py, are set to t
 too). The matrix is dtype x pass x mask x D x L x threads, plus decode (Lq 1, Lk = --decode-lens, forward, no mask,
 dtypes --decode-dtypes).
 
@@ -184,7 +184,8 @@ def run_config(sdpa, dtype_name, pas, mask, D, Lq, Lk, threads, a):
         for x in (q, k, v):
             x.requires_grad_(True)
         dout = torch.randn(a.batch, a.heads, Lq, D, generator=g).to(dtype)
-        outs = {n: fn(q, k, v, is_causal=causal, **gqa) for n, fn in impls.items()}  # once; the rounds time the backward
+        # once; the rounds time the backward
+        outs = {n: fn(q, k, v, is_causal=causal, **gqa) for n, fn in impls.items()}
         calls = {n: (lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
                  for n, out in outs.items()}
         warm = {n: list(c()) for n, c in calls.items()}
@@ -293,8 +294,8 @@ def main():
     print(f"CPU: {model}; ISA flags: {' '.join(isa) or 'none of ' + ' '.join(ISA_FLAGS)}")
     print(f"sattn {sattn.__version__} ({os.path.dirname(sattn.__file__)}): fused kernel SIMD build {simd['fused']} "
           f"(selected {simd['selected']}; this CPU runs {', '.join(simd['available'])})")
-    print(f"torch {torch.__version__} (CPU capability {cap}); B={a.batch} H={a.heads} Hkv={a.kv_heads}, {a.rounds} rounds of "
-          f"{a.reps} call(s) per side, alternating which goes first; ratio = torch ms / sattn ms (> 1: sattn faster)")
+    print(f"torch {torch.__version__} (CPU capability {cap}); B={a.batch} H={a.heads} Hkv={a.kv_heads}, "
+          f"{a.rounds} rounds of {a.reps} call(s) per side, alternating which goes first; ratio = torch ms / sattn ms (> 1: sattn faster)")
     rows = [{"kind": "env", "cpu": model, "isa_flags": isa, "sattn_version": sattn.__version__, "sattn_simd": simd,
              "torch_version": torch.__version__, "torch_cpu_capability": cap, "batch": a.batch, "heads": a.heads,
              "kv_heads": a.kv_heads,
