@@ -3,9 +3,9 @@
 
 sattn.torch.scaled_dot_product_attention and torch.nn.functional.scaled_dot_product_attention run on the same torch
 tensors (B = --batch, H = --heads query heads over --kv-heads key/value heads, Lq = Lk = L) with the same thread
-count: torch.set_num_threads(t), which sattn.torch reads at every call (sattn.set_num_threads(t) and OpenBLAS's pool, bench/torch_threads.py, are set to t
-too). The matrix is dtype x pass x mask x D x L x threads, plus decode (Lq 1, Lk = --decode-lens, forward, no mask,
-dtypes --decode-dtypes).
+count: torch.set_num_threads(t), which sattn.torch reads at every call (sattn.set_num_threads(t) and OpenBLAS's
+pool, bench/torch_threads.py, are set to t too). The matrix is dtype x pass x mask x D x L x threads, plus decode
+(Lq 1, Lk = --decode-lens, forward, no mask, dtypes --decode-dtypes).
 
 Each configuration gets one warm-up call of each side, then --rounds rounds; a round times sattn and torch, sattn
 first in even rounds and torch first in odd ones, and each time is the median of --reps calls (default 1). Forward:
@@ -31,13 +31,13 @@ build/python is also tried when sattn is not importable).
   PYTHONPATH=build/python build/venv/bin/python bench/compare.py [--dtypes fp32,bf16,fp16] [--passes fwd,bwd]
       [--masks full,causal] [--dims 64,128] [--lens 1024,4096] [--threads 1,2] [--decode-lens 65536]
       [--decode-dtypes bf16,fp32] [--batch 1] [--heads 8] [--kv-heads H] [--rounds 5] [--reps 1]
-      [--sattn build/sattn]
-      [--json out.json]
+      [--sattn build/sattn] [--json out.json]
 
 --quick: L 256, D 64, 2 rounds, 1 thread, decode Lk 1024, ceilings at N=512 (3 reps); options given explicitly
 override it. --decode-lens '' skips decode. --kv-heads below --heads times grouped-query attention (both sides with
-enable_gqa=True; query head h reads key/value head h // (H / Hkv)). --reps is the number of calls per measurement; --rounds sets how many measurements each side gets. --json writes every row
-(header, ceilings, one per configuration with every round's times and which side went first) to a file.
+enable_gqa=True; query head h reads key/value head h // (H / Hkv)). --reps is the number of calls per measurement;
+--rounds sets how many measurements each side gets. --json writes every row (header, ceilings, one per
+configuration with every round's times and which side went first) to a file.
 """
 import openblas_env  # noqa: F401  (first: OpenBLAS reads OPENBLAS_CORETYPE as numpy / torch load it)
 import argparse
@@ -295,7 +295,8 @@ def main():
     print(f"sattn {sattn.__version__} ({os.path.dirname(sattn.__file__)}): fused kernel SIMD build {simd['fused']} "
           f"(selected {simd['selected']}; this CPU runs {', '.join(simd['available'])})")
     print(f"torch {torch.__version__} (CPU capability {cap}); B={a.batch} H={a.heads} Hkv={a.kv_heads}, "
-          f"{a.rounds} rounds of {a.reps} call(s) per side, alternating which goes first; ratio = torch ms / sattn ms (> 1: sattn faster)")
+          f"{a.rounds} rounds of {a.reps} call(s) per side, alternating which goes first; "
+          "ratio = torch ms / sattn ms (> 1: sattn faster)")
     rows = [{"kind": "env", "cpu": model, "isa_flags": isa, "sattn_version": sattn.__version__, "sattn_simd": simd,
              "torch_version": torch.__version__, "torch_cpu_capability": cap, "batch": a.batch, "heads": a.heads,
              "kv_heads": a.kv_heads,
