@@ -3,6 +3,7 @@
 #include "bind_common.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <iterator>
 #include <string>
@@ -57,16 +58,28 @@ pyb::dtype numpy_dtype(DType dtype) {
 
 TensorView torch_view(const pyb::handle& obj, const char* name) {
   if (obj.is_none()) return {};
-  const std::string device = pyb::str(obj.attr("device").attr("type"));
-  check(device == "cpu", ErrorKind::kUnsupported, name, ": sattn runs on the CPU, got a tensor on device '",
-        std::string(pyb::str(obj.attr("device"))), "'");
-  const std::string type = pyb::str(obj.attr("dtype"));
-  static const std::pair<const char*, DType> kTypes[] = {
-      {"torch.float32", DType::kF32}, {"torch.float64", DType::kF64}, {"torch.bfloat16", DType::kBF16},
-      {"torch.float16", DType::kF16}, {"torch.bool", DType::kBool},   {"torch.int32", DType::kI32},
-      {"torch.int64", DType::kI64},   {"torch.uint8", DType::kU8}};
-  const auto* hit = std::find_if(std::begin(kTypes), std::end(kTypes), [&](const auto& t) { return type == t.first; });
-  check(hit != std::end(kTypes), ErrorKind::kTypeError, name, ": unsupported tensor dtype ", type);
+  // Called for every tensor of every sattn.torch call: no string is made unless there is an error (Tensor.device's
+  // type and str build them), and dtypes are torch's dtype objects, compared by identity.
+  if (!obj.attr("is_cpu").cast<bool>()) {
+    fail(ErrorKind::kUnsupported, name, ": sattn runs on the CPU, got a tensor on device '",
+         std::string(pyb::str(obj.attr("device"))), "'");
+  }
+  // torch's dtype objects live as long as the interpreter: one reference each is kept (released), so that no
+  // destructor runs after Python has finalised.
+  static const std::array<std::pair<PyObject*, DType>, 8> kTypes = [] {
+    const pyb::module_ torch = pyb::module_::import("torch");
+    const auto dtype = [&](const char* n, DType t) {
+      return std::make_pair(pyb::object(torch.attr(n)).release().ptr(), t);
+    };
+    return std::array<std::pair<PyObject*, DType>, 8>{dtype("float32", DType::kF32),   dtype("float64", DType::kF64),
+                                                      dtype("bfloat16", DType::kBF16), dtype("float16", DType::kF16),
+                                                      dtype("bool", DType::kBool),     dtype("int32", DType::kI32),
+                                                      dtype("int64", DType::kI64),     dtype("uint8", DType::kU8)};
+  }();
+  const pyb::object type = obj.attr("dtype");
+  const auto* hit = std::find_if(kTypes.begin(), kTypes.end(), [&](const auto& t) { return type.ptr() == t.first; });
+  if (hit == kTypes.end())
+    fail(ErrorKind::kTypeError, name, ": unsupported tensor dtype ", std::string(pyb::str(type)));
   const DType dtype = hit->second;
   const auto data = obj.attr("data_ptr")().cast<uintptr_t>();
   const pyb::tuple sizes = obj.attr("shape"), steps = obj.attr("stride")();

@@ -9,6 +9,7 @@ released and without copying inputs whose layout a strided view can describe.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections import namedtuple
@@ -93,6 +94,7 @@ def _causal(is_causal, causal_alignment):
     return _ALIGNMENTS[causal_alignment] if is_causal else "none"
 
 
+@functools.lru_cache(maxsize=64)
 def _dtype_name(dtype):
     """numpy's and torch's dtype names as sattn's: 'float32', 'bfloat16', 'bool', ... (torch.float32 -> 'float32')."""
     name = str(dtype)
@@ -104,7 +106,7 @@ def _spec(x, dtype=None):
     None stays None."""
     if x is None:
         return None
-    return tuple(int(s) for s in x.shape), _dtype_name(x.dtype if dtype is None else dtype)
+    return tuple(map(int, x.shape)), _dtype_name(x.dtype if dtype is None else dtype)
 
 
 AttentionDescription = namedtuple("AttentionDescription", [

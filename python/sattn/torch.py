@@ -12,8 +12,10 @@ The public functions check and reshape their arguments and call operators regist
     sattn::varlen_forward / sattn::varlen_backward    flash_attn_varlen_func
 
 Each forward operator has an autograd formula (its backward operator), a fake (meta) implementation for
-torch.compile / torch.export, and an autocast rule (CPU autocast runs it in bfloat16, as torch's SDPA). The tensors
-reach the C++ kernels without a copy (their data pointers and strides) and the GIL is released while they run.
+torch.compile / torch.export, and an autocast rule (CPU autocast runs it in bfloat16, as torch's SDPA). Plain
+eager calls skip the dispatcher (the eager route below: the same bodies and formulas as a torch.autograd.Function).
+The tensors reach the C++ kernels without a copy (their data pointers and strides) and the GIL is released while
+they run.
 The forward saves what the backward needs (out and the log-sum-exp), so nothing is recomputed or passed by hand.
 Double backward is not implemented and raises.
 
@@ -136,6 +138,61 @@ def _contiguous_empty(shape, dtype):
     return torch.empty(shape, dtype=dtype)
 
 
+# ---- the eager route ----------------------------------------------------------------------------------------------
+# A call through torch.library's dispatcher and its Python autograd wrapper costs more than the kernels at small
+# sizes (docs/python.md). An eager call on plain CPU tensors, with nothing around it that must see the operator,
+# runs the operator's own body and autograd formula directly (a torch.autograd.Function). Everything else goes
+# through the operators: torch.compile and export, dispatch modes (FakeTensorMode, make_fx, FlopCounterMode...),
+# torch-function modes, functorch transforms (vmap, grad), autocast, the profiler, torch.jit tracing, tensor
+# subclasses. Both routes run the same code on the same tensors, so their results are identical.
+
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+try:  # torch's private state queries (2.6 to 2.15 have them); a torch without one takes the operators always
+    _MODES = (torch._C._len_torch_dispatch_stack, torch._C._is_torch_function_mode_enabled,
+              torch._C._functorch.peek_interpreter_stack, torch._C._autograd._profiler_enabled,
+              torch._C._get_tracing_state)
+except AttributeError:
+    _MODES = None
+
+
+def _eager(tensors):
+    if _MODES is None or torch.compiler.is_compiling():
+        return False
+    dispatch_modes, function_modes, functorch, profiler, tracing = _MODES
+    return (dispatch_modes() == 0 and not function_modes() and functorch() is None and not profiler()
+            and tracing() is None and not torch.is_autocast_enabled("cpu")
+            and all(type(t) in _PLAIN_TENSORS for t in tensors if t is not None))
+
+
+def _eager_backward(saved, grad_out):
+    """Whether an autograd formula may call its backward body directly: eagerly, and not building a graph of the
+    gradient (create_graph=True goes to the backward operator, whose own formula refuses double backward)."""
+    return not torch.is_grad_enabled() and _eager(saved) and _eager((grad_out,))
+
+
+def _eager_function(name, forward_impl, setup_context, autograd):
+    """The torch.autograd.Function of an operator: its forward body, setup_context and autograd formula."""
+
+    def forward(ctx, *inputs):
+        output = forward_impl(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(autograd),
+                                                   "impl": staticmethod(forward_impl)})
+
+
+def _run(operator, function, *args):
+    """A forward operator's call: through the dispatcher, or on the eager route (the Function where a gradient may
+    be needed, else the body itself)."""
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    if not _eager(tensors):
+        return operator(*args)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return function.apply(*args)
+    return function.impl(*args)
+
+
 # ---- sattn::sdpa_forward / sattn::sdpa_backward -------------------------------------------------------------------
 # 4-D query [B, Hq, Lq, E], key [B, Hkv, Lk, E], value [B, Hkv, Lk, Ev]; attn_mask bool (True = may attend) or float
 # (additive), at most 4-D and broadcastable to [B, Hq, Lq, Lk]; key_padding_mask bool [B, Lk] (True = padding);
@@ -143,11 +200,10 @@ def _contiguous_empty(shape, dtype):
 # (torch.get_float32_matmul_precision() when the operator runs: "medium" is "bf16"). Returns out
 # [B, Hq, Lq, Ev] (query's dtype) and lse [B, Hq, Lq] (float32; float64 for float64 inputs).
 
-@torch.library.custom_op("sattn::sdpa_forward", mutates_args=(), device_types="cpu")
-def _sdpa_forward(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
-                  key_padding_mask: Optional[Tensor], causal: str, scale: Optional[float], dropout_p: float,
-                  seed: Optional[Tensor], num_threads: int,
-                  float32_precision: str = "highest") -> tuple[Tensor, Tensor]:
+def _sdpa_forward_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
+                       key_padding_mask: Optional[Tensor], causal: str, scale: Optional[float], dropout_p: float,
+                       seed: Optional[Tensor], num_threads: int,
+                       float32_precision: str = "highest") -> tuple[Tensor, Tensor]:
     B, Hq, Lq, _ = query.shape
     out = _contiguous_empty((B, Hq, Lq, value.shape[-1]), query.dtype)
     lse = _contiguous_empty((B, Hq, Lq), _stats_dtype(query.dtype))
@@ -155,6 +211,10 @@ def _sdpa_forward(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
                               dropout_p, _seed_value(seed), _run_threads(num_threads), out, lse,
                               _run_precision(float32_precision))
     return out, lse
+
+
+_sdpa_forward = torch.library.custom_op("sattn::sdpa_forward", _sdpa_forward_impl, mutates_args=(),
+                                        device_types="cpu")
 
 
 def _describe_4d(query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p):
@@ -181,11 +241,10 @@ def _sdpa_forward_fake(query, key, value, attn_mask, key_padding_mask, causal, s
             query.new_empty((B, Hq, Lq), dtype=_stats_dtype(query.dtype)))
 
 
-@torch.library.custom_op("sattn::sdpa_backward", mutates_args=(), device_types="cpu")
-def _sdpa_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
-                   attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], causal: str,
-                   scale: Optional[float], dropout_p: float, seed: Optional[Tensor], num_threads: int,
-                   need_dmask: bool, float32_precision: str = "highest") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _sdpa_backward_impl(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
+                        attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], causal: str,
+                        scale: Optional[float], dropout_p: float, seed: Optional[Tensor], num_threads: int,
+                        need_dmask: bool, float32_precision: str = "highest") -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dq = _contiguous_empty(query.shape, query.dtype)
     dk = _contiguous_empty(key.shape, key.dtype)
     dv = _contiguous_empty(value.shape, value.dtype)
@@ -197,6 +256,10 @@ def _sdpa_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, 
     if dmask is None:
         return dq, dk, dv, query.new_empty((0,))
     return dq, dk, dv, dmask.to(attn_mask.dtype)
+
+
+_sdpa_backward = torch.library.custom_op("sattn::sdpa_backward", _sdpa_backward_impl, mutates_args=(),
+                                         device_types="cpu")
 
 
 @_sdpa_backward.register_fake
@@ -216,11 +279,13 @@ def _sdpa_setup_context(ctx, inputs, output):
 
 
 def _sdpa_autograd(ctx, grad_out, grad_lse):
-    query, key, value, attn_mask, key_padding_mask, seed, out, lse = ctx.saved_tensors
+    saved = ctx.saved_tensors  # unpacked once (saved-tensor hooks run at each unpacking)
+    query, key, value, attn_mask, key_padding_mask, seed, out, lse = saved
     causal, scale, dropout_p, num_threads, precision = ctx.options
     need_dmask = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
-    dq, dk, dv, dmask = _sdpa_backward(grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, causal,
-                                       scale, dropout_p, seed, num_threads, need_dmask, precision)
+    backward = _sdpa_backward_impl if _eager_backward(saved, grad_out) else _sdpa_backward
+    dq, dk, dv, dmask = backward(grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, causal,
+                                 scale, dropout_p, seed, num_threads, need_dmask, precision)
     return dq, dk, dv, (dmask if need_dmask else None), None, None, None, None, None, None, None
 
 
@@ -233,6 +298,7 @@ torch.library.register_autograd("sattn::sdpa_forward", _sdpa_autograd, setup_con
 torch.library.register_autograd("sattn::sdpa_backward", _no_double_backward,
                                 setup_context=lambda ctx, inputs, output: None)
 torch.library.register_autocast("sattn::sdpa_forward", "cpu", torch.bfloat16)
+_SdpaFunction = _eager_function("SdpaFunction", _sdpa_forward_impl, _sdpa_setup_context, _sdpa_autograd)
 
 
 def _to_4d(x):
@@ -305,8 +371,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     scale = _check_scale(scale)
     enable_gqa = _check_flag(enable_gqa, "enable_gqa")
     if not torch.compiler.is_compiling():
-        _describe(_spec(query, qkv_dtype), _spec(key, qkv_dtype), _spec(value, qkv_dtype), _mask_spec(attn_mask),
-                  _spec(key_padding_mask), None, causal, scale, dropout_p, enable_gqa)
+        _core._describe(_spec(query, qkv_dtype), _spec(key, qkv_dtype), _spec(value, qkv_dtype),
+                        _mask_spec(attn_mask), _spec(key_padding_mask), None, causal, scale, dropout_p, enable_gqa)
     elif not enable_gqa and query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
         # Compiled (dynamo cannot trace the native describe), the operators' fake implementations check the 4-D form;
         # this is the one check they cannot make, as they take any Hq that is a multiple of Hkv.
@@ -322,9 +388,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         mask = mask.reshape(folded)
     kpm = None if key_padding_mask is None else key_padding_mask.reshape(-1, len_k)
     q4, k4, v4 = _to_4d(query), _to_4d(key), _to_4d(value)
-    out, _ = _sdpa_forward(q4, k4, v4, mask, kpm, causal, scale, dropout_p, _draw_seed(dropout_p),
-                           _threads(num_threads), _float32_precision(float32_precision))
-    return out.reshape(tuple(query.shape[:-1]) + (value.shape[-1],))
+    out, _ = _run(_sdpa_forward, _SdpaFunction, q4, k4, v4, mask, kpm, causal, scale, dropout_p,
+                  _draw_seed(dropout_p), _threads(num_threads), _float32_precision(float32_precision))
+    return out if query.dim() == 4 else out.reshape(tuple(query.shape[:-1]) + (value.shape[-1],))
 
 
 # ---- sattn::sparse_forward / sattn::sparse_backward ---------------------------------------------------------------
@@ -354,11 +420,10 @@ def _selection_shape(pattern, B, Hq, Lq, Lk):
     return (B, Hq, torch.library.get_ctx().new_dynamic_size(), count)  # query blocks aligned to Lk - Lq
 
 
-@torch.library.custom_op("sattn::sparse_forward", mutates_args=(), device_types="cpu")
-def _sparse_forward(query: Tensor, key: Tensor, value: Tensor, pattern: str, scale: Optional[float],
-                    enable_gqa: bool, key_padding_mask: Optional[Tensor], block: int,
-                    alibi_slopes: Optional[list[float]], softcap: float, bias: Optional[Tensor],
-                    rel_pos_bias: Optional[Tensor], num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
+def _sparse_forward_impl(query: Tensor, key: Tensor, value: Tensor, pattern: str, scale: Optional[float],
+                         enable_gqa: bool, key_padding_mask: Optional[Tensor], block: int,
+                         alibi_slopes: Optional[list[float]], softcap: float, bias: Optional[Tensor],
+                         rel_pos_bias: Optional[Tensor], num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
     B, Hq, Lq, _ = query.shape
     out = _contiguous_empty((B, Hq, Lq, value.shape[-1]), query.dtype)
     lse = _contiguous_empty((B, Hq, Lq), _stats_dtype(query.dtype))
@@ -371,6 +436,10 @@ def _sparse_forward(query: Tensor, key: Tensor, value: Tensor, pattern: str, sca
     return out, lse, indices
 
 
+_sparse_forward = torch.library.custom_op("sattn::sparse_forward", _sparse_forward_impl, mutates_args=(),
+                                          device_types="cpu")
+
+
 @_sparse_forward.register_fake
 def _sparse_forward_fake(query, key, value, pattern, scale, enable_gqa, key_padding_mask, block, alibi_slopes,
                          softcap, bias, rel_pos_bias, num_threads):
@@ -380,12 +449,11 @@ def _sparse_forward_fake(query, key, value, pattern, scale, enable_gqa, key_padd
             query.new_empty(_selection_shape(pattern, B, Hq, Lq, key.shape[2]), dtype=torch.int64))
 
 
-@torch.library.custom_op("sattn::sparse_backward", mutates_args=(), device_types="cpu")
-def _sparse_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
-                     indices: Tensor, pattern: str, scale: Optional[float], enable_gqa: bool,
-                     key_padding_mask: Optional[Tensor], block: int, alibi_slopes: Optional[list[float]],
-                     softcap: float, bias: Optional[Tensor], rel_pos_bias: Optional[Tensor],
-                     num_threads: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _sparse_backward_impl(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
+                          indices: Tensor, pattern: str, scale: Optional[float], enable_gqa: bool,
+                          key_padding_mask: Optional[Tensor], block: int, alibi_slopes: Optional[list[float]],
+                          softcap: float, bias: Optional[Tensor], rel_pos_bias: Optional[Tensor],
+                          num_threads: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dq = _contiguous_empty(query.shape, query.dtype)
     dk = _contiguous_empty(key.shape, key.dtype)
     dv = _contiguous_empty(value.shape, value.dtype)
@@ -397,6 +465,10 @@ def _sparse_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor
                                  indices if indices.dim() == 4 else None, dq, dk, dv, dbias, drel)
     return (dq, dk, dv, query.new_empty((0,)) if dbias is None else dbias.to(bias.dtype),
             query.new_empty((0,)) if drel is None else drel.to(rel_pos_bias.dtype))
+
+
+_sparse_backward = torch.library.custom_op("sattn::sparse_backward", _sparse_backward_impl, mutates_args=(),
+                                           device_types="cpu")
 
 
 @_sparse_backward.register_fake
@@ -417,11 +489,13 @@ def _sparse_setup_context(ctx, inputs, output):
 
 
 def _sparse_autograd(ctx, grad_out, grad_lse, grad_indices):
-    query, key, value, key_padding_mask, bias, rel_pos_bias, out, lse, indices = ctx.saved_tensors
+    saved = ctx.saved_tensors
+    query, key, value, key_padding_mask, bias, rel_pos_bias, out, lse, indices = saved
     pattern, scale, enable_gqa, block, alibi_slopes, softcap, num_threads = ctx.options
-    dq, dk, dv, dbias, drel = _sparse_backward(grad_out, query, key, value, out, lse, indices, pattern, scale,
-                                               enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias,
-                                               rel_pos_bias, num_threads)
+    backward = _sparse_backward_impl if _eager_backward(saved, grad_out) else _sparse_backward
+    dq, dk, dv, dbias, drel = backward(grad_out, query, key, value, out, lse, indices, pattern, scale,
+                                       enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias,
+                                       rel_pos_bias, num_threads)
     return (dq, dk, dv, None, None, None, None, None, None, None, dbias if bias is not None else None,
             drel if rel_pos_bias is not None else None, None)
 
@@ -430,6 +504,7 @@ torch.library.register_autograd("sattn::sparse_forward", _sparse_autograd, setup
 torch.library.register_autograd("sattn::sparse_backward", _no_double_backward,
                                 setup_context=lambda ctx, inputs, output: None)
 torch.library.register_autocast("sattn::sparse_forward", "cpu", torch.bfloat16)
+_SparseFunction = _eager_function("SparseFunction", _sparse_forward_impl, _sparse_setup_context, _sparse_autograd)
 
 
 def sparse_attention(query, key, value, pattern, scale=None, enable_gqa=False, *, key_padding_mask=None,
@@ -461,9 +536,9 @@ def sparse_attention(query, key, value, pattern, scale=None, enable_gqa=False, *
                                            else alibi_slopes)]
     if isinstance(block, bool) or not isinstance(block, int):
         raise _core.DTypeError(f"block: expected an int, got {type(block).__name__}")
-    out, lse, indices = _sparse_forward(query, key, value, spec, _check_scale(scale), _check_flag(enable_gqa,
-                                        "enable_gqa"), key_padding_mask, block, alibi_slopes, float(softcap), bias,
-                                        rel_pos_bias, _threads(num_threads))
+    out, lse, indices = _run(_sparse_forward, _SparseFunction, query, key, value, spec, _check_scale(scale),
+                             _check_flag(enable_gqa, "enable_gqa"), key_padding_mask, block, alibi_slopes,
+                             float(softcap), bias, rel_pos_bias, _threads(num_threads))
     result = (out,)
     if _check_flag(return_lse, "return_lse"):
         result += (lse,)
@@ -476,15 +551,18 @@ def sparse_attention(query, key, value, pattern, scale=None, enable_gqa=False, *
 # Packed sequences: q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv], cu_seqlens int32/int64 [n + 1].
 # Returns out [total_q, Hq, Dv] (q's dtype) and lse [Hq, total_q] (FlashAttention's layout).
 
-@torch.library.custom_op("sattn::varlen_forward", mutates_args=(), device_types="cpu")
-def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-                    max_seqlen_k: int, causal: bool, scale: Optional[float],
-                    num_threads: int) -> tuple[Tensor, Tensor]:
+def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                         max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: Optional[float],
+                         num_threads: int) -> tuple[Tensor, Tensor]:
     out = _contiguous_empty((q.shape[0], q.shape[1], v.shape[-1]), q.dtype)
     lse = _contiguous_empty((q.shape[1], q.shape[0]), _stats_dtype(q.dtype))
     _core._torch_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                                 _run_threads(num_threads), out, lse)
     return out, lse
+
+
+_varlen_forward = torch.library.custom_op("sattn::varlen_forward", _varlen_forward_impl, mutates_args=(),
+                                          device_types="cpu")
 
 
 @_varlen_forward.register_fake
@@ -494,16 +572,19 @@ def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
             q.new_empty((q.shape[1], q.shape[0]), dtype=_stats_dtype(q.dtype)))
 
 
-@torch.library.custom_op("sattn::varlen_backward", mutates_args=(), device_types="cpu")
-def _varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                     scale: Optional[float], num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
+def _varlen_backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                          causal: bool, scale: Optional[float], num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
     dq = _contiguous_empty(q.shape, q.dtype)
     dk = _contiguous_empty(k.shape, k.dtype)
     dv = _contiguous_empty(v.shape, v.dtype)
     _core._torch_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  causal, scale, _run_threads(num_threads), dq, dk, dv)
     return dq, dk, dv
+
+
+_varlen_backward = torch.library.custom_op("sattn::varlen_backward", _varlen_backward_impl, mutates_args=(),
+                                           device_types="cpu")
 
 
 @_varlen_backward.register_fake
@@ -521,10 +602,12 @@ def _varlen_setup_context(ctx, inputs, output):
 
 
 def _varlen_autograd(ctx, grad_out, grad_lse):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse = ctx.saved_tensors
+    saved = ctx.saved_tensors
+    q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse = saved
     max_seqlen_q, max_seqlen_k, causal, scale, num_threads = ctx.options
-    dq, dk, dv = _varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, causal, scale, num_threads)
+    backward = _varlen_backward_impl if _eager_backward(saved, grad_out) else _varlen_backward
+    dq, dk, dv = backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, causal, scale, num_threads)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -532,6 +615,7 @@ torch.library.register_autograd("sattn::varlen_forward", _varlen_autograd, setup
 torch.library.register_autograd("sattn::varlen_backward", _no_double_backward,
                                 setup_context=lambda ctx, inputs, output: None)
 torch.library.register_autocast("sattn::varlen_forward", "cpu", torch.bfloat16)
+_VarlenFunction = _eager_function("VarlenFunction", _varlen_forward_impl, _varlen_setup_context, _varlen_autograd)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -552,9 +636,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for x, name in ((max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
         if isinstance(x, bool) or not isinstance(x, int):
             raise _core.DTypeError(f"{name}: expected an int, got {type(x).__name__}")
-    out, _ = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             _check_flag(causal, "causal"), _check_scale(softmax_scale, "softmax_scale"),
-                             _threads(num_threads))
+    out, _ = _run(_varlen_forward, _VarlenFunction, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                  max_seqlen_k, _check_flag(causal, "causal"), _check_scale(softmax_scale, "softmax_scale"),
+                  _threads(num_threads))
     return out
 
 

@@ -320,6 +320,75 @@ def test_opcheck_sparse_and_varlen():
                            True, None, 1))
 
 
+# ---- the eager route and the operators ----------------------------------------------------------------------------
+
+class RecordOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode that records the sattn operators reaching torch's dispatcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "sattn":
+            self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _varlen_call(q, k, v, m):
+    cu = torch.tensor([0, 3, 12, 17], dtype=torch.int32)
+    return st.flash_attn_varlen_func(q, k, v, cu, cu, 9, 9, causal=True)
+
+
+ROUTED = {  # each public function, its inputs (the last one a float mask / bias with a gradient, or None)
+    "sdpa": (lambda q, k, v, m: st.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True),
+             lambda: (*qkv(B=2, Hq=4, Hkv=2, Lq=9, Lk=11, E=8, Ev=6, seed=31), torch.randn(4, 9, 11))),
+    "sparse": (lambda q, k, v, m: st.sparse_attention(q, k, v, "SlidingWindow(3, 2)", bias=m, block=4),
+               lambda: (*qkv(B=1, Hq=2, Hkv=2, Lq=20, Lk=20, E=8, Ev=8, seed=32), torch.randn(20, 20))),
+    "varlen": (_varlen_call, lambda: (*(torch.randn(17, 2, 8, generator=torch.Generator().manual_seed(33 + i))
+                                        for i in range(3)), None)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROUTED))
+def test_eager_route_equals_the_operators_bit_for_bit(name):
+    """Plain eager calls run the operators' bodies without the dispatcher (an autograd.Function); under a dispatch
+    mode the same call goes through sattn's operators. Outputs and gradients are the same bits."""
+    fn, make = ROUTED[name]
+    ins = leaves(*(x for x in make() if x is not None))
+    call = (lambda *a: fn(*a[:3], a[3] if len(a) > 3 else None))
+    out, grads = grads_of(call, ins)
+    assert type(out.grad_fn).__name__ == {"sdpa": "SdpaFunctionBackward", "sparse": "SparseFunctionBackward",
+                                          "varlen": "VarlenFunctionBackward"}[name]
+    with RecordOps() as seen:
+        ref, ref_grads = grads_of(call, leaves(*ins))
+    assert seen.ops == [f"{name}_forward.default", f"{name}_backward.default"], seen.ops
+    assert torch.equal(out, ref)
+    assert len(grads) == len(ref_grads) == len(ins)
+    for a, b in zip(grads, ref_grads):
+        assert torch.equal(a, b)
+    with torch.no_grad():  # no gradient needed: the body alone, same bits
+        assert torch.equal(call(*ins), ref) and call(*ins).grad_fn is None
+
+
+def test_features_that_must_see_the_operators_get_them():
+    q, k, v = leaves(*qkv(B=3, Hq=2, Hkv=2, Lq=6, Lk=6, E=4, Ev=4, seed=34))
+    with torch.profiler.profile() as prof:
+        st.scaled_dot_product_attention(q, k, v).sum().backward()
+    names = {e.name for e in prof.events()}
+    assert {"sattn::sdpa_forward", "sattn::sdpa_backward"} <= names
+
+    class Tagged(torch.Tensor):  # a subclass: its __torch_function__ sees the operator
+        pass
+    out = st.scaled_dot_product_attention(q.as_subclass(Tagged), k, v)
+    assert type(out) is Tagged
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert st.scaled_dot_product_attention(q, k, v).dtype == torch.bfloat16
+    with torch.no_grad(), pytest.warns(UserWarning, match="batching rule"):  # torch's per-sample fallback
+        batched = torch.func.vmap(st.scaled_dot_product_attention)(q, k, v)
+        assert torch.equal(batched, torch.stack([st.scaled_dot_product_attention(*x) for x in zip(q, k, v)]))
+
+
 # ---- torch.compile and torch.export -------------------------------------------------------------------------------
 
 class TinyAttention(torch.nn.Module):
