@@ -167,7 +167,7 @@ def _eager(tensors):
 def _eager_backward(saved, grad_out):
     """Whether an autograd formula may call its backward body directly: eagerly, and not building a graph of the
     gradient (create_graph=True goes to the backward operator, whose own formula refuses double backward)."""
-    return not torch.is_grad_enabled() and _eager(saved) and _eager((grad_out,))
+    return not torch.is_grad_enabled() and _eager((*saved, grad_out))
 
 
 def _eager_function(name, forward_impl, setup_context, autograd):
