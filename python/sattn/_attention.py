@@ -9,7 +9,6 @@ released and without copying inputs whose layout a strided view can describe.
 """
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from collections import namedtuple
@@ -94,7 +93,6 @@ def _causal(is_causal, causal_alignment):
     return _ALIGNMENTS[causal_alignment] if is_causal else "none"
 
 
-@functools.lru_cache(maxsize=64)
 def _dtype_name(dtype):
     """numpy's and torch's dtype names as sattn's: 'float32', 'bfloat16', 'bool', ... (torch.float32 -> 'float32')."""
     name = str(dtype)
