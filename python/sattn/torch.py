@@ -370,7 +370,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     dropout_p = _check_dropout(dropout_p)
     scale = _check_scale(scale)
     enable_gqa = _check_flag(enable_gqa, "enable_gqa")
-    if not torch.compiler.is_compiling():
+    plain_4d = query.dim() == key.dim() == value.dim() == 4 and attn_mask is None and key_padding_mask is None
+    if not torch.compiler.is_compiling() and not plain_4d:
         _core._describe(_spec(query, qkv_dtype), _spec(key, qkv_dtype), _spec(value, qkv_dtype),
                         _mask_spec(attn_mask), _spec(key_padding_mask), None, causal, scale, dropout_p, enable_gqa)
     elif not enable_gqa and query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
