@@ -147,7 +147,7 @@ def _contiguous_empty(shape, dtype):
 # subclasses. Both routes run the same code on the same tensors, so their results are identical.
 
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
-try:  # torch's private state queries (2.6 to 2.15 have them); a torch without one takes the operators always
+try:  # torch's private state queries (2.15 has them); a torch without one of them takes the operators always
     _MODES = (torch._C._len_torch_dispatch_stack, torch._C._is_torch_function_mode_enabled,
               torch._C._functorch.peek_interpreter_stack, torch._C._autograd._profiler_enabled,
               torch._C._get_tracing_state)
