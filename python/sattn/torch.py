@@ -375,8 +375,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         _core._describe(_spec(query, qkv_dtype), _spec(key, qkv_dtype), _spec(value, qkv_dtype),
                         _mask_spec(attn_mask), _spec(key_padding_mask), None, causal, scale, dropout_p, enable_gqa)
     elif not enable_gqa and query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
-        # Compiled (dynamo cannot trace the native describe), the operators' fake implementations check the 4-D form;
-        # this is the one check they cannot make, as they take any Hq that is a multiple of Hkv.
+        # Compiled (dynamo cannot trace the native describe) or plain 4-D (the kernels' own validation gives describe's
+        # messages), the operators check the 4-D form; this is the one check they cannot make, as they take any Hq
+        # that is a multiple of Hkv.
         raise _core.InvalidArgumentError(f"key/value: query has Hq = {query.shape[-3]} heads (dimension -3) but "
                                          f"key/value have Hkv = {key.shape[-3]}; pass enable_gqa=True for "
                                          "grouped-query attention (as PyTorch 2.5)")

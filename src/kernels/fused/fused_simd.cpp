@@ -189,9 +189,8 @@ HWY_INLINE void DecodeTileUpdate(const T* v, int64_t vstride, int64_t nk, const 
   // COLS vectors one after the other. With several queries (GQA decode: few vectors per strip, several strips per
   // row) and rows of at most 256 bytes, the runs are 4 keys: the strips of a run read the same 4 rows, so a row's
   // lines are read (and prefetched ahead by the strips) close together instead of one strip's line of every row of
-  // the tile at a time. Measured on Zen 2 (Hq 8, Hkv 2, Lk 65536, one thread): float32 D 64 1.10x, bf16 D 64 1.06x,
-  // bf16 D 128 1.44x faster; float32 D 128 (512-byte rows) gained nothing from runs, so it keeps whole-tile strips.
-  // The same FMA chain per element, keys ascending.
+  // the tile at a time. float32 D 128 (512-byte rows) gained nothing from runs and keeps whole-tile strips
+  // (docs/PERFORMANCE.md, Decode). The same FMA chain per element, keys ascending.
   const bool runs = NQ > 1 && COLS * N < Dvfull && Dv * int64_t(sizeof(T)) <= 256;
   const int64_t run = runs ? 4 : nk;
   for (int64_t j0 = 0; j0 < nk; j0 += run) {
