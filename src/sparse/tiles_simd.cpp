@@ -12,6 +12,7 @@
 
 #include <hwy/highway.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>

@@ -248,10 +248,11 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
 std::vector<Case> sweep() {
   using sattn::Causal;
   std::vector<Case> cs;
-  // Shapes around the 64x64 tile, odd D/Dv, Lq != Lk, GQA/MQA.
+  // Shapes around the 64x64 tile and the narrower query tiles (Lq 27, 33, 65), odd D/Dv, Lq != Lk, GQA/MQA.
   const int64_t shapes[][7] = {
-      {1, 1, 1, 1, 1, 8, 8},       {1, 2, 2, 7, 129, 16, 24}, {2, 4, 2, 65, 63, 17, 9},     {1, 2, 1, 64, 64, 64, 64},
-      {1, 3, 1, 129, 130, 80, 80}, {2, 2, 2, 63, 200, 5, 33}, {1, 1, 1, 200, 65, 128, 128}, {3, 2, 1, 33, 47, 1, 3},
+      {1, 1, 1, 1, 1, 8, 8},        {1, 2, 2, 7, 129, 16, 24},   {2, 4, 2, 65, 63, 17, 9},
+      {1, 2, 1, 64, 64, 64, 64},    {1, 3, 1, 129, 130, 80, 80}, {2, 2, 2, 63, 200, 5, 33},
+      {1, 1, 1, 200, 65, 128, 128}, {3, 2, 1, 33, 47, 1, 3},     {2, 2, 1, 27, 90, 24, 40},
   };
   const Causal causals[] = {Causal::kNone, Causal::kTopLeft, Causal::kBottomRight};
   int n = 0;
@@ -699,6 +700,46 @@ TEST(Fused, ShardsWithGlobalPositionsMatchTheWholeCall) {
   bad.causal = sattn::Causal::kTopLeft, bad.query_offset = -1;
   EXPECT_THROW(sattn::scaled_dot_product_attention(whole.q.view, whole.k.view, whole.v.view, bad, {out.view(), {}, {}}),
                sattn::Error);
+}
+
+// The query tile follows Lq (whole groups of 16 rows, as few and as even blocks of at most 64 as possible).
+TEST(Fused, QueryTileFollowsTheQueryCount) {
+  using sattn::fused::query_tile;
+  const int64_t expect[][3] = {{0, 64, 16},   {1, 64, 16},    {16, 64, 16},   {17, 64, 32},  {24, 64, 32},
+                               {32, 64, 32},  {33, 64, 48},   {48, 64, 48},   {49, 64, 64},  {64, 64, 64},
+                               {65, 64, 48},  {96, 64, 48},   {97, 64, 64},   {129, 64, 48}, {130, 64, 48},
+                               {145, 64, 64}, {4096, 64, 64}, {4097, 64, 64}, {100, 32, 32}, {100, 128, 112}};
+  for (const auto& e : expect) EXPECT_EQ(query_tile(e[0], e[1]), e[2]) << "Lq " << e[0] << " br " << e[1];
+}
+
+// In float32 a row's out, lse and dQ do not depend on the query tile: the first rows of a call whose query tile is
+// 48 (Lq = 96 and 40) or 32 (Lq = 24) are those of a call on those rows alone (tiles of 64, 32 and 16), bitwise, on
+// every SIMD target; with a bool mask, and with an additive one whose gradient is wanted (the two-pass backward).
+TEST(Fused, RowsDoNotDependOnTheQueryTile) {
+  const int64_t pairs[][2] = {{96, 64}, {24, 16}, {40, 17}};
+  uint32_t seed = 80;
+  for (const std::string& target : sattn::testing::simd_target_names()) {
+    sattn::testing::ScopedSimdTarget scoped(target);
+    for (const auto& [lq, rows] : pairs) {
+      Case c;
+      c.B = 2, c.Hq = 2, c.Hkv = 1, c.Lq = lq, c.Lk = 75, c.D = 40, c.Dv = 24, c.mask = lq == 40 ? 2 : 1,
+      c.mask_shape = 2;
+      c.causal = lq == 24 ? sattn::Causal::kNone : sattn::Causal::kTopLeft;
+      SCOPED_TRACE(target + " " + c.name() + " first rows " + std::to_string(rows));
+      ASSERT_NE(sattn::fused::query_tile(lq, 64), sattn::fused::query_tile(rows, 64));
+      const Problem whole = make_problem(c, ++seed);
+      Problem part = whole;
+      part.c.Lq = rows;
+      part.q.view = narrow(whole.q.view, 2, 0, rows), part.dout.view = narrow(whole.dout.view, 2, 0, rows);
+      const FwdResult fw = run_forward(whole, "fused", 2), fp = run_forward(part, "fused", 2);
+      ASSERT_EQ(fw.kernel, "fused");
+      ASSERT_EQ(fp.kernel, "fused");
+      EXPECT_TRUE(bitwise_equal(Tensor::from_view(narrow(fw.out.view(), 2, 0, rows)), fp.out));
+      EXPECT_TRUE(bitwise_equal(Tensor::from_view(narrow(fw.lse.view(), 2, 0, rows)), fp.lse));
+      const BwdResult bw = run_backward(whole, fw, "fused", 2), bp = run_backward(part, fp, "fused", 2);
+      EXPECT_TRUE(bitwise_equal(Tensor::from_view(narrow(bw.dq.view(), 2, 0, rows)), bp.dq));
+    }
+  }
 }
 
 // Problems large enough that the backward's tasks cover several key blocks each (groups of 3 and 4 blocks, the

@@ -176,6 +176,10 @@ struct Params {
   int64_t num_k_blocks() const { return (Lk + Bc - 1) / Bc; }
 };
 
+// The query rows per tile (Params::Br) for len_q queries and tiles of at most br rows (a multiple of 16): whole
+// groups of 16 rows, the queries split into as few and as even blocks as br allows (fused_kernel.cpp).
+int64_t query_tile(int64_t len_q, int64_t br);
+
 // One SIMD implementation of the tile loops: the forward's (fused_simd.cpp) and the backward's
 // (fused_backward_simd.cpp).
 struct ForwardOps {

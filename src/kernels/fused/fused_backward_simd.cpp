@@ -433,17 +433,23 @@ void PackQTask(const Params& p, int64_t task) {
 #endif
   const int64_t row0 = bh * p.Lq + i0;
   const Rows o = RowsOf(p.o, b, h, i0, nq, p.Dv, buf);
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
   for (int64_t ii = 0; ii < nq; ++ii) {
     if (p.nan_row[row0 + ii]) continue;  // marked by the driver (lse NaN): Di stays 0
-    float di = 0.f;
-    for (int64_t x = 0; x < p.Dv; ++x) di += dor[ii * Dvp + x] * o.ptr[ii * o.stride + x];
+    const float *dr = dor + ii * Dvp, *orow = o.ptr + ii * o.stride;
+    VF acc = hn::Zero(d);
+    int64_t x = 0;
+    for (; x + N <= p.Dv; x += N) acc = hn::MulAdd(hn::Load(d, dr + x), hn::LoadU(d, orow + x), acc);
+    float di = hn::GetLane(hn::SumOfLanes(d, acc));
+    for (; x < p.Dv; ++x) di += dr[x] * orow[x];
     p.delta[row0 + ii] = di;
   }
   // A NaN in q makes the row a NaN row; its packed q is zeroed (0 · NaN would reach dK through masked keys).
   for (int64_t ii = 0; ii < nq; ++ii) {
-    bool nan = false;
-    for (int64_t x = 0; x < p.D; ++x) nan |= std::isnan(qr[ii * Dp + x]);
-    if (!nan) continue;
+    MF nan = hn::FirstN(d, 0);
+    for (int64_t x = 0; x < Dp; x += N) nan = hn::Or(nan, hn::IsNaN(hn::Load(d, qr + ii * Dp + x)));
+    if (hn::AllFalse(d, nan)) continue;
     for (int64_t x = 0; x < p.D; ++x) qr[ii * Dp + x] = qt[x * Br + ii] = 0.f;
     if (p.pk_qp)
       for (int64_t x = 0; x < p.d_pairs(); ++x) p.pk_qp[(task * p.d_pairs() + x) * Br + ii] = 0;

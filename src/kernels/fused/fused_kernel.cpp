@@ -28,6 +28,21 @@ int64_t env_tile(const char* name, int64_t fallback) {
   return v;
 }
 
+}  // namespace
+
+// The query rows of a tile: at most `br`, in as few blocks as `br` allows, each of whole groups of 16 rows (the
+// lanes of every build) and as even as that allows: Lq = 24 takes one block of 32 and Lq = 96 two of 48, where
+// blocks of 64 would compute 64 and 128 rows (the work of a tile follows Br, not the rows in it). A row's result
+// does not depend on Br, except through the bf16 products' lazy max and P·V batches, which follow the whole query
+// block: by rounding there.
+int64_t query_tile(int64_t len_q, int64_t br) {
+  if (len_q <= 16) return 16;
+  const int64_t blocks = (len_q + br - 1) / br;
+  return std::min(br, Params::pad16((len_q + blocks - 1) / blocks));
+}
+
+namespace {
+
 View4 view4(const TensorView& t) {
   View4 v;
   v.data = t.data;
@@ -60,9 +75,7 @@ Params make_params(const AttentionProblem& pr, const TensorView& q, const Tensor
   p.dropout_p = pr.dropout_p, p.seed = pr.seed;
   p.q_pos0 = pr.query_offset, p.k_pos0 = pr.key_offset, p.pos_stride = pr.position_stride;
   static const int64_t br = env_tile("SATTN_FUSED_BR", 64), bc = env_tile("SATTN_FUSED_BC", 64);
-  // few queries: the narrowest tile (a row's result does not depend on Br, except through the bf16 products' lazy
-  // max and P·V batches, which follow the whole query block: by rounding there)
-  p.Br = pr.len_q <= 16 ? 16 : br;
+  p.Br = query_tile(pr.len_q, br);
   p.Bc = bc;
   return p;
 }
@@ -322,14 +335,40 @@ int64_t kv_group_size(const Params& p) {
   return std::min(group, nkb);
 }
 
-// The backward's one pass over key groups and the sums of the partial dQ tiles (after packing; see Params).
+// Packs the query-side tiles of every query block (pack_q_task), then recomputes the row statistics of the blocks
+// that need them (row_stats_task): the steps before the backward's products.
+void prepare_query_blocks(const Params& p, const BackwardOps& o, int threads) {
+  const int64_t nqt = p.B * p.Hq * p.num_q_blocks();
+  run_tasks(nqt, threads, [&](int64_t t) { o.pack_q_task(p, t); });
+  std::vector<int64_t> stats_blocks;
+  for (int64_t t = 0; t < nqt; ++t)
+    if (p.block_has_log_sum[size_t(t)]) stats_blocks.push_back(t);
+  run_tasks(int64_t(stats_blocks.size()), threads, [&](int64_t x) { o.row_stats_task(p, stats_blocks[size_t(x)]); });
+}
+
+// The backward's one pass over key groups and the sums of the partial dQ tiles (see Params). With one key group
+// per (b, kv head) (short keys), each task of it packs the query blocks of its heads, runs the group and sums their
+// dQ at once, while those tiles are in its core's cache (apart, each step would stream every tile through memory,
+// which costs short sequences a good part of their time); otherwise packing comes first, for all query blocks.
 void one_pass_backward(Params& p, const BackwardOps& o, int threads) {
   p.kv_group = kv_group_size(p);
-  const int64_t ng = p.num_kv_groups(), nqt = p.B * p.Hq * p.num_q_blocks();
+  const int64_t ng = p.num_kv_groups(), nqb = p.num_q_blocks(), nqt = p.B * p.Hq * nqb;
   const size_t part_n = static_cast<size_t>(nqt * ng * p.D * p.Br);
   const WorkspacePtr<float> part = workspace_array<float>(part_n, "fused attention backward: the partial dQ tiles");
   const CountedBytes counted(int64_t(part_n * sizeof(float)));
   p.dq_part = part.get();
+  if (ng == 1) {
+    run_tasks(p.B * p.Hkv, threads, [&](int64_t bhk) {
+      const int64_t t0 = bhk * p.group * nqb, t1 = t0 + p.group * nqb;  // query blocks of the group's heads
+      for (int64_t t = t0; t < t1; ++t) o.pack_q_task(p, t);
+      for (int64_t t = t0; t < t1; ++t)
+        if (p.block_has_log_sum[size_t(t)]) o.row_stats_task(p, t);
+      o.backward_kvq_task(p, bhk);
+      for (int64_t t = t0; t < t1; ++t) o.reduce_dq_task(p, t);
+    });
+    return;
+  }
+  prepare_query_blocks(p, o, threads);
   run_tasks(p.B * p.Hkv * ng, threads, [&](int64_t t) { o.backward_kvq_task(p, t); });
   run_tasks(nqt, threads, [&](int64_t t) { o.reduce_dq_task(p, t); });
 }
@@ -415,25 +454,19 @@ void fused_backward(const BackwardArgs& a) {
     }
     run_tasks(p.B * p.Hkv, threads, [&](int64_t t) { o.pack_kv_pairs(p, t); });
   }
-  run_tasks(nqt, threads, [&](int64_t t) { o.pack_q_task(p, t); });
-
-  // Rows whose lse cannot carry log l (a huge bias on every key): the exact row max and log-sum, recomputed for
-  // the blocks that have such rows only.
-  std::vector<int64_t> stats_blocks;
-  for (int64_t t = 0; t < nqt; ++t)
-    if (block_has_log_sum[size_t(t)]) stats_blocks.push_back(t);
-  std::vector<float> row_log_sum(stats_blocks.empty() ? 0 : size_t(rows), 0.f);
+  // Rows whose lse cannot carry log l (a huge bias on every key): the exact row max and log-sum, recomputed (after
+  // packing) for the blocks that have such rows only.
+  const bool any_log_sum = std::find(block_has_log_sum.begin(), block_has_log_sum.end(), 1) != block_has_log_sum.end();
+  std::vector<float> row_log_sum(any_log_sum ? size_t(rows) : 0, 0.f);
   const int64_t log_sum_bytes = int64_t(row_log_sum.size() * sizeof(float));
   const CountedBytes counted_log_sum(log_sum_bytes);
-  if (!stats_blocks.empty()) {
-    p.row_log_sum = row_log_sum.data();
-    p.block_has_log_sum = block_has_log_sum.data();
-    run_tasks(int64_t(stats_blocks.size()), threads, [&](int64_t x) { o.row_stats_task(p, stats_blocks[size_t(x)]); });
-  }
+  if (any_log_sum) p.row_log_sum = row_log_sum.data();
+  p.block_has_log_sum = block_has_log_sum.data();
 
   // One pass over key groups (dK, dV and partial dQ; 5 tile products), then the partials summed per query block.
   // The mask gradient needs the dS of every tile by query block: the two-pass schedule below.
   if (!pr.need_dmask) return one_pass_backward(p, o, threads);
+  prepare_query_blocks(p, o, threads);
 
   // Pass 1: dK, dV (one task per key block).
   run_tasks(p.B * p.Hkv * p.num_k_blocks(), threads, [&](int64_t t) { o.backward_kv_task(p, t); });

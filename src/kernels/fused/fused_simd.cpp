@@ -71,6 +71,24 @@ void FinishRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, i
   }
 }
 
+// FinishRows for a tile O^T [Dv x Br] whose rows go straight to out (no key split): the lanes of O^T times 1/l
+// (0 where l = 0) in place, then stored through transposes. The same single product per element as FinishRows.
+void FinishTransposedRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, const float* M, const float* L,
+                          float* OT) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d)), Br = p.Br;
+  for (int64_t x = 0; x < Br; x += N) {
+    const VF l = hn::Load(d, L + x);
+    const VF inv = hn::IfThenElseZero(hn::Ne(l, hn::Zero(d)), hn::Div(hn::Set(d, 1.f), l));
+    for (int64_t dd = 0; dd < p.Dv; ++dd) hn::Store(hn::Mul(hn::Load(d, OT + dd * Br + x), inv), d, OT + dd * Br + x);
+  }
+  StoreTransposed(p.out, b * p.out.sb + h * p.out.sh + i0 * p.out.sl, OT, nq, p.Dv, Br, 1.f);
+  if (!p.lse.data) return;
+  for (int64_t ii = 0; ii < nq; ++ii)
+    store_elem(p.lse.data, p.lse.dtype, b * p.lse.sb + h * p.lse.sh + (i0 + ii) * p.lse.sl,
+               L[ii] == 0.f ? kNegInf : M[ii] + std::log(L[ii]));
+}
+
 // A vector of a row of float32 or bf16 values (bf16 widened in the register: exact).
 HWY_INLINE VF LoadRowVec(DF d, const float* p) { return hn::LoadU(d, p); }
 HWY_INLINE VF LoadRowVec(DF d, const hwy::bfloat16_t* p) {
@@ -371,7 +389,9 @@ void ForwardTask(const Params& p, int64_t task) {
     Gemm<true>(vr.ptr, 1, vr.stride, P, Br, OT, Br, Dv, nvec, nk);  // O^T += V^T P^T
   }
 
-  FinishRows(p, b, h, i0, nq, chunk, M, L, [&](int64_t ii, int64_t dd) { return OT[dd * Br + ii]; });
+  if (p.kv_chunk > 0)
+    FinishRows(p, b, h, i0, nq, chunk, M, L, [&](int64_t ii, int64_t dd) { return OT[dd * Br + ii]; });
+  else FinishTransposedRows(p, b, h, i0, nq, M, L, OT);
 }
 
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
