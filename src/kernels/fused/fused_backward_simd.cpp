@@ -301,8 +301,11 @@ void BackwardKVQTask(const Params& p, int64_t task) {
   Scratch s_dk, s_dv;
   float* dK = s_dk.alloc(nblocks * Bc * Dp);
   float* dV = s_dv.alloc(nblocks * Bc * Dvp);
-  std::memset(dK, 0, sizeof(float) * size_t(nblocks * Bc * Dp));
-  std::memset(dV, 0, sizeof(float) * size_t(nblocks * Bc * Dvp));
+  // the rows of the group's keys, to whole groups of 16 (the tile products' rows); rows past them are neither summed
+  // into nor stored
+  const int64_t rows = Params::pad16(kend - kb0);
+  std::memset(dK, 0, sizeof(float) * size_t(rows * Dp));
+  std::memset(dV, 0, sizeof(float) * size_t(rows * Dvp));
   const int64_t klive = p.key_len ? std::min(kend, p.key_len[b]) : kend;  // keys past key_len get 0 gradients
   if (kb0 < klive) {
     BwdScratch sc(p);

@@ -164,8 +164,15 @@ std::vector<uint8_t> nan_key_blocks(const TensorView& k, const Params& p, int th
       bool nan = false;
       const int64_t first = b * p.k.sb + hk * p.k.sh + j * p.k.sl;
       if (p.k.dtype == DType::kF32 && p.k.sd == 1) {
+        // NaN: above the infinity's bits, sign cleared (an integer OR that the compiler vectorises)
         const float* row = static_cast<const float*>(p.k.data) + first;
-        for (int64_t x = 0; x < p.D; ++x) nan |= std::isnan(row[x]);
+        uint32_t any_nan = 0;
+        for (int64_t x = 0; x < p.D; ++x) {
+          uint32_t bits;
+          std::memcpy(&bits, row + x, sizeof bits);
+          any_nan |= uint32_t((bits & 0x7FFFFFFFu) > 0x7F800000u);
+        }
+        nan |= any_nan != 0;
       } else if ((p.k.dtype == DType::kBF16 || p.k.dtype == DType::kF16) && p.k.sd == 1) {
         // NaN: exponent all ones and a nonzero mantissa (above 0x7F80 in bf16, 0x7C00 in float16)
         const auto* row = static_cast<const uint16_t*>(p.k.data) + first;
