@@ -248,7 +248,7 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
 std::vector<Case> sweep() {
   using sattn::Causal;
   std::vector<Case> cs;
-  // Shapes around the 64x64 tile and the narrower query tiles (Lq 27, 33, 65), odd D/Dv, Lq != Lk, GQA/MQA.
+  // Shapes around the 64x64 tile and narrower query tiles (Lq 7, 27, 33, 65, 129, 200), odd D/Dv, Lq != Lk, GQA/MQA.
   const int64_t shapes[][7] = {
       {1, 1, 1, 1, 1, 8, 8},        {1, 2, 2, 7, 129, 16, 24},   {2, 4, 2, 65, 63, 17, 9},
       {1, 2, 1, 64, 64, 64, 64},    {1, 3, 1, 129, 130, 80, 80}, {2, 2, 2, 63, 200, 5, 33},
@@ -702,19 +702,24 @@ TEST(Fused, ShardsWithGlobalPositionsMatchTheWholeCall) {
                sattn::Error);
 }
 
-// The query tile follows Lq (whole groups of 16 rows, as few and as even blocks of at most 64 as possible).
+// The query tile follows Lq (whole groups of 8 or 16 rows, as few and as even blocks of at most 64 as possible).
 TEST(Fused, QueryTileFollowsTheQueryCount) {
   using sattn::fused::query_tile;
-  const int64_t expect[][3] = {{0, 64, 16},   {1, 64, 16},    {16, 64, 16},   {17, 64, 32},  {24, 64, 32},
-                               {32, 64, 32},  {33, 64, 48},   {48, 64, 48},   {49, 64, 64},  {64, 64, 64},
-                               {65, 64, 48},  {96, 64, 48},   {97, 64, 64},   {129, 64, 48}, {130, 64, 48},
-                               {145, 64, 64}, {4096, 64, 64}, {4097, 64, 64}, {100, 32, 32}, {100, 128, 112}};
-  for (const auto& e : expect) EXPECT_EQ(query_tile(e[0], e[1]), e[2]) << "Lq " << e[0] << " br " << e[1];
+  const int64_t expect16[][3] = {{0, 64, 16},   {1, 64, 16},    {16, 64, 16},   {17, 64, 32},  {24, 64, 32},
+                                 {32, 64, 32},  {33, 64, 48},   {48, 64, 48},   {49, 64, 64},  {64, 64, 64},
+                                 {65, 64, 48},  {96, 64, 48},   {97, 64, 64},   {129, 64, 48}, {130, 64, 48},
+                                 {145, 64, 64}, {4096, 64, 64}, {4097, 64, 64}, {100, 32, 32}, {100, 128, 112}};
+  for (const auto& e : expect16) EXPECT_EQ(query_tile(e[0], e[1], 16), e[2]) << "Lq " << e[0] << " br " << e[1];
+  const int64_t expect8[][3] = {{0, 64, 8},     {8, 64, 8},    {9, 64, 16},    {20, 64, 24},  {24, 64, 24},
+                                {57, 64, 64},   {65, 64, 40},  {96, 64, 48},   {200, 64, 56}, {4096, 64, 64},
+                                {4097, 64, 64}, {100, 32, 32}, {100, 128, 104}};
+  for (const auto& e : expect8) EXPECT_EQ(query_tile(e[0], e[1], 8), e[2]) << "Lq " << e[0] << " br " << e[1];
 }
 
-// In float32 a row's out, lse and dQ do not depend on the query tile: the first rows of a call whose query tile is
-// 48 (Lq = 96 and 40) or 32 (Lq = 24) are those of a call on those rows alone (tiles of 64, 32 and 16), bitwise, on
-// every SIMD target; with a bool mask, and with an additive one whose gradient is wanted (the two-pass backward).
+// In float32 a row's out, lse and dQ do not depend on the query tile: the first rows of a call (Lq = 96, 24, 40)
+// are those of a call on those rows alone (a different query tile: 48 against 64, 24 or 32 against 16, 40 or 48
+// against 24 or 32, by the build's granule), bitwise, on every SIMD target; with a bool mask, and with an additive one
+// whose gradient is wanted (the two-pass backward).
 TEST(Fused, RowsDoNotDependOnTheQueryTile) {
   const int64_t pairs[][2] = {{96, 64}, {24, 16}, {40, 17}};
   uint32_t seed = 80;
@@ -726,7 +731,8 @@ TEST(Fused, RowsDoNotDependOnTheQueryTile) {
       c.mask_shape = 2;
       c.causal = lq == 24 ? sattn::Causal::kNone : sattn::Causal::kTopLeft;
       SCOPED_TRACE(target + " " + c.name() + " first rows " + std::to_string(rows));
-      ASSERT_NE(sattn::fused::query_tile(lq, 64), sattn::fused::query_tile(rows, 64));
+      const int64_t granule = sattn::fused::forward_ops().query_granule;
+      ASSERT_NE(sattn::fused::query_tile(lq, 64, granule), sattn::fused::query_tile(rows, 64, granule));
       const Problem whole = make_problem(c, ++seed);
       Problem part = whole;
       part.c.Lq = rows;

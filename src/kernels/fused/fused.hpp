@@ -177,8 +177,9 @@ struct Params {
 };
 
 // The query rows per tile (Params::Br) for len_q queries and tiles of at most br rows (a multiple of 16): whole
-// groups of 16 rows, the queries split into as few and as even blocks as br allows (fused_kernel.cpp).
-int64_t query_tile(int64_t len_q, int64_t br);
+// groups of `granule` rows (ForwardOps::query_granule), the queries split into as few and as even blocks as br
+// allows (fused_kernel.cpp).
+int64_t query_tile(int64_t len_q, int64_t br, int64_t granule);
 
 // One SIMD implementation of the tile loops: the forward's (fused_simd.cpp) and the backward's
 // (fused_backward_simd.cpp).
@@ -191,6 +192,9 @@ struct ForwardOps {
   bool amx_tiles = false;  // the amx build (Params::amx_tiles)
   // Rows [0, L) x [0, width) of (b, h) of t (unit element stride) as dense float32 rows [L x width] at out.
   void (*widen_rows)(const View4& t, int64_t b, int64_t h, int64_t L, int64_t width, float* out) = nullptr;
+  // Params::Br is a multiple of it (the rows of a tile are whole vectors of queries): the build's float lanes, at
+  // least 8; 16 in the builds with bf16 products (their pairs and tiles take 16 queries at a time).
+  int64_t query_granule = 16;
 };
 struct BackwardOps {
   // Backward pass 1 (dK, dV) of one (b, hkv, k block) task: task = (b * Hkv + hk) * num_k_blocks + kb.

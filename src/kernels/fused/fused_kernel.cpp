@@ -30,15 +30,15 @@ int64_t env_tile(const char* name, int64_t fallback) {
 
 }  // namespace
 
-// The query rows of a tile: at most `br`, in as few blocks as `br` allows, each of whole groups of 16 rows (the
-// lanes of every build) and as even as that allows: Lq = 24 takes one block of 32 and Lq = 96 two of 48, where
-// blocks of 64 would compute 64 and 128 rows (the work of a tile follows Br, not the rows in it). A row's result
-// does not depend on Br, except through the bf16 products' lazy max and P·V batches, which follow the whole query
-// block: by rounding there.
-int64_t query_tile(int64_t len_q, int64_t br) {
-  if (len_q <= 16) return 16;
-  const int64_t blocks = (len_q + br - 1) / br;
-  return std::min(br, Params::pad16((len_q + blocks - 1) / blocks));
+// The query rows of a tile: at most `br`, in as few blocks as `br` allows, each of whole groups of `granule` rows
+// and as even as that allows: with granule 8, Lq = 20 takes one block of 24 and Lq = 96 two of 48, where blocks of
+// 64 would compute 64 and 128 rows (the work of a tile follows Br, not the rows in it). A row's result does not
+// depend on Br, except through the bf16 products' lazy max and P·V batches, which follow the whole query block: by
+// rounding there.
+int64_t query_tile(int64_t len_q, int64_t br, int64_t granule) {
+  if (len_q <= granule) return granule;
+  const int64_t blocks = (len_q + br - 1) / br, rows = (len_q + blocks - 1) / blocks;
+  return std::min(br, (rows + granule - 1) / granule * granule);
 }
 
 namespace {
@@ -75,7 +75,7 @@ Params make_params(const AttentionProblem& pr, const TensorView& q, const Tensor
   p.dropout_p = pr.dropout_p, p.seed = pr.seed;
   p.q_pos0 = pr.query_offset, p.k_pos0 = pr.key_offset, p.pos_stride = pr.position_stride;
   static const int64_t br = env_tile("SATTN_FUSED_BR", 64), bc = env_tile("SATTN_FUSED_BC", 64);
-  p.Br = query_tile(pr.len_q, br);
+  p.Br = query_tile(pr.len_q, br, forward_ops().query_granule);
   p.Bc = bc;
   return p;
 }

@@ -315,6 +315,9 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
     FinishRows(p, b, rh[ii], ri[ii], 1, chunk, M + ii, L + ii, [&](int64_t, int64_t dd) { return O[ii * Dvp + dd]; });
 }
 
+// The query rows of a tile are a multiple of this (ForwardOps::query_granule): whole vectors, at least 8.
+constexpr int64_t kQueryGranule = HWY_LANES(float) > 8 ? int64_t(HWY_LANES(float)) : 8;
+
 // Rows [0, L) x [0, width) of (b, h) of t (bf16 or float16, unit element stride) as dense float32 rows.
 void WidenRows(const View4& t, int64_t b, int64_t h, int64_t L, int64_t width, float* out) {
   for (int64_t j0 = 0; j0 < L; j0 += 64) RowsOf(t, b, h, j0, std::min<int64_t>(64, L - j0), width, out + j0 * width);
@@ -595,11 +598,12 @@ namespace {
 std::atomic<int64_t> g_workspace{0}, g_workspace_peak{0};
 
 #define SATTN_FUSED_FORWARD_OPS(NS) \
-  ForwardOps { &NS::ForwardTask, nullptr, false, &NS::WidenRows }
+  ForwardOps { &NS::ForwardTask, nullptr, false, &NS::WidenRows, NS::kQueryGranule }
 const simd::Build<ForwardOps> kBuilds[] = {
 #if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64
-    {simd::Target::kAmx, ForwardOps{&N_AVX3::ForwardTaskBf16, &N_AVX3::PackKVPairs, true, &N_AVX3::WidenRows}},
-    {simd::Target::kAvx512Bf16, ForwardOps{&N_AVX3::ForwardTaskBf16, &N_AVX3::PackKVPairs, false, &N_AVX3::WidenRows}},
+    {simd::Target::kAmx, ForwardOps{&N_AVX3::ForwardTaskBf16, &N_AVX3::PackKVPairs, true, &N_AVX3::WidenRows, 16}},
+    {simd::Target::kAvx512Bf16,
+     ForwardOps{&N_AVX3::ForwardTaskBf16, &N_AVX3::PackKVPairs, false, &N_AVX3::WidenRows, 16}},
 #endif
     SATTN_SIMD_BUILDS(SATTN_FUSED_FORWARD_OPS)};
 }  // namespace
