@@ -231,54 +231,10 @@ void Probabilities(float* s, int64_t m, int64_t n, const float* lse) {
   }
 }
 
-// 8 x 8 blocks transposed in registers (vector extensions of GCC >= 12 and clang, __builtin_shufflevector with
-// indices 0-7 from the first row and 8-15 from the second: unpack / shuffle / 128-bit lane swap; one AVX register
-// per row, two SSE registers on the portable build), scalar edges.
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
-HWY_INLINE v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
-HWY_INLINE void store8(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
-
-void TransposeRows(const float* HWY_RESTRICT src, int64_t lds, int64_t n, int64_t d, float* HWY_RESTRICT dst,
+// dst[c·ldd + j] = src[j·lds + c] for j < n, c < d: the shared core's transpose (square blocks in registers).
+void TransposeKeys(const float* HWY_RESTRICT src, int64_t lds, int64_t n, int64_t d, float* HWY_RESTRICT dst,
                    int64_t ldd) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    int64_t c = 0;
-    for (; c + 8 <= d; c += 8) {
-      const float* s0 = src + j * lds + c;
-      const v8 r0 = load8(s0), r1 = load8(s0 + lds), r2 = load8(s0 + 2 * lds), r3 = load8(s0 + 3 * lds),
-               r4 = load8(s0 + 4 * lds), r5 = load8(s0 + 5 * lds), r6 = load8(s0 + 6 * lds), r7 = load8(s0 + 7 * lds);
-      const v8 t0 = __builtin_shufflevector(r0, r1, 0, 8, 1, 9, 4, 12, 5, 13),
-               t1 = __builtin_shufflevector(r0, r1, 2, 10, 3, 11, 6, 14, 7, 15),
-               t2 = __builtin_shufflevector(r2, r3, 0, 8, 1, 9, 4, 12, 5, 13),
-               t3 = __builtin_shufflevector(r2, r3, 2, 10, 3, 11, 6, 14, 7, 15),
-               t4 = __builtin_shufflevector(r4, r5, 0, 8, 1, 9, 4, 12, 5, 13),
-               t5 = __builtin_shufflevector(r4, r5, 2, 10, 3, 11, 6, 14, 7, 15),
-               t6 = __builtin_shufflevector(r6, r7, 0, 8, 1, 9, 4, 12, 5, 13),
-               t7 = __builtin_shufflevector(r6, r7, 2, 10, 3, 11, 6, 14, 7, 15);
-      const v8 u0 = __builtin_shufflevector(t0, t2, 0, 1, 8, 9, 4, 5, 12, 13),
-               u1 = __builtin_shufflevector(t0, t2, 2, 3, 10, 11, 6, 7, 14, 15),
-               u2 = __builtin_shufflevector(t1, t3, 0, 1, 8, 9, 4, 5, 12, 13),
-               u3 = __builtin_shufflevector(t1, t3, 2, 3, 10, 11, 6, 7, 14, 15),
-               u4 = __builtin_shufflevector(t4, t6, 0, 1, 8, 9, 4, 5, 12, 13),
-               u5 = __builtin_shufflevector(t4, t6, 2, 3, 10, 11, 6, 7, 14, 15),
-               u6 = __builtin_shufflevector(t5, t7, 0, 1, 8, 9, 4, 5, 12, 13),
-               u7 = __builtin_shufflevector(t5, t7, 2, 3, 10, 11, 6, 7, 14, 15);
-      float* o = dst + c * ldd + j;
-      store8(o, __builtin_shufflevector(u0, u4, 0, 1, 2, 3, 8, 9, 10, 11));
-      store8(o + ldd, __builtin_shufflevector(u1, u5, 0, 1, 2, 3, 8, 9, 10, 11));
-      store8(o + 2 * ldd, __builtin_shufflevector(u2, u6, 0, 1, 2, 3, 8, 9, 10, 11));
-      store8(o + 3 * ldd, __builtin_shufflevector(u3, u7, 0, 1, 2, 3, 8, 9, 10, 11));
-      store8(o + 4 * ldd, __builtin_shufflevector(u0, u4, 4, 5, 6, 7, 12, 13, 14, 15));
-      store8(o + 5 * ldd, __builtin_shufflevector(u1, u5, 4, 5, 6, 7, 12, 13, 14, 15));
-      store8(o + 6 * ldd, __builtin_shufflevector(u2, u6, 4, 5, 6, 7, 12, 13, 14, 15));
-      store8(o + 7 * ldd, __builtin_shufflevector(u3, u7, 4, 5, 6, 7, 12, 13, 14, 15));
-    }
-    for (; c < d; ++c)
-      for (int64_t r = 0; r < 8; ++r) dst[c * ldd + j + r] = src[(j + r) * lds + c];
-  }
-  for (; j < n; ++j)
-    for (int64_t c = 0; c < d; ++c) dst[c * ldd + j] = src[j * lds + c];
+  TransposeRows(src, lds, n, d, 1.f, dst, ldd, n);
 }
 
 }  // namespace HWY_NAMESPACE
@@ -304,7 +260,7 @@ struct Ops {
 };
 
 #define SATTN_TILE_OPS(NS) \
-  Ops { &NS::Qk, &NS::SoftmaxUpdate, &NS::Pv, &NS::Atx, &NS::SoftmaxBackward, &NS::Probabilities, &NS::TransposeRows }
+  Ops { &NS::Qk, &NS::SoftmaxUpdate, &NS::Pv, &NS::Atx, &NS::SoftmaxBackward, &NS::Probabilities, &NS::TransposeKeys }
 const simd::Build<Ops> kBuilds[] = {SATTN_SIMD_BUILDS(SATTN_TILE_OPS)};
 
 const Ops& ops() { return simd::pick(kBuilds).ops; }
