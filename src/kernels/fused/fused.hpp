@@ -151,8 +151,16 @@ struct Params {
   uint8_t* block_has_nan_row = nullptr;
   const uint8_t* nan_key_block = nullptr;
   // Query-side tiles packed once per (b, h, q block) t = (b * Hq + h) * num_q_blocks + qb:
-  // (scale Q)^T [D x Br], dO^T [Dv x Br], scale Q [Br x pad16(D)], dO [Br x pad16(Dv)].
+  // (scale Q)^T [D x Br], dO^T [Dv x Br], scale Q [Br x pad16(D)], dO [Br x pad16(Dv)], from block pk_t0 on (with
+  // dq_part: the call's buffers hold every block, pk_t0 = 0; a one-pass task that packs its own holds its blocks
+  // only, never where bf16 pairs are packed too, whose buffers are the call's).
   float *pk_qt = nullptr, *pk_dot = nullptr, *pk_qr = nullptr, *pk_dor = nullptr;
+  int64_t pk_t0 = 0;
+  float* qt_tile(int64_t t) const { return pk_qt + (t - pk_t0) * D * Br; }
+  float* dot_tile(int64_t t) const { return pk_dot + (t - pk_t0) * Dv * Br; }
+  float* qr_tile(int64_t t) const { return pk_qr + (t - pk_t0) * Br * pad16(D); }
+  float* dor_tile(int64_t t) const { return pk_dor + (t - pk_t0) * Br * pad16(Dv); }
+  float* dq_part_tile(int64_t t, int64_t g) const { return dq_part + ((t - pk_t0) * num_kv_groups() + g) * D * Br; }
   // The one-pass backward (5 tile products instead of 7): a task covers kv_group consecutive key blocks of one
   // (b, kv head) and computes their dK, dV and, for every query block that sees them, a partial dQ^T [D x Br]
   // (unscaled) in dq_part [(b·Hq + h)·nqb + qb][g] (group g of key blocks); reduce_dq_task sums a block's

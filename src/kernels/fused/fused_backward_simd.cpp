@@ -116,8 +116,8 @@ bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, 
   const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, w.bias, w.pad);
   if (tm.skip) return false;
   const int64_t t = (b * p.Hq + h) * p.num_q_blocks() + i0 / Br;
-  w.QT = p.pk_qt + t * p.D * Br;
-  w.dOT = p.pk_dot + t * p.Dv * Br;
+  w.QT = p.qt_tile(t);
+  w.dOT = p.dot_tile(t);
   auto k_rows = [&] {
     const Rows kr = RowsOf(p.k, b, hk, kb, nk, p.D, w.kbuf);
     if (p.nan_key_block && p.nan_key_block[(b * p.Hkv + hk) * p.num_k_blocks() + kb / p.Bc])
@@ -246,8 +246,8 @@ void BackwardKVTask(const Params& p, int64_t task) {
         const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
         if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk_eff, nullptr, nullptr)) continue;
         const int64_t t = (b * p.Hq + h) * nqb + qb;
-        const float* Qr = p.pk_qr + t * Br * Dp;
-        const float* dOr = p.pk_dor + t * Br * Dvp;
+        const float* Qr = p.qr_tile(t);
+        const float* dOr = p.dor_tile(t);
         Gemm<true>(sc.w.PdT, Br, 1, dOr, Dvp, dV, Dvp, nk_eff, Dvp / N, Br);  // dV += P'^T dO
         Gemm<true>(sc.w.ST, Br, 1, Qr, Dp, dK, Dp, nk_eff, Dp / N, Br);       // dK += dS^T (scale Q)
       }
@@ -312,10 +312,10 @@ void BackwardKVQTask(const Params& p, int64_t task) {
     for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h)
       for (int64_t qb = p.first_q_block(kb0); qb < nqb; ++qb) {
         const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0), t = (b * p.Hq + h) * nqb + qb;
-        float* dQT = p.dq_part + (t * ng + g) * p.D * Br;
+        float* dQT = p.dq_part_tile(t, g);
         std::memset(dQT, 0, sizeof(float) * size_t(p.D * Br));
-        const float* Qr = p.pk_qr + t * Br * Dp;
-        const float* dOr = p.pk_dor + t * Br * Dvp;
+        const float* Qr = p.qr_tile(t);
+        const float* dOr = p.dor_tile(t);
         for (int64_t kb = kb0; kb < klive; kb += Bc) {
           const int64_t nk = std::min(Bc, klive - kb), x = (kb - kb0) / Bc;
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
@@ -407,7 +407,7 @@ void ReduceDQTask(const Params& p, int64_t task) {
   std::memset(dQT, 0, sizeof(float) * size_t(n));
   for (int64_t g = 0; g < ng; ++g) {
     if (!p.group_has_dq_part(b, g, qb)) continue;
-    const float* part = p.dq_part + (task * ng + g) * n;
+    const float* part = p.dq_part_tile(task, g);
     for (int64_t x = 0; x < n; x += N) hn::Store(hn::Add(hn::Load(d, dQT + x), hn::Load(d, part + x)), d, dQT + x);
   }
   StoreTransposed(p.dq, b * p.dq.sb + h * p.dq.sh + i0 * p.dq.sl, dQT, nq, p.D, Br, p.scale);
@@ -419,11 +419,11 @@ void PackQTask(const Params& p, int64_t task) {
   const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq;
   const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
   const int64_t Dp = Params::pad16(p.D), Dvp = Params::pad16(p.Dv);
-  float *qt = p.pk_qt + task * p.D * Br, *qr = p.pk_qr + task * Br * Dp, *dor = p.pk_dor + task * Br * Dvp;
+  float *qt = p.qt_tile(task), *qr = p.qr_tile(task), *dor = p.dor_tile(task);
   Scratch s_rows;
   float* buf = s_rows.alloc(nq * std::max(p.D, p.Dv));
   PackRows(RowsOf(p.q, b, h, i0, nq, p.D, buf), nq, p.D, Dp, Br, p.scale, qr, qt);
-  PackRows(RowsOf(p.dout, b, h, i0, nq, p.Dv, buf), nq, p.Dv, Dvp, Br, 1.f, dor, p.pk_dot + task * p.Dv * Br);
+  PackRows(RowsOf(p.dout, b, h, i0, nq, p.Dv, buf), nq, p.Dv, Dvp, Br, 1.f, dor, p.dot_tile(task));
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
   if (p.pk_qp) {  // Q^T and dO^T (when dO is bf16 too) in bf16 pairs; a NaN row of q is zeroed below
     PackTransposedPairs(p.q, b, h, i0, nq, p.D, Br, p.pk_qp + task * p.d_pairs() * Br);
@@ -486,7 +486,7 @@ void RowStatsTask(const Params& p, int64_t task) {
   uint8_t pad[1024];
   std::fill(M, M + Br, kNegInf);
   std::fill(L, L + Br, 0.f);
-  const float* QT = p.pk_qt + task * p.D * Br;
+  const float* QT = p.qt_tile(task);
   for (int64_t kb = 0; kb < kend; kb += Bc) {
     const int64_t nk = std::min(Bc, kend - kb);
     const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, bias, pad);

@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include <hwy/aligned_allocator.h>
+
 #include "core/env.hpp"
 #include "core/threads.hpp"
 #include "core/workspace.hpp"
@@ -353,25 +355,54 @@ void prepare_query_blocks(const Params& p, const BackwardOps& o, int threads) {
   run_tasks(int64_t(stats_blocks.size()), threads, [&](int64_t x) { o.row_stats_task(p, stats_blocks[size_t(x)]); });
 }
 
+// The floats of the packed query tiles and dQ partials of the query blocks of one (b, kv head) of the one-pass
+// backward with one key group (Params::pk_t0).
+int64_t own_tile_floats(const Params& p) {
+  return p.group * p.num_q_blocks() * p.Br *
+         (2 * p.D + p.Dv + Params::pad16(p.D) + Params::pad16(p.Dv));  // QT, dOT, Q, dO rows and the dQ^T partial
+}
+
+// Whether every task of the one-pass backward packs its own query tiles into buffers of its own (one key group per
+// (b, kv head), float32 products, and at most 512 KiB of them: they stay in the core's cache).
+bool own_query_tiles(const Params& p, bool bf16_products) {
+  return !bf16_products && p.num_kv_groups() == 1 && own_tile_floats(p) * int64_t(sizeof(float)) <= (512 << 10);
+}
+
 // The backward's one pass over key groups and the sums of the partial dQ tiles (see Params). With one key group
 // per (b, kv head) (short keys), each task of it packs the query blocks of its heads, runs the group and sums their
-// dQ at once, while those tiles are in its core's cache (apart, each step would stream every tile through memory,
-// which costs short sequences a good part of their time); otherwise packing comes first, for all query blocks.
-void one_pass_backward(Params& p, const BackwardOps& o, int threads) {
-  p.kv_group = kv_group_size(p);
+// dQ at once, while those tiles are in its core's cache: in buffers of its own when they are small (own_tiles),
+// else in the call's. Apart, each step would stream every tile through memory, which costs short sequences a good
+// part of their time. Otherwise packing comes first, for all query blocks.
+void one_pass_backward(Params& p, const BackwardOps& o, int threads, bool own_tiles) {
   const int64_t ng = p.num_kv_groups(), nqb = p.num_q_blocks(), nqt = p.B * p.Hq * nqb;
-  const size_t part_n = static_cast<size_t>(nqt * ng * p.D * p.Br);
+  const size_t part_n = own_tiles ? 0 : static_cast<size_t>(nqt * ng * p.D * p.Br);
   const WorkspacePtr<float> part = workspace_array<float>(part_n, "fused attention backward: the partial dQ tiles");
   const CountedBytes counted(int64_t(part_n * sizeof(float)));
   p.dq_part = part.get();
   if (ng == 1) {
     run_tasks(p.B * p.Hkv, threads, [&](int64_t bhk) {
       const int64_t t0 = bhk * p.group * nqb, t1 = t0 + p.group * nqb;  // query blocks of the group's heads
-      for (int64_t t = t0; t < t1; ++t) o.pack_q_task(p, t);
+      Params tp = p;
+      hwy::AlignedFreeUniquePtr<float[]> own;
+      std::optional<CountedBytes> counted_own;
+      if (own_tiles) {
+        const int64_t n = t1 - t0, floats = own_tile_floats(p);
+        own = hwy::AllocateAligned<float>(size_t(floats));
+        check(own != nullptr, ErrorKind::kOutOfMemory, "fused attention backward: cannot allocate ",
+              floats * int64_t(sizeof(float)), " bytes of query tiles");
+        counted_own.emplace(floats * int64_t(sizeof(float)));
+        tp.pk_t0 = t0;
+        tp.pk_qt = own.get();
+        tp.pk_dot = tp.pk_qt + n * p.D * p.Br;
+        tp.pk_qr = tp.pk_dot + n * p.Dv * p.Br;
+        tp.pk_dor = tp.pk_qr + n * p.Br * Params::pad16(p.D);
+        tp.dq_part = tp.pk_dor + n * p.Br * Params::pad16(p.Dv);
+      }
+      for (int64_t t = t0; t < t1; ++t) o.pack_q_task(tp, t);
       for (int64_t t = t0; t < t1; ++t)
-        if (p.block_has_log_sum[size_t(t)]) o.row_stats_task(p, t);
-      o.backward_kvq_task(p, bhk);
-      for (int64_t t = t0; t < t1; ++t) o.reduce_dq_task(p, t);
+        if (tp.block_has_log_sum[size_t(t)]) o.row_stats_task(tp, t);
+      o.backward_kvq_task(tp, bhk);
+      for (int64_t t = t0; t < t1; ++t) o.reduce_dq_task(tp, t);
     });
     return;
   }
@@ -421,15 +452,21 @@ void fused_backward(const BackwardArgs& a) {
   const std::vector<uint8_t> nan_keys = nan_key_blocks(a.k, p, threads);
   if (!nan_keys.empty()) p.nan_key_block = nan_keys.data();
 
-  // Query-side tiles, packed once (O(B·Hq·Lq·(D+Dv)) floats, like the inputs).
-  const size_t pk_n = static_cast<size_t>(nqt * p.Br * (p.D + p.Dv + Params::pad16(p.D) + Params::pad16(p.Dv)));
+  // Query-side tiles, packed once (O(B·Hq·Lq·(D+Dv)) floats, like the inputs), in the call's buffers unless every
+  // task of the one-pass backward packs its own.
+  if (!pr.need_dmask) p.kv_group = kv_group_size(p);
+  const bool own_tiles = !pr.need_dmask && own_query_tiles(p, bf16_products);
+  const size_t pk_n =
+      own_tiles ? 0 : static_cast<size_t>(nqt * p.Br * (p.D + p.Dv + Params::pad16(p.D) + Params::pad16(p.Dv)));
   // 64-byte aligned: the tiles are loaded with aligned vector loads
   const WorkspacePtr<float> packed = workspace_array<float>(pk_n, "fused attention backward: the packed query tiles");
   const CountedBytes counted_packed(int64_t(pk_n * sizeof(float)));
-  p.pk_qt = packed.get();
-  p.pk_dot = p.pk_qt + nqt * p.D * p.Br;
-  p.pk_qr = p.pk_dot + nqt * p.Dv * p.Br;
-  p.pk_dor = p.pk_qr + nqt * p.Br * Params::pad16(p.D);
+  if (!own_tiles) {
+    p.pk_qt = packed.get();
+    p.pk_dot = p.pk_qt + nqt * p.D * p.Br;
+    p.pk_qr = p.pk_dot + nqt * p.Dv * p.Br;
+    p.pk_dor = p.pk_qr + nqt * p.Br * Params::pad16(p.D);
+  }
   // bf16 products (a build that has them; bf16 inputs, or float32 ones when allowed): K, V and the query-side
   // tiles also as bf16 pairs; dO only when it is bf16 or may be rounded (else dP = V dO^T stays float32).
   WorkspaceVector<uint32_t> kv_pairs;  // zeroed by resize
@@ -472,7 +509,7 @@ void fused_backward(const BackwardArgs& a) {
 
   // One pass over key groups (dK, dV and partial dQ; 5 tile products), then the partials summed per query block.
   // The mask gradient needs the dS of every tile by query block: the two-pass schedule below.
-  if (!pr.need_dmask) return one_pass_backward(p, o, threads);
+  if (!pr.need_dmask) return one_pass_backward(p, o, threads, own_tiles);
   prepare_query_blocks(p, o, threads);
 
   // Pass 1: dK, dV (one task per key block).
