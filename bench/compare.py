@@ -10,7 +10,9 @@ pool, bench/torch_threads.py, are set to t too). The matrix is dtype x pass x ma
 Each configuration gets one warm-up call of each side, then --rounds rounds; a round times sattn and torch, sattn
 first in even rounds and torch first in odd ones, and each time is the median of --reps calls (default 1). Forward:
 the call under torch.no_grad(). Backward: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) on an output
-computed once before the rounds (the forward is not timed). One line per configuration: the median over the rounds of
+computed once before the rounds (the forward is not timed). Masks: full (none), causal, or bias: an additive float
+mask [1, H, Lq, Lk] in the inputs' dtype shared by the batch (a learned position bias, as in windowed vision
+transformers), whose gradient the backward computes too. One line per configuration: the median over the rounds of
 each side's time, sattn's GFLOP/s (forward 4·B·H·Lq·Lk·D, backward 2.5x that; half for causal when Lq == Lk), the
 per-round ratios torch ms / sattn ms and their median (> 1: sattn faster). The warm-up outputs (forward) or
 gradients (backward) of the two are compared; a gross mismatch is reported on stderr, the max |diff| goes to --json.
@@ -29,7 +31,7 @@ build/python is also tried when sattn is not importable).
   PYTHONPATH=build/python build/venv/bin/python bench/compare.py                 # the full matrix (defaults)
   PYTHONPATH=build/python build/venv/bin/python bench/compare.py --quick         # smoke test (seconds)
   PYTHONPATH=build/python build/venv/bin/python bench/compare.py [--dtypes fp32,bf16,fp16] [--passes fwd,bwd]
-      [--masks full,causal] [--dims 64,128] [--lens 1024,4096] [--threads 1,2] [--decode-lens 65536]
+      [--masks full,causal,bias] [--dims 64,128] [--lens 1024,4096] [--threads 1,2] [--decode-lens 65536]
       [--decode-dtypes bf16,fp32] [--batch 1] [--heads 8] [--kv-heads H] [--rounds 5] [--reps 1]
       [--sattn build/sattn] [--json out.json]
 
@@ -172,21 +174,25 @@ def run_config(sdpa, dtype_name, pas, mask, D, Lq, Lk, threads, a):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(a.batch, a.heads, Lq, D, generator=g).to(dtype)
     k, v = (torch.randn(a.batch, a.kv_heads, Lk, D, generator=g).to(dtype) for _ in range(2))
-    gqa = {"enable_gqa": True} if a.kv_heads != a.heads else {}
+    kw = {"enable_gqa": True} if a.kv_heads != a.heads else {}
+    bias = torch.randn(1, a.heads, Lq, Lk, generator=g).to(dtype) if mask == "bias" else None
+    if bias is not None:
+        kw["attn_mask"] = bias
+    inputs = (q, k, v) if bias is None else (q, k, v, bias)
     impls = {"sattn": sdpa, "torch": F.scaled_dot_product_attention}
     if pas == "fwd":
         ctx = torch.no_grad
-        calls = {n: (lambda fn=fn: fn(q, k, v, is_causal=causal, **gqa)) for n, fn in impls.items()}
+        calls = {n: (lambda fn=fn: fn(q, k, v, is_causal=causal, **kw)) for n, fn in impls.items()}
         with ctx():
             warm = {n: [c()] for n, c in calls.items()}
     else:
         ctx = contextlib.nullcontext
-        for x in (q, k, v):
+        for x in inputs:
             x.requires_grad_(True)
         dout = torch.randn(a.batch, a.heads, Lq, D, generator=g).to(dtype)
         # once; the rounds time the backward
-        outs = {n: fn(q, k, v, is_causal=causal, **gqa) for n, fn in impls.items()}
-        calls = {n: (lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+        outs = {n: fn(q, k, v, is_causal=causal, **kw) for n, fn in impls.items()}
+        calls = {n: (lambda out=out: torch.autograd.grad(out, inputs, dout, retain_graph=True))
                  for n, out in outs.items()}
         warm = {n: list(c()) for n, c in calls.items()}
     diff, rel = max_rel_diff(warm["sattn"], warm["torch"])
@@ -241,7 +247,7 @@ def ints(text, option):
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for opt, what in (("--dtypes", "fp32,bf16,fp16"), ("--passes", "fwd,bwd"), ("--masks", "full,causal"),
+    for opt, what in (("--dtypes", "fp32,bf16,fp16"), ("--passes", "fwd,bwd"), ("--masks", "full,causal,bias"),
                       ("--dims", "head dims D"), ("--lens", "sequence lengths L (Lq = Lk)"),
                       ("--threads", "thread counts"), ("--decode-lens", "decode key lengths (Lq 1; '' skips decode)"),
                       ("--decode-dtypes", "decode dtypes")):
@@ -283,7 +289,7 @@ def main():
     sattn, sattn_torch = import_sattn()
     dtypes = names(a.dtypes, DTYPE_NAMES, "--dtypes")
     passes = names(a.passes, ("fwd", "bwd"), "--passes")
-    masks = names(a.masks, ("full", "causal"), "--masks")
+    masks = names(a.masks, ("full", "causal", "bias"), "--masks")
     dims, lens, thread_counts = ints(a.dims, "--dims"), ints(a.lens, "--lens"), ints(a.threads, "--threads")
     decode_lens = ints(a.decode_lens, "--decode-lens")
     decode_dtypes = names(a.decode_dtypes, DTYPE_NAMES, "--decode-dtypes")
