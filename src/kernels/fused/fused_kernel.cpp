@@ -355,11 +355,24 @@ void prepare_query_blocks(const Params& p, const BackwardOps& o, int threads) {
   run_tasks(int64_t(stats_blocks.size()), threads, [&](int64_t x) { o.row_stats_task(p, stats_blocks[size_t(x)]); });
 }
 
+// The floats of the packed query tiles (Params::pk_qt, pk_dot, pk_qr, pk_dor) of `blocks` query blocks.
+int64_t query_tile_floats(const Params& p, int64_t blocks) {
+  return blocks * p.Br * (p.D + p.Dv + Params::pad16(p.D) + Params::pad16(p.Dv));
+}
+
+// Points the packed query tiles of p at `base`, laid out for `blocks` query blocks (query_tile_floats of them).
+void place_query_tiles(Params& p, float* base, int64_t blocks) {
+  p.pk_qt = base;
+  p.pk_dot = p.pk_qt + blocks * p.D * p.Br;
+  p.pk_qr = p.pk_dot + blocks * p.Dv * p.Br;
+  p.pk_dor = p.pk_qr + blocks * p.Br * Params::pad16(p.D);
+}
+
 // The floats of the packed query tiles and dQ partials of the query blocks of one (b, kv head) of the one-pass
 // backward with one key group (Params::pk_t0).
 int64_t own_tile_floats(const Params& p) {
-  return p.group * p.num_q_blocks() * p.Br *
-         (2 * p.D + p.Dv + Params::pad16(p.D) + Params::pad16(p.Dv));  // QT, dOT, Q, dO rows and the dQ^T partial
+  const int64_t blocks = p.group * p.num_q_blocks();
+  return query_tile_floats(p, blocks) + blocks * p.D * p.Br;
 }
 
 // Whether every task of the one-pass backward packs its own query tiles into buffers of its own (one key group per
@@ -392,11 +405,8 @@ void one_pass_backward(Params& p, const BackwardOps& o, int threads, bool own_ti
               floats * int64_t(sizeof(float)), " bytes of query tiles");
         counted_own.emplace(floats * int64_t(sizeof(float)));
         tp.pk_t0 = t0;
-        tp.pk_qt = own.get();
-        tp.pk_dot = tp.pk_qt + n * p.D * p.Br;
-        tp.pk_qr = tp.pk_dot + n * p.Dv * p.Br;
-        tp.pk_dor = tp.pk_qr + n * p.Br * Params::pad16(p.D);
-        tp.dq_part = tp.pk_dor + n * p.Br * Params::pad16(p.Dv);
+        place_query_tiles(tp, own.get(), n);
+        tp.dq_part = own.get() + query_tile_floats(p, n);
       }
       for (int64_t t = t0; t < t1; ++t) o.pack_q_task(tp, t);
       for (int64_t t = t0; t < t1; ++t)
@@ -456,17 +466,11 @@ void fused_backward(const BackwardArgs& a) {
   // task of the one-pass backward packs its own.
   if (!pr.need_dmask) p.kv_group = kv_group_size(p);
   const bool own_tiles = !pr.need_dmask && own_query_tiles(p, bf16_products);
-  const size_t pk_n =
-      own_tiles ? 0 : static_cast<size_t>(nqt * p.Br * (p.D + p.Dv + Params::pad16(p.D) + Params::pad16(p.Dv)));
+  const size_t pk_n = own_tiles ? 0 : static_cast<size_t>(query_tile_floats(p, nqt));
   // 64-byte aligned: the tiles are loaded with aligned vector loads
   const WorkspacePtr<float> packed = workspace_array<float>(pk_n, "fused attention backward: the packed query tiles");
   const CountedBytes counted_packed(int64_t(pk_n * sizeof(float)));
-  if (!own_tiles) {
-    p.pk_qt = packed.get();
-    p.pk_dot = p.pk_qt + nqt * p.D * p.Br;
-    p.pk_qr = p.pk_dot + nqt * p.Dv * p.Br;
-    p.pk_dor = p.pk_qr + nqt * p.Br * Params::pad16(p.D);
-  }
+  if (!own_tiles) place_query_tiles(p, packed.get(), nqt);
   // bf16 products (a build that has them; bf16 inputs, or float32 ones when allowed): K, V and the query-side
   // tiles also as bf16 pairs; dO only when it is bf16 or may be rounded (else dP = V dO^T stays float32).
   WorkspaceVector<uint32_t> kv_pairs;  // zeroed by resize

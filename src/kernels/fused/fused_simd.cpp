@@ -37,6 +37,9 @@ namespace HWY_NAMESPACE {
 // out = O / l; lse = m + log l; rows with no allowed key (l = 0): out 0, lse -inf; rows with a NaN score have
 // l = NaN and get NaN. In decode mode (kv_chunk > 0) the results are partials: O / l [row][chunk][Dv], m and l
 // [row][chunk], merged by the driver.
+// A row's lse from its max m and sum l: -inf for a row with no allowed key (l = 0), NaN for a NaN row.
+inline float RowLse(float m, float l) { return l == 0.f ? kNegInf : m + std::log(l); }
+
 template <typename GetO>
 void FinishRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t chunk, const float* M,
                 const float* L, GetO&& o) {
@@ -44,7 +47,7 @@ void FinishRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, i
   for (int64_t ii = 0; ii < nq; ++ii) {
     const bool empty = L[ii] == 0.f;
     const float inv = empty ? 0.f : 1.f / L[ii];
-    auto lse = [&] { return empty ? kNegInf : M[ii] + std::log(L[ii]); };  // only where it is wanted
+
     if (p.kv_chunk > 0) {
       const int64_t row = (b * p.Hq + h) * p.Lq + i0 + ii;
       float* po = p.part_o + (row * nchunks + chunk) * Dv;
@@ -67,7 +70,8 @@ void FinishRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, i
     } else {
       for (int64_t dd = 0; dd < Dv; ++dd) store_elem(p.out.data, p.out.dtype, obase + dd * p.out.sd, o(ii, dd) * inv);
     }
-    if (p.lse.data) store_elem(p.lse.data, p.lse.dtype, b * p.lse.sb + h * p.lse.sh + (i0 + ii) * p.lse.sl, lse());
+    if (p.lse.data)
+      store_elem(p.lse.data, p.lse.dtype, b * p.lse.sb + h * p.lse.sh + (i0 + ii) * p.lse.sl, RowLse(M[ii], L[ii]));
   }
 }
 
@@ -85,8 +89,7 @@ void FinishTransposedRows(const Params& p, int64_t b, int64_t h, int64_t i0, int
   StoreTransposed(p.out, b * p.out.sb + h * p.out.sh + i0 * p.out.sl, OT, nq, p.Dv, Br, 1.f);
   if (!p.lse.data) return;
   for (int64_t ii = 0; ii < nq; ++ii)
-    store_elem(p.lse.data, p.lse.dtype, b * p.lse.sb + h * p.lse.sh + (i0 + ii) * p.lse.sl,
-               L[ii] == 0.f ? kNegInf : M[ii] + std::log(L[ii]));
+    store_elem(p.lse.data, p.lse.dtype, b * p.lse.sb + h * p.lse.sh + (i0 + ii) * p.lse.sl, RowLse(M[ii], L[ii]));
 }
 
 // A vector of a row of float32 or bf16 values (bf16 widened in the register: exact).
