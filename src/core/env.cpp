@@ -18,6 +18,9 @@ const std::vector<Variable>& variables() {
       {"SATTN_SIMD", "the SIMD target of every component (avx512, avx2, sse4, portable; default: the widest)"},
       {"SATTN_FUSED_BR", "the fused kernel's query tile rows (a multiple of 16 in [16, 1024]; for measurements)"},
       {"SATTN_FUSED_BC", "the fused kernel's key tile columns (a multiple of 16 in [16, 1024]; for measurements)"},
+      {"SATTN_FUSED_BACKWARD",
+       "the fused backward's schedule: one_pass or two_pass (default: one pass unless a mask "
+       "gradient's dS would take over 256 MiB)"},
       {"SATTN_SPARSE_BACKWARD", "the sparse backward's form: one_pass or two_pass (default: chosen per pattern)"},
       {"SATTN_WORKSPACE_CACHE_MB", "MiB of freed large kernel scratch kept for reuse (default 1024; 0 disables)"},
       {"SATTN_SPARSE_CACHE_MB", "the older name of SATTN_WORKSPACE_CACHE_MB, read when that is not set"},

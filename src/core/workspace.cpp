@@ -118,6 +118,87 @@ void workspace_free(void* p) noexcept {
   for (void* q : release) std::free(q);
 }
 
+namespace {
+
+constexpr size_t kScratchMin = size_t(4) << 10, kScratchMaxCached = size_t(16) << 20, kScratchMaxBlocks = 32;
+
+// A scratch request's block size: the power of two at least `bytes` (and 4 KiB); 0 past kScratchMaxCached.
+size_t scratch_block_size(size_t bytes) {
+  if (bytes > kScratchMaxCached) return 0;
+  size_t size = kScratchMin;
+  while (size < bytes) size *= 2;
+  return size;
+}
+
+// The calling thread's freed scratch blocks, most recent last.
+struct ScratchCache {
+  std::vector<std::pair<void*, size_t>> blocks;
+  size_t cached = 0;
+  ScratchCache() = default;
+  ScratchCache(const ScratchCache&) = delete;
+  ScratchCache& operator=(const ScratchCache&) = delete;
+  ~ScratchCache() {
+    for (const auto& b : blocks) std::free(b.first);
+  }
+};
+thread_local ScratchCache scratch_cache;
+
+}  // namespace
+
+void* scratch_alloc(size_t bytes) {
+  const size_t size = scratch_block_size(bytes);
+  if (size == 0) {
+    if (bytes > SIZE_MAX - 64) throw std::bad_alloc();
+    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!p) throw std::bad_alloc();
+    return p;
+  }
+  ScratchCache& c = scratch_cache;
+  for (size_t x = c.blocks.size(); x-- > 0;)
+    if (c.blocks[x].second == size) {
+      void* p = c.blocks[x].first;
+      c.cached -= size;
+      c.blocks.erase(c.blocks.begin() + std::ptrdiff_t(x));
+      return p;
+    }
+  void* p = std::aligned_alloc(64, size);
+  if (!p) throw std::bad_alloc();
+  return p;
+}
+
+void scratch_free(void* p, size_t bytes) noexcept {
+  if (!p) return;
+  const size_t size = scratch_block_size(bytes);
+  if (size == 0) {
+    std::free(p);
+    return;
+  }
+  ScratchCache& c = scratch_cache;
+  if (c.blocks.size() == kScratchMaxBlocks || c.cached + size > kScratchMaxCached) {
+    // the oldest go back to the system first
+    while (!c.blocks.empty() && (c.blocks.size() == kScratchMaxBlocks || c.cached + size > kScratchMaxCached)) {
+      std::free(c.blocks.front().first);
+      c.cached -= c.blocks.front().second;
+      c.blocks.erase(c.blocks.begin());
+    }
+  }
+  try {
+    c.blocks.emplace_back(p, size);
+  } catch (...) {  // the list itself could not grow
+    std::free(p);
+    return;
+  }
+  c.cached += size;
+}
+
+void* scratch_alloc_or_fail(size_t bytes, const char* what) {
+  try {
+    return scratch_alloc(bytes);
+  } catch (const std::bad_alloc&) {
+    fail(ErrorKind::kOutOfMemory, what, ": cannot allocate ", bytes, " bytes");
+  }
+}
+
 void* workspace_alloc_or_fail(size_t bytes, const char* what) {
   try {
     return workspace_alloc(bytes);

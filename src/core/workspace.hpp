@@ -35,6 +35,27 @@ WorkspacePtr<T> workspace_array(size_t n, const char* what) {
   return WorkspacePtr<T>(static_cast<T*>(workspace_alloc_or_fail(bytes, what)));
 }
 
+// The per-task scratch of the tile loops (a few KiB to a few MiB that every task allocates and frees): 64-byte
+// aligned blocks of a power of two from 4 KiB on, taken from the blocks the calling thread freed before (at most 32
+// blocks and 16 MiB per thread; larger ones are plain allocations). Through malloc alone, a task could grow the
+// heap and its free trim it again, task after task: system calls and freshly zeroed pages, a third of a short
+// backward's time. scratch_alloc throws std::bad_alloc when out of memory; scratch_free takes the same byte count.
+void* scratch_alloc(size_t bytes);
+void scratch_free(void* p, size_t bytes) noexcept;
+// An owned scratch_alloc block of n elements; out of memory is an OutOfMemory error starting with `what`.
+struct ScratchDeleter {
+  size_t bytes = 0;
+  void operator()(void* p) const noexcept { scratch_free(p, bytes); }
+};
+template <typename T>
+using ScratchPtr = std::unique_ptr<T[], ScratchDeleter>;
+void* scratch_alloc_or_fail(size_t bytes, const char* what);
+template <typename T>
+ScratchPtr<T> scratch_array(size_t n, const char* what) {
+  const size_t bytes = n > SIZE_MAX / sizeof(T) ? SIZE_MAX : n * sizeof(T);  // SIZE_MAX: fails as out of memory
+  return ScratchPtr<T>(static_cast<T*>(scratch_alloc_or_fail(bytes, what)), ScratchDeleter{bytes});
+}
+
 // A std::vector allocator over workspace_alloc / workspace_free.
 template <typename T>
 struct WorkspaceAllocator {

@@ -302,8 +302,13 @@ TEST_P(FusedSweep, ForwardAndBackwardMatchReference) {
     // Backward from the reference's own out/lse (as float32) so that both start from the same statistics.
     FwdResult ref32{ref.out.to(DType::kF32), ref.lse.to(DType::kF32), ""};
     const BwdResult gref = run_backward(pb, ref, "reference", 1);
-    const BwdResult gget = run_backward(pb, ref32, "fused", 2);
-    expect_grads_near(gget, gref);
+    // Both schedules of the backward: one pass (the default) and two (what a mask's gradient takes when its dS
+    // would need more than 256 MiB)
+    for (const char* schedule : {"one_pass", "two_pass"}) {
+      SCOPED_TRACE(schedule);
+      const sattn::testing::ScopedEnv env("SATTN_FUSED_BACKWARD", schedule);
+      expect_grads_near(run_backward(pb, ref32, "fused", 2), gref);
+    }
   }
 }
 
@@ -758,8 +763,11 @@ TEST(Fused, BackwardKeyGroupsMatchReferenceAndThreadCounts) {
   Case b;
   b.B = 1, b.Hq = b.Hkv = 8, b.Lq = b.Lk = 1030, b.D = b.Dv = 64;  // 17 key blocks in groups of 4
   b.padding = 1, b.causal = sattn::Causal::kTopLeft, b.dropout = 0.2;
+  Case m =
+      a;  // an additive [Lq, Lk] mask with its gradient: the key groups' dS summed over batch and heads, key lengths
+  m.mask = 2;
   uint32_t seed = 40;
-  for (const Case& c : {a, b}) {
+  for (const Case& c : {a, b, m}) {
     SCOPED_TRACE(c.name());
     const Problem pb = make_problem(c, ++seed);
     const FwdResult ref = run_forward(pb, "reference", 2);
@@ -771,6 +779,26 @@ TEST(Fused, BackwardKeyGroupsMatchReferenceAndThreadCounts) {
     EXPECT_TRUE(bitwise_equal(g1.dq, g3.dq));
     EXPECT_TRUE(bitwise_equal(g1.dk, g3.dk));
     EXPECT_TRUE(bitwise_equal(g1.dv, g3.dv));
+    if (c.mask == 2) {
+      EXPECT_TRUE(bitwise_equal(g1.dmask, g3.dmask));
+    }
+  }
+}
+
+TEST(Fused, BackwardScheduleNamesAreChecked) {
+  Case c;
+  c.Lq = c.Lk = 20;
+  const Problem pb = make_problem(c, 5);
+  const FwdResult f = run_forward(pb, "fused", 1);
+  const sattn::testing::ScopedEnv env("SATTN_FUSED_BACKWARD", "three_pass");
+  try {
+    run_backward(pb, f, "fused", 1);
+    ADD_FAILURE() << "no error";
+  } catch (const sattn::Error& e) {
+    EXPECT_EQ(e.kind(), sattn::ErrorKind::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("SATTN_FUSED_BACKWARD: expected auto, one_pass or two_pass, got 'three_pass'"),
+              std::string::npos)
+        << e.what();
   }
 }
 

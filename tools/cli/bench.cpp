@@ -121,16 +121,27 @@ void run_bench(const BenchConfig& cfg_in) {
         if (dt != DType::kF32) qd = q.to(dt), kd = k.to(dt), vd = v.to(dt), doutd = any_bwd ? dout.to(dt) : dout;
         for (const auto& mask : masks)
           for (const auto& pass : passes) {
-            check(mask == "full" || mask == "causal", ErrorKind::kInvalidArgument, "--masks: expected full/causal");
+            check(mask == "full" || mask == "causal" || mask == "bias", ErrorKind::kInvalidArgument,
+                  "--masks: expected full, causal or bias, got '", mask, "'");
             check(pass == "fwd" || pass == "bwd", ErrorKind::kInvalidArgument, "--passes: expected fwd/bwd");
             AttentionOptions o;
             o.causal = mask == "causal" ? (Lq == L ? Causal::kTopLeft : Causal::kBottomRight) : Causal::kNone;
             o.num_threads = int(t);
             o.kernel = cfg.kernel;
             o.float32_precision = precision;
+            // bias: an additive mask [1, H, Lq, L] in the inputs' dtype shared by the batch (a learned position bias);
+            // the backward computes its gradient too
+            Tensor bias, dbias;
+            if (mask == "bias") {
+              Tensor b32(DType::kF32, {1, cfg.heads, Lq, L});
+              for (int64_t i = 0; i < b32.numel(); ++i) b32.data<float>()[i] = nd(rng);
+              bias = dt == DType::kF32 ? b32 : b32.to(dt);
+              o.attn_mask = bias.view();
+            }
             Tensor out(dt, shape), lse(DType::kF32, {cfg.batch, cfg.heads, Lq});
             Tensor dq, dk, dv;  // only for the backward (keeps the forward's resident memory honest)
             if (pass == "bwd") dq = Tensor(dt, shape), dk = Tensor(dt, kshape), dv = Tensor(dt, kshape);
+            if (pass == "bwd" && mask == "bias") dbias = Tensor(dt, bias.shape());
             KernelInfo info;
             auto fwd = [&] { scaled_dot_product_attention(qd, kd, vd, o, {out.view(), lse.view(), {}}, &info); };
             fwd();
@@ -141,7 +152,7 @@ void run_bench(const BenchConfig& cfg_in) {
             } else {
               ms = median_ms(cfg.reps, [&] {
                 scaled_dot_product_attention_backward(doutd, qd, kd, vd, out, lse, o,
-                                                      {dq.view(), dk.view(), dv.view(), {}}, &info);
+                                                      {dq.view(), dk.view(), dv.view(), dbias.view()}, &info);
               });
             }
             double flops = 4.0 * cfg.batch * cfg.heads * double(Lq) * L * D;
@@ -185,7 +196,9 @@ void add_bench_command(CLI::App& app) {
   static BenchConfig cfg;
   cmd->add_option("--dims", cfg.dims, "head dims, comma separated")->capture_default_str();
   cmd->add_option("--lens", cfg.lens, "sequence lengths (Lq = Lk), comma separated")->capture_default_str();
-  cmd->add_option("--masks", cfg.masks, "full,causal")->capture_default_str();
+  cmd->add_option("--masks", cfg.masks,
+                  "full, causal, bias (an additive [1, H, Lq, L] mask; the backward computes its gradient too)")
+      ->capture_default_str();
   cmd->add_option("--passes", cfg.passes, "fwd,bwd")->capture_default_str();
   cmd->add_option("--threads", cfg.threads, "thread counts, comma separated")->capture_default_str();
   cmd->add_option("--dtype", cfg.dtype, "f32, bf16 or f16 inputs")->capture_default_str();

@@ -132,6 +132,9 @@ struct Params {
   float* dmask = nullptr;
   double* dmask_sum = nullptr;
   int64_t dm_sb = 0, dm_sh = 0, dm_sl = 0, dm_sj = 0;
+  // The one-pass backward's form of it: dS [B·Hq·Lq·Lk] of every score, written by the tasks (each element by one,
+  // 0 where no tile is computed) and then summed into the mask's shape by the driver in a fixed order.
+  float* dscores = nullptr;
   // Backward scratch shared by the passes (allocated by the driver): per (b, h, i) lse (+inf for empty rows)
   // and Di = rowsum(dO ∘ O). Rows whose float lse cannot carry log l (lse_needs_row_stats) get the row max m
   // in lse_eff and log l in row_log_sum, recomputed by row_stats_task, and P = exp((s − m) − log l); other rows

@@ -15,7 +15,9 @@
 #include <cstring>
 #include <type_traits>
 #include <limits>
+#include <new>
 
+#include "core/workspace.hpp"
 #include "kernels/fused/fused.hpp"
 #include "sattn/error.hpp"
 #include "sattn/random.hpp"
@@ -289,6 +291,7 @@ void RoundedGradProducts(const Params& p, BwdScratch& sc, int64_t b, int64_t hk,
 // One-pass backward: dK, dV of the key blocks of group g and their partial dQ^T of every query block that sees
 // them. Loops: query head h, query block qb, key block of the group; dK and dV of a key block add the same tiles
 // in the same order as BackwardKVTask (so they equal its results), and dQ^T is summed over the group's key blocks.
+// With Params::dscores, each tile's dS goes there too (the additive mask's gradient).
 void BackwardKVQTask(const Params& p, int64_t task) {
   const AmxTaskScope tile_config(p.amx_tiles && p.k_pairs);
   const DF d;
@@ -307,26 +310,45 @@ void BackwardKVQTask(const Params& p, int64_t task) {
   std::memset(dK, 0, sizeof(float) * size_t(rows * Dp));
   std::memset(dV, 0, sizeof(float) * size_t(rows * Dvp));
   const int64_t klive = p.key_len ? std::min(kend, p.key_len[b]) : kend;  // keys past key_len get 0 gradients
+  // The group's columns [kb0, kend) of dS: each tile's, and 0 where no tile is computed (masked, causal, past
+  // key_len): columns [c0, c1) of rows [i0, i0 + n) of head h.
+  const auto zero_scores = [&](int64_t h, int64_t i0, int64_t n, int64_t c0, int64_t c1) {
+    if (!p.dscores || c0 >= c1) return;
+    for (int64_t i = i0; i < i0 + n; ++i)
+      std::memset(p.dscores + ((b * p.Hq + h) * p.Lq + i) * p.Lk + c0, 0, sizeof(float) * size_t(c1 - c0));
+  };
+  if (kb0 >= klive)
+    for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) zero_scores(h, 0, p.Lq, kb0, kend);
   if (kb0 < klive) {
     BwdScratch sc(p);
     for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h)
-      for (int64_t qb = p.first_q_block(kb0); qb < nqb; ++qb) {
+      for (int64_t qb = 0; qb < nqb; ++qb) {
         const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0), t = (b * p.Hq + h) * nqb + qb;
+        if (qb < p.first_q_block(kb0)) {
+          zero_scores(h, i0, nq, kb0, kend);
+          continue;
+        }
+        zero_scores(h, i0, nq, klive, kend);
         float* dQT = p.dq_part_tile(t, g);
         std::memset(dQT, 0, sizeof(float) * size_t(p.D * Br));
         const float* Qr = p.qr_tile(t);
         const float* dOr = p.dor_tile(t);
         for (int64_t kb = kb0; kb < klive; kb += Bc) {
           const int64_t nk = std::min(Bc, klive - kb), x = (kb - kb0) / Bc;
+          Rows kr{};  // the rounded products read K^T pairs instead
+          if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk, p.round_grads ? nullptr : &kr, nullptr)) {
+            zero_scores(h, i0, nq, kb, kb + nk);
+            continue;
+          }
+          // dS^T [nk x Br] into dS [Lq x Lk] rows (one writer per element)
+          if (p.dscores)
+            TransposeRows(sc.w.ST, Br, nk, nq, 1.f, p.dscores + ((b * p.Hq + h) * p.Lq + i0) * p.Lk + kb, p.Lk, nk);
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
           if (p.round_grads) {
-            if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk, nullptr, nullptr)) continue;
             RoundedGradProducts(p, sc, b, hk, t, kb, nk, dK + x * Bc * Dp, dV + x * Bc * Dvp, dQT);
             continue;
           }
 #endif
-          Rows kr{};
-          if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk, &kr, nullptr)) continue;
           Gemm<true>(sc.w.PdT, Br, 1, dOr, Dvp, dV + x * Bc * Dvp, Dvp, nk, Dvp / N, Br);  // dV += P'^T dO
           Gemm<true>(sc.w.ST, Br, 1, Qr, Dp, dK + x * Bc * Dp, Dp, nk, Dp / N, Br);        // dK += dS^T (scale Q)
           Gemm<true>(kr.ptr, 1, kr.stride, sc.w.ST, Br, dQT, Br, p.D, nvec, nk);           // dQ^T += K^T dS^T

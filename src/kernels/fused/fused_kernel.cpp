@@ -12,8 +12,6 @@
 #include <string>
 #include <vector>
 
-#include <hwy/aligned_allocator.h>
-
 #include "core/env.hpp"
 #include "core/threads.hpp"
 #include "core/workspace.hpp"
@@ -396,13 +394,11 @@ void one_pass_backward(Params& p, const BackwardOps& o, int threads, bool own_ti
     run_tasks(p.B * p.Hkv, threads, [&](int64_t bhk) {
       const int64_t t0 = bhk * p.group * nqb, t1 = t0 + p.group * nqb;  // query blocks of the group's heads
       Params tp = p;
-      hwy::AlignedFreeUniquePtr<float[]> own;
+      ScratchPtr<float> own;  // 64-byte aligned: the tiles are loaded with aligned vector loads
       std::optional<CountedBytes> counted_own;
       if (own_tiles) {
         const int64_t n = t1 - t0, floats = own_tile_floats(p);
-        own = hwy::AllocateAligned<float>(size_t(floats));
-        check(own != nullptr, ErrorKind::kOutOfMemory, "fused attention backward: cannot allocate ",
-              floats * int64_t(sizeof(float)), " bytes of query tiles");
+        own = scratch_array<float>(size_t(floats), "fused attention backward: a task's query tiles");
         counted_own.emplace(floats * int64_t(sizeof(float)));
         tp.pk_t0 = t0;
         place_query_tiles(tp, own.get(), n);
@@ -419,6 +415,64 @@ void one_pass_backward(Params& p, const BackwardOps& o, int threads, bool own_ti
   prepare_query_blocks(p, o, threads);
   run_tasks(p.B * p.Hkv * ng, threads, [&](int64_t t) { o.backward_kvq_task(p, t); });
   run_tasks(nqt, threads, [&](int64_t t) { o.reduce_dq_task(p, t); });
+}
+
+// The largest dS buffer (Params::dscores) the one-pass backward takes for the mask's gradient; past it, the
+// two-pass schedule, which sums dS into the mask's shape as it goes.
+constexpr double kMaxScoreBytes = double(int64_t(256) << 20);
+
+// Whether the backward runs in one pass. SATTN_FUSED_BACKWARD=one_pass / two_pass forces a schedule (for tests and
+// measurements).
+bool backward_in_one_pass(const AttentionProblem& pr) {
+  const std::string form = env::get("SATTN_FUSED_BACKWARD").value_or("auto");
+  check(form == "auto" || form == "one_pass" || form == "two_pass", ErrorKind::kInvalidArgument,
+        "SATTN_FUSED_BACKWARD: expected auto, one_pass or two_pass, got '", form, "'");
+  if (form != "auto") return form == "one_pass";
+  const double score_bytes = double(pr.batch) * double(pr.heads_q) * double(pr.len_q) * double(pr.len_k) * 4.0;
+  return !pr.need_dmask || score_bytes <= kMaxScoreBytes;
+}
+
+// The additive mask's gradient from the one-pass backward's dS (Params::dscores): each element of the mask the
+// sum, in double and in (b, h, i, j) order, of the dS of the scores it was added to, stored in the mask's dtype.
+// One task per row of the mask, so the sums do not depend on the thread count.
+void store_mask_gradient(const Params& p, const Shape& mask_shape, const TensorView& dmask, int threads) {
+  int64_t m4[4] = {1, 1, 1, 1}, o4[4] = {0, 0, 0, 0};  // the mask as 4-D, and its gradient's strides
+  const size_t off = 4 - mask_shape.size();
+  for (size_t x = 0; x < mask_shape.size(); ++x) m4[off + x] = mask_shape[x], o4[off + x] = dmask.strides[x];
+  const int64_t full[3] = {p.B, p.Hq, p.Lq};
+  run_tasks(m4[0] * m4[1] * m4[2], threads, [&](int64_t r) {
+    const int64_t idx[3] = {r / (m4[1] * m4[2]), r / m4[2] % m4[1], r % m4[2]};
+    int64_t lo[3], hi[3];  // the (b, h, i) this mask row was added to: all of a broadcast dimension
+    for (int x = 0; x < 3; ++x) {
+      lo[x] = m4[x] == 1 ? 0 : idx[x];
+      hi[x] = m4[x] == 1 ? full[x] : idx[x] + 1;
+    }
+    std::vector<double> acc(size_t(m4[3]), 0.0);
+    for (int64_t b = lo[0]; b < hi[0]; ++b)
+      for (int64_t h = lo[1]; h < hi[1]; ++h)
+        for (int64_t i = lo[2]; i < hi[2]; ++i) {
+          const float* ds = p.dscores + ((b * p.Hq + h) * p.Lq + i) * p.Lk;
+          if (m4[3] == 1) {
+            double row = 0.0;
+            for (int64_t j = 0; j < p.Lk; ++j) row += double(ds[j]);
+            acc[0] += row;
+          } else {
+            for (int64_t j = 0; j < p.Lk; ++j) acc[size_t(j)] += double(ds[j]);
+          }
+        }
+    const int64_t base = idx[0] * o4[0] + idx[1] * o4[1] + idx[2] * o4[2];
+    for (int64_t j = 0; j < m4[3]; ++j) {
+      const int64_t at = base + j * o4[3];
+      const double v = acc[size_t(j)];
+      switch (dmask.dtype) {
+        case DType::kF32: static_cast<float*>(dmask.data)[at] = float(v); break;
+        case DType::kF64: static_cast<double*>(dmask.data)[at] = v; break;
+        case DType::kBF16: static_cast<uint16_t*>(dmask.data)[at] = float_to_bf16(float(v)); break;
+        case DType::kF16: static_cast<uint16_t*>(dmask.data)[at] = float_to_fp16(float(v)); break;
+        default: fail(ErrorKind::kInternal, "fused attention backward: the mask gradient's dtype");
+      }
+    }
+  });
 }
 
 void fused_backward(const BackwardArgs& a) {
@@ -441,9 +495,10 @@ void fused_backward(const BackwardArgs& a) {
   const CountedBytes counted_rows(int64_t(2 * rows * sizeof(float)));
   run_tasks(p.B * p.Hq, threads, [&](int64_t bh) {
     const int64_t b = bh / p.Hq, h = bh % p.Hq;
+    const float* lse32 = a.lse.dtype == DType::kF32 ? static_cast<const float*>(a.lse.data) : nullptr;
     for (int64_t i = 0; i < p.Lq; ++i) {
       const int64_t idx3[3] = {b, h, i};
-      const double l = a.lse.get(idx3);
+      const double l = lse32 ? double(lse32[b * p.lse_in.sb + h * p.lse_in.sh + i * p.lse_in.sl]) : a.lse.get(idx3);
       if (std::isnan(l)) {
         lse_eff[size_t(bh * p.Lq + i)] = std::numeric_limits<float>::infinity();
         delta[size_t(bh * p.Lq + i)] = 0.f;
@@ -464,8 +519,9 @@ void fused_backward(const BackwardArgs& a) {
 
   // Query-side tiles, packed once (O(B·Hq·Lq·(D+Dv)) floats, like the inputs), in the call's buffers unless every
   // task of the one-pass backward packs its own.
-  if (!pr.need_dmask) p.kv_group = kv_group_size(p);
-  const bool own_tiles = !pr.need_dmask && own_query_tiles(p, bf16_products);
+  const bool one_pass = backward_in_one_pass(pr);
+  if (one_pass) p.kv_group = kv_group_size(p);
+  const bool own_tiles = one_pass && own_query_tiles(p, bf16_products);
   const size_t pk_n = own_tiles ? 0 : static_cast<size_t>(query_tile_floats(p, nqt));
   // 64-byte aligned: the tiles are loaded with aligned vector loads
   const WorkspacePtr<float> packed = workspace_array<float>(pk_n, "fused attention backward: the packed query tiles");
@@ -479,9 +535,9 @@ void fused_backward(const BackwardArgs& a) {
   if (bf16_products) {
     const bool bf16_precision = a.options.float32_precision == Float32Precision::kBF16;
     // All five products on bf16 pairs (P' and dS rounded once) where rounding is allowed or the gradients are bf16
-    // anyway; the two-pass schedule of the mask gradient keeps its float32 products.
+    // anyway; the two-pass schedule and the mask's gradient keep float32 products.
     const bool bf16_grads = p.dq.dtype == DType::kBF16 && p.dk.dtype == DType::kBF16 && p.dv.dtype == DType::kBF16;
-    p.round_grads = !pr.need_dmask && (bf16_precision || bf16_grads);
+    p.round_grads = one_pass && !pr.need_dmask && (bf16_precision || bf16_grads);
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.Lk * p.dv_pairs();
     p.amx_tiles = o.amx_tiles;
     const int64_t kt_words = p.round_grads ? p.B * p.Hkv * p.kt_pairs_head_words() : 0;
@@ -512,8 +568,21 @@ void fused_backward(const BackwardArgs& a) {
   p.block_has_log_sum = block_has_log_sum.data();
 
   // One pass over key groups (dK, dV and partial dQ; 5 tile products), then the partials summed per query block.
-  // The mask gradient needs the dS of every tile by query block: the two-pass schedule below.
-  if (!pr.need_dmask) return one_pass_backward(p, o, threads, own_tiles);
+  // The mask's gradient: every tile's dS into a buffer (the gradient itself when each mask element takes one dS
+  // and the gradient is dense float32), then summed into the mask's shape.
+  const Shape& ms = pr.mask_shape;
+  if (one_pass && !pr.need_dmask) return one_pass_backward(p, o, threads, own_tiles);
+  if (one_pass) {
+    const TensorView& dm = a.grads.dmask;
+    const bool direct = numel(ms) == rows * p.Lk && dm.dtype == DType::kF32 && dm.is_contiguous();
+    const size_t n = direct ? 0 : size_t(rows * p.Lk);
+    const WorkspacePtr<float> scores = workspace_array<float>(n, "fused attention backward: the scores' gradient");
+    const CountedBytes counted_scores(int64_t(n * sizeof(float)));
+    p.dscores = direct ? dm.ptr<float>() : scores.get();
+    one_pass_backward(p, o, threads, own_tiles);
+    if (!direct) store_mask_gradient(p, ms, dm, threads);
+    return;
+  }
   prepare_query_blocks(p, o, threads);
 
   // Pass 1: dK, dV (one task per key block).
@@ -521,7 +590,10 @@ void fused_backward(const BackwardArgs& a) {
 
   // Pass 2: dQ and dmask. Tasks that add into the same dmask elements (mask broadcast over batch, heads or
   // queries) form one group run in a fixed order.
-  const Shape& ms = pr.mask_shape;
+  if (!pr.need_dmask) {
+    run_tasks(nqt, threads, [&](int64_t t) { o.backward_q_task(p, t); });
+    return;
+  }
   Shape st4(4, 0);
   {
     const Shape cs = contiguous_strides(ms);

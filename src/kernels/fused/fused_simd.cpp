@@ -21,7 +21,9 @@
 #include <cstring>
 #include <type_traits>
 #include <limits>
+#include <new>
 
+#include "core/workspace.hpp"
 #include "kernels/fused/fused.hpp"
 #include "sattn/error.hpp"
 #include "sattn/random.hpp"
