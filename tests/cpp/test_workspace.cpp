@@ -68,6 +68,30 @@ TEST(Workspace, FreedLargeBlocksAreReusedBestFitUntilEmptied) {
   EXPECT_EQ(sattn::workspace_cache_bytes(), 0);
 }
 
+TEST(Workspace, ScratchBlocksAreAlignedAndReusedByTheThreadThatFreedThem) {
+  for (size_t bytes : {size_t(0), size_t(1), size_t(5000), 17 * kMiB}) {
+    void* p = sattn::scratch_alloc(bytes);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u) << bytes;
+    sattn::scratch_free(p, bytes);
+  }
+  void* a = sattn::scratch_alloc(10000);  // a 16 KiB block
+  sattn::scratch_free(a, 10000);
+  void* other = nullptr;
+  std::thread([&] {  // another thread's cache does not hold it
+    other = sattn::scratch_alloc(10000);
+    sattn::scratch_free(other, 10000);
+  }).join();
+  EXPECT_NE(other, a);
+  void* b = sattn::scratch_alloc(64 << 10);  // another size: not that block
+  EXPECT_NE(b, a);
+  void* c = sattn::scratch_alloc(12000);  // the same size class: the freed block
+  EXPECT_EQ(c, a);
+  sattn::scratch_free(b, 64 << 10);
+  sattn::scratch_free(c, 12000);
+  sattn::scratch_free(nullptr, 10);
+  EXPECT_THROW(sattn::scratch_array<double>(SIZE_MAX / 4, "the test's doubles"), sattn::Error);
+}
+
 TEST(Workspace, SizesPastTheAddressSpaceAreOutOfMemoryErrorsNamingTheArray) {
   for (size_t bytes : {SIZE_MAX, SIZE_MAX - kMiB}) {
     try {
