@@ -80,7 +80,8 @@ TEST(Workspace, ScratchBlocksAreAlignedAndReusedByTheThreadThatFreedThem) {
   std::thread([&] {  // another thread's cache does not hold it
     other = sattn::scratch_alloc(10000);
     sattn::scratch_free(other, 10000);
-  }).join();
+  })
+      .join();
   EXPECT_NE(other, a);
   void* b = sattn::scratch_alloc(64 << 10);  // another size: not that block
   EXPECT_NE(b, a);

@@ -475,6 +475,66 @@ void store_mask_gradient(const Params& p, const Shape& mask_shape, const TensorV
   });
 }
 
+// The two-pass schedule: dK and dV by key tile, then dQ (and, with mask_shape, the mask's gradient into dmask_out)
+// by query tile, recomputing S and dP (7 tile products).
+void two_pass_backward(Params& p, const BackwardOps& o, const Shape* mask_shape, const TensorView& dmask_out,
+                       int threads) {
+  prepare_query_blocks(p, o, threads);
+  const int64_t nqb = p.num_q_blocks(), nqt = p.B * p.Hq * nqb;
+
+  // Pass 1: dK, dV (one task per key block).
+  run_tasks(p.B * p.Hkv * p.num_k_blocks(), threads, [&](int64_t t) { o.backward_kv_task(p, t); });
+
+  // Pass 2: dQ and dmask. Tasks that add into the same dmask elements (mask broadcast over batch, heads or
+  // queries) form one group run in a fixed order.
+  if (!mask_shape) {
+    run_tasks(nqt, threads, [&](int64_t t) { o.backward_q_task(p, t); });
+    return;
+  }
+  const Shape& ms = *mask_shape;
+  Shape st4(4, 0);
+  {
+    const Shape cs = contiguous_strides(ms);
+    const int64_t off = 4 - int64_t(ms.size());
+    for (int64_t x = 0; x < int64_t(ms.size()); ++x) st4[off + x] = ms[x] == 1 ? 0 : cs[x];
+  }
+  p.dm_sb = st4[0], p.dm_sh = st4[1], p.dm_sl = st4[2], p.dm_sj = st4[3];
+  // A broadcast mask's elements sum many dS values: accumulated in double. Otherwise each element gets one
+  // value and a float buffer holds it exactly.
+  const bool broadcast = (p.dm_sb == 0 && p.B > 1) || (p.dm_sh == 0 && p.Hq > 1) || (p.dm_sl == 0 && p.Lq > 1) ||
+                         (p.dm_sj == 0 && p.Lk > 1);
+  std::vector<float> dmask;
+  std::vector<double> dmask_sum;
+  if (broadcast) {
+    dmask_sum.assign(size_t(numel(ms)), 0.0);
+    p.dmask_sum = dmask_sum.data();
+  } else {
+    dmask.assign(size_t(numel(ms)), 0.f);
+    p.dmask = dmask.data();
+  }
+  const bool share_b = p.dm_sb == 0 && p.B > 1, share_h = p.dm_sh == 0 && p.Hq > 1, share_q = p.dm_sl == 0 && nqb > 1;
+  const int64_t gb = share_b ? 1 : p.B, gh = share_h ? 1 : p.Hq, gq = share_q ? 1 : nqb;
+  const int64_t inner_b = share_b ? p.B : 1, inner_h = share_h ? p.Hq : 1, inner_q = share_q ? nqb : 1;
+  run_tasks(gb * gh * gq, threads, [&](int64_t g) {
+    const int64_t bg = g / (gh * gq), hg = (g / gq) % gh, qg = g % gq;
+    for (int64_t bi = 0; bi < inner_b; ++bi)
+      for (int64_t hi = 0; hi < inner_h; ++hi)
+        for (int64_t qi = 0; qi < inner_q; ++qi) {
+          const int64_t b = share_b ? bi : bg, h = share_h ? hi : hg, qb = share_q ? qi : qg;
+          o.backward_q_task(p, (b * p.Hq + h) * nqb + qb);
+        }
+  });
+  // Store the reduced gradient in the mask's own shape.
+  std::vector<int64_t> idx(ms.size(), 0);
+  for (int64_t lin = 0; lin < numel(ms); ++lin) {
+    dmask_out.set(idx.data(), broadcast ? dmask_sum[size_t(lin)] : double(dmask[size_t(lin)]));
+    for (size_t x = idx.size(); x-- > 0;) {
+      if (++idx[x] < ms[x]) break;
+      idx[x] = 0;
+    }
+  }
+}
+
 void fused_backward(const BackwardArgs& a) {
   const AttentionProblem& pr = a.problem;
   Params p = make_params(pr, a.q, a.k, a.v, a.masks);
@@ -583,58 +643,7 @@ void fused_backward(const BackwardArgs& a) {
     if (!direct) store_mask_gradient(p, ms, dm, threads);
     return;
   }
-  prepare_query_blocks(p, o, threads);
-
-  // Pass 1: dK, dV (one task per key block).
-  run_tasks(p.B * p.Hkv * p.num_k_blocks(), threads, [&](int64_t t) { o.backward_kv_task(p, t); });
-
-  // Pass 2: dQ and dmask. Tasks that add into the same dmask elements (mask broadcast over batch, heads or
-  // queries) form one group run in a fixed order.
-  if (!pr.need_dmask) {
-    run_tasks(nqt, threads, [&](int64_t t) { o.backward_q_task(p, t); });
-    return;
-  }
-  Shape st4(4, 0);
-  {
-    const Shape cs = contiguous_strides(ms);
-    const int64_t off = 4 - int64_t(ms.size());
-    for (int64_t x = 0; x < int64_t(ms.size()); ++x) st4[off + x] = ms[x] == 1 ? 0 : cs[x];
-  }
-  p.dm_sb = st4[0], p.dm_sh = st4[1], p.dm_sl = st4[2], p.dm_sj = st4[3];
-  // A broadcast mask's elements sum many dS values: accumulated in double. Otherwise each element gets one
-  // value and a float buffer holds it exactly.
-  const bool broadcast = (p.dm_sb == 0 && p.B > 1) || (p.dm_sh == 0 && p.Hq > 1) || (p.dm_sl == 0 && p.Lq > 1) ||
-                         (p.dm_sj == 0 && p.Lk > 1);
-  std::vector<float> dmask;
-  std::vector<double> dmask_sum;
-  if (broadcast) {
-    dmask_sum.assign(size_t(numel(ms)), 0.0);
-    p.dmask_sum = dmask_sum.data();
-  } else {
-    dmask.assign(size_t(numel(ms)), 0.f);
-    p.dmask = dmask.data();
-  }
-  const bool share_b = p.dm_sb == 0 && p.B > 1, share_h = p.dm_sh == 0 && p.Hq > 1, share_q = p.dm_sl == 0 && nqb > 1;
-  const int64_t gb = share_b ? 1 : p.B, gh = share_h ? 1 : p.Hq, gq = share_q ? 1 : nqb;
-  const int64_t inner_b = share_b ? p.B : 1, inner_h = share_h ? p.Hq : 1, inner_q = share_q ? nqb : 1;
-  run_tasks(gb * gh * gq, threads, [&](int64_t g) {
-    const int64_t bg = g / (gh * gq), hg = (g / gq) % gh, qg = g % gq;
-    for (int64_t bi = 0; bi < inner_b; ++bi)
-      for (int64_t hi = 0; hi < inner_h; ++hi)
-        for (int64_t qi = 0; qi < inner_q; ++qi) {
-          const int64_t b = share_b ? bi : bg, h = share_h ? hi : hg, qb = share_q ? qi : qg;
-          o.backward_q_task(p, (b * p.Hq + h) * nqb + qb);
-        }
-  });
-  // Store the reduced gradient in the mask's own shape.
-  std::vector<int64_t> idx(ms.size(), 0);
-  for (int64_t lin = 0; lin < numel(ms); ++lin) {
-    a.grads.dmask.set(idx.data(), broadcast ? dmask_sum[size_t(lin)] : double(dmask[size_t(lin)]));
-    for (size_t x = idx.size(); x-- > 0;) {
-      if (++idx[x] < ms[x]) break;
-      idx[x] = 0;
-    }
-  }
+  two_pass_backward(p, o, pr.need_dmask ? &pr.mask_shape : nullptr, a.grads.dmask, threads);
 }
 
 }  // namespace
