@@ -434,36 +434,40 @@ bool backward_in_one_pass(const AttentionProblem& pr) {
 
 // The additive mask's gradient from the one-pass backward's dS (Params::dscores): each element of the mask the
 // sum, in double and in (b, h, i, j) order, of the dS of the scores it was added to, stored in the mask's dtype.
-// One task per row of the mask, so the sums do not depend on the thread count.
+// One task per row of the mask and run of up to 256 of its columns, so the sums do not depend on the thread count.
 void store_mask_gradient(const Params& p, const Shape& mask_shape, const TensorView& dmask, int threads) {
   int64_t m4[4] = {1, 1, 1, 1}, o4[4] = {0, 0, 0, 0};  // the mask as 4-D, and its gradient's strides
   const size_t off = 4 - mask_shape.size();
   for (size_t x = 0; x < mask_shape.size(); ++x) m4[off + x] = mask_shape[x], o4[off + x] = dmask.strides[x];
   const int64_t full[3] = {p.B, p.Hq, p.Lq};
-  run_tasks(m4[0] * m4[1] * m4[2], threads, [&](int64_t r) {
+  constexpr int64_t kRun = 256;
+  const int64_t runs = (m4[3] + kRun - 1) / kRun;
+  run_tasks(m4[0] * m4[1] * m4[2] * runs, threads, [&](int64_t task) {
+    const int64_t r = task / runs, j0 = task % runs * kRun, j1 = std::min(m4[3], j0 + kRun);
     const int64_t idx[3] = {r / (m4[1] * m4[2]), r / m4[2] % m4[1], r % m4[2]};
     int64_t lo[3], hi[3];  // the (b, h, i) this mask row was added to: all of a broadcast dimension
     for (int x = 0; x < 3; ++x) {
       lo[x] = m4[x] == 1 ? 0 : idx[x];
       hi[x] = m4[x] == 1 ? full[x] : idx[x] + 1;
     }
-    std::vector<double> acc(size_t(m4[3]), 0.0);
+    double acc[kRun];  // columns j0 … j1 − 1
+    std::fill(acc, acc + (j1 - j0), 0.0);
     for (int64_t b = lo[0]; b < hi[0]; ++b)
       for (int64_t h = lo[1]; h < hi[1]; ++h)
         for (int64_t i = lo[2]; i < hi[2]; ++i) {
           const float* ds = p.dscores + ((b * p.Hq + h) * p.Lq + i) * p.Lk;
-          if (m4[3] == 1) {
+          if (m4[3] == 1) {  // a mask broadcast over the keys
             double row = 0.0;
             for (int64_t j = 0; j < p.Lk; ++j) row += double(ds[j]);
             acc[0] += row;
           } else {
-            for (int64_t j = 0; j < p.Lk; ++j) acc[size_t(j)] += double(ds[j]);
+            for (int64_t j = j0; j < j1; ++j) acc[j - j0] += double(ds[j]);
           }
         }
     const int64_t base = idx[0] * o4[0] + idx[1] * o4[1] + idx[2] * o4[2];
-    for (int64_t j = 0; j < m4[3]; ++j) {
+    for (int64_t j = j0; j < j1; ++j) {
       const int64_t at = base + j * o4[3];
-      const double v = acc[size_t(j)];
+      const double v = acc[j - j0];
       switch (dmask.dtype) {
         case DType::kF32: static_cast<float*>(dmask.data)[at] = float(v); break;
         case DType::kF64: static_cast<double*>(dmask.data)[at] = v; break;
