@@ -64,7 +64,8 @@ struct AttentionOptions {
   bool strict = false;             // error instead of falling back to the O(L^2) reference; env SATTN_STRICT=1
   int num_threads = 0;             // 0 = SATTN_NUM_THREADS, else the hardware's; see threads.hpp
   bool accumulate_fp64 = false;    // reference kernel: accumulate in double even for fp32 inputs
-  int64_t memory_limit_bytes = 0;  // reference: refuse L×L buffers above this; 0 = half of physical memory
+  int64_t memory_limit_bytes = 0;  // L×L buffers: the reference refuses above it, the fused backward avoids its own
+                                   // (docs/semantics.md); 0 = half of physical memory
   Float32Precision float32_precision = Float32Precision::kHighest;  // see Float32Precision
 };
 

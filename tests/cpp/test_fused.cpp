@@ -785,6 +785,31 @@ TEST(Fused, BackwardKeyGroupsMatchReferenceAndThreadCounts) {
   }
 }
 
+// The one pass's dS buffer for a mask's gradient ([B, Hq, Lq, Lk] floats, 2 MB here, far more than the call's other
+// counted scratch) stays within the call's memory limit for L x L buffers: under a lower limit the backward takes the
+// two passes, which need none, and its gradients are as close to the reference.
+TEST(Fused, MaskGradientBufferStaysWithinTheMemoryLimit) {
+  Case c;
+  c.B = 1, c.Hq = 2, c.Hkv = 1, c.Lq = 500, c.Lk = 500, c.D = 8, c.Dv = 8, c.mask = 2, c.mask_shape = 1;
+  Problem pb = make_problem(c, 17);
+  const FwdResult ref = run_forward(pb, "reference", 2);
+  const FwdResult ref32{ref.out.to(DType::kF32), ref.lse.to(DType::kF32), ""};
+  const BwdResult gref = run_backward(pb, ref, "reference", 2);
+  const int64_t score_bytes = c.B * c.Hq * c.Lq * c.Lk * 4;
+  for (const int64_t limit : {int64_t(0), score_bytes / 2}) {
+    SCOPED_TRACE("memory limit " + std::to_string(limit));
+    pb.opt.memory_limit_bytes = limit;
+    sattn::fused::workspace_reset_peak();
+    const BwdResult got = run_backward(pb, ref32, "fused", 2);
+    expect_grads_near(got, gref);
+    if (limit == 0) {
+      EXPECT_GE(sattn::fused::workspace_peak_bytes(), score_bytes);
+    } else {
+      EXPECT_LT(sattn::fused::workspace_peak_bytes(), score_bytes);
+    }
+  }
+}
+
 TEST(Fused, BackwardScheduleNamesAreChecked) {
   Case c;
   c.Lq = c.Lk = 20;

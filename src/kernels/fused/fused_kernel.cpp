@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/env.hpp"
+#include "core/memory.hpp"
 #include "core/threads.hpp"
 #include "core/workspace.hpp"
 #include "kernels/fused/fused.hpp"
@@ -417,19 +418,20 @@ void one_pass_backward(Params& p, const BackwardOps& o, int threads, bool own_ti
   run_tasks(nqt, threads, [&](int64_t t) { o.reduce_dq_task(p, t); });
 }
 
-// The largest dS buffer (Params::dscores) the one-pass backward takes for the mask's gradient; past it, the
-// two-pass schedule, which sums dS into the mask's shape as it goes.
+// The largest dS buffer (Params::dscores) the one-pass backward takes for the mask's gradient (and never more than
+// the call's memory limit for L x L buffers); past it, the two-pass schedule, which sums dS into the mask's shape as
+// it goes.
 constexpr double kMaxScoreBytes = double(int64_t(256) << 20);
 
 // Whether the backward runs in one pass. SATTN_FUSED_BACKWARD=one_pass / two_pass forces a schedule (for tests and
 // measurements).
-bool backward_in_one_pass(const AttentionProblem& pr) {
+bool backward_in_one_pass(const AttentionProblem& pr, const AttentionOptions& options) {
   const std::string form = env::get("SATTN_FUSED_BACKWARD").value_or("auto");
   check(form == "auto" || form == "one_pass" || form == "two_pass", ErrorKind::kInvalidArgument,
         "SATTN_FUSED_BACKWARD: expected auto, one_pass or two_pass, got '", form, "'");
   if (form != "auto") return form == "one_pass";
-  const double score_bytes = double(pr.batch) * double(pr.heads_q) * double(pr.len_q) * double(pr.len_k) * 4.0;
-  return !pr.need_dmask || score_bytes <= kMaxScoreBytes;
+  const double limit = std::min(kMaxScoreBytes, double(memory_limit_bytes(options.memory_limit_bytes)));
+  return !pr.need_dmask || pr.score_matrix_bytes(sizeof(float)) <= limit;
 }
 
 // The additive mask's gradient from the one-pass backward's dS (Params::dscores): each element of the mask the
@@ -583,7 +585,7 @@ void fused_backward(const BackwardArgs& a) {
 
   // Query-side tiles, packed once (O(B·Hq·Lq·(D+Dv)) floats, like the inputs), in the call's buffers unless every
   // task of the one-pass backward packs its own.
-  const bool one_pass = backward_in_one_pass(pr);
+  const bool one_pass = backward_in_one_pass(pr, a.options);
   if (one_pass) p.kv_group = kv_group_size(p);
   const bool own_tiles = one_pass && own_query_tiles(p, bf16_products);
   const size_t pk_n = own_tiles ? 0 : static_cast<size_t>(query_tile_floats(p, nqt));
