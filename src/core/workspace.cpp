@@ -174,13 +174,10 @@ void scratch_free(void* p, size_t bytes) noexcept {
     return;
   }
   ScratchCache& c = scratch_cache;
-  if (c.blocks.size() == kScratchMaxBlocks || c.cached + size > kScratchMaxCached) {
-    // the oldest go back to the system first
-    while (!c.blocks.empty() && (c.blocks.size() == kScratchMaxBlocks || c.cached + size > kScratchMaxCached)) {
-      std::free(c.blocks.front().first);
-      c.cached -= c.blocks.front().second;
-      c.blocks.erase(c.blocks.begin());
-    }
+  while (!c.blocks.empty() && (c.blocks.size() == kScratchMaxBlocks || c.cached + size > kScratchMaxCached)) {
+    std::free(c.blocks.front().first);  // the oldest go back to the system first
+    c.cached -= c.blocks.front().second;
+    c.blocks.erase(c.blocks.begin());
   }
   try {
     c.blocks.emplace_back(p, size);
