@@ -302,8 +302,8 @@ TEST_P(FusedSweep, ForwardAndBackwardMatchReference) {
     // Backward from the reference's own out/lse (as float32) so that both start from the same statistics.
     FwdResult ref32{ref.out.to(DType::kF32), ref.lse.to(DType::kF32), ""};
     const BwdResult gref = run_backward(pb, ref, "reference", 1);
-    // Both schedules of the backward: one pass (the default) and two (what a mask's gradient takes when its dS
-    // would need more than 256 MiB)
+    // Both schedules of the backward: one pass (the default) and two (what a mask's gradient takes where its dS
+    // buffer would be too large)
     for (const char* schedule : {"one_pass", "two_pass"}) {
       SCOPED_TRACE(schedule);
       const sattn::testing::ScopedEnv env("SATTN_FUSED_BACKWARD", schedule);
@@ -763,8 +763,8 @@ TEST(Fused, BackwardKeyGroupsMatchReferenceAndThreadCounts) {
   Case b;
   b.B = 1, b.Hq = b.Hkv = 8, b.Lq = b.Lk = 1030, b.D = b.Dv = 64;  // 17 key blocks in groups of 4
   b.padding = 1, b.causal = sattn::Causal::kTopLeft, b.dropout = 0.2;
-  Case m =
-      a;  // an additive [Lq, Lk] mask with its gradient: the key groups' dS summed over batch and heads, key lengths
+  // an additive [Lq, Lk] mask with its gradient: the key groups' dS summed over batch and heads, with key lengths
+  Case m = a;
   m.mask = 2;
   uint32_t seed = 40;
   for (const Case& c : {a, b, m}) {
