@@ -126,9 +126,10 @@ struct Params {
   View4 dout, o;        // [B, Hq, Lq, Dv]
   View4 lse_in;         // [B, Hq, Lq]
   OutView4 dq, dk, dv;  // same shapes as q, k, v
-  // The additive mask's gradient, dense in the mask's own shape viewed as 4-D with the strides below: a float
-  // buffer when every element receives one dS value, a double one when the mask is broadcast (an element then
-  // sums up to B·Hq·Lq·Lk values). Exactly one of the two is set when the gradient is wanted.
+  // The two-pass schedule's form of the additive mask's gradient, dense in the mask's own shape viewed as 4-D with
+  // the strides below: a float buffer when every element receives one dS value, a double one when the mask is
+  // broadcast (an element then sums up to B·Hq·Lq·Lk values). Exactly one of the two is set there when the gradient
+  // is wanted.
   float* dmask = nullptr;
   double* dmask_sum = nullptr;
   int64_t dm_sb = 0, dm_sh = 0, dm_sl = 0, dm_sj = 0;

@@ -438,9 +438,9 @@ bool backward_in_one_pass(const AttentionProblem& pr, const AttentionOptions& op
 // sum, in double and in (b, h, i, j) order, of the dS of the scores it was added to, stored in the mask's dtype.
 // One task per row of the mask and run of up to 256 of its columns, so the sums do not depend on the thread count.
 void store_mask_gradient(const Params& p, const Shape& mask_shape, const TensorView& dmask, int threads) {
-  int64_t m4[4] = {1, 1, 1, 1}, o4[4] = {0, 0, 0, 0};  // the mask as 4-D, and its gradient's strides
+  int64_t m4[4] = {1, 1, 1, 1};  // the mask as 4-D (its dimensions right-aligned)
   const size_t off = 4 - mask_shape.size();
-  for (size_t x = 0; x < mask_shape.size(); ++x) m4[off + x] = mask_shape[x], o4[off + x] = dmask.strides[x];
+  for (size_t x = 0; x < mask_shape.size(); ++x) m4[off + x] = mask_shape[x];
   const int64_t full[3] = {p.B, p.Hq, p.Lq};
   constexpr int64_t kRun = 256;
   const int64_t runs = (m4[3] + kRun - 1) / kRun;
@@ -466,17 +466,9 @@ void store_mask_gradient(const Params& p, const Shape& mask_shape, const TensorV
             for (int64_t j = j0; j < j1; ++j) acc[j - j0] += double(ds[j]);
           }
         }
-    const int64_t base = idx[0] * o4[0] + idx[1] * o4[1] + idx[2] * o4[2];
     for (int64_t j = j0; j < j1; ++j) {
-      const int64_t at = base + j * o4[3];
-      const double v = acc[j - j0];
-      switch (dmask.dtype) {
-        case DType::kF32: static_cast<float*>(dmask.data)[at] = float(v); break;
-        case DType::kF64: static_cast<double*>(dmask.data)[at] = v; break;
-        case DType::kBF16: static_cast<uint16_t*>(dmask.data)[at] = float_to_bf16(float(v)); break;
-        case DType::kF16: static_cast<uint16_t*>(dmask.data)[at] = float_to_fp16(float(v)); break;
-        default: fail(ErrorKind::kInternal, "fused attention backward: the mask gradient's dtype");
-      }
+      const int64_t at[4] = {idx[0], idx[1], idx[2], j};
+      dmask.set(at + off, acc[j - j0]);  // the mask's own dimensions, in its dtype
     }
   });
 }

@@ -36,12 +36,12 @@ namespace sattn::fused {
 namespace HWY_NAMESPACE {
 
 // ---- forward ---------------------------------------------------------------------------------------------
-// out = O / l; lse = m + log l; rows with no allowed key (l = 0): out 0, lse -inf; rows with a NaN score have
-// l = NaN and get NaN. In decode mode (kv_chunk > 0) the results are partials: O / l [row][chunk][Dv], m and l
-// [row][chunk], merged by the driver.
 // A row's lse from its max m and sum l: -inf for a row with no allowed key (l = 0), NaN for a NaN row.
 inline float RowLse(float m, float l) { return l == 0.f ? kNegInf : m + std::log(l); }
 
+// out = O / l; lse = m + log l; rows with no allowed key (l = 0): out 0, lse -inf; rows with a NaN score have
+// l = NaN and get NaN. In decode mode (kv_chunk > 0) the results are partials: O / l [row][chunk][Dv], m and l
+// [row][chunk], merged by the driver.
 template <typename GetO>
 void FinishRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t chunk, const float* M,
                 const float* L, GetO&& o) {
@@ -49,7 +49,6 @@ void FinishRows(const Params& p, int64_t b, int64_t h, int64_t i0, int64_t nq, i
   for (int64_t ii = 0; ii < nq; ++ii) {
     const bool empty = L[ii] == 0.f;
     const float inv = empty ? 0.f : 1.f / L[ii];
-
     if (p.kv_chunk > 0) {
       const int64_t row = (b * p.Hq + h) * p.Lq + i0 + ii;
       float* po = p.part_o + (row * nchunks + chunk) * Dv;
