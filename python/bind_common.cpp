@@ -55,11 +55,49 @@ pyb::dtype numpy_dtype(DType dtype) {
   fail(ErrorKind::kTypeError, "numpy has no ", to_string(dtype), " dtype");
 }
 
+namespace {
+
+// Attribute names as interned Python strings, made once: pybind11's attr("name") builds a str from the C string at
+// each call, which showed in profiles of small sattn.torch calls (five reads for each of five or more tensors).
+struct TorchNames {
+  PyObject* is_cpu = PyUnicode_InternFromString("is_cpu");
+  PyObject* dtype = PyUnicode_InternFromString("dtype");
+  PyObject* data_ptr = PyUnicode_InternFromString("data_ptr");
+  PyObject* shape = PyUnicode_InternFromString("shape");
+  PyObject* stride = PyUnicode_InternFromString("stride");
+};
+
+const TorchNames& torch_names() {
+  static const TorchNames names;  // kept for the interpreter's lifetime (never released)
+  return names;
+}
+
+pyb::object checked(PyObject* result) {
+  if (result == nullptr) throw pyb::error_already_set();
+  return pyb::reinterpret_steal<pyb::object>(result);
+}
+
+// The int64 items of a tuple (torch.Size is one) returned by `what`.
+void tuple_items(const pyb::object& tuple, const char* name, const char* what, Shape& items) {
+  check(PyTuple_Check(tuple.ptr()) != 0, ErrorKind::kTypeError, name, ": its ", what, " is not a tuple");
+  const Py_ssize_t n = PyTuple_GET_SIZE(tuple.ptr());
+  items.resize(static_cast<size_t>(n));
+  for (Py_ssize_t d = 0; d < n; ++d) {
+    const long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple.ptr(), d));
+    if (v == -1 && PyErr_Occurred() != nullptr) throw pyb::error_already_set();
+    items[static_cast<size_t>(d)] = v;
+  }
+}
+
+}  // namespace
+
 TensorView torch_view(const pyb::handle& obj, const char* name) {
   if (obj.is_none()) return {};
-  // Called for every tensor of every sattn.torch call: no string is made unless there is an error (Tensor.device's
-  // type and str build them), and dtypes are torch's dtype objects, compared by identity.
-  if (!obj.attr("is_cpu").cast<bool>()) {
+  // Called for every tensor of every sattn.torch call: attributes are read through the C API with interned names, no
+  // string is made unless there is an error (Tensor.device's type and str build them), and dtypes are torch's dtype
+  // objects, compared by identity.
+  const TorchNames& names = torch_names();
+  if (checked(PyObject_GetAttr(obj.ptr(), names.is_cpu)).ptr() != Py_True) {
     fail(ErrorKind::kUnsupported, name, ": sattn runs on the CPU, got a tensor on device '",
          std::string(pyb::str(obj.attr("device"))), "'");
   }
@@ -75,21 +113,25 @@ TensorView torch_view(const pyb::handle& obj, const char* name) {
                                                       dtype("bool", DType::kBool),     dtype("int32", DType::kI32),
                                                       dtype("int64", DType::kI64),     dtype("uint8", DType::kU8)};
   }();
-  const pyb::object type = obj.attr("dtype");
+  const pyb::object type = checked(PyObject_GetAttr(obj.ptr(), names.dtype));
   const auto* hit = std::find_if(kTypes.begin(), kTypes.end(), [&](const auto& t) { return type.ptr() == t.first; });
   if (hit == kTypes.end())
     fail(ErrorKind::kTypeError, name, ": unsupported tensor dtype ", std::string(pyb::str(type)));
   const DType dtype = hit->second;
-  const auto data = obj.attr("data_ptr")().cast<uintptr_t>();
-  const pyb::tuple sizes = obj.attr("shape"), steps = obj.attr("stride")();
+  void* const data = PyLong_AsVoidPtr(checked(PyObject_CallMethodNoArgs(obj.ptr(), names.data_ptr)).ptr());
+  if (data == nullptr && PyErr_Occurred() != nullptr) throw pyb::error_already_set();
   Shape shape, strides;
-  for (size_t d = 0; d < sizes.size(); ++d) {
-    shape.push_back(sizes[d].cast<int64_t>());
-    strides.push_back(shape.back() == 1 ? 0 : steps[d].cast<int64_t>());
+  tuple_items(checked(PyObject_GetAttr(obj.ptr(), names.shape)), name, "shape", shape);
+  tuple_items(checked(PyObject_CallMethodNoArgs(obj.ptr(), names.stride)), name, "stride()", strides);
+  check(strides.size() == shape.size(), ErrorKind::kInvalidArgument, name, ": stride() has ", strides.size(),
+        " entries for ", shape.size(), " dimensions");
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (shape[d] == 1) strides[d] = 0;
   }
-  check(data % dtype_size(dtype) == 0 || numel(shape) == 0, ErrorKind::kInvalidArgument, name,
+  const auto address = reinterpret_cast<uintptr_t>(data);
+  check(address % dtype_size(dtype) == 0 || numel(shape) == 0, ErrorKind::kInvalidArgument, name,
         ": the data is not aligned to its element size (", dtype_size(dtype), " bytes); pass a .contiguous() copy");
-  return TensorView(reinterpret_cast<void*>(data), dtype, std::move(shape), std::move(strides));
+  return TensorView(data, dtype, std::move(shape), std::move(strides));
 }
 
 namespace {
