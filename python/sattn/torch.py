@@ -13,7 +13,8 @@ The public functions check and reshape their arguments and call operators regist
 
 Each forward operator has an autograd formula (its backward operator), a fake (meta) implementation for
 torch.compile / torch.export, and an autocast rule (CPU autocast runs it in bfloat16, as torch's SDPA). Plain
-eager calls skip the dispatcher (the eager route below: the same bodies and formulas as a torch.autograd.Function).
+eager calls skip the dispatcher (the eager route below: the same bodies and formulas as a torch.autograd.Function);
+one that needs no gradient skips the log-sum-exp too.
 The tensors reach the C++ kernels without a copy (their data pointers and strides) and the GIL is released while
 they run.
 The forward saves what the backward needs (out and the log-sum-exp), so nothing is recomputed or passed by hand.
@@ -144,7 +145,8 @@ def _contiguous_empty(shape, dtype):
 # runs the operator's own body and autograd formula directly (a torch.autograd.Function). Everything else goes
 # through the operators: torch.compile and export, dispatch modes (FakeTensorMode, make_fx, FlopCounterMode...),
 # torch-function modes, functorch transforms (vmap, grad), autocast, the profiler, torch.jit tracing, tensor
-# subclasses. Both routes run the same code on the same tensors, so their results are identical.
+# subclasses. Both routes run the same code on the same tensors, so their results are identical. A call that needs no
+# gradient runs the body without the log-sum-exp (_sdpa_inference, for scaled_dot_product_attention's common call).
 
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 try:  # torch's private state queries (2.15 has them); a torch without one of them takes the operators always
@@ -155,13 +157,17 @@ except AttributeError:
     _MODES = None
 
 
-def _eager(tensors):
+def _eager_state():
+    """Whether nothing around the call must see the operators (the conditions of the eager route but the tensors')."""
     if _MODES is None or torch.compiler.is_compiling():
         return False
     dispatch_modes, function_modes, functorch, profiler, tracing = _MODES
     return (dispatch_modes() == 0 and not function_modes() and functorch() is None and not profiler()
-            and tracing() is None and not torch.is_autocast_enabled("cpu")
-            and all(type(t) in _PLAIN_TENSORS for t in tensors if t is not None))
+            and tracing() is None and not torch.is_autocast_enabled("cpu"))
+
+
+def _eager(tensors):
+    return _eager_state() and all(type(t) in _PLAIN_TENSORS for t in tensors if t is not None)
 
 
 def _eager_backward(saved, grad_out):
@@ -276,9 +282,12 @@ def _sdpa_setup_context(ctx, inputs, output):
     ctx.save_for_backward(query, key, value, attn_mask, key_padding_mask, seed, out, lse)
     ctx.options = (causal, scale, dropout_p, num_threads, precision)
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # lse's gradient stays None (no zero tensor made for it at each backward)
 
 
 def _sdpa_autograd(ctx, grad_out, grad_lse):
+    if grad_out is None:  # out's gradient undefined (grads are not materialised): no input gets one
+        return (None,) * 11
     saved = ctx.saved_tensors  # unpacked once (saved-tensor hooks run at each unpacking)
     query, key, value, attn_mask, key_padding_mask, seed, out, lse = saved
     causal, scale, dropout_p, num_threads, precision = ctx.options
@@ -310,6 +319,17 @@ def _to_4d(x):
     if x.dim() == 4:
         return x
     return x.reshape((-1,) + tuple(x.shape[-3:]))
+
+
+def _sdpa_inference(query, key, value, causal, scale, num_threads, float32_precision):
+    """An eager call that needs no gradient, on plain 4-D CPU tensors without masks or dropout (inference's common
+    call, decoding included, where the fixed cost of a call matters most): the forward operator's body without the
+    log-sum-exp, which only the backward reads (one tensor less to make; the same output bits)."""
+    B, Hq, Lq, _ = query.shape
+    out = torch.empty((B, Hq, Lq, value.shape[3]), dtype=query.dtype)
+    _core._torch_sdpa_forward(query, key, value, None, None, causal, scale, 0.0, 0, _run_threads(num_threads), out,
+                              None, _run_precision(float32_precision))
+    return out
 
 
 def _sdpa_unsupported(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -359,6 +379,18 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     in the products where the CPU has bf16 products: faster, about 2^-9 relative per rounding); None (default)
     follows torch.get_float32_matmul_precision(): 'medium' means 'bf16', 'high' and 'highest' mean 'highest'.
     """
+    if (type(query) is Tensor and type(key) is Tensor and type(value) is Tensor and attn_mask is None
+            and key_padding_mask is None and type(dropout_p) is float and dropout_p == 0.0
+            and type(enable_gqa) is bool and query.is_cpu and key.is_cpu and value.is_cpu
+            and query.dim() == 4 and key.dim() == 4 and value.dim() == 4
+            and (enable_gqa or query.shape[1] == key.shape[1]) and _eager_state()):
+        # The common eager call: plain 4-D CPU tensors, no masks, no dropout. The kernels check the rest (shapes,
+        # dtypes) with the messages of the checks below.
+        causal, scale = _causal(is_causal, causal_alignment), _check_scale(scale)
+        threads, precision = _threads(num_threads), _float32_precision(float32_precision)
+        if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+            return _SdpaFunction.apply(query, key, value, None, None, causal, scale, 0.0, None, threads, precision)[0]
+        return _sdpa_inference(query, key, value, causal, scale, threads, precision)
     for x, name in ((query, "query"), (key, "key"), (value, "value"), (attn_mask, "attn_mask"),
                     (key_padding_mask, "key_padding_mask")):
         if x is not None:

@@ -371,6 +371,37 @@ def test_eager_route_equals_the_operators_bit_for_bit(name):
         assert torch.equal(call(*ins), ref) and call(*ins).grad_fn is None
 
 
+INFERENCE_CALLS = [  # (qkv keywords, call keywords): the forms of a call without masks, dropout or gradients
+    (dict(), dict()),
+    (dict(dtype=torch.bfloat16), dict(is_causal=True)),
+    (dict(Hq=4, Hkv=2), dict(enable_gqa=True, is_causal=True, causal_alignment="bottom_right", scale=0.3)),
+    (dict(dtype=torch.float64, Lq=1), dict(num_threads=2)),
+    (dict(dtype=torch.float16), dict(float32_precision="bf16")),
+]
+
+
+@pytest.mark.parametrize("shapes,kw", INFERENCE_CALLS)
+def test_inference_calls_take_the_short_route_with_the_same_bits(shapes, kw, monkeypatch):
+    """A call that needs no gradient, on plain 4-D tensors without masks or dropout, runs the kernels without the
+    log-sum-exp and the Python-side checks (the kernels make them); its output has the bits of the full route."""
+    q, k, v = qkv(**shapes)
+    k = k.transpose(2, 3).contiguous().transpose(2, 3)  # strided inputs take it too
+    ref = st.scaled_dot_product_attention(*leaves(q, k, v), **kw).detach()  # a gradient may be needed: full route
+    taken, inference = [], st._sdpa_inference
+    monkeypatch.setattr(st, "_sdpa_inference", lambda *a: taken.append(1) or inference(*a))
+    out = st.scaled_dot_product_attention(q, k, v, **kw)
+    assert taken and torch.equal(out, ref) and out.dtype == q.dtype and out.is_contiguous()
+    with torch.no_grad():
+        assert torch.equal(st.scaled_dot_product_attention(*leaves(q, k, v), **kw), ref) and len(taken) == 2
+    taken.clear()  # the calls that must not take it
+    st.scaled_dot_product_attention(*leaves(q, k, v), **kw)
+    st.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool), **kw)
+    st.scaled_dot_product_attention(q[0], k[0], v[0], **kw)
+    with RecordOps() as seen:
+        st.scaled_dot_product_attention(q, k, v, **kw)
+    assert not taken and seen.ops == ["sdpa_forward.default"]
+
+
 def test_features_that_must_see_the_operators_get_them():
     q, k, v = leaves(*qkv(B=3, Hq=2, Hkv=2, Lq=6, Lk=6, E=4, Ev=4, seed=34))
     with torch.profiler.profile() as prof:
