@@ -371,34 +371,54 @@ def test_eager_route_equals_the_operators_bit_for_bit(name):
         assert torch.equal(call(*ins), ref) and call(*ins).grad_fn is None
 
 
-INFERENCE_CALLS = [  # (qkv keywords, call keywords): the forms of a call without masks, dropout or gradients
-    (dict(), dict()),
-    (dict(dtype=torch.bfloat16), dict(is_causal=True)),
-    (dict(Hq=4, Hkv=2), dict(enable_gqa=True, is_causal=True, causal_alignment="bottom_right", scale=0.3)),
-    (dict(dtype=torch.float64, Lq=1), dict(num_threads=2)),
-    (dict(dtype=torch.float16), dict(float32_precision="bf16")),
+SHORT_CALLS = [  # (qkv keywords, call keywords, mask maker): the forms of the common call (4-D, no dropout)
+    (dict(), dict(), None),
+    (dict(dtype=torch.bfloat16), dict(is_causal=True), None),
+    (dict(Hq=4, Hkv=2), dict(enable_gqa=True, is_causal=True, causal_alignment="bottom_right", scale=0.3), None),
+    (dict(dtype=torch.float64, Lq=1), dict(num_threads=2), None),
+    (dict(dtype=torch.float16), dict(float32_precision="bf16"), None),
+    (dict(), dict(), lambda B, H, Lq, Lk: torch.arange(Lk).expand(B, 1, 1, Lk) < torch.tensor([Lk, 9])[:, None, None,
+                                                                                                     None]),
+    (dict(Hq=4, Hkv=2), dict(enable_gqa=True, is_causal=True),
+     lambda B, H, Lq, Lk: torch.randn(Lq, Lk, generator=torch.Generator().manual_seed(5))),
+    (dict(dtype=torch.bfloat16), dict(),
+     lambda B, H, Lq, Lk: torch.randn(1, H, Lq, 1, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)),
 ]
 
 
-@pytest.mark.parametrize("shapes,kw", INFERENCE_CALLS)
-def test_inference_calls_take_the_short_route_with_the_same_bits(shapes, kw, monkeypatch):
-    """A call that needs no gradient, on plain 4-D tensors without masks or dropout, runs the kernels without the
-    log-sum-exp and the Python-side checks (the kernels make them); its output has the bits of the full route."""
+@pytest.mark.parametrize("shapes,kw,make_mask", SHORT_CALLS)
+def test_common_calls_take_the_short_route_with_the_same_bits(shapes, kw, make_mask, monkeypatch):
+    """The common eager call (plain 4-D tensors, at most a 4-D mask, no dropout) skips the wrapper's checks (the
+    kernels make them) and, when it needs no gradient, the log-sum-exp. Its output, and its gradients where it needs
+    them, have the bits of the operators' route (under a dispatch mode)."""
     q, k, v = qkv(**shapes)
     k = k.transpose(2, 3).contiguous().transpose(2, 3)  # strided inputs take it too
-    ref = st.scaled_dot_product_attention(*leaves(q, k, v), **kw).detach()  # a gradient may be needed: full route
+    mask = None if make_mask is None else make_mask(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    float_mask = mask is not None and mask.is_floating_point()
+    ins = leaves(q, k, v, *([mask] if float_mask else []))
+
+    def call(a, b, c, m=mask):
+        return st.scaled_dot_product_attention(a, b, c, attn_mask=m, **kw)
+
+    with RecordOps() as seen:
+        ref, ref_grads = grads_of(call, leaves(*ins))
+    assert seen.ops == ["sdpa_forward.default", "sdpa_backward.default"]
     taken, inference = [], st._sdpa_inference
     monkeypatch.setattr(st, "_sdpa_inference", lambda *a: taken.append(1) or inference(*a))
-    out = st.scaled_dot_product_attention(q, k, v, **kw)
+    out = call(q, k, v)
     assert taken and torch.equal(out, ref) and out.dtype == q.dtype and out.is_contiguous()
     with torch.no_grad():
-        assert torch.equal(st.scaled_dot_product_attention(*leaves(q, k, v), **kw), ref) and len(taken) == 2
+        assert torch.equal(call(*ins), ref) and len(taken) == 2
+    out, grads = grads_of(call, ins)  # a gradient needed: the autograd.Function, no lse skipped
+    assert type(out.grad_fn).__name__ == "SdpaFunctionBackward" and len(taken) == 2
+    assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    assert len(grads) == len(ins)
     taken.clear()  # the calls that must not take it
-    st.scaled_dot_product_attention(*leaves(q, k, v), **kw)
-    st.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool), **kw)
-    st.scaled_dot_product_attention(q[0], k[0], v[0], **kw)
+    call(q[0], k[0], v[0], None if mask is None else mask[0] if mask.dim() == 4 else mask)
+    st.scaled_dot_product_attention(q, k, v, attn_mask=mask, key_padding_mask=torch.zeros(q.shape[0], k.shape[2],
+                                                                                          dtype=torch.bool), **kw)
     with RecordOps() as seen:
-        st.scaled_dot_product_attention(q, k, v, **kw)
+        call(q, k, v)
     assert not taken and seen.ops == ["sdpa_forward.default"]
 
 
