@@ -101,7 +101,17 @@ TensorView::TensorView(void* data_, DType dtype_, Shape shape_, Shape strides_)
         " strides given for a shape of rank ", shape.size());
 }
 
-bool TensorView::is_contiguous() const { return numel() <= 1 || strides == contiguous_strides(shape); }
+// Dense and row-major: each dimension of size > 1 has a contiguous tensor's stride. A size-1 dimension's stride is
+// never used to address an element (the bindings set it to 0), so it does not matter.
+bool TensorView::is_contiguous() const {
+  if (numel() <= 1) return true;
+  int64_t expected = 1;
+  for (size_t d = shape.size(); d-- > 0;) {
+    if (shape[d] != 1 && strides[d] != expected) return false;
+    expected *= shape[d];
+  }
+  return true;
+}
 
 // ---- half precision ------------------------------------------------------------------------------------
 float fp16_to_float(uint16_t h) {

@@ -810,6 +810,35 @@ TEST(Fused, MaskGradientBufferStaysWithinTheMemoryLimit) {
   }
 }
 
+// A full-shape float32 mask's gradient takes the one pass's dS directly (no [B, Hq, Lq, Lk] buffer) also when the
+// gradient's view has a stride of 0 for a size-1 dimension, as the Python bindings make them.
+TEST(Fused, FullShapeMaskGradientIsWrittenDirectlyWhateverSizeOneStrides) {
+  Case c;
+  c.B = 1, c.Hq = 2, c.Hkv = 1, c.Lq = 300, c.Lk = 300, c.D = 8, c.Dv = 8, c.mask = 2, c.mask_shape = 0;
+  Problem pb = make_problem(c, 23);
+  const FwdResult ref = run_forward(pb, "reference", 2);
+  const FwdResult ref32{ref.out.to(DType::kF32), ref.lse.to(DType::kF32), ""};
+  const BwdResult gref = run_backward(pb, ref, "reference", 2);
+  sattn::AttentionOptions o = pb.opt;
+  o.kernel = "fused";
+  o.num_threads = 2;
+  BwdResult got;
+  got.dq = Tensor(DType::kF32, pb.q.view.shape);
+  got.dk = Tensor(DType::kF32, pb.k.view.shape);
+  got.dv = Tensor(DType::kF32, pb.v.view.shape);
+  got.dmask = Tensor(DType::kF32, pb.mask.shape());
+  Shape strides = sattn::contiguous_strides(pb.mask.shape());
+  strides[0] = 0;  // B = 1
+  const TensorView dmask(got.dmask.data(), DType::kF32, pb.mask.shape(), strides);
+  ASSERT_TRUE(dmask.is_contiguous());
+  const sattn::AttentionGrads g{got.dq.view(), got.dk.view(), got.dv.view(), dmask};
+  sattn::fused::workspace_reset_peak();
+  sattn::scaled_dot_product_attention_backward(pb.dout.view, pb.q.view, pb.k.view, pb.v.view, ref32.out.view(),
+                                               ref32.lse.view(), o, g);
+  expect_grads_near(got, gref);
+  EXPECT_LT(sattn::fused::workspace_peak_bytes(), c.B * c.Hq * c.Lq * c.Lk * 4);
+}
+
 TEST(Fused, BackwardScheduleNamesAreChecked) {
   Case c;
   c.Lq = c.Lk = 20;

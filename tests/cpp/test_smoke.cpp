@@ -32,3 +32,17 @@ TEST(Smoke, ShapeTextWritesWhatShapeToStringReturns) {
     EXPECT_STREQ(e.what(), "x: shape [4, 5]");
   }
 }
+
+// Contiguity is the layout's: a size-1 dimension's stride addresses nothing, so it may be anything (the bindings set
+// it to 0); any other dimension must have a dense row-major stride.
+TEST(Smoke, ContiguityIgnoresTheStridesOfSizeOneDimensions) {
+  float x[24] = {};
+  using sattn::DType;
+  using sattn::TensorView;
+  EXPECT_TRUE(TensorView(x, DType::kF32, {2, 3, 4}).is_contiguous());
+  EXPECT_TRUE(TensorView(x, DType::kF32, {1, 3, 1, 4}, {0, 4, 0, 1}).is_contiguous());
+  EXPECT_TRUE(TensorView(x, DType::kF32, {1, 3, 1, 4}, {99, 4, 7, 1}).is_contiguous());
+  EXPECT_FALSE(TensorView(x, DType::kF32, {2, 3, 4}, {12, 1, 3}).is_contiguous());  // transposed
+  EXPECT_FALSE(TensorView(x, DType::kF32, {2, 3, 4}, {0, 4, 1}).is_contiguous());   // broadcast over a real dim
+  EXPECT_FALSE(TensorView(x, DType::kF32, {3, 4}, {8, 1}).is_contiguous());         // rows apart
+}
