@@ -39,11 +39,12 @@ def test_tiny_run_reports_ceilings_and_shares_of_the_fma_limit(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.exists(CLI), reason=f"CLI {CLI} not built")
-def test_bias_mask_rows_compare_outputs_and_every_gradient(tmp_path):
-    """--masks bias: an additive [1, H, Lq, Lk] mask shared by the batch; the backward's gradients (q, k, v and the
-    mask's) of the two sides agree."""
+@pytest.mark.parametrize("mask", ["bias", "padding"])
+def test_mask_rows_compare_outputs_and_every_gradient(tmp_path, mask):
+    """--masks bias: an additive [1, H, Lq, Lk] mask shared by the batch, whose gradient the backward computes too;
+    --masks padding: a bool [B, 1, 1, Lk] padding mask. The outputs and gradients of the two sides agree."""
     out = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, SCRIPT, "--dtypes", "fp32", "--passes", "fwd,bwd", "--masks", "bias",
+    proc = subprocess.run([sys.executable, SCRIPT, "--dtypes", "fp32", "--passes", "fwd,bwd", "--masks", mask,
                            "--dims", "16", "--lens", "24", "--batch", "3", "--heads", "2", "--threads", "1",
                            "--rounds", "1", "--decode-lens", "", "--ceiling-n", "64", "--ceiling-reps", "1",
                            "--sattn", CLI, "--json", str(out)],
@@ -51,5 +52,5 @@ def test_bias_mask_rows_compare_outputs_and_every_gradient(tmp_path):
     assert proc.returncode == 0, proc.stdout
     assert "differ" not in proc.stdout, proc.stdout
     rows = [r for r in json.loads(out.read_text()) if r["kind"] == "sdpa"]
-    assert sorted(r["pass"] for r in rows) == ["bwd", "fwd"] and all(r["mask"] == "bias" for r in rows)
+    assert sorted(r["pass"] for r in rows) == ["bwd", "fwd"] and all(r["mask"] == mask for r in rows)
     assert all(r["max_rel_diff"] < 1e-5 for r in rows), rows
