@@ -839,6 +839,49 @@ TEST(Fused, FullShapeMaskGradientIsWrittenDirectlyWhateverSizeOneStrides) {
   EXPECT_LT(sattn::fused::workspace_peak_bytes(), c.B * c.Hq * c.Lq * c.Lk * 4);
 }
 
+// A bool padding mask [B, 1, 1, Lk] (each row's allowed keys a run from key 0) runs as key lengths: out, lse and the
+// gradients are those of the reference (which applies the mask element by element), and bitwise those of the same
+// problem given as key_lengths; a row with a hole, or a mask that differs by head, keeps the mask (also checked
+// against the reference).
+TEST(Fused, PaddingBoolMaskRunsAsKeyLengths) {
+  for (const bool causal : {false, true})
+    for (const int variant : {0, 1, 2}) {  // 0: padding only; 1: one allowed key after a masked one; 2: by head
+      Case c;
+      c.B = 4, c.Hq = 4, c.Hkv = 2, c.Lq = variant == 0 ? 1 : 70, c.Lk = 150, c.D = 16, c.Dv = 8;
+      c.Lq = causal ? 70 : c.Lq;
+      c.causal = causal ? sattn::Causal::kBottomRight : sattn::Causal::kNone;
+      SCOPED_TRACE(c.name() + " variant " + std::to_string(variant));
+      Problem pb = make_problem(c, 31 + variant);
+      const int64_t lengths[4] = {150, 0, 97, 1};
+      pb.mask = Tensor(DType::kBool, {c.B, variant == 2 ? c.Hq : 1, 1, c.Lk});
+      for (int64_t b = 0; b < c.B; ++b)
+        for (int64_t h = 0; h < pb.mask.shape()[1]; ++h)
+          for (int64_t j = 0; j < c.Lk; ++j)
+            pb.mask.data<uint8_t>()[(b * pb.mask.shape()[1] + h) * c.Lk + j] = j < lengths[b] - h;
+      if (variant == 1) pb.mask.data<uint8_t>()[2 * c.Lk + 120] = 1;
+      pb.opt.attn_mask = pb.mask.view();
+      const FwdResult ref = run_forward(pb, "reference", 2);
+      const BwdResult gref = run_backward(pb, ref, "reference", 2);
+      const FwdResult got = run_forward(pb, "fused", 3);
+      EXPECT_LE(rel_err(got.out, ref.out), 1e-5);
+      const BwdResult g = run_backward(pb, got, "fused", 3);
+      expect_grads_near(g, gref);
+      if (variant != 0) continue;
+      Problem lp = pb;  // the same call with key lengths instead of the mask
+      lp.opt.attn_mask = {};
+      lp.lengths = Tensor(DType::kI64, {c.B});
+      for (int64_t b = 0; b < c.B; ++b) lp.lengths.data<int64_t>()[b] = lengths[b];
+      lp.opt.key_lengths = lp.lengths.view();
+      const FwdResult lf = run_forward(lp, "fused", 1);
+      EXPECT_TRUE(bitwise_equal(got.out, lf.out));
+      EXPECT_TRUE(bitwise_equal(got.lse, lf.lse));
+      const BwdResult lg = run_backward(lp, lf, "fused", 1);
+      EXPECT_TRUE(bitwise_equal(g.dq, lg.dq));
+      EXPECT_TRUE(bitwise_equal(g.dk, lg.dk));
+      EXPECT_TRUE(bitwise_equal(g.dv, lg.dv));
+    }
+}
+
 TEST(Fused, BackwardScheduleNamesAreChecked) {
   Case c;
   c.Lq = c.Lk = 20;

@@ -287,8 +287,43 @@ bool has_half_infinity(const View4& t, int64_t B, int64_t H, int64_t L, int64_t 
   return found;
 }
 
+// A bool mask that only pads keys — the same for every head and query, and in each batch row the allowed keys a run
+// from key 0, as a transformer's padding mask [B, 1, 1, Lk] — as key lengths: the tiles past a length are skipped
+// instead of masked element by element. Empty when the mask is not of that kind (or there is none, or the call
+// has key padding of its own). O(B·Lk) reads.
+std::vector<int64_t> padding_mask_lengths(const Params& p) {
+  if (p.mask != MaskKind::kBool || p.kp || p.key_len) return {};
+  const View4& m = p.mask_view;
+  if ((m.sh != 0 && p.Hq > 1) || (m.sl != 0 && p.Lq > 1)) return {};
+  std::vector<int64_t> lengths(static_cast<size_t>(p.B));
+  for (int64_t b = 0; b < p.B; ++b) {
+    const auto* row = static_cast<const uint8_t*>(m.data) + b * m.sb;
+    int64_t n = 0;
+    while (n < p.Lk && row[n * m.sd] != 0) ++n;
+    for (int64_t j = n; j < p.Lk; ++j)
+      if (row[j * m.sd] != 0) return {};  // an allowed key after a masked one
+    lengths[static_cast<size_t>(b)] = n;
+  }
+  return lengths;
+}
+
+// Params for the call, with a padding-only bool mask taken as key lengths (stored in `lengths`, which must outlive
+// the Params).
+Params call_params(const AttentionProblem& pr, const TensorView& q, const TensorView& k, const TensorView& v,
+                   const MaskData& m, std::vector<int64_t>& lengths) {
+  Params p = make_params(pr, q, k, v, m);
+  lengths = padding_mask_lengths(p);
+  if (!lengths.empty()) {
+    p.mask = MaskKind::kNone;
+    p.mask_view = {};
+    p.key_len = lengths.data();
+  }
+  return p;
+}
+
 void fused_forward(const ForwardArgs& a) {
-  Params p = make_params(a.problem, a.q, a.k, a.v, a.masks);
+  std::vector<int64_t> mask_lengths;
+  Params p = call_params(a.problem, a.q, a.k, a.v, a.masks, mask_lengths);
   p.out = out_view4(a.outputs.out);
   if (a.outputs.lse.data) p.lse = out_view4(a.outputs.lse);
   const ForwardOps& o = forward_ops();
@@ -535,7 +570,8 @@ void two_pass_backward(Params& p, const BackwardOps& o, const Shape* mask_shape,
 
 void fused_backward(const BackwardArgs& a) {
   const AttentionProblem& pr = a.problem;
-  Params p = make_params(pr, a.q, a.k, a.v, a.masks);
+  std::vector<int64_t> mask_lengths;
+  Params p = call_params(pr, a.q, a.k, a.v, a.masks, mask_lengths);
   p.dout = view4(a.dout), p.o = view4(a.out), p.lse_in = view4(a.lse);
   p.dq = out_view4(a.grads.dq), p.dk = out_view4(a.grads.dk), p.dv = out_view4(a.grads.dv);
   const BackwardOps& o = backward_ops();
