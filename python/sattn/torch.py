@@ -334,12 +334,12 @@ def _to_4d(x):
     return x.reshape((-1,) + tuple(x.shape[-3:]))
 
 
-def _sdpa_inference(query, key, value, attn_mask, causal, scale, num_threads, float32_precision):
+def _sdpa_inference(query, key, value, attn_mask, key_padding_mask, causal, scale, num_threads, float32_precision):
     """An eager call that needs no gradient, on plain 4-D CPU tensors with at most a 4-D attn_mask and no dropout
     (inference's common call, decoding included, where the fixed cost of a call matters most): the forward operator's
     body without the log-sum-exp, which only the backward reads (one tensor less to make; the same output bits)."""
     out = _empty_out(query, value)
-    _core._torch_sdpa_forward(query, key, value, _as_stat_float(attn_mask), None, causal, scale, 0.0, 0,
+    _core._torch_sdpa_forward(query, key, value, _as_stat_float(attn_mask), key_padding_mask, causal, scale, 0.0, 0,
                               _run_threads(num_threads), out, None, _run_precision(float32_precision))
     return out
 
@@ -391,20 +391,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     in the products where the CPU has bf16 products: faster, about 2^-9 relative per rounding); None (default)
     follows torch.get_float32_matmul_precision(): 'medium' means 'bf16', 'high' and 'highest' mean 'highest'.
     """
-    if (type(query) is Tensor and type(key) is Tensor and type(value) is Tensor and key_padding_mask is None
+    if (type(query) is Tensor and type(key) is Tensor and type(value) is Tensor
             and (attn_mask is None or (type(attn_mask) is Tensor and attn_mask.is_cpu and attn_mask.dim() <= 4))
+            and (key_padding_mask is None or (type(key_padding_mask) is Tensor and key_padding_mask.is_cpu))
             and type(dropout_p) is float and dropout_p == 0.0 and type(enable_gqa) is bool
             and query.is_cpu and key.is_cpu and value.is_cpu and query.dim() == 4 and key.dim() == 4
             and value.dim() == 4 and (enable_gqa or query.shape[1] == key.shape[1]) and _eager_state()):
         # The common eager call: plain 4-D CPU tensors, at most a 4-D attn_mask (which then needs no folding), no
-        # dropout. The kernels check the rest (shapes, dtypes, the mask's broadcast) with the messages of describe.
+        # dropout. The kernels check the rest (shapes, dtypes, the masks' shapes) with the messages of describe.
         causal, scale = _causal(is_causal, causal_alignment), _check_scale(scale)
         threads, precision = _threads(num_threads), _float32_precision(float32_precision)
         if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
                                         or (attn_mask is not None and attn_mask.requires_grad)):
-            return _SdpaFunction.apply(query, key, value, attn_mask, None, causal, scale, 0.0, None, threads,
-                                       precision)[0]
-        return _sdpa_inference(query, key, value, attn_mask, causal, scale, threads, precision)
+            return _SdpaFunction.apply(query, key, value, attn_mask, key_padding_mask, causal, scale, 0.0, None,
+                                       threads, precision)[0]
+        return _sdpa_inference(query, key, value, attn_mask, key_padding_mask, causal, scale, threads, precision)
     for x, name in ((query, "query"), (key, "key"), (value, "value"), (attn_mask, "attn_mask"),
                     (key_padding_mask, "key_padding_mask")):
         if x is not None:

@@ -839,13 +839,13 @@ TEST(Fused, FullShapeMaskGradientIsWrittenDirectlyWhateverSizeOneStrides) {
   EXPECT_LT(sattn::fused::workspace_peak_bytes(), c.B * c.Hq * c.Lq * c.Lk * 4);
 }
 
-// A bool padding mask [B, 1, 1, Lk] (each row's allowed keys a run from key 0) runs as key lengths: out, lse and the
-// gradients are those of the reference (which applies the mask element by element), and bitwise those of the same
-// problem given as key_lengths; a row with a hole, or a mask that differs by head, keeps the mask (also checked
-// against the reference).
-TEST(Fused, PaddingBoolMaskRunsAsKeyLengths) {
+// Padding given as a mask runs as key lengths: a bool attn_mask [B, 1, 1, Lk] whose rows' allowed keys are a run from
+// key 0, or a bool key_padding_mask [B, Lk] whose rows pad a run at the end. out, lse and the gradients are those of
+// the reference (which applies the masks element by element), and bitwise those of the same problem given as
+// key_lengths; a mask with a hole, or one that differs by head, keeps the mask (also checked against the reference).
+TEST(Fused, PaddingMasksRunAsKeyLengths) {
   for (const bool causal : {false, true})
-    for (const int variant : {0, 1, 2}) {  // 0: padding only; 1: one allowed key after a masked one; 2: by head
+    for (const int variant : {0, 1, 2, 3}) {  // attn_mask: 0 padding only, 1 with a hole, 2 by head; 3 key padding
       Case c;
       c.B = 4, c.Hq = 4, c.Hkv = 2, c.Lq = variant == 0 ? 1 : 70, c.Lk = 150, c.D = 16, c.Dv = 8;
       c.Lq = causal ? 70 : c.Lq;
@@ -853,22 +853,30 @@ TEST(Fused, PaddingBoolMaskRunsAsKeyLengths) {
       SCOPED_TRACE(c.name() + " variant " + std::to_string(variant));
       Problem pb = make_problem(c, 31 + variant);
       const int64_t lengths[4] = {150, 0, 97, 1};
-      pb.mask = Tensor(DType::kBool, {c.B, variant == 2 ? c.Hq : 1, 1, c.Lk});
-      for (int64_t b = 0; b < c.B; ++b)
-        for (int64_t h = 0; h < pb.mask.shape()[1]; ++h)
-          for (int64_t j = 0; j < c.Lk; ++j)
-            pb.mask.data<uint8_t>()[(b * pb.mask.shape()[1] + h) * c.Lk + j] = j < lengths[b] - h;
-      if (variant == 1) pb.mask.data<uint8_t>()[2 * c.Lk + 120] = 1;
-      pb.opt.attn_mask = pb.mask.view();
+      if (variant == 3) {
+        pb.kpm = Tensor(DType::kBool, {c.B, c.Lk});
+        for (int64_t b = 0; b < c.B; ++b)
+          for (int64_t j = 0; j < c.Lk; ++j) pb.kpm.data<uint8_t>()[b * c.Lk + j] = j >= lengths[b];
+        pb.opt.key_padding_mask = pb.kpm.view();
+      } else {
+        pb.mask = Tensor(DType::kBool, {c.B, variant == 2 ? c.Hq : 1, 1, c.Lk});
+        for (int64_t b = 0; b < c.B; ++b)
+          for (int64_t h = 0; h < pb.mask.shape()[1]; ++h)
+            for (int64_t j = 0; j < c.Lk; ++j)
+              pb.mask.data<uint8_t>()[(b * pb.mask.shape()[1] + h) * c.Lk + j] = j < lengths[b] - h;
+        if (variant == 1) pb.mask.data<uint8_t>()[2 * c.Lk + 120] = 1;
+        pb.opt.attn_mask = pb.mask.view();
+      }
       const FwdResult ref = run_forward(pb, "reference", 2);
       const BwdResult gref = run_backward(pb, ref, "reference", 2);
       const FwdResult got = run_forward(pb, "fused", 3);
       EXPECT_LE(rel_err(got.out, ref.out), 1e-5);
       const BwdResult g = run_backward(pb, got, "fused", 3);
       expect_grads_near(g, gref);
-      if (variant != 0) continue;
+      if (variant == 1 || variant == 2) continue;
       Problem lp = pb;  // the same call with key lengths instead of the mask
       lp.opt.attn_mask = {};
+      lp.opt.key_padding_mask = {};
       lp.lengths = Tensor(DType::kI64, {c.B});
       for (int64_t b = 0; b < c.B; ++b) lp.lengths.data<int64_t>()[b] = lengths[b];
       lp.opt.key_lengths = lp.lengths.view();

@@ -415,11 +415,29 @@ def test_common_calls_take_the_short_route_with_the_same_bits(shapes, kw, make_m
     assert len(grads) == len(ins)
     taken.clear()  # the calls that must not take it
     call(q[0], k[0], v[0], None if mask is None else mask[0] if mask.dim() == 4 else mask)
-    st.scaled_dot_product_attention(q, k, v, attn_mask=mask, key_padding_mask=torch.zeros(q.shape[0], k.shape[2],
-                                                                                          dtype=torch.bool), **kw)
+    st.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.5, **kw)
     with RecordOps() as seen:
         call(q, k, v)
     assert not taken and seen.ops == ["sdpa_forward.default"]
+
+
+def test_key_padding_mask_takes_the_short_route_with_the_same_bits(monkeypatch):
+    q, k, v = qkv(Hq=4, Hkv=2, seed=9)
+    kpm = torch.arange(k.shape[2]) >= torch.tensor([47, 30])[:, None]  # [B, Lk], True = padding
+
+    def call(a, b, c):
+        return st.scaled_dot_product_attention(a, b, c, key_padding_mask=kpm, enable_gqa=True, is_causal=True)
+
+    with RecordOps() as seen:
+        ref, ref_grads = grads_of(call, leaves(q, k, v))
+    assert seen.ops == ["sdpa_forward.default", "sdpa_backward.default"]
+    taken, inference = [], st._sdpa_inference
+    monkeypatch.setattr(st, "_sdpa_inference", lambda *a: taken.append(1) or inference(*a))
+    assert torch.equal(call(q, k, v), ref) and taken
+    out, grads = grads_of(call, leaves(q, k, v))
+    assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    with pytest.raises(ValueError, match=r"key_padding_mask: expected shape \[2, 47\] \(query's batch dimensions, Lk\)"):
+        st.scaled_dot_product_attention(q, k, v, key_padding_mask=kpm[:, :5], enable_gqa=True)
 
 
 def test_features_that_must_see_the_operators_get_them():

@@ -287,27 +287,37 @@ bool has_half_infinity(const View4& t, int64_t B, int64_t H, int64_t L, int64_t 
   return found;
 }
 
-// A bool mask that only pads keys — the same for every head and query, and in each batch row the allowed keys a run
-// from key 0, as a transformer's padding mask [B, 1, 1, Lk] — as key lengths: the tiles past a length are skipped
-// instead of masked element by element. Empty when the mask is not of that kind (or there is none, or the call
-// has key padding of its own). O(B·Lk) reads.
+// The length of a row of B bool flags (one byte each, `step` apart) that hold `valid` for a run of keys from key 0 and
+// the other value after it; -1 if a valid key follows an invalid one.
+int64_t valid_run(const uint8_t* row, int64_t step, int64_t len_k, bool valid) {
+  int64_t n = 0;
+  while (n < len_k && (row[n * step] != 0) == valid) ++n;
+  for (int64_t j = n; j < len_k; ++j)
+    if ((row[j * step] != 0) == valid) return -1;
+  return n;
+}
+
+// Padding given as a mask, as key lengths, so that the tiles past a length are skipped instead of masked element by
+// element: a bool key_padding_mask (True = padding) whose rows pad a run of keys at the end, or, with no key padding,
+// a bool attn_mask that only pads keys — the same for every head and query, each batch row's allowed keys a run from
+// key 0, as a transformer's padding mask [B, 1, 1, Lk]. Empty when the masks are not of that kind. O(B·Lk) reads.
 std::vector<int64_t> padding_mask_lengths(const Params& p) {
-  if (p.mask != MaskKind::kBool || p.kp || p.key_len) return {};
+  if (p.key_len) return {};
+  const bool padding = p.kp && p.mask == MaskKind::kNone;
   const View4& m = p.mask_view;
-  if ((m.sh != 0 && p.Hq > 1) || (m.sl != 0 && p.Lq > 1)) return {};
+  const bool mask = !p.kp && p.mask == MaskKind::kBool && (m.sh == 0 || p.Hq == 1) && (m.sl == 0 || p.Lq == 1);
+  if (!padding && !mask) return {};
   std::vector<int64_t> lengths(static_cast<size_t>(p.B));
   for (int64_t b = 0; b < p.B; ++b) {
-    const auto* row = static_cast<const uint8_t*>(m.data) + b * m.sb;
-    int64_t n = 0;
-    while (n < p.Lk && row[n * m.sd] != 0) ++n;
-    for (int64_t j = n; j < p.Lk; ++j)
-      if (row[j * m.sd] != 0) return {};  // an allowed key after a masked one
+    const int64_t n = padding ? valid_run(p.kp + b * p.kp_sb, p.kp_sk, p.Lk, false)
+                              : valid_run(static_cast<const uint8_t*>(m.data) + b * m.sb, m.sd, p.Lk, true);
+    if (n < 0) return {};
     lengths[static_cast<size_t>(b)] = n;
   }
   return lengths;
 }
 
-// Params for the call, with a padding-only bool mask taken as key lengths (stored in `lengths`, which must outlive
+// Params for the call, with padding given as a mask taken as key lengths (stored in `lengths`, which must outlive
 // the Params).
 Params call_params(const AttentionProblem& pr, const TensorView& q, const TensorView& k, const TensorView& v,
                    const MaskData& m, std::vector<int64_t>& lengths) {
@@ -316,6 +326,7 @@ Params call_params(const AttentionProblem& pr, const TensorView& q, const Tensor
   if (!lengths.empty()) {
     p.mask = MaskKind::kNone;
     p.mask_view = {};
+    p.kp = nullptr;
     p.key_len = lengths.data();
   }
   return p;
