@@ -287,8 +287,8 @@ bool has_half_infinity(const View4& t, int64_t B, int64_t H, int64_t L, int64_t 
   return found;
 }
 
-// The length of a row of B bool flags (one byte each, `step` apart) that hold `valid` for a run of keys from key 0 and
-// the other value after it; -1 if a valid key follows an invalid one.
+// A row of Lk bool flags (one byte each, `step` apart): the length of its run of `valid` flags from key 0 when every
+// later flag is the other value, else -1 (a valid key after an invalid one).
 int64_t valid_run(const uint8_t* row, int64_t step, int64_t len_k, bool valid) {
   int64_t n = 0;
   while (n < len_k && (row[n * step] != 0) == valid) ++n;
