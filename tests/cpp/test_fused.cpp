@@ -207,11 +207,16 @@ FwdResult run_forward(const Problem& pb, const std::string& kernel, int threads)
   return r;
 }
 
+// The reference's out and lse (float64) as float32, the dtype the fused backward reads them in.
+FwdResult as_f32(const FwdResult& f) { return {f.out.to(DType::kF32), f.lse.to(DType::kF32), f.kernel}; }
+
 struct BwdResult {
   Tensor dq, dk, dv, dmask;
 };
 
-BwdResult run_backward(const Problem& pb, const FwdResult& fwd, const std::string& kernel, int threads) {
+// `dmask_strides`, when given, are the strides of the mask gradient's view (over the dense buffer r.dmask).
+BwdResult run_backward(const Problem& pb, const FwdResult& fwd, const std::string& kernel, int threads,
+                       const Shape* dmask_strides = nullptr) {
   sattn::AttentionOptions o = pb.opt;
   o.kernel = kernel;
   o.num_threads = threads;
@@ -224,7 +229,7 @@ BwdResult run_backward(const Problem& pb, const FwdResult& fwd, const std::strin
   sattn::AttentionGrads g{r.dq.view(), r.dk.view(), r.dv.view(), {}};
   if (pb.c.mask == 2) {
     r.dmask = Tensor(dt, pb.mask.shape());
-    g.dmask = r.dmask.view();
+    g.dmask = dmask_strides ? TensorView(r.dmask.data(), dt, pb.mask.shape(), *dmask_strides) : r.dmask.view();
   }
   sattn::scaled_dot_product_attention_backward(pb.dout.view, pb.q.view, pb.k.view, pb.v.view, fwd.out.view(),
                                                fwd.lse.view(), o, g);
@@ -300,7 +305,7 @@ TEST_P(FusedSweep, ForwardAndBackwardMatchReference) {
     EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
     EXPECT_LE(rel_err(got.lse, ref.lse), 2e-5);
     // Backward from the reference's own out/lse (as float32) so that both start from the same statistics.
-    FwdResult ref32{ref.out.to(DType::kF32), ref.lse.to(DType::kF32), ""};
+    FwdResult ref32 = as_f32(ref);
     const BwdResult gref = run_backward(pb, ref, "reference", 1);
     // Both schedules of the backward: one pass (the default) and two (what a mask's gradient takes where its dS
     // buffer would be too large)
@@ -353,7 +358,7 @@ TEST_P(FusedBf16Products, MatchReference) {
     const FwdResult got3 = run_forward(in, "fused", 3);
     EXPECT_TRUE(bitwise_equal(got.out, got3.out) && bitwise_equal(got.lse, got3.lse));
     // Backward from the reference's out/lse, as in the float32 sweep.
-    const FwdResult ref32{ref.out.to(DType::kF32), ref.lse.to(DType::kF32), ""};
+    const FwdResult ref32 = as_f32(ref);
     const BwdResult gref = run_backward(up, ref, "reference", 1);
     const BwdResult g1 = run_backward(in, ref32, "fused", 1);
     expect_grads_near(g1, gref);
@@ -771,7 +776,7 @@ TEST(Fused, BackwardKeyGroupsMatchReferenceAndThreadCounts) {
     SCOPED_TRACE(c.name());
     const Problem pb = make_problem(c, ++seed);
     const FwdResult ref = run_forward(pb, "reference", 2);
-    const FwdResult ref32{ref.out.to(DType::kF32), ref.lse.to(DType::kF32), ""};
+    const FwdResult ref32 = as_f32(ref);
     const BwdResult gref = run_backward(pb, ref, "reference", 2);
     const BwdResult g1 = run_backward(pb, ref32, "fused", 1);
     expect_grads_near(g1, gref);
@@ -793,7 +798,7 @@ TEST(Fused, MaskGradientBufferStaysWithinTheMemoryLimit) {
   c.B = 1, c.Hq = 2, c.Hkv = 1, c.Lq = 500, c.Lk = 500, c.D = 8, c.Dv = 8, c.mask = 2, c.mask_shape = 1;
   Problem pb = make_problem(c, 17);
   const FwdResult ref = run_forward(pb, "reference", 2);
-  const FwdResult ref32{ref.out.to(DType::kF32), ref.lse.to(DType::kF32), ""};
+  const FwdResult ref32 = as_f32(ref);
   const BwdResult gref = run_backward(pb, ref, "reference", 2);
   const int64_t score_bytes = c.B * c.Hq * c.Lq * c.Lk * 4;
   for (const int64_t limit : {int64_t(0), score_bytes / 2}) {
@@ -817,24 +822,13 @@ TEST(Fused, FullShapeMaskGradientIsWrittenDirectlyWhateverSizeOneStrides) {
   c.B = 1, c.Hq = 2, c.Hkv = 1, c.Lq = 300, c.Lk = 300, c.D = 8, c.Dv = 8, c.mask = 2, c.mask_shape = 0;
   Problem pb = make_problem(c, 23);
   const FwdResult ref = run_forward(pb, "reference", 2);
-  const FwdResult ref32{ref.out.to(DType::kF32), ref.lse.to(DType::kF32), ""};
+  const FwdResult ref32 = as_f32(ref);
   const BwdResult gref = run_backward(pb, ref, "reference", 2);
-  sattn::AttentionOptions o = pb.opt;
-  o.kernel = "fused";
-  o.num_threads = 2;
-  BwdResult got;
-  got.dq = Tensor(DType::kF32, pb.q.view.shape);
-  got.dk = Tensor(DType::kF32, pb.k.view.shape);
-  got.dv = Tensor(DType::kF32, pb.v.view.shape);
-  got.dmask = Tensor(DType::kF32, pb.mask.shape());
   Shape strides = sattn::contiguous_strides(pb.mask.shape());
   strides[0] = 0;  // B = 1
-  const TensorView dmask(got.dmask.data(), DType::kF32, pb.mask.shape(), strides);
-  ASSERT_TRUE(dmask.is_contiguous());
-  const sattn::AttentionGrads g{got.dq.view(), got.dk.view(), got.dv.view(), dmask};
+  ASSERT_TRUE(TensorView(pb.mask.data(), DType::kF32, pb.mask.shape(), strides).is_contiguous());
   sattn::fused::workspace_reset_peak();
-  sattn::scaled_dot_product_attention_backward(pb.dout.view, pb.q.view, pb.k.view, pb.v.view, ref32.out.view(),
-                                               ref32.lse.view(), o, g);
+  const BwdResult got = run_backward(pb, ref32, "fused", 2, &strides);
   expect_grads_near(got, gref);
   EXPECT_LT(sattn::fused::workspace_peak_bytes(), c.B * c.Hq * c.Lq * c.Lk * 4);
 }
@@ -1015,7 +1009,7 @@ TEST(Fused, Float32PrecisionBf16RoundsOnlyWhereAllowed) {
   c.padding = 1;
   Problem pb = make_problem(c, 77);
   const FwdResult ref = run_forward(pb, "reference", 2);
-  const FwdResult ref32{ref.out.to(DType::kF32), ref.lse.to(DType::kF32), ""};
+  const FwdResult ref32 = as_f32(ref);
   const BwdResult gref = run_backward(pb, ref, "reference", 2);
   const FwdResult highest = run_forward(pb, "fused", 1);
   const BwdResult ghighest = run_backward(pb, ref32, "fused", 1);
