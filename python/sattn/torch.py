@@ -140,8 +140,8 @@ def _contiguous_empty(shape, dtype):
 
 
 def _empty_as(x):
-    """An uninitialised contiguous tensor of x's shape and dtype (torch.empty_like takes half the time of torch.empty
-    with a shape, which counts in small calls)."""
+    """An uninitialised contiguous tensor of x's shape and dtype (torch.empty_like costs less than torch.empty with
+    a shape, which counts in small calls; docs/PERFORMANCE.md "Small calls")."""
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
