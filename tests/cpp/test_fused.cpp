@@ -790,27 +790,31 @@ TEST(Fused, BackwardKeyGroupsMatchReferenceAndThreadCounts) {
   }
 }
 
-// The one pass's dS buffer for a mask's gradient ([B, Hq, Lq, Lk] floats, 2 MB here, far more than the call's other
-// counted scratch) stays within the call's memory limit for L x L buffers: under a lower limit the backward takes the
-// two passes, which need none, and its gradients are as close to the reference.
+// The one pass's buffers for a mask's gradient stay within the call's memory limit for L x L buffers: the dS of
+// every score ([B, Hq, Lq, Lk] floats, 2 MB here, far more than the call's other counted scratch) for a mask
+// broadcast over the keys ([Hq, Lq, 1]), and the chunk sums (about [Lq, Lk] floats, 1 MB) for a mask shared by the
+// heads ([Lq, Lk]). Under a lower limit the backward takes the two passes, which need neither, and its gradients
+// are as close to the reference.
 TEST(Fused, MaskGradientBufferStaysWithinTheMemoryLimit) {
-  Case c;
-  c.B = 1, c.Hq = 2, c.Hkv = 1, c.Lq = 500, c.Lk = 500, c.D = 8, c.Dv = 8, c.mask = 2, c.mask_shape = 1;
-  Problem pb = make_problem(c, 17);
-  const FwdResult ref = run_forward(pb, "reference", 2);
-  const FwdResult ref32 = as_f32(ref);
-  const BwdResult gref = run_backward(pb, ref, "reference", 2);
-  const int64_t score_bytes = c.B * c.Hq * c.Lq * c.Lk * 4;
-  for (const int64_t limit : {int64_t(0), score_bytes / 2}) {
-    SCOPED_TRACE("memory limit " + std::to_string(limit));
-    pb.opt.memory_limit_bytes = limit;
-    sattn::fused::workspace_reset_peak();
-    const BwdResult got = run_backward(pb, ref32, "fused", 2);
-    expect_grads_near(got, gref);
-    if (limit == 0) {
-      EXPECT_GE(sattn::fused::workspace_peak_bytes(), score_bytes);
-    } else {
-      EXPECT_LT(sattn::fused::workspace_peak_bytes(), score_bytes);
+  for (const int shape : {3, 1}) {
+    Case c;
+    c.B = 1, c.Hq = 2, c.Hkv = 1, c.Lq = 500, c.Lk = 500, c.D = 8, c.Dv = 8, c.mask = 2, c.mask_shape = shape;
+    Problem pb = make_problem(c, 17);
+    const FwdResult ref = run_forward(pb, "reference", 2);
+    const FwdResult ref32 = as_f32(ref);
+    const BwdResult gref = run_backward(pb, ref, "reference", 2);
+    const int64_t buffer_bytes = c.B * c.Hq * c.Lq * c.Lk * 4 / (shape == 3 ? 1 : c.Hq);
+    for (const int64_t limit : {int64_t(0), buffer_bytes / 2}) {
+      SCOPED_TRACE(c.name() + " memory limit " + std::to_string(limit));
+      pb.opt.memory_limit_bytes = limit;
+      sattn::fused::workspace_reset_peak();
+      const BwdResult got = run_backward(pb, ref32, "fused", 2);
+      expect_grads_near(got, gref);
+      if (limit == 0) {
+        EXPECT_GE(sattn::fused::workspace_peak_bytes(), buffer_bytes);
+      } else {
+        EXPECT_LT(sattn::fused::workspace_peak_bytes(), buffer_bytes / 2);
+      }
     }
   }
 }
@@ -831,6 +835,65 @@ TEST(Fused, FullShapeMaskGradientIsWrittenDirectlyWhateverSizeOneStrides) {
   const BwdResult got = run_backward(pb, ref32, "fused", 2, &strides);
   expect_grads_near(got, gref);
   EXPECT_LT(sattn::fused::workspace_peak_bytes(), c.B * c.Hq * c.Lq * c.Lk * 4);
+}
+
+// A float mask [B or 1, Hq or 1, Lq, Lk] whose gradient is not the dS itself (a mask shared by the batch or the
+// heads, or a gradient in another dtype) is summed per chunk of batches and kv head inside the backward's tasks,
+// without a [B, Hq, Lq, Lk] buffer: chunks of two batches with a last chunk of one (B = 41), sums over kv heads
+// (a [B, 1, Lq, Lk] mask with GQA), two key groups per (b, kv head) with chunks of two (Lk = 1100, D = 128), and a
+// full-shape mask with a float64 gradient. Against the reference, and bitwise the same for 1 and 3 threads.
+TEST(Fused, SharedMaskGradientIsSummedInChunks) {
+  struct Shared {
+    Case c;
+    Shape mask;
+    DType grad;
+  };
+  Case a;
+  a.B = 41, a.Hq = 8, a.Hkv = 4, a.Lq = a.Lk = 49, a.D = a.Dv = 16;
+  Case b;
+  b.B = 6, b.Hq = 4, b.Hkv = 2, b.Lq = 70, b.Lk = 150, b.D = 16, b.Dv = 8, b.padding = 2;
+  b.causal = sattn::Causal::kBottomRight;
+  Case g;
+  g.B = 9, g.Hq = g.Hkv = 8, g.Lq = 8, g.Lk = 1100, g.D = g.Dv = 128;
+  Case f = b;
+  f.B = 2;
+  uint32_t seed = 60;
+  for (const Shared& sh :
+       {Shared{a, {1, a.Hq, a.Lq, a.Lk}, DType::kF32}, Shared{b, {b.B, 1, b.Lq, b.Lk}, DType::kF32},
+        Shared{g, {g.Hq, g.Lq, g.Lk}, DType::kF32}, Shared{f, {f.B, f.Hq, f.Lq, f.Lk}, DType::kF64}}) {
+    Case c = sh.c;
+    c.mask = 2;
+    SCOPED_TRACE(c.name() + " mask " + sattn::shape_to_string(sh.mask));
+    Problem pb = make_problem(c, ++seed);
+    pb.mask = Tensor(DType::kF32, sh.mask);
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> u(0.f, 1.f);
+    for (int64_t x = 0; x < pb.mask.numel(); ++x)
+      pb.mask.data<float>()[x] = u(rng) < 0.1f ? -std::numeric_limits<float>::infinity() : 2.f * u(rng) - 1.f;
+    pb.opt.attn_mask = pb.mask.view();
+    const FwdResult ref = run_forward(pb, "reference", 2);
+    const BwdResult gref = run_backward(pb, ref, "reference", 2);
+    const FwdResult ref32 = as_f32(ref);
+    BwdResult got[2];
+    for (const int threads : {1, 3}) {
+      BwdResult& r = got[threads / 3];
+      r = run_backward(pb, ref32, "fused", threads);
+      if (sh.grad != DType::kF32) {  // the same call with the mask's gradient in sh.grad
+        const Tensor dm(sh.grad, sh.mask);
+        sattn::AttentionOptions o = pb.opt;
+        o.kernel = "fused", o.num_threads = threads;
+        sattn::scaled_dot_product_attention_backward(pb.dout.view, pb.q.view, pb.k.view, pb.v.view, ref32.out.view(),
+                                                     ref32.lse.view(), o,
+                                                     {r.dq.view(), r.dk.view(), r.dv.view(), dm.view()});
+        r.dmask = dm;
+      }
+      expect_grads_near(r, gref);
+    }
+    EXPECT_TRUE(bitwise_equal(got[0].dq, got[1].dq));
+    EXPECT_TRUE(bitwise_equal(got[0].dk, got[1].dk));
+    EXPECT_TRUE(bitwise_equal(got[0].dv, got[1].dv));
+    EXPECT_TRUE(bitwise_equal(got[0].dmask, got[1].dmask));
+  }
 }
 
 // Padding given as a mask runs as key lengths: a bool attn_mask [B, 1, 1, Lk] whose rows' allowed keys are a run from

@@ -136,6 +136,19 @@ struct Params {
   // The one-pass backward's form of it: dS [B·Hq·Lq·Lk] of every score, written by the tasks (each element by one,
   // 0 where no tile is computed) and then summed into the mask's shape by the driver in a fixed order.
   float* dscores = nullptr;
+  // Or, for a mask [B or 1, Hq or 1, Lq, Lk] whose gradient is not written directly: partial sums of dS^T per chunk
+  // of dm_chunk batches and kv head, in dmask_part [chunk][Hkv][dm_heads][Lk][dm_lqp] (keys along the rows, as the
+  // tiles hold dS^T; dm_heads = group when the mask has heads, else 1; dm_lqp = Lq rounded up to Br). A task of the
+  // one-pass backward covers one (chunk, kv head, key group), its batches in order, and adds each tile into its
+  // part of the chunk's sums; the driver then sums the chunks (and kv heads) in a fixed order. dm_chunk depends on
+  // the problem only.
+  float* dmask_part = nullptr;
+  int64_t dm_chunk = 1, dm_heads = 1, dm_lqp = 0;
+  int64_t num_dm_chunks() const { return (B + dm_chunk - 1) / dm_chunk; }
+  float* mask_part(int64_t b, int64_t h) const {
+    const int64_t hk = h / group, hm = dm_heads == 1 ? 0 : h % group;
+    return dmask_part + (((b / dm_chunk) * Hkv + hk) * dm_heads + hm) * Lk * dm_lqp;
+  }
   // Backward scratch shared by the passes (allocated by the driver): per (b, h, i) lse (+inf for empty rows)
   // and Di = rowsum(dO ∘ O). Rows whose float lse cannot carry log l (lse_needs_row_stats) get the row max m
   // in lse_eff and log l in row_log_sum, recomputed by row_stats_task, and P = exp((s − m) − log l); other rows

@@ -291,7 +291,8 @@ void RoundedGradProducts(const Params& p, BwdScratch& sc, int64_t b, int64_t hk,
 // One-pass backward: dK, dV of the key blocks of group g and their partial dQ^T of every query block that sees
 // them. Loops: query head h, query block qb, key block of the group; dK and dV of a key block add the same tiles
 // in the same order as BackwardKVTask (so they equal its results), and dQ^T is summed over the group's key blocks.
-// With Params::dscores, each tile's dS goes there too (the additive mask's gradient).
+// With Params::dscores, each tile's dS goes there too (the additive mask's gradient); with Params::dmask_part, it is
+// added into the chunk's partial sums.
 void BackwardKVQTask(const Params& p, int64_t task) {
   const AmxTaskScope tile_config(p.amx_tiles && p.k_pairs);
   const DF d;
@@ -343,6 +344,14 @@ void BackwardKVQTask(const Params& p, int64_t task) {
           // dS^T [nk x Br] into dS [Lq x Lk] rows (one writer per element)
           if (p.dscores)
             TransposeRows(sc.w.ST, Br, nk, nq, 1.f, p.dscores + ((b * p.Hq + h) * p.Lq + i0) * p.Lk + kb, p.Lk, nk);
+          if (p.dmask_part) {  // dS^T rows added into the chunk's sums (lanes past Lq are never read)
+            float* part = p.mask_part(b, h) + kb * p.dm_lqp + i0;
+            for (int64_t jj = 0; jj < nk; ++jj)
+              for (int64_t x = 0; x < Br; x += N) {
+                float* at = part + jj * p.dm_lqp + x;
+                hn::StoreU(hn::Add(hn::LoadU(d, at), hn::Load(d, sc.w.ST + jj * Br + x)), d, at);
+              }
+          }
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
           if (p.round_grads) {
             RoundedGradProducts(p, sc, b, hk, t, kb, nk, dK + x * Bc * Dp, dV + x * Bc * Dvp, dQT);

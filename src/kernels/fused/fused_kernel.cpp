@@ -432,52 +432,60 @@ bool own_query_tiles(const Params& p, bool bf16_products) {
 // else in the call's. Apart, each step would stream every tile through memory, which costs short sequences a good
 // part of their time. Otherwise packing comes first, for all query blocks.
 void one_pass_backward(Params& p, const BackwardOps& o, int threads, bool own_tiles) {
-  const int64_t ng = p.num_kv_groups(), nqb = p.num_q_blocks(), nqt = p.B * p.Hq * nqb;
+  const int64_t ng = p.num_kv_groups(), nqb = p.num_q_blocks(), nqt = p.B * p.Hq * nqb, nc = p.num_dm_chunks();
   const size_t part_n = own_tiles ? 0 : static_cast<size_t>(nqt * ng * p.D * p.Br);
   const WorkspacePtr<float> part = workspace_array<float>(part_n, "fused attention backward: the partial dQ tiles");
   const CountedBytes counted(int64_t(part_n * sizeof(float)));
   p.dq_part = part.get();
+  // Zeroes the mask-gradient sums (Params::dmask_part) of chunk c, kv head hk, key group g.
+  const auto zero_mask_part = [&p](int64_t c, int64_t hk, int64_t g) {
+    if (!p.dmask_part) return;
+    const int64_t k0 = g * p.kv_group * p.Bc, k1 = std::min(p.Lk, (g + 1) * p.kv_group * p.Bc);
+    for (int64_t hm = 0; hm < p.dm_heads; ++hm)
+      std::memset(p.mask_part(c * p.dm_chunk, hk * p.group + hm) + k0 * p.dm_lqp, 0,
+                  sizeof(float) * size_t((k1 - k0) * p.dm_lqp));
+  };
+  // Tasks: (batch chunk, kv head[, key group]), the chunk's batches in order (chunks of one batch without
+  // dmask_part).
+  const auto chunk_batches = [&p](int64_t c) { return std::pair(c * p.dm_chunk, std::min(p.B, (c + 1) * p.dm_chunk)); };
   if (ng == 1) {
-    run_tasks(p.B * p.Hkv, threads, [&](int64_t bhk) {
-      const int64_t t0 = bhk * p.group * nqb, t1 = t0 + p.group * nqb;  // query blocks of the group's heads
+    run_tasks(nc * p.Hkv, threads, [&](int64_t ch) {
+      const int64_t c = ch / p.Hkv, hk = ch % p.Hkv;
+      zero_mask_part(c, hk, 0);
       Params tp = p;
       ScratchPtr<float> own;  // 64-byte aligned: the tiles are loaded with aligned vector loads
       std::optional<CountedBytes> counted_own;
       if (own_tiles) {
-        const int64_t n = t1 - t0, floats = own_tile_floats(p);
+        const int64_t floats = own_tile_floats(p);
         own = scratch_array<float>(size_t(floats), "fused attention backward: a task's query tiles");
         counted_own.emplace(floats * int64_t(sizeof(float)));
-        tp.pk_t0 = t0;
-        place_query_tiles(tp, own.get(), n);
-        tp.dq_part = own.get() + query_tile_floats(p, n);
       }
-      for (int64_t t = t0; t < t1; ++t) o.pack_q_task(tp, t);
-      for (int64_t t = t0; t < t1; ++t)
-        if (tp.block_has_log_sum[size_t(t)]) o.row_stats_task(tp, t);
-      o.backward_kvq_task(tp, bhk);
-      for (int64_t t = t0; t < t1; ++t) o.reduce_dq_task(tp, t);
+      const auto [b0, b1] = chunk_batches(c);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t bhk = b * p.Hkv + hk;
+        const int64_t t0 = bhk * p.group * nqb, t1 = t0 + p.group * nqb;  // query blocks of the group's heads
+        if (own_tiles) {
+          tp.pk_t0 = t0;
+          place_query_tiles(tp, own.get(), t1 - t0);
+          tp.dq_part = own.get() + query_tile_floats(p, t1 - t0);
+        }
+        for (int64_t t = t0; t < t1; ++t) o.pack_q_task(tp, t);
+        for (int64_t t = t0; t < t1; ++t)
+          if (tp.block_has_log_sum[size_t(t)]) o.row_stats_task(tp, t);
+        o.backward_kvq_task(tp, bhk);
+        for (int64_t t = t0; t < t1; ++t) o.reduce_dq_task(tp, t);
+      }
     });
     return;
   }
   prepare_query_blocks(p, o, threads);
-  run_tasks(p.B * p.Hkv * ng, threads, [&](int64_t t) { o.backward_kvq_task(p, t); });
+  run_tasks(nc * p.Hkv * ng, threads, [&](int64_t t) {
+    const int64_t c = t / (p.Hkv * ng), hk = t / ng % p.Hkv, g = t % ng;
+    zero_mask_part(c, hk, g);
+    const auto [b0, b1] = chunk_batches(c);
+    for (int64_t b = b0; b < b1; ++b) o.backward_kvq_task(p, (b * p.Hkv + hk) * ng + g);
+  });
   run_tasks(nqt, threads, [&](int64_t t) { o.reduce_dq_task(p, t); });
-}
-
-// The largest dS buffer (Params::dscores) the one-pass backward takes for the mask's gradient (and never more than
-// the call's memory limit for L x L buffers); past it, the two-pass schedule, which sums dS into the mask's shape as
-// it goes.
-constexpr double kMaxScoreBytes = double(int64_t(256) << 20);
-
-// Whether the backward runs in one pass. SATTN_FUSED_BACKWARD=one_pass / two_pass forces a schedule (for tests and
-// measurements).
-bool backward_in_one_pass(const AttentionProblem& pr, const AttentionOptions& options) {
-  const std::string form = env::get("SATTN_FUSED_BACKWARD").value_or("auto");
-  check(form == "auto" || form == "one_pass" || form == "two_pass", ErrorKind::kInvalidArgument,
-        "SATTN_FUSED_BACKWARD: expected auto, one_pass or two_pass, got '", form, "'");
-  if (form != "auto") return form == "one_pass";
-  const double limit = std::min(kMaxScoreBytes, double(memory_limit_bytes(options.memory_limit_bytes)));
-  return !pr.need_dmask || pr.score_matrix_bytes(sizeof(float)) <= limit;
 }
 
 // The additive mask's gradient from the one-pass backward's dS (Params::dscores): each element of the mask the
@@ -515,6 +523,87 @@ void store_mask_gradient(const Params& p, const Shape& mask_shape, const TensorV
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t at[4] = {idx[0], idx[1], idx[2], j};
       dmask.set(at + off, acc[j - j0]);  // the mask's own dimensions, in its dtype
+    }
+  });
+}
+
+// Plans the one-pass backward's mask gradient as chunk sums (Params::dmask_part) for a mask [B or 1, Hq or 1, Lq,
+// Lk] (as 4-D, m4): a mask shared by the batch is summed in chunks of up to 8 batches (fewer where there would be
+// fewer than 64 tasks), each chunk's dS in float, the chunks in double. False (nothing set) for other shapes or
+// when the sums would pass `limit` bytes.
+bool plan_mask_chunks(Params& p, const int64_t (&m4)[4], double limit) {
+  if (m4[2] != p.Lq || m4[3] != p.Lk || (m4[0] != 1 && m4[0] != p.B) || (m4[1] != 1 && m4[1] != p.Hq)) return false;
+  const int64_t chunk =
+      m4[0] == p.B ? 1 : std::clamp<int64_t>(p.B * p.Hkv * p.num_kv_groups() / 64, 1, std::min<int64_t>(p.B, 8));
+  const int64_t heads = m4[1] == p.Hq ? p.group : 1, lqp = p.num_q_blocks() * p.Br;
+  const double bytes = double((p.B + chunk - 1) / chunk) * double(p.Hkv * heads * p.Lk * lqp) * sizeof(float);
+  if (bytes > limit) return false;
+  p.dm_chunk = chunk, p.dm_heads = heads, p.dm_lqp = lqp;
+  return true;
+}
+
+// The largest buffer the one-pass backward takes for the mask's gradient (chunk sums or dS, and never more than the
+// call's memory limit for L x L buffers); past it, the two-pass schedule, which sums dS into the mask's shape as it
+// goes.
+constexpr double kMaxScoreBytes = double(int64_t(256) << 20);
+
+// The backward's schedule and how it computes the additive mask's gradient (docs/fused.md).
+enum class MaskGradient {
+  kNone,       // one pass, no mask gradient wanted
+  kDirect,     // one pass, dS written into the gradient (Params::dscores)
+  kChunkSums,  // one pass, dS summed per chunk of batches (Params::dmask_part), then into the gradient
+  kScores,     // one pass, dS into a buffer of every score (Params::dscores), then summed into the gradient
+  kTwoPass,    // two passes
+};
+
+// One pass (setting p.kv_group, and p.dm_* for chunk sums) unless the mask's gradient would need a buffer past
+// kMaxScoreBytes or the memory limit. SATTN_FUSED_BACKWARD=one_pass / two_pass forces a schedule (for tests and
+// measurements).
+MaskGradient plan_backward(Params& p, const AttentionProblem& pr, const TensorView& dmask, const int64_t (&m4)[4],
+                           const AttentionOptions& options) {
+  const std::string form = env::get("SATTN_FUSED_BACKWARD").value_or("auto");
+  check(form == "auto" || form == "one_pass" || form == "two_pass", ErrorKind::kInvalidArgument,
+        "SATTN_FUSED_BACKWARD: expected auto, one_pass or two_pass, got '", form, "'");
+  if (form == "two_pass") return MaskGradient::kTwoPass;
+  p.kv_group = kv_group_size(p);
+  if (!pr.need_dmask) return MaskGradient::kNone;
+  const int64_t scores = p.B * p.Hq * p.Lq * p.Lk;
+  if (numel(pr.mask_shape) == scores && dmask.dtype == DType::kF32 && dmask.is_contiguous())
+    return MaskGradient::kDirect;
+  const double limit =
+      form == "one_pass" ? HUGE_VAL : std::min(kMaxScoreBytes, double(memory_limit_bytes(options.memory_limit_bytes)));
+  if (plan_mask_chunks(p, m4, limit)) return MaskGradient::kChunkSums;
+  if (double(scores) * sizeof(float) <= limit) return MaskGradient::kScores;
+  p.kv_group = 0;
+  return MaskGradient::kTwoPass;
+}
+
+// The mask's gradient from the chunk sums: element (mb, mh, i, j) the sum, in double, over the chunks of its batches
+// (batch mb's alone when the mask has a batch dimension) and the kv heads of its heads, in that order; stored in the
+// mask's dtype. One task per (mb, mh), so the sums do not depend on the thread count.
+void store_mask_chunks(const Params& p, const int64_t (&m4)[4], size_t off, const TensorView& dmask, int threads) {
+  const bool has_b = m4[0] == p.B && p.B > 1, has_h = m4[1] == p.Hq && p.Hq > 1;
+  float* dense = dmask.dtype == DType::kF32 && dmask.is_contiguous() ? dmask.ptr<float>() : nullptr;
+  run_tasks(m4[0] * m4[1], threads, [&](int64_t task) {
+    const int64_t mb = task / m4[1], mh = task % m4[1];
+    const int64_t c0 = has_b ? mb : 0, c1 = has_b ? mb + 1 : p.num_dm_chunks();
+    const int64_t hk0 = has_h ? mh / p.group : 0, hk1 = has_h ? hk0 + 1 : p.Hkv;
+    std::vector<double> acc(size_t(p.Lq));
+    for (int64_t j = 0; j < p.Lk; ++j) {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int64_t c = c0; c < c1; ++c)
+        for (int64_t hk = hk0; hk < hk1; ++hk) {
+          const float* src = p.mask_part(c * p.dm_chunk, has_h ? mh : hk * p.group) + j * p.dm_lqp;
+          for (int64_t i = 0; i < p.Lq; ++i) acc[size_t(i)] += double(src[i]);
+        }
+      for (int64_t i = 0; i < p.Lq; ++i) {
+        if (dense) {
+          dense[((mb * m4[1] + mh) * p.Lq + i) * p.Lk + j] = float(acc[size_t(i)]);
+        } else {
+          const int64_t at[4] = {mb, mh, i, j};
+          dmask.set(at + off, acc[size_t(i)]);  // the mask's own dimensions, in its dtype
+        }
+      }
     }
   });
 }
@@ -624,8 +713,12 @@ void fused_backward(const BackwardArgs& a) {
 
   // Query-side tiles, packed once (O(B·Hq·Lq·(D+Dv)) floats, like the inputs), in the call's buffers unless every
   // task of the one-pass backward packs its own.
-  const bool one_pass = backward_in_one_pass(pr, a.options);
-  if (one_pass) p.kv_group = kv_group_size(p);
+  const Shape& ms = pr.mask_shape;
+  int64_t m4[4] = {1, 1, 1, 1};  // the mask as 4-D (its dimensions right-aligned)
+  const size_t off = 4 - ms.size();
+  for (size_t x = 0; x < ms.size(); ++x) m4[off + x] = ms[x];
+  const MaskGradient mask_gradient = plan_backward(p, pr, a.grads.dmask, m4, a.options);
+  const bool one_pass = mask_gradient != MaskGradient::kTwoPass;
   const bool own_tiles = one_pass && own_query_tiles(p, bf16_products);
   const size_t pk_n = own_tiles ? 0 : static_cast<size_t>(query_tile_floats(p, nqt));
   // 64-byte aligned: the tiles are loaded with aligned vector loads
@@ -672,21 +765,29 @@ void fused_backward(const BackwardArgs& a) {
   if (any_log_sum) p.row_log_sum = row_log_sum.data();
   p.block_has_log_sum = block_has_log_sum.data();
 
-  // One pass over key groups (dK, dV and partial dQ; 5 tile products), then the partials summed per query block.
-  // The mask's gradient: every tile's dS into a buffer (the gradient itself when each mask element takes one dS
-  // and the gradient is dense float32), then summed into the mask's shape.
-  const Shape& ms = pr.mask_shape;
-  if (one_pass && !pr.need_dmask) return one_pass_backward(p, o, threads, own_tiles);
-  if (one_pass) {
-    const TensorView& dm = a.grads.dmask;
-    const bool direct = numel(ms) == rows * p.Lk && dm.dtype == DType::kF32 && dm.is_contiguous();
-    const size_t n = direct ? 0 : size_t(rows * p.Lk);
-    const WorkspacePtr<float> scores = workspace_array<float>(n, "fused attention backward: the scores' gradient");
-    const CountedBytes counted_scores(int64_t(n * sizeof(float)));
-    p.dscores = direct ? dm.ptr<float>() : scores.get();
-    one_pass_backward(p, o, threads, own_tiles);
-    if (!direct) store_mask_gradient(p, ms, dm, threads);
-    return;
+  // One pass over key groups (dK, dV and partial dQ; 5 tile products), then the partials summed per query block;
+  // the mask's gradient as planned.
+  const TensorView& dm = a.grads.dmask;
+  switch (mask_gradient) {
+    case MaskGradient::kNone: return one_pass_backward(p, o, threads, own_tiles);
+    case MaskGradient::kDirect: p.dscores = dm.ptr<float>(); return one_pass_backward(p, o, threads, own_tiles);
+    case MaskGradient::kChunkSums: {
+      const size_t n = size_t(p.num_dm_chunks() * p.Hkv * p.dm_heads * p.Lk * p.dm_lqp);
+      const WorkspacePtr<float> sums = workspace_array<float>(n, "fused attention backward: the mask gradient's sums");
+      const CountedBytes counted_sums(int64_t(n * sizeof(float)));
+      p.dmask_part = sums.get();
+      one_pass_backward(p, o, threads, own_tiles);
+      return store_mask_chunks(p, m4, off, dm, threads);
+    }
+    case MaskGradient::kScores: {
+      const size_t n = size_t(rows * p.Lk);
+      const WorkspacePtr<float> scores = workspace_array<float>(n, "fused attention backward: the scores' gradient");
+      const CountedBytes counted_scores(int64_t(n * sizeof(float)));
+      p.dscores = scores.get();
+      one_pass_backward(p, o, threads, own_tiles);
+      return store_mask_gradient(p, ms, dm, threads);
+    }
+    case MaskGradient::kTwoPass: break;
   }
   two_pass_backward(p, o, pr.need_dmask ? &pr.mask_shape : nullptr, a.grads.dmask, threads);
 }
