@@ -712,8 +712,12 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         for x, name in ((query, "query"), (key, "key"), (value, "value")):
             _check_tensor(x, name)
         batched = query.dim() == 3
-        if self.batch_first and batched:  # as torch: the functional form is sequence-first
-            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        if self.batch_first and batched:  # as torch: the functional form is sequence-first (shared inputs kept shared)
+            same_kv = key is value
+            same_qk = query is key
+            query = query.transpose(0, 1)
+            key = query if same_qk else key.transpose(0, 1)
+            value = key if same_kv else value.transpose(0, 1)
         separate = not self._qkv_same_embed_dim
         out, weights = multi_head_attention_forward(
             query, key, value, self.embed_dim, self.num_heads, self.in_proj_weight, self.in_proj_bias, self.bias_k,
@@ -779,15 +783,22 @@ def multi_head_attention_forward(query, key, value, embed_dim_to_check, num_head
     if causal:
         am = None
 
-    # In-projection.
+    # In-projection: one product for inputs that are one tensor (self-attention: q, k and v; k and v), as torch's
+    # packed projection; q, k and v are then views of its result, which the kernels read in place.
     if use_separate_proj_weight:
         wq, wk, wv = q_proj_weight, k_proj_weight, v_proj_weight
     else:
         wq, wk, wv = in_proj_weight.chunk(3)
     bq, bk, bv = (None, None, None) if in_proj_bias is None else in_proj_bias.chunk(3)
-    q = F.linear(query, wq, bq)
-    k = F.linear(key, wk, bk)
-    v = F.linear(value, wv, bv)
+    if not use_separate_proj_weight and key is value and query is key:
+        q, k, v = F.linear(query, in_proj_weight, in_proj_bias).chunk(3, dim=-1)
+    elif not use_separate_proj_weight and key is value:
+        q = F.linear(query, wq, bq)
+        k, v = F.linear(key, in_proj_weight[E:], None if in_proj_bias is None else in_proj_bias[E:]).chunk(2, dim=-1)
+    else:
+        q = F.linear(query, wq, bq)
+        k = F.linear(key, wk, bk)
+        v = F.linear(value, wv, bv)
     if bias_k is not None and bias_v is not None:
         k = torch.cat([k, bias_k.repeat(1, N, 1)])
         v = torch.cat([v, bias_v.repeat(1, N, 1)])

@@ -657,15 +657,25 @@ def _mha_pair(seed, **ctor):
 @pytest.mark.parametrize("ctor", MHA_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
 @pytest.mark.parametrize("masks", ["none", "bool", "float", "kpm_float_attn_bool"])
 @pytest.mark.parametrize("need_weights", [False, True])
-def test_multihead_attention_matches_torch(ctor, masks, need_weights):
+@pytest.mark.parametrize("inputs", ["distinct", "self", "shared_kv"])
+def test_multihead_attention_matches_torch(ctor, masks, need_weights, inputs):
+    """Outputs, weights and the gradients of the parameters and inputs against torch's, for distinct query, key and
+    value, one tensor for all three (self-attention: one packed in-projection) and one for key and value."""
+    if inputs != "distinct" and "kdim" in ctor:
+        pytest.skip("key and value of different sizes cannot be one tensor")
     ours, ref = _mha_pair(19, **ctor)
-    L, S, N = 6, 9, 2
+    L, S, N = 6, 6 if inputs == "self" else 9, 2
     bf = ctor.get("batch_first", False)
     shape = (lambda n, s, e: (n, s, e)) if bf else (lambda n, s, e: (s, n, e))
     gen = torch.Generator().manual_seed(20)
-    query = torch.randn(*shape(N, L, 16), generator=gen)
-    key = torch.randn(*shape(N, S, ctor.get("kdim", 16)), generator=gen)
-    value = torch.randn(*shape(N, S, ctor.get("vdim", 16)), generator=gen)
+    query = torch.randn(*shape(N, L, 16), generator=gen, requires_grad=True)
+    key = torch.randn(*shape(N, S, ctor.get("kdim", 16)), generator=gen, requires_grad=True)
+    value = torch.randn(*shape(N, S, ctor.get("vdim", 16)), generator=gen, requires_grad=True)
+    if inputs == "self":
+        key = value = query
+    elif inputs == "shared_kv":
+        value = key
+    leaves = list({id(t): t for t in (query, key, value)}.values())
     kw = {}
     if masks == "bool":
         kw["attn_mask"] = torch.rand(L, S, generator=gen) > 0.7
@@ -683,9 +693,10 @@ def test_multihead_attention_matches_torch(ctor, masks, need_weights):
     assert rel_err(out, rout) <= 2e-6
     assert (w is None) == (rw is None) and (w is None or rel_err(w, rw) <= 2e-6)
     g = torch.randn_like(out)
-    gs = torch.autograd.grad(out, list(ours.parameters()), g)
-    rgs = torch.autograd.grad(rout, list(ref.parameters()), g)
-    for (name, _), a, b in zip(ours.named_parameters(), gs, rgs):
+    gs = torch.autograd.grad(out, list(ours.parameters()) + leaves, g)
+    rgs = torch.autograd.grad(rout, list(ref.parameters()) + leaves, g)
+    names = [name for name, _ in ours.named_parameters()] + [f"input {i}" for i in range(len(leaves))]
+    for name, a, b in zip(names, gs, rgs):
         assert rel_err(a, b) <= 1e-5, name
 
 
