@@ -54,3 +54,19 @@ def test_mask_rows_compare_outputs_and_every_gradient(tmp_path, mask):
     rows = [r for r in json.loads(out.read_text()) if r["kind"] == "sdpa"]
     assert sorted(r["pass"] for r in rows) == ["bwd", "fwd"] and all(r["mask"] == mask for r in rows)
     assert all(r["max_rel_diff"] < 1e-5 for r in rows), rows
+
+
+def test_mha_script_times_both_modules_in_every_mode():
+    script = os.path.join(REPO, "bench", "compare_mha.py")
+    proc = subprocess.run([sys.executable, script, "--batch", "2", "--lens", "5", "--embed", "16", "--heads", "2",
+                           "--rounds", "2", "--reps", "1", "--batch-first", "--cross"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["inference"], ["train"])]
+    assert [r[0] for r in rows] == ["inference", "train"], proc.stdout
+    for r in rows:
+        sattn_ms, torch_ms, ratios = float(r[4]), float(r[5]), [float(x) for x in r[6:]]
+        assert sattn_ms > 0 and torch_ms > 0 and len(ratios) == 3 and all(x > 0 for x in ratios), proc.stdout
+    bad = subprocess.run([sys.executable, script, "--modes", "eval"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert bad.returncode == 2 and "--modes: expected inference or train, got 'eval'" in bad.stdout
