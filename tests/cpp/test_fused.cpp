@@ -858,9 +858,9 @@ TEST(Fused, SharedMaskGradientIsSummedInChunks) {
   Case f = b;
   f.B = 2;
   uint32_t seed = 60;
-  for (const Shared& sh :
-       {Shared{a, {1, a.Hq, a.Lq, a.Lk}, DType::kF32}, Shared{b, {b.B, 1, b.Lq, b.Lk}, DType::kF32},
-        Shared{g, {g.Hq, g.Lq, g.Lk}, DType::kF32}, Shared{f, {f.B, f.Hq, f.Lq, f.Lk}, DType::kF64}}) {
+  const Shared shared[] = {Shared{a, {1, a.Hq, a.Lq, a.Lk}, DType::kF32}, Shared{b, {b.B, 1, b.Lq, b.Lk}, DType::kF32},
+                           Shared{g, {g.Hq, g.Lq, g.Lk}, DType::kF32}, Shared{f, {f.B, f.Hq, f.Lq, f.Lk}, DType::kF64}};
+  for (const Shared& sh : shared) {
     Case c = sh.c;
     c.mask = 2;
     SCOPED_TRACE(c.name() + " mask " + sattn::shape_to_string(sh.mask));
@@ -878,6 +878,17 @@ TEST(Fused, SharedMaskGradientIsSummedInChunks) {
     for (const int threads : {1, 3}) {
       BwdResult& r = got[threads / 3];
       r = run_backward(pb, ref32, "fused", threads);
+      if (&sh == &shared[0]) {  // under a memory limit that only chunks of 8 batches meet (chunks of 2: 2.1 MB)
+        Problem limited = pb;
+        limited.opt.memory_limit_bytes = 700 << 10;
+        sattn::fused::workspace_reset_peak();
+        const BwdResult l = run_backward(limited, ref32, "fused", threads);
+        // the sums of chunks of 8 (0.6 MB) and the tasks' tiles; not chunks of 4 (1.1 MB), the dS buffer (3.1 MB)
+        // or the two passes' packed tiles (5.4 MB)
+        EXPECT_LT(sattn::fused::workspace_peak_bytes(), 1000000);
+        expect_grads_near(l, gref);
+        EXPECT_FALSE(bitwise_equal(l.dmask, r.dmask)) << "other chunks, other float sums";
+      }
       if (sh.grad != DType::kF32) {  // the same call with the mask's gradient in sh.grad
         const Tensor dm(sh.grad, sh.mask);
         sattn::AttentionOptions o = pb.opt;

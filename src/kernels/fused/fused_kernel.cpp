@@ -529,15 +529,21 @@ void store_mask_gradient(const Params& p, const Shape& mask_shape, const TensorV
 
 // Plans the one-pass backward's mask gradient as chunk sums (Params::dmask_part) for a mask [B or 1, Hq or 1, Lq,
 // Lk] (as 4-D, m4): a mask shared by the batch is summed in chunks of up to 8 batches (fewer where there would be
-// fewer than 64 tasks), each chunk's dS in float, the chunks in double. False (nothing set) for other shapes or
-// when the sums would pass `limit` bytes.
+// fewer than 64 tasks; up to 32 where the sums of smaller chunks would pass `limit`), each chunk's dS in float, the
+// chunks in double. False (nothing set) for other shapes or when the sums would pass `limit` bytes.
 bool plan_mask_chunks(Params& p, const int64_t (&m4)[4], double limit) {
   if (m4[2] != p.Lq || m4[3] != p.Lk || (m4[0] != 1 && m4[0] != p.B) || (m4[1] != 1 && m4[1] != p.Hq)) return false;
-  const int64_t chunk =
-      m4[0] == p.B ? 1 : std::clamp<int64_t>(p.B * p.Hkv * p.num_kv_groups() / 64, 1, std::min<int64_t>(p.B, 8));
   const int64_t heads = m4[1] == p.Hq ? p.group : 1, lqp = p.num_q_blocks() * p.Br;
-  const double bytes = double((p.B + chunk - 1) / chunk) * double(p.Hkv * heads * p.Lk * lqp) * sizeof(float);
-  if (bytes > limit) return false;
+  const auto bytes = [&](int64_t chunk) {
+    return double((p.B + chunk - 1) / chunk) * double(p.Hkv * heads * p.Lk * lqp) * sizeof(float);
+  };
+  int64_t chunk = 1;
+  if (m4[0] != p.B) {
+    const int64_t most = std::min<int64_t>(p.B, 32);
+    chunk = std::clamp<int64_t>(p.B * p.Hkv * p.num_kv_groups() / 64, 1, std::min<int64_t>(p.B, 8));
+    while (bytes(chunk) > limit && chunk < most) chunk = std::min(most, 2 * chunk);
+  }
+  if (bytes(chunk) > limit) return false;
   p.dm_chunk = chunk, p.dm_heads = heads, p.dm_lqp = lqp;
   return true;
 }
