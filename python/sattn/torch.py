@@ -68,6 +68,15 @@ def _check_tensor(x, name, floating=True):
     return x
 
 
+def _check_qkv(query, key, value):
+    """_check_tensor of query, key and value, each tensor once (self-attention passes one tensor three times)."""
+    _check_tensor(query, "query")
+    if key is not query:
+        _check_tensor(key, "key")
+    if value is not key and value is not query:
+        _check_tensor(value, "value")
+
+
 def _check_same_dtype(query, key, value):
     if torch.is_autocast_enabled("cpu"):
         return  # autocast casts them to one dtype
@@ -709,8 +718,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
-        for x, name in ((query, "query"), (key, "key"), (value, "value")):
-            _check_tensor(x, name)
+        _check_qkv(query, key, value)
         batched = query.dim() == 3
         if self.batch_first and batched:  # as torch: the functional form is sequence-first (shared inputs kept shared)
             same_kv = key is value
@@ -740,8 +748,7 @@ def multi_head_attention_forward(query, key, value, embed_dim_to_check, num_head
                                  is_causal=False):
     """torch.nn.functional.multi_head_attention_forward (sequence-first: query [L, N, E] or unbatched [L, E]) with
     the attention on sattn; see MultiheadAttention for the semantics."""
-    for x, name in ((query, "query"), (key, "key"), (value, "value")):
-        _check_tensor(x, name)
+    _check_qkv(query, key, value)
     batched = query.dim() == 3
     if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
         raise _core.InvalidArgumentError(f"query/key/value: expected 3-D (batched) or 2-D (unbatched) tensors, got "
@@ -785,29 +792,31 @@ def multi_head_attention_forward(query, key, value, embed_dim_to_check, num_head
 
     # In-projection: one product for inputs that are one tensor (self-attention: q, k and v; k and v), as torch's
     # packed projection; q, k and v are then views of its result, which the kernels read in place.
-    if use_separate_proj_weight:
-        wq, wk, wv = q_proj_weight, k_proj_weight, v_proj_weight
+    packed = not use_separate_proj_weight and key is value
+    if packed and query is key and bias_k is None and static_k is None and static_v is None:
+        # [L, N, 3E] -> [3, N, H, L, hd]
+        q, k, v = F.linear(query, in_proj_weight, in_proj_bias).reshape(L, N, 3, H, hd).permute(2, 1, 3, 0, 4)
     else:
-        wq, wk, wv = in_proj_weight.chunk(3)
-    bq, bk, bv = (None, None, None) if in_proj_bias is None else in_proj_bias.chunk(3)
-    if not use_separate_proj_weight and key is value and query is key:
-        q, k, v = F.linear(query, in_proj_weight, in_proj_bias).chunk(3, dim=-1)
-    elif not use_separate_proj_weight and key is value:
+        if use_separate_proj_weight:
+            wq, wk, wv = q_proj_weight, k_proj_weight, v_proj_weight
+        else:
+            wq, wk, wv = in_proj_weight.chunk(3)
+        bq, bk, bv = (None, None, None) if in_proj_bias is None else in_proj_bias.chunk(3)
         q = F.linear(query, wq, bq)
-        k, v = F.linear(key, in_proj_weight[E:], None if in_proj_bias is None else in_proj_bias[E:]).chunk(2, dim=-1)
-    else:
-        q = F.linear(query, wq, bq)
-        k = F.linear(key, wk, bk)
-        v = F.linear(value, wv, bv)
-    if bias_k is not None and bias_v is not None:
-        k = torch.cat([k, bias_k.repeat(1, N, 1)])
-        v = torch.cat([v, bias_v.repeat(1, N, 1)])
-        am, kpm = _pad_key(am), _pad_key(kpm)
-    q = q.reshape(L, N, H, hd).permute(1, 2, 0, 3)  # [N, H, L, hd]
-    k = (k.reshape(k.shape[0], N, H, hd).permute(1, 2, 0, 3) if static_k is None
-         else static_k.reshape(N, H, static_k.shape[1], hd))
-    v = (v.reshape(v.shape[0], N, H, hd).permute(1, 2, 0, 3) if static_v is None
-         else static_v.reshape(N, H, static_v.shape[1], hd))
+        if packed:
+            k, v = F.linear(key, in_proj_weight[E:], None if in_proj_bias is None else in_proj_bias[E:]).chunk(2, -1)
+        else:
+            k = F.linear(key, wk, bk)
+            v = F.linear(value, wv, bv)
+        if bias_k is not None and bias_v is not None:
+            k = torch.cat([k, bias_k.repeat(1, N, 1)])
+            v = torch.cat([v, bias_v.repeat(1, N, 1)])
+            am, kpm = _pad_key(am), _pad_key(kpm)
+        q = q.reshape(L, N, H, hd).permute(1, 2, 0, 3)  # [N, H, L, hd]
+        k = (k.reshape(k.shape[0], N, H, hd).permute(1, 2, 0, 3) if static_k is None
+             else static_k.reshape(N, H, static_k.shape[1], hd))
+        v = (v.reshape(v.shape[0], N, H, hd).permute(1, 2, 0, 3) if static_v is None
+             else static_v.reshape(N, H, static_v.shape[1], hd))
     if add_zero_attn:
         k = torch.cat([k, k.new_zeros(N, H, 1, hd)], dim=2)
         v = torch.cat([v, v.new_zeros(N, H, 1, hd)], dim=2)
