@@ -257,7 +257,11 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
   for (int ii = 0; ii < NQ; ++ii) {
     M[ii] = kNegInf, L[ii] = 0.f;
     const int64_t base = b * p.q.sb + rh[ii] * p.q.sh + ri[ii] * p.q.sl;
-    for (int64_t x = 0; x < D; ++x) Q[ii * Dp + x] = load_elem(p.q.data, p.q.dtype, base + x * p.q.sd) * p.scale;
+    int64_t x = 0;
+    if (p.q.dtype == DType::kF32 && p.q.sd == 1)  // whole vectors where they are; the same product per element
+      for (const float* src = static_cast<const float*>(p.q.data) + base; x + N <= D; x += N)
+        hn::StoreU(hn::Mul(hn::LoadU(d, src + x), hn::Set(d, p.scale)), d, Q + ii * Dp + x);
+    for (; x < D; ++x) Q[ii * Dp + x] = load_elem(p.q.data, p.q.dtype, base + x * p.q.sd) * p.scale;
   }
   const float keep_scale = p.dropout_p > 0 ? float(1.0 / (1.0 - p.dropout_p)) : 1.f;
   for (int64_t kb = kbeg; kb < kend; kb += Bc) {
