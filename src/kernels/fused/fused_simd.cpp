@@ -111,9 +111,12 @@ HWY_INLINE float RowElem(const hwy::float16_t* p) {
 
 // Decode scores of KEYS consecutive keys (rows of K, stride kstride, float32 or bf16 read in place) against NQ query
 // rows (Q, stride qstride, zero padded to whole vectors): S[ii * sstride + j] = Q[ii] · K[j] over D. Each key and
-// query has its own accumulator (one FMA chain along D); the KEYS keys go along their rows together, one vector of
-// each row at a time, so that all NQ × KEYS chains (about 8) overlap. (Two keys at a time left the chains' latency
-// exposed: 10–16 % slower at 128–512 keys on a Zen 2, and no faster at 65536, where memory decides.)
+// query has its own accumulator (one FMA chain along D). Float32 rows: the KEYS keys go along their rows together,
+// one vector of each row at a time, so that all NQ × KEYS chains (about 8) overlap (two keys at a time left the
+// chains' latency exposed: 10–16 % slower at 128–512 keys on a Zen 2, and no faster at 65536, where memory decides).
+// Half-precision rows: two keys at a time, so that the rows are read in address order while the chains of a pair,
+// and of the next pairs in the out-of-order window, overlap (bf16 on the same Zen 2: a few per cent faster at 65536
+// keys than all keys together, about 10 % slower at 128).
 // Rows of K and V are prefetched this many rows ahead, each cache line once, the K rows before the products.
 // Half-precision rows want a shorter distance than float32 ones (measured on the AMX Xeon, bf16, Lq 1, Lk 65536,
 // D 64/128: 12 rows ahead read 1.3x faster than 32).
@@ -133,14 +136,16 @@ HWY_INLINE void DecodeScores(const T* k, int64_t kstride, const float* Q, int64_
   // keep the accumulators in memory, and the scores took twice as long as the P·V update of as many bytes.
   for (int j = 0; j < KEYS; ++j)
     for (int64_t x = 0; x < D; x += kLineElems<T>) hwy::Prefetch(k + (j + kPrefetchRows<T>)*kstride + x);
-  for (int64_t x = 0; x < Dfull; x += N) {
-    VF qv[NQ];
-    for (int ii = 0; ii < NQ; ++ii) qv[ii] = hn::Load(d, Q + ii * qstride + x);
-    for (int j = 0; j < KEYS; ++j) {
-      const VF kv = LoadRowVec(d, k + j * kstride + x);
-      for (int ii = 0; ii < NQ; ++ii) acc[ii][j] = hn::MulAdd(kv, qv[ii], acc[ii][j]);
+  constexpr int G = sizeof(T) == 2 ? (KEYS % 2 == 0 ? 2 : 1) : KEYS;  // keys per pass along the rows
+  for (int j0 = 0; j0 < KEYS; j0 += G)
+    for (int64_t x = 0; x < Dfull; x += N) {
+      VF qv[NQ];
+      for (int ii = 0; ii < NQ; ++ii) qv[ii] = hn::Load(d, Q + ii * qstride + x);
+      for (int j = j0; j < j0 + G; ++j) {
+        const VF kv = LoadRowVec(d, k + j * kstride + x);
+        for (int ii = 0; ii < NQ; ++ii) acc[ii][j] = hn::MulAdd(kv, qv[ii], acc[ii][j]);
+      }
     }
-  }
   // The lane sums first, in a loop of constant trip counts only: with the tail's loop inside it, the compiler kept acc
   // in memory and stored every accumulator on each step of the products.
   for (int ii = 0; ii < NQ; ++ii)
