@@ -594,23 +594,30 @@ void store_mask_chunks(const Params& p, const int64_t (&m4)[4], size_t off, cons
     const int64_t mb = task / m4[1], mh = task % m4[1];
     const int64_t c0 = has_b ? mb : 0, c1 = has_b ? mb + 1 : p.num_dm_chunks();
     const int64_t hk0 = has_h ? mh / p.group : 0, hk1 = has_h ? hk0 + 1 : p.Hkv;
-    std::vector<double> acc(size_t(p.Lq));
-    for (int64_t j = 0; j < p.Lk; ++j) {
-      std::fill(acc.begin(), acc.end(), 0.0);
-      for (int64_t c = c0; c < c1; ++c)
-        for (int64_t hk = hk0; hk < hk1; ++hk) {
-          const float* src = p.mask_part(c * p.dm_chunk, has_h ? mh : hk * p.group) + j * p.dm_lqp;
-          for (int64_t i = 0; i < p.Lq; ++i) acc[size_t(i)] += double(src[i]);
-        }
-      for (int64_t i = 0; i < p.Lq; ++i) {
-        if (dense) {
-          dense[((mb * m4[1] + mh) * p.Lq + i) * p.Lk + j] = float(acc[size_t(i)]);
-        } else {
-          const int64_t at[4] = {mb, mh, i, j};
-          dmask.set(at + off, acc[size_t(i)]);  // the mask's own dimensions, in its dtype
-        }
+    // Tiles of 64 rows x 16 columns of the gradient: the sums read runs of 64 floats of the chunks' rows (keys) and
+    // the gradient's rows are written 16 floats (a cache line) at a time.
+    constexpr int64_t kRows = 64, kCols = 16;
+    double acc[kCols][kRows];
+    for (int64_t i0 = 0; i0 < p.Lq; i0 += kRows)
+      for (int64_t j0 = 0; j0 < p.Lk; j0 += kCols) {
+        const int64_t ni = std::min(kRows, p.Lq - i0), nj = std::min(kCols, p.Lk - j0);
+        for (int64_t jj = 0; jj < nj; ++jj) std::fill(acc[jj], acc[jj] + ni, 0.0);
+        for (int64_t c = c0; c < c1; ++c)
+          for (int64_t hk = hk0; hk < hk1; ++hk) {
+            const float* src = p.mask_part(c * p.dm_chunk, has_h ? mh : hk * p.group) + j0 * p.dm_lqp + i0;
+            for (int64_t jj = 0; jj < nj; ++jj)
+              for (int64_t ii = 0; ii < ni; ++ii) acc[jj][ii] += double(src[jj * p.dm_lqp + ii]);
+          }
+        for (int64_t ii = 0; ii < ni; ++ii)
+          for (int64_t jj = 0; jj < nj; ++jj) {
+            if (dense) {
+              dense[((mb * m4[1] + mh) * p.Lq + i0 + ii) * p.Lk + j0 + jj] = float(acc[jj][ii]);
+            } else {
+              const int64_t at[4] = {mb, mh, i0 + ii, j0 + jj};
+              dmask.set(at + off, acc[jj][ii]);  // the mask's own dimensions, in its dtype
+            }
+          }
       }
-    }
   });
 }
 
