@@ -139,9 +139,9 @@ struct Params {
   // Or, for a mask [B or 1, Hq or 1, Lq, Lk] whose gradient is not written directly: partial sums of dS^T per chunk
   // of dm_chunk batches and kv head, in dmask_part [chunk][Hkv][dm_heads][Lk][dm_lqp] (keys along the rows, as the
   // tiles hold dS^T; dm_heads = group when the mask has heads, else 1; dm_lqp = Lq rounded up to Br). A task of the
-  // one-pass backward covers one (chunk, kv head, key group), its batches in order, and adds each tile into its
-  // part of the chunk's sums; the driver then sums the chunks (and kv heads) in a fixed order. dm_chunk depends on
-  // the problem only.
+  // one-pass backward covers one (chunk, kv head, key group), its batches in order: the first zeroes its part of the
+  // chunk's sums and each adds its tiles into it; the driver then sums the chunks (and kv heads) in a fixed order.
+  // dm_chunk depends on the problem only.
   float* dmask_part = nullptr;
   int64_t dm_chunk = 1, dm_heads = 1, dm_lqp = 0;
   int64_t num_dm_chunks() const { return (B + dm_chunk - 1) / dm_chunk; }

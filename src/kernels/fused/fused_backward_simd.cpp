@@ -311,6 +311,10 @@ void BackwardKVQTask(const Params& p, int64_t task) {
   std::memset(dK, 0, sizeof(float) * size_t(rows * Dp));
   std::memset(dV, 0, sizeof(float) * size_t(rows * Dvp));
   const int64_t klive = p.key_len ? std::min(kend, p.key_len[b]) : kend;  // keys past key_len get 0 gradients
+  if (p.dmask_part && b % p.dm_chunk == 0)  // the chunk's first batch: its sums of the group's keys start from 0
+    for (int64_t hm = 0; hm < p.dm_heads; ++hm)
+      std::memset(p.mask_part(b, hk * p.group + hm) + kb0 * p.dm_lqp, 0,
+                  sizeof(float) * size_t((kend - kb0) * p.dm_lqp));
   // The group's columns [kb0, kend) of dS: each tile's, and 0 where no tile is computed (masked, causal, past
   // key_len): columns [c0, c1) of rows [i0, i0 + n) of head h.
   const auto zero_scores = [&](int64_t h, int64_t i0, int64_t n, int64_t c0, int64_t c1) {

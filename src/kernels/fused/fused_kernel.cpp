@@ -437,21 +437,12 @@ void one_pass_backward(Params& p, const BackwardOps& o, int threads, bool own_ti
   const WorkspacePtr<float> part = workspace_array<float>(part_n, "fused attention backward: the partial dQ tiles");
   const CountedBytes counted(int64_t(part_n * sizeof(float)));
   p.dq_part = part.get();
-  // Zeroes the mask-gradient sums (Params::dmask_part) of chunk c, kv head hk, key group g.
-  const auto zero_mask_part = [&p](int64_t c, int64_t hk, int64_t g) {
-    if (!p.dmask_part) return;
-    const int64_t k0 = g * p.kv_group * p.Bc, k1 = std::min(p.Lk, (g + 1) * p.kv_group * p.Bc);
-    for (int64_t hm = 0; hm < p.dm_heads; ++hm)
-      std::memset(p.mask_part(c * p.dm_chunk, hk * p.group + hm) + k0 * p.dm_lqp, 0,
-                  sizeof(float) * size_t((k1 - k0) * p.dm_lqp));
-  };
   // Tasks: (batch chunk, kv head[, key group]), the chunk's batches in order (chunks of one batch without
   // dmask_part).
   const auto chunk_batches = [&p](int64_t c) { return std::pair(c * p.dm_chunk, std::min(p.B, (c + 1) * p.dm_chunk)); };
   if (ng == 1) {
     run_tasks(nc * p.Hkv, threads, [&](int64_t ch) {
       const int64_t c = ch / p.Hkv, hk = ch % p.Hkv;
-      zero_mask_part(c, hk, 0);
       Params tp = p;
       ScratchPtr<float> own;  // 64-byte aligned: the tiles are loaded with aligned vector loads
       std::optional<CountedBytes> counted_own;
@@ -481,7 +472,6 @@ void one_pass_backward(Params& p, const BackwardOps& o, int threads, bool own_ti
   prepare_query_blocks(p, o, threads);
   run_tasks(nc * p.Hkv * ng, threads, [&](int64_t t) {
     const int64_t c = t / (p.Hkv * ng), hk = t / ng % p.Hkv, g = t % ng;
-    zero_mask_part(c, hk, g);
     const auto [b0, b1] = chunk_batches(c);
     for (int64_t b = b0; b < b1; ++b) o.backward_kvq_task(p, (b * p.Hkv + hk) * ng + g);
   });
@@ -491,10 +481,7 @@ void one_pass_backward(Params& p, const BackwardOps& o, int threads, bool own_ti
 // The additive mask's gradient from the one-pass backward's dS (Params::dscores): each element of the mask the
 // sum, in double and in (b, h, i, j) order, of the dS of the scores it was added to, stored in the mask's dtype.
 // One task per row of the mask and run of up to 256 of its columns, so the sums do not depend on the thread count.
-void store_mask_gradient(const Params& p, const Shape& mask_shape, const TensorView& dmask, int threads) {
-  int64_t m4[4] = {1, 1, 1, 1};  // the mask as 4-D (its dimensions right-aligned)
-  const size_t off = 4 - mask_shape.size();
-  for (size_t x = 0; x < mask_shape.size(); ++x) m4[off + x] = mask_shape[x];
+void store_mask_gradient(const Params& p, const int64_t (&m4)[4], size_t off, const TensorView& dmask, int threads) {
   const int64_t full[3] = {p.B, p.Hq, p.Lq};
   constexpr int64_t kRun = 256;
   const int64_t runs = (m4[3] + kRun - 1) / kRun;
@@ -573,13 +560,12 @@ MaskGradient plan_backward(Params& p, const AttentionProblem& pr, const TensorVi
   if (form == "two_pass") return MaskGradient::kTwoPass;
   p.kv_group = kv_group_size(p);
   if (!pr.need_dmask) return MaskGradient::kNone;
-  const int64_t scores = p.B * p.Hq * p.Lq * p.Lk;
-  if (numel(pr.mask_shape) == scores && dmask.dtype == DType::kF32 && dmask.is_contiguous())
+  if (numel(pr.mask_shape) == p.B * p.Hq * p.Lq * p.Lk && dmask.dtype == DType::kF32 && dmask.is_contiguous())
     return MaskGradient::kDirect;
   const double limit =
       form == "one_pass" ? HUGE_VAL : std::min(kMaxScoreBytes, double(memory_limit_bytes(options.memory_limit_bytes)));
   if (plan_mask_chunks(p, m4, limit)) return MaskGradient::kChunkSums;
-  if (double(scores) * sizeof(float) <= limit) return MaskGradient::kScores;
+  if (pr.score_matrix_bytes(sizeof(float)) <= limit) return MaskGradient::kScores;
   p.kv_group = 0;
   return MaskGradient::kTwoPass;
 }
@@ -798,7 +784,7 @@ void fused_backward(const BackwardArgs& a) {
       const CountedBytes counted_scores(int64_t(n * sizeof(float)));
       p.dscores = scores.get();
       one_pass_backward(p, o, threads, own_tiles);
-      return store_mask_gradient(p, ms, dm, threads);
+      return store_mask_gradient(p, m4, off, dm, threads);
     }
     case MaskGradient::kTwoPass: break;
   }
