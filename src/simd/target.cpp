@@ -79,6 +79,15 @@ Target widest_available() {
 
 const char* name(Target t) { return kTable[int(t)].name; }
 
+bool hardware_prefetch_suffices() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool amd_avx512 = __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f");
+  return amd_avx512;
+#else
+  return false;
+#endif
+}
+
 std::string amx_unavailable_reason() {
   if (!cpu_has_amx_bf16() || !cpu_has_bf16_dot() || (hwy::SupportedTargets() & HWY_AVX3) == 0)
     return "this CPU lacks AMX-BF16 (with AVX-512 and AVX512-BF16)";

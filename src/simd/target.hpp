@@ -25,6 +25,11 @@ bool cpu_runs(Target t);
 // Why the amx target does not run here ("" when it does): the missing CPU features, or the refused tile permission.
 std::string amx_unavailable_reason();
 
+// Whether streams of rows read once (the keys and values of a decode) are best left to the CPU's own prefetchers:
+// true on AMD CPUs with AVX-512 (Zen 4 and later), where the decode's software prefetches made one thread stream
+// K and V 1.25-1.4x slower (docs/PERFORMANCE.md, Decode); false elsewhere (the AMX Xeon read 1.3x faster with them).
+bool hardware_prefetch_suffices();
+
 // The target named `name`: one of the names above, "auto" (the widest this CPU runs), or an older name
 // ("avx2+fma", "base", "scalar", "emu128"). Throws sattn::Error: InvalidArgument for an unknown name, Unsupported
 // when this CPU cannot run it. `what` names the source of the name in the message ("SATTN_SIMD", ...).

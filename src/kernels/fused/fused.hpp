@@ -19,6 +19,10 @@
 
 namespace sattn::fused {
 
+// Lq up to this runs the keys-in-lanes decode kernel (DecodeRows), whatever the dtype: bf16 products need K and V
+// packed into pairs first, which costs a one-query call more than it saves (4x at Lk 512, Zen 4).
+constexpr int64_t kDecodeRows = 4;
+
 // A strided 4-D view [b, h, i, d] as raw pointer + element strides.
 struct View4 {
   const void* data = nullptr;

@@ -346,11 +346,12 @@ void fused_forward(const ForwardArgs& a) {
   }
   p.amx_tiles = o.amx_tiles;
   // float16 as two bf16 each on the tiles, unless an input holds an infinity (inf · 0 between the parts)
-  p.split_halves = o.amx_tiles && p.q.dtype == DType::kF16 &&
+  p.split_halves = o.amx_tiles && p.q.dtype == DType::kF16 && p.Lq > kDecodeRows &&
                    !has_half_infinity(p.q, p.B, p.Hq, p.Lq, p.D, a.num_threads) &&
                    !has_half_infinity(p.k, p.B, p.Hkv, p.Lk, p.D, a.num_threads) &&
                    !has_half_infinity(p.v, p.B, p.Hkv, p.Lk, p.Dv, a.num_threads);
-  const bool bf16_products = o.pack_kv_pairs && (takes_bf16_products(p.q.dtype, a.options) || p.split_halves);
+  const bool bf16_products =
+      o.pack_kv_pairs && p.Lq > kDecodeRows && (takes_bf16_products(p.q.dtype, a.options) || p.split_halves);
   const DenseKV dense_kv(p, a.num_threads, !bf16_products);
   // bf16 products (a build that has them; bf16 inputs, or float32 ones when allowed): K and V as bf16 pairs, once.
   WorkspaceVector<uint32_t> kv_pairs;  // zeroed by resize

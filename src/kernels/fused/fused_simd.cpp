@@ -28,6 +28,7 @@
 #include "sattn/error.hpp"
 #include "sattn/random.hpp"
 #include "simd/amx_tiles.hpp"
+#include "simd/target.hpp"
 
 #include "kernels/fused/fused_tiles.inc"  // per target: the tile operations
 
@@ -119,14 +120,20 @@ HWY_INLINE float RowElem(const hwy::float16_t* p) {
 // keys than all keys together, about 10 % slower at 128).
 // Rows of K and V are prefetched this many rows ahead, each cache line once, the K rows before the products.
 // Half-precision rows want a shorter distance than float32 ones (measured on the AMX Xeon, bf16, Lq 1, Lk 65536,
-// D 64/128: 12 rows ahead read 1.3x faster than 32).
+// D 64/128: 12 rows ahead read 1.3x faster than 32). Where `near` is set (one query per row on a CPU whose own
+// prefetchers stream better, simd::hardware_prefetch_suffices), float32 rows prefetch the lines about to be read
+// (all of a pass's rows at once) and half-precision rows nothing (DecodePrefetchRows; -1: none).
 template <typename T>
 constexpr int64_t kPrefetchRows = sizeof(T) == 2 ? 12 : 32;
+template <typename T>
+HWY_INLINE int64_t DecodePrefetchRows(bool near) {
+  return !near ? kPrefetchRows<T> : sizeof(T) == 2 ? -1 : 0;
+}
 template <typename T>
 constexpr int64_t kLineElems = 64 / sizeof(T);
 template <int NQ, int KEYS, typename T>
 HWY_INLINE void DecodeScores(const T* k, int64_t kstride, const float* Q, int64_t qstride, int64_t D, float* S,
-                             int64_t sstride) {
+                             int64_t sstride, bool near) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d)), Dfull = D / N * N;
   VF acc[NQ][KEYS];
@@ -134,8 +141,9 @@ HWY_INLINE void DecodeScores(const T* k, int64_t kstride, const float* Q, int64_
     for (int j = 0; j < KEYS; ++j) acc[ii][j] = hn::Zero(d);
   // Prefetched before the products: a prefetch inside their loop (on every line's first vector) made the compiler
   // keep the accumulators in memory, and the scores took twice as long as the P·V update of as many bytes.
-  for (int j = 0; j < KEYS; ++j)
-    for (int64_t x = 0; x < D; x += kLineElems<T>) hwy::Prefetch(k + (j + kPrefetchRows<T>)*kstride + x);
+  if (const int64_t ahead = DecodePrefetchRows<T>(near); ahead >= 0)
+    for (int j = 0; j < KEYS; ++j)
+      for (int64_t x = 0; x < D; x += kLineElems<T>) hwy::Prefetch(k + (j + ahead) * kstride + x);
   constexpr int G = sizeof(T) == 2 ? (KEYS % 2 == 0 ? 2 : 1) : KEYS;  // keys per pass along the rows
   for (int j0 = 0; j0 < KEYS; j0 += G)
     for (int64_t x = 0; x < Dfull; x += N) {
@@ -164,15 +172,17 @@ HWY_INLINE void DecodeScores(const T* k, int64_t kstride, const float* Q, int64_
 // accumulators stay in registers over all nk keys.
 template <int NQ, int COLS, typename T>
 HWY_INLINE void DecodeAccumulate(const T* v, int64_t vstride, int64_t nk, const float* S, int64_t sstride, float* O,
-                                 int64_t ostride, int64_t x0) {
+                                 int64_t ostride, int64_t x0, bool near) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
+  const int64_t ahead = DecodePrefetchRows<T>(near);
   VF acc[NQ][COLS];
   for (int ii = 0; ii < NQ; ++ii)
     for (int c = 0; c < COLS; ++c) acc[ii][c] = hn::Load(d, O + ii * ostride + c * N);
   for (int64_t jj = 0; jj < nk; ++jj) {
     const T* vrow = v + jj * vstride + x0;
-    for (int64_t x = 0; x < COLS * N; x += kLineElems<T>) hwy::Prefetch(vrow + kPrefetchRows<T> * vstride + x);
+    if (ahead >= 0)
+      for (int64_t x = 0; x < COLS * N; x += kLineElems<T>) hwy::Prefetch(vrow + ahead * vstride + x);
     VF pv[NQ];
     for (int ii = 0; ii < NQ; ++ii) pv[ii] = hn::Set(d, S[ii * sstride + jj]);
     for (int c = 0; c < COLS; ++c) {
@@ -200,15 +210,15 @@ HWY_INLINE void WithDecodeRows(const View4& t, int64_t b, int64_t h, int64_t j0,
 // of unit stride, or bf16 ones: no converted copy) or from a float32 copy (kr, vr).
 template <int NQ, int KEYS, typename T>
 HWY_INLINE void DecodeTileScores(const T* k, int64_t kstride, int64_t nk, const float* Q, int64_t D, float* S,
-                                 int64_t Bc) {
+                                 int64_t Bc, bool near) {
   const int64_t Dp = Params::pad16(D);
   int64_t j0 = 0;  // S[ii, jj] = (scale q_ii) · k_jj: KEYS keys at a time, so that the FMA chains overlap
-  for (; j0 + KEYS <= nk; j0 += KEYS) DecodeScores<NQ, KEYS>(k + j0 * kstride, kstride, Q, Dp, D, S + j0, Bc);
-  for (; j0 < nk; ++j0) DecodeScores<NQ, 1>(k + j0 * kstride, kstride, Q, Dp, D, S + j0, Bc);
+  for (; j0 + KEYS <= nk; j0 += KEYS) DecodeScores<NQ, KEYS>(k + j0 * kstride, kstride, Q, Dp, D, S + j0, Bc, near);
+  for (; j0 < nk; ++j0) DecodeScores<NQ, 1>(k + j0 * kstride, kstride, Q, Dp, D, S + j0, Bc, near);
 }
 template <int NQ, int COLS, typename T>
 HWY_INLINE void DecodeTileUpdate(const T* v, int64_t vstride, int64_t nk, const float* S, int64_t Bc, float* O,
-                                 int64_t Dv) {
+                                 int64_t Dv, bool near) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d)), Dvp = Params::pad16(Dv), Dvfull = Dv / N * N;
   // O[ii, x] += sum_j P[ii, j] V[j, x]: up to COLS vectors of O per query held over a run of keys, the strips of
@@ -224,10 +234,13 @@ HWY_INLINE void DecodeTileUpdate(const T* v, int64_t vstride, int64_t nk, const 
     const T* vr = v + j0 * vstride;
     const float* Sr = S + j0;
     int64_t x0 = 0;
-    for (; x0 + COLS * N <= Dvfull; x0 += COLS * N) DecodeAccumulate<NQ, COLS>(vr, vstride, n, Sr, Bc, O + x0, Dvp, x0);
-    if (COLS > 4 && x0 + 4 * N <= Dvfull) DecodeAccumulate<NQ, 4>(vr, vstride, n, Sr, Bc, O + x0, Dvp, x0), x0 += 4 * N;
-    if (COLS > 2 && x0 + 2 * N <= Dvfull) DecodeAccumulate<NQ, 2>(vr, vstride, n, Sr, Bc, O + x0, Dvp, x0), x0 += 2 * N;
-    for (; x0 < Dvfull; x0 += N) DecodeAccumulate<NQ, 1>(vr, vstride, n, Sr, Bc, O + x0, Dvp, x0);
+    for (; x0 + COLS * N <= Dvfull; x0 += COLS * N)
+      DecodeAccumulate<NQ, COLS>(vr, vstride, n, Sr, Bc, O + x0, Dvp, x0, near);
+    if (COLS > 4 && x0 + 4 * N <= Dvfull)
+      DecodeAccumulate<NQ, 4>(vr, vstride, n, Sr, Bc, O + x0, Dvp, x0, near), x0 += 4 * N;
+    if (COLS > 2 && x0 + 2 * N <= Dvfull)
+      DecodeAccumulate<NQ, 2>(vr, vstride, n, Sr, Bc, O + x0, Dvp, x0, near), x0 += 2 * N;
+    for (; x0 < Dvfull; x0 += N) DecodeAccumulate<NQ, 1>(vr, vstride, n, Sr, Bc, O + x0, Dvp, x0, near);
   }
   for (int64_t x = Dvfull; x < Dv; ++x)
     for (int64_t jj = 0; jj < nk; ++jj)
@@ -247,6 +260,10 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
   const int64_t Bc = p.Bc, D = p.D, Dv = p.Dv, Br = p.Br;
   const int64_t Dp = Params::pad16(D), Dvp = Params::pad16(Dv);
   constexpr int kKeys = NQ == 1 ? 8 : NQ == 2 ? 4 : 2, kCols = NQ == 1 ? 8 : NQ == 2 ? 4 : 2;  // about 8 chains
+  // Prefetching near (DecodePrefetchRows) streams one query's K and V faster on a Zen 4, one thread (Lk 65536, D
+  // 64 / 128: float32 1.2x / 1.3x, bf16 1.25x / 1.5x; two threads, which share the memory, about the same); with
+  // several queries per row (GQA) the far prefetches were as fast or up to 1.2x faster (docs/PERFORMANCE.md, Decode).
+  const bool near = NQ == 1 && simd::hardware_prefetch_suffices();
   Scratch s_q, s_o, s_s, s_bias, s_kbuf, s_vbuf;
   float* Q = s_q.alloc(NQ * Dp);  // scale·q rows, zero padded
   float* O = s_o.alloc(NQ * Dvp);
@@ -279,7 +296,7 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
     }
     if (!live) continue;
     WithDecodeRows(p.k, b, hk, kb, nk, D, kbuf,
-                   [&](const auto* k, int64_t ks) { DecodeTileScores<NQ, kKeys>(k, ks, nk, Q, D, S, Bc); });
+                   [&](const auto* k, int64_t ks) { DecodeTileScores<NQ, kKeys>(k, ks, nk, Q, D, S, Bc, near); });
     if (masked)
       for (int ii = 0; ii < NQ; ++ii)
         for (int64_t jj = 0; jj < nk; ++jj) {
@@ -321,7 +338,7 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
       }
     }
     WithDecodeRows(p.v, b, hk, kb, nk, Dv, vbuf,
-                   [&](const auto* v, int64_t vs) { DecodeTileUpdate<NQ, kCols>(v, vs, nk, S, Bc, O, Dv); });
+                   [&](const auto* v, int64_t vs) { DecodeTileUpdate<NQ, kCols>(v, vs, nk, S, Bc, O, Dv, near); });
   }
   for (int ii = 0; ii < NQ; ++ii)
     FinishRows(p, b, rh[ii], ri[ii], 1, chunk, M + ii, L + ii, [&](int64_t, int64_t dd) { return O[ii * Dvp + dd]; });
