@@ -125,7 +125,7 @@ void scaled_dot_product_attention_backward(const TensorView& dout, const TensorV
   if (grads.dmask.data) {
     check(p.mask == MaskKind::kAdditive, ErrorKind::kInvalidArgument,
           "dmask: only a float (additive) attn_mask has a gradient");
-    check_output(grads.dmask, "dmask", p.mask_shape, false);
+    check_output(grads.dmask, "dmask", p.mask_shape, true);
     p.need_dmask = true;
   }
   const KernelEntry& kernel = choose_kernel(p, options, info);

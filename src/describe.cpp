@@ -144,13 +144,13 @@ void check_scalars(std::optional<double> scale, double dropout_p, AttentionProbl
   p.dropout_p = dropout_p;
 }
 
-// attn_mask: bool (True = may attend) or float32/float64 (additive), broadcastable (right-aligned, numpy rules) to
-// the weights' shape (..., Hq, Lq, Lk).
+// attn_mask: bool (True = may attend) or float (additive: float32, float64, bfloat16, float16), broadcastable
+// (right-aligned, numpy rules) to the weights' shape (..., Hq, Lq, Lk).
 void check_mask(const Arg& m, const Shape& weights, AttentionProblem& p) {
   const std::optional<DType> d = parse_dtype(m.dtype);
-  if (!d || !(*d == DType::kBool || *d == DType::kF32 || *d == DType::kF64))
-    fail(ErrorKind::kTypeError, "attn_mask: expected bool (True = may attend) or float32/float64 (additive), got ",
-         m.dtype);
+  if (!d || !(*d == DType::kBool || is_floating(*d)))
+    fail(ErrorKind::kTypeError,
+         "attn_mask: expected bool (True = may attend) or float32/float64/bfloat16/float16 (additive), got ", m.dtype);
   bool ok = m.shape.size() <= weights.size();
   for (size_t i = 1; ok && i <= m.shape.size(); ++i) {
     const int64_t a = m.shape[m.shape.size() - i], b = weights[weights.size() - i];

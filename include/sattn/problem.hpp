@@ -38,7 +38,7 @@ enum class KeyPaddingKind : uint8_t { kNone, kBool, kLengths };
 
 // Options of one attention call. Masks are views; an empty view (data == nullptr) means "absent".
 struct AttentionOptions {
-  // Boolean with True = may attend (PyTorch SDPA), or float (f32/f64) additive.
+  // Boolean with True = may attend (PyTorch SDPA), or float (f32/f64/bf16/f16) additive.
   // Broadcastable to [B, Hq, Lq, Lk] (numpy rules, right-aligned; 2-D [Lq, Lk] is common).
   // A key is masked only by False or by an additive -inf; a finite bias never masks.
   TensorView attn_mask;

@@ -170,8 +170,6 @@ class _Call:
         self.in_dtype = q.dtype
         mask = None if attn_mask is None else _as_array(attn_mask, "attn_mask")
         self.mask_dtype = None if mask is None else mask.dtype  # dmask comes back in it
-        if mask is not None and _is_half(mask.dtype):
-            mask = mask.astype(np.float32)  # the kernels take float32/float64 biases
         kpm = None if key_padding_mask is None else _as_array(key_padding_mask, "key_padding_mask")
         klen = None if key_lengths is None else _as_array(key_lengths, "key_lengths")
         if klen is not None and klen.dtype.kind in "iu":

@@ -139,8 +139,9 @@ def _stats_dtype(dtype):
 
 
 def _as_stat_float(x):
-    """Masks and biases reach the kernels as float32/float64 (half precision ones, e.g. under autocast, are widened
-    here; the gradient is cast back to their dtype)."""
+    """The sparse engine's biases reach its kernels as float32/float64 (half precision ones, e.g. under autocast, are
+    widened here; the gradient is cast back to their dtype). The dense operators take half-precision masks as they
+    are."""
     return x.float() if x is not None and x.dtype in _HALF else x
 
 
@@ -235,7 +236,7 @@ def _sdpa_forward_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Opt
     B, Hq, Lq, _ = query.shape
     out = _empty_out(query, value)
     lse = _contiguous_empty((B, Hq, Lq), _stats_dtype(query.dtype))
-    _core._torch_sdpa_forward(query, key, value, _as_stat_float(attn_mask), key_padding_mask, causal, scale,
+    _core._torch_sdpa_forward(query, key, value, attn_mask, key_padding_mask, causal, scale,
                               dropout_p, _seed_value(seed), _run_threads(num_threads), out, lse,
                               _run_precision(float32_precision))
     return out, lse
@@ -251,13 +252,8 @@ def _describe_4d(query, key, value, attn_mask, key_padding_mask, causal, scale, 
     the kernels check the real tensors when they run."""
     tensors = [t for t in (query, key, value, attn_mask, key_padding_mask) if t is not None]
     if all(isinstance(n, int) for t in tensors for n in t.shape):
-        _describe(_spec(query), _spec(key), _spec(value), _mask_spec(attn_mask), _spec(key_padding_mask), None, causal,
+        _describe(_spec(query), _spec(key), _spec(value), _spec(attn_mask), _spec(key_padding_mask), None, causal,
                   scale, dropout_p, True)
-
-
-def _mask_spec(mask):
-    """A mask's (shape, dtype name): half-precision ones as float32, which _as_stat_float makes of them."""
-    return _spec(mask, torch.float32 if mask is not None and mask.dtype in _HALF else None)
 
 
 @_sdpa_forward.register_fake
@@ -276,14 +272,13 @@ def _sdpa_backward_impl(grad_out: Tensor, query: Tensor, key: Tensor, value: Ten
     dq = _empty_as(query)
     dk = _empty_as(key)
     dv = _empty_as(value)
-    mask = _as_stat_float(attn_mask)
-    dmask = _empty_as(mask) if need_dmask else None
-    _core._torch_sdpa_backward(grad_out, query, key, value, out, lse, mask, key_padding_mask, causal, scale,
+    dmask = _empty_as(attn_mask) if need_dmask else None  # in the mask's dtype, half precision included
+    _core._torch_sdpa_backward(grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, causal, scale,
                                dropout_p, _seed_value(seed), _run_threads(num_threads), dq, dk, dv, dmask,
                                _run_precision(float32_precision))
     if dmask is None:
         return dq, dk, dv, query.new_empty((0,))
-    return dq, dk, dv, dmask.to(attn_mask.dtype)
+    return dq, dk, dv, dmask
 
 
 _sdpa_backward = torch.library.custom_op("sattn::sdpa_backward", _sdpa_backward_impl, mutates_args=(),
@@ -348,7 +343,7 @@ def _sdpa_inference(query, key, value, attn_mask, key_padding_mask, causal, scal
     (inference's common call, decoding included, where the fixed cost of a call matters most): the forward operator's
     body without the log-sum-exp, which only the backward reads (one tensor less to make; the same output bits)."""
     out = _empty_out(query, value)
-    _core._torch_sdpa_forward(query, key, value, _as_stat_float(attn_mask), key_padding_mask, causal, scale, 0.0, 0,
+    _core._torch_sdpa_forward(query, key, value, attn_mask, key_padding_mask, causal, scale, 0.0, 0,
                               _run_threads(num_threads), out, None, _run_precision(float32_precision))
     return out
 
@@ -429,7 +424,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     plain_4d = query.dim() == key.dim() == value.dim() == 4 and attn_mask is None and key_padding_mask is None
     if not torch.compiler.is_compiling() and not plain_4d:
         _core._describe(_spec(query, qkv_dtype), _spec(key, qkv_dtype), _spec(value, qkv_dtype),
-                        _mask_spec(attn_mask), _spec(key_padding_mask), None, causal, scale, dropout_p, enable_gqa)
+                        _spec(attn_mask), _spec(key_padding_mask), None, causal, scale, dropout_p, enable_gqa)
     elif not enable_gqa and query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
         # Compiled (dynamo cannot trace the native describe) or plain 4-D (the kernels' own validation gives describe's
         # messages), the operators check the 4-D form; this is the one check they cannot make, as they take any Hq

@@ -1273,6 +1273,76 @@ double median_rel_err(const Tensor& got, const Tensor& ref, const std::vector<do
 
 // The gradient of a broadcast float mask is a long sum of dS values: over B·Hq·Lq = 32768 terms for a key bias
 // [Lk], over Lk = 4096 keys for a row bias [Lq, 1]. Median relative error against the fp64 reference.
+// A float mask in bf16 or float16 gives what its values in float32 give: the same bits for out, lse, dq, dk, dv and
+// a float32 dmask (the mask widened exactly, the same kernel), and a dmask in the mask's own dtype is the float32
+// one rounded once (from the double sums, where the float32 one is rounded to float first: within one unit of the
+// last place). Every SIMD target; the vector path (unit key stride: a full mask, a shared one, decode with split
+// keys) and the element path (a mask broadcast along the keys, a few queries) of the fused kernel, and the reference.
+TEST(Fused, HalfPrecisionMasksMatchTheirFloat32Values) {
+  const int64_t shapes[][7] = {{2, 2, 2, 77, 90, 40, 0},
+                               {2, 4, 2, 65, 130, 32, 1},
+                               {1, 2, 2, 1, 1100, 64, 0},
+                               {2, 2, 1, 3, 200, 16, 3},
+                               {1, 2, 2, 50, 70, 16, 2}};
+  uint32_t seed = 60;
+  for (const auto& sh : shapes) {
+    Case c;
+    c.B = sh[0], c.Hq = sh[1], c.Hkv = sh[2], c.Lq = sh[3], c.Lk = sh[4], c.D = c.Dv = sh[5], c.mask_shape = int(sh[6]);
+    c.mask = 2;
+    const Problem pb = make_problem(c, seed++);
+    for (const std::string& simd : sattn::testing::simd_target_names())
+      for (DType dt : {DType::kBF16, DType::kF16}) {
+        const sattn::testing::ScopedSimdTarget simd_target(simd);
+        const std::string what = c.name() + " " + sattn::to_string(dt) + " " + simd;
+        Problem half = pb, wide = pb;
+        half.mask = pb.mask.to(dt), half.opt.attn_mask = half.mask.view();
+        wide.mask = half.mask.to(DType::kF32), wide.opt.attn_mask = wide.mask.view();
+        const FwdResult f16 = run_forward(half, "fused", 2), f32 = run_forward(wide, "fused", 2);
+        EXPECT_TRUE(bitwise_equal(f16.out, f32.out) && bitwise_equal(f16.lse, f32.lse)) << what;
+        const BwdResult g16 = run_backward(half, f16, "fused", 2), g32 = run_backward(wide, f32, "fused", 2);
+        EXPECT_TRUE(bitwise_equal(g16.dq, g32.dq) && bitwise_equal(g16.dk, g32.dk) && bitwise_equal(g16.dv, g32.dv))
+            << what;
+        EXPECT_TRUE(bitwise_equal(g16.dmask, g32.dmask)) << what;
+        sattn::AttentionOptions o = half.opt;
+        o.kernel = "fused", o.num_threads = 2;
+        Tensor dq(DType::kF32, pb.q.view.shape), dk(DType::kF32, pb.k.view.shape), dv(DType::kF32, pb.v.view.shape),
+            dm(dt, pb.mask.shape());
+        sattn::scaled_dot_product_attention_backward(half.dout.view, half.q.view, half.k.view, half.v.view,
+                                                     f16.out.view(), f16.lse.view(), o,
+                                                     {dq.view(), dk.view(), dv.view(), dm.view()});
+        EXPECT_TRUE(bitwise_equal(dq, g32.dq)) << what;
+        // and under a memory limit that leaves no room for a float32 copy of the gradient (the two-pass schedule,
+        // storing element by element), against the float32 gradient of the same schedule (a bias shared by a row's
+        // keys has an exact gradient of 0: its value is the schedule's rounding noise)
+        Tensor dm_limited(dt, pb.mask.shape()), dm32_limited(DType::kF32, pb.mask.shape());
+        o.memory_limit_bytes = 4096;
+        sattn::scaled_dot_product_attention_backward(half.dout.view, half.q.view, half.k.view, half.v.view,
+                                                     f16.out.view(), f16.lse.view(), o,
+                                                     {dq.view(), dk.view(), dv.view(), dm_limited.view()});
+        o.attn_mask = wide.opt.attn_mask;
+        sattn::scaled_dot_product_attention_backward(half.dout.view, half.q.view, half.k.view, half.v.view,
+                                                     f16.out.view(), f16.lse.view(), o,
+                                                     {dq.view(), dk.view(), dv.view(), dm32_limited.view()});
+        const double ulp = dt == DType::kBF16 ? 0x1p-8 : 0x1p-11, tiny = dt == DType::kBF16 ? 0.0 : 0x1p-24;
+        for (const Tensor* t : {&dm, &dm_limited}) {
+          const Tensor got = t->to(DType::kF64), want = (t == &dm ? g32.dmask : dm32_limited).to(DType::kF64);
+          int64_t off = 0, nonzero = 0;
+          for (int64_t x = 0; x < got.numel(); ++x) {
+            const double a = got.data<double>()[x], b = want.data<double>()[x];
+            off += !(std::fabs(a - b) <= ulp * std::fabs(b) + tiny);
+            nonzero += b != 0.0;
+          }
+          EXPECT_EQ(off, 0) << what << (t == &dm ? "" : " limited");
+          EXPECT_GT(nonzero, got.numel() / 4) << what;  // -inf entries (a fifth) and fully masked rows give 0
+        }
+        if (simd == sattn::testing::simd_target_names().front()) {
+          const FwdResult r16 = run_forward(half, "reference", 1), r32 = run_forward(wide, "reference", 1);
+          EXPECT_TRUE(bitwise_equal(r16.out, r32.out) && bitwise_equal(r16.lse, r32.lse)) << what;
+        }
+      }
+  }
+}
+
 TEST(Fused, BroadcastMaskGradientIsAccurate) {
   {
     Case c;

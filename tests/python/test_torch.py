@@ -100,6 +100,41 @@ def test_sdpa_matches_torch(dtype, mask_kind, gqa, causal, scale):
         assert rel_err(a, b) <= 4 * tol, (name, rel_err(a, b))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask_kind", ["float_2d", "float_bcast_lk", "float_4d"])
+def test_half_precision_masks_match_their_float32_values(dtype, mask_kind):
+    """A bf16 / float16 attn_mask (torch's own SDPA takes it in the query's dtype) reaches the kernels as it is: the
+    same output and q/k/v gradients as its values in float32, and its gradient in its own dtype, the float32 one
+    rounded (within a unit of the last place). Keys masked with -inf stay masked."""
+    q, k, v = qkv(Lq=70, Lk=90, dtype=dtype)
+    mask = make_mask(mask_kind, 2, 4, 70, 90, torch.float32)
+    if mask.shape[-1] > 1:
+        mask[..., 5::7] = float("-inf")
+    half = mask.to(dtype)
+    runs = {}
+    for name, m in (("half", half), ("wide", half.float())):
+        ins = leaves(q, k, v) + [m.clone().requires_grad_(True)]
+        runs[name] = grads_of(lambda *a: st.scaled_dot_product_attention(*a[:3], attn_mask=a[3]), ins)
+    (out, g), (out32, g32) = runs["half"], runs["wide"]
+    assert torch.equal(out, out32)
+    for a, b in zip(g[:3], g32[:3]):
+        assert torch.equal(a, b)
+    dmask, dmask32 = g[3].double(), g32[3].double()
+    assert g[3].dtype == dtype and g[3].shape == half.shape
+    ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    assert torch.all((dmask - dmask32).abs() <= ulp * dmask32.abs() + 2.0 ** -24)
+    assert (dmask32 != 0).double().mean() > 0.5
+    if mask.shape[-1] > 1:
+        assert torch.all(dmask32[..., 5::7] == 0)
+    # torch's SDPA on the same half-precision inputs agrees to half precision
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=half)
+    assert rel_err(out, ref) <= (2e-2 if dtype == torch.bfloat16 else 4e-3)
+    if dtype == torch.float16:  # numpy float16 masks too
+        o16 = sattn.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), attn_mask=half.numpy())
+        o32 = sattn.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), attn_mask=half.float().numpy())
+        assert np.array_equal(o16, o32)
+
+
 def manual_attention(q, k, v, bias=None, scale=None, keep=None, p=0.0):
     """float64 attention by torch autograd: the oracle for sattn's extensions. Rows with no allowed key give 0."""
     g = q.shape[-3] // k.shape[-3]

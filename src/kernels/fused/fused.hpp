@@ -239,6 +239,8 @@ struct BackwardOps {
   // Backward: recomputes the row max m and log l of the rows of one (b, h, q block) task whose lse needs it
   // (into lse_eff and row_log_sum); needs the packed tiles.
   void (*row_stats_task)(const Params& p, int64_t task);
+  // n floats of src rounded to dt (kBF16 or kF16) at dst, a vector at a time where the target can (StoreHalf).
+  void (*store_half)(DType dt, uint16_t* dst, const float* src, int64_t n);
   // Builds with bf16 products (nullptr elsewhere): fills k_pairs and v_row_pairs of one (b, kv head) task.
   void (*pack_kv_pairs)(const Params& p, int64_t task);
   bool amx_tiles = false;  // the amx build (Params::amx_tiles)

@@ -449,6 +449,8 @@ void ReduceDQTask(const Params& p, int64_t task) {
 }
 
 // The packed query-side tiles of one (b, h, query block), and Di = rowsum(dO ∘ O) of its rows (0 for NaN rows).
+void StoreHalfRow(DType dt, uint16_t* dst, const float* src, int64_t n) { StoreHalf(dt, dst, src, n, 1.f); }
+
 void PackQTask(const Params& p, int64_t task) {
   const int64_t nqb = p.num_q_blocks(), Br = p.Br;
   const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq;
@@ -583,16 +585,16 @@ namespace {
 #define SATTN_FUSED_BACKWARD_OPS(NS)                                                                  \
   BackwardOps {                                                                                       \
     &NS::BackwardKVTask, &NS::BackwardQTask, &NS::BackwardKVQTask, &NS::ReduceDQTask, &NS::PackQTask, \
-        &NS::RowStatsTask, nullptr, false                                                             \
+        &NS::RowStatsTask, &NS::StoreHalfRow, nullptr, false                                          \
   }
 const simd::Build<BackwardOps> kBuilds[] = {
 #if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64
     {simd::Target::kAmx,
      BackwardOps{&N_AVX3::BackwardKVTask, &N_AVX3::BackwardQTask, &N_AVX3::BackwardKVQTask, &N_AVX3::ReduceDQTask,
-                 &N_AVX3::PackQTask, &N_AVX3::RowStatsTask, &N_AVX3::PackKVRowPairs, true}},
+                 &N_AVX3::PackQTask, &N_AVX3::RowStatsTask, &N_AVX3::StoreHalfRow, &N_AVX3::PackKVRowPairs, true}},
     {simd::Target::kAvx512Bf16,
      BackwardOps{&N_AVX3::BackwardKVTask, &N_AVX3::BackwardQTask, &N_AVX3::BackwardKVQTask, &N_AVX3::ReduceDQTask,
-                 &N_AVX3::PackQTask, &N_AVX3::RowStatsTask, &N_AVX3::PackKVRowPairs, false}},
+                 &N_AVX3::PackQTask, &N_AVX3::RowStatsTask, &N_AVX3::StoreHalfRow, &N_AVX3::PackKVRowPairs, false}},
 #endif
     SATTN_SIMD_BUILDS(SATTN_FUSED_BACKWARD_OPS)};
 }  // namespace

@@ -717,7 +717,18 @@ void fused_backward(const BackwardArgs& a) {
   int64_t m4[4] = {1, 1, 1, 1};  // the mask as 4-D (its dimensions right-aligned)
   const size_t off = 4 - ms.size();
   for (size_t x = 0; x < ms.size(); ++x) m4[off + x] = ms[x];
-  const MaskGradient mask_gradient = plan_backward(p, pr, a.grads.dmask, m4, a.options);
+  // A half-precision mask gradient is computed as float32, into a dense staging copy (so that the forms that write
+  // float32 directly serve it too), and rounded into dmask at the end, a vector at a time; where the copy would pass
+  // the call's memory limit, each form stores into dmask element by element.
+  const TensorView& dmask_out = a.grads.dmask;
+  const bool half_dmask =
+      pr.need_dmask && (dmask_out.dtype == DType::kBF16 || dmask_out.dtype == DType::kF16) &&
+      double(numel(pr.mask_shape)) * sizeof(float) <= double(memory_limit_bytes(a.options.memory_limit_bytes));
+  const size_t staged = half_dmask ? size_t(numel(pr.mask_shape)) : 0;
+  const WorkspacePtr<float> staging = workspace_array<float>(staged, "fused attention backward: the mask's gradient");
+  const CountedBytes counted_staging(int64_t(staged * sizeof(float)));
+  const TensorView dm = half_dmask ? TensorView(staging.get(), DType::kF32, pr.mask_shape) : dmask_out;
+  const MaskGradient mask_gradient = plan_backward(p, pr, dm, m4, a.options);
   const bool one_pass = mask_gradient != MaskGradient::kTwoPass;
   const bool own_tiles = one_pass && own_query_tiles(p, bf16_products);
   const size_t pk_n = own_tiles ? 0 : static_cast<size_t>(query_tile_floats(p, nqt));
@@ -767,29 +778,49 @@ void fused_backward(const BackwardArgs& a) {
 
   // One pass over key groups (dK, dV and partial dQ; 5 tile products), then the partials summed per query block;
   // the mask's gradient as planned.
-  const TensorView& dm = a.grads.dmask;
-  switch (mask_gradient) {
-    case MaskGradient::kNone: return one_pass_backward(p, o, threads, own_tiles);
-    case MaskGradient::kDirect: p.dscores = dm.ptr<float>(); return one_pass_backward(p, o, threads, own_tiles);
-    case MaskGradient::kChunkSums: {
-      const size_t n = size_t(p.num_dm_chunks() * p.Hkv * p.dm_heads * p.Lk * p.dm_lqp);
-      const WorkspacePtr<float> sums = workspace_array<float>(n, "fused attention backward: the mask gradient's sums");
-      const CountedBytes counted_sums(int64_t(n * sizeof(float)));
-      p.dmask_part = sums.get();
-      one_pass_backward(p, o, threads, own_tiles);
-      return store_mask_chunks(p, m4, off, dm, threads);
+  const auto compute = [&] {
+    switch (mask_gradient) {
+      case MaskGradient::kNone: return one_pass_backward(p, o, threads, own_tiles);
+      case MaskGradient::kDirect: p.dscores = dm.ptr<float>(); return one_pass_backward(p, o, threads, own_tiles);
+      case MaskGradient::kChunkSums: {
+        const size_t n = size_t(p.num_dm_chunks() * p.Hkv * p.dm_heads * p.Lk * p.dm_lqp);
+        const WorkspacePtr<float> sums =
+            workspace_array<float>(n, "fused attention backward: the mask gradient's sums");
+        const CountedBytes counted_sums(int64_t(n * sizeof(float)));
+        p.dmask_part = sums.get();
+        one_pass_backward(p, o, threads, own_tiles);
+        return store_mask_chunks(p, m4, off, dm, threads);
+      }
+      case MaskGradient::kScores: {
+        const size_t n = size_t(rows * p.Lk);
+        const WorkspacePtr<float> scores = workspace_array<float>(n, "fused attention backward: the scores' gradient");
+        const CountedBytes counted_scores(int64_t(n * sizeof(float)));
+        p.dscores = scores.get();
+        one_pass_backward(p, o, threads, own_tiles);
+        return store_mask_gradient(p, m4, off, dm, threads);
+      }
+      case MaskGradient::kTwoPass: break;
     }
-    case MaskGradient::kScores: {
-      const size_t n = size_t(rows * p.Lk);
-      const WorkspacePtr<float> scores = workspace_array<float>(n, "fused attention backward: the scores' gradient");
-      const CountedBytes counted_scores(int64_t(n * sizeof(float)));
-      p.dscores = scores.get();
-      one_pass_backward(p, o, threads, own_tiles);
-      return store_mask_gradient(p, m4, off, dm, threads);
-    }
-    case MaskGradient::kTwoPass: break;
+    two_pass_backward(p, o, pr.need_dmask ? &pr.mask_shape : nullptr, dm, threads);
+  };
+  compute();
+  if (!half_dmask) return;
+  if (dmask_out.is_contiguous()) {
+    constexpr int64_t kRun = int64_t(1) << 16;
+    const int64_t n = int64_t(staged);
+    run_tasks((n + kRun - 1) / kRun, threads, [&](int64_t t) {
+      const int64_t x0 = t * kRun;
+      o.store_half(dmask_out.dtype, dmask_out.ptr<uint16_t>() + x0, staging.get() + x0, std::min(kRun, n - x0));
+    });
+    return;
   }
-  two_pass_backward(p, o, pr.need_dmask ? &pr.mask_shape : nullptr, a.grads.dmask, threads);
+  std::vector<int64_t> at(ms.size(), 0);
+  for (size_t x = 0; x < staged; ++x) {  // strided: element by element, in order
+    dmask_out.set(at.data(), staging.get()[x]);
+    for (size_t d = ms.size(); d-- > 0;)
+      if (++at[d] < ms[d]) break;
+      else at[d] = 0;
+  }
 }
 
 }  // namespace

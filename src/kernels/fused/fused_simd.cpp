@@ -99,9 +99,7 @@ HWY_INLINE VF LoadRowVec(DF d, const float* p) { return hn::LoadU(d, p); }
 HWY_INLINE VF LoadRowVec(DF d, const hwy::bfloat16_t* p) {
   return hn::PromoteTo(d, hn::LoadU(hn::Rebind<hwy::bfloat16_t, DF>(), p));
 }
-HWY_INLINE VF LoadRowVec(DF d, const hwy::float16_t* p) {
-  return hn::PromoteTo(d, hn::LoadU(hn::Rebind<hwy::float16_t, DF>(), p));
-}
+HWY_INLINE VF LoadRowVec(DF d, const hwy::float16_t* p) { return LoadF16(d, p); }
 HWY_INLINE float RowElem(const float* p) { return *p; }
 HWY_INLINE float RowElem(const hwy::bfloat16_t* p) { return hwy::F32FromBF16(*p); }
 HWY_INLINE float RowElem(const hwy::float16_t* p) {
