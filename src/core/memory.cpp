@@ -1,6 +1,9 @@
 #include "core/memory.hpp"
 
+#include <sys/mman.h>
 #include <unistd.h>
+
+#include <cstddef>
 
 namespace sattn {
 
@@ -10,5 +13,17 @@ int64_t physical_memory_bytes() {
 }
 
 int64_t memory_limit_bytes(int64_t requested) { return requested > 0 ? requested : physical_memory_bytes() / 2; }
+
+void advise_huge_pages(void* data, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  if (!data || bytes < int64_t(2 * kHuge)) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + uintptr_t(bytes)) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // failure is harmless
+#else
+  (void)data, (void)bytes;
+#endif
+}
 
 }  // namespace sattn

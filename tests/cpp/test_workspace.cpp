@@ -1,17 +1,23 @@
 // The workspace allocator of the kernels' large scratch (src/core/workspace.cpp): alignment, the cache of freed
-// blocks and its limits, errors that name the array, and a fork while another thread uses the cache.
+// blocks and its limits, errors that name the array, and a fork while another thread uses the cache; huge pages asked
+// for an output (src/core/memory.cpp).
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "core/memory.hpp"
 #include "core/workspace.hpp"
 #include "sattn/attention.hpp"
 #include "sattn/error.hpp"
@@ -19,6 +25,48 @@
 namespace {
 
 constexpr size_t kMiB = size_t(1) << 20;
+
+// KiB of transparent huge pages backing [begin, end) (the AnonHugePages of the mappings that overlap it).
+int64_t huge_kib(uintptr_t begin, uintptr_t end) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool inside = false;
+  int64_t kib = 0;
+  while (std::getline(smaps, line)) {
+    uintptr_t lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find(':') > line.find('-')) {
+      inside = lo < end && hi > begin;
+    } else if (inside && line.rfind("AnonHugePages:", 0) == 0) {
+      kib += std::stoll(line.substr(14));
+    }
+  }
+  return kib;
+}
+
+TEST(Memory, AnOutputAdvisedForHugePagesGetsThemWhereTheKernelAllowsIt) {
+  std::ifstream enabled("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string mode;
+  std::getline(enabled, mode);
+  if (mode.find("[madvise]") == std::string::npos && mode.find("[always]") == std::string::npos)
+    GTEST_SKIP() << "transparent huge pages are off here (" << (mode.empty() ? "no sysfs entry" : mode) << ")";
+  constexpr size_t kBytes = size_t(16) << 20;
+  for (bool advise : {false, true}) {
+    void* map = mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ASSERT_NE(map, MAP_FAILED);
+    char* p = static_cast<char*>(map) + 4096;  // not 2 MiB aligned: only the whole huge pages inside are advised
+    const int64_t n = int64_t(kBytes) - 8192;
+    if (advise) sattn::advise_huge_pages(p, n);
+    std::memset(p, 1, size_t(n));
+    const int64_t kib = huge_kib(uintptr_t(map), uintptr_t(map) + kBytes);
+    munmap(map, kBytes);
+    if (advise) {
+      EXPECT_GT(kib, 0) << "no huge page after advising (THP mode " << mode << ")";
+    } else if (mode.find("[madvise]") != std::string::npos) {
+      EXPECT_EQ(kib, 0);
+    }
+  }
+  sattn::advise_huge_pages(nullptr, 1 << 30);  // nothing to advise: no effect
+}
 
 TEST(Workspace, SmallBlocksAre64ByteAlignedAndLargeOnes2MiB) {
   for (size_t bytes : {size_t(0), size_t(1), size_t(100), size_t(4 * kMiB - 1)}) {

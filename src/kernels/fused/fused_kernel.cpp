@@ -317,6 +317,12 @@ std::vector<int64_t> padding_mask_lengths(const Params& p) {
   return lengths;
 }
 
+// An output the call writes whole: huge pages for its first writes where it is large (advise_huge_pages). A bias's
+// gradient [1, 8, 1024, 1024] in a fresh torch tensor took 8192 page faults, 10 ms of a 66 ms backward (Zen 4).
+void advise_output(const TensorView& t) {
+  if (t.data && t.is_contiguous()) advise_huge_pages(t.data, t.numel() * int64_t(dtype_size(t.dtype)));
+}
+
 // Params for the call, with padding given as a mask taken as key lengths (stored in `lengths`, which must outlive
 // the Params).
 Params call_params(const AttentionProblem& pr, const TensorView& q, const TensorView& k, const TensorView& v,
@@ -333,6 +339,7 @@ Params call_params(const AttentionProblem& pr, const TensorView& q, const Tensor
 }
 
 void fused_forward(const ForwardArgs& a) {
+  advise_output(a.outputs.out);
   std::vector<int64_t> mask_lengths;
   Params p = call_params(a.problem, a.q, a.k, a.v, a.masks, mask_lengths);
   p.out = out_view4(a.outputs.out);
@@ -670,6 +677,7 @@ void two_pass_backward(Params& p, const BackwardOps& o, const Shape* mask_shape,
 
 void fused_backward(const BackwardArgs& a) {
   const AttentionProblem& pr = a.problem;
+  for (const TensorView* t : {&a.grads.dq, &a.grads.dk, &a.grads.dv, &a.grads.dmask}) advise_output(*t);
   std::vector<int64_t> mask_lengths;
   Params p = call_params(pr, a.q, a.k, a.v, a.masks, mask_lengths);
   p.dout = view4(a.dout), p.o = view4(a.out), p.lse_in = view4(a.lse);
