@@ -1311,6 +1311,14 @@ TEST(Fused, HalfPrecisionMasksMatchTheirFloat32Values) {
                                                      f16.out.view(), f16.lse.view(), o,
                                                      {dq.view(), dk.view(), dv.view(), dm.view()});
         EXPECT_TRUE(bitwise_equal(dq, g32.dq)) << what;
+        if (c.mask_shape == 0 && c.Lq > 1) {  // a strided gradient (a transposed view): the same values
+          Tensor t(dt, {c.B, c.Hq, c.Lk, c.Lq});
+          const TensorView tv(t.data(), dt, pb.mask.shape(), {c.Hq * c.Lk * c.Lq, c.Lk * c.Lq, 1, c.Lq});
+          sattn::scaled_dot_product_attention_backward(half.dout.view, half.q.view, half.k.view, half.v.view,
+                                                       f16.out.view(), f16.lse.view(), o,
+                                                       {dq.view(), dk.view(), dv.view(), tv});
+          EXPECT_TRUE(bitwise_equal(Tensor::from_view(tv), dm)) << what << " strided";
+        }
         // and under a memory limit that leaves no room for a float32 copy of the gradient (the two-pass schedule,
         // storing element by element), against the float32 gradient of the same schedule (a bias shared by a row's
         // keys has an exact gradient of 0: its value is the schedule's rounding noise)

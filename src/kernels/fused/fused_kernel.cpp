@@ -675,6 +675,27 @@ void two_pass_backward(Params& p, const BackwardOps& o, const Shape* mask_shape,
   }
 }
 
+// A half-precision mask gradient computed into a dense float32 staging copy, rounded into `dmask` (bf16 or float16):
+// a vector at a time where dmask is contiguous, else element by element.
+void store_staged_mask_gradient(const BackwardOps& o, const float* staging, const TensorView& dmask, int threads) {
+  const int64_t n = dmask.numel();
+  if (dmask.is_contiguous()) {
+    constexpr int64_t kRun = int64_t(1) << 16;
+    run_tasks((n + kRun - 1) / kRun, threads, [&](int64_t t) {
+      const int64_t x0 = t * kRun;
+      o.store_half(dmask.dtype, dmask.ptr<uint16_t>() + x0, staging + x0, std::min(kRun, n - x0));
+    });
+    return;
+  }
+  std::vector<int64_t> at(dmask.shape.size(), 0);
+  for (int64_t x = 0; x < n; ++x) {  // in row-major order
+    dmask.set(at.data(), staging[x]);
+    for (size_t d = at.size(); d-- > 0;)
+      if (++at[d] < dmask.shape[d]) break;
+      else at[d] = 0;
+  }
+}
+
 void fused_backward(const BackwardArgs& a) {
   const AttentionProblem& pr = a.problem;
   for (const TensorView* t : {&a.grads.dq, &a.grads.dk, &a.grads.dv, &a.grads.dmask}) advise_output(*t);
@@ -812,23 +833,7 @@ void fused_backward(const BackwardArgs& a) {
     two_pass_backward(p, o, pr.need_dmask ? &pr.mask_shape : nullptr, dm, threads);
   };
   compute();
-  if (!half_dmask) return;
-  if (dmask_out.is_contiguous()) {
-    constexpr int64_t kRun = int64_t(1) << 16;
-    const int64_t n = int64_t(staged);
-    run_tasks((n + kRun - 1) / kRun, threads, [&](int64_t t) {
-      const int64_t x0 = t * kRun;
-      o.store_half(dmask_out.dtype, dmask_out.ptr<uint16_t>() + x0, staging.get() + x0, std::min(kRun, n - x0));
-    });
-    return;
-  }
-  std::vector<int64_t> at(ms.size(), 0);
-  for (size_t x = 0; x < staged; ++x) {  // strided: element by element, in order
-    dmask_out.set(at.data(), staging.get()[x]);
-    for (size_t d = ms.size(); d-- > 0;)
-      if (++at[d] < ms[d]) break;
-      else at[d] = 0;
-  }
+  if (half_dmask) store_staged_mask_gradient(o, staging.get(), dmask_out, threads);
 }
 
 }  // namespace
