@@ -883,9 +883,10 @@ TEST(Fused, SharedMaskGradientIsSummedInChunks) {
         limited.opt.memory_limit_bytes = 700 << 10;
         sattn::fused::workspace_reset_peak();
         const BwdResult l = run_backward(limited, ref32, "fused", threads);
-        // the sums of chunks of 8 (0.6 MB) and the tasks' tiles; not chunks of 4 (1.1 MB), the dS buffer (3.1 MB)
-        // or the two passes' packed tiles (5.4 MB)
-        EXPECT_LT(sattn::fused::workspace_peak_bytes(), 1000000);
+        // the sums of chunks of 8 (0.6 MB) and the tiles of the tasks running at once (0.12 MB each: 0.85 MB in all
+        // on one thread, up to 1.1 MB when three run together); not chunks of 4 (1.1 MB of sums alone), the dS
+        // buffer (3.1 MB) or the two passes' packed tiles (5.4 MB)
+        EXPECT_LT(sattn::fused::workspace_peak_bytes(), 1150000);
         expect_grads_near(l, gref);
         EXPECT_FALSE(bitwise_equal(l.dmask, r.dmask)) << "other chunks, other float sums";
       }
