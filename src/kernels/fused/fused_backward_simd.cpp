@@ -448,9 +448,10 @@ void ReduceDQTask(const Params& p, int64_t task) {
   StoreTransposed(p.dq, b * p.dq.sb + h * p.dq.sh + i0 * p.dq.sl, dQT, nq, p.D, Br, p.scale);
 }
 
-// The packed query-side tiles of one (b, h, query block), and Di = rowsum(dO ∘ O) of its rows (0 for NaN rows).
+// BackwardOps::store_half: n floats rounded to bf16 or float16 (StoreHalf).
 void StoreHalfRow(DType dt, uint16_t* dst, const float* src, int64_t n) { StoreHalf(dt, dst, src, n, 1.f); }
 
+// The packed query-side tiles of one (b, h, query block), and Di = rowsum(dO ∘ O) of its rows (0 for NaN rows).
 void PackQTask(const Params& p, int64_t task) {
   const int64_t nqb = p.num_q_blocks(), Br = p.Br;
   const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq;

@@ -807,32 +807,32 @@ void fused_backward(const BackwardArgs& a) {
 
   // One pass over key groups (dK, dV and partial dQ; 5 tile products), then the partials summed per query block;
   // the mask's gradient as planned.
-  const auto compute = [&] {
-    switch (mask_gradient) {
-      case MaskGradient::kNone: return one_pass_backward(p, o, threads, own_tiles);
-      case MaskGradient::kDirect: p.dscores = dm.ptr<float>(); return one_pass_backward(p, o, threads, own_tiles);
-      case MaskGradient::kChunkSums: {
-        const size_t n = size_t(p.num_dm_chunks() * p.Hkv * p.dm_heads * p.Lk * p.dm_lqp);
-        const WorkspacePtr<float> sums =
-            workspace_array<float>(n, "fused attention backward: the mask gradient's sums");
-        const CountedBytes counted_sums(int64_t(n * sizeof(float)));
-        p.dmask_part = sums.get();
-        one_pass_backward(p, o, threads, own_tiles);
-        return store_mask_chunks(p, m4, off, dm, threads);
-      }
-      case MaskGradient::kScores: {
-        const size_t n = size_t(rows * p.Lk);
-        const WorkspacePtr<float> scores = workspace_array<float>(n, "fused attention backward: the scores' gradient");
-        const CountedBytes counted_scores(int64_t(n * sizeof(float)));
-        p.dscores = scores.get();
-        one_pass_backward(p, o, threads, own_tiles);
-        return store_mask_gradient(p, m4, off, dm, threads);
-      }
-      case MaskGradient::kTwoPass: break;
+  switch (mask_gradient) {
+    case MaskGradient::kNone: one_pass_backward(p, o, threads, own_tiles); break;
+    case MaskGradient::kDirect:
+      p.dscores = dm.ptr<float>();
+      one_pass_backward(p, o, threads, own_tiles);
+      break;
+    case MaskGradient::kChunkSums: {
+      const size_t n = size_t(p.num_dm_chunks() * p.Hkv * p.dm_heads * p.Lk * p.dm_lqp);
+      const WorkspacePtr<float> sums = workspace_array<float>(n, "fused attention backward: the mask gradient's sums");
+      const CountedBytes counted_sums(int64_t(n * sizeof(float)));
+      p.dmask_part = sums.get();
+      one_pass_backward(p, o, threads, own_tiles);
+      store_mask_chunks(p, m4, off, dm, threads);
+      break;
     }
-    two_pass_backward(p, o, pr.need_dmask ? &pr.mask_shape : nullptr, dm, threads);
-  };
-  compute();
+    case MaskGradient::kScores: {
+      const size_t n = size_t(rows * p.Lk);
+      const WorkspacePtr<float> scores = workspace_array<float>(n, "fused attention backward: the scores' gradient");
+      const CountedBytes counted_scores(int64_t(n * sizeof(float)));
+      p.dscores = scores.get();
+      one_pass_backward(p, o, threads, own_tiles);
+      store_mask_gradient(p, m4, off, dm, threads);
+      break;
+    }
+    case MaskGradient::kTwoPass: two_pass_backward(p, o, pr.need_dmask ? &pr.mask_shape : nullptr, dm, threads); break;
+  }
   if (half_dmask) store_staged_mask_gradient(o, staging.get(), dmask_out, threads);
 }
 
