@@ -430,8 +430,16 @@ void blocktopk_forward_direct(const AttentionProblem& problem, const AdaptiveNod
   const int64_t D = p.D(), Dv = p.Dv(), group = p.group(), off = lk - lq;
   const int64_t bw = std::min(blk, lk);  // columns of a key block in memory (one block of Lk keys when blk > Lk)
   if (indices.data) check_indices(indices, {p.B(), p.Hq(), nqb, KB}, "[B, Hq, num_query_blocks, k_blocks]");
-  // K of one (b, kv head) at a time as transposed key blocks [nkb][D][bw] (one head's worth of memory).
-  WorkspaceVector<float> kt(static_cast<size_t>(nkb * D * bw));
+  // K of one (b, kv head) at a time as transposed key blocks [nkb][D][bw] (one head's worth of memory). With bf16
+  // inputs and a bf16 out on a build with bf16 products (tiles.hpp), S and P·V take them instead: K in pairs along
+  // D for the call, V of one (b, kv head) in pairs across keys per key block [nkb][⌈bw/2⌉][Dvp], Q^T per block.
+  const bool pairs = q.dtype == DType::kBF16 && k.dtype == DType::kBF16 && v.dtype == DType::kBF16 &&
+                     out.dtype == DType::kBF16 && tiles::has_bf16_products();
+  const int64_t D2 = (D + 1) / 2, Dvp = (Dv + 15) / 16 * 16, bw2 = (bw + 1) / 2;
+  WorkspaceVector<float> kt(pairs ? 0 : static_cast<size_t>(nkb * D * bw));
+  const WorkspaceVector<uint32_t> k2 =
+      pairs ? detail::pairs_along_rows(p.k.data(), p.B() * p.Hkv() * lk, D) : WorkspaceVector<uint32_t>();
+  WorkspaceVector<uint32_t> v2(pairs ? static_cast<size_t>(nkb * bw2 * Dvp) : 0);
   std::vector<int32_t> qbounds = {0};
   for (int32_t x : aligned_bounds(lq, off, blk)) qbounds.push_back(x);
   for (int64_t b = 0; b < p.B(); ++b) {
@@ -443,25 +451,38 @@ void blocktopk_forward_direct(const AttentionProblem& problem, const AdaptiveNod
     for (int64_t hk = 0; hk < p.Hkv(); ++hk) {
       const int64_t bh = b * p.Hkv() + hk;
       auto pack = [&](int64_t kb) {
-        tiles::transpose_rows(&p.k[size_t((bh * lk + kb * blk) * D)], D, std::min(blk, lk - kb * blk), D,
-                              &kt[size_t(kb * D * bw)], bw);
+        const int64_t n = std::min(blk, lk - kb * blk);
+        if (pairs)
+          tiles::pack_pairs_across_rows(&p.v[size_t((bh * lk + kb * blk) * Dv)], Dv, n, Dv, &v2[size_t(kb * bw2 * Dvp)],
+                                        Dvp);
+        else tiles::transpose_rows(&p.k[size_t((bh * lk + kb * blk) * D)], D, n, D, &kt[size_t(kb * D * bw)], bw);
       };
       detail::parallel(nkb, p.threads, pack);
       auto item = [&](int64_t it) {
         const int64_t h = hk * group + it / nqb, qb = it % nqb;
         const int64_t q0 = qbounds[size_t(qb)], m = qbounds[size_t(qb + 1)] - q0, t = floor_div(q0 + off, blk);
-        thread_local std::vector<float> s, acc, mx, sum;
+        thread_local std::vector<float> s, st, acc, mx, sum;
+        thread_local detail::PairScratch ps;
         s.resize(size_t(m * bw));
         acc.assign(size_t(m * Dv), 0.0f);
         mx.assign(size_t(m), kNegInf);
         sum.assign(size_t(m), 0.0f);
         const float* qt = &p.q[size_t(((b * p.Hq() + h) * lq + q0) * D)];
+        if (pairs) {
+          st.resize(size_t(m * bw));
+          ps.ensure(m, D2, 0, bw);
+          detail::pack_query_pairs(qt, m, D, ps);
+        }
         const int64_t* ch = sel.row(h, qb);
         for (int64_t x = 0; x < sel.width && ch[x] >= 0; ++x) {
           const int64_t kb = ch[x], j0 = kb * blk, n = std::min(blk, lk - j0);
-          const float* ktb = &kt[size_t(kb * D * bw)];
           const float* vb = &p.v[size_t((bh * lk + j0) * Dv)];
-          tiles::qk(qt, m, D, ktb, bw, n, p.scale, s.data());
+          if (pairs) {  // S^T [n x m] on the pairs, then S
+            tiles::kq_pairs(&k2[size_t((bh * lk + j0) * D2)], n, D2, ps.q2t.data(), ps.ldq, m, p.scale, st.data(), m);
+            tiles::transpose_rows(st.data(), m, n, m, s.data(), n);
+          } else {
+            tiles::qk(qt, m, D, &kt[size_t(kb * D * bw)], bw, n, p.scale, s.data());
+          }
           if (a.causal && kb == t)  // key j allowed iff j <= i + off
             for (int64_t r = 0; r < m; ++r)
               for (int64_t c = std::max<int64_t>(0, q0 + r + off - j0 + 1); c < n; ++c) s[size_t(r * n + c)] = kNegInf;
@@ -470,7 +491,8 @@ void blocktopk_forward_direct(const AttentionProblem& problem, const AdaptiveNod
               if (!p.key_valid[size_t(b * lk + j0 + c)])
                 for (int64_t r = 0; r < m; ++r) s[size_t(r * n + c)] = kNegInf;
           tiles::softmax_update(s.data(), m, n, mx.data(), sum.data(), acc.data(), Dv);
-          tiles::pv(s.data(), m, n, vb, Dv, Dv, 1.0f, acc.data());
+          if (pairs) tiles::pv_pairs(s.data(), m, n, &v2[size_t(kb * bw2 * Dvp)], Dvp, Dv, ps.p2.data(), acc.data());
+          else tiles::pv(s.data(), m, n, vb, Dv, Dv, 1.0f, acc.data());
         }
         for (int64_t r = 0; r < m; ++r) {
           float* ar = &acc[size_t(r * Dv)];

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -110,6 +111,9 @@ void store_row(const TensorView& t, int64_t b, int64_t h, int64_t i, const float
 void store_value(const TensorView& t, int64_t b, int64_t h, int64_t i, float value);
 // Runs fn(ctx, item) for item in [0, n) on up to `threads` threads (OpenMP, no oversubscription).
 void run_parallel(int64_t n, int threads, void* ctx, void (*fn)(void*, int64_t));
+// Rows [rows x width] of floats that hold bf16 values as bf16 pairs along the row: out[r·W2 + y] = (x[r, 2y],
+// x[r, 2y+1]), W2 = ⌈width/2⌉, the second half of an odd width's last word 0 (the forward's bf16 products).
+WorkspaceVector<uint32_t> pairs_along_rows(const float* x, int64_t rows, int64_t width);
 
 // Splits the query blocks into runs of consecutive blocks (whose key hulls overlap heavily) and colours the runs so
 // that the runs of one colour read disjoint key positions (their key hulls, over every head slot, do not overlap):
@@ -135,6 +139,30 @@ struct Segment {
   int64_t q_first(int64_t m) const { return q_lo < m ? int64_t(q_lo) : m; }
   int64_t q_last(int64_t m) const { return q_hi == 0 || q_hi > m ? m : int64_t(q_hi); }
 };
+
+// Per-thread scratch of the bf16 products of one query block (tiles.hpp), in words: Q2^T [D2 x ldq], a chunk's K
+// rows in pairs [n x D2] when it has several ranges, its V in pairs across keys [⌈n/2⌉ x Dvp] and P in pairs
+// [m x n rounded up to 16, halved], for chunks of at most n keys.
+struct PairScratch {
+  std::vector<uint32_t> q2t, k2, v2, p2;
+  int64_t ldq = 0;
+  void ensure(int64_t m, int64_t D2, int64_t Dvp, int64_t n = kChunk) {
+    ldq = (m + 15) / 16 * 16 + 16;  // B operand rows are read in whole vectors from any query column
+    q2t.assign(size_t(D2 * ldq), 0u);
+    k2.resize(size_t(n * D2)), v2.resize(size_t((n + 1) / 2 * Dvp)), p2.resize(size_t(m * ((n + 15) / 16 * 8)));
+  }
+};
+// Q2^T of query rows q [m x D] (floats that hold bf16 values) into ps.q2t: (q[i, 2y], q[i, 2y+1]) at row y,
+// column i.
+inline void pack_query_pairs(const float* q, int64_t m, int64_t D, PairScratch& ps) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t y = 0; y < (D + 1) / 2; ++y) {
+      uint32_t lo, hi = 0;
+      std::memcpy(&lo, q + i * D + 2 * y, sizeof lo);
+      if (2 * y + 1 < D) std::memcpy(&hi, q + i * D + 2 * y + 1, sizeof hi);
+      ps.q2t[size_t(y * ps.ldq + i)] = lo >> 16 | (hi & 0xFFFF0000u);
+    }
+}
 
 // Per-thread scratch of one query block.
 struct Scratch {
@@ -256,6 +284,13 @@ void block_sparse_attention(const AttentionProblem& problem, const TensorView& q
   const Packed p = pack_inputs(problem, q, k, v, bm, options);
   check_outputs(p, out, lse);
   const int64_t nqb = bm.num_q_blocks(), D = p.D(), Dv = p.Dv(), group = p.group();
+  // bf16 inputs and a bf16 out, on a build with bf16 products: S and P·V on bf16 pairs (tiles.hpp), K in pairs
+  // along D once per call, Q^T per query block, V per chunk.
+  const bool pairs = q.dtype == DType::kBF16 && k.dtype == DType::kBF16 && v.dtype == DType::kBF16 &&
+                     out.dtype == DType::kBF16 && tiles::has_bf16_products();
+  const int64_t D2 = (D + 1) / 2, Dvp = (Dv + 15) / 16 * 16;
+  const WorkspaceVector<uint32_t> k2 =
+      pairs ? pairs_along_rows(p.k.data(), p.B() * p.Hkv() * p.Lk(), D) : WorkspaceVector<uint32_t>();
   auto item = [&](int64_t it) {
     const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq(), h = bh % p.Hq(), hk = h / group;
     const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
@@ -267,24 +302,51 @@ void block_sparse_attention(const AttentionProblem& problem, const TensorView& q
     std::fill_n(sc.acc.data(), m * Dv, 0.0f);
     std::fill_n(sc.mx.data(), m, -std::numeric_limits<float>::infinity());
     std::fill_n(sc.sum.data(), m, 0.0f);
+    thread_local PairScratch ps;
+    const uint32_t* k2base = nullptr;
+    if (pairs) {
+      ps.ensure(m, D2, Dvp);
+      pack_query_pairs(qt, m, D, ps);
+      k2base = k2.data() + (b * p.Hkv() + hk) * p.Lk() * D2;
+    }
     const int64_t row = bm.slot(h) * nqb + qb;
-    for_each_chunk(&bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
-                   [&](const Segment* segs, int64_t nseg, int64_t n) {
-                     if (!p.key_invalid_prefix.empty()) {  // skip chunks that are all padding
-                       int64_t inv = 0;
-                       for (int64_t x = 0; x < nseg; ++x) inv += p.invalid_in(b, segs[x].begin, segs[x].end);
-                       if (inv == n) return;
-                     }
-                     const int64_t qa = segs[0].q_first(m), mm = segs[0].q_last(m) - qa;  // computed rows
-                     if (mm <= 0) return;
-                     const float* vp = gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, false, nullptr, false);
-                     const int64_t ldv = Dv;
-                     tiles::qk(qt + qa * D, mm, D, sc.kt.data(), n, n, p.scale, sc.s.data());
-                     mod_and_mask(sc.s.data(), nullptr, mm, n, segs, nseg, bm, q0 + qa, b, h, p, mask_mod, score_mod);
-                     tiles::softmax_update(sc.s.data(), mm, n, sc.mx.data() + qa, sc.sum.data() + qa,
-                                           sc.acc.data() + qa * Dv, Dv);
-                     tiles::pv(sc.s.data(), mm, n, vp, ldv, Dv, 1.0f, sc.acc.data() + qa * Dv);
-                   });
+    for_each_chunk(
+        &bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
+        [&](const Segment* segs, int64_t nseg, int64_t n) {
+          if (!p.key_invalid_prefix.empty()) {  // skip chunks that are all padding
+            int64_t inv = 0;
+            for (int64_t x = 0; x < nseg; ++x) inv += p.invalid_in(b, segs[x].begin, segs[x].end);
+            if (inv == n) return;
+          }
+          const int64_t qa = segs[0].q_first(m), mm = segs[0].q_last(m) - qa;  // computed rows
+          if (mm <= 0) return;
+          if (pairs) {
+            const uint32_t* kr = k2base + int64_t(segs[0].begin) * D2;
+            const float* vr = vbase + int64_t(segs[0].begin) * Dv;
+            if (nseg > 1) {  // the ranges' rows back to back
+              for (int64_t x = 0; x < nseg; ++x) {
+                const int64_t len = segs[x].end - segs[x].begin;
+                std::copy_n(k2base + int64_t(segs[x].begin) * D2, len * D2, ps.k2.data() + int64_t(segs[x].col) * D2);
+                std::copy_n(vbase + int64_t(segs[x].begin) * Dv, len * Dv, sc.vc.data() + int64_t(segs[x].col) * Dv);
+              }
+              kr = ps.k2.data(), vr = sc.vc.data();
+            }
+            tiles::pack_pairs_across_rows(vr, Dv, n, Dv, ps.v2.data(), Dvp);
+            tiles::kq_pairs(kr, n, D2, ps.q2t.data() + qa, ps.ldq, mm, p.scale, sc.p2.data(), mm);
+            tiles::transpose_rows(sc.p2.data(), mm, n, mm, sc.s.data(), n);  // S^T -> S [mm x n]
+            mod_and_mask(sc.s.data(), nullptr, mm, n, segs, nseg, bm, q0 + qa, b, h, p, mask_mod, score_mod);
+            tiles::softmax_update(sc.s.data(), mm, n, sc.mx.data() + qa, sc.sum.data() + qa, sc.acc.data() + qa * Dv,
+                                  Dv);
+            tiles::pv_pairs(sc.s.data(), mm, n, ps.v2.data(), Dvp, Dv, ps.p2.data(), sc.acc.data() + qa * Dv);
+            return;
+          }
+          const float* vp = gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, false, nullptr, false);
+          const int64_t ldv = Dv;
+          tiles::qk(qt + qa * D, mm, D, sc.kt.data(), n, n, p.scale, sc.s.data());
+          mod_and_mask(sc.s.data(), nullptr, mm, n, segs, nseg, bm, q0 + qa, b, h, p, mask_mod, score_mod);
+          tiles::softmax_update(sc.s.data(), mm, n, sc.mx.data() + qa, sc.sum.data() + qa, sc.acc.data() + qa * Dv, Dv);
+          tiles::pv(sc.s.data(), mm, n, vp, ldv, Dv, 1.0f, sc.acc.data() + qa * Dv);
+        });
     for (int64_t r = 0; r < m; ++r) {
       const int64_t i = bm.q_index(q0 + r);
       float* ar = sc.acc.data() + r * Dv;

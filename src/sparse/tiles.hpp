@@ -28,7 +28,28 @@ void softmax_backward(const float* p, float* dp, int64_t m, int64_t n, const flo
 // P = exp(S - lse_i) in place for a tile whose rows have a final log-sum-exp (rows with lse = -inf get 0).
 void probabilities(float* s, int64_t m, int64_t n, const float* lse);
 
-// The SIMD target of the build of these functions in use ("avx512", "avx2", "sse4" or "portable").
+// ---- bf16 products (vdpbf16ps: the avx512bf16 build, which the amx target runs too) -----------------------------
+// For bf16 inputs whose output is bf16 as well: S from bf16 pairs with float32 sums, P rounded to bf16 once for P·V
+// (FlashAttention's convention, as the fused kernel's). Operands hold bf16 values exactly in float32, packed as
+// 32-bit words of two bf16 along the summed dimension. Only where has_bf16_products() is true.
+bool has_bf16_products();
+
+// S^T [n x m] (row stride lds) = scale * K2 · Q2^T: K2 [n x d2] words (row stride d2: pairs along D), Q2T [d2 x m]
+// words (row stride ldq; each row readable to m rounded up to 16 words).
+void kq_pairs(const uint32_t* k2, int64_t n, int64_t d2, const uint32_t* q2t, int64_t ldq, int64_t m, float scale,
+              float* st, int64_t lds);
+
+// acc [m x dv] (row stride dv) += P · V: P [m x n] floats (row stride n), rounded to bf16 here into p2 (m rows of
+// n rounded up to 16, halved, words); V2 [⌈n/2⌉ x dv] words from pack_pairs_across_rows (row stride ldv, readable to
+// dv rounded up to 16 words).
+void pv_pairs(const float* p, int64_t m, int64_t n, const uint32_t* v2, int64_t ldv, int64_t dv, uint32_t* p2,
+              float* acc);
+
+// Rows [n x width] of floats that are bf16 values (row stride lds) as words of two rows: out[y·ldo + x] =
+// (rows[2y][x], rows[2y+1][x]), the second half 0 past row n; ldo a multiple of 16 >= width, words past width 0.
+void pack_pairs_across_rows(const float* rows, int64_t lds, int64_t n, int64_t width, uint32_t* out, int64_t ldo);
+
+// The SIMD target of the build of these functions in use ("avx512bf16", "avx512", "avx2", "sse4" or "portable").
 const char* simd_build();
 
 // dst[d x n] (row stride ldd) = src[n rows x d] (row stride lds) transposed.

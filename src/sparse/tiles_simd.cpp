@@ -237,6 +237,46 @@ void TransposeKeys(const float* HWY_RESTRICT src, int64_t lds, int64_t n, int64_
   TransposeRows(src, lds, n, d, 1.f, dst, ldd, n);
 }
 
+#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
+// ---- bf16 products (the avx512bf16 build) ------------------------------------------------------------------
+#include "simd/gemm_bf16.inc"  // GemmPairs
+
+SATTN_BF16_ATTR void KqPairs(const uint32_t* k2, int64_t n, int64_t d2, const uint32_t* q2t, int64_t ldq, int64_t m,
+                             float scale, float* st, int64_t lds) {
+  GemmPairs(k2, d2, 1, q2t, ldq, st, lds, n, m, d2, scale, false);
+}
+
+SATTN_BF16_ATTR void PvPairs(const float* p, int64_t m, int64_t n, const uint32_t* v2, int64_t ldv, int64_t dv,
+                             uint32_t* p2, float* acc) {
+  const int64_t ldp = (n + 15) / 16 * 8;  // words per row of p2: 16 floats make 8 pairs
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; j += 16) {  // lanes past n load as 0: an odd n's last pair ends in 0
+      const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1u);
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, p + i * n + j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p2 + i * ldp + j / 2), (__m256i)h);
+    }
+  GemmPairs(p2, ldp, 1, v2, ldv, acc, dv, m, dv, (n + 1) / 2, 1.f, true);
+}
+
+SATTN_BF16_ATTR void PackPairsAcrossRows(const float* rows, int64_t lds, int64_t n, int64_t width, uint32_t* out,
+                                         int64_t ldo) {
+  const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  for (int64_t y = 0; y < (n + 1) / 2; ++y) {
+    const float* a = rows + 2 * y * lds;
+    const float* b = 2 * y + 1 < n ? a + lds : nullptr;
+    for (int64_t x = 0; x < ldo; x += 16) {
+      const __mmask16 live = x >= width        ? __mmask16(0)
+                             : width - x >= 16 ? __mmask16(0xFFFF)
+                                               : __mmask16((1u << (width - x)) - 1u);
+      const __m512i va = _mm512_maskz_loadu_epi32(live, a + x);
+      const __m512i vb = b ? _mm512_maskz_loadu_epi32(live, b + x) : _mm512_setzero_si512();
+      // a bf16 value in float32 is its bf16 bits followed by 16 zero bits
+      _mm512_storeu_si512(out + y * ldo + x, _mm512_or_si512(_mm512_srli_epi32(va, 16), _mm512_and_si512(vb, high)));
+    }
+  }
+}
+#endif
+
 }  // namespace HWY_NAMESPACE
 }  // namespace sattn::sparse::tiles
 HWY_AFTER_NAMESPACE();
@@ -257,11 +297,26 @@ struct Ops {
   void (*softmax_backward)(const float*, float*, int64_t, int64_t, const float*);
   void (*probabilities)(float*, int64_t, int64_t, const float*);
   void (*transpose_rows)(const float*, int64_t, int64_t, int64_t, float*, int64_t);
+  // the bf16 products: null but in the avx512bf16 build
+  void (*kq_pairs)(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, int64_t, float, float*, int64_t);
+  void (*pv_pairs)(const float*, int64_t, int64_t, const uint32_t*, int64_t, int64_t, uint32_t*, float*);
+  void (*pack_pairs)(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t);
 };
 
-#define SATTN_TILE_OPS(NS) \
-  Ops { &NS::Qk, &NS::SoftmaxUpdate, &NS::Pv, &NS::Atx, &NS::SoftmaxBackward, &NS::Probabilities, &NS::TransposeKeys }
-const simd::Build<Ops> kBuilds[] = {SATTN_SIMD_BUILDS(SATTN_TILE_OPS)};
+#define SATTN_TILE_OPS(NS)                                                                                        \
+  Ops {                                                                                                           \
+    &NS::Qk, &NS::SoftmaxUpdate, &NS::Pv, &NS::Atx, &NS::SoftmaxBackward, &NS::Probabilities, &NS::TransposeKeys, \
+        nullptr, nullptr, nullptr                                                                                 \
+  }
+#if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64
+#define SATTN_TILE_OPS_BF16                                                                                 \
+  {simd::Target::kAvx512Bf16, Ops{&N_AVX3::Qk, &N_AVX3::SoftmaxUpdate, &N_AVX3::Pv, &N_AVX3::Atx,           \
+                                  &N_AVX3::SoftmaxBackward, &N_AVX3::Probabilities, &N_AVX3::TransposeKeys, \
+                                  &N_AVX3::KqPairs, &N_AVX3::PvPairs, &N_AVX3::PackPairsAcrossRows}},
+#else
+#define SATTN_TILE_OPS_BF16
+#endif
+const simd::Build<Ops> kBuilds[] = {SATTN_TILE_OPS_BF16 SATTN_SIMD_BUILDS(SATTN_TILE_OPS)};
 
 const Ops& ops() { return simd::pick(kBuilds).ops; }
 
@@ -291,6 +346,18 @@ void softmax_backward(const float* p, float* dp, int64_t m, int64_t n, const flo
 void probabilities(float* s, int64_t m, int64_t n, const float* lse) { ops().probabilities(s, m, n, lse); }
 void transpose_rows(const float* src, int64_t lds, int64_t n, int64_t d, float* dst, int64_t ldd) {
   ops().transpose_rows(src, lds, n, d, dst, ldd);
+}
+bool has_bf16_products() { return ops().kq_pairs != nullptr; }
+void kq_pairs(const uint32_t* k2, int64_t n, int64_t d2, const uint32_t* q2t, int64_t ldq, int64_t m, float scale,
+              float* st, int64_t lds) {
+  ops().kq_pairs(k2, n, d2, q2t, ldq, m, scale, st, lds);
+}
+void pv_pairs(const float* p, int64_t m, int64_t n, const uint32_t* v2, int64_t ldv, int64_t dv, uint32_t* p2,
+              float* acc) {
+  ops().pv_pairs(p, m, n, v2, ldv, dv, p2, acc);
+}
+void pack_pairs_across_rows(const float* rows, int64_t lds, int64_t n, int64_t width, uint32_t* out, int64_t ldo) {
+  ops().pack_pairs(rows, lds, n, width, out, ldo);
 }
 
 }  // namespace sattn::sparse::tiles

@@ -70,15 +70,26 @@ Tensor reference_mask(const Case& c, const Pattern& p, const Tensor& bias, const
   return m;
 }
 
-void run_case(const Case& c) {
+// Tolerances of bf16 inputs whose out is bf16 (the bf16 products round P once; out's own rounding is 2^-9
+// relative): as the fused kernel's (test_fused.cpp, kBf16OutTol).
+constexpr double kBf16OutTol = 1e-2;
+
+// The case against the reference. bf16: q, k, v rounded to bf16 and given as bf16 with a bf16 out (the reference on
+// the same values; out within kBf16OutTol, lse within 2e-5; the same out on 1 and 3 threads; no backward), its out
+// in *bf16_out when given.
+void run_case(const Case& c, bool bf16 = false, Tensor* bf16_out = nullptr) {
   SCOPED_TRACE(c.spec + " B=" + std::to_string(c.B) + " Hq=" + std::to_string(c.Hq) + " Hkv=" + std::to_string(c.Hkv) +
                " Lq=" + std::to_string(c.Lq) + " Lk=" + std::to_string(c.Lk) + " D=" + std::to_string(c.D) +
                " Dv=" + std::to_string(c.Dv) + " block=" + std::to_string(c.block) +
                " pad=" + std::to_string(c.padding) + " nan=" + std::to_string(c.nan));
   const Pattern p = Pattern::parse(c.spec);
   const uint64_t seed = std::hash<std::string>{}(c.spec) ^ uint64_t(c.Lq * 131 + c.Lk);
-  const Tensor q = randn({c.B, c.Hq, c.Lq, c.D}, seed + 1), k = randn({c.B, c.Hkv, c.Lk, c.D}, seed + 2),
-               v = randn({c.B, c.Hkv, c.Lk, c.Dv}, seed + 3), dout = randn({c.B, c.Hq, c.Lq, c.Dv}, seed + 4);
+  Tensor q = randn({c.B, c.Hq, c.Lq, c.D}, seed + 1), k = randn({c.B, c.Hkv, c.Lk, c.D}, seed + 2),
+         v = randn({c.B, c.Hkv, c.Lk, c.Dv}, seed + 3), dout = randn({c.B, c.Hq, c.Lq, c.Dv}, seed + 4);
+  if (bf16) {
+    q = q.to(DType::kBF16).to(DType::kF32), k = k.to(DType::kBF16).to(DType::kF32);
+    v = v.to(DType::kBF16).to(DType::kF32);
+  }
   if (c.nan == 1) q.data<float>()[(((c.B - 1) * c.Hq) * c.Lq + c.Lq / 2) * c.D + 1] = std::nanf("");
   if (c.nan == 2)
     for (int64_t j : {c.Lk / 3, c.Lk - 1}) k.data<float>()[((c.Hkv - 1) * c.Lk + j) * c.D + 1] = std::nanf("");
@@ -130,6 +141,23 @@ void run_case(const Case& c) {
       rdm(DType::kF64, mask.shape());
   scaled_dot_product_attention_backward(dout, q, k, v, rout, rlse, ro,
                                         {rdq.view(), rdk.view(), rdv.view(), rdm.view()});
+
+  if (bf16) {
+    const Tensor qb = q.to(DType::kBF16), kb = k.to(DType::kBF16), vb = v.to(DType::kBF16);
+    Tensor out(DType::kBF16, rout.shape()), lse(DType::kF32, rlse.shape());
+    sparse_attention(qb, kb, vb, p, so, out, lse);
+    EXPECT_LE(rel_err(out.to(DType::kF32), rout), kBf16OutTol);
+    EXPECT_LE(rel_err(lse, rlse), 2e-5);
+    Tensor out1(DType::kBF16, rout.shape()), out3(DType::kBF16, rout.shape());
+    so.num_threads = 1;
+    sparse_attention(qb, kb, vb, p, so, out1);
+    so.num_threads = 3;
+    sparse_attention(qb, kb, vb, p, so, out3);
+    EXPECT_EQ(std::memcmp(out.data(), out1.data(), out.nbytes()), 0);
+    EXPECT_EQ(std::memcmp(out.data(), out3.data(), out.nbytes()), 0);
+    if (bf16_out) *bf16_out = out;
+    return;
+  }
 
   // Sparse.
   Tensor out(DType::kF32, rout.shape()), lse(DType::kF32, rlse.shape());
@@ -246,6 +274,51 @@ TEST(SparseAttention, BackwardFormsMatchReference) {
     SCOPED_TRACE(form);
     const sattn::testing::ScopedEnv env("SATTN_SPARSE_BACKWARD", form);
     for (const Case& c : cases) run_case(c);
+  }
+}
+
+// bf16 inputs with a bf16 out: on a build with bf16 products (avx512bf16; amx runs it too) S and P·V take them, P
+// rounded once; elsewhere the float32 products. Against the reference on the same values (run_case's bf16 mode):
+// chunks of one range and of several (BigBird, global tokens), narrowed query rows (Neighborhood2D), odd D and Dv,
+// GQA, padding, score mods, NaN rows; every target. Where the bf16 products run, some out differs from the avx512
+// build's: they ran.
+TEST(SparseAttention, Bf16OutputsMatchReferenceOnEveryTarget) {
+  std::vector<Case> cases = {
+      {"SlidingWindow(5, 3)", 2, 4, 2, 67, 67, 16, 24, 16},
+      {"SlidingWindow(100, 0)", 1, 2, 1, 300, 300, 64, 64},
+      {"Dilated(2, 2)", 2, 4, 1, 70, 100, 17, 9, 16, 2},
+      {"GlobalTokens([0, 5, 64], SlidingWindow(4, 4))", 1, 2, 2, 129, 129, 16, 16, 16},
+      {"BigBird(8, 3, 1, 1, seed=3)", 2, 2, 2, 63, 90, 8, 16, 16, 1},
+      {"Neighborhood2D(23, 19, 7, causal=True)", 2, 2, 1, 437, 437, 33, 16, 64, 1},
+      {"Full()", 1, 2, 2, 65, 64, 80, 24, 64, 2},
+      {"SlidingWindow(30, 30)", 1, 2, 2, 129, 129, 64, 64, 64, 0, true, true},
+      {"WindowAttention2D(12, 8, 4, shift=2)", 1, 2, 2, 96, 96, 16, 16, 64, 0, false, false, true},
+  };
+  for (size_t x = 0; x < 3; ++x) {  // NaN in q, and in k
+    for (int nan : {1, 2}) {
+      cases.push_back(cases[x]);
+      cases.back().nan = nan;
+    }
+  }
+  std::vector<Tensor> avx512;
+  int differ = 0;
+  const auto targets = sattn::testing::simd_target_names();
+  for (const std::string& isa : {std::string("avx512"), std::string("avx512bf16"), std::string("amx"),
+                                 std::string("avx2"), std::string("portable")}) {
+    if (std::find(targets.begin(), targets.end(), isa) == targets.end()) continue;
+    SCOPED_TRACE(isa);
+    const sattn::testing::ScopedSimdTarget target(isa);
+    for (size_t x = 0; x < cases.size(); ++x) {
+      Tensor out;
+      run_case(cases[x], true, &out);
+      if (isa == "avx512") avx512.push_back(out);
+      else if (tiles::has_bf16_products() && x < avx512.size())
+        differ += std::memcmp(out.data(), avx512[x].data(), out.nbytes()) != 0;
+    }
+  }
+  const bool any_bf16 = std::find(targets.begin(), targets.end(), "avx512bf16") != targets.end();
+  if (any_bf16 && !avx512.empty()) {
+    EXPECT_GT(differ, 0);
   }
 }
 

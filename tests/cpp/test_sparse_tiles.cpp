@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -35,8 +36,7 @@ TEST(SparseTiles, ProductsMatchFp64InEveryBuild) {
   EXPECT_EQ(isas.back(), "portable");
   for (const std::string& isa : isas) {
     const sattn::testing::ScopedSimdTarget target(isa);
-    ASSERT_EQ(isa == "avx512bf16" || isa == "amx" ? "avx512" : isa,
-              tiles::simd_build());  // no bf16 build: its avx512 one
+    ASSERT_EQ(isa == "amx" ? "avx512bf16" : isa, tiles::simd_build());  // amx runs the vdpbf16ps build
     uint64_t seed = 1;
     for (const auto& sz : kSizes) {
       const int64_t m = sz[0], n = sz[1], d = sz[2], pad = 3;
@@ -98,6 +98,103 @@ TEST(SparseTiles, ProductsMatchFp64InEveryBuild) {
       }
     }
   }
+}
+
+// float32 values rounded to bf16 (round to nearest even), as the bf16 products' operands hold them.
+float bf16_round(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&x, &u, sizeof u);
+  return x;
+}
+std::vector<float> randv_bf16(size_t n, uint64_t seed) {
+  std::vector<float> x = randv(n, seed);
+  for (float& v : x) v = bf16_round(v);
+  return x;
+}
+
+// The bf16 products (the avx512bf16 build; amx runs it too) against fp64 sums of the same bf16 values: kq_pairs
+// within float32 rounding, pv_pairs within P's rounding to bf16 (2^-9 relative per term), pack_pairs_across_rows
+// exactly; odd widths and key counts, strides wider than the rows, nothing written outside the tile.
+TEST(SparseTiles, Bf16ProductsMatchFp64) {
+  int ran = 0;
+  for (const std::string& isa : sattn::testing::simd_target_names()) {
+    const sattn::testing::ScopedSimdTarget target(isa);
+    EXPECT_EQ(tiles::has_bf16_products(), isa == "avx512bf16" || isa == "amx") << isa;
+    if (!tiles::has_bf16_products()) continue;
+    ++ran;
+    uint64_t seed = 300;
+    for (const auto& sz : kSizes) {
+      const int64_t m = sz[0], n = sz[1], d = sz[2], d2 = (d + 1) / 2;
+      SCOPED_TRACE(isa + " m=" + std::to_string(m) + " n=" + std::to_string(n) + " d=" + std::to_string(d));
+      const auto pairs_of = [](const std::vector<float>& x, int64_t rows, int64_t width) {
+        const int64_t w2 = (width + 1) / 2;
+        std::vector<uint32_t> out(size_t(rows * w2));
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t y = 0; y < w2; ++y) {
+            uint32_t lo, hi = 0;
+            std::memcpy(&lo, &x[size_t(r * width + 2 * y)], sizeof lo);
+            if (2 * y + 1 < width) std::memcpy(&hi, &x[size_t(r * width + 2 * y + 1)], sizeof hi);
+            out[size_t(r * w2 + y)] = lo >> 16 | (hi & 0xFFFF0000u);
+          }
+        return out;
+      };
+      // kq_pairs: S^T [n x m] (row stride m + 3) = 0.5 · K [n x d] · Q^T, Q^T in pairs [d2 x ldq].
+      const auto q = randv_bf16(size_t(m * d), seed++), k = randv_bf16(size_t(n * d), seed++);
+      const int64_t ldq = (m + 15) / 16 * 16 + 16, lds = m + 3;
+      std::vector<uint32_t> q2t(size_t(d2 * ldq), 0x7FC07FC0u);  // NaN pairs past m: never reach S^T
+      const auto q2 = pairs_of(q, m, d);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t y = 0; y < d2; ++y) q2t[size_t(y * ldq + i)] = q2[size_t(i * d2 + y)];
+      std::vector<float> st(size_t(n * lds), kGuard);
+      tiles::kq_pairs(pairs_of(k, n, d).data(), n, d2, q2t.data(), ldq, m, 0.5f, st.data(), lds);
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t i = 0; i < lds; ++i) {
+          if (i >= m) {
+            EXPECT_EQ(st[size_t(j * lds + i)], kGuard);
+            continue;
+          }
+          double want = 0;
+          for (int64_t c = 0; c < d; ++c) want += double(k[size_t(j * d + c)]) * q[size_t(i * d + c)];
+          EXPECT_NEAR(st[size_t(j * lds + i)], 0.5 * want, 1e-5 * (1 + std::abs(want)));
+        }
+      // pack_pairs_across_rows: V [n x d] (row stride d + 2) as pairs of rows [⌈n/2⌉ x ldo].
+      const int64_t ldv = d + 2, ldo = (d + 15) / 16 * 16;
+      auto v = randv_bf16(size_t(n * ldv), seed++);
+      std::vector<uint32_t> v2(size_t((n + 1) / 2 * ldo) + 8, 0xDEADBEEFu);
+      tiles::pack_pairs_across_rows(v.data(), ldv, n, d, v2.data(), ldo);
+      for (int64_t y = 0; y < (n + 1) / 2; ++y)
+        for (int64_t x = 0; x < ldo; ++x) {
+          uint32_t lo = 0, hi = 0;
+          if (x < d) {
+            std::memcpy(&lo, &v[size_t(2 * y * ldv + x)], sizeof lo);
+            if (2 * y + 1 < n) std::memcpy(&hi, &v[size_t((2 * y + 1) * ldv + x)], sizeof hi);
+          }
+          EXPECT_EQ(v2[size_t(y * ldo + x)], lo >> 16 | (hi & 0xFFFF0000u)) << y << "," << x;
+        }
+      for (size_t x = size_t((n + 1) / 2 * ldo); x < v2.size(); ++x) EXPECT_EQ(v2[x], 0xDEADBEEFu);
+      // pv_pairs: acc [m x d] += P [m x n] · V, P rounded to bf16 inside; acc starts non-zero.
+      const auto p = randv(size_t(m * n), seed++);
+      auto acc = randv(size_t(m * d), seed++);
+      const auto acc0 = acc;
+      acc.resize(acc.size() + 8, kGuard);
+      std::vector<uint32_t> p2(size_t(m * ((n + 15) / 16 * 8)));
+      tiles::pv_pairs(p.data(), m, n, v2.data(), ldo, d, p2.data(), acc.data());
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t c = 0; c < d; ++c) {
+          double want = 0, size = 0;
+          for (int64_t j = 0; j < n; ++j) {
+            want += double(bf16_round(p[size_t(i * n + j)])) * v[size_t(j * ldv + c)];
+            size += std::abs(double(p[size_t(i * n + j)]) * v[size_t(j * ldv + c)]);
+          }
+          want += acc0[size_t(i * d + c)];
+          EXPECT_NEAR(acc[size_t(i * d + c)], want, 1e-5 * (1 + std::abs(want) + size));
+        }
+      for (size_t x = size_t(m * d); x < acc.size(); ++x) EXPECT_EQ(acc[x], kGuard);
+    }
+  }
+  if (ran == 0) GTEST_SKIP() << "this CPU runs no build with bf16 products (no AVX512-BF16): not tested here";
 }
 
 TEST(SparseTiles, SoftmaxOperationsMatchFp64InEveryBuild) {

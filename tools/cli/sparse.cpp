@@ -135,6 +135,8 @@ struct SparseBenchArgs {
   int reps = 3;
   bool backward = false, dense = false;
   std::string clock_kind = "wall";
+  std::string dtype = "f32";  // of q, k, v, the outputs and the gradients (lse float32)
+  DType dt() const { return dtype == "bf16" ? DType::kBF16 : dtype == "f16" ? DType::kF16 : DType::kF32; }
 };
 
 // The lengths to time a spec at: --L, but a 2-D pattern's grid fixes L; sorted, without duplicates.
@@ -153,19 +155,20 @@ std::vector<int64_t> bench_lengths(const std::string& spec, bool linear, const s
   return ls;
 }
 
-// The inputs (random, fixed seeds), the upstream gradient and the outputs of one benchmark row, [B, H, L, D].
+// The inputs (random, fixed seeds), the upstream gradient and the outputs of one benchmark row, [B, H, L, D], in
+// dtype dt (lse float32).
 struct BenchTensors {
   Tensor q, k, v, g, out, lse, dq, dk, dv;
-  BenchTensors(int64_t B, int64_t H, int64_t L, int64_t D)
-      : q(randn({B, H, L, D}, 1)),
-        k(randn({B, H, L, D}, 2)),
-        v(randn({B, H, L, D}, 3)),
-        g(randn({B, H, L, D}, 4)),
-        out(DType::kF32, {B, H, L, D}),
+  BenchTensors(int64_t B, int64_t H, int64_t L, int64_t D, DType dt)
+      : q(randn({B, H, L, D}, 1).to(dt)),
+        k(randn({B, H, L, D}, 2).to(dt)),
+        v(randn({B, H, L, D}, 3).to(dt)),
+        g(randn({B, H, L, D}, 4).to(dt)),
+        out(dt, {B, H, L, D}),
         lse(DType::kF32, {B, H, L}),
-        dq(DType::kF32, {B, H, L, D}),
-        dk(DType::kF32, {B, H, L, D}),
-        dv(DType::kF32, {B, H, L, D}) {}
+        dq(dt, {B, H, L, D}),
+        dk(dt, {B, H, L, D}),
+        dv(dt, {B, H, L, D}) {}
 };
 
 // One table row: a sparse pattern or linear attention spec at length L on th threads.
@@ -173,7 +176,7 @@ void bench_spec(const SparseBenchArgs& a, const std::string& spec, const sparse:
                 int th, double peak) {
   const int64_t B = a.B, H = a.H, D = a.D;
   const int reps = a.reps;
-  BenchTensors t(B, H, L, D);
+  BenchTensors t(B, H, L, D, a.dt());
   const Tensor &q = t.q, &k = t.k, &v = t.v, &g = t.g;
   Tensor &out = t.out, &lse = t.lse, &dq = t.dq, &dk = t.dk, &dv = t.dv;
   double tf = 0, tb = 0, allowed = 0, computed = 0;
@@ -217,7 +220,7 @@ void bench_spec(const SparseBenchArgs& a, const std::string& spec, const sparse:
 void bench_dense(const SparseBenchArgs& a, int64_t L, int th, double peak) {
   const int64_t B = a.B, H = a.H, D = a.D;
   const int reps = a.reps;
-  BenchTensors t(B, H, L, D);
+  BenchTensors t(B, H, L, D, a.dt());
   const Tensor &q = t.q, &k = t.k, &v = t.v, &g = t.g;
   Tensor &out = t.out, &lse = t.lse, &dq = t.dq, &dk = t.dk, &dv = t.dv;
   AttentionOptions ao;
@@ -244,7 +247,10 @@ void run_sparse_bench(const SparseBenchArgs& a) {
         "--pattern: expected at least one spec (or --dense)");
   check(a.clock_kind != "thread" || (a.threads.size() == 1 && a.threads[0] == 1), ErrorKind::kInvalidArgument,
         "--clock thread: only with --threads 1");
-  std::printf("# tiles: %s, clock: %s\n", sparse::tiles::simd_build(), a.clock_kind.c_str());
+  check(a.dtype == "f32" || a.dtype == "bf16" || a.dtype == "f16", ErrorKind::kInvalidArgument,
+        "--dtype: expected f32, bf16 or f16, got '", a.dtype, "'");
+  std::printf("# tiles: %s, clock: %s, dtype: %s\n", sparse::tiles::simd_build(), a.clock_kind.c_str(),
+              a.dtype.c_str());
   std::printf("%-44s %7s %3s %10s %10s %9s %9s %10s %8s\n", "pattern", "L", "thr", "fwd_ms", "bwd_ms", "GF/s_all",
               "GF/s_cmp", "cmp/all", "sgemm");
   for (int th : a.threads) {
@@ -277,6 +283,10 @@ void add_sparse_bench(CLI::App& app) {
                   "run with OPENBLAS_NUM_THREADS=1 for the SGEMM column)")
       ->check(CLI::IsMember({"wall", "thread"}));
   cmd->add_flag("--dense", a.dense, "also time dense exact attention (the registry's fused kernel) at each L");
+  cmd->add_option("--dtype", a.dtype,
+                  "f32, bf16 or f16: q, k, v, the outputs and the gradients (bf16 with a bf16 out takes the bf16 "
+                  "products where the CPU has them)")
+      ->capture_default_str();
   cmd->callback([] { run_sparse_bench(a); });
 }
 
