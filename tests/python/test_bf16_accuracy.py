@@ -116,6 +116,42 @@ def test_bf16_learned_bias_gradients_within_twice_torch_from_the_float32_out(tar
         sattn.set_simd_target(before)
 
 
+@pytest.mark.parametrize("target", ["default", "avx512bf16", "avx512"])
+def test_bf16_sparse_attention_within_twice_torch(target):
+    """bf16 inputs through sattn.torch.sparse_attention (a bf16 out: the sparse tiles' bf16 products where the CPU has
+    them, P rounded once) against PyTorch's bf16 SDPA with the pattern's dense mask: the largest error of out against
+    the fp64 reference on the same values is at most twice torch's + 1e-5 (fixed patterns, GQA, odd D)."""
+    before = sattn.simd_targets()["selected"]
+    if target != "default":
+        if target not in sattn.simd_targets()["available"]:
+            pytest.skip(f"this CPU does not run {target}: its sparse tiles are NOT checked here")
+        sattn.set_simd_target(target)
+    try:
+        for n, (spec, B, hq, hkv, L, D) in enumerate((
+                ("SlidingWindow(64, 64)", 1, 4, 4, 700, 64), ("SlidingWindow(100, 0)", 2, 4, 2, 333, 128),
+                ("Dilated(8, 3)", 1, 2, 2, 257, 65), ("BigBird(16, 3, 1, 2, seed=7)", 1, 2, 1, 300, 64),
+                ("Neighborhood2D(20, 17, 7)", 1, 2, 2, 340, 32), ("BlockTopK(32, 4)", 1, 4, 2, 500, 64))):
+            g = torch.Generator().manual_seed(200 + n)
+            q = torch.randn(B, hq, L, D, generator=g).bfloat16()
+            k, v = (torch.randn(B, hkv, L, D, generator=g).bfloat16() for _ in range(2))
+            gqa = hq != hkv
+            ours, idx = (st.sparse_attention(q, k, v, spec, enable_gqa=gqa, return_indices=True)
+                         if spec.startswith("BlockTopK") else (st.sparse_attention(q, k, v, spec, enable_gqa=gqa), None))
+            assert ours.dtype == torch.bfloat16
+            if idx is None:
+                allowed = torch.from_numpy(sattn.parse_pattern(spec).dense_mask(L, L, hq))
+            else:
+                allowed = torch.from_numpy(sattn.selection_mask(sattn.parse_pattern(spec), idx.numpy(), L, L))
+            ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=allowed,
+                                                 enable_gqa=gqa)
+            theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
+            err_t = (theirs.double() - ref).abs().max().item()
+            err_o = (ours.double() - ref).abs().max().item()
+            assert err_o <= 2 * err_t + 1e-5, (spec, err_o, err_t)
+    finally:
+        sattn.set_simd_target(before)
+
+
 def test_float32_precision_bf16_rounds_float32_inputs_only_where_the_cpu_has_bf16_products():
     rng = np.random.default_rng(5)
     q, k, v = (rng.standard_normal((2, 4, 150, 64)).astype(np.float32) for _ in range(3))
