@@ -115,32 +115,37 @@ void sparse_backward(Obj dout, Obj q, Obj k, Obj v, Obj out, Obj lse, const std:
   sparse::sparse_attention_backward(dov, qv, kv, vv, ov, lv, p, o, g, iv);
 }
 
-VarlenOptions varlen_options(bool causal, std::optional<double> scale, int num_threads) {
+VarlenOptions varlen_options(bool causal, std::optional<double> scale, int num_threads,
+                             const std::string& float32_precision) {
   VarlenOptions o;
   o.causal = causal;
   o.scale = scale;
   o.num_threads = num_threads;
+  o.float32_precision = parse_float32_precision(float32_precision);
   return o;
 }
 
 void varlen_forward(Obj q, Obj k, Obj v, Obj cu_q, Obj cu_k, int64_t max_q, int64_t max_k, bool causal,
-                    std::optional<double> scale, int num_threads, Obj out, Obj lse) {
+                    std::optional<double> scale, int num_threads, Obj out, Obj lse,
+                    const std::string& float32_precision) {
   const TensorView qv = torch_view(q, "q"), kv = torch_view(k, "k"), vv = torch_view(v, "v"),
                    cq = torch_view(cu_q, "cu_seqlens_q"), ck = torch_view(cu_k, "cu_seqlens_k"),
                    ov = torch_view(out, "out"), lv = torch_view(lse, "lse");
   pyb::gil_scoped_release release;
-  flash_attn_varlen(qv, kv, vv, cq, ck, max_q, max_k, varlen_options(causal, scale, num_threads), ov, lv);
+  flash_attn_varlen(qv, kv, vv, cq, ck, max_q, max_k, varlen_options(causal, scale, num_threads, float32_precision), ov,
+                    lv);
 }
 
 void varlen_backward(Obj dout, Obj q, Obj k, Obj v, Obj out, Obj lse, Obj cu_q, Obj cu_k, int64_t max_q, int64_t max_k,
-                     bool causal, std::optional<double> scale, int num_threads, Obj dq, Obj dk, Obj dv) {
+                     bool causal, std::optional<double> scale, int num_threads, Obj dq, Obj dk, Obj dv,
+                     const std::string& float32_precision) {
   const TensorView dov = torch_view(dout, "grad_out"), qv = torch_view(q, "q"), kv = torch_view(k, "k"),
                    vv = torch_view(v, "v"), ov = torch_view(out, "out"), lv = torch_view(lse, "lse"),
                    cq = torch_view(cu_q, "cu_seqlens_q"), ck = torch_view(cu_k, "cu_seqlens_k"),
                    dqv = torch_view(dq, "dq"), dkv = torch_view(dk, "dk"), dvv = torch_view(dv, "dv");
   pyb::gil_scoped_release release;
-  flash_attn_varlen_backward(dov, qv, kv, vv, ov, lv, cq, ck, max_q, max_k, varlen_options(causal, scale, num_threads),
-                             dqv, dkv, dvv);
+  flash_attn_varlen_backward(dov, qv, kv, vv, ov, lv, cq, ck, max_q, max_k,
+                             varlen_options(causal, scale, num_threads, float32_precision), dqv, dkv, dvv);
 }
 
 // Shape of the `indices` output of a sparse pattern ([] when it selects nothing), for the operator's fake kernel.
@@ -175,10 +180,11 @@ void bind_torch(pyb::module_& m) {
         arg("len_q"), arg("len_k"), "Private (sattn.torch): shape of a sparse pattern's indices output.");
   m.def("_torch_varlen_forward", &varlen_forward, arg("q"), arg("k"), arg("v"), arg("cu_seqlens_q"),
         arg("cu_seqlens_k"), arg("max_seqlen_q"), arg("max_seqlen_k"), arg("causal"), arg("scale"), arg("num_threads"),
-        arg("out"), arg("lse"), "Private (sattn.torch): packed variable-length forward into out/lse.");
+        arg("out"), arg("lse"), arg("float32_precision") = "highest",
+        "Private (sattn.torch): packed variable-length forward into out/lse.");
   m.def("_torch_varlen_backward", &varlen_backward, arg("grad_out"), arg("q"), arg("k"), arg("v"), arg("out"),
         arg("lse"), arg("cu_seqlens_q"), arg("cu_seqlens_k"), arg("max_seqlen_q"), arg("max_seqlen_k"), arg("causal"),
-        arg("scale"), arg("num_threads"), arg("dq"), arg("dk"), arg("dv"),
+        arg("scale"), arg("num_threads"), arg("dq"), arg("dk"), arg("dv"), arg("float32_precision") = "highest",
         "Private (sattn.torch): packed variable-length backward into dq/dk/dv.");
 }
 

@@ -64,6 +64,7 @@ AttentionOptions to_options(const VarlenOptions& o) {
   a.scale = o.scale;
   a.kernel = o.kernel;
   a.num_threads = o.num_threads;
+  a.float32_precision = o.float32_precision;
   return a;
 }
 

@@ -606,11 +606,11 @@ def sparse_attention(query, key, value, pattern, scale=None, enable_gqa=False, *
 
 def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: Optional[float],
-                         num_threads: int) -> tuple[Tensor, Tensor]:
+                         num_threads: int, float32_precision: str = "highest") -> tuple[Tensor, Tensor]:
     out = _empty_out(q, v)
     lse = _contiguous_empty((q.shape[1], q.shape[0]), _stats_dtype(q.dtype))
     _core._torch_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                                _run_threads(num_threads), out, lse)
+                                _run_threads(num_threads), out, lse, _run_precision(float32_precision))
     return out, lse
 
 
@@ -620,19 +620,21 @@ _varlen_forward = torch.library.custom_op("sattn::varlen_forward", _varlen_forwa
 
 @_varlen_forward.register_fake
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                         num_threads):
+                         num_threads, float32_precision="highest"):
     return (q.new_empty((q.shape[0], q.shape[1], v.shape[-1])),
             q.new_empty((q.shape[1], q.shape[0]), dtype=_stats_dtype(q.dtype)))
 
 
 def _varlen_backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                           cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                          causal: bool, scale: Optional[float], num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
+                          causal: bool, scale: Optional[float], num_threads: int,
+                          float32_precision: str = "highest") -> tuple[Tensor, Tensor, Tensor]:
     dq = _empty_as(q)
     dk = _empty_as(k)
     dv = _empty_as(v)
     _core._torch_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 causal, scale, _run_threads(num_threads), dq, dk, dv)
+                                 causal, scale, _run_threads(num_threads), dq, dk, dv,
+                                 _run_precision(float32_precision))
     return dq, dk, dv
 
 
@@ -642,26 +644,26 @@ _varlen_backward = torch.library.custom_op("sattn::varlen_backward", _varlen_bac
 
 @_varlen_backward.register_fake
 def _varlen_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          causal, scale, num_threads):
+                          causal, scale, num_threads, float32_precision="highest"):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, num_threads = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, num_threads, precision = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
-    ctx.options = (max_seqlen_q, max_seqlen_k, causal, scale, num_threads)
+    ctx.options = (max_seqlen_q, max_seqlen_k, causal, scale, num_threads, precision)
     ctx.mark_non_differentiable(lse)
 
 
 def _varlen_autograd(ctx, grad_out, grad_lse):
     saved = ctx.saved_tensors
     q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse = saved
-    max_seqlen_q, max_seqlen_k, causal, scale, num_threads = ctx.options
+    max_seqlen_q, max_seqlen_k, causal, scale, num_threads, precision = ctx.options
     backward = _varlen_backward_impl if _eager_backward(saved, grad_out) else _varlen_backward
     dq, dk, dv = backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, causal, scale, num_threads)
-    return dq, dk, dv, None, None, None, None, None, None, None
+                          max_seqlen_k, causal, scale, num_threads, precision)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("sattn::varlen_forward", _varlen_autograd, setup_context=_varlen_setup_context)
@@ -672,12 +674,13 @@ _VarlenFunction = _eager_function("VarlenFunction", _varlen_forward_impl, _varle
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, *, num_threads=None):
+                           softmax_scale=None, causal=False, *, num_threads=None, float32_precision=None):
     """FlashAttention's flash_attn_varlen_func on sattn's fused kernel (CPU tensors), differentiable with respect
     to q, k and v. q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv] (Hq a multiple of Hkv);
     cu_seqlens_q/k int32 [n + 1] (sequence s owns rows cu[s]:cu[s+1]); max_seqlen_q/k >= every length. causal is
     bottom-right within each sequence, as in FlashAttention >= 2.1. Returns out [total_q, Hq, Dv] in q's dtype.
-    Dropout is not supported (dropout_p must be 0)."""
+    Dropout is not supported (dropout_p must be 0). float32_precision as in scaled_dot_product_attention (None:
+    torch.get_float32_matmul_precision(), "medium" being "bf16")."""
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_tensor(x, name)
     _check_same_dtype(q, k, v)
@@ -691,7 +694,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise _core.DTypeError(f"{name}: expected an int, got {type(x).__name__}")
     out, _ = _run(_varlen_forward, _VarlenFunction, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                   max_seqlen_k, _check_flag(causal, "causal"), _check_scale(softmax_scale, "softmax_scale"),
-                  _threads(num_threads))
+                  _threads(num_threads), _float32_precision(float32_precision))
     return out
 
 

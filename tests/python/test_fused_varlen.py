@@ -109,3 +109,46 @@ def test_varlen_half_inputs_match_upcast(dtype_name):
     out_l, lse = sattn.flash_attn_varlen(q, k, v, cu, cu, 33, 33, causal=True, return_lse=True)
     grads = sattn.flash_attn_varlen_backward(dout, q, k, v, out_l, lse, cu, cu, 33, 33, causal=True)
     assert lse.dtype == np.float32 and all(g.dtype == np.dtype(dt) for g in grads)
+
+
+def test_varlen_float32_precision_bf16_rounds_only_where_the_cpu_has_bf16_products():
+    """float32_precision='bf16' (numpy API, both passes, and sattn.torch's flash_attn_varlen_func, which also follows
+    torch.set_float32_matmul_precision('medium')): float32 inputs on the bf16 products where the fused build has
+    them, within bf16 rounding of the reference; elsewhere bitwise the 'highest' results."""
+    rng = np.random.default_rng(6)
+    lens = [40, 130, 7]
+    H, D = 2, 64
+    q, k, v, dout = (packed(rng, lens, H, D) for _ in range(4))
+    cu = np.cumsum([0] + lens).astype(np.int32)
+    bf16 = sattn.simd_targets()["fused"] in ("amx", "avx512bf16")
+    results = {}
+    for precision in ("highest", "bf16"):
+        out, lse = sattn.flash_attn_varlen(q, k, v, cu, cu, 130, 130, causal=True, return_lse=True,
+                                           float32_precision=precision)
+        grads = sattn.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 130, 130, causal=True,
+                                                 float32_precision=precision)
+        results[precision] = (out, *grads)
+    for high, low in zip(results["highest"], results["bf16"]):
+        if bf16:
+            assert 1e-6 < np.abs(low - high).max() <= 3e-2 * max(1.0, np.abs(high).max())
+        else:
+            np.testing.assert_array_equal(low, high)
+    with pytest.raises(sattn.InvalidArgumentError, match="float32_precision"):
+        sattn.flash_attn_varlen(q, k, v, cu, cu, 130, 130, float32_precision="medium")
+    torch = pytest.importorskip("torch", reason="torch not importable: sattn.torch's varlen precision NOT tested")
+    import sattn.torch as st
+
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    before = torch.get_float32_matmul_precision()
+    try:
+        for setting, precision in (("medium", None), ("highest", "bf16"), ("highest", None)):
+            torch.set_float32_matmul_precision(setting)
+            o = st.flash_attn_varlen_func(tq, tk, tv, torch.from_numpy(cu), torch.from_numpy(cu), 130, 130,
+                                          causal=True, float32_precision=precision)
+            g = torch.autograd.grad(o, (tq, tk, tv), torch.from_numpy(dout))
+            rounded = setting == "medium" or precision == "bf16"
+            want = results["bf16" if rounded else "highest"]
+            for got, w in zip((o, *g), want):
+                np.testing.assert_array_equal(got.detach().numpy(), w)
+    finally:
+        torch.set_float32_matmul_precision(before)
