@@ -105,7 +105,8 @@ pybind11::object sparse_attention_py(const pybind11::array& q, const pybind11::a
                                      bool return_indices, int64_t block,
                                      const std::optional<std::vector<float>>& alibi_slopes, double softcap,
                                      const std::optional<pybind11::array>& bias,
-                                     const std::optional<pybind11::array>& rel_pos_bias, int num_threads) {
+                                     const std::optional<pybind11::array>& rel_pos_bias, int num_threads,
+                                     const std::string& float32_precision) {
   ArrayKeeper keeper;
   const TensorView qv = view_of(q, "query", keeper), kv = view_of(k, "key", keeper), vv = view_of(v, "value", keeper);
   check(qv.dim() == 4 && vv.dim() == 4, ErrorKind::kInvalidArgument,
@@ -113,6 +114,7 @@ pybind11::object sparse_attention_py(const pybind11::array& q, const pybind11::a
         shape_text(vv.shape));
   CallOptions c =
       make_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias, num_threads);
+  c.o.float32_precision = parse_float32_precision(float32_precision);
   TensorView ov, lv;
   pybind11::array out = new_array(result_dtype(qv), {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]}, &ov);
   pybind11::array lse = new_array(stats_dtype(qv), {qv.shape[0], qv.shape[1], qv.shape[2]}, &lv);
@@ -382,9 +384,10 @@ void bind_sparse_functions(pybind11::module_& m) {
         "scale"_a = pybind11::none(), "enable_gqa"_a = false, pybind11::kw_only(),
         "key_padding_mask"_a = pybind11::none(), "return_lse"_a = false, "return_indices"_a = false, "block"_a = 64,
         "alibi_slopes"_a = pybind11::none(), "softcap"_a = 0.0, "bias"_a = pybind11::none(),
-        "rel_pos_bias"_a = pybind11::none(), "num_threads"_a = 0,
+        "rel_pos_bias"_a = pybind11::none(), "num_threads"_a = 0, "float32_precision"_a = "highest",
         "Sparse attention of q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] under `pattern`; "
-        "returns out [B, Hq, Lq, Dv] (and lse [B, Hq, Lq] with return_lse=True).");
+        "returns out [B, Hq, Lq, Dv] (and lse [B, Hq, Lq] with return_lse=True). float32_precision='bf16' lets "
+        "float32 inputs take the bf16 products of the forward where the CPU has them (docs/sparse.md).");
   m.def("sparse_attention_backward", &sparse_attention_backward_py, "dout"_a, "query"_a, "key"_a, "value"_a, "out"_a,
         "lse"_a, "pattern"_a, "scale"_a = pybind11::none(), "enable_gqa"_a = false, pybind11::kw_only(),
         "key_padding_mask"_a = pybind11::none(), "block"_a = 64, "alibi_slopes"_a = pybind11::none(), "softcap"_a = 0.0,

@@ -85,10 +85,12 @@ sparse::SparseOptions sparse_options(std::optional<double> scale, bool enable_gq
 
 void sparse_forward(Obj q, Obj k, Obj v, const std::string& pattern, std::optional<double> scale, bool enable_gqa,
                     Obj key_padding_mask, int64_t block, const std::optional<std::vector<float>>& alibi_slopes,
-                    double softcap, Obj bias, Obj rel_pos_bias, int num_threads, Obj out, Obj lse, Obj indices) {
+                    double softcap, Obj bias, Obj rel_pos_bias, int num_threads, Obj out, Obj lse, Obj indices,
+                    const std::string& float32_precision) {
   const sparse::Pattern p = sparse::Pattern::parse(pattern);
-  const sparse::SparseOptions o = sparse_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap,
-                                                 bias, rel_pos_bias, num_threads);
+  sparse::SparseOptions o = sparse_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias,
+                                           rel_pos_bias, num_threads);
+  o.float32_precision = parse_float32_precision(float32_precision);
   const TensorView qv = torch_view(q, "query"), kv = torch_view(k, "key"), vv = torch_view(v, "value"),
                    ov = torch_view(out, "out"), lv = torch_view(lse, "lse"), iv = torch_view(indices, "indices");
   pyb::gil_scoped_release release;
@@ -170,6 +172,7 @@ void bind_torch(pyb::module_& m) {
   m.def("_torch_sparse_forward", &sparse_forward, arg("query"), arg("key"), arg("value"), arg("pattern"), arg("scale"),
         arg("enable_gqa"), arg("key_padding_mask"), arg("block"), arg("alibi_slopes"), arg("softcap"), arg("bias"),
         arg("rel_pos_bias"), arg("num_threads"), arg("out"), arg("lse"), arg("indices"),
+        arg("float32_precision") = "highest",
         "Private (sattn.torch): sparse attention forward into out/lse (and indices).");
   m.def("_torch_sparse_backward", &sparse_backward, arg("grad_out"), arg("query"), arg("key"), arg("value"), arg("out"),
         arg("lse"), arg("pattern"), arg("scale"), arg("enable_gqa"), arg("key_padding_mask"), arg("block"),

@@ -476,7 +476,8 @@ def _selection_shape(pattern, B, Hq, Lq, Lk):
 def _sparse_forward_impl(query: Tensor, key: Tensor, value: Tensor, pattern: str, scale: Optional[float],
                          enable_gqa: bool, key_padding_mask: Optional[Tensor], block: int,
                          alibi_slopes: Optional[list[float]], softcap: float, bias: Optional[Tensor],
-                         rel_pos_bias: Optional[Tensor], num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
+                         rel_pos_bias: Optional[Tensor], num_threads: int,
+                         float32_precision: str = "highest") -> tuple[Tensor, Tensor, Tensor]:
     B, Hq, Lq, _ = query.shape
     out = _empty_out(query, value)
     lse = _contiguous_empty((B, Hq, Lq), _stats_dtype(query.dtype))
@@ -484,8 +485,7 @@ def _sparse_forward_impl(query: Tensor, key: Tensor, value: Tensor, pattern: str
     indices = _contiguous_empty(ishape, torch.int64)
     _core._torch_sparse_forward(query, key, value, pattern, scale, enable_gqa, key_padding_mask, block, alibi_slopes,
                                 softcap, _as_stat_float(bias), _as_stat_float(rel_pos_bias), _run_threads(num_threads),
-                                out, lse,
-                                indices if len(ishape) == 4 else None)
+                                out, lse, indices if len(ishape) == 4 else None, _run_precision(float32_precision))
     return out, lse, indices
 
 
@@ -495,7 +495,7 @@ _sparse_forward = torch.library.custom_op("sattn::sparse_forward", _sparse_forwa
 
 @_sparse_forward.register_fake
 def _sparse_forward_fake(query, key, value, pattern, scale, enable_gqa, key_padding_mask, block, alibi_slopes,
-                         softcap, bias, rel_pos_bias, num_threads):
+                         softcap, bias, rel_pos_bias, num_threads, float32_precision="highest"):
     B, Hq, Lq, _ = query.shape
     return (query.new_empty((B, Hq, Lq, value.shape[-1])),
             query.new_empty((B, Hq, Lq), dtype=_stats_dtype(query.dtype)),
@@ -533,8 +533,9 @@ def _sparse_backward_fake(grad_out, query, key, value, out, lse, indices, patter
 
 
 def _sparse_setup_context(ctx, inputs, output):
+    # float32_precision (the last input) concerns the forward only: the backward keeps float32 products
     (query, key, value, pattern, scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias,
-     rel_pos_bias, num_threads) = inputs
+     rel_pos_bias, num_threads) = inputs[:13]
     out, lse, indices = output
     ctx.save_for_backward(query, key, value, key_padding_mask, bias, rel_pos_bias, out, lse, indices)
     ctx.options = (pattern, scale, enable_gqa, block, alibi_slopes, softcap, num_threads)
@@ -550,7 +551,7 @@ def _sparse_autograd(ctx, grad_out, grad_lse, grad_indices):
                                        enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias,
                                        rel_pos_bias, num_threads)
     return (dq, dk, dv, None, None, None, None, None, None, None, dbias if bias is not None else None,
-            drel if rel_pos_bias is not None else None, None)
+            drel if rel_pos_bias is not None else None, None, None)
 
 
 torch.library.register_autograd("sattn::sparse_forward", _sparse_autograd, setup_context=_sparse_setup_context)
@@ -562,12 +563,14 @@ _SparseFunction = _eager_function("SparseFunction", _sparse_forward_impl, _spars
 
 def sparse_attention(query, key, value, pattern, scale=None, enable_gqa=False, *, key_padding_mask=None,
                      return_lse=False, return_indices=False, block=64, alibi_slopes=None, softcap=0.0, bias=None,
-                     rel_pos_bias=None, num_threads=None):
+                     rel_pos_bias=None, num_threads=None, float32_precision=None):
     """sattn.sparse_attention on torch tensors, differentiable with respect to query, key, value, bias and
     rel_pos_bias. query [B, Hq, Lq, D], key [B, Hkv, Lk, D], value [B, Hkv, Lk, Dv]; pattern: a sattn.Pattern or
     its spec (e.g. "SlidingWindow(256, 256)", "TopK(32)"); the keyword arguments are sattn.sparse_attention's
     (docs/sparse.md). Returns out [B, Hq, Lq, Dv] in the inputs' dtype; with return_lse=True also lse
-    [B, Hq, Lq], with return_indices=True the TopK/BlockTopK selection (int64); neither is differentiable."""
+    [B, Hq, Lq], with return_indices=True the TopK/BlockTopK selection (int64); neither is differentiable.
+    float32_precision: 'highest', 'bf16' (float32 inputs may take the forward's bf16 products) or None
+    (torch.get_float32_matmul_precision(), 'medium' being 'bf16')."""
     for x, name in ((query, "query"), (key, "key"), (value, "value")):
         _check_tensor(x, name)
     _check_same_dtype(query, key, value)
@@ -591,7 +594,8 @@ def sparse_attention(query, key, value, pattern, scale=None, enable_gqa=False, *
         raise _core.DTypeError(f"block: expected an int, got {type(block).__name__}")
     out, lse, indices = _run(_sparse_forward, _SparseFunction, query, key, value, spec, _check_scale(scale),
                              _check_flag(enable_gqa, "enable_gqa"), key_padding_mask, block, alibi_slopes,
-                             float(softcap), bias, rel_pos_bias, _threads(num_threads))
+                             float(softcap), bias, rel_pos_bias, _threads(num_threads),
+                             _float32_precision(float32_precision))
     result = (out,)
     if _check_flag(return_lse, "return_lse"):
         result += (lse,)

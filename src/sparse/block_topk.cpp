@@ -430,11 +430,10 @@ void blocktopk_forward_direct(const AttentionProblem& problem, const AdaptiveNod
   const int64_t D = p.D(), Dv = p.Dv(), group = p.group(), off = lk - lq;
   const int64_t bw = std::min(blk, lk);  // columns of a key block in memory (one block of Lk keys when blk > Lk)
   if (indices.data) check_indices(indices, {p.B(), p.Hq(), nqb, KB}, "[B, Hq, num_query_blocks, k_blocks]");
-  // K of one (b, kv head) at a time as transposed key blocks [nkb][D][bw] (one head's worth of memory). With bf16
-  // inputs and a bf16 out on a build with bf16 products (tiles.hpp), S and P·V take them instead: K in pairs along
-  // D for the call, V of one (b, kv head) in pairs across keys per key block [nkb][⌈bw/2⌉][Dvp], Q^T per block.
-  const bool pairs = q.dtype == DType::kBF16 && k.dtype == DType::kBF16 && v.dtype == DType::kBF16 &&
-                     out.dtype == DType::kBF16 && tiles::has_bf16_products();
+  // K of one (b, kv head) at a time as transposed key blocks [nkb][D][bw] (one head's worth of memory). On the bf16
+  // products (forward_takes_bf16_pairs), S and P·V take them instead: K in pairs along D for the call, V of one
+  // (b, kv head) in pairs across keys per key block [nkb][⌈bw/2⌉][Dvp], Q^T per block.
+  const bool pairs = detail::forward_takes_bf16_pairs(q, k, v, out, o);
   const int64_t D2 = (D + 1) / 2, Dvp = (Dv + 15) / 16 * 16, bw2 = (bw + 1) / 2;
   WorkspaceVector<float> kt(pairs ? 0 : static_cast<size_t>(nkb * D * bw));
   const WorkspaceVector<uint32_t> k2 =

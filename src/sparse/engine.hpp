@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -111,7 +110,11 @@ void store_row(const TensorView& t, int64_t b, int64_t h, int64_t i, const float
 void store_value(const TensorView& t, int64_t b, int64_t h, int64_t i, float value);
 // Runs fn(ctx, item) for item in [0, n) on up to `threads` threads (OpenMP, no oversubscription).
 void run_parallel(int64_t n, int threads, void* ctx, void (*fn)(void*, int64_t));
-// Rows [rows x width] of floats that hold bf16 values as bf16 pairs along the row: out[r·W2 + y] = (x[r, 2y],
+// Whether a forward takes the bf16 products (tiles.hpp): a build that has them, q, k and v in bf16 or float32, and
+// rounding allowed: bf16 inputs with a bf16 out, or EngineOptions::float32_precision = kBF16.
+bool forward_takes_bf16_pairs(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                              const EngineOptions& options);
+// Rows [rows x width] of floats as bf16 pairs along the row (tiles::pack_pairs_along_rows): out[r·W2 + y] = (x[r, 2y],
 // x[r, 2y+1]), W2 = ⌈width/2⌉, the second half of an odd width's last word 0 (the forward's bf16 products).
 WorkspaceVector<uint32_t> pairs_along_rows(const float* x, int64_t rows, int64_t width);
 
@@ -144,7 +147,7 @@ struct Segment {
 // rows in pairs [n x D2] when it has several ranges, its V in pairs across keys [⌈n/2⌉ x Dvp] and P in pairs
 // [m x n rounded up to 16, halved], for chunks of at most n keys.
 struct PairScratch {
-  std::vector<uint32_t> q2t, k2, v2, p2;
+  std::vector<uint32_t> q2t, qw, k2, v2, p2;  // qw: the query rows in pairs [m x D2], before their transpose
   int64_t ldq = 0;
   void ensure(int64_t m, int64_t D2, int64_t Dvp, int64_t n = kChunk) {
     ldq = (m + 15) / 16 * 16 + 16;  // B operand rows are read in whole vectors from any query column
@@ -152,16 +155,13 @@ struct PairScratch {
     k2.resize(size_t(n * D2)), v2.resize(size_t((n + 1) / 2 * Dvp)), p2.resize(size_t(m * ((n + 15) / 16 * 8)));
   }
 };
-// Q2^T of query rows q [m x D] (floats that hold bf16 values) into ps.q2t: (q[i, 2y], q[i, 2y+1]) at row y,
-// column i.
+// Q2^T of query rows q [m x D] into ps.q2t: (q[i, 2y], q[i, 2y+1]) rounded to bf16 at row y, column i.
 inline void pack_query_pairs(const float* q, int64_t m, int64_t D, PairScratch& ps) {
+  const int64_t D2 = (D + 1) / 2;
+  ps.qw.resize(size_t(m * D2));
+  tiles::pack_pairs_along_rows(q, D, m, D, ps.qw.data(), D2);
   for (int64_t i = 0; i < m; ++i)
-    for (int64_t y = 0; y < (D + 1) / 2; ++y) {
-      uint32_t lo, hi = 0;
-      std::memcpy(&lo, q + i * D + 2 * y, sizeof lo);
-      if (2 * y + 1 < D) std::memcpy(&hi, q + i * D + 2 * y + 1, sizeof hi);
-      ps.q2t[size_t(y * ps.ldq + i)] = lo >> 16 | (hi & 0xFFFF0000u);
-    }
+    for (int64_t y = 0; y < D2; ++y) ps.q2t[size_t(y * ps.ldq + i)] = ps.qw[size_t(i * D2 + y)];
 }
 
 // Per-thread scratch of one query block.
@@ -284,10 +284,9 @@ void block_sparse_attention(const AttentionProblem& problem, const TensorView& q
   const Packed p = pack_inputs(problem, q, k, v, bm, options);
   check_outputs(p, out, lse);
   const int64_t nqb = bm.num_q_blocks(), D = p.D(), Dv = p.Dv(), group = p.group();
-  // bf16 inputs and a bf16 out, on a build with bf16 products: S and P·V on bf16 pairs (tiles.hpp), K in pairs
-  // along D once per call, Q^T per query block, V per chunk.
-  const bool pairs = q.dtype == DType::kBF16 && k.dtype == DType::kBF16 && v.dtype == DType::kBF16 &&
-                     out.dtype == DType::kBF16 && tiles::has_bf16_products();
+  // On the bf16 products (forward_takes_bf16_pairs): S and P·V on bf16 pairs (tiles.hpp), K in pairs along D once
+  // per call, Q^T per query block, V per chunk.
+  const bool pairs = forward_takes_bf16_pairs(q, k, v, out, options);
   const int64_t D2 = (D + 1) / 2, Dvp = (Dv + 15) / 16 * 16;
   const WorkspaceVector<uint32_t> k2 =
       pairs ? pairs_along_rows(p.k.data(), p.B() * p.Hkv() * p.Lk(), D) : WorkspaceVector<uint32_t>();

@@ -272,16 +272,19 @@ void store_value(const TensorView& t, int64_t b, int64_t h, int64_t i, float val
   }
 }
 
+bool forward_takes_bf16_pairs(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                              const EngineOptions& options) {
+  const auto bf16 = [](const TensorView& t) { return t.dtype == DType::kBF16; };
+  const auto takes = [](const TensorView& t) { return t.dtype == DType::kBF16 || t.dtype == DType::kF32; };
+  const bool rounding = options.float32_precision == Float32Precision::kBF16 ||
+                        (bf16(q) && bf16(k) && bf16(v) && out.dtype == DType::kBF16);
+  return rounding && takes(q) && takes(k) && takes(v) && tiles::has_bf16_products();
+}
+
 WorkspaceVector<uint32_t> pairs_along_rows(const float* x, int64_t rows, int64_t width) {
   const int64_t W2 = (width + 1) / 2;
   WorkspaceVector<uint32_t> out(size_t(rows * W2));
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t y = 0; y < W2; ++y) {
-      uint32_t lo, hi = 0;  // a bf16 value in float32 is its bf16 bits followed by 16 zero bits
-      std::memcpy(&lo, x + r * width + 2 * y, sizeof lo);
-      if (2 * y + 1 < width) std::memcpy(&hi, x + r * width + 2 * y + 1, sizeof hi);
-      out[size_t(r * W2 + y)] = lo >> 16 | (hi & 0xFFFF0000u);
-    }
+  tiles::pack_pairs_along_rows(x, width, rows, width, out.data(), W2);
   return out;
 }
 

@@ -45,7 +45,11 @@ void kq_pairs(const uint32_t* k2, int64_t n, int64_t d2, const uint32_t* q2t, in
 void pv_pairs(const float* p, int64_t m, int64_t n, const uint32_t* v2, int64_t ldv, int64_t dv, uint32_t* p2,
               float* acc);
 
-// Rows [n x width] of floats that are bf16 values (row stride lds) as words of two rows: out[y·ldo + x] =
+// Rows [n x width] of floats (row stride lds) rounded to bf16 as pairs along the row: out[r·ldo + y] = (x[r, 2y],
+// x[r, 2y+1]) for y < ⌈width/2⌉ (ldo >= that; an odd width's last word ends in 0).
+void pack_pairs_along_rows(const float* rows, int64_t lds, int64_t n, int64_t width, uint32_t* out, int64_t ldo);
+
+// Rows [n x width] of floats (row stride lds) rounded to bf16 as words of two rows: out[y·ldo + x] =
 // (rows[2y][x], rows[2y+1][x]), the second half 0 past row n; ldo a multiple of 16 >= width, words past width 0.
 void pack_pairs_across_rows(const float* rows, int64_t lds, int64_t n, int64_t width, uint32_t* out, int64_t ldo);
 

@@ -258,9 +258,24 @@ SATTN_BF16_ATTR void PvPairs(const float* p, int64_t m, int64_t n, const uint32_
   GemmPairs(p2, ldp, 1, v2, ldv, acc, dv, m, dv, (n + 1) / 2, 1.f, true);
 }
 
+SATTN_BF16_ATTR void PackPairsAlongRows(const float* rows, int64_t lds, int64_t n, int64_t width, uint32_t* out,
+                                        int64_t ldo) {
+  const int64_t w2 = (width + 1) / 2;
+  const auto live = [width](int64_t at) {
+    return at >= width ? __mmask16(0) : width - at >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (width - at)) - 1u);
+  };
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t x = 0; x < width; x += 32) {  // 32 floats make 16 words (lanes past width load as 0)
+      const __m512 a = _mm512_maskz_loadu_ps(live(x), rows + r * lds + x);
+      const __m512 b = _mm512_maskz_loadu_ps(live(x + 16), rows + r * lds + x + 16);
+      const int64_t words = std::min<int64_t>(16, w2 - x / 2);
+      _mm512_mask_storeu_epi32(out + r * ldo + x / 2, __mmask16((1u << words) - 1u),
+                               (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+}
+
 SATTN_BF16_ATTR void PackPairsAcrossRows(const float* rows, int64_t lds, int64_t n, int64_t width, uint32_t* out,
                                          int64_t ldo) {
-  const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
   for (int64_t y = 0; y < (n + 1) / 2; ++y) {
     const float* a = rows + 2 * y * lds;
     const float* b = 2 * y + 1 < n ? a + lds : nullptr;
@@ -268,10 +283,11 @@ SATTN_BF16_ATTR void PackPairsAcrossRows(const float* rows, int64_t lds, int64_t
       const __mmask16 live = x >= width        ? __mmask16(0)
                              : width - x >= 16 ? __mmask16(0xFFFF)
                                                : __mmask16((1u << (width - x)) - 1u);
-      const __m512i va = _mm512_maskz_loadu_epi32(live, a + x);
-      const __m512i vb = b ? _mm512_maskz_loadu_epi32(live, b + x) : _mm512_setzero_si512();
-      // a bf16 value in float32 is its bf16 bits followed by 16 zero bits
-      _mm512_storeu_si512(out + y * ldo + x, _mm512_or_si512(_mm512_srli_epi32(va, 16), _mm512_and_si512(vb, high)));
+      // each row rounded to bf16 (nearest even), its 16 bits widened to the low half of a word
+      const __m512i va = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, a + x)));
+      const __m512i vb = b ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, b + x)))
+                           : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + y * ldo + x, _mm512_or_si512(va, _mm512_slli_epi32(vb, 16)));
     }
   }
 }
@@ -301,18 +317,21 @@ struct Ops {
   void (*kq_pairs)(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, int64_t, float, float*, int64_t);
   void (*pv_pairs)(const float*, int64_t, int64_t, const uint32_t*, int64_t, int64_t, uint32_t*, float*);
   void (*pack_pairs)(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t);
+  void (*pack_pairs_along)(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t);
 };
 
+// The builds without bf16 products (their last four entries null), then the avx512bf16 one.
 #define SATTN_TILE_OPS(NS)                                                                                        \
   Ops {                                                                                                           \
     &NS::Qk, &NS::SoftmaxUpdate, &NS::Pv, &NS::Atx, &NS::SoftmaxBackward, &NS::Probabilities, &NS::TransposeKeys, \
-        nullptr, nullptr, nullptr                                                                                 \
+        nullptr, nullptr, nullptr, nullptr                                                                        \
   }
 #if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64
-#define SATTN_TILE_OPS_BF16                                                                                 \
-  {simd::Target::kAvx512Bf16, Ops{&N_AVX3::Qk, &N_AVX3::SoftmaxUpdate, &N_AVX3::Pv, &N_AVX3::Atx,           \
-                                  &N_AVX3::SoftmaxBackward, &N_AVX3::Probabilities, &N_AVX3::TransposeKeys, \
-                                  &N_AVX3::KqPairs, &N_AVX3::PvPairs, &N_AVX3::PackPairsAcrossRows}},
+#define SATTN_TILE_OPS_BF16                                                                      \
+  {simd::Target::kAvx512Bf16,                                                                    \
+   Ops{&N_AVX3::Qk, &N_AVX3::SoftmaxUpdate, &N_AVX3::Pv, &N_AVX3::Atx, &N_AVX3::SoftmaxBackward, \
+       &N_AVX3::Probabilities, &N_AVX3::TransposeKeys, &N_AVX3::KqPairs, &N_AVX3::PvPairs,       \
+       &N_AVX3::PackPairsAcrossRows, &N_AVX3::PackPairsAlongRows}},
 #else
 #define SATTN_TILE_OPS_BF16
 #endif
@@ -358,6 +377,9 @@ void pv_pairs(const float* p, int64_t m, int64_t n, const uint32_t* v2, int64_t 
 }
 void pack_pairs_across_rows(const float* rows, int64_t lds, int64_t n, int64_t width, uint32_t* out, int64_t ldo) {
   ops().pack_pairs(rows, lds, n, width, out, ldo);
+}
+void pack_pairs_along_rows(const float* rows, int64_t lds, int64_t n, int64_t width, uint32_t* out, int64_t ldo) {
+  ops().pack_pairs_along(rows, lds, n, width, out, ldo);
 }
 
 }  // namespace sattn::sparse::tiles

@@ -322,6 +322,42 @@ TEST(SparseAttention, Bf16OutputsMatchReferenceOnEveryTarget) {
   }
 }
 
+// float32 inputs with float32_precision = kBF16: where the build has bf16 products the forward takes them (q, k, v
+// rounded to bf16, P rounded once; out within 2e-2 of the reference and not the float32 products' result), elsewhere
+// it is bitwise the kHighest result; the engine and BlockTopK's direct forward, every target.
+TEST(SparseAttention, Float32PrecisionBf16RoundsFloat32InputsWhereTheBuildHasBf16Products) {
+  const int64_t B = 1, Hq = 4, Hkv = 2, L = 200, D = 40;
+  const Tensor q = randn({B, Hq, L, D}, 31), k = randn({B, Hkv, L, D}, 32), v = randn({B, Hkv, L, D}, 33);
+  const auto targets = sattn::testing::simd_target_names();
+  for (const char* spec : {"SlidingWindow(30, 30)", "BigBird(8, 3, 1, 2, seed=1)", "BlockTopK(16, 3)"}) {
+    const Pattern p = Pattern::parse(spec);
+    const Shape ishape = selection_shape(p, B, Hq, L, L);
+    for (const std::string& isa : targets) {
+      SCOPED_TRACE(std::string(spec) + " " + isa);
+      const sattn::testing::ScopedSimdTarget target(isa);
+      SparseOptions so;
+      Tensor high(DType::kF32, {B, Hq, L, D}), low(DType::kF32, {B, Hq, L, D}),
+          idx(DType::kI64, ishape.empty() ? Shape{1} : ishape);
+      const TensorView iv = ishape.empty() ? TensorView{} : idx.view();
+      sparse_attention(q, k, v, p, so, high, {}, iv);
+      so.float32_precision = Float32Precision::kBF16;
+      sparse_attention(q, k, v, p, so, low, {}, iv);
+      const bool same = std::memcmp(high.data(), low.data(), high.nbytes()) == 0;
+      EXPECT_EQ(same, !tiles::has_bf16_products());
+      // the reference on the mask of the pattern (or of BlockTopK's selection)
+      AttentionOptions ro;
+      ro.kernel = "reference";
+      ro.accumulate_fp64 = true;
+      const Tensor mask = ishape.empty() ? p.dense_mask(L, L, Hq) : selection_mask(p, idx, L, L);
+      ro.attn_mask = mask.view();
+      Tensor ref(DType::kF64, high.shape());
+      scaled_dot_product_attention(q, k, v, ro, {ref.view(), {}, {}});
+      EXPECT_LE(rel_err(high, ref), 2e-5);
+      EXPECT_LE(rel_err(low, ref), 2e-2);
+    }
+  }
+}
+
 TEST(SparseAttention, ScoreModsMatchReference) {
   Case alibi{"SlidingWindow(16, 0)", 1, 4, 2, 90, 100, 16, 16};
   alibi.alibi = true;

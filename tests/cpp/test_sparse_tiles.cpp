@@ -115,8 +115,9 @@ std::vector<float> randv_bf16(size_t n, uint64_t seed) {
 }
 
 // The bf16 products (the avx512bf16 build; amx runs it too) against fp64 sums of the same bf16 values: kq_pairs
-// within float32 rounding, pv_pairs within P's rounding to bf16 (2^-9 relative per term), pack_pairs_across_rows
-// exactly; odd widths and key counts, strides wider than the rows, nothing written outside the tile.
+// within float32 rounding, pv_pairs within P's rounding to bf16 (2^-9 relative per term), the packings bit for bit
+// (floats rounded to nearest even); odd widths and key counts, strides wider than the rows, nothing written outside
+// the tile.
 TEST(SparseTiles, Bf16ProductsMatchFp64) {
   int ran = 0;
   for (const std::string& isa : sattn::testing::simd_target_names()) {
@@ -159,21 +160,43 @@ TEST(SparseTiles, Bf16ProductsMatchFp64) {
           for (int64_t c = 0; c < d; ++c) want += double(k[size_t(j * d + c)]) * q[size_t(i * d + c)];
           EXPECT_NEAR(st[size_t(j * lds + i)], 0.5 * want, 1e-5 * (1 + std::abs(want)));
         }
-      // pack_pairs_across_rows: V [n x d] (row stride d + 2) as pairs of rows [⌈n/2⌉ x ldo].
+      // The bf16 bits of a float rounded to nearest even.
+      const auto bits = [](float x) {
+        const float r = bf16_round(x);
+        uint32_t u;
+        std::memcpy(&u, &r, sizeof u);
+        return u >> 16;
+      };
+      // pack_pairs_along_rows: float rows [n x d] (row stride d + 2) rounded into pairs along the row [n x ldw].
+      {
+        const int64_t ldx = d + 2, ldw = d2 + 1;
+        const auto x = randv(size_t(n * ldx), seed++);
+        std::vector<uint32_t> w(size_t(n * ldw), 0xDEADBEEFu);
+        tiles::pack_pairs_along_rows(x.data(), ldx, n, d, w.data(), ldw);
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t y = 0; y < ldw; ++y) {
+            const uint32_t want = y == d2 ? 0xDEADBEEFu
+                                          : bits(x[size_t(r * ldx + 2 * y)]) |
+                                                (2 * y + 1 < d ? bits(x[size_t(r * ldx + 2 * y + 1)]) << 16 : 0u);
+            EXPECT_EQ(w[size_t(r * ldw + y)], want) << r << "," << y;
+          }
+      }
+      // pack_pairs_across_rows: V [n x d] (row stride d + 2) rounded into pairs of rows [⌈n/2⌉ x ldo].
       const int64_t ldv = d + 2, ldo = (d + 15) / 16 * 16;
-      auto v = randv_bf16(size_t(n * ldv), seed++);
+      auto v = randv(size_t(n * ldv), seed++);
       std::vector<uint32_t> v2(size_t((n + 1) / 2 * ldo) + 8, 0xDEADBEEFu);
       tiles::pack_pairs_across_rows(v.data(), ldv, n, d, v2.data(), ldo);
       for (int64_t y = 0; y < (n + 1) / 2; ++y)
         for (int64_t x = 0; x < ldo; ++x) {
-          uint32_t lo = 0, hi = 0;
+          uint32_t want = 0;
           if (x < d) {
-            std::memcpy(&lo, &v[size_t(2 * y * ldv + x)], sizeof lo);
-            if (2 * y + 1 < n) std::memcpy(&hi, &v[size_t((2 * y + 1) * ldv + x)], sizeof hi);
+            want = bits(v[size_t(2 * y * ldv + x)]);
+            if (2 * y + 1 < n) want |= bits(v[size_t((2 * y + 1) * ldv + x)]) << 16;
           }
-          EXPECT_EQ(v2[size_t(y * ldo + x)], lo >> 16 | (hi & 0xFFFF0000u)) << y << "," << x;
+          EXPECT_EQ(v2[size_t(y * ldo + x)], want) << y << "," << x;
         }
       for (size_t x = size_t((n + 1) / 2 * ldo); x < v2.size(); ++x) EXPECT_EQ(v2[x], 0xDEADBEEFu);
+      for (float& x : v) x = bf16_round(x);  // the values the products see
       // pv_pairs: acc [m x d] += P [m x n] · V, P rounded to bf16 inside; acc starts non-zero.
       const auto p = randv(size_t(m * n), seed++);
       auto acc = randv(size_t(m * d), seed++);

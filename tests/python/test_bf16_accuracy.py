@@ -193,3 +193,43 @@ def test_sattn_torch_follows_torch_float32_matmul_precision():
         assert not torch.equal(medium, highest)
     with pytest.raises(sattn.InvalidArgumentError, match="float32_precision: expected None, 'highest' or 'bf16'"):
         st.scaled_dot_product_attention(q, k, v, float32_precision="medium")
+
+
+def test_sparse_float32_precision_bf16_rounds_float32_inputs_only_where_the_cpu_has_bf16_products():
+    """float32_precision on sparse attention (numpy API and sattn.torch, which also follows
+    torch.set_float32_matmul_precision('medium')): the forward's bf16 products for float32 inputs where the sparse
+    tiles have them (within 2e-2 of the float64 result), else bitwise the 'highest' result; the backward keeps the
+    float32 products (the same gradients from the same out)."""
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((1, 4, 300, 64)).astype(np.float32) for _ in range(3))
+    spec = "SlidingWindow(40, 40)"
+    pattern = sattn.parse_pattern(spec)
+    ref = sattn.sparse_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), pattern)
+    highest = sattn.sparse_attention(q, k, v, pattern)
+    rounded = sattn.sparse_attention(q, k, v, pattern, float32_precision="bf16")
+    assert np.abs(highest - ref).max() <= 1e-5
+    assert np.abs(rounded - ref).max() <= 2e-2
+    bf16 = sattn.simd_targets()["sparse_tiles"] == "avx512bf16"
+    if bf16:
+        assert np.abs(rounded - highest).max() > 1e-5  # the bf16 products ran
+    else:
+        np.testing.assert_array_equal(rounded, highest)
+    with pytest.raises(sattn.InvalidArgumentError, match="float32_precision"):
+        sattn.sparse_attention(q, k, v, pattern, float32_precision="medium")
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    dout = torch.from_numpy(rng.standard_normal(q.shape).astype(np.float32))
+    before = torch.get_float32_matmul_precision()
+    try:
+        grads = {}
+        for setting, precision in (("medium", None), ("highest", "bf16"), ("highest", None), ("medium", "highest")):
+            torch.set_float32_matmul_precision(setting)
+            o = st.sparse_attention(tq, tk, tv, spec, float32_precision=precision)
+            rounded_here = precision == "bf16" or (precision is None and setting == "medium")
+            np.testing.assert_array_equal(o.detach().numpy(), rounded if rounded_here else highest)
+            grads[rounded_here] = torch.autograd.grad(o, (tq, tk, tv), dout)
+            o2 = st.sparse_attention(tq.detach(), tk.detach(), tv.detach(), spec, float32_precision=precision)
+            np.testing.assert_array_equal(o2.numpy(), o.detach().numpy())  # the inference route too
+        for g_high, g_low in zip(grads[False], grads[True]):  # backward on float32 products, from different outs
+            assert (g_low - g_high).abs().max() <= 5e-2 * max(1.0, g_high.abs().max().item())
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -87,6 +87,7 @@ struct SparseArgs {
   std::string q, k, v, out, lse, pattern, indices;
   double scale = 0;
   bool gqa = true;
+  std::string float32_precision = "highest";
 };
 
 void run_sparse(const SparseArgs& a) {
@@ -99,6 +100,7 @@ void run_sparse(const SparseArgs& a) {
   sparse::SparseOptions o;
   if (a.scale != 0) o.scale = a.scale;
   o.enable_gqa = a.gqa;
+  o.float32_precision = parse_float32_precision(a.float32_precision, "--float32-precision");
   check(tq.dim() == 4 && tv.dim() == 4, ErrorKind::kInvalidArgument, "--q/--v: expected 4-D arrays");
   Tensor to(tq.dtype() == DType::kF64 ? DType::kF64 : DType::kF32, {tq.size(0), tq.size(1), tq.size(2), tv.size(3)});
   Tensor tl(to.dtype(), {tq.size(0), tq.size(1), tq.size(2)});
@@ -124,6 +126,10 @@ void add_sparse_run(CLI::App& app) {
   cmd->add_option("--out", a.out, "output .npy [B, Hq, Lq, Dv]")->required();
   cmd->add_option("--lse", a.lse, "log-sum-exp output .npy [B, Hq, Lq]");
   cmd->add_option("--indices", a.indices, "selected key (block) indices .npy (TopK / BlockTopK)");
+  cmd->add_option("--float32-precision", a.float32_precision,
+                  "highest or bf16 (float32 inputs may take the forward's bf16 products where the CPU has them, "
+                  "rounded to bfloat16: faster, about 2^-9 relative per rounding; docs/sparse.md)")
+      ->capture_default_str();
   cmd->callback([] { run_sparse(a); });
 }
 
@@ -136,6 +142,7 @@ struct SparseBenchArgs {
   bool backward = false, dense = false;
   std::string clock_kind = "wall";
   std::string dtype = "f32";  // of q, k, v, the outputs and the gradients (lse float32)
+  std::string float32_precision = "highest";
   DType dt() const { return dtype == "bf16" ? DType::kBF16 : dtype == "f16" ? DType::kF16 : DType::kF32; }
 };
 
@@ -190,6 +197,7 @@ void bench_spec(const SparseBenchArgs& a, const std::string& spec, const sparse:
   } else {
     sparse::SparseOptions o;
     o.num_threads = th;
+    o.float32_precision = parse_float32_precision(a.float32_precision, "--float32-precision");
     tf = median_seconds(reps, [&] { sparse::sparse_attention(q, k, v, p, o, out, lse); });
     if (a.backward)
       tb = median_seconds(reps, [&] {
@@ -225,6 +233,7 @@ void bench_dense(const SparseBenchArgs& a, int64_t L, int th, double peak) {
   Tensor &out = t.out, &lse = t.lse, &dq = t.dq, &dk = t.dk, &dv = t.dv;
   AttentionOptions ao;
   ao.num_threads = th;
+  ao.float32_precision = parse_float32_precision(a.float32_precision, "--float32-precision");
   KernelInfo info;
   const double tf = median_seconds(reps, [&] {
     scaled_dot_product_attention(q, k, v, ao, {out.view(), lse.view(), {}}, &info);
@@ -249,8 +258,9 @@ void run_sparse_bench(const SparseBenchArgs& a) {
         "--clock thread: only with --threads 1");
   check(a.dtype == "f32" || a.dtype == "bf16" || a.dtype == "f16", ErrorKind::kInvalidArgument,
         "--dtype: expected f32, bf16 or f16, got '", a.dtype, "'");
-  std::printf("# tiles: %s, clock: %s, dtype: %s\n", sparse::tiles::simd_build(), a.clock_kind.c_str(),
-              a.dtype.c_str());
+  parse_float32_precision(a.float32_precision, "--float32-precision");  // a bad value fails before any work
+  std::printf("# tiles: %s, clock: %s, dtype: %s, float32 precision: %s\n", sparse::tiles::simd_build(),
+              a.clock_kind.c_str(), a.dtype.c_str(), a.float32_precision.c_str());
   std::printf("%-44s %7s %3s %10s %10s %9s %9s %10s %8s\n", "pattern", "L", "thr", "fwd_ms", "bwd_ms", "GF/s_all",
               "GF/s_cmp", "cmp/all", "sgemm");
   for (int th : a.threads) {
@@ -286,6 +296,9 @@ void add_sparse_bench(CLI::App& app) {
   cmd->add_option("--dtype", a.dtype,
                   "f32, bf16 or f16: q, k, v, the outputs and the gradients (bf16 with a bf16 out takes the bf16 "
                   "products where the CPU has them)")
+      ->capture_default_str();
+  cmd->add_option("--float32-precision", a.float32_precision,
+                  "highest or bf16 (float32 inputs on the forward's bf16 products where the CPU has them)")
       ->capture_default_str();
   cmd->callback([] { run_sparse_bench(a); });
 }

@@ -230,7 +230,7 @@ def _torch_sparse_backward(grad_out: typing.Any, query: typing.Any, key: typing.
     """
     Private (sattn.torch): sparse attention backward into dq/dk/dv (and dbias, drel_pos_bias).
     """
-def _torch_sparse_forward(query: typing.Any, key: typing.Any, value: typing.Any, pattern: str, scale: typing.SupportsFloat | typing.SupportsIndex | None, enable_gqa: bool, key_padding_mask: typing.Any, block: typing.SupportsInt | typing.SupportsIndex, alibi_slopes: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] | None, softcap: typing.SupportsFloat | typing.SupportsIndex, bias: typing.Any, rel_pos_bias: typing.Any, num_threads: typing.SupportsInt | typing.SupportsIndex, out: typing.Any, lse: typing.Any, indices: typing.Any) -> None:
+def _torch_sparse_forward(query: typing.Any, key: typing.Any, value: typing.Any, pattern: str, scale: typing.SupportsFloat | typing.SupportsIndex | None, enable_gqa: bool, key_padding_mask: typing.Any, block: typing.SupportsInt | typing.SupportsIndex, alibi_slopes: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] | None, softcap: typing.SupportsFloat | typing.SupportsIndex, bias: typing.Any, rel_pos_bias: typing.Any, num_threads: typing.SupportsInt | typing.SupportsIndex, out: typing.Any, lse: typing.Any, indices: typing.Any, float32_precision: str = 'highest') -> None:
     """
     Private (sattn.torch): sparse attention forward into out/lse (and indices).
     """
@@ -238,11 +238,11 @@ def _torch_sparse_selection_shape(pattern: str, batch: typing.SupportsInt | typi
     """
     Private (sattn.torch): shape of a sparse pattern's indices output.
     """
-def _torch_varlen_backward(grad_out: typing.Any, q: typing.Any, k: typing.Any, v: typing.Any, out: typing.Any, lse: typing.Any, cu_seqlens_q: typing.Any, cu_seqlens_k: typing.Any, max_seqlen_q: typing.SupportsInt | typing.SupportsIndex, max_seqlen_k: typing.SupportsInt | typing.SupportsIndex, causal: bool, scale: typing.SupportsFloat | typing.SupportsIndex | None, num_threads: typing.SupportsInt | typing.SupportsIndex, dq: typing.Any, dk: typing.Any, dv: typing.Any) -> None:
+def _torch_varlen_backward(grad_out: typing.Any, q: typing.Any, k: typing.Any, v: typing.Any, out: typing.Any, lse: typing.Any, cu_seqlens_q: typing.Any, cu_seqlens_k: typing.Any, max_seqlen_q: typing.SupportsInt | typing.SupportsIndex, max_seqlen_k: typing.SupportsInt | typing.SupportsIndex, causal: bool, scale: typing.SupportsFloat | typing.SupportsIndex | None, num_threads: typing.SupportsInt | typing.SupportsIndex, dq: typing.Any, dk: typing.Any, dv: typing.Any, float32_precision: str = 'highest') -> None:
     """
     Private (sattn.torch): packed variable-length backward into dq/dk/dv.
     """
-def _torch_varlen_forward(q: typing.Any, k: typing.Any, v: typing.Any, cu_seqlens_q: typing.Any, cu_seqlens_k: typing.Any, max_seqlen_q: typing.SupportsInt | typing.SupportsIndex, max_seqlen_k: typing.SupportsInt | typing.SupportsIndex, causal: bool, scale: typing.SupportsFloat | typing.SupportsIndex | None, num_threads: typing.SupportsInt | typing.SupportsIndex, out: typing.Any, lse: typing.Any) -> None:
+def _torch_varlen_forward(q: typing.Any, k: typing.Any, v: typing.Any, cu_seqlens_q: typing.Any, cu_seqlens_k: typing.Any, max_seqlen_q: typing.SupportsInt | typing.SupportsIndex, max_seqlen_k: typing.SupportsInt | typing.SupportsIndex, causal: bool, scale: typing.SupportsFloat | typing.SupportsIndex | None, num_threads: typing.SupportsInt | typing.SupportsIndex, out: typing.Any, lse: typing.Any, float32_precision: str = 'highest') -> None:
     """
     Private (sattn.torch): packed variable-length forward into out/lse.
     """
@@ -269,11 +269,11 @@ def favor_projection(head_dim: typing.SupportsInt | typing.SupportsIndex, num_fe
     """
     The FAVOR+ projection omega [m, D] used by linear_attention.
     """
-def flash_attn_varlen(q: typing.Any, k: typing.Any, v: typing.Any, cu_seqlens_q: typing.Any, cu_seqlens_k: typing.Any, max_seqlen_q: typing.SupportsInt | typing.SupportsIndex, max_seqlen_k: typing.SupportsInt | typing.SupportsIndex, causal: bool = False, scale: typing.SupportsFloat | typing.SupportsIndex | None = None, return_lse: bool = False) -> typing.Any:
+def flash_attn_varlen(q: typing.Any, k: typing.Any, v: typing.Any, cu_seqlens_q: typing.Any, cu_seqlens_k: typing.Any, max_seqlen_q: typing.SupportsInt | typing.SupportsIndex, max_seqlen_k: typing.SupportsInt | typing.SupportsIndex, causal: bool = False, scale: typing.SupportsFloat | typing.SupportsIndex | None = None, return_lse: bool = False, float32_precision: str = 'highest') -> typing.Any:
     """
-    Attention over packed variable-length sequences (FlashAttention's varlen convention; causal is bottom-right within each sequence). q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv]; returns out [total_q, Hq, Dv] and, with return_lse=True, (out, lse [Hq, total_q]).
+    Attention over packed variable-length sequences (FlashAttention's varlen convention; causal is bottom-right within each sequence). q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv]; returns out [total_q, Hq, Dv] and, with return_lse=True, (out, lse [Hq, total_q]). float32_precision as in scaled_dot_product_attention ('highest' or 'bf16').
     """
-def flash_attn_varlen_backward(dout: typing.Any, q: typing.Any, k: typing.Any, v: typing.Any, out: typing.Any, lse: typing.Any, cu_seqlens_q: typing.Any, cu_seqlens_k: typing.Any, max_seqlen_q: typing.SupportsInt | typing.SupportsIndex, max_seqlen_k: typing.SupportsInt | typing.SupportsIndex, causal: bool = False, scale: typing.SupportsFloat | typing.SupportsIndex | None = None) -> tuple:
+def flash_attn_varlen_backward(dout: typing.Any, q: typing.Any, k: typing.Any, v: typing.Any, out: typing.Any, lse: typing.Any, cu_seqlens_q: typing.Any, cu_seqlens_k: typing.Any, max_seqlen_q: typing.SupportsInt | typing.SupportsIndex, max_seqlen_k: typing.SupportsInt | typing.SupportsIndex, causal: bool = False, scale: typing.SupportsFloat | typing.SupportsIndex | None = None, float32_precision: str = 'highest') -> tuple:
     """
     Gradients (dq, dk, dv) of flash_attn_varlen from its out and lse.
     """
@@ -318,9 +318,9 @@ def simd_targets() -> dict:
     """
     The SIMD target selected for the process ('selected': $SATTN_SIMD, set_simd_target()'s, or the widest this CPU runs), the targets this CPU runs ('available', widest first), and the build each component runs ('fused', 'sparse_tiles', 'topk', 'nn': the widest it was compiled for, no wider than 'selected').
     """
-def sparse_attention(query: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], key: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], value: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], pattern: Pattern, scale: typing.SupportsFloat | typing.SupportsIndex | None = None, enable_gqa: bool = False, *, key_padding_mask: numpy.ndarray | None = None, return_lse: bool = False, return_indices: bool = False, block: typing.SupportsInt | typing.SupportsIndex = 64, alibi_slopes: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] | None = None, softcap: typing.SupportsFloat | typing.SupportsIndex = 0.0, bias: numpy.ndarray | None = None, rel_pos_bias: numpy.ndarray | None = None, num_threads: typing.SupportsInt | typing.SupportsIndex = 0) -> typing.Any:
+def sparse_attention(query: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], key: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], value: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], pattern: Pattern, scale: typing.SupportsFloat | typing.SupportsIndex | None = None, enable_gqa: bool = False, *, key_padding_mask: numpy.ndarray | None = None, return_lse: bool = False, return_indices: bool = False, block: typing.SupportsInt | typing.SupportsIndex = 64, alibi_slopes: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] | None = None, softcap: typing.SupportsFloat | typing.SupportsIndex = 0.0, bias: numpy.ndarray | None = None, rel_pos_bias: numpy.ndarray | None = None, num_threads: typing.SupportsInt | typing.SupportsIndex = 0, float32_precision: str = 'highest') -> typing.Any:
     """
-    Sparse attention of q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] under `pattern`; returns out [B, Hq, Lq, Dv] (and lse [B, Hq, Lq] with return_lse=True).
+    Sparse attention of q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] under `pattern`; returns out [B, Hq, Lq, Dv] (and lse [B, Hq, Lq] with return_lse=True). float32_precision='bf16' lets float32 inputs take the bf16 products of the forward where the CPU has them (docs/sparse.md).
     """
 def sparse_attention_backward(dout: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], query: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], key: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], value: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], out: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], lse: numpy.ndarray[typing.Any, numpy.dtype[typing.Any]], pattern: Pattern, scale: typing.SupportsFloat | typing.SupportsIndex | None = None, enable_gqa: bool = False, *, key_padding_mask: numpy.ndarray | None = None, block: typing.SupportsInt | typing.SupportsIndex = 64, alibi_slopes: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] | None = None, softcap: typing.SupportsFloat | typing.SupportsIndex = 0.0, bias: numpy.ndarray | None = None, rel_pos_bias: numpy.ndarray | None = None, num_threads: typing.SupportsInt | typing.SupportsIndex = 0, indices: numpy.ndarray | None = None) -> tuple:
     """
