@@ -145,14 +145,14 @@ struct Segment {
 
 // Per-thread scratch of the bf16 products of one query block (tiles.hpp), in words: Q2^T [D2 x ldq], a chunk's K
 // rows in pairs [n x D2] when it has several ranges, its V in pairs across keys [⌈n/2⌉ x Dvp] and P in pairs
-// [m x n rounded up to 16, halved], for chunks of at most n keys.
+// [m x ⌈n/2⌉], for chunks of at most n keys.
 struct PairScratch {
   std::vector<uint32_t> q2t, qw, k2, v2, p2;  // qw: the query rows in pairs [m x D2], before their transpose
   int64_t ldq = 0;
   void ensure(int64_t m, int64_t D2, int64_t Dvp, int64_t n = kChunk) {
     ldq = (m + 15) / 16 * 16 + 16;  // B operand rows are read in whole vectors from any query column
     q2t.assign(size_t(D2 * ldq), 0u);
-    k2.resize(size_t(n * D2)), v2.resize(size_t((n + 1) / 2 * Dvp)), p2.resize(size_t(m * ((n + 15) / 16 * 8)));
+    k2.resize(size_t(n * D2)), v2.resize(size_t((n + 1) / 2 * Dvp)), p2.resize(size_t(m * ((n + 1) / 2)));
   }
 };
 // Q2^T of query rows q [m x D] into ps.q2t: (q[i, 2y], q[i, 2y+1]) rounded to bf16 at row y, column i.

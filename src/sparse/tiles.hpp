@@ -40,7 +40,7 @@ void kq_pairs(const uint32_t* k2, int64_t n, int64_t d2, const uint32_t* q2t, in
               float* st, int64_t lds);
 
 // acc [m x dv] (row stride dv) += P · V: P [m x n] floats (row stride n), rounded to bf16 here into p2 (m rows of
-// n rounded up to 16, halved, words); V2 [⌈n/2⌉ x dv] words from pack_pairs_across_rows (row stride ldv, readable to
+// ⌈n/2⌉ words, pack_pairs_along_rows); V2 [⌈n/2⌉ x dv] words from pack_pairs_across_rows (row stride ldv, readable to
 // dv rounded up to 16 words).
 void pv_pairs(const float* p, int64_t m, int64_t n, const uint32_t* v2, int64_t ldv, int64_t dv, uint32_t* p2,
               float* acc);

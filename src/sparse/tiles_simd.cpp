@@ -246,18 +246,6 @@ SATTN_BF16_ATTR void KqPairs(const uint32_t* k2, int64_t n, int64_t d2, const ui
   GemmPairs(k2, d2, 1, q2t, ldq, st, lds, n, m, d2, scale, false);
 }
 
-SATTN_BF16_ATTR void PvPairs(const float* p, int64_t m, int64_t n, const uint32_t* v2, int64_t ldv, int64_t dv,
-                             uint32_t* p2, float* acc) {
-  const int64_t ldp = (n + 15) / 16 * 8;  // words per row of p2: 16 floats make 8 pairs
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; j += 16) {  // lanes past n load as 0: an odd n's last pair ends in 0
-      const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1u);
-      const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, p + i * n + j));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p2 + i * ldp + j / 2), (__m256i)h);
-    }
-  GemmPairs(p2, ldp, 1, v2, ldv, acc, dv, m, dv, (n + 1) / 2, 1.f, true);
-}
-
 SATTN_BF16_ATTR void PackPairsAlongRows(const float* rows, int64_t lds, int64_t n, int64_t width, uint32_t* out,
                                         int64_t ldo) {
   const int64_t w2 = (width + 1) / 2;
@@ -272,6 +260,13 @@ SATTN_BF16_ATTR void PackPairsAlongRows(const float* rows, int64_t lds, int64_t 
       _mm512_mask_storeu_epi32(out + r * ldo + x / 2, __mmask16((1u << words) - 1u),
                                (__m512i)_mm512_cvtne2ps_pbh(b, a));
     }
+}
+
+SATTN_BF16_ATTR void PvPairs(const float* p, int64_t m, int64_t n, const uint32_t* v2, int64_t ldv, int64_t dv,
+                             uint32_t* p2, float* acc) {
+  const int64_t n2 = (n + 1) / 2;  // P's rows in pairs along the keys, an odd n's last pair ending in 0
+  PackPairsAlongRows(p, n, m, n, p2, n2);
+  GemmPairs(p2, n2, 1, v2, ldv, acc, dv, m, dv, n2, 1.f, true);
 }
 
 SATTN_BF16_ATTR void PackPairsAcrossRows(const float* rows, int64_t lds, int64_t n, int64_t width, uint32_t* out,

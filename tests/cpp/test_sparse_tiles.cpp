@@ -202,7 +202,7 @@ TEST(SparseTiles, Bf16ProductsMatchFp64) {
       auto acc = randv(size_t(m * d), seed++);
       const auto acc0 = acc;
       acc.resize(acc.size() + 8, kGuard);
-      std::vector<uint32_t> p2(size_t(m * ((n + 15) / 16 * 8)));
+      std::vector<uint32_t> p2(size_t(m * ((n + 1) / 2)));
       tiles::pv_pairs(p.data(), m, n, v2.data(), ldo, d, p2.data(), acc.data());
       for (int64_t i = 0; i < m; ++i)
         for (int64_t c = 0; c < d; ++c) {

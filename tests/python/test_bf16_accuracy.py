@@ -4,6 +4,8 @@ values is at most twice torch's bf16 error + 1e-5, for every fused build this CP
 (amx: AMX tiles; avx512bf16: the vdpbf16ps products) and for the default one; the same for float16 inputs against
 torch's float16 SDPA (the amx forward takes them as two bf16 each). float32_precision='bf16' (numpy API, sattn.torch and
 torch.set_float32_matmul_precision('medium')): float32 inputs rounded only where the CPU has bf16 products."""
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -13,6 +15,21 @@ import torch.nn.functional as F  # noqa: E402
 
 import sattn  # noqa: E402
 import sattn.torch as st  # noqa: E402
+
+
+@contextlib.contextmanager
+def on_target(target, what):
+    """Runs the block with the SIMD target `target` selected ("default": the one selected now), and the one before
+    afterwards; skips the test, saying that `what` are not checked, where this CPU does not run it."""
+    before = sattn.simd_targets()["selected"]
+    if target != "default":
+        if target not in sattn.simd_targets()["available"]:
+            pytest.skip(f"this CPU does not run {target}: its {what} are NOT checked here")
+        sattn.set_simd_target(target)
+    try:
+        yield
+    finally:
+        sattn.set_simd_target(before)
 
 
 def problems():
@@ -38,12 +55,7 @@ def grads(fn, q, k, v, dout, causal, gqa):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("target", ["default", "amx", "avx512bf16"])
 def test_bf16_errors_within_twice_torch(target, dtype):
-    before = sattn.simd_targets()["selected"]
-    if target != "default":
-        if target not in sattn.simd_targets()["available"]:
-            pytest.skip(f"this CPU does not run {target}: its bf16 products are NOT checked here")
-        sattn.set_simd_target(target)
-    try:
+    with on_target(target, "bf16 products"):
         for n, D, Lq, Lk, causal, hq, hkv in problems():
             g = torch.Generator().manual_seed(n)
             dt = torch.bfloat16 if dtype == "bf16" else torch.float16
@@ -60,8 +72,6 @@ def test_bf16_errors_within_twice_torch(target, dtype):
                 err_t = (t - r)[ok].abs().max().item() if ok.any() else 0.0
                 err_o = (o - r)[ok].abs().max().item() if ok.any() else 0.0
                 assert err_o <= 2 * err_t + 1e-5, (n, name, D, Lq, Lk, causal, hq, hkv, err_o, err_t)
-    finally:
-        sattn.set_simd_target(before)
 
 
 @pytest.mark.parametrize("target", ["default", "amx", "avx512bf16"])
@@ -69,16 +79,11 @@ def test_bf16_learned_bias_gradients_within_twice_torch_from_the_float32_out(tar
     """bf16 inputs with a bf16 additive mask that needs its gradient (a learned bias; PyTorch's SDPA runs its float32
     math backend then): dq, dk, dv and the mask's gradient within twice torch's largest error + 1e-5. The backward
     starts from the float32 out of the same values (sattn::sdpa_backward takes it): from the bf16 out that autograd
-    saves, Di = rowsum(dO * out) carries out's rounding, which alone gave up to 2.4x torch's error in dk. (The bf16
-    out itself, with P rounded once as FlashAttention does, measures up to 2.0x the math backend's error here; the
-    criterion against torch's own bf16 kernel is test_bf16_errors_within_twice_torch.)"""
-    before = sattn.simd_targets()["selected"]
-    if target != "default":
-        if target not in sattn.simd_targets()["available"]:
-            pytest.skip(f"this CPU does not run {target}: its bf16 products are NOT checked here")
-        sattn.set_simd_target(target)
+    saves, Di = rowsum(dO * out) carries out's rounding, which the math backend's float32 out does not. (The bf16 out
+    itself has P rounded once, as FlashAttention does; its criterion, against torch's own bf16 kernel, is
+    test_bf16_errors_within_twice_torch.)"""
     ops = torch.ops.sattn
-    try:
+    with on_target(target, "bf16 products"):
         rng = np.random.default_rng(7)
         for n in range(20):  # D 64/128, L <= 1024, three mask shapes, half of them causal
             D, H, B = (64, 128)[n % 2], (8, 4, 2)[n % 3], 1 + n % 2
@@ -112,8 +117,6 @@ def test_bf16_learned_bias_gradients_within_twice_torch_from_the_float32_out(tar
                 err_t = (t - r)[ok].abs().max().item()
                 err_o = (o - r)[ok].abs().max().item()
                 assert err_o <= 2 * err_t + 1e-5, (n, name, err_o, err_t)
-    finally:
-        sattn.set_simd_target(before)
 
 
 @pytest.mark.parametrize("target", ["default", "avx512bf16", "avx512"])
@@ -121,12 +124,7 @@ def test_bf16_sparse_attention_within_twice_torch(target):
     """bf16 inputs through sattn.torch.sparse_attention (a bf16 out: the sparse tiles' bf16 products where the CPU has
     them, P rounded once) against PyTorch's bf16 SDPA with the pattern's dense mask: the largest error of out against
     the fp64 reference on the same values is at most twice torch's + 1e-5 (fixed patterns, GQA, odd D)."""
-    before = sattn.simd_targets()["selected"]
-    if target != "default":
-        if target not in sattn.simd_targets()["available"]:
-            pytest.skip(f"this CPU does not run {target}: its sparse tiles are NOT checked here")
-        sattn.set_simd_target(target)
-    try:
+    with on_target(target, "sparse tiles"):
         for n, (spec, B, hq, hkv, L, D) in enumerate((
                 ("SlidingWindow(64, 64)", 1, 4, 4, 700, 64), ("SlidingWindow(100, 0)", 2, 4, 2, 333, 128),
                 ("Dilated(8, 3)", 1, 2, 2, 257, 65), ("BigBird(16, 3, 1, 2, seed=7)", 1, 2, 1, 300, 64),
@@ -148,8 +146,6 @@ def test_bf16_sparse_attention_within_twice_torch(target):
             err_t = (theirs.double() - ref).abs().max().item()
             err_o = (ours.double() - ref).abs().max().item()
             assert err_o <= 2 * err_t + 1e-5, (spec, err_o, err_t)
-    finally:
-        sattn.set_simd_target(before)
 
 
 def test_float32_precision_bf16_rounds_float32_inputs_only_where_the_cpu_has_bf16_products():

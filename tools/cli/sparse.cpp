@@ -143,6 +143,7 @@ struct SparseBenchArgs {
   std::string clock_kind = "wall";
   std::string dtype = "f32";  // of q, k, v, the outputs and the gradients (lse float32)
   std::string float32_precision = "highest";
+  Float32Precision precision = Float32Precision::kHighest;  // float32_precision parsed (run_sparse_bench)
   DType dt() const { return dtype == "bf16" ? DType::kBF16 : dtype == "f16" ? DType::kF16 : DType::kF32; }
 };
 
@@ -197,7 +198,7 @@ void bench_spec(const SparseBenchArgs& a, const std::string& spec, const sparse:
   } else {
     sparse::SparseOptions o;
     o.num_threads = th;
-    o.float32_precision = parse_float32_precision(a.float32_precision, "--float32-precision");
+    o.float32_precision = a.precision;
     tf = median_seconds(reps, [&] { sparse::sparse_attention(q, k, v, p, o, out, lse); });
     if (a.backward)
       tb = median_seconds(reps, [&] {
@@ -233,7 +234,7 @@ void bench_dense(const SparseBenchArgs& a, int64_t L, int th, double peak) {
   Tensor &out = t.out, &lse = t.lse, &dq = t.dq, &dk = t.dk, &dv = t.dv;
   AttentionOptions ao;
   ao.num_threads = th;
-  ao.float32_precision = parse_float32_precision(a.float32_precision, "--float32-precision");
+  ao.float32_precision = a.precision;
   KernelInfo info;
   const double tf = median_seconds(reps, [&] {
     scaled_dot_product_attention(q, k, v, ao, {out.view(), lse.view(), {}}, &info);
@@ -250,7 +251,7 @@ void bench_dense(const SparseBenchArgs& a, int64_t L, int th, double peak) {
   std::fflush(stdout);
 }
 
-void run_sparse_bench(const SparseBenchArgs& a) {
+void run_sparse_bench(SparseBenchArgs a) {
   set_bench_thread_clock(a.clock_kind == "thread");
   check(!a.patterns.empty() || a.dense, ErrorKind::kInvalidArgument,
         "--pattern: expected at least one spec (or --dense)");
@@ -258,7 +259,7 @@ void run_sparse_bench(const SparseBenchArgs& a) {
         "--clock thread: only with --threads 1");
   check(a.dtype == "f32" || a.dtype == "bf16" || a.dtype == "f16", ErrorKind::kInvalidArgument,
         "--dtype: expected f32, bf16 or f16, got '", a.dtype, "'");
-  parse_float32_precision(a.float32_precision, "--float32-precision");  // a bad value fails before any work
+  a.precision = parse_float32_precision(a.float32_precision, "--float32-precision");
   std::printf("# tiles: %s, clock: %s, dtype: %s, float32 precision: %s\n", sparse::tiles::simd_build(),
               a.clock_kind.c_str(), a.dtype.c_str(), a.float32_precision.c_str());
   std::printf("%-44s %7s %3s %10s %10s %9s %9s %10s %8s\n", "pattern", "L", "thr", "fwd_ms", "bwd_ms", "GF/s_all",

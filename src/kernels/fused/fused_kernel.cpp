@@ -90,6 +90,16 @@ struct CountedBytes {
   CountedBytes& operator=(const CountedBytes&) = delete;
 };
 
+// A workspace array of n floats (workspace_array; `what` names it in the out-of-memory error), counted while it
+// lives.
+struct CountedFloats {
+  WorkspacePtr<float> data;
+  CountedBytes counted;
+  CountedFloats(size_t n, const char* what)
+      : data(workspace_array<float>(n, what)), counted(int64_t(n * sizeof(float))) {}
+  float* get() const { return data.get(); }
+};
+
 // Runs f(task) for every task on up to `threads` threads; rethrows the first exception on the caller.
 template <typename F>
 void run_tasks(int64_t n, int threads, F&& f) {
@@ -442,8 +452,7 @@ bool own_query_tiles(const Params& p, bool bf16_products) {
 void one_pass_backward(Params& p, const BackwardOps& o, int threads, bool own_tiles) {
   const int64_t ng = p.num_kv_groups(), nqb = p.num_q_blocks(), nqt = p.B * p.Hq * nqb, nc = p.num_dm_chunks();
   const size_t part_n = own_tiles ? 0 : static_cast<size_t>(nqt * ng * p.D * p.Br);
-  const WorkspacePtr<float> part = workspace_array<float>(part_n, "fused attention backward: the partial dQ tiles");
-  const CountedBytes counted(int64_t(part_n * sizeof(float)));
+  const CountedFloats part(part_n, "fused attention backward: the partial dQ tiles");
   p.dq_part = part.get();
   // Tasks: (batch chunk, kv head[, key group]), the chunk's batches in order (chunks of one batch without
   // dmask_part).
@@ -754,16 +763,14 @@ void fused_backward(const BackwardArgs& a) {
       pr.need_dmask && (dmask_out.dtype == DType::kBF16 || dmask_out.dtype == DType::kF16) &&
       double(numel(pr.mask_shape)) * sizeof(float) <= double(memory_limit_bytes(a.options.memory_limit_bytes));
   const size_t staged = half_dmask ? size_t(numel(pr.mask_shape)) : 0;
-  const WorkspacePtr<float> staging = workspace_array<float>(staged, "fused attention backward: the mask's gradient");
-  const CountedBytes counted_staging(int64_t(staged * sizeof(float)));
+  const CountedFloats staging(staged, "fused attention backward: the mask's gradient");
   const TensorView dm = half_dmask ? TensorView(staging.get(), DType::kF32, pr.mask_shape) : dmask_out;
   const MaskGradient mask_gradient = plan_backward(p, pr, dm, m4, a.options);
   const bool one_pass = mask_gradient != MaskGradient::kTwoPass;
   const bool own_tiles = one_pass && own_query_tiles(p, bf16_products);
   const size_t pk_n = own_tiles ? 0 : static_cast<size_t>(query_tile_floats(p, nqt));
   // 64-byte aligned: the tiles are loaded with aligned vector loads
-  const WorkspacePtr<float> packed = workspace_array<float>(pk_n, "fused attention backward: the packed query tiles");
-  const CountedBytes counted_packed(int64_t(pk_n * sizeof(float)));
+  const CountedFloats packed(pk_n, "fused attention backward: the packed query tiles");
   if (!own_tiles) place_query_tiles(p, packed.get(), nqt);
   // bf16 products (a build that has them; bf16 inputs, or float32 ones when allowed): K, V and the query-side
   // tiles also as bf16 pairs; dO only when it is bf16 or may be rounded (else dP = V dO^T stays float32).
@@ -815,8 +822,7 @@ void fused_backward(const BackwardArgs& a) {
       break;
     case MaskGradient::kChunkSums: {
       const size_t n = size_t(p.num_dm_chunks() * p.Hkv * p.dm_heads * p.Lk * p.dm_lqp);
-      const WorkspacePtr<float> sums = workspace_array<float>(n, "fused attention backward: the mask gradient's sums");
-      const CountedBytes counted_sums(int64_t(n * sizeof(float)));
+      const CountedFloats sums(n, "fused attention backward: the mask gradient's sums");
       p.dmask_part = sums.get();
       one_pass_backward(p, o, threads, own_tiles);
       store_mask_chunks(p, m4, off, dm, threads);
@@ -824,8 +830,7 @@ void fused_backward(const BackwardArgs& a) {
     }
     case MaskGradient::kScores: {
       const size_t n = size_t(rows * p.Lk);
-      const WorkspacePtr<float> scores = workspace_array<float>(n, "fused attention backward: the scores' gradient");
-      const CountedBytes counted_scores(int64_t(n * sizeof(float)));
+      const CountedFloats scores(n, "fused attention backward: the scores' gradient");
       p.dscores = scores.get();
       one_pass_backward(p, o, threads, own_tiles);
       store_mask_gradient(p, m4, off, dm, threads);
