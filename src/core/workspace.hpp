@@ -14,7 +14,7 @@ namespace sattn {
 // std::bad_alloc when out of memory. From 4 MiB on, a freed block of at least that size (and at most twice it) is
 // reused when the cache holds one; smaller requests are plain malloc (glibc keeps those in its arenas).
 void* workspace_alloc(size_t bytes);
-// Returns a block of workspace_alloc to the cache (at most 8 blocks and the cache limit; the oldest are released
+// Returns a block of workspace_alloc to the cache (at most 16 blocks and the cache limit; the oldest are released
 // first), or to the system.
 void workspace_free(void* p) noexcept;
 // The most bytes the cache keeps (SATTN_WORKSPACE_CACHE_MB, read once per process; 0: no cache).

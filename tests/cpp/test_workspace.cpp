@@ -106,11 +106,11 @@ TEST(Workspace, FreedLargeBlocksAreReusedBestFitUntilEmptied) {
   sattn::workspace_free(d);
   EXPECT_EQ(sattn::workspace_cache_bytes(), int64_t(36 * kMiB));
 
-  // At most 8 blocks: the oldest (the three above) go first.
+  // At most 16 blocks: the oldest (the three above) go first.
   std::vector<void*> blocks;
-  for (int i = 0; i < 10; ++i) blocks.push_back(sattn::workspace_alloc(40 * kMiB));  // none of the cached fit
+  for (int i = 0; i < 18; ++i) blocks.push_back(sattn::workspace_alloc(24 * kMiB));  // none of the cached fit
   for (void* p : blocks) sattn::workspace_free(p);
-  EXPECT_EQ(sattn::workspace_cache_bytes(), int64_t(8 * 40 * kMiB));
+  EXPECT_EQ(sattn::workspace_cache_bytes(), int64_t(16 * 24 * kMiB));
 
   sattn::empty_workspace_cache();
   EXPECT_EQ(sattn::workspace_cache_bytes(), 0);
