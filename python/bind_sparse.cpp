@@ -139,21 +139,20 @@ pybind11::object sparse_attention_py(const pybind11::array& q, const pybind11::a
   return out;
 }
 
-pybind11::tuple sparse_attention_backward_py(const pybind11::array& dout, const pybind11::array& q,
-                                             const pybind11::array& k, const pybind11::array& v,
-                                             const pybind11::array& out, const pybind11::array& lse,
-                                             const sparse::Pattern& pattern, std::optional<double> scale,
-                                             bool enable_gqa, const std::optional<pybind11::array>& key_padding_mask,
-                                             int64_t block, const std::optional<std::vector<float>>& alibi_slopes,
-                                             double softcap, const std::optional<pybind11::array>& bias,
-                                             const std::optional<pybind11::array>& rel_pos_bias, int num_threads,
-                                             const std::optional<pybind11::array>& indices) {
+pybind11::tuple sparse_attention_backward_py(
+    const pybind11::array& dout, const pybind11::array& q, const pybind11::array& k, const pybind11::array& v,
+    const pybind11::array& out, const pybind11::array& lse, const sparse::Pattern& pattern, std::optional<double> scale,
+    bool enable_gqa, const std::optional<pybind11::array>& key_padding_mask, int64_t block,
+    const std::optional<std::vector<float>>& alibi_slopes, double softcap, const std::optional<pybind11::array>& bias,
+    const std::optional<pybind11::array>& rel_pos_bias, int num_threads, const std::optional<pybind11::array>& indices,
+    const std::string& float32_precision) {
   ArrayKeeper keeper;
   const TensorView qv = view_of(q, "query", keeper), kv = view_of(k, "key", keeper), vv = view_of(v, "value", keeper),
                    dov = view_of(dout, "dout", keeper), outv = view_of(out, "out", keeper),
                    lsev = view_of(lse, "lse", keeper);
   CallOptions c =
       make_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias, num_threads);
+  c.o.float32_precision = parse_float32_precision(float32_precision);
   const DType odt = result_dtype(qv);
   sparse::SparseGrads g;
   pybind11::array dq = new_array(odt, qv.shape, &g.dq), dk = new_array(odt, kv.shape, &g.dk),
@@ -387,14 +386,15 @@ void bind_sparse_functions(pybind11::module_& m) {
         "rel_pos_bias"_a = pybind11::none(), "num_threads"_a = 0, "float32_precision"_a = "highest",
         "Sparse attention of q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] under `pattern`; "
         "returns out [B, Hq, Lq, Dv] (and lse [B, Hq, Lq] with return_lse=True). float32_precision='bf16' lets "
-        "float32 inputs take the bf16 products of the forward where the CPU has them (docs/sparse.md).");
+        "float32 inputs take the bf16 products where the CPU has them (docs/sparse.md).");
   m.def("sparse_attention_backward", &sparse_attention_backward_py, "dout"_a, "query"_a, "key"_a, "value"_a, "out"_a,
         "lse"_a, "pattern"_a, "scale"_a = pybind11::none(), "enable_gqa"_a = false, pybind11::kw_only(),
         "key_padding_mask"_a = pybind11::none(), "block"_a = 64, "alibi_slopes"_a = pybind11::none(), "softcap"_a = 0.0,
         "bias"_a = pybind11::none(), "rel_pos_bias"_a = pybind11::none(), "num_threads"_a = 0,
-        "indices"_a = pybind11::none(),
+        "indices"_a = pybind11::none(), "float32_precision"_a = "highest",
         "Backward of sparse_attention: returns (dq, dk, dv, grads) with grads a dict of parameter gradients "
-        "('bias', 'rel_pos_bias', 'logits' for MixedAttention) for the options given.");
+        "('bias', 'rel_pos_bias', 'logits' for MixedAttention) for the options given. float32_precision='bf16' "
+        "lets float32 inputs take the bf16 products where the CPU has them (docs/sparse.md).");
 }
 
 }  // namespace

@@ -100,10 +100,12 @@ void sparse_forward(Obj q, Obj k, Obj v, const std::string& pattern, std::option
 void sparse_backward(Obj dout, Obj q, Obj k, Obj v, Obj out, Obj lse, const std::string& pattern,
                      std::optional<double> scale, bool enable_gqa, Obj key_padding_mask, int64_t block,
                      const std::optional<std::vector<float>>& alibi_slopes, double softcap, Obj bias, Obj rel_pos_bias,
-                     int num_threads, Obj indices, Obj dq, Obj dk, Obj dv, Obj dbias, Obj drel_pos_bias) {
+                     int num_threads, Obj indices, Obj dq, Obj dk, Obj dv, Obj dbias, Obj drel_pos_bias,
+                     const std::string& float32_precision) {
   const sparse::Pattern p = sparse::Pattern::parse(pattern);
-  const sparse::SparseOptions o = sparse_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap,
-                                                 bias, rel_pos_bias, num_threads);
+  sparse::SparseOptions o = sparse_options(scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias,
+                                           rel_pos_bias, num_threads);
+  o.float32_precision = parse_float32_precision(float32_precision);
   const TensorView dov = torch_view(dout, "grad_out"), qv = torch_view(q, "query"), kv = torch_view(k, "key"),
                    vv = torch_view(v, "value"), ov = torch_view(out, "out"), lv = torch_view(lse, "lse"),
                    iv = torch_view(indices, "indices");
@@ -177,7 +179,7 @@ void bind_torch(pyb::module_& m) {
   m.def("_torch_sparse_backward", &sparse_backward, arg("grad_out"), arg("query"), arg("key"), arg("value"), arg("out"),
         arg("lse"), arg("pattern"), arg("scale"), arg("enable_gqa"), arg("key_padding_mask"), arg("block"),
         arg("alibi_slopes"), arg("softcap"), arg("bias"), arg("rel_pos_bias"), arg("num_threads"), arg("indices"),
-        arg("dq"), arg("dk"), arg("dv"), arg("dbias"), arg("drel_pos_bias"),
+        arg("dq"), arg("dk"), arg("dv"), arg("dbias"), arg("drel_pos_bias"), arg("float32_precision") = "highest",
         "Private (sattn.torch): sparse attention backward into dq/dk/dv (and dbias, drel_pos_bias).");
   m.def("_torch_sparse_selection_shape", &sparse_selection_shape, arg("pattern"), arg("batch"), arg("heads_q"),
         arg("len_q"), arg("len_k"), "Private (sattn.torch): shape of a sparse pattern's indices output.");

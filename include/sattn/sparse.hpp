@@ -24,9 +24,10 @@ struct EngineOptions {
   TensorView key_padding_mask;  // bool [B, Lk], True = padding
   TensorView key_lengths;       // int32/int64 [B]: keys j >= key_lengths[b] are padding
   int num_threads = 0;          // 0 = SATTN_NUM_THREADS or the hardware's
-  // kBF16: the forward may take the bf16 products (vdpbf16ps: q, k, v rounded to bf16, P rounded once) for float32
-  // inputs too, where the CPU has them, as bf16 inputs with a bf16 out always do; the backward keeps float32
-  // products. docs/sparse.md.
+  // kBF16: the forward and the backward may take the bf16 products (vdpbf16ps: q, k, v and dout rounded to bf16,
+  // P and dS rounded once) for float32 inputs too, where the CPU has them, as bf16 inputs with a bf16 out (forward)
+  // or bf16 gradients (backward) always do; score mods with parameters keep the backward on float32 products.
+  // docs/sparse.md.
   Float32Precision float32_precision = Float32Precision::kHighest;
 };
 

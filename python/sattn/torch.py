@@ -506,7 +506,8 @@ def _sparse_backward_impl(grad_out: Tensor, query: Tensor, key: Tensor, value: T
                           indices: Tensor, pattern: str, scale: Optional[float], enable_gqa: bool,
                           key_padding_mask: Optional[Tensor], block: int, alibi_slopes: Optional[list[float]],
                           softcap: float, bias: Optional[Tensor], rel_pos_bias: Optional[Tensor],
-                          num_threads: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                          num_threads: int,
+                          float32_precision: str = "highest") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dq = _empty_as(query)
     dk = _empty_as(key)
     dv = _empty_as(value)
@@ -515,7 +516,8 @@ def _sparse_backward_impl(grad_out: Tensor, query: Tensor, key: Tensor, value: T
     drel = _empty_as(r32) if rel_pos_bias is not None else None
     _core._torch_sparse_backward(grad_out, query, key, value, out, lse, pattern, scale, enable_gqa, key_padding_mask,
                                  block, alibi_slopes, softcap, b32, r32, _run_threads(num_threads),
-                                 indices if indices.dim() == 4 else None, dq, dk, dv, dbias, drel)
+                                 indices if indices.dim() == 4 else None, dq, dk, dv, dbias, drel,
+                                 _run_precision(float32_precision))
     return (dq, dk, dv, query.new_empty((0,)) if dbias is None else dbias.to(bias.dtype),
             query.new_empty((0,)) if drel is None else drel.to(rel_pos_bias.dtype))
 
@@ -526,30 +528,30 @@ _sparse_backward = torch.library.custom_op("sattn::sparse_backward", _sparse_bac
 
 @_sparse_backward.register_fake
 def _sparse_backward_fake(grad_out, query, key, value, out, lse, indices, pattern, scale, enable_gqa,
-                          key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias, num_threads):
+                          key_padding_mask, block, alibi_slopes, softcap, bias, rel_pos_bias, num_threads,
+                          float32_precision="highest"):
     return (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
             query.new_empty((0,)) if bias is None else bias.new_empty(bias.shape),
             query.new_empty((0,)) if rel_pos_bias is None else rel_pos_bias.new_empty(rel_pos_bias.shape))
 
 
 def _sparse_setup_context(ctx, inputs, output):
-    # float32_precision (the last input) concerns the forward only: the backward keeps float32 products
     (query, key, value, pattern, scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias,
-     rel_pos_bias, num_threads) = inputs[:13]
+     rel_pos_bias, num_threads, float32_precision) = inputs
     out, lse, indices = output
     ctx.save_for_backward(query, key, value, key_padding_mask, bias, rel_pos_bias, out, lse, indices)
-    ctx.options = (pattern, scale, enable_gqa, block, alibi_slopes, softcap, num_threads)
+    ctx.options = (pattern, scale, enable_gqa, block, alibi_slopes, softcap, num_threads, float32_precision)
     ctx.mark_non_differentiable(lse, indices)
 
 
 def _sparse_autograd(ctx, grad_out, grad_lse, grad_indices):
     saved = ctx.saved_tensors
     query, key, value, key_padding_mask, bias, rel_pos_bias, out, lse, indices = saved
-    pattern, scale, enable_gqa, block, alibi_slopes, softcap, num_threads = ctx.options
+    pattern, scale, enable_gqa, block, alibi_slopes, softcap, num_threads, float32_precision = ctx.options
     backward = _sparse_backward_impl if _eager_backward(saved, grad_out) else _sparse_backward
     dq, dk, dv, dbias, drel = backward(grad_out, query, key, value, out, lse, indices, pattern, scale,
                                        enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias,
-                                       rel_pos_bias, num_threads)
+                                       rel_pos_bias, num_threads, float32_precision)
     return (dq, dk, dv, None, None, None, None, None, None, None, dbias if bias is not None else None,
             drel if rel_pos_bias is not None else None, None, None)
 
@@ -569,8 +571,8 @@ def sparse_attention(query, key, value, pattern, scale=None, enable_gqa=False, *
     its spec (e.g. "SlidingWindow(256, 256)", "TopK(32)"); the keyword arguments are sattn.sparse_attention's
     (docs/sparse.md). Returns out [B, Hq, Lq, Dv] in the inputs' dtype; with return_lse=True also lse
     [B, Hq, Lq], with return_indices=True the TopK/BlockTopK selection (int64); neither is differentiable.
-    float32_precision: 'highest', 'bf16' (float32 inputs may take the forward's bf16 products) or None
-    (torch.get_float32_matmul_precision(), 'medium' being 'bf16')."""
+    float32_precision: 'highest', 'bf16' (float32 inputs may take the bf16 products, forward and backward) or
+    None (torch.get_float32_matmul_precision(), 'medium' being 'bf16')."""
     for x, name in ((query, "query"), (key, "key"), (value, "value")):
         _check_tensor(x, name)
     _check_same_dtype(query, key, value)

@@ -114,6 +114,11 @@ void run_parallel(int64_t n, int threads, void* ctx, void (*fn)(void*, int64_t))
 // rounding allowed: bf16 inputs with a bf16 out, or EngineOptions::float32_precision = kBF16.
 bool forward_takes_bf16_pairs(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                               const EngineOptions& options);
+// Whether a backward may take the bf16 products (all five: P and dS rounded to bf16 once, as the fused kernel's bf16
+// backward): a build that has them, q, k and v in bf16 or float32, and rounding allowed: bf16 inputs with bf16
+// gradients dq, dk, dv, or EngineOptions::float32_precision = kBF16. (The engine also requires an identity score mod.)
+bool backward_takes_bf16_pairs(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& dq,
+                               const TensorView& dk, const TensorView& dv, const EngineOptions& options);
 // Rows [rows x width] of floats as bf16 pairs along the row (tiles::pack_pairs_along_rows): out[r·W2 + y] = (x[r, 2y],
 // x[r, 2y+1]), W2 = ⌈width/2⌉, the second half of an odd width's last word 0 (the forward's bf16 products).
 WorkspaceVector<uint32_t> pairs_along_rows(const float* x, int64_t rows, int64_t width);
@@ -155,14 +160,40 @@ struct PairScratch {
     k2.resize(size_t(n * D2)), v2.resize(size_t((n + 1) / 2 * Dvp)), p2.resize(size_t(m * ((n + 1) / 2)));
   }
 };
-// Q2^T of query rows q [m x D] into ps.q2t: (q[i, 2y], q[i, 2y+1]) rounded to bf16 at row y, column i.
-inline void pack_query_pairs(const float* q, int64_t m, int64_t D, PairScratch& ps) {
-  const int64_t D2 = (D + 1) / 2;
-  ps.qw.resize(size_t(m * D2));
-  tiles::pack_pairs_along_rows(q, D, m, D, ps.qw.data(), D2);
+// X2^T of rows x [m x width] into dst [⌈width/2⌉ x ldq] words: (x[i, 2y], x[i, 2y+1]) rounded to bf16 at row y,
+// column i (work: the rows in pairs, before their transpose).
+inline void pack_transposed_pairs(const float* x, int64_t m, int64_t width, int64_t ldq, std::vector<uint32_t>& work,
+                                  uint32_t* dst) {
+  const int64_t w2 = (width + 1) / 2;
+  work.resize(size_t(m * w2));
+  tiles::pack_pairs_along_rows(x, width, m, width, work.data(), w2);
   for (int64_t i = 0; i < m; ++i)
-    for (int64_t y = 0; y < D2; ++y) ps.q2t[size_t(y * ps.ldq + i)] = ps.qw[size_t(i * D2 + y)];
+    for (int64_t y = 0; y < w2; ++y) dst[y * ldq + i] = work[size_t(i * w2 + y)];
 }
+// Q2^T of query rows q [m x D] into ps.q2t.
+inline void pack_query_pairs(const float* q, int64_t m, int64_t D, PairScratch& ps) {
+  pack_transposed_pairs(q, m, D, ps.ldq, ps.qw, ps.q2t.data());
+}
+
+// Per-thread scratch of the backward's bf16 products for up to m query rows and a chunk of keys (tiles.hpp), in
+// words: Q^T and dO^T in pairs along D / Dv [⌈D/2⌉ or ⌈Dv/2⌉ x ldq]; a chunk's K and V rows in pairs along D / Dv
+// when it has several ranges; K in pairs across keys [⌈n/2⌉ x Dp]; the computed rows of Q and dO in pairs across
+// rows [⌈mm/2⌉ x Dp or Dvp]; dS in pairs along keys and Aᵀ in pairs across rows (pv_pairs', atx_pairs' scratch);
+// S^T or dP^T as floats [n x mm] (st). Dp, Dvp: D, Dv rounded up to 16.
+struct BackwardPairScratch {
+  std::vector<uint32_t> q2t, do2t, work, k2, v2, kx, qx, dox, p2, a2;
+  std::vector<float> st;
+  int64_t ldq = 0;
+  void ensure(int64_t m, int64_t D, int64_t Dv) {
+    const int64_t D2 = (D + 1) / 2, Dv2 = (Dv + 1) / 2, Dp = (D + 15) / 16 * 16, Dvp = (Dv + 15) / 16 * 16;
+    const int64_t m2 = (m + 1) / 2, n2 = (kChunk + 1) / 2;
+    ldq = (m + 15) / 16 * 16 + 16;  // B operand rows are read in whole vectors from any query column
+    q2t.assign(size_t(D2 * ldq), 0u), do2t.assign(size_t(Dv2 * ldq), 0u);
+    k2.resize(size_t(kChunk * D2)), v2.resize(size_t(kChunk * Dv2)), kx.resize(size_t(n2 * Dp));
+    qx.resize(size_t(m2 * Dp)), dox.resize(size_t(m2 * Dvp)), p2.resize(size_t(m * n2));
+    a2.resize(size_t(m2 * ((kChunk + 15) / 16 * 16))), st.resize(size_t(kChunk * m));
+  }
+};
 
 // Per-thread scratch of one query block.
 struct Scratch {
@@ -434,6 +465,117 @@ void one_pass_block(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, con
   }
 }
 
+// P and dS of a chunk on the bf16 products (backward_takes_bf16_pairs): S^T = scale·K2·Q2^T and dP^T = V2·dO2^T
+// (kr, vr: the chunk's K and V rows in pairs along D and Dv; q2t, do2t: its computed query rows' columns of Q2^T and
+// dO2^T, row stride ldq), transposed into s and dp [mm x n] through st; the masks; P = exp(S - lse) in s and
+// dS = P ⊙ (dP - Di) in dp. Rows from i0 (the layout position of the first computed row).
+template <typename MaskMod, typename ScoreMod>
+void chunk_grads_pairs(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
+                       const uint32_t* kr, const uint32_t* vr, const uint32_t* q2t, const uint32_t* do2t, int64_t ldq,
+                       int64_t mm, int64_t n, const Segment* segs, int64_t nseg, int64_t i0, int64_t b, int64_t h,
+                       const float* lse, const float* delta, float* st, float* s, float* dp) {
+  const int64_t D2 = (p.D() + 1) / 2, Dv2 = (p.Dv() + 1) / 2;
+  tiles::kq_pairs(kr, n, D2, q2t, ldq, mm, p.scale, st, mm);
+  tiles::transpose_rows(st, mm, n, mm, s, n);  // S^T -> S [mm x n]
+  mod_and_mask(s, nullptr, mm, n, segs, nseg, bm, i0, b, h, p, mask_mod, score_mod);
+  tiles::probabilities(s, mm, n, lse);
+  tiles::kq_pairs(vr, n, Dv2, do2t, ldq, mm, 1.0f, st, mm);
+  tiles::transpose_rows(st, mm, n, mm, dp, n);  // dP^T -> dP
+  tiles::softmax_backward(s, dp, mm, n, delta);
+}
+
+// A chunk's K and V rows in pairs along D and Dv, and its K rows as floats: in place for one range, else the
+// ranges' rows copied back to back into ps.k2, ps.v2 and sc.kc.
+struct ChunkRows {
+  const uint32_t* k2;
+  const uint32_t* v2;
+  const float* k;
+};
+inline ChunkRows chunk_rows_pairs(const Segment* segs, int64_t nseg, const uint32_t* k2base, const uint32_t* v2base,
+                                  const float* kbase, int64_t D, int64_t Dv, BackwardPairScratch& ps, Scratch& sc) {
+  const int64_t D2 = (D + 1) / 2, Dv2 = (Dv + 1) / 2;
+  if (nseg == 1) {
+    const int64_t j = segs[0].begin;
+    return {k2base + j * D2, v2base + j * Dv2, kbase + j * D};
+  }
+  for (int64_t x = 0; x < nseg; ++x) {
+    const int64_t len = segs[x].end - segs[x].begin, col = segs[x].col, j = segs[x].begin;
+    std::copy_n(k2base + j * D2, len * D2, ps.k2.data() + col * D2);
+    std::copy_n(v2base + j * Dv2, len * Dv2, ps.v2.data() + col * Dv2);
+    std::copy_n(kbase + j * D, len * D, sc.kc.data() + col * D);
+  }
+  return {ps.k2.data(), ps.v2.data(), sc.kc.data()};
+}
+
+// one_pass_block on the bf16 products: the same chunks, masks and order of sums; the five products on bf16 pairs
+// with float32 sums, P and dS rounded to bf16 once. k2, v2: every key's K and V rows in pairs along D and Dv
+// (pairs_along_rows), in the layout order.
+template <typename MaskMod, typename ScoreMod>
+void one_pass_block_pairs(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
+                          const TensorView& dq, int64_t qb, int64_t b, int64_t hk, float* gk, float* gv,
+                          const uint32_t* k2, const uint32_t* v2) {
+  const int64_t nqb = bm.num_q_blocks(), D = p.D(), Dv = p.Dv(), group = p.group();
+  const int64_t D2 = (D + 1) / 2, Dv2 = (Dv + 1) / 2, Dp = (D + 15) / 16 * 16, Dvp = (Dv + 15) / 16 * 16;
+  const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
+  thread_local Scratch sc;
+  thread_local BackwardPairScratch ps;
+  thread_local std::vector<float> dkc, dvc;
+  sc.ensure(m, D, Dv);
+  ps.ensure(m, D, Dv);
+  dkc.resize(size_t(kChunk * D));
+  dvc.resize(size_t(kChunk * Dv));
+  const size_t kv0 = size_t((b * p.Hkv() + hk) * p.Lk());
+  const float* kbase = &p.k[kv0 * D];
+  float* gkb = &gk[kv0 * D];
+  float* gvb = &gv[kv0 * Dv];
+  for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+    const size_t qrow = size_t((b * p.Hq() + h) * p.Lq() + q0);
+    const float* qt = &p.q[qrow * D];
+    const float* dot = &p.dout[qrow * Dv];
+    pack_transposed_pairs(qt, m, D, ps.ldq, ps.work, ps.q2t.data());
+    pack_transposed_pairs(dot, m, Dv, ps.ldq, ps.work, ps.do2t.data());
+    int64_t packed_qa = -1, packed_mm = -1;  // the rows of Q and dO in ps.qx, ps.dox
+    std::fill_n(sc.dq.data(), m * D, 0.0f);
+    const int64_t row = bm.slot(h) * nqb + qb;
+    for_each_chunk(&bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
+                   [&](const Segment* segs, int64_t nseg, int64_t n) {
+                     const int64_t qa = segs[0].q_first(m), mm = segs[0].q_last(m) - qa;  // computed rows
+                     if (mm <= 0) return;
+                     const ChunkRows cr =
+                         chunk_rows_pairs(segs, nseg, k2 + kv0 * D2, v2 + kv0 * Dv2, kbase, D, Dv, ps, sc);
+                     float* s = sc.s.data();
+                     float* dp = sc.p2.data();
+                     chunk_grads_pairs(p, bm, mask_mod, score_mod, cr.k2, cr.v2, ps.q2t.data() + qa,
+                                       ps.do2t.data() + qa, ps.ldq, mm, n, segs, nseg, q0 + qa, b, h,
+                                       &p.lse[qrow + size_t(qa)], &p.delta[qrow + size_t(qa)], ps.st.data(), s, dp);
+                     // dQ without the scale (applied once when stored): dS · K, K in pairs across the keys
+                     tiles::pack_pairs_across_rows(cr.k, D, n, D, ps.kx.data(), Dp);
+                     tiles::pv_pairs(dp, mm, n, ps.kx.data(), Dp, D, ps.p2.data(), sc.dq.data() + qa * D);
+                     if (qa != packed_qa || mm != packed_mm) {
+                       tiles::pack_pairs_across_rows(qt + qa * D, D, mm, D, ps.qx.data(), Dp);
+                       tiles::pack_pairs_across_rows(dot + qa * Dv, Dv, mm, Dv, ps.dox.data(), Dvp);
+                       packed_qa = qa, packed_mm = mm;
+                     }
+                     float* ov = nseg == 1 ? gvb + int64_t(segs[0].begin) * Dv : dvc.data();
+                     float* ok = nseg == 1 ? gkb + int64_t(segs[0].begin) * D : dkc.data();
+                     if (nseg > 1) std::fill_n(dvc.data(), n * Dv, 0.0f), std::fill_n(dkc.data(), n * D, 0.0f);
+                     tiles::atx_pairs(s, mm, n, ps.dox.data(), Dvp, Dv, 1.0f, ps.a2.data(), ov, Dv);
+                     tiles::atx_pairs(dp, mm, n, ps.qx.data(), Dp, D, p.scale, ps.a2.data(), ok, D);
+                     for (int64_t g = 0; nseg > 1 && g < nseg; ++g) {
+                       const int64_t len = segs[g].end - segs[g].begin;
+                       float* tv = gvb + int64_t(segs[g].begin) * Dv;
+                       const float* iv = dvc.data() + int64_t(segs[g].col) * Dv;
+                       for (int64_t e = 0; e < len * Dv; ++e) tv[e] += iv[e];
+                       float* tk = gkb + int64_t(segs[g].begin) * D;
+                       const float* ik = dkc.data() + int64_t(segs[g].col) * D;
+                       for (int64_t e = 0; e < len * D; ++e) tk[e] += ik[e];
+                     }
+                   });
+    for (int64_t e = 0; e < m * D; ++e) sc.dq[size_t(e)] *= p.scale;
+    for (int64_t r = 0; r < m; ++r) store_row(dq, b, h, bm.q_index(q0 + r), sc.dq.data() + r * D, D);
+  }
+}
+
 // Stores the layout-order key gradients gk [B, Hkv, Lk, D], gv [B, Hkv, Lk, Dv] into dk, dv.
 inline void store_key_grads(const Packed& p, const BlockMask& bm, const float* gk, const float* gv,
                             const TensorView& dk, const TensorView& dv) {
@@ -465,20 +607,23 @@ inline void store_key_grads(const Packed& p, const BlockMask& bm, const float* g
 // so that the blocks of a colour touch disjoint keys, one item per (b, kv head, query block) recomputes P and dS
 // once and writes dQ of its rows and adds dK/dV into the (layout-order) key gradients; the colours run one after
 // the other. Each key's gradient is summed in a fixed order (colour, then head, then chunk) with one writer at a
-// time, so the result does not depend on the thread count.
+// time, so the result does not depend on the thread count. k2, v2 (pairs_along_rows of K and V, or null): on the
+// bf16 products (one_pass_block_pairs).
 template <typename MaskMod, typename ScoreMod>
 void backward_one_pass(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
                        const std::vector<int64_t>& colour_start, const std::vector<int32_t>& colour_runs,
                        const std::vector<int32_t>& run_ends, const TensorView& dq, const TensorView& dk,
-                       const TensorView& dv) {
+                       const TensorView& dv, const uint32_t* k2, const uint32_t* v2) {
   WorkspaceVector<float> gk(size_t(p.B() * p.Hkv() * p.Lk() * p.D()), 0.0f),
       gv(size_t(p.B() * p.Hkv() * p.Lk() * p.Dv()), 0.0f);
   int64_t c_lo = 0, c_n = 0;
   // One item: a run of consecutive query blocks of one colour for one (b, kv head), block after block.
   auto item = [&](int64_t x) {
     const int64_t run = c_lo + x % c_n, bhk = x / c_n, b = bhk / p.Hkv(), hk = bhk % p.Hkv();
-    for (int64_t qb = colour_runs[size_t(run)]; qb < run_ends[size_t(run)]; ++qb)
-      one_pass_block(p, bm, mask_mod, score_mod, dq, qb, b, hk, gk.data(), gv.data());
+    for (int64_t qb = colour_runs[size_t(run)]; qb < run_ends[size_t(run)]; ++qb) {
+      if (k2) one_pass_block_pairs(p, bm, mask_mod, score_mod, dq, qb, b, hk, gk.data(), gv.data(), k2, v2);
+      else one_pass_block(p, bm, mask_mod, score_mod, dq, qb, b, hk, gk.data(), gv.data());
+    }
   };
   for (size_t c = 0; c + 1 < colour_start.size(); ++c) {
     c_lo = colour_start[c];
@@ -508,15 +653,18 @@ void score_mod_backward_chunk(const ScoreMod& score_mod, const BlockMask& bm, co
     }
 }
 
-// Two-pass form, dQ of one (b, h, query block) item; score-mod parameter gradients added into g.
+// Two-pass form, dQ of one (b, h, query block) item; score-mod parameter gradients added into g. k2, v2 (or null):
+// on the bf16 products (identity score mods only), as one_pass_block_pairs.
 template <typename MaskMod, typename ScoreMod>
 void dq_item(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod, const TensorView& dq,
-             int64_t it, float* g) {
+             int64_t it, float* g, const uint32_t* k2, const uint32_t* v2) {
   const int64_t nqb = bm.num_q_blocks(), D = p.D(), Dv = p.Dv(), group = p.group();
   const int64_t qb = it % nqb, bh = it / nqb, b = bh / p.Hq(), h = bh % p.Hq(), hk = h / group;
   const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
   thread_local Scratch sc;
+  thread_local BackwardPairScratch ps;
   sc.ensure(m, D, Dv);
+  const size_t kv0 = size_t((b * p.Hkv() + hk) * p.Lk());
   const size_t qrow = size_t((b * p.Hq() + h) * p.Lq() + q0);
   const float* qt = &p.q[qrow * D];
   const float* dot = &p.dout[qrow * Dv];
@@ -533,10 +681,26 @@ void dq_item(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const Scor
     if (raw_buf.size() < size_t(m * kChunk)) raw_buf.resize(size_t(m * kChunk));
     raw = raw_buf.data();
   }
+  if (k2) {
+    ps.ensure(m, D, Dv);
+    pack_transposed_pairs(qt, m, D, ps.ldq, ps.work, ps.q2t.data());
+    pack_transposed_pairs(dot, m, Dv, ps.ldq, ps.work, ps.do2t.data());
+  }
   for_each_chunk(&bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
                  [&](const Segment* segs, int64_t nseg, int64_t n) {
                    const int64_t qa = segs[0].q_first(m), mm = segs[0].q_last(m) - qa;  // computed rows
                    if (mm <= 0) return;
+                   if (k2) {  // dQ without the scale (applied once when stored) = dS · K, K in pairs across keys
+                     const int64_t Dp = (D + 15) / 16 * 16;
+                     const ChunkRows cr = chunk_rows_pairs(segs, nseg, k2 + kv0 * size_t((D + 1) / 2),
+                                                           v2 + kv0 * size_t((Dv + 1) / 2), kbase, D, Dv, ps, sc);
+                     chunk_grads_pairs(p, bm, mask_mod, score_mod, cr.k2, cr.v2, ps.q2t.data() + qa,
+                                       ps.do2t.data() + qa, ps.ldq, mm, n, segs, nseg, q0 + qa, b, h, lse_t + qa,
+                                       delta + qa, ps.st.data(), sc.s.data(), sc.p2.data());
+                     tiles::pack_pairs_across_rows(cr.k, D, n, D, ps.kx.data(), Dp);
+                     tiles::pv_pairs(sc.p2.data(), mm, n, ps.kx.data(), Dp, D, ps.p2.data(), sc.dq.data() + qa * D);
+                     return;
+                   }
                    const float* kp = nullptr;
                    gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, true, &kp, true);
                    float* s = sc.s.data();
@@ -550,13 +714,15 @@ void dq_item(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const Scor
                      score_mod_backward_chunk(score_mod, bm, segs, nseg, n, mm, q0 + qa, b, h, s, raw, dp, g);
                    tiles::pv(dp, mm, n, kp, D, D, p.scale, sc.dq.data() + qa * D);
                  });
+  if (k2)
+    for (int64_t e = 0; e < m * D; ++e) sc.dq[size_t(e)] *= p.scale;
   for (int64_t r = 0; r < m; ++r) store_row(dq, b, h, bm.q_index(q0 + r), sc.dq.data() + r * D, D);
 }
 
 // Two-pass form, dQ pass (and score-mod parameter gradients): one item per (b, h, query block).
 template <typename MaskMod, typename ScoreMod>
 void backward_dq_pass(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
-                      const TensorView& dq, float* param_grad) {
+                      const TensorView& dq, float* param_grad, const uint32_t* k2, const uint32_t* v2) {
   const int64_t nparams = score_mod.num_params();
   const int64_t n_items = p.B() * p.Hq() * bm.num_q_blocks();
   // Parameter gradients: a fixed number of item groups, each with its own buffer, reduced in order.
@@ -565,12 +731,13 @@ void backward_dq_pass(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, c
       nparams > 0 ? std::max<int64_t>(1, std::min<int64_t>({n_items, 16, (int64_t(1) << 26) / nparams})) : 0;
   std::vector<float> gbuf(size_t(n_groups * nparams), 0.0f);
   if (n_groups == 0) {
-    auto f = [&](int64_t it) { dq_item(p, bm, mask_mod, score_mod, dq, it, nullptr); };
+    auto f = [&](int64_t it) { dq_item(p, bm, mask_mod, score_mod, dq, it, nullptr, k2, v2); };
     parallel(n_items, p.threads, f);
   } else {
     auto f = [&](int64_t gi) {
       const int64_t lo = gi * n_items / n_groups, hi = (gi + 1) * n_items / n_groups;
-      for (int64_t it = lo; it < hi; ++it) dq_item(p, bm, mask_mod, score_mod, dq, it, &gbuf[size_t(gi * nparams)]);
+      for (int64_t it = lo; it < hi; ++it)
+        dq_item(p, bm, mask_mod, score_mod, dq, it, &gbuf[size_t(gi * nparams)], k2, v2);
     };
     parallel(n_groups, p.threads, f);
     if (param_grad)
@@ -603,24 +770,29 @@ inline std::vector<std::vector<KeyBlockEntry>> transpose_block_mask(const BlockM
   return tr;
 }
 
-// Two-pass form, dK/dV of one (b, kv head, key block of kChunk layout positions) item.
+// Two-pass form, dK/dV of one (b, kv head, key block of kChunk layout positions) item. k2, v2 (or null): on the
+// bf16 products (identity score mods only), as one_pass_block_pairs.
 template <typename MaskMod, typename ScoreMod>
 void kv_item(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
              const std::vector<std::vector<KeyBlockEntry>>& tr, int64_t nkb, int64_t max_m, const TensorView& dk,
-             const TensorView& dv, int64_t it) {
+             const TensorView& dv, int64_t it, const uint32_t* k2, const uint32_t* v2) {
   const int64_t D = p.D(), Dv = p.Dv(), group = p.group();
   const int64_t kb = it % nkb, bhk = it / nkb, b = bhk / p.Hkv(), hk = bhk % p.Hkv();
   const int64_t k0 = kb * kChunk, nk = std::min(p.Lk(), k0 + kChunk) - k0;
   thread_local Scratch sc;
+  thread_local BackwardPairScratch ps;
   thread_local std::vector<float> dkacc, dvacc, raw;
   sc.ensure(max_m, D, Dv);
+  if (k2) ps.ensure(max_m, D, Dv);
   dkacc.assign(size_t(nk * D), 0.0f);
   dvacc.assign(size_t(nk * Dv), 0.0f);
   raw.resize(size_t(max_m * kChunk));
   const float* kbase = &p.k[size_t(((b * p.Hkv() + hk) * p.Lk() + k0) * D)];
   const float* vbase = &p.v[size_t(((b * p.Hkv() + hk) * p.Lk() + k0) * Dv)];
-  tiles::transpose_rows(kbase, D, nk, D, sc.kt.data(), nk);
-  tiles::transpose_rows(vbase, Dv, nk, Dv, sc.vt.data(), nk);
+  if (!k2) {
+    tiles::transpose_rows(kbase, D, nk, D, sc.kt.data(), nk);
+    tiles::transpose_rows(vbase, Dv, nk, Dv, sc.vt.data(), nk);
+  }
   for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
     for (const KeyBlockEntry& e : tr[size_t(bm.slot(h) * nkb + kb)]) {
       const int64_t qbeg = bm.q_block_start[e.qb], mb = bm.q_block_start[e.qb + 1] - qbeg;
@@ -634,6 +806,19 @@ void kv_item(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const Scor
       const float* dot = &p.dout[qrow * Dv];
       float* s = sc.s.data();
       float* dp = sc.p2.data();
+      if (k2) {
+        const int64_t D2 = (D + 1) / 2, Dv2 = (Dv + 1) / 2, Dp = (D + 15) / 16 * 16, Dvp = (Dv + 15) / 16 * 16;
+        const size_t j0 = size_t((b * p.Hkv() + hk) * p.Lk() + e.begin);
+        pack_transposed_pairs(qt, m, D, ps.ldq, ps.work, ps.q2t.data());
+        pack_transposed_pairs(dot, m, Dv, ps.ldq, ps.work, ps.do2t.data());
+        chunk_grads_pairs(p, bm, mask_mod, score_mod, k2 + j0 * D2, v2 + j0 * Dv2, ps.q2t.data(), ps.do2t.data(),
+                          ps.ldq, m, n, &seg, 1, q0, b, h, &p.lse[qrow], &p.delta[qrow], ps.st.data(), s, dp);
+        tiles::pack_pairs_across_rows(qt, D, m, D, ps.qx.data(), Dp);
+        tiles::pack_pairs_across_rows(dot, Dv, m, Dv, ps.dox.data(), Dvp);
+        tiles::atx_pairs(s, m, n, ps.dox.data(), Dvp, Dv, 1.0f, ps.a2.data(), dvacc.data() + c0 * Dv, Dv);
+        tiles::atx_pairs(dp, m, n, ps.qx.data(), Dp, D, p.scale, ps.a2.data(), dkacc.data() + c0 * D, D);
+        continue;
+      }
       tiles::qk(qt, m, D, sc.kt.data() + c0, nk, n, p.scale, s);
       mod_and_mask(s, score_mod.identity() ? nullptr : raw.data(), m, n, &seg, 1, bm, q0, b, h, p, mask_mod, score_mod);
       tiles::probabilities(s, m, n, &p.lse[qrow]);
@@ -664,13 +849,13 @@ void kv_item(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const Scor
 // from the block mask: for each head slot and key block, the (query block, key sub-range) pairs that touch it.
 template <typename MaskMod, typename ScoreMod>
 void backward_dkv_pass(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
-                       const TensorView& dk, const TensorView& dv) {
+                       const TensorView& dk, const TensorView& dv, const uint32_t* k2, const uint32_t* v2) {
   const int64_t nqb = bm.num_q_blocks();
   const int64_t nkb = (p.Lk() + kChunk - 1) / kChunk;
   const std::vector<std::vector<KeyBlockEntry>> tr = transpose_block_mask(bm, nkb);
   int64_t max_m = 0;
   for (int64_t x = 0; x < nqb; ++x) max_m = std::max<int64_t>(max_m, bm.q_block_start[x + 1] - bm.q_block_start[x]);
-  auto item = [&](int64_t it) { kv_item(p, bm, mask_mod, score_mod, tr, nkb, max_m, dk, dv, it); };
+  auto item = [&](int64_t it) { kv_item(p, bm, mask_mod, score_mod, tr, nkb, max_m, dk, dv, it, k2, v2); };
   parallel(p.B() * p.Hkv() * nkb, p.threads, item);
 }
 
@@ -689,14 +874,24 @@ void block_sparse_attention_backward(const AttentionProblem& problem, const Tens
   Packed p = pack_inputs(problem, q, k, v, bm, options);
   check_grads(p, q, k, v, dq, dk, dv);
   pack_backward(p, bm, dout, out, lse);
+  // On the bf16 products (identity score mods: the parameters' gradients keep float32 products, as the fused
+  // kernel's mask gradient): K and V in pairs along D and Dv, once per call.
+  const bool pairs = score_mod.identity() && backward_takes_bf16_pairs(q, k, v, dq, dk, dv, options);
+  const int64_t kv_rows = p.B() * p.Hkv() * p.Lk();
+  const WorkspaceVector<uint32_t> k2 = pairs ? pairs_along_rows(p.k.data(), kv_rows, p.D())
+                                             : WorkspaceVector<uint32_t>(),
+                                  v2 = pairs ? pairs_along_rows(p.v.data(), kv_rows, p.Dv())
+                                             : WorkspaceVector<uint32_t>();
+  const uint32_t* k2p = pairs ? k2.data() : nullptr;
+  const uint32_t* v2p = pairs ? v2.data() : nullptr;
   std::vector<int64_t> colour_start;
   std::vector<int32_t> colour_runs, run_ends;
   if (score_mod.identity() && colour_query_blocks(bm, p.B() * p.Hkv(), colour_start, colour_runs, run_ends)) {
-    backward_one_pass(p, bm, mask_mod, score_mod, colour_start, colour_runs, run_ends, dq, dk, dv);
+    backward_one_pass(p, bm, mask_mod, score_mod, colour_start, colour_runs, run_ends, dq, dk, dv, k2p, v2p);
     return;
   }
-  backward_dq_pass(p, bm, mask_mod, score_mod, dq, param_grad);
-  backward_dkv_pass(p, bm, mask_mod, score_mod, dk, dv);
+  backward_dq_pass(p, bm, mask_mod, score_mod, dq, param_grad, k2p, v2p);
+  backward_dkv_pass(p, bm, mask_mod, score_mod, dk, dv, k2p, v2p);
 }
 
 template <typename MaskMod, typename ScoreMod = NoScoreMod>

@@ -281,6 +281,15 @@ bool forward_takes_bf16_pairs(const TensorView& q, const TensorView& k, const Te
   return rounding && takes(q) && takes(k) && takes(v) && tiles::has_bf16_products();
 }
 
+bool backward_takes_bf16_pairs(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& dq,
+                               const TensorView& dk, const TensorView& dv, const EngineOptions& options) {
+  const auto bf16 = [](const TensorView& t) { return t.dtype == DType::kBF16; };
+  const auto takes = [](const TensorView& t) { return t.dtype == DType::kBF16 || t.dtype == DType::kF32; };
+  const bool rounding = options.float32_precision == Float32Precision::kBF16 ||
+                        (bf16(q) && bf16(k) && bf16(v) && bf16(dq) && bf16(dk) && bf16(dv));
+  return rounding && takes(q) && takes(k) && takes(v) && tiles::has_bf16_products();
+}
+
 WorkspaceVector<uint32_t> pairs_along_rows(const float* x, int64_t rows, int64_t width) {
   const int64_t W2 = (width + 1) / 2;
   WorkspaceVector<uint32_t> out(size_t(rows * W2));

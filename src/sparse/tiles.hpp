@@ -53,6 +53,12 @@ void pack_pairs_along_rows(const float* rows, int64_t lds, int64_t n, int64_t wi
 // (rows[2y][x], rows[2y+1][x]), the second half 0 past row n; ldo a multiple of 16 >= width, words past width 0.
 void pack_pairs_across_rows(const float* rows, int64_t lds, int64_t n, int64_t width, uint32_t* out, int64_t ldo);
 
+// out [n x d] (row stride ldo) += alpha * Aᵀ · X (dV = Pᵀ·dO, dK = scale·dSᵀ·Q on bf16 pairs): A [m x n] floats (row
+// stride n), rounded to bf16 here into a2 (⌈m/2⌉ rows of n rounded up to 16 words, pairs across A's rows); X2
+// [⌈m/2⌉ x ldx] words from pack_pairs_across_rows of X's m rows (ldx >= d rounded up to 16).
+void atx_pairs(const float* a, int64_t m, int64_t n, const uint32_t* x2, int64_t ldx, int64_t d, float alpha,
+               uint32_t* a2, float* out, int64_t ldo);
+
 // The SIMD target of the build of these functions in use ("avx512bf16", "avx512", "avx2", "sse4" or "portable").
 const char* simd_build();
 

@@ -286,6 +286,13 @@ SATTN_BF16_ATTR void PackPairsAcrossRows(const float* rows, int64_t lds, int64_t
     }
   }
 }
+
+SATTN_BF16_ATTR void AtxPairs(const float* a, int64_t m, int64_t n, const uint32_t* x2, int64_t ldx, int64_t d,
+                              float alpha, uint32_t* a2, float* out, int64_t ldo) {
+  const int64_t lda = (n + 15) / 16 * 16;  // A's rows in pairs across its rows: A^T(j, y) = a2[j + y·lda]
+  PackPairsAcrossRows(a, n, m, n, a2, lda);
+  GemmPairs(a2, 1, lda, x2, ldx, out, ldo, n, d, (m + 1) / 2, alpha, true);
+}
 #endif
 
 }  // namespace HWY_NAMESPACE
@@ -313,20 +320,22 @@ struct Ops {
   void (*pv_pairs)(const float*, int64_t, int64_t, const uint32_t*, int64_t, int64_t, uint32_t*, float*);
   void (*pack_pairs)(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t);
   void (*pack_pairs_along)(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t);
+  void (*atx_pairs)(const float*, int64_t, int64_t, const uint32_t*, int64_t, int64_t, float, uint32_t*, float*,
+                    int64_t);
 };
 
-// The builds without bf16 products (their last four entries null), then the avx512bf16 one.
+// The builds without bf16 products (their last five entries null), then the avx512bf16 one.
 #define SATTN_TILE_OPS(NS)                                                                                        \
   Ops {                                                                                                           \
     &NS::Qk, &NS::SoftmaxUpdate, &NS::Pv, &NS::Atx, &NS::SoftmaxBackward, &NS::Probabilities, &NS::TransposeKeys, \
-        nullptr, nullptr, nullptr, nullptr                                                                        \
+        nullptr, nullptr, nullptr, nullptr, nullptr                                                               \
   }
 #if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64
 #define SATTN_TILE_OPS_BF16                                                                      \
   {simd::Target::kAvx512Bf16,                                                                    \
    Ops{&N_AVX3::Qk, &N_AVX3::SoftmaxUpdate, &N_AVX3::Pv, &N_AVX3::Atx, &N_AVX3::SoftmaxBackward, \
        &N_AVX3::Probabilities, &N_AVX3::TransposeKeys, &N_AVX3::KqPairs, &N_AVX3::PvPairs,       \
-       &N_AVX3::PackPairsAcrossRows, &N_AVX3::PackPairsAlongRows}},
+       &N_AVX3::PackPairsAcrossRows, &N_AVX3::PackPairsAlongRows, &N_AVX3::AtxPairs}},
 #else
 #define SATTN_TILE_OPS_BF16
 #endif
@@ -375,6 +384,10 @@ void pack_pairs_across_rows(const float* rows, int64_t lds, int64_t n, int64_t w
 }
 void pack_pairs_along_rows(const float* rows, int64_t lds, int64_t n, int64_t width, uint32_t* out, int64_t ldo) {
   ops().pack_pairs_along(rows, lds, n, width, out, ldo);
+}
+void atx_pairs(const float* a, int64_t m, int64_t n, const uint32_t* x2, int64_t ldx, int64_t d, float alpha,
+               uint32_t* a2, float* out, int64_t ldo) {
+  ops().atx_pairs(a, m, n, x2, ldx, d, alpha, a2, out, ldo);
 }
 
 }  // namespace sattn::sparse::tiles

@@ -72,12 +72,15 @@ Tensor reference_mask(const Case& c, const Pattern& p, const Tensor& bias, const
 
 // Tolerances of bf16 inputs whose out is bf16 (the bf16 products round P once; out's own rounding is 2^-9
 // relative): as the fused kernel's (test_fused.cpp, kBf16OutTol).
-constexpr double kBf16OutTol = 1e-2;
+// Gradients (P and dS rounded once, then the gradients' own rounding): measured up to 3.2e-3 on the float32 products
+// and 6.3e-3 on the bf16 ones (dq of a BigBird case), half the fused kernel's kBf16GradTol.
+constexpr double kBf16OutTol = 1e-2, kBf16GradTol = 1.5e-2;
 
-// The case against the reference. bf16: q, k, v rounded to bf16 and given as bf16 with a bf16 out (the reference on
-// the same values; out within kBf16OutTol, lse within 2e-5; the same out on 1 and 3 threads; no backward), its out
-// in *bf16_out when given.
-void run_case(const Case& c, bool bf16 = false, Tensor* bf16_out = nullptr) {
+// The case against the reference. bf16: q, k, v and dout rounded to bf16 and given as bf16 with a bf16 out and bf16
+// gradients (the reference on the same values; out within kBf16OutTol, lse within 2e-5, dq, dk, dv within
+// kBf16GradTol, in the one-pass and the two-pass form; the same out and gradients on 1 and 3 threads), its out and
+// the one-pass form's dq in *bf16_out, *bf16_dq when given.
+void run_case(const Case& c, bool bf16 = false, Tensor* bf16_out = nullptr, Tensor* bf16_dq = nullptr) {
   SCOPED_TRACE(c.spec + " B=" + std::to_string(c.B) + " Hq=" + std::to_string(c.Hq) + " Hkv=" + std::to_string(c.Hkv) +
                " Lq=" + std::to_string(c.Lq) + " Lk=" + std::to_string(c.Lk) + " D=" + std::to_string(c.D) +
                " Dv=" + std::to_string(c.Dv) + " block=" + std::to_string(c.block) +
@@ -88,7 +91,7 @@ void run_case(const Case& c, bool bf16 = false, Tensor* bf16_out = nullptr) {
          v = randn({c.B, c.Hkv, c.Lk, c.Dv}, seed + 3), dout = randn({c.B, c.Hq, c.Lq, c.Dv}, seed + 4);
   if (bf16) {
     q = q.to(DType::kBF16).to(DType::kF32), k = k.to(DType::kBF16).to(DType::kF32);
-    v = v.to(DType::kBF16).to(DType::kF32);
+    v = v.to(DType::kBF16).to(DType::kF32), dout = dout.to(DType::kBF16).to(DType::kF32);
   }
   if (c.nan == 1) q.data<float>()[(((c.B - 1) * c.Hq) * c.Lq + c.Lq / 2) * c.D + 1] = std::nanf("");
   if (c.nan == 2)
@@ -156,6 +159,30 @@ void run_case(const Case& c, bool bf16 = false, Tensor* bf16_out = nullptr) {
     EXPECT_EQ(std::memcmp(out.data(), out1.data(), out.nbytes()), 0);
     EXPECT_EQ(std::memcmp(out.data(), out3.data(), out.nbytes()), 0);
     if (bf16_out) *bf16_out = out;
+    const Tensor dob = dout.to(DType::kBF16);
+    Tensor dbias(DType::kF32, bias.shape()), drel(DType::kF32, c.rel_pos ? rel.shape() : Shape{1});
+    for (const char* form : {"one_pass", "two_pass"})
+      for (std::vector<Tensor> first; int threads : {2, 1, 3}) {
+        SCOPED_TRACE(form);
+        const sattn::testing::ScopedEnv env("SATTN_SPARSE_BACKWARD", form);
+        so.num_threads = threads;
+        Tensor dq(DType::kBF16, q.shape()), dk(DType::kBF16, k.shape()), dv(DType::kBF16, v.shape());
+        SparseGrads g{dq.view(), dk.view(), dv.view(), {}, {}, {}};
+        if (c.bias) g.dbias = dbias.view();
+        if (c.rel_pos) g.drel_pos_bias = drel.view();
+        sparse_attention_backward(dob, qb, kb, vb, out, lse, p, so, g);
+        if (first.empty()) {
+          EXPECT_LE(rel_err(dq.to(DType::kF32), rdq), kBf16GradTol);
+          EXPECT_LE(rel_err(dk.to(DType::kF32), rdk), kBf16GradTol);
+          EXPECT_LE(rel_err(dv.to(DType::kF32), rdv), kBf16GradTol);
+          first = {dq, dk, dv};
+          if (bf16_dq && form == std::string("one_pass")) *bf16_dq = dq;
+          continue;
+        }
+        EXPECT_EQ(std::memcmp(dq.data(), first[0].data(), dq.nbytes()), 0) << threads << " threads";
+        EXPECT_EQ(std::memcmp(dk.data(), first[1].data(), dk.nbytes()), 0) << threads << " threads";
+        EXPECT_EQ(std::memcmp(dv.data(), first[2].data(), dv.nbytes()), 0) << threads << " threads";
+      }
     return;
   }
 
@@ -277,11 +304,12 @@ TEST(SparseAttention, BackwardFormsMatchReference) {
   }
 }
 
-// bf16 inputs with a bf16 out: on a build with bf16 products (avx512bf16; amx runs it too) S and P·V take them, P
-// rounded once; elsewhere the float32 products. Against the reference on the same values (run_case's bf16 mode):
-// chunks of one range and of several (BigBird, global tokens), narrowed query rows (Neighborhood2D), odd D and Dv,
-// GQA, padding, score mods, NaN rows; every target. Where the bf16 products run, some out differs from the avx512
-// build's: they ran.
+// bf16 inputs with a bf16 out and bf16 gradients: on a build with bf16 products (avx512bf16; amx runs it too) S and
+// P·V take them in the forward, P rounded once, and all five products of the one-pass backward, P and dS rounded
+// once (score mods with parameters take the two-pass backward on float32 products); elsewhere the float32 products.
+// Against the reference on the same values (run_case's bf16 mode): chunks of one range and of several (BigBird,
+// global tokens), narrowed query rows (Neighborhood2D), odd D and Dv, GQA, padding, score mods, NaN rows; every
+// target. Where the bf16 products run, some out and some dq differ from the avx512 build's: they ran.
 TEST(SparseAttention, Bf16OutputsMatchReferenceOnEveryTarget) {
   std::vector<Case> cases = {
       {"SlidingWindow(5, 3)", 2, 4, 2, 67, 67, 16, 24, 16},
@@ -300,8 +328,8 @@ TEST(SparseAttention, Bf16OutputsMatchReferenceOnEveryTarget) {
       cases.back().nan = nan;
     }
   }
-  std::vector<Tensor> avx512;
-  int differ = 0;
+  std::vector<Tensor> avx512, avx512_dq;
+  int differ = 0, differ_dq = 0;
   const auto targets = sattn::testing::simd_target_names();
   for (const std::string& isa : {std::string("avx512"), std::string("avx512bf16"), std::string("amx"),
                                  std::string("avx2"), std::string("portable")}) {
@@ -309,25 +337,31 @@ TEST(SparseAttention, Bf16OutputsMatchReferenceOnEveryTarget) {
     SCOPED_TRACE(isa);
     const sattn::testing::ScopedSimdTarget target(isa);
     for (size_t x = 0; x < cases.size(); ++x) {
-      Tensor out;
-      run_case(cases[x], true, &out);
-      if (isa == "avx512") avx512.push_back(out);
-      else if (tiles::has_bf16_products() && x < avx512.size())
+      Tensor out, dq;
+      run_case(cases[x], true, &out, &dq);
+      if (isa == "avx512") {
+        avx512.push_back(out), avx512_dq.push_back(dq);
+      } else if (tiles::has_bf16_products() && x < avx512.size()) {
         differ += std::memcmp(out.data(), avx512[x].data(), out.nbytes()) != 0;
+        differ_dq += std::memcmp(dq.data(), avx512_dq[x].data(), dq.nbytes()) != 0;
+      }
     }
   }
   const bool any_bf16 = std::find(targets.begin(), targets.end(), "avx512bf16") != targets.end();
   if (any_bf16 && !avx512.empty()) {
     EXPECT_GT(differ, 0);
+    EXPECT_GT(differ_dq, 0);
   }
 }
 
-// float32 inputs with float32_precision = kBF16: where the build has bf16 products the forward takes them (q, k, v
-// rounded to bf16, P rounded once; out within 2e-2 of the reference and not the float32 products' result), elsewhere
-// it is bitwise the kHighest result; the engine and BlockTopK's direct forward, every target.
+// float32 inputs with float32_precision = kBF16: where the build has bf16 products the forward and the backward take
+// them (q, k, v, dout rounded to bf16, P and dS rounded once; out and gradients within 2e-2 of the reference and not
+// the float32 products' result), elsewhere they are bitwise the kHighest results; the engine and BlockTopK's direct
+// forward, every target.
 TEST(SparseAttention, Float32PrecisionBf16RoundsFloat32InputsWhereTheBuildHasBf16Products) {
   const int64_t B = 1, Hq = 4, Hkv = 2, L = 200, D = 40;
-  const Tensor q = randn({B, Hq, L, D}, 31), k = randn({B, Hkv, L, D}, 32), v = randn({B, Hkv, L, D}, 33);
+  const Tensor q = randn({B, Hq, L, D}, 31), k = randn({B, Hkv, L, D}, 32), v = randn({B, Hkv, L, D}, 33),
+               dout = randn({B, Hq, L, D}, 34);
   const auto targets = sattn::testing::simd_target_names();
   for (const char* spec : {"SlidingWindow(30, 30)", "BigBird(8, 3, 1, 2, seed=1)", "BlockTopK(16, 3)"}) {
     const Pattern p = Pattern::parse(spec);
@@ -350,10 +384,32 @@ TEST(SparseAttention, Float32PrecisionBf16RoundsFloat32InputsWhereTheBuildHasBf1
       ro.accumulate_fp64 = true;
       const Tensor mask = ishape.empty() ? p.dense_mask(L, L, Hq) : selection_mask(p, idx, L, L);
       ro.attn_mask = mask.view();
-      Tensor ref(DType::kF64, high.shape());
-      scaled_dot_product_attention(q, k, v, ro, {ref.view(), {}, {}});
+      Tensor ref(DType::kF64, high.shape()), rlse(DType::kF64, {B, Hq, L});
+      scaled_dot_product_attention(q, k, v, ro, {ref.view(), rlse.view(), {}});
       EXPECT_LE(rel_err(high, ref), 2e-5);
       EXPECT_LE(rel_err(low, ref), 2e-2);
+      // the backward from the kHighest forward's out and lse
+      Tensor lse(DType::kF32, {B, Hq, L});
+      so.float32_precision = Float32Precision::kHighest;
+      sparse_attention(q, k, v, p, so, high, lse, iv);
+      Tensor rdq(DType::kF64, q.shape()), rdk(DType::kF64, k.shape()), rdv(DType::kF64, v.shape());
+      scaled_dot_product_attention_backward(dout, q, k, v, ref, rlse, ro, {rdq.view(), rdk.view(), rdv.view(), {}});
+      std::vector<Tensor> grads[2];
+      for (int x = 0; x < 2; ++x) {
+        so.float32_precision = x == 0 ? Float32Precision::kHighest : Float32Precision::kBF16;
+        grads[x] = {Tensor(DType::kF32, q.shape()), Tensor(DType::kF32, k.shape()), Tensor(DType::kF32, v.shape())};
+        sparse_attention_backward(dout, q, k, v, high, lse, p, so,
+                                  {grads[x][0].view(), grads[x][1].view(), grads[x][2].view(), {}, {}, {}}, iv);
+      }
+      const Tensor* want[3] = {&rdq, &rdk, &rdv};
+      for (int g = 0; g < 3; ++g) {
+        SCOPED_TRACE("gradient " + std::to_string(g));
+        EXPECT_LE(rel_err(grads[0][size_t(g)], *want[g]), 1e-4);
+        EXPECT_LE(rel_err(grads[1][size_t(g)], *want[g]), 2e-2);
+        EXPECT_EQ(
+            std::memcmp(grads[0][size_t(g)].data(), grads[1][size_t(g)].data(), grads[0][size_t(g)].nbytes()) == 0,
+            !tiles::has_bf16_products());
+      }
     }
   }
 }

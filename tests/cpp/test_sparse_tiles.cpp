@@ -115,7 +115,8 @@ std::vector<float> randv_bf16(size_t n, uint64_t seed) {
 }
 
 // The bf16 products (the avx512bf16 build; amx runs it too) against fp64 sums of the same bf16 values: kq_pairs
-// within float32 rounding, pv_pairs within P's rounding to bf16 (2^-9 relative per term), the packings bit for bit
+// within float32 rounding, pv_pairs and atx_pairs within float32 rounding of the sums of the rounded operands
+// (P or A rounded to bf16 inside), the packings bit for bit
 // (floats rounded to nearest even); odd widths and key counts, strides wider than the rows, nothing written outside
 // the tile.
 TEST(SparseTiles, Bf16ProductsMatchFp64) {
@@ -215,6 +216,35 @@ TEST(SparseTiles, Bf16ProductsMatchFp64) {
           EXPECT_NEAR(acc[size_t(i * d + c)], want, 1e-5 * (1 + std::abs(want) + size));
         }
       for (size_t x = size_t(m * d); x < acc.size(); ++x) EXPECT_EQ(acc[x], kGuard);
+      // atx_pairs: out [n x d] (row stride d + 1) += 0.5 · Aᵀ · X, A [m x n] rounded to bf16 inside, X [m x d] in
+      // pairs across its rows (pack_pairs_across_rows, checked above); out starts non-zero.
+      {
+        const int64_t ldx = (d + 15) / 16 * 16, ld = d + 1;
+        const auto a = randv(size_t(m * n), seed++);
+        auto x = randv(size_t(m * d), seed++);
+        std::vector<uint32_t> x2(size_t((m + 1) / 2 * ldx)), a2(size_t((m + 1) / 2 * ((n + 15) / 16 * 16)));
+        tiles::pack_pairs_across_rows(x.data(), d, m, d, x2.data(), ldx);
+        for (float& e : x) e = bf16_round(e);
+        auto out = randv(size_t(n * ld), seed++);
+        const auto out0 = out;
+        out.resize(out.size() + 8, kGuard);
+        tiles::atx_pairs(a.data(), m, n, x2.data(), ldx, d, 0.5f, a2.data(), out.data(), ld);
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t c = 0; c < ld; ++c) {
+            if (c >= d) {  // the stride's gap is not written
+              EXPECT_EQ(out[size_t(j * ld + c)], out0[size_t(j * ld + c)]);
+              continue;
+            }
+            double want = 0, size = 0;
+            for (int64_t i = 0; i < m; ++i) {
+              want += double(bf16_round(a[size_t(i * n + j)])) * x[size_t(i * d + c)];
+              size += std::abs(double(a[size_t(i * n + j)]) * x[size_t(i * d + c)]);
+            }
+            want = 0.5 * want + out0[size_t(j * ld + c)];
+            EXPECT_NEAR(out[size_t(j * ld + c)], want, 1e-5 * (1 + std::abs(want) + size)) << j << "," << c;
+          }
+        for (size_t e = size_t(n * ld); e < out.size(); ++e) EXPECT_EQ(out[e], kGuard);
+      }
     }
   }
   if (ran == 0) GTEST_SKIP() << "this CPU runs no build with bf16 products (no AVX512-BF16): not tested here";

@@ -121,17 +121,20 @@ def test_bf16_learned_bias_gradients_within_twice_torch_from_the_float32_out(tar
 
 @pytest.mark.parametrize("target", ["default", "avx512bf16", "avx512"])
 def test_bf16_sparse_attention_within_twice_torch(target):
-    """bf16 inputs through sattn.torch.sparse_attention (a bf16 out: the sparse tiles' bf16 products where the CPU has
-    them, P rounded once) against PyTorch's bf16 SDPA with the pattern's dense mask: the largest error of out against
-    the fp64 reference on the same values is at most twice torch's + 1e-5 (fixed patterns, GQA, odd D)."""
+    """bf16 inputs through sattn.torch.sparse_attention (a bf16 out and bf16 gradients: the sparse tiles' bf16
+    products where the CPU has them, P and dS rounded once) against PyTorch's bf16 SDPA with the pattern's dense mask:
+    the largest error of out, dq, dk and dv against the fp64 reference on the same values is at most twice torch's
+    + 1e-5 (fixed patterns, GQA, odd D; the backward's one-pass and two-pass forms)."""
     with on_target(target, "sparse tiles"):
         for n, (spec, B, hq, hkv, L, D) in enumerate((
                 ("SlidingWindow(64, 64)", 1, 4, 4, 700, 64), ("SlidingWindow(100, 0)", 2, 4, 2, 333, 128),
                 ("Dilated(8, 3)", 1, 2, 2, 257, 65), ("BigBird(16, 3, 1, 2, seed=7)", 1, 2, 1, 300, 64),
-                ("Neighborhood2D(20, 17, 7)", 1, 2, 2, 340, 32), ("BlockTopK(32, 4)", 1, 4, 2, 500, 64))):
+                ("Neighborhood2D(20, 17, 7)", 1, 2, 2, 340, 32), ("BlockTopK(32, 4)", 1, 4, 2, 500, 64),
+                ("SlidingWindow(256, 0)", 2, 8, 8, 1024, 64))):
             g = torch.Generator().manual_seed(200 + n)
-            q = torch.randn(B, hq, L, D, generator=g).bfloat16()
-            k, v = (torch.randn(B, hkv, L, D, generator=g).bfloat16() for _ in range(2))
+            q = torch.randn(B, hq, L, D, generator=g).bfloat16().requires_grad_()
+            k, v = (torch.randn(B, hkv, L, D, generator=g).bfloat16().requires_grad_() for _ in range(2))
+            dout = torch.randn(B, hq, L, D, generator=g).bfloat16()
             gqa = hq != hkv
             ours, idx = (st.sparse_attention(q, k, v, spec, enable_gqa=gqa, return_indices=True)
                          if spec.startswith("BlockTopK") else (st.sparse_attention(q, k, v, spec, enable_gqa=gqa), None))
@@ -140,12 +143,20 @@ def test_bf16_sparse_attention_within_twice_torch(target):
                 allowed = torch.from_numpy(sattn.parse_pattern(spec).dense_mask(L, L, hq))
             else:
                 allowed = torch.from_numpy(sattn.selection_mask(sattn.parse_pattern(spec), idx.numpy(), L, L))
-            ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=allowed,
-                                                 enable_gqa=gqa)
+            q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+            ref = F.scaled_dot_product_attention(q64, k64, v64, attn_mask=allowed, enable_gqa=gqa)
             theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
             err_t = (theirs.double() - ref).abs().max().item()
             err_o = (ours.double() - ref).abs().max().item()
             assert err_o <= 2 * err_t + 1e-5, (spec, err_o, err_t)
+            grads_ref = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+            grads_t = torch.autograd.grad(theirs, (q, k, v), dout)
+            grads_o = torch.autograd.grad(ours, (q, k, v), dout)
+            for name, r, t, o in zip(("dq", "dk", "dv"), grads_ref, grads_t, grads_o):
+                assert o.dtype == torch.bfloat16
+                err_t = (t.double() - r).abs().max().item()
+                err_o = (o.double() - r).abs().max().item()
+                assert err_o <= 2 * err_t + 1e-5, (spec, name, err_o, err_t)
 
 
 def test_float32_precision_bf16_rounds_float32_inputs_only_where_the_cpu_has_bf16_products():
@@ -193,16 +204,18 @@ def test_sattn_torch_follows_torch_float32_matmul_precision():
 
 def test_sparse_float32_precision_bf16_rounds_float32_inputs_only_where_the_cpu_has_bf16_products():
     """float32_precision on sparse attention (numpy API and sattn.torch, which also follows
-    torch.set_float32_matmul_precision('medium')): the forward's bf16 products for float32 inputs where the sparse
-    tiles have them (within 2e-2 of the float64 result), else bitwise the 'highest' result; the backward keeps the
-    float32 products (the same gradients from the same out)."""
+    torch.set_float32_matmul_precision('medium')): the bf16 products for float32 inputs where the sparse tiles have
+    them, forward and backward (out and gradients within 2e-2 of the float64 results), else bitwise the 'highest'
+    results."""
     rng = np.random.default_rng(8)
-    q, k, v = (rng.standard_normal((1, 4, 300, 64)).astype(np.float32) for _ in range(3))
+    q, k, v, do = (rng.standard_normal((1, 4, 300, 64)).astype(np.float32) for _ in range(4))
     spec = "SlidingWindow(40, 40)"
     pattern = sattn.parse_pattern(spec)
-    ref = sattn.sparse_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), pattern)
+    q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, do))
+    ref, ref_lse = sattn.sparse_attention(q64, k64, v64, pattern, return_lse=True)
+    ref_grads = sattn.sparse_attention_backward(do64, q64, k64, v64, ref, ref_lse, pattern)[:3]
     highest = sattn.sparse_attention(q, k, v, pattern)
-    rounded = sattn.sparse_attention(q, k, v, pattern, float32_precision="bf16")
+    rounded, rounded_lse = sattn.sparse_attention(q, k, v, pattern, float32_precision="bf16", return_lse=True)
     assert np.abs(highest - ref).max() <= 1e-5
     assert np.abs(rounded - ref).max() <= 2e-2
     bf16 = sattn.simd_targets()["sparse_tiles"] == "avx512bf16"
@@ -212,8 +225,11 @@ def test_sparse_float32_precision_bf16_rounds_float32_inputs_only_where_the_cpu_
         np.testing.assert_array_equal(rounded, highest)
     with pytest.raises(sattn.InvalidArgumentError, match="float32_precision"):
         sattn.sparse_attention(q, k, v, pattern, float32_precision="medium")
+    with pytest.raises(sattn.InvalidArgumentError, match="float32_precision"):
+        sattn.sparse_attention_backward(do, q, k, v, rounded, rounded_lse, pattern, float32_precision="medium")
+    np_grads = sattn.sparse_attention_backward(do, q, k, v, rounded, rounded_lse, pattern, float32_precision="bf16")
     tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
-    dout = torch.from_numpy(rng.standard_normal(q.shape).astype(np.float32))
+    dout = torch.from_numpy(do)
     before = torch.get_float32_matmul_precision()
     try:
         grads = {}
@@ -222,10 +238,19 @@ def test_sparse_float32_precision_bf16_rounds_float32_inputs_only_where_the_cpu_
             o = st.sparse_attention(tq, tk, tv, spec, float32_precision=precision)
             rounded_here = precision == "bf16" or (precision is None and setting == "medium")
             np.testing.assert_array_equal(o.detach().numpy(), rounded if rounded_here else highest)
-            grads[rounded_here] = torch.autograd.grad(o, (tq, tk, tv), dout)
+            got = torch.autograd.grad(o, (tq, tk, tv), dout)
+            if rounded_here in grads:  # the same gradients however the precision was asked for
+                for a, b in zip(grads[rounded_here], got):
+                    torch.testing.assert_close(a, b, rtol=0, atol=0)
+            grads[rounded_here] = got
             o2 = st.sparse_attention(tq.detach(), tk.detach(), tv.detach(), spec, float32_precision=precision)
             np.testing.assert_array_equal(o2.numpy(), o.detach().numpy())  # the inference route too
-        for g_high, g_low in zip(grads[False], grads[True]):  # backward on float32 products, from different outs
-            assert (g_low - g_high).abs().max() <= 5e-2 * max(1.0, g_high.abs().max().item())
+        for r, g_high, g_low, g_np in zip(ref_grads, grads[False], grads[True], np_grads):
+            scale = max(1.0, np.abs(r).max())
+            assert np.abs(g_high.numpy() - r).max() <= 1e-4 * scale
+            assert np.abs(g_low.numpy() - r).max() <= 2e-2 * scale
+            np.testing.assert_array_equal(g_low.numpy(), g_np)  # the numpy backward takes float32_precision too
+            if bf16:
+                assert (g_low - g_high).abs().max().item() > 1e-5  # the backward's bf16 products ran
     finally:
         torch.set_float32_matmul_precision(before)

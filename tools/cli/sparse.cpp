@@ -295,11 +295,12 @@ void add_sparse_bench(CLI::App& app) {
       ->check(CLI::IsMember({"wall", "thread"}));
   cmd->add_flag("--dense", a.dense, "also time dense exact attention (the registry's fused kernel) at each L");
   cmd->add_option("--dtype", a.dtype,
-                  "f32, bf16 or f16: q, k, v, the outputs and the gradients (bf16 with a bf16 out takes the bf16 "
-                  "products where the CPU has them)")
+                  "f32, bf16 or f16: q, k, v, the outputs and the gradients (bf16 takes the bf16 products where "
+                  "the CPU has them, forward and backward)")
       ->capture_default_str();
   cmd->add_option("--float32-precision", a.float32_precision,
-                  "highest or bf16 (float32 inputs on the forward's bf16 products where the CPU has them)")
+                  "highest or bf16 (float32 inputs on the bf16 products where the CPU has them, forward and "
+                  "backward)")
       ->capture_default_str();
   cmd->callback([] { run_sparse_bench(a); });
 }
