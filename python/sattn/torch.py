@@ -451,6 +451,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 # Returns out [B, Hq, Lq, Dv] (query's dtype), lse [B, Hq, Lq] (float32/float64) and indices (int64: the selection
 # of TopK / BlockTopK, else empty).
 
+@torch.compiler.assume_constant_result
+def _pattern_spec(pattern):
+    """The canonical spec (the operators' pattern argument) of a sattn.Pattern or a spec string; parse errors are
+    raised here, naming the spec. A function of its constant argument: torch.compile calls it while tracing and
+    keeps the result (dynamo cannot trace into the C++ parser)."""
+    return repr(pattern if isinstance(pattern, _core.Pattern) else _core.parse_pattern(pattern))
+
+
 def _selection_kind(pattern):
     """("none" | "per_query" | "per_block", count): what the pattern's indices output holds per (b, h, row)."""
     probe = 4099  # a prime: only a per-query selection (TopK, or BlockTopK with blocks of 1) has this many rows
@@ -576,10 +584,8 @@ def sparse_attention(query, key, value, pattern, scale=None, enable_gqa=False, *
     for x, name in ((query, "query"), (key, "key"), (value, "value")):
         _check_tensor(x, name)
     _check_same_dtype(query, key, value)
-    if isinstance(pattern, _core.Pattern):
-        spec = repr(pattern)
-    elif isinstance(pattern, str):
-        spec = repr(_core.parse_pattern(pattern))  # parse errors are raised here, naming the spec
+    if isinstance(pattern, (_core.Pattern, str)):
+        spec = _pattern_spec(pattern)
     else:
         raise _core.DTypeError(f"pattern: expected a sattn.Pattern or a pattern spec (str), got "
                                f"{type(pattern).__name__}")

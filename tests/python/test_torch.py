@@ -343,6 +343,13 @@ def test_opcheck_sparse_and_varlen():
         bwd = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, idx, spec, None, False,
                None, 16, None, 0.0, args[10].detach() if args[10] is not None else None, None, 1)
         torch.library.opcheck(torch.ops.sattn.sparse_backward.default, bwd)
+    # float32_precision given (the schemas' defaulted last argument), forward and backward
+    args = (q, k, v, "SlidingWindow(4, 0)", None, False, None, 16, None, 0.0, None, None, 1, "bf16")
+    torch.library.opcheck(torch.ops.sattn.sparse_forward.default, args)
+    out, lse, idx = torch.ops.sattn.sparse_forward(*args)
+    bwd = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, idx, args[3], None, False,
+           None, 16, None, 0.0, None, None, 1, "bf16")
+    torch.library.opcheck(torch.ops.sattn.sparse_backward.default, bwd)
     lens = [3, 9, 5]
     cu = torch.tensor([0, 3, 12, 17], dtype=torch.int32)
     gen = torch.Generator().manual_seed(12)
@@ -533,6 +540,32 @@ def test_compile_fullgraph_matches_eager():
         runs.append(_step(compiled, x, mask))
     assert torch.equal(runs[0][0], runs[2][0]) and all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[2][1]))
     assert not torch.equal(runs[0][0], runs[1][0])
+
+
+def test_compile_fullgraph_and_export_sparse_attention_match_eager():
+    """sparse_attention under torch.compile(fullgraph=True): no graph break (the pattern as a spec string or a
+    sattn.Pattern), forward and backward, with float32_precision given ('bf16': the bf16 products where the CPU has
+    them) or left to torch's setting; the same gradients as eager. torch.export keeps the operator."""
+    g = torch.Generator().manual_seed(14)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g, requires_grad=True) for _ in range(3))
+    for precision, pattern in (("bf16", "SlidingWindow(8, 0)"), (None, sattn.SlidingWindow(8, 0))):
+        def loss(q, k, v):
+            out = st.sparse_attention(q * 2.0, k, v, pattern, block=16, float32_precision=precision)
+            return out.square().sum()
+        eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
+        compiled = torch.compile(loss, fullgraph=True)
+        got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+        for a, b in zip(got, eager):
+            assert rel_err(a, b) <= 1e-6, precision
+
+    class Sparse(torch.nn.Module):
+        def forward(self, q, k, v):
+            return st.sparse_attention(q, k, v, sattn.SlidingWindow(8, 0), block=16)
+
+    args = tuple(x.detach() for x in (q, k, v))
+    exported = torch.export.export(Sparse(), args)
+    assert "sattn.sparse_forward" in exported.graph_module.code
+    assert torch.equal(exported.module()(*args), Sparse()(*args))
 
 
 def test_compile_dynamic_compiles_once_and_dropout_reproduces():
