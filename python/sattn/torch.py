@@ -459,8 +459,10 @@ def _pattern_spec(pattern):
     return repr(pattern if isinstance(pattern, _core.Pattern) else _core.parse_pattern(pattern))
 
 
+@torch.compiler.assume_constant_result
 def _selection_kind(pattern):
-    """("none" | "per_query" | "per_block", count): what the pattern's indices output holds per (b, h, row)."""
+    """("none" | "per_query" | "per_block", count): what the pattern's indices output holds per (b, h, row). A
+    function of the spec alone, kept as a constant by torch.compile (as _pattern_spec)."""
     probe = 4099  # a prime: only a per-query selection (TopK, or BlockTopK with blocks of 1) has this many rows
     shape = _core._torch_sparse_selection_shape(pattern, 1, 1, probe, probe)
     if not shape:
