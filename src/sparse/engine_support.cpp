@@ -41,9 +41,23 @@ inline float load(const void* base, DType dt, int64_t off) {
   }
 }
 
+// n elements of a row of t from element offset `off` (element stride `step`) as floats: bf16 and float32 rows of
+// unit stride in a loop the compiler vectorises, anything else element by element.
+void row_to_float(const TensorView& t, int64_t off, int64_t step, int64_t n, float* dst) {
+  if (step == 1 && t.dtype == DType::kF32) {
+    std::memcpy(dst, static_cast<const float*>(t.data) + off, size_t(n) * sizeof(float));
+  } else if (step == 1 && t.dtype == DType::kBF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(t.data) + off;
+    for (int64_t d = 0; d < n; ++d) dst[d] = bf16_to_float(s[d]);
+  } else {
+    for (int64_t d = 0; d < n; ++d) dst[d] = load(t.data, t.dtype, off + d * step);
+  }
+}
+
 // out[(b, h, pos, :)] = t[b, h, perm[pos], :] in fp32: a view of t when it is fp32, contiguous and perm is the
-// identity (no copy: large inputs are not copied, and no fresh pages are touched), else a packed copy.
-void pack4(const TensorView& t, const std::vector<int32_t>& perm, FloatBuf& buf) {
+// identity (no copy: large inputs are not copied, and no fresh pages are touched), else a packed copy, one task per
+// (b, h) on up to `threads` threads.
+void pack4(const TensorView& t, const std::vector<int32_t>& perm, FloatBuf& buf, int threads) {
   const int64_t B = t.shape[0], H = t.shape[1], L = t.shape[2], D = t.shape[3];
   buf.n = size_t(B * H * L * D);
   if (t.dtype == DType::kF32 && perm.empty() && t.strides[3] == 1 && (L == 1 || t.strides[2] == D) &&
@@ -55,21 +69,13 @@ void pack4(const TensorView& t, const std::vector<int32_t>& perm, FloatBuf& buf)
   WorkspaceVector<float>& out = buf.own;
   out.resize(buf.n);
   buf.ptr = out.data();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t pos = 0; pos < L; ++pos) {
-        const int64_t src =
-            b * t.strides[0] + h * t.strides[1] + int64_t(perm.empty() ? pos : perm[pos]) * t.strides[2];
-        float* dst = &out[size_t(((b * H + h) * L + pos) * D)];
-        if (t.dtype == DType::kF32) {
-          const float* s = static_cast<const float*>(t.data) + src;
-          if (t.strides[3] == 1) std::memcpy(dst, s, size_t(D) * sizeof(float));
-          else
-            for (int64_t d = 0; d < D; ++d) dst[d] = s[d * t.strides[3]];
-        } else {
-          for (int64_t d = 0; d < D; ++d) dst[d] = load(t.data, t.dtype, src + d * t.strides[3]);
-        }
-      }
+  parallel_for(B * H, threads, [&](int64_t bh) {
+    const int64_t b = bh / H, h = bh % H;
+    for (int64_t pos = 0; pos < L; ++pos) {
+      const int64_t src = b * t.strides[0] + h * t.strides[1] + int64_t(perm.empty() ? pos : perm[pos]) * t.strides[2];
+      row_to_float(t, src, t.strides[3], D, &out[size_t((bh * L + pos) * D)]);
+    }
+  });
 }
 
 void check_output_view(const TensorView& t, const char* name, const Shape& expected) {
@@ -139,9 +145,9 @@ Packed pack_inputs(const AttentionProblem& problem, const TensorView& q, const T
   p.scale = float(problem.scale);
   p.threads = resolve_num_threads(o.num_threads);
   if (problem.key_padding != KeyPaddingKind::kNone) pack_key_padding(p, mask, o);
-  pack4(q, mask.q_perm, p.q);
-  pack4(k, mask.k_perm, p.k);
-  pack4(v, mask.k_perm, p.v);
+  pack4(q, mask.q_perm, p.q, p.threads);
+  pack4(k, mask.k_perm, p.k, p.threads);
+  pack4(v, mask.k_perm, p.v, p.threads);
   return p;
 }
 
@@ -200,27 +206,24 @@ void pack_backward(Packed& p, const BlockMask& mask, const TensorView& dout, con
   check(lse.shape == Shape{B, Hq, Lq} && lse.strides.size() == 3, ErrorKind::kInvalidArgument, "lse: expected shape ",
         shape_text({B, Hq, Lq}), ", got ", shape_text(lse.shape));
   check(is_floating(lse.dtype), ErrorKind::kTypeError, "lse: expected a float tensor, got ", to_string(lse.dtype));
-  pack4(dout, mask.q_perm, p.dout);
+  pack4(dout, mask.q_perm, p.dout, p.threads);
   p.lse.resize(size_t(B * Hq * Lq));
   p.delta.resize(p.lse.size());
-  // out is read in place (it is only needed for delta): no packed copy.
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < Hq; ++h)
-      for (int64_t pos = 0; pos < Lq; ++pos) {
-        const size_t r = size_t((b * Hq + h) * Lq + pos);
-        const int64_t i = mask.q_index(pos);
-        p.lse[r] = load(lse.data, lse.dtype, b * lse.strides[0] + h * lse.strides[1] + i * lse.strides[2]);
-        const int64_t o0 = b * out.strides[0] + h * out.strides[1] + i * out.strides[2], os = out.strides[3];
-        const float* dr = &p.dout[r * size_t(Dv)];
-        double acc = 0;  // delta_i = dO_i · O_i
-        if (out.dtype == DType::kF32) {
-          const float* o = static_cast<const float*>(out.data) + o0;
-          for (int64_t c = 0; c < Dv; ++c) acc += double(dr[c]) * o[c * os];
-        } else {
-          for (int64_t c = 0; c < Dv; ++c) acc += double(dr[c]) * load(out.data, out.dtype, o0 + c * os);
-        }
-        p.delta[r] = float(acc);
-      }
+  // out is read in place (it is only needed for delta): no packed copy. One task per (b, h).
+  parallel_for(B * Hq, p.threads, [&](int64_t bh) {
+    const int64_t b = bh / Hq, h = bh % Hq;
+    std::vector<float> orow(static_cast<size_t>(Dv));
+    for (int64_t pos = 0; pos < Lq; ++pos) {
+      const size_t r = size_t(bh * Lq + pos);
+      const int64_t i = mask.q_index(pos);
+      p.lse[r] = load(lse.data, lse.dtype, b * lse.strides[0] + h * lse.strides[1] + i * lse.strides[2]);
+      row_to_float(out, b * out.strides[0] + h * out.strides[1] + i * out.strides[2], out.strides[3], Dv, orow.data());
+      const float* dr = &p.dout[r * size_t(Dv)];
+      double acc = 0;  // delta_i = dO_i · O_i
+      for (int64_t c = 0; c < Dv; ++c) acc += double(dr[c]) * orow[size_t(c)];
+      p.delta[r] = float(acc);
+    }
+  });
   // NaN rows (lse NaN, or a NaN in q): tiles::probabilities gives them P = NaN at every allowed key and 0 at the
   // masked ones, and delta = 0, so that dS = P · (dP - delta) is 0 at the masked keys. The q and k rows holding a
   // NaN are zeroed in the packed copies, since the tile products multiply masked entries too (0 · NaN would carry

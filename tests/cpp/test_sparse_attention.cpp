@@ -354,6 +354,58 @@ TEST(SparseAttention, Bf16OutputsMatchReferenceOnEveryTarget) {
   }
 }
 
+// The inputs the engine widens to float32 before its products (bf16 and float16 rows, and float32 rows that are not
+// back to back: a [B, L, H, D] layout seen as [B, H, L, D], the last stride not 1): out, lse and gradients are
+// bitwise those of the float32 copies of the same values, on 1 and 2 threads (the conversion is split over (b, h)),
+// one-pass and two-pass backward, with a permuted layout (Neighborhood2D) too. The float32 products throughout: out
+// and gradients are float32.
+TEST(SparseAttention, HalfAndStridedInputsEqualTheirFloat32Copies) {
+  const int64_t B = 2, H = 2, L = 96, D = 24;
+  for (const char* spec : {"SlidingWindow(20, 5)", "Neighborhood2D(8, 12, 5)"}) {
+    const Pattern p = Pattern::parse(spec);
+    for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
+      // the values, rounded to dt; dt == kF32: given through a strided view
+      Tensor q = randn({B, H, L, D}, 41), k = randn({B, H, L, D}, 42), v = randn({B, H, L, D}, 43);
+      const Tensor dout = randn({B, H, L, D}, 44);
+      if (dt != DType::kF32) q = q.to(dt).to(DType::kF32), k = k.to(dt).to(DType::kF32), v = v.to(dt).to(DType::kF32);
+      std::vector<Tensor> keep;
+      const auto given = [&](const Tensor& t) {
+        if (dt != DType::kF32) return keep.emplace_back(t.to(dt)).view();
+        Tensor blh(DType::kF32, {B, L, H, D + 3});  // [B, L, H, D] rows padded to D + 3: strides (L·H·(D+3), D+3, …)
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t i = 0; i < L; ++i)
+              for (int64_t d = 0; d < D; ++d)
+                blh.data<float>()[((b * L + i) * H + h) * (D + 3) + d] = t.data<float>()[((b * H + h) * L + i) * D + d];
+        keep.push_back(blh);
+        return TensorView(keep.back().data(), DType::kF32, {B, H, L, D}, {L * H * (D + 3), D + 3, H * (D + 3), 1});
+      };
+      const TensorView qv = given(q), kv = given(k), vv = given(v);
+      for (const char* form : {"one_pass", "two_pass"})
+        for (int threads : {1, 2}) {
+          SCOPED_TRACE(std::string(spec) + " " + to_string(dt) + " " + form + " " + std::to_string(threads));
+          const sattn::testing::ScopedEnv env("SATTN_SPARSE_BACKWARD", form);
+          SparseOptions so;
+          so.num_threads = threads;
+          Tensor out0(DType::kF32, {B, H, L, D}), lse0(DType::kF32, {B, H, L}), out1(out0.dtype(), out0.shape()),
+              lse1(lse0.dtype(), lse0.shape());
+          sparse_attention(q, k, v, p, so, out0, lse0);
+          sparse_attention(qv, kv, vv, p, so, out1, lse1);
+          EXPECT_EQ(std::memcmp(out0.data(), out1.data(), out0.nbytes()), 0);
+          EXPECT_EQ(std::memcmp(lse0.data(), lse1.data(), lse0.nbytes()), 0);
+          std::vector<Tensor> g0, g1;
+          for (auto* g : {&g0, &g1})
+            for (int x = 0; x < 3; ++x) g->emplace_back(DType::kF32, Shape{B, H, L, D});
+          sparse_attention_backward(dout, q, k, v, out0, lse0, p, so,
+                                    {g0[0].view(), g0[1].view(), g0[2].view(), {}, {}, {}});
+          sparse_attention_backward(dout, qv, kv, vv, out0, lse0, p, so,
+                                    {g1[0].view(), g1[1].view(), g1[2].view(), {}, {}, {}});
+          for (int x = 0; x < 3; ++x) EXPECT_EQ(std::memcmp(g0[x].data(), g1[x].data(), g0[x].nbytes()), 0) << x;
+        }
+    }
+  }
+}
+
 // float32 inputs with float32_precision = kBF16: where the build has bf16 products the forward and the backward take
 // them (q, k, v, dout rounded to bf16, P and dS rounded once; out and gradients within 2e-2 of the reference and not
 // the float32 products' result), elsewhere they are bitwise the kHighest results; the engine and BlockTopK's direct
