@@ -401,70 +401,6 @@ void block_sparse_attention(const TensorView& q, const TensorView& k, const Tens
 
 namespace detail {
 
-// One-pass backward, one query block qb of (b, kv head hk): recomputes P and dS once per chunk, writes dQ of the
-// block's rows (every query head of the group) and adds dK/dV into the layout-order key gradients gk, gv.
-template <typename MaskMod, typename ScoreMod>
-void one_pass_block(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
-                    const TensorView& dq, int64_t qb, int64_t b, int64_t hk, float* gk, float* gv) {
-  const int64_t nqb = bm.num_q_blocks(), D = p.D(), Dv = p.Dv(), group = p.group();
-  const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
-  thread_local Scratch sc;
-  thread_local std::vector<float> dkc, dvc;
-  sc.ensure(m, D, Dv);
-  dkc.resize(size_t(kChunk * D));
-  dvc.resize(size_t(kChunk * Dv));
-  const size_t kv0 = size_t((b * p.Hkv() + hk) * p.Lk());
-  const float* kbase = &p.k[kv0 * D];
-  const float* vbase = &p.v[kv0 * Dv];
-  float* gkb = &gk[kv0 * D];
-  float* gvb = &gv[kv0 * Dv];
-  for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-    const size_t qrow = size_t((b * p.Hq() + h) * p.Lq() + q0);
-    const float* qt = &p.q[qrow * D];
-    const float* dot = &p.dout[qrow * Dv];
-    const float* lse_t = &p.lse[qrow];
-    const float* delta = &p.delta[qrow];
-    std::fill_n(sc.dq.data(), m * D, 0.0f);
-    const int64_t row = bm.slot(h) * nqb + qb;
-    for_each_chunk(&bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
-                   [&](const Segment* segs, int64_t nseg, int64_t n) {
-                     const int64_t qa = segs[0].q_first(m), mm = segs[0].q_last(m) - qa;  // computed rows
-                     if (mm <= 0) return;
-                     const float* qa_t = qt + qa * D;
-                     const float* qa_do = dot + qa * Dv;
-                     const float* kp = nullptr;
-                     gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, true, &kp, true);
-                     float* s = sc.s.data();
-                     float* dp = sc.p2.data();
-                     tiles::qk(qa_t, mm, D, sc.kt.data(), n, n, p.scale, s);
-                     mod_and_mask(s, nullptr, mm, n, segs, nseg, bm, q0 + qa, b, h, p, mask_mod, score_mod);
-                     tiles::probabilities(s, mm, n, lse_t + qa);
-                     tiles::qk(qa_do, mm, Dv, sc.vt.data(), n, n, 1.0f, dp);
-                     tiles::softmax_backward(s, dp, mm, n, delta + qa);
-                     tiles::pv(dp, mm, n, kp, D, D, p.scale, sc.dq.data() + qa * D);
-                     if (nseg == 1) {  // contiguous keys: accumulate in place
-                       tiles::atx(s, mm, n, qa_do, Dv, Dv, 1.0f, gvb + int64_t(segs[0].begin) * Dv);
-                       tiles::atx(dp, mm, n, qa_t, D, D, p.scale, gkb + int64_t(segs[0].begin) * D);
-                       return;
-                     }
-                     std::fill_n(dvc.data(), n * Dv, 0.0f);
-                     std::fill_n(dkc.data(), n * D, 0.0f);
-                     tiles::atx(s, mm, n, qa_do, Dv, Dv, 1.0f, dvc.data());
-                     tiles::atx(dp, mm, n, qa_t, D, D, p.scale, dkc.data());
-                     for (int64_t g = 0; g < nseg; ++g) {
-                       const int64_t len = segs[g].end - segs[g].begin;
-                       float* ov = gvb + int64_t(segs[g].begin) * Dv;
-                       const float* iv = dvc.data() + int64_t(segs[g].col) * Dv;
-                       for (int64_t e = 0; e < len * Dv; ++e) ov[e] += iv[e];
-                       float* ok = gkb + int64_t(segs[g].begin) * D;
-                       const float* ik = dkc.data() + int64_t(segs[g].col) * D;
-                       for (int64_t e = 0; e < len * D; ++e) ok[e] += ik[e];
-                     }
-                   });
-    for (int64_t r = 0; r < m; ++r) store_row(dq, b, h, bm.q_index(q0 + r), sc.dq.data() + r * D, D);
-  }
-}
-
 // P and dS of a chunk on the bf16 products (backward_takes_bf16_pairs): S^T = scale·K2·Q2^T and dP^T = V2·dO2^T
 // (kr, vr: the chunk's K and V rows in pairs along D and Dv; q2t, do2t: its computed query rows' columns of Q2^T and
 // dO2^T, row stride ldq), transposed into s and dp [mm x n] through st; the masks; P = exp(S - lse) in s and
@@ -507,13 +443,14 @@ inline ChunkRows chunk_rows_pairs(const Segment* segs, int64_t nseg, const uint3
   return {ps.k2.data(), ps.v2.data(), sc.kc.data()};
 }
 
-// one_pass_block on the bf16 products: the same chunks, masks and order of sums; the five products on bf16 pairs
-// with float32 sums, P and dS rounded to bf16 once. k2, v2: every key's K and V rows in pairs along D and Dv
-// (pairs_along_rows), in the layout order.
+// One-pass backward, one query block qb of (b, kv head hk): recomputes P and dS once per chunk, writes dQ of the
+// block's rows (every query head of the group) and adds dK/dV into the layout-order key gradients gk, gv. k2, v2
+// (every key's K and V rows in pairs along D and Dv, pairs_along_rows, in the layout order; or null): the five
+// products on bf16 pairs with float32 sums, P and dS rounded to bf16 once; the same chunks, masks and order of sums.
 template <typename MaskMod, typename ScoreMod>
-void one_pass_block_pairs(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
-                          const TensorView& dq, int64_t qb, int64_t b, int64_t hk, float* gk, float* gv,
-                          const uint32_t* k2, const uint32_t* v2) {
+void one_pass_block(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
+                    const TensorView& dq, int64_t qb, int64_t b, int64_t hk, float* gk, float* gv, const uint32_t* k2,
+                    const uint32_t* v2) {
   const int64_t nqb = bm.num_q_blocks(), D = p.D(), Dv = p.Dv(), group = p.group();
   const int64_t D2 = (D + 1) / 2, Dv2 = (Dv + 1) / 2, Dp = (D + 15) / 16 * 16, Dvp = (Dv + 15) / 16 * 16;
   const int64_t q0 = bm.q_block_start[qb], m = bm.q_block_start[qb + 1] - q0;
@@ -521,57 +458,78 @@ void one_pass_block_pairs(const Packed& p, const BlockMask& bm, MaskMod& mask_mo
   thread_local BackwardPairScratch ps;
   thread_local std::vector<float> dkc, dvc;
   sc.ensure(m, D, Dv);
-  ps.ensure(m, D, Dv);
+  if (k2) ps.ensure(m, D, Dv);
   dkc.resize(size_t(kChunk * D));
   dvc.resize(size_t(kChunk * Dv));
   const size_t kv0 = size_t((b * p.Hkv() + hk) * p.Lk());
   const float* kbase = &p.k[kv0 * D];
+  const float* vbase = &p.v[kv0 * Dv];
   float* gkb = &gk[kv0 * D];
   float* gvb = &gv[kv0 * Dv];
   for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
     const size_t qrow = size_t((b * p.Hq() + h) * p.Lq() + q0);
     const float* qt = &p.q[qrow * D];
     const float* dot = &p.dout[qrow * Dv];
-    pack_transposed_pairs(qt, m, D, ps.ldq, ps.work, ps.q2t.data());
-    pack_transposed_pairs(dot, m, Dv, ps.ldq, ps.work, ps.do2t.data());
+    const float* lse_t = &p.lse[qrow];
+    const float* delta = &p.delta[qrow];
+    if (k2) {
+      pack_transposed_pairs(qt, m, D, ps.ldq, ps.work, ps.q2t.data());
+      pack_transposed_pairs(dot, m, Dv, ps.ldq, ps.work, ps.do2t.data());
+    }
     int64_t packed_qa = -1, packed_mm = -1;  // the rows of Q and dO in ps.qx, ps.dox
     std::fill_n(sc.dq.data(), m * D, 0.0f);
     const int64_t row = bm.slot(h) * nqb + qb;
-    for_each_chunk(&bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
-                   [&](const Segment* segs, int64_t nseg, int64_t n) {
-                     const int64_t qa = segs[0].q_first(m), mm = segs[0].q_last(m) - qa;  // computed rows
-                     if (mm <= 0) return;
-                     const ChunkRows cr =
-                         chunk_rows_pairs(segs, nseg, k2 + kv0 * D2, v2 + kv0 * Dv2, kbase, D, Dv, ps, sc);
-                     float* s = sc.s.data();
-                     float* dp = sc.p2.data();
-                     chunk_grads_pairs(p, bm, mask_mod, score_mod, cr.k2, cr.v2, ps.q2t.data() + qa,
-                                       ps.do2t.data() + qa, ps.ldq, mm, n, segs, nseg, q0 + qa, b, h,
-                                       &p.lse[qrow + size_t(qa)], &p.delta[qrow + size_t(qa)], ps.st.data(), s, dp);
-                     // dQ without the scale (applied once when stored): dS · K, K in pairs across the keys
-                     tiles::pack_pairs_across_rows(cr.k, D, n, D, ps.kx.data(), Dp);
-                     tiles::pv_pairs(dp, mm, n, ps.kx.data(), Dp, D, ps.p2.data(), sc.dq.data() + qa * D);
-                     if (qa != packed_qa || mm != packed_mm) {
-                       tiles::pack_pairs_across_rows(qt + qa * D, D, mm, D, ps.qx.data(), Dp);
-                       tiles::pack_pairs_across_rows(dot + qa * Dv, Dv, mm, Dv, ps.dox.data(), Dvp);
-                       packed_qa = qa, packed_mm = mm;
-                     }
-                     float* ov = nseg == 1 ? gvb + int64_t(segs[0].begin) * Dv : dvc.data();
-                     float* ok = nseg == 1 ? gkb + int64_t(segs[0].begin) * D : dkc.data();
-                     if (nseg > 1) std::fill_n(dvc.data(), n * Dv, 0.0f), std::fill_n(dkc.data(), n * D, 0.0f);
-                     tiles::atx_pairs(s, mm, n, ps.dox.data(), Dvp, Dv, 1.0f, ps.a2.data(), ov, Dv);
-                     tiles::atx_pairs(dp, mm, n, ps.qx.data(), Dp, D, p.scale, ps.a2.data(), ok, D);
-                     for (int64_t g = 0; nseg > 1 && g < nseg; ++g) {
-                       const int64_t len = segs[g].end - segs[g].begin;
-                       float* tv = gvb + int64_t(segs[g].begin) * Dv;
-                       const float* iv = dvc.data() + int64_t(segs[g].col) * Dv;
-                       for (int64_t e = 0; e < len * Dv; ++e) tv[e] += iv[e];
-                       float* tk = gkb + int64_t(segs[g].begin) * D;
-                       const float* ik = dkc.data() + int64_t(segs[g].col) * D;
-                       for (int64_t e = 0; e < len * D; ++e) tk[e] += ik[e];
-                     }
-                   });
-    for (int64_t e = 0; e < m * D; ++e) sc.dq[size_t(e)] *= p.scale;
+    for_each_chunk(
+        &bm.ranges[size_t(bm.row_ptr[row])], bm.row_ptr[row + 1] - bm.row_ptr[row],
+        [&](const Segment* segs, int64_t nseg, int64_t n) {
+          const int64_t qa = segs[0].q_first(m), mm = segs[0].q_last(m) - qa;  // computed rows
+          if (mm <= 0) return;
+          const float* qa_t = qt + qa * D;
+          const float* qa_do = dot + qa * Dv;
+          float* s = sc.s.data();
+          float* dp = sc.p2.data();
+          // dV and dK of the chunk's keys: in place for contiguous keys, else in dvc, dkc, added per range below
+          float* ov = nseg == 1 ? gvb + int64_t(segs[0].begin) * Dv : dvc.data();
+          float* ok = nseg == 1 ? gkb + int64_t(segs[0].begin) * D : dkc.data();
+          if (nseg > 1) std::fill_n(dvc.data(), n * Dv, 0.0f), std::fill_n(dkc.data(), n * D, 0.0f);
+          if (k2) {
+            const ChunkRows cr = chunk_rows_pairs(segs, nseg, k2 + kv0 * D2, v2 + kv0 * Dv2, kbase, D, Dv, ps, sc);
+            chunk_grads_pairs(p, bm, mask_mod, score_mod, cr.k2, cr.v2, ps.q2t.data() + qa, ps.do2t.data() + qa, ps.ldq,
+                              mm, n, segs, nseg, q0 + qa, b, h, lse_t + qa, delta + qa, ps.st.data(), s, dp);
+            // dQ without the scale (applied once when stored): dS · K, K in pairs across the keys
+            tiles::pack_pairs_across_rows(cr.k, D, n, D, ps.kx.data(), Dp);
+            tiles::pv_pairs(dp, mm, n, ps.kx.data(), Dp, D, ps.p2.data(), sc.dq.data() + qa * D);
+            if (qa != packed_qa || mm != packed_mm) {
+              tiles::pack_pairs_across_rows(qa_t, D, mm, D, ps.qx.data(), Dp);
+              tiles::pack_pairs_across_rows(qa_do, Dv, mm, Dv, ps.dox.data(), Dvp);
+              packed_qa = qa, packed_mm = mm;
+            }
+            tiles::atx_pairs(s, mm, n, ps.dox.data(), Dvp, Dv, 1.0f, ps.a2.data(), ov, Dv);
+            tiles::atx_pairs(dp, mm, n, ps.qx.data(), Dp, D, p.scale, ps.a2.data(), ok, D);
+          } else {
+            const float* kp = nullptr;
+            gather_chunk(segs, nseg, n, kbase, vbase, D, Dv, sc, true, &kp, true);
+            tiles::qk(qa_t, mm, D, sc.kt.data(), n, n, p.scale, s);
+            mod_and_mask(s, nullptr, mm, n, segs, nseg, bm, q0 + qa, b, h, p, mask_mod, score_mod);
+            tiles::probabilities(s, mm, n, lse_t + qa);
+            tiles::qk(qa_do, mm, Dv, sc.vt.data(), n, n, 1.0f, dp);
+            tiles::softmax_backward(s, dp, mm, n, delta + qa);
+            tiles::pv(dp, mm, n, kp, D, D, p.scale, sc.dq.data() + qa * D);
+            tiles::atx(s, mm, n, qa_do, Dv, Dv, 1.0f, ov);
+            tiles::atx(dp, mm, n, qa_t, D, D, p.scale, ok);
+          }
+          for (int64_t g = 0; nseg > 1 && g < nseg; ++g) {
+            const int64_t len = segs[g].end - segs[g].begin;
+            float* tv = gvb + int64_t(segs[g].begin) * Dv;
+            const float* iv = dvc.data() + int64_t(segs[g].col) * Dv;
+            for (int64_t e = 0; e < len * Dv; ++e) tv[e] += iv[e];
+            float* tk = gkb + int64_t(segs[g].begin) * D;
+            const float* ik = dkc.data() + int64_t(segs[g].col) * D;
+            for (int64_t e = 0; e < len * D; ++e) tk[e] += ik[e];
+          }
+        });
+    if (k2)
+      for (int64_t e = 0; e < m * D; ++e) sc.dq[size_t(e)] *= p.scale;
     for (int64_t r = 0; r < m; ++r) store_row(dq, b, h, bm.q_index(q0 + r), sc.dq.data() + r * D, D);
   }
 }
@@ -608,7 +566,7 @@ inline void store_key_grads(const Packed& p, const BlockMask& bm, const float* g
 // once and writes dQ of its rows and adds dK/dV into the (layout-order) key gradients; the colours run one after
 // the other. Each key's gradient is summed in a fixed order (colour, then head, then chunk) with one writer at a
 // time, so the result does not depend on the thread count. k2, v2 (pairs_along_rows of K and V, or null): on the
-// bf16 products (one_pass_block_pairs).
+// bf16 products (one_pass_block).
 template <typename MaskMod, typename ScoreMod>
 void backward_one_pass(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
                        const std::vector<int64_t>& colour_start, const std::vector<int32_t>& colour_runs,
@@ -620,10 +578,8 @@ void backward_one_pass(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, 
   // One item: a run of consecutive query blocks of one colour for one (b, kv head), block after block.
   auto item = [&](int64_t x) {
     const int64_t run = c_lo + x % c_n, bhk = x / c_n, b = bhk / p.Hkv(), hk = bhk % p.Hkv();
-    for (int64_t qb = colour_runs[size_t(run)]; qb < run_ends[size_t(run)]; ++qb) {
-      if (k2) one_pass_block_pairs(p, bm, mask_mod, score_mod, dq, qb, b, hk, gk.data(), gv.data(), k2, v2);
-      else one_pass_block(p, bm, mask_mod, score_mod, dq, qb, b, hk, gk.data(), gv.data());
-    }
+    for (int64_t qb = colour_runs[size_t(run)]; qb < run_ends[size_t(run)]; ++qb)
+      one_pass_block(p, bm, mask_mod, score_mod, dq, qb, b, hk, gk.data(), gv.data(), k2, v2);
   };
   for (size_t c = 0; c + 1 < colour_start.size(); ++c) {
     c_lo = colour_start[c];
@@ -654,7 +610,7 @@ void score_mod_backward_chunk(const ScoreMod& score_mod, const BlockMask& bm, co
 }
 
 // Two-pass form, dQ of one (b, h, query block) item; score-mod parameter gradients added into g. k2, v2 (or null):
-// on the bf16 products (identity score mods only), as one_pass_block_pairs.
+// on the bf16 products (identity score mods only), as one_pass_block.
 template <typename MaskMod, typename ScoreMod>
 void dq_item(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod, const TensorView& dq,
              int64_t it, float* g, const uint32_t* k2, const uint32_t* v2) {
@@ -771,7 +727,7 @@ inline std::vector<std::vector<KeyBlockEntry>> transpose_block_mask(const BlockM
 }
 
 // Two-pass form, dK/dV of one (b, kv head, key block of kChunk layout positions) item. k2, v2 (or null): on the
-// bf16 products (identity score mods only), as one_pass_block_pairs.
+// bf16 products (identity score mods only), as one_pass_block.
 template <typename MaskMod, typename ScoreMod>
 void kv_item(const Packed& p, const BlockMask& bm, MaskMod& mask_mod, const ScoreMod& score_mod,
              const std::vector<std::vector<KeyBlockEntry>>& tr, int64_t nkb, int64_t max_m, const TensorView& dk,
