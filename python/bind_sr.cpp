@@ -184,8 +184,9 @@ void bind_sr(pybind11::module_& top) {
            "self_ensemble: x8 flips/transposes averaged. return_stats=True returns (image, stats): windows_total,\n"
            "windows_routed, tiles and, with profile=True, 'stages' [{name, seconds, windows_total, windows_routed}].\n"
            "max_output_pixels: larger outputs (s*H * s*W pixels) are refused (ValueError) before any work.\n"
-           "float32_precision: 'highest', or 'bf16': the window attention's Q·Kᵀ and P·V on bf16-rounded operands\n"
-           "with float32 sums where the CPU has bf16 products (the CLI's --precision bf16).")
+           "float32_precision: 'highest', or 'bf16': the matrix products (the window attention's Q·Kᵀ and P·V,\n"
+           "the convolutions but the first, the projections and the MLP) on bf16-rounded operands with float32 sums\n"
+           "where the CPU has bf16 products (the CLI's --precision bf16).")
       .def("forward", &forward_py, "x"_a, pyb::kw_only(), "attention"_a = "sparse", "num_threads"_a = pyb::none(),
            "routing_in"_a = pyb::none(), "return_routing"_a = false,
            "The model's unclamped output float32 [3, s*h, s*w] for float32 x [3, h, w] in [0, 1] (the PyTorch\n"

@@ -96,9 +96,10 @@ struct UpscaleOptions {
   std::function<void(int64_t, int64_t)> progress;
   // Time each stage of the model (UpscaleStats::stages): where the time goes, and what the routing saves.
   bool profile = false;
-  // kBF16: the window attention's two products (Q·Kᵀ and P·V) take bf16-rounded operands with float32 accumulation,
-  // as AttentionOptions::float32_precision, on a SIMD target with bf16 products (elsewhere float32 as kHighest). The
-  // convolutions, router, LayerNorms, projections and MLP stay float32.
+  // kBF16: the matrix products take bf16-rounded operands with float32 accumulation, on a SIMD target with bf16
+  // products (elsewhere float32 as kHighest): the window attention's Q·Kᵀ and P·V (AttentionOptions::
+  // float32_precision), the 3x3 convolutions but the first (3 input channels), the pointwise convolutions, the qkv
+  // and output projections and the MLP. The depthwise convolutions, router, LayerNorms, GELU and softmax stay float32.
   Float32Precision float32_precision = Float32Precision::kHighest;
 };
 

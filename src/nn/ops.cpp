@@ -8,6 +8,7 @@
 
 #include "core/threads.hpp"
 #include "sattn/error.hpp"
+#include "sattn/tensor.hpp"
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -38,14 +39,27 @@ float* Buffer::get(int64_t n) {
   return p_;
 }
 
-void linear(const float* x, int64_t M, int64_t K, const float* W, const float* bias, int64_t N, float* y, int threads) {
+std::vector<uint32_t> weight_pairs(const std::vector<float>& w, int64_t N) {
+  const int64_t ld = padded_cols(N), K = int64_t(w.size()) / ld;
+  check(K * ld == int64_t(w.size()), ErrorKind::kInternal, "weight_pairs: ", w.size(), " values are not rows of ", ld);
+  if (K % 2 != 0) return {};
+  std::vector<uint32_t> r(size_t(K / 2 * ld));
+  for (int64_t k2 = 0; k2 < K / 2; ++k2)
+    for (int64_t n = 0; n < ld; ++n)
+      r[size_t(k2 * ld + n)] = uint32_t(float_to_bf16(w[size_t(2 * k2 * ld + n)])) |
+                               uint32_t(float_to_bf16(w[size_t((2 * k2 + 1) * ld + n)])) << 16;
+  return r;
+}
+
+void linear(const float* x, int64_t M, int64_t K, const float* W, const float* bias, int64_t N, float* y, int threads,
+            const uint32_t* W2) {
   constexpr int64_t kBlock = 256;
   const int64_t blocks = (M + kBlock - 1) / kBlock;
   parallel_for(blocks, threads, [&](int64_t b) {
     const int64_t m0 = b * kBlock, m1 = std::min(M, m0 + kBlock);
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t n = 0; n < N; ++n) y[m * N + n] = bias ? bias[n] : 0.0f;
-    gemm_acc(x + m0 * K, K, m1 - m0, K, W, padded_cols(N), N, y + m0 * N, N);
+    gemm_acc(x + m0 * K, K, m1 - m0, K, W, padded_cols(N), N, y + m0 * N, N, W2);
   });
 }
 
@@ -110,7 +124,7 @@ std::vector<float> tile_depthwise(const float* Wd, const float* bias, int64_t C,
 }  // namespace
 
 void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float* W9, const float* bias, int64_t Cout,
-                 float* out, int threads, const float* add) {
+                 float* out, int threads, const float* add, const uint32_t* W2) {
   // On a padded input row, the three taps of a kernel row are 3·Cin contiguous values starting at output pixel x:
   // one GEMM per output row with three K = 3·Cin segments (kernel rows), A rows overlapping (lda = Cin).
   const auto lo_in = reinterpret_cast<uintptr_t>(in), lo_out = reinterpret_cast<uintptr_t>(out);
@@ -122,13 +136,27 @@ void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float
   check(!add || lo_add >= lo_out + sizeof(float) * uintptr_t(H * W * Cout) ||
             lo_out >= lo_add + sizeof(float) * uintptr_t(H * W * Cout),
         ErrorKind::kInternal, "conv3x3_hwc: add must not overlap out");
+  const bool pairs = W2 && Cin % 2 == 0 && has_bf16_products();
   for_each_padded_row(in, H, W, Cin, threads, [&](int64_t y, const float* r0, const float* r1, const float* r2) {
     float* o = out + y * W * Cout;
     for (int64_t x = 0; x < W; ++x)
       for (int64_t c = 0; c < Cout; ++c) o[x * Cout + c] = bias ? bias[c] : 0.0f;
-    const float* a[3] = {r0, r1, r2};
     const int64_t k[3] = {3 * Cin, 3 * Cin, 3 * Cin};
-    gemm_acc_segments(3, a, k, Cin, W, W9, padded_cols(Cout), Cout, o, Cout);
+    if (pairs) {  // the three padded rows in bf16 (Cin even: every pixel starts a word)
+      const int64_t rowp = (W + 2) * Cin;
+      thread_local std::vector<uint16_t> rows2;
+      rows2.resize(size_t(3 * rowp));
+      const float* rows[3] = {r0, r1, r2};
+      const uint16_t* a2[3];
+      for (int i = 0; i < 3; ++i) {
+        round_to_bf16(rows[i], rowp, rows2.data() + i * rowp);
+        a2[i] = rows2.data() + i * rowp;
+      }
+      gemm_acc_segments_pairs(3, a2, k, Cin, W, W2, padded_cols(Cout), Cout, o, Cout);
+    } else {
+      const float* a[3] = {r0, r1, r2};
+      gemm_acc_segments(3, a, k, Cin, W, W9, padded_cols(Cout), Cout, o, Cout);
+    }
     if (add) {
       const float* __restrict ad = add + y * W * Cout;
       float* __restrict oo = o;
@@ -147,7 +175,7 @@ void depthwise3x3_hwc(const float* in, int64_t H, int64_t W, int64_t C, const fl
 }
 
 void dw_act_pw_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* dw_b, bool gelu,
-                   const float* PW, const float* pw_b, const float* res, float* out, int threads) {
+                   const float* PW, const float* pw_b, const float* res, float* out, int threads, const uint32_t* PW2) {
   int64_t P = 0;
   const std::vector<float> wt = tile_depthwise(Wd, dw_b, C, &P);
   const int64_t rowc = W * C;
@@ -172,7 +200,7 @@ void dw_act_pw_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float
     } else if (o != r) {
       std::memmove(o, r, size_t(rowc) * sizeof(float));
     }
-    gemm_acc(t, C, W, C, PW, padded_cols(C), C, o, C);
+    gemm_acc(t, C, W, C, PW, padded_cols(C), C, o, C, PW2);
   });
 }
 

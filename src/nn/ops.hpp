@@ -33,10 +33,27 @@ const char* simd_build();
 // weight row can be loaded without masks.
 inline int64_t padded_cols(int64_t n) { return (n + 15) / 16 * 16; }
 
+// bf16 products. The functions below that take `W2`, the bf16 pairs of their weight (weight_pairs; a weight of
+// padded_cols(N) columns), multiply on bf16 operands with float32 sums when it is given and the SIMD target in use
+// has bf16 products (has_bf16_products: vdpbf16ps, the avx512bf16 and amx targets): the inputs are rounded to bf16
+// (nearest even, denormals to zero), each output element is one chain of pair products in a fixed order, so results
+// still do not depend on row batching or thread count. Otherwise (no W2, no bf16 products, an odd K) they use the
+// float32 weight: bitwise the float32 results.
+bool has_bf16_products();
+// [K][padded_cols(N)] floats (K even) -> [K/2][padded_cols(N)] words: word (k2, n) holds W[2 k2][n] (low 16 bits)
+// and W[2 k2 + 1][n] (high), rounded to bf16 (nearest even); empty when K is odd.
+std::vector<uint32_t> weight_pairs(const std::vector<float>& w, int64_t N);
+// x rounded to bf16 (nearest even, denormals to zero) into out[n]. Needs has_bf16_products().
+void round_to_bf16(const float* x, int64_t n, uint16_t* out);
+// gemm_acc_segments on bf16 rows A_s (row stride lda, even; K[s] even) and W2 [sum K / 2][ldw >= padded_cols(N)]
+// words. Needs has_bf16_products().
+void gemm_acc_segments_pairs(int nseg, const uint16_t* const* A, const int64_t* K, int64_t lda, int64_t M,
+                             const uint32_t* W2, int64_t ldw, int64_t N, float* C, int64_t ldc);
+
 // C[m, :] += A[m, :] · W for m < M: A [M, K] (row stride lda), W [K, N] (row stride ldw >= N), C [M, N] (row
 // stride ldc). Fastest with ldw >= padded_cols(N) (readable padding).
 void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W, int64_t ldw, int64_t N, float* C,
-              int64_t ldc);
+              int64_t ldc, const uint32_t* W2 = nullptr);
 
 // C[m, :] += sum_s A_s[m, :K[s]] · W_s for m < M, W = [W_0; W_1; ...] stacked ([sum K, N] row-major), A_s row
 // stride lda (rows may overlap), W row stride ldw >= N, C row stride ldc; nseg <= 16. Each C element is one FMA
@@ -47,14 +64,15 @@ void gemm_acc_segments(int nseg, const float* const* A, const int64_t* K, int64_
 
 // y[m, :] = bias + x[m, :] · W; x [M, K] contiguous, W [K][padded_cols(N)] (transpose_weight), y [M, N].
 // Rows split across `threads` in fixed blocks (bitwise identical for any thread count).
-void linear(const float* x, int64_t M, int64_t K, const float* W, const float* bias, int64_t N, float* y, int threads);
+void linear(const float* x, int64_t M, int64_t K, const float* W, const float* bias, int64_t N, float* y, int threads,
+            const uint32_t* W2 = nullptr);
 
 // 3x3 convolution, padding 1 (zeros), stride 1, HWC: in [H, W, Cin], W9 [9 taps (ky*3+kx)][Cin][padded_cols(Cout)]
 // (conv3x3_weight_hwc), bias [Cout] (may be null), out [H, W, Cout] (overwritten; may be in itself when
 // Cout == Cin, never partly overlap it). PyTorch Conv2d semantics (cross-correlation). With `add` [H, W, Cout]
 // (not overlapping out), out = conv(in) + bias, then + add: the residual in the same pass over each row.
 void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float* W9, const float* bias, int64_t Cout,
-                 float* out, int threads, const float* add = nullptr);
+                 float* out, int threads, const float* add = nullptr, const uint32_t* W2 = nullptr);
 
 // Depthwise 3x3 (groups = C), padding 1: in/out [H, W, C], Wd [9][C], bias [C]; out may be in (in place).
 void depthwise3x3_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* bias, float* out,
@@ -63,7 +81,8 @@ void depthwise3x3_hwc(const float* in, int64_t H, int64_t W, int64_t C, const fl
 // out = res + pw_b + act(depthwise3x3(in) + dw_b) · PW per pixel (act = GELU when `gelu`, else identity):
 // in/res/out [H, W, C], Wd [9][C], PW [C][padded_cols(C)] (transpose_weight); out may alias in and res.
 void dw_act_pw_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* dw_b, bool gelu,
-                   const float* PW, const float* pw_b, const float* res, float* out, int threads);
+                   const float* PW, const float* pw_b, const float* res, float* out, int threads,
+                   const uint32_t* PW2 = nullptr);
 
 // One output row of a depthwise 3x3 from three zero-padded input rows [W+2, C] (above, centre, below; anywhere in
 // memory) into out [W, C]; Wt [10][period]: the 9 taps' weights then the bias, each tiled to `period` (a multiple

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "nn/ops.hpp"
 #include "sattn/error.hpp"
@@ -158,6 +159,117 @@ void GemmSegments(int nseg, const float* const* A, const int64_t* K, int64_t lda
     }
   }
 }
+
+#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
+// ---- bf16 products (the avx512bf16 build) ------------------------------------------------------------------
+// vdpbf16ps adds a.lo·b.lo + a.hi·b.hi to each float32 lane, for 32-bit words a, b holding two bf16 each (their
+// products are exact in float32; bf16 denormals count as zero). A's rows are bf16 (consecutive k make a word), W's
+// rows are pairs of weight rows (weight_pairs).
+#define SATTN_BF16_ATTR __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16")))
+
+// As Tile on bf16 operands: C[MR rows, NV vectors] += sum_s A_s[m, :2·K2_s] · W2 (K2_s word rows per segment),
+// each float32 accumulator started from C and taking one vdpbf16ps per pair of k, in order. kLast: C's last vector
+// is 0 = whole, 1 = the first `tail` lanes, 2 = a half vector (8 lanes, on 256-bit registers: on CPUs that split
+// 512-bit operations, AMD Zen 4, half the cost). W2 rows are readable to whole vectors (padded with zeros).
+template <int MR, int NV, int kLast>
+SATTN_BF16_ATTR HWY_NOINLINE void TilePairs(int nseg, const uint32_t* const* A, const int64_t* K2, int64_t lda2,
+                                            const uint32_t* HWY_RESTRICT W2, int64_t ldw, __mmask16 tail,
+                                            float* HWY_RESTRICT C, int64_t ldc) {
+  constexpr int NF = kLast == 2 ? NV - 1 : NV;  // 512-bit vectors
+  __m512 acc[MR][NF > 0 ? NF : 1];
+  __m256 acch[MR];
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < NF; ++v) {
+      const float* p = C + m * ldc + v * 16;
+      acc[m][v] = (kLast == 1 && v == NV - 1) ? _mm512_maskz_loadu_ps(tail, p) : _mm512_loadu_ps(p);
+    }
+    if constexpr (kLast == 2) acch[m] = _mm256_loadu_ps(C + m * ldc + NF * 16);
+  }
+  const uint32_t* w = W2;
+  for (int s = 0; s < nseg; ++s) {
+    const uint32_t* a = A[s];
+    for (int64_t k = 0; k < K2[s]; ++k, w += ldw) {
+      __m512bh b[NF > 0 ? NF : 1];
+      for (int v = 0; v < NF; ++v) b[v] = (__m512bh)_mm512_loadu_si512(w + v * 16);
+      __m256bh bh{};
+      if constexpr (kLast == 2) bh = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + NF * 16));
+      for (int m = 0; m < MR; ++m) {
+        const int32_t x = int32_t(a[m * lda2 + k]);
+        const __m512bh av = (__m512bh)_mm512_set1_epi32(x);
+        for (int v = 0; v < NF; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], av, b[v]);
+        if constexpr (kLast == 2) acch[m] = _mm256_dpbf16_ps(acch[m], (__m256bh)_mm256_set1_epi32(x), bh);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < NF; ++v) {
+      float* p = C + m * ldc + v * 16;
+      if (kLast == 1 && v == NV - 1) _mm512_mask_storeu_ps(p, tail, acc[m][v]);
+      else _mm512_storeu_ps(p, acc[m][v]);
+    }
+    if constexpr (kLast == 2) _mm256_storeu_ps(C + m * ldc + NF * 16, acch[m]);
+  }
+}
+
+template <int MR, int NV = kNV>
+SATTN_BF16_ATTR HWY_INLINE void TilePairsNV(int nv, int last, int nseg, const uint32_t* const* A, const int64_t* K2,
+                                            int64_t lda2, const uint32_t* W2, int64_t ldw, __mmask16 tail, float* C,
+                                            int64_t ldc) {
+  if constexpr (NV >= 1) {
+    if (nv == NV) {
+      if (last == 2) return TilePairs<MR, NV, 2>(nseg, A, K2, lda2, W2, ldw, tail, C, ldc);
+      if (last == 1) return TilePairs<MR, NV, 1>(nseg, A, K2, lda2, W2, ldw, tail, C, ldc);
+      return TilePairs<MR, NV, 0>(nseg, A, K2, lda2, W2, ldw, tail, C, ldc);
+    }
+    TilePairsNV<MR, NV - 1>(nv, last, nseg, A, K2, lda2, W2, ldw, tail, C, ldc);
+  }
+}
+
+template <int MR = kMR>
+SATTN_BF16_ATTR HWY_INLINE void TilePairsMR(int mr, int nv, int last, int nseg, const uint32_t* const* A,
+                                            const int64_t* K2, int64_t lda2, const uint32_t* W2, int64_t ldw,
+                                            __mmask16 tail, float* C, int64_t ldc) {
+  if constexpr (MR >= 1) {
+    if (mr == MR) return TilePairsNV<MR>(nv, last, nseg, A, K2, lda2, W2, ldw, tail, C, ldc);
+    TilePairsMR<MR - 1>(mr, nv, last, nseg, A, K2, lda2, W2, ldw, tail, C, ldc);
+  }
+}
+
+// As GemmSegments on bf16 operands: C[m, :N] += sum_s A_s[m, :K_s] · W2_s for m < M; A_s bf16 rows of lda (even)
+// values, K_s even, W2 [sum K_s / 2][ldw >= N rounded up to 16 words]. Each C element is one vdpbf16ps chain in a
+// fixed order (segments, then k ascending) whatever its position: results do not depend on how rows are batched.
+SATTN_BF16_ATTR void GemmSegmentsPairs(int nseg, const uint16_t* const* A, const int64_t* K, int64_t lda, int64_t M,
+                                       const uint32_t* W2, int64_t ldw, int64_t N, float* C, int64_t ldc) {
+  constexpr int64_t L = 16, panel = kNV * L;
+  constexpr int kMaxSeg = 16;
+  const uint32_t* Am[kMaxSeg];
+  int64_t K2[kMaxSeg];
+  for (int s = 0; s < nseg; ++s) K2[s] = K[s] / 2;
+  for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+    const int mr = int(std::min<int64_t>(kMR, M - m0));
+    for (int s = 0; s < nseg; ++s) Am[s] = reinterpret_cast<const uint32_t*>(A[s] + m0 * lda);
+    for (int64_t n0 = 0; n0 < N; n0 += panel) {
+      const int64_t cols = std::min(panel, N - n0);
+      const int nv = int((cols + L - 1) / L);
+      const int64_t rem = cols - (nv - 1) * L;
+      const int last = rem == L ? 0 : rem == L / 2 ? 2 : 1;
+      TilePairsMR(mr, nv, last, nseg, Am, K2, lda / 2, W2 + n0, ldw, __mmask16((1u << rem) - 1u), C + m0 * ldc + n0,
+                  ldc);
+    }
+  }
+}
+
+// out[i] = x[i] rounded to bf16 (nearest even; denormals to zero) for i < n.
+SATTN_BF16_ATTR void RoundToBf16(const float* HWY_RESTRICT x, int64_t n, uint16_t* HWY_RESTRICT out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  if (i < n) {
+    const __mmask16 m = __mmask16((1u << (n - i)) - 1u);
+    _mm256_mask_storeu_epi16(out + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + i)));
+  }
+}
+#endif
 
 // One output row of a depthwise 3x3 from three zero-padded input rows [W+2, C] (a0 above, a1, a2 below): out[x, c]
 // = bias[c] + sum_{ky,kx} a_ky[x+kx, c] · Wd[ky*3+kx][c]. Flat over the row's W·C values; the weights are tiled to a
@@ -402,13 +514,25 @@ struct Ops {
   void (*planar_to_u8_rgb)(const float*, const float*, const float*, int64_t, uint8_t*);
   void (*add_rows)(const float*, int64_t, int64_t, float*);
   void (*add_squared_deviations)(const float*, int64_t, int64_t, const float*, float*);
+  // the bf16 products: null but in the avx512bf16 build
+  void (*gemm_segments_pairs)(int, const uint16_t* const*, const int64_t*, int64_t, int64_t, const uint32_t*, int64_t,
+                              int64_t, float*, int64_t);
+  void (*round_to_bf16)(const float*, int64_t, uint16_t*);
 };
-#define SATTN_NN_OPS(NS)                                                                                           \
+// The builds without bf16 products (their last two entries null), then the avx512bf16 one.
+#define SATTN_NN_OPS_WITH(NS, PAIRS, ROUND)                                                                        \
   Ops {                                                                                                            \
     &NS::GemmSegments, &NS::DepthwiseRow3, &NS::LayerNormRows, &NS::GeluInplace, &NS::PlanarToU8Rgb, &NS::AddRows, \
-        &NS::AddSquaredDeviations                                                                                  \
+        &NS::AddSquaredDeviations, PAIRS, ROUND                                                                    \
   }
-const simd::Build<Ops> kBuilds[] = {SATTN_SIMD_BUILDS(SATTN_NN_OPS)};
+#define SATTN_NN_OPS(NS) SATTN_NN_OPS_WITH(NS, nullptr, nullptr)
+#if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64
+#define SATTN_NN_OPS_BF16 \
+  {simd::Target::kAvx512Bf16, SATTN_NN_OPS_WITH(N_AVX3, &N_AVX3::GemmSegmentsPairs, &N_AVX3::RoundToBf16)},
+#else
+#define SATTN_NN_OPS_BF16
+#endif
+const simd::Build<Ops> kBuilds[] = {SATTN_NN_OPS_BF16 SATTN_SIMD_BUILDS(SATTN_NN_OPS)};
 const Ops& ops() { return simd::pick(kBuilds).ops; }
 }  // namespace
 
@@ -424,8 +548,38 @@ void gemm_acc_segments(int nseg, const float* const* A, const int64_t* K, int64_
   check(ldw >= N, ErrorKind::kInternal, "gemm_acc_segments: ldw ", ldw, " < N ", N);
   ops().gemm_segments(nseg, A, K, lda, M, W, ldw, N, C, ldc);
 }
+bool has_bf16_products() { return ops().gemm_segments_pairs != nullptr; }
+void gemm_acc_segments_pairs(int nseg, const uint16_t* const* A, const int64_t* K, int64_t lda, int64_t M,
+                             const uint32_t* W2, int64_t ldw, int64_t N, float* C, int64_t ldc) {
+  if (!has_bf16_products())
+    fail(ErrorKind::kInternal, "gemm_acc_segments_pairs: the SIMD target in use (", simd_build(),
+         ") has no bf16 products");
+  check(nseg >= 1 && nseg <= 16, ErrorKind::kInternal, "gemm_acc_segments_pairs: nseg must be 1..16, given ", nseg);
+  check(lda % 2 == 0, ErrorKind::kInternal, "gemm_acc_segments_pairs: lda must be even, given ", lda);
+  for (int s = 0; s < nseg; ++s)
+    check(K[s] % 2 == 0, ErrorKind::kInternal, "gemm_acc_segments_pairs: K must be even, given ", K[s]);
+  if (M <= 0 || N <= 0) return;
+  check(ldw >= padded_cols(N), ErrorKind::kInternal, "gemm_acc_segments_pairs: ldw ", ldw, " < padded N ",
+        padded_cols(N));
+  ops().gemm_segments_pairs(nseg, A, K, lda, M, W2, ldw, N, C, ldc);
+}
+void round_to_bf16(const float* x, int64_t n, uint16_t* out) {
+  if (!has_bf16_products())
+    fail(ErrorKind::kInternal, "round_to_bf16: the SIMD target in use (", simd_build(), ") has no bf16 products");
+  ops().round_to_bf16(x, n, out);
+}
 void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W, int64_t ldw, int64_t N, float* C,
-              int64_t ldc) {
+              int64_t ldc, const uint32_t* W2) {
+  if (W2 && K % 2 == 0 && has_bf16_products()) {
+    thread_local std::vector<uint16_t> a2;
+    a2.resize(size_t(M * K));
+    if (lda == K) round_to_bf16(A, M * K, a2.data());
+    else
+      for (int64_t m = 0; m < M; ++m) round_to_bf16(A + m * lda, K, a2.data() + m * K);
+    const uint16_t* a[1] = {a2.data()};
+    const int64_t k[1] = {K};
+    return gemm_acc_segments_pairs(1, a, k, K, M, W2, padded_cols(N), N, C, ldc);
+  }
   const float* a[1] = {A};
   const int64_t k[1] = {K};
   gemm_acc_segments(1, a, k, lda, M, W, ldw, N, C, ldc);

@@ -67,8 +67,9 @@ struct BlockCtx {
   int64_t H, W, C, heads, hd, hid;
   float ln_eps, std_eps, threshold;
   int threads;
-  Float32Precision precision = Float32Precision::kHighest;  // of the window attention (UpscaleOptions)
-  AttentionProbe* probe = nullptr;                          // set for the probed block only (UpscaleOptions::probe)
+  // of the window attention and the GEMMs (convolutions, projections, MLP): UpscaleOptions::float32_precision
+  Float32Precision precision = Float32Precision::kHighest;
+  AttentionProbe* probe = nullptr;  // set for the probed block only (UpscaleOptions::probe)
   StageClock* clock = nullptr;
   int64_t block_index = 0;
 };
@@ -203,12 +204,14 @@ void mlp_and_scatter(const BlockW& b, const BlockCtx& cx, const WindowGrid& wg, 
   const int64_t L = wg.L, C = wg.C, M = nw * L, hid = cx.hid;
   // t = xw + proj_b + o·Wproj; a = LN2(t); h = gelu(fc1(a)); o = t + fc2_b + h·Wfc2 (= t + mlp(t))
   add_row_bias(sc.xw.data(), M, C, b.proj_b.data(), sc.t.data());
-  nn::gemm_acc(sc.o.data(), C, M, C, b.proj.data(), nn::padded_cols(C), C, sc.t.data(), C);
+  nn::gemm_acc(sc.o.data(), C, M, C, b.proj.data(), nn::padded_cols(C), C, sc.t.data(), C,
+               b.proj.pairs_for(cx.precision));
   nn::layer_norm(sc.t.data(), M, C, b.n2_w.data(), b.n2_b.data(), cx.ln_eps, sc.a.data());
-  nn::linear(sc.a.data(), M, C, b.fc1.data(), b.fc1_b.data(), hid, sc.h.data(), 1);
+  nn::linear(sc.a.data(), M, C, b.fc1.data(), b.fc1_b.data(), hid, sc.h.data(), 1, b.fc1.pairs_for(cx.precision));
   nn::gelu_inplace(sc.h.data(), M * hid);
   add_row_bias(sc.t.data(), M, C, b.fc2_b.data(), sc.o.data());
-  nn::gemm_acc(sc.h.data(), hid, M, hid, b.fc2.data(), nn::padded_cols(C), C, sc.o.data(), C);
+  nn::gemm_acc(sc.h.data(), hid, M, hid, b.fc2.data(), nn::padded_cols(C), C, sc.o.data(), C,
+               b.fc2.pairs_for(cx.precision));
   // xw += g * (t + mlp - xw), scattered back to the (un-rolled) pixels
   for (int64_t i = 0; i < nw; ++i) {
     const int64_t n = windows[i];
@@ -242,7 +245,7 @@ void run_window_chunk(const BlockW& b, const BlockCtx& cx, const WindowGrid& wg,
     });
   }
   nn::layer_norm(sc.xw.data(), M, C, b.n1_w.data(), b.n1_b.data(), cx.ln_eps, sc.a.data());
-  nn::linear(sc.a.data(), M, C, b.qkv.data(), b.qkv_b.data(), 3 * C, sc.qkv.data(), 1);
+  nn::linear(sc.a.data(), M, C, b.qkv.data(), b.qkv_b.data(), 3 * C, sc.qkv.data(), 1, b.qkv.pairs_for(cx.precision));
   // one attention call per run of consecutive windows that all need the mask or all do not (in place, no copies)
   for (int64_t i0 = 0, i1; i0 < nw; i0 = i1) {
     const bool with_mask = wg.needs_mask(windows[i0]);
@@ -268,7 +271,8 @@ void run_block(const BlockW& b, const BlockCtx& cx, const float* src, float* y, 
   };
   cx.clock->start();
   // 1. cheap path: y = src + pw(gelu(dw(src))), one fused pass per row (src = y but for a group's first block)
-  nn::dw_act_pw_hwc(src, H, W, C, b.dw.data(), b.dw_b.data(), true, b.pw.data(), b.pw_b.data(), src, y, cx.threads);
+  nn::dw_act_pw_hwc(src, H, W, C, b.dw.data(), b.dw_b.data(), true, b.pw.data(), b.pw_b.data(), src, y, cx.threads,
+                    b.pw.pairs_for(cx.precision));
   cx.clock->mark(stage_name("conv path"));
   // 2-5. router
   std::vector<float> gate(static_cast<size_t>(nW));
@@ -313,7 +317,7 @@ void probe_window(const BlockW& b, const BlockCtx& cx, const float* y, int64_t n
     std::memcpy(&xw[size_t(l * C)], y + (py * W + px) * C, size_t(C) * sizeof(float));
   }
   nn::layer_norm(xw.data(), L, C, b.n1_w.data(), b.n1_b.data(), cx.ln_eps, a.data());
-  nn::linear(a.data(), L, C, b.qkv.data(), b.qkv_b.data(), 3 * C, qkv.data(), 1);
+  nn::linear(a.data(), L, C, b.qkv.data(), b.qkv_b.data(), 3 * C, qkv.data(), 1, b.qkv.pairs_for(cx.precision));
   const Shape shape{1, heads, L, hd}, strides{L * 3 * C, hd, 3 * C, 1};
   TensorView q(qkv.data(), DType::kF32, shape, strides), k(qkv.data() + C, DType::kF32, shape, strides),
       v(qkv.data() + 2 * C, DType::kF32, shape, strides);
@@ -449,7 +453,8 @@ void SrModel::forward_impl(const Tensor& x, const UpscaleOptions& options, Upsca
     }
     // group tail: cur = gin + pw(dw(x))
     clock.start();
-    nn::dw_act_pw_hwc(x, H, W, C, g.dw.data(), g.dw_b.data(), false, g.pw.data(), g.pw_b.data(), gin, cur, threads);
+    nn::dw_act_pw_hwc(x, H, W, C, g.dw.data(), g.dw_b.data(), false, g.pw.data(), g.pw_b.data(), gin, cur, threads,
+                      g.pw.pairs_for(cx.precision));
     clock.mark([group_index] { return "group " + std::to_string(group_index) + " tail"; });
     ++group_index;
     gin = cur;
@@ -461,12 +466,13 @@ void SrModel::forward_impl(const Tensor& x, const UpscaleOptions& options, Upsca
   float* body = cur == y ? y_in : y;  // == gin, writable
   float* t = cur;
   clock.start();
-  nn::conv3x3_hwc(body, H, W, C, P.body_tail.data(), P.body_tail_b.data(), C, t, threads, feat);
+  nn::conv3x3_hwc(body, H, W, C, P.body_tail.data(), P.body_tail_b.data(), C, t, threads, feat,
+                  P.body_tail.pairs_for(cx.precision));
   clock.mark([] { return std::string("body tail conv + skip"); });
   clock.start();
   float* u = 3 * s2 <= C ? body : ws.u.get(H * W * 3 * s2);
   // 5. up conv, then per LR row: its s output rows (pixel shuffle + nearest residual, cropped), handed to emit
-  nn::conv3x3_hwc(t, H, W, C, P.up.data(), P.up_b.data(), 3 * s2, u, threads);
+  nn::conv3x3_hwc(t, H, W, C, P.up.data(), P.up_b.data(), 3 * s2, u, threads, nullptr, P.up.pairs_for(cx.precision));
   begin(h * s, w * s);
   const int64_t ow = w * s;
   parallel_for(h, threads, [&](int64_t i) {

@@ -181,9 +181,9 @@ void SrModel::prepare() {
   auto W = [&](const std::string& n, const Shape& s) -> const Tensor& { return get_w(weights_, n, s, name_); };
   P->head = nn::conv3x3_weight_hwc(W("head.weight", {C, 3, 3, 3}).data<float>(), C, 3);
   P->head_b = vec(W("head.bias", {C}));
-  P->body_tail = nn::conv3x3_weight_hwc(W("body_tail.weight", {C, C, 3, 3}).data<float>(), C, C);
+  P->body_tail = GemmWeight(nn::conv3x3_weight_hwc(W("body_tail.weight", {C, C, 3, 3}).data<float>(), C, C), C);
   P->body_tail_b = vec(W("body_tail.bias", {C}));
-  P->up = nn::conv3x3_weight_hwc(W("up.weight", {3 * s2, C, 3, 3}).data<float>(), 3 * s2, C);
+  P->up = GemmWeight(nn::conv3x3_weight_hwc(W("up.weight", {3 * s2, C, 3, 3}).data<float>(), 3 * s2, C), 3 * s2);
   P->up_b = vec(W("up.bias", {3 * s2}));
   size_t expected = 6;
   for (size_t g = 0; g < c.groups.size(); ++g) {
@@ -191,7 +191,7 @@ void SrModel::prepare() {
     const std::string gp = "groups." + std::to_string(g) + ".";
     gw.dw = nn::depthwise_weight_hwc(W(gp + "dw.weight", {C, 1, 3, 3}).data<float>(), C);
     gw.dw_b = vec(W(gp + "dw.bias", {C}));
-    gw.pw = nn::transpose_weight(W(gp + "pw.weight", {C, C, 1, 1}).data<float>(), C, C);
+    gw.pw = GemmWeight(nn::transpose_weight(W(gp + "pw.weight", {C, C, 1, 1}).data<float>(), C, C), C);
     gw.pw_b = vec(W(gp + "pw.bias", {C}));
     expected += 4;
     for (size_t b = 0; b < c.groups[g].size(); ++b) {
@@ -201,21 +201,21 @@ void SrModel::prepare() {
       bw.cyclic_shift = b % 2 == 1;
       bw.dw = nn::depthwise_weight_hwc(W(bp + "dw.weight", {C, 1, 3, 3}).data<float>(), C);
       bw.dw_b = vec(W(bp + "dw.bias", {C}));
-      bw.pw = nn::transpose_weight(W(bp + "pw.weight", {C, C, 1, 1}).data<float>(), C, C);
+      bw.pw = GemmWeight(nn::transpose_weight(W(bp + "pw.weight", {C, C, 1, 1}).data<float>(), C, C), C);
       bw.pw_b = vec(W(bp + "pw.bias", {C}));
       bw.router_w = vec(W(bp + "router.weight", {1, 2 * C}));
       bw.router_b = W(bp + "router.bias", {1}).data<float>()[0];
       bw.n1_w = vec(W(bp + "norm1.weight", {C}));
       bw.n1_b = vec(W(bp + "norm1.bias", {C}));
-      bw.qkv = nn::transpose_weight(W(bp + "qkv.weight", {3 * C, C}).data<float>(), 3 * C, C);
+      bw.qkv = GemmWeight(nn::transpose_weight(W(bp + "qkv.weight", {3 * C, C}).data<float>(), 3 * C, C), 3 * C);
       bw.qkv_b = vec(W(bp + "qkv.bias", {3 * C}));
-      bw.proj = nn::transpose_weight(W(bp + "proj.weight", {C, C}).data<float>(), C, C);
+      bw.proj = GemmWeight(nn::transpose_weight(W(bp + "proj.weight", {C, C}).data<float>(), C, C), C);
       bw.proj_b = vec(W(bp + "proj.bias", {C}));
       bw.n2_w = vec(W(bp + "norm2.weight", {C}));
       bw.n2_b = vec(W(bp + "norm2.bias", {C}));
-      bw.fc1 = nn::transpose_weight(W(bp + "fc1.weight", {hid, C}).data<float>(), hid, C);
+      bw.fc1 = GemmWeight(nn::transpose_weight(W(bp + "fc1.weight", {hid, C}).data<float>(), hid, C), hid);
       bw.fc1_b = vec(W(bp + "fc1.bias", {hid}));
-      bw.fc2 = nn::transpose_weight(W(bp + "fc2.weight", {C, hid}).data<float>(), C, hid);
+      bw.fc2 = GemmWeight(nn::transpose_weight(W(bp + "fc2.weight", {C, hid}).data<float>(), C, hid), C);
       bw.fc2_b = vec(W(bp + "fc2.bias", {C}));
       expected += 18;
       gw.blocks.push_back(std::move(bw));

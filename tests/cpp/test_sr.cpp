@@ -421,6 +421,194 @@ TEST(SrOps, DepthwiseGeluPointwiseMatchesPlainLoops) {
   }
 }
 
+// ---- bf16 products of the GEMMs (weight_pairs / W2) ---------------------------------------------------------
+namespace {
+float bf16_rounded(float x) { return sattn::bf16_to_float(sattn::float_to_bf16(x)); }
+std::vector<std::string> bf16_product_targets() {
+  std::vector<std::string> r;
+  for (const std::string& t : sattn::testing::simd_target_names())
+    if (t == "amx" || t == "avx512bf16") r.push_back(t);
+  return r;
+}
+}  // namespace
+
+TEST(SrOps, Bf16GemmsMatchTheRoundedOperandsInFp64) {
+  const auto targets = bf16_product_targets();
+  if (targets.empty()) GTEST_SKIP() << "this CPU has no bf16 products (AVX512-BF16 or AMX-BF16): not checked";
+  for (const std::string& target : targets) {
+    sattn::testing::ScopedSimdTarget scoped(target);
+    ASSERT_TRUE(sattn::nn::has_bf16_products()) << target;
+    {  // the rounding: nearest even as float_to_bf16 for normal numbers, infinities and NaN; denormals to zero
+      std::vector<float> x = randv(999, 20);
+      for (int i = 0; i < 64; ++i) x.push_back(1.0f + float(i) * 0x1p-7f + 0x1p-8f);  // ties between bf16 values
+      const float specials[] = {0.f, -0.f, 1e38f, -3e38f, INFINITY, -INFINITY, NAN, 1e-40f, -1e-40f};
+      x.insert(x.end(), std::begin(specials), std::end(specials));
+      std::vector<uint16_t> r(x.size());
+      sattn::nn::round_to_bf16(x.data(), int64_t(x.size()), r.data());
+      for (size_t i = 0; i < x.size(); ++i) {
+        uint32_t u;
+        std::memcpy(&u, &x[i], 4);
+        const bool denormal = (u & 0x7f800000u) == 0 && (u & 0x7fffffu) != 0;
+        const uint16_t e = denormal ? uint16_t((u >> 16) & 0x8000u) : sattn::float_to_bf16(x[i]);
+        ASSERT_EQ(r[i], e) << target << ": " << x[i];
+      }
+    }
+    // C += sum_s A_s · W_s on rounded operands, shapes around the tiles (rows 1..13, columns 1..130 with whole,
+    // masked and half last vectors), overlapping A rows (lda < K) as the 3x3 convolution uses them
+    for (auto [M, N, K0, K1, lda] :
+         {std::tuple{1, 1, 2, 0, 2}, std::tuple{7, 17, 6, 4, 6}, std::tuple{13, 40, 40, 40, 40},
+          std::tuple{6, 130, 12, 12, 4}, std::tuple{11, 56, 12, 20, 4}, std::tuple{8, 120, 40, 0, 40},
+          std::tuple{5, 12, 120, 120, 40}, std::tuple{9, 48, 80, 0, 80}, std::tuple{3, 8, 2, 2, 2}}) {
+      const int64_t K = K0 + K1, ldw = sattn::nn::padded_cols(N), rows = (M - 1) * lda + std::max(K0, K1);
+      const auto A0 = randv(size_t(rows), 21), A1 = randv(size_t(rows), 22), W = randv(size_t(K * ldw), 23),
+                 C0 = randv(size_t(M * (N + 3)), 24);
+      const auto W2 = sattn::nn::weight_pairs(W, N);
+      ASSERT_EQ(W2.size(), size_t(K / 2 * ldw));
+      std::vector<uint16_t> a0(A0.size()), a1(A1.size());
+      sattn::nn::round_to_bf16(A0.data(), int64_t(A0.size()), a0.data());
+      sattn::nn::round_to_bf16(A1.data(), int64_t(A1.size()), a1.data());
+      const uint16_t* a[2] = {a0.data(), a1.data()};
+      const int64_t ks[2] = {K0, K1};
+      const int nseg = K1 > 0 ? 2 : 1;
+      auto C = C0;
+      sattn::nn::gemm_acc_segments_pairs(nseg, a, ks, lda, M, W2.data(), ldw, N, C.data(), N + 3);
+      for (int m = 0; m < M; ++m) {
+        for (int n = 0; n < N + 3; ++n) {
+          const size_t i = size_t(m * (N + 3) + n);
+          if (n >= N) {
+            ASSERT_EQ(C[i], C0[i]) << target << ": wrote past N";
+            continue;
+          }
+          double s = C0[i], mag = std::fabs(C0[i]);
+          for (int k = 0; k < K; ++k) {
+            const float av = k < K0 ? A0[size_t(m * lda + k)] : A1[size_t(m * lda + k - K0)];
+            const double t = double(bf16_rounded(av)) * bf16_rounded(W[size_t(k * ldw + n)]);
+            s += t, mag += std::fabs(t);
+          }
+          ASSERT_NEAR(C[i], s, 2e-6 * (1 + mag)) << target << " " << M << "x" << N << " m " << m << " n " << n;
+        }
+        auto row = std::vector<float>(C0.begin() + m * (N + 3), C0.begin() + (m + 1) * (N + 3));
+        const uint16_t* am[2] = {a0.data() + m * lda, a1.data() + m * lda};
+        sattn::nn::gemm_acc_segments_pairs(nseg, am, ks, lda, 1, W2.data(), ldw, N, row.data(), N + 3);
+        ASSERT_EQ(0, std::memcmp(row.data(), &C[size_t(m * (N + 3))], size_t(N) * sizeof(float)))
+            << target << ": row " << m << " alone differs";
+      }
+    }
+    // linear, gemm_acc, conv3x3 and dw_act_pw with the pairs: close to fp64 on the rounded operands, apart from
+    // float32 (the pairs did run), the same for 1 and 2 threads; an odd K takes the float32 weight (bitwise)
+    {
+      const int M = 37, K = 40, N = 120;
+      const auto x = randv(size_t(M * K), 25), w = randv(size_t(N * K), 26), b = randv(size_t(N), 27);
+      const auto wt = sattn::nn::transpose_weight(w.data(), N, K);
+      const auto w2 = sattn::nn::weight_pairs(wt, N);
+      std::vector<float> y(size_t(M * N)), y1(y.size()), y32(y.size());
+      sattn::nn::linear(x.data(), M, K, wt.data(), b.data(), N, y.data(), 2, w2.data());
+      sattn::nn::linear(x.data(), M, K, wt.data(), b.data(), N, y1.data(), 1, w2.data());
+      sattn::nn::linear(x.data(), M, K, wt.data(), b.data(), N, y32.data(), 2);
+      ASSERT_EQ(y, y1) << target << ": thread count changed the bf16 linear";
+      double moved = 0;
+      for (int m = 0; m < M; ++m)
+        for (int n = 0; n < N; ++n) {
+          double s = b[size_t(n)], mag = std::fabs(b[size_t(n)]);
+          for (int k = 0; k < K; ++k) {
+            const double t = double(bf16_rounded(x[size_t(m * K + k)])) * bf16_rounded(w[size_t(n * K + k)]);
+            s += t, mag += std::fabs(t);
+          }
+          ASSERT_NEAR(y[size_t(m * N + n)], s, 2e-6 * (1 + mag)) << target << " linear " << m << "," << n;
+          moved = std::max(moved, double(std::fabs(y[size_t(m * N + n)] - y32[size_t(m * N + n)])));
+        }
+      EXPECT_GT(moved, 1e-3) << target << ": the bf16 linear equals the float32 one";
+      // odd K: no pairs, the float32 weight
+      const auto wo = sattn::nn::transpose_weight(w.data(), N, K - 1);
+      EXPECT_TRUE(sattn::nn::weight_pairs(wo, N).empty());
+    }
+    for (auto [H, W, Ci, Co] :
+         {std::tuple{5, 7, 40, 40}, std::tuple{6, 9, 40, 12}, std::tuple{4, 3, 8, 48}, std::tuple{7, 5, 3, 40}}) {
+      const auto in = randv(size_t(H * W * Ci), 28), w = randv(size_t(Co * Ci * 9), 29), b = randv(size_t(Co), 30);
+      const auto w9 = sattn::nn::conv3x3_weight_hwc(w.data(), Co, Ci);
+      const auto w2 = sattn::nn::weight_pairs(w9, Co);
+      ASSERT_EQ(w2.empty(), Ci % 2 != 0);
+      std::vector<float> out(size_t(H * W * Co)), one(out.size()), f32(out.size());
+      sattn::nn::conv3x3_hwc(in.data(), H, W, Ci, w9.data(), b.data(), Co, out.data(), 2, nullptr, w2.data());
+      sattn::nn::conv3x3_hwc(in.data(), H, W, Ci, w9.data(), b.data(), Co, one.data(), 1, nullptr, w2.data());
+      sattn::nn::conv3x3_hwc(in.data(), H, W, Ci, w9.data(), b.data(), Co, f32.data(), 2);
+      ASSERT_EQ(0, std::memcmp(out.data(), one.data(), out.size() * sizeof(float))) << target << ": threads";
+      if (Ci % 2 != 0) {
+        ASSERT_EQ(0, std::memcmp(out.data(), f32.data(), out.size() * sizeof(float))) << target << ": odd Cin";
+        continue;
+      }
+      for (int y = 0; y < H; ++y)
+        for (int x = 0; x < W; ++x)
+          for (int o = 0; o < Co; ++o) {
+            double s = b[size_t(o)], mag = std::fabs(b[size_t(o)]);
+            for (int i = 0; i < Ci; ++i)
+              for (int ky = 0; ky < 3; ++ky)
+                for (int kx = 0; kx < 3; ++kx) {
+                  const int yy = y + ky - 1, xx = x + kx - 1;
+                  if (yy < 0 || yy >= H || xx < 0 || xx >= W) continue;
+                  const double t = double(bf16_rounded(w[size_t(((o * Ci + i) * 3 + ky) * 3 + kx)])) *
+                                   bf16_rounded(in[size_t((yy * W + xx) * Ci + i)]);
+                  s += t, mag += std::fabs(t);
+                }
+            ASSERT_NEAR(out[size_t((y * W + x) * Co + o)], s, 2e-6 * (1 + mag)) << target << " conv " << Ci;
+          }
+    }
+    {  // dw_act_pw: the pointwise product on the rounded activations, within bf16's rounding of the float32 result
+      const int H = 6, W = 11, C = 40;
+      const auto in = randv(size_t(H * W * C), 31), res = randv(size_t(H * W * C), 32), wd = randv(size_t(9 * C), 33),
+                 bd = randv(size_t(C), 34), pw = randv(size_t(C * C), 35), bp = randv(size_t(C), 36);
+      const auto pwt = sattn::nn::transpose_weight(pw.data(), C, C);
+      const auto pw2 = sattn::nn::weight_pairs(pwt, C);
+      std::vector<float> o16(in.size()), one(in.size()), o32(in.size());
+      sattn::nn::dw_act_pw_hwc(in.data(), H, W, C, wd.data(), bd.data(), true, pwt.data(), bp.data(), res.data(),
+                               o16.data(), 2, pw2.data());
+      sattn::nn::dw_act_pw_hwc(in.data(), H, W, C, wd.data(), bd.data(), true, pwt.data(), bp.data(), res.data(),
+                               one.data(), 1, pw2.data());
+      sattn::nn::dw_act_pw_hwc(in.data(), H, W, C, wd.data(), bd.data(), true, pwt.data(), bp.data(), res.data(),
+                               o32.data(), 2);
+      ASSERT_EQ(0, std::memcmp(o16.data(), one.data(), o16.size() * sizeof(float))) << target << ": threads";
+      // |bf16(t) bf16(p) - t p| <= (2^-8 + 2^-16) |t p|; the row's magnitude sum bounds the whole change
+      double moved = 0;
+      for (int y = 0; y < H; ++y)
+        for (int x = 0; x < W; ++x) {
+          std::vector<double> t(static_cast<size_t>(C));
+          for (int c = 0; c < C; ++c) {
+            double s = bd[size_t(c)];
+            for (int ky = 0; ky < 3; ++ky)
+              for (int kx = 0; kx < 3; ++kx) {
+                const int yy = y + ky - 1, xx = x + kx - 1;
+                if (yy < 0 || yy >= H || xx < 0 || xx >= W) continue;
+                s += double(wd[size_t((ky * 3 + kx) * C + c)]) * in[size_t((yy * W + xx) * C + c)];
+              }
+            t[size_t(c)] = 0.5 * s * (1 + std::erf(s / std::sqrt(2.0)));
+          }
+          for (int o = 0; o < C; ++o) {
+            double mag = 0;
+            for (int c = 0; c < C; ++c) mag += std::fabs(t[size_t(c)] * pw[size_t(o * C + c)]);
+            const size_t i = size_t((y * W + x) * C + o);
+            ASSERT_NEAR(o16[i], o32[i], 0x1p-7 * mag + 1e-5) << target << " dw_act_pw " << y << "," << x << "," << o;
+            moved = std::max(moved, double(std::fabs(o16[i] - o32[i])));
+          }
+        }
+      EXPECT_GT(moved, 0.0) << target << ": the bf16 pointwise product equals the float32 one";
+    }
+  }
+  // without bf16 products, the pairs are ignored: bitwise the float32 results
+  for (const std::string& target : sattn::testing::simd_target_names()) {
+    if (target == "amx" || target == "avx512bf16") continue;
+    sattn::testing::ScopedSimdTarget scoped(target);
+    ASSERT_FALSE(sattn::nn::has_bf16_products()) << target;
+    const int M = 9, K = 40, N = 40;
+    const auto x = randv(size_t(M * K), 37), w = randv(size_t(N * K), 38);
+    const auto wt = sattn::nn::transpose_weight(w.data(), N, K);
+    const auto w2 = sattn::nn::weight_pairs(wt, N);
+    std::vector<float> a(size_t(M * N)), c(a.size());
+    sattn::nn::linear(x.data(), M, K, wt.data(), nullptr, N, a.data(), 1, w2.data());
+    sattn::nn::linear(x.data(), M, K, wt.data(), nullptr, N, c.data(), 1);
+    ASSERT_EQ(a, c) << target;
+  }
+}
+
 // ---- tiny model ------------------------------------------------------------------------------------------
 std::string tiny_model(const std::string& name, bool drop_tensor = false, bool bad_shape = false) {
   const int C = 4, hid = 8, s = 2;
@@ -706,7 +894,7 @@ TEST(SrModel, ProfileTimesEveryStageInOrderAndChangesNothing) {
   EXPECT_EQ(tt, tiled.windows_total);
 }
 
-// ---- --precision bf16: the window attention's products on bf16 operands ----------------------------------------
+// ---- --precision bf16: the model's matrix products on bf16 operands ------------------------------------------
 namespace {
 std::string shipped_x2_weights() { return std::string(SATTN_TEST_SOURCE_DIR) + "/sr/weights/sattn_sr_x2.safetensors"; }
 
@@ -731,9 +919,10 @@ TEST(SrModel, Bf16PrecisionIsFloat32WhereTheTargetHasNoBf16Products) {
   }
 }
 
-// Shipped x2 weights (head dim 20: ten bf16 pairs), dense and sparse (the float32 run's routing fed in, so that both
-// run the same windows): the output moves by under one 8-bit gray level (1/255) and does move (bf16 products ran).
-TEST(SrModel, Bf16AttentionMovesTheOutputByUnderOneGrayLevel) {
+// Shipped x2 weights (head dim 20: ten bf16 pairs; C = 40), dense and sparse (the float32 run's routing fed in, so
+// that both run the same windows): with the attention, convolution, projection and MLP products on bf16 operands the
+// output moves by under one 8-bit gray level (1/255) and does move (bf16 products ran).
+TEST(SrModel, Bf16ProductsMoveTheOutputByUnderOneGrayLevel) {
   std::vector<std::string> bf16_targets;
   for (const std::string& t : sattn::testing::simd_target_names())
     if (t == "amx" || t == "avx512bf16") bf16_targets.push_back(t);

@@ -230,7 +230,7 @@ def test_upscale_profile_lists_every_stage_and_the_routing(tmp_path):
 
 
 def test_precision_bf16_stays_within_a_gray_level_and_bad_values_are_named(tmp_path):
-    """`sr upscale --precision bf16` (the window attention's products on bf16 operands) gives the PNG of
+    """`sr upscale --precision bf16` (the model's matrix products on bf16 operands) gives the PNG of
     SrModel.upscale(float32_precision='bf16'), within one gray level of fp32; the summary says so; other values fail
     naming the option. Where the CPU has no bf16 products it is the fp32 output."""
     import sattn.sr as S
@@ -244,7 +244,7 @@ def test_precision_bf16_stays_within_a_gray_level_and_bad_values_are_named(tmp_p
     for p in ("fp32", "bf16"):
         out = str(tmp_path / f"o_{p}.png")
         r = run("upscale", inp, out, "--scale", "2", "--weights", weights, "--threads", "2", "--precision", p)
-        assert ("(bf16 attention products)" in r.stderr) == (p == "bf16"), r.stderr
+        assert ("(bf16 products)" in r.stderr) == (p == "bf16"), r.stderr
         outs[p] = sr_png.read_png(out)
     assert np.abs(outs["bf16"].astype(int) - outs["fp32"].astype(int)).max() <= 1
     model = S.SrModel(weights)
@@ -259,7 +259,7 @@ def test_precision_bf16_stays_within_a_gray_level_and_bad_values_are_named(tmp_p
     hr.mkdir()
     sr_png.write_png(str(hr / "a.png"), synth(48, 40, 12))
     r = run("eval", "--scale", "2", "--data", str(hr), "--weights", weights, "--threads", "2", "--precision", "bf16")
-    assert "model rows: the window attention's products on bf16 operands" in r.stdout, r.stdout
+    assert "model rows: the matrix products on bf16 operands" in r.stdout, r.stdout
     js = json.loads(run("eval", "--scale", "2", "--data", str(hr), "--weights", weights, "--json").stdout)
     assert js["precision"] == "fp32"
     r = run("eval", "--scale", "2", "--data", str(hr), "--precision", "half", ok=False)

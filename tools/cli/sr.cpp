@@ -93,7 +93,7 @@ void add_png_compression_option(CLI::App* cmd, int& level) {
       ->capture_default_str();
 }
 
-// --precision of the SR commands: fp32, or bf16 (the window attention's products on bf16 operands).
+// --precision of the SR commands: fp32, or bf16 (the model's matrix products on bf16 operands).
 Float32Precision parse_sr_precision(const std::string& text) {
   check(text == "fp32" || text == "bf16", ErrorKind::kInvalidArgument, "--precision: expected fp32 or bf16, given '",
         text, "'");
@@ -101,8 +101,9 @@ Float32Precision parse_sr_precision(const std::string& text) {
 }
 
 constexpr const char* kPrecisionHelp =
-    "fp32, or bf16: the window attention's two products (Q·Kᵀ, P·V) on bf16-rounded operands with float32 sums, on a "
-    "CPU with bf16 products (AVX512-BF16, AMX; elsewhere the same as fp32); everything else stays float32";
+    "fp32, or bf16: the matrix products (the window attention's Q·Kᵀ and P·V, the convolutions but the first, the "
+    "projections and the MLP) on bf16-rounded operands with float32 sums, on a CPU with bf16 products (AVX512-BF16, "
+    "AMX; elsewhere the same as fp32); the depthwise convolutions, router, LayerNorms, GELU and softmax stay float32";
 
 // --tile -1 (default): whole image up to 512x512 LR pixels, else tiles of 256.
 int64_t auto_tile(int64_t tile, const sr::Image& lr) {
@@ -214,7 +215,7 @@ void run_upscale(const UpscaleArgs& a) {
   outputs.commit();
   std::ostringstream summary;  // one write to the unbuffered stderr, not one per piece
   summary << "sr upscale: " << lr.width << "x" << lr.height << " -> " << out.width << "x" << out.height << " x"
-          << a.scale << " " << a.attention << (a.precision == "bf16" ? " (bf16 attention products)" : "")
+          << a.scale << " " << a.attention << (a.precision == "bf16" ? " (bf16 products)" : "")
           << (a.self_ensemble ? " x8 self-ensemble" : "") << ", " << st.tiles << " tile(s), windows routed "
           << st.windows_routed << "/" << st.windows_total << ", weights " << model->name()
           << (a.repeat > 1 ? ", median of " + std::to_string(a.repeat) + " runs" : "") << ", cpu " << cpu_secs << " s, "
@@ -269,7 +270,7 @@ void run_eval(const EvalArgs& a) {
   js["precision"] = a.precision;
   if (!a.json && a.self_ensemble) std::printf("model rows: x8 geometric self-ensemble\n");
   if (!a.json && model && precision == Float32Precision::kBF16)
-    std::printf("model rows: the window attention's products on bf16 operands (--precision bf16)\n");
+    std::printf("model rows: the matrix products on bf16 operands (--precision bf16)\n");
   std::map<std::string, ModeResult> mean;
   if (!a.json) {
     std::printf("%-16s", "image");

@@ -28,8 +28,9 @@ class SrModel:
         self_ensemble: x8 flips/transposes averaged. return_stats=True returns (image, stats): windows_total,
         windows_routed, tiles and, with profile=True, 'stages' [{name, seconds, windows_total, windows_routed}].
         max_output_pixels: larger outputs (s*H * s*W pixels) are refused (ValueError) before any work.
-        float32_precision: 'highest', or 'bf16': the window attention's Q·Kᵀ and P·V on bf16-rounded operands
-        with float32 sums where the CPU has bf16 products (the CLI's --precision bf16).
+        float32_precision: 'highest', or 'bf16': the matrix products (the window attention's Q·Kᵀ and P·V,
+        the convolutions but the first, the projections and the MLP) on bf16-rounded operands with float32 sums
+        where the CPU has bf16 products (the CLI's --precision bf16).
         """
     @property
     def config(self) -> dict:
