@@ -604,6 +604,31 @@ TEST_P(FusedBf16Products, LongKeyRunsAndARisingMax) {
   }
 }
 
+// float32 inputs with float32_precision="bf16" are rounded to bf16 (nearest even) as they are packed, vectorised with
+// masked tails for rows of any width: forward and backward are bitwise those of inputs rounded beforehand
+// (float_to_bf16), for head widths that are not whole vectors (20 as the SR model's heads, 33, 40, 1) and strided
+// [B, L, H, D] inputs (the neighbouring heads' values, unrounded, must not leak into a row's tail).
+TEST_P(FusedBf16Products, Float32InputsRoundAsWhenRoundedBeforehand) {
+  uint32_t seed = 1400;
+  for (const auto& [D, Dv, Lq, Lk, strided] :
+       {std::tuple{20, 20, 64, 64, true}, std::tuple{33, 17, 37, 75, false}, std::tuple{40, 40, 100, 130, true},
+        std::tuple{64, 48, 19, 300, true}, std::tuple{2, 1, 5, 3, true}}) {
+    Case c;
+    c.B = 2, c.Hq = 2, c.Hkv = 2, c.Lq = Lq, c.Lk = Lk, c.D = D, c.Dv = Dv, c.strided = strided;
+    SCOPED_TRACE(c.name());
+    Problem pb = make_problem(c, ++seed);
+    pb.opt.float32_precision = sattn::Float32Precision::kBF16;
+    Problem pre = pb;  // the same layout, every stored value rounded to bf16
+    Tensor qs = pb.q.storage.to(DType::kBF16).to(DType::kF32), ks = pb.k.storage.to(DType::kBF16).to(DType::kF32),
+           vs = pb.v.storage.to(DType::kBF16).to(DType::kF32);
+    pre.q.view.data = qs.data(), pre.k.view.data = ks.data(), pre.v.view.data = vs.data();
+    const FwdResult a = run_forward(pb, "fused", 2), b = run_forward(pre, "fused", 2);
+    EXPECT_TRUE(bitwise_equal(a.out, b.out) && bitwise_equal(a.lse, b.lse));
+    const BwdResult ga = run_backward(pb, a, "fused", 2), gb = run_backward(pre, a, "fused", 2);
+    EXPECT_TRUE(bitwise_equal(ga.dq, gb.dq) && bitwise_equal(ga.dk, gb.dk) && bitwise_equal(ga.dv, gb.dv));
+  }
+}
+
 // An odd number of live keys (key_lengths) pairs the last one with a key past the length in the bf16 products:
 // that key must not reach the results even when it holds inf (inf · 0 = NaN).
 TEST_P(FusedBf16Products, KeysPastTheLengthAreNeverReadIntoTheRoundedProducts) {
