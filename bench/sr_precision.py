@@ -3,8 +3,10 @@ the PSNR-Y of `sattn sr eval` on whole test sets in both precisions.
 
   build/venv/bin/python bench/sr_precision.py [--image IN.png] [--crop 256] [--scales 2 4] [--threads 1 2]
          [--modes sparse dense] [--rounds 7] [--repeat 5] [--cli build/sattn] [--psnr Set5 B100]
+         [--weights W.safetensors]
 
-Speed: per scale (the committed weights sr/weights/sattn_sr_x{S}.safetensors), thread count and attention mode,
+Speed: per scale (the committed weights sr/weights/sattn_sr_x{S}.safetensors, or --weights with one --scales),
+thread count and attention mode,
 --rounds rounds of one `sattn sr upscale --repeat N` process per precision, the two precisions' order alternating
 between rounds; each process reports the median model time of its N runs. Printed: the medians over the rounds and
 the median of the per-round ratios fp32 / bf16 (> 1: bf16 faster), with the smallest and largest round. Defaults:
@@ -60,22 +62,31 @@ def main():
     ap.add_argument("--scales", type=int, nargs="+", default=[2])
     ap.add_argument("--threads", type=int, nargs="+", default=[2])
     ap.add_argument("--modes", nargs="+", default=["sparse", "dense"], choices=["sparse", "dense"])
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=7, help="timing rounds (0: PSNR only)")
     ap.add_argument("--repeat", type=int, default=5, help="model runs per process (the process reports the median)")
     ap.add_argument("--cli", default=os.path.join(REPO, "build", "sattn"))
     ap.add_argument("--psnr", nargs="*", default=[], metavar="SET", help="test sets for the PSNR check (e.g. Set5 B100)")
+    ap.add_argument("--weights", help="weights of the one scale in --scales (default: the committed ones)")
     a = ap.parse_args()
-    if a.rounds < 1 or a.repeat < 1:
-        ap.error("--rounds and --repeat must be >= 1")
+    if a.weights and len(a.scales) != 1:
+        ap.error("--weights needs exactly one scale in --scales")
+
+    def weights_of(s):
+        return a.weights or os.path.join(REPO, "sr", "weights", f"sattn_sr_x{s}.safetensors")
+    if a.rounds < 0 or a.repeat < 1:
+        ap.error("--rounds must be >= 0 (0: no timing) and --repeat >= 1")
     tmp = tempfile.mkdtemp(prefix="sr_precision_")
     inp, out = os.path.join(tmp, "in.png"), os.path.join(tmp, "out.png")
     w, h = crop_image(a.image, a.crop, inp)
-    print(f"image {a.image} crop {w}x{h}, {a.rounds} rounds, medians of {a.repeat} runs per process, "
-          f"cores {os.cpu_count()}, load average {os.getloadavg()[0]:.2f}", flush=True)
-    print("| scale | threads | mode | fp32 s | bf16 s | fp32 / bf16 (median of rounds) | range |")
-    print("|---|---|---|---|---|---|---|")
-    for s in a.scales:
-        weights = os.path.join(REPO, "sr", "weights", f"sattn_sr_x{s}.safetensors")
+    shown = a.weights or "sr/weights/sattn_sr_x{S}.safetensors"
+    timing = f", {a.rounds} rounds, medians of {a.repeat} runs per process" if a.rounds else ""
+    print(f"image {a.image} crop {w}x{h}, weights {shown}{timing}, cores {os.cpu_count()}, "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    if a.rounds:
+        print("| scale | threads | mode | fp32 s | bf16 s | fp32 / bf16 (median of rounds) | range |")
+        print("|---|---|---|---|---|---|---|")
+    for s in a.scales if a.rounds else []:
+        weights = weights_of(s)
         for t in a.threads:
             for mode in a.modes:
                 times = {p: [] for p in PRECISIONS}
@@ -95,7 +106,7 @@ def main():
                       f"{statistics.median(times['bf16']):.4f} | {statistics.median(ratios):.3f} | "
                       f"{min(ratios):.3f}-{max(ratios):.3f} |", flush=True)
     for s in a.scales if a.psnr else []:
-        weights = os.path.join(REPO, "sr", "weights", f"sattn_sr_x{s}.safetensors")
+        weights = weights_of(s)
         for ds in a.psnr:
             res = {}
             for p in PRECISIONS:

@@ -162,15 +162,13 @@ void GemmSegments(int nseg, const float* const* A, const int64_t* K, int64_t lda
 
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
 // ---- bf16 products (the avx512bf16 build) ------------------------------------------------------------------
-// vdpbf16ps adds a.lo·b.lo + a.hi·b.hi to each float32 lane, for 32-bit words a, b holding two bf16 each (their
-// products are exact in float32; bf16 denormals count as zero). A's rows are bf16 (consecutive k make a word), W's
-// rows are pairs of weight rows (weight_pairs).
-#define SATTN_BF16_ATTR __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16")))
+// A's rows are bf16 (consecutive k make a word), W's rows are pairs of weight rows (weight_pairs).
+#include "simd/gemm_bf16.inc"  // MicroKernelPairs, SATTN_BF16_ATTR
 
 // As Tile on bf16 operands: C[MR rows, NV vectors] += sum_s A_s[m, :2·K2_s] · W2 (K2_s word rows per segment),
 // each float32 accumulator started from C and taking one vdpbf16ps per pair of k, in order. kLast: C's last vector
-// is 0 = whole, 1 = the first `tail` lanes, 2 = a half vector (8 lanes, on 256-bit registers: on CPUs that split
-// 512-bit operations, AMD Zen 4, half the cost). W2 rows are readable to whole vectors (padded with zeros).
+// is 0 = whole, 1 = the first `tail` lanes, 2 = a half vector (8 lanes, on a 256-bit register). W2 rows are readable
+// to whole vectors (padded with zeros).
 template <int MR, int NV, int kLast>
 SATTN_BF16_ATTR HWY_NOINLINE void TilePairs(int nseg, const uint32_t* const* A, const int64_t* K2, int64_t lda2,
                                             const uint32_t* HWY_RESTRICT W2, int64_t ldw, __mmask16 tail,
@@ -183,23 +181,12 @@ SATTN_BF16_ATTR HWY_NOINLINE void TilePairs(int nseg, const uint32_t* const* A, 
       const float* p = C + m * ldc + v * 16;
       acc[m][v] = (kLast == 1 && v == NV - 1) ? _mm512_maskz_loadu_ps(tail, p) : _mm512_loadu_ps(p);
     }
-    if constexpr (kLast == 2) acch[m] = _mm256_loadu_ps(C + m * ldc + NF * 16);
+    acch[m] = kLast == 2 ? _mm256_loadu_ps(C + m * ldc + NF * 16) : _mm256_setzero_ps();
   }
   const uint32_t* w = W2;
   for (int s = 0; s < nseg; ++s) {
-    const uint32_t* a = A[s];
-    for (int64_t k = 0; k < K2[s]; ++k, w += ldw) {
-      __m512bh b[NF > 0 ? NF : 1];
-      for (int v = 0; v < NF; ++v) b[v] = (__m512bh)_mm512_loadu_si512(w + v * 16);
-      __m256bh bh{};
-      if constexpr (kLast == 2) bh = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + NF * 16));
-      for (int m = 0; m < MR; ++m) {
-        const int32_t x = int32_t(a[m * lda2 + k]);
-        const __m512bh av = (__m512bh)_mm512_set1_epi32(x);
-        for (int v = 0; v < NF; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], av, b[v]);
-        if constexpr (kLast == 2) acch[m] = _mm256_dpbf16_ps(acch[m], (__m256bh)_mm256_set1_epi32(x), bh);
-      }
-    }
+    MicroKernelPairs<MR, NF, kLast == 2>(acc, acch, A[s], lda2, w, ldw, K2[s]);
+    w += K2[s] * ldw;
   }
   for (int m = 0; m < MR; ++m) {
     for (int v = 0; v < NF; ++v) {
