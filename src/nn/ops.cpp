@@ -59,8 +59,7 @@ void linear(const float* x, int64_t M, int64_t K, const float* W, const float* b
     const int64_t m0 = b * kBlock, m1 = std::min(M, m0 + kBlock);
     if (bias)
       for (int64_t m = m0; m < m1; ++m) std::memcpy(y + m * N, bias, size_t(N) * sizeof(float));
-    else
-      std::fill(y + m0 * N, y + m1 * N, 0.0f);
+    else std::fill(y + m0 * N, y + m1 * N, 0.0f);
     gemm_acc(x + m0 * K, K, m1 - m0, K, W, padded_cols(N), N, y + m0 * N, N, W2);
   });
 }
