@@ -264,50 +264,39 @@ SATTN_BF16_ATTR void RoundToBf16(const float* HWY_RESTRICT x, int64_t n, uint16_
 void DepthwiseRow3(const float* a0, const float* a1, const float* a2, int64_t W, int64_t C, const float* Wt, int64_t P,
                    float* out) {
   const DF d;
-  const int64_t L = int64_t(hn::Lanes(d)), R = W * C;
-  if (C % L == 0) {
-    // Whole vectors (the SR model's C = 48): one channel block at a time along the row, its 9 taps and bias held in
-    // registers, so each output vector takes 9 loads instead of 19. The same products summed in the same order as
-    // the flat loop below: bitwise its results.
-    for (int64_t c0 = 0; c0 < C; c0 += L) {
-      const VF w0 = hn::LoadU(d, Wt + c0), w1 = hn::LoadU(d, Wt + P + c0), w2 = hn::LoadU(d, Wt + 2 * P + c0);
-      const VF w3 = hn::LoadU(d, Wt + 3 * P + c0), w4 = hn::LoadU(d, Wt + 4 * P + c0);
-      const VF w5 = hn::LoadU(d, Wt + 5 * P + c0), w6 = hn::LoadU(d, Wt + 6 * P + c0);
-      const VF w7 = hn::LoadU(d, Wt + 7 * P + c0), w8 = hn::LoadU(d, Wt + 8 * P + c0);
-      const VF bias = hn::LoadU(d, Wt + 9 * P + c0);
-      for (int64_t i = c0; i < R; i += C) {
-        VF acc = hn::MulAdd(hn::LoadU(d, a0 + i), w0, bias);
-        acc = hn::MulAdd(hn::LoadU(d, a0 + i + C), w1, acc);
-        acc = hn::MulAdd(hn::LoadU(d, a0 + i + 2 * C), w2, acc);
-        acc = hn::MulAdd(hn::LoadU(d, a1 + i), w3, acc);
-        acc = hn::MulAdd(hn::LoadU(d, a1 + i + C), w4, acc);
-        acc = hn::MulAdd(hn::LoadU(d, a1 + i + 2 * C), w5, acc);
-        acc = hn::MulAdd(hn::LoadU(d, a2 + i), w6, acc);
-        acc = hn::MulAdd(hn::LoadU(d, a2 + i + C), w7, acc);
-        acc = hn::MulAdd(hn::LoadU(d, a2 + i + 2 * C), w8, acc);
-        hn::StoreU(acc, d, out + i);
-      }
+  const int64_t L = int64_t(hn::Lanes(d)), R = W * C, full = R / L * L;
+  // The output vector at flat index i takes the weights at phase i mod P (P a multiple of L): one phase at a time,
+  // its 9 taps and bias held in registers, every whole vector of that phase along the row (9 loads per output
+  // vector instead of 19); then the row's last partial vector, masked. Each output is bias + the 9 taps in order
+  // (ky, kx), whatever the loop: the same sums as a flat loop over the row, bitwise.
+  for (int64_t c0 = 0; c0 < P; c0 += L) {
+    const VF w0 = hn::LoadU(d, Wt + c0), w1 = hn::LoadU(d, Wt + P + c0), w2 = hn::LoadU(d, Wt + 2 * P + c0);
+    const VF w3 = hn::LoadU(d, Wt + 3 * P + c0), w4 = hn::LoadU(d, Wt + 4 * P + c0);
+    const VF w5 = hn::LoadU(d, Wt + 5 * P + c0), w6 = hn::LoadU(d, Wt + 6 * P + c0);
+    const VF w7 = hn::LoadU(d, Wt + 7 * P + c0), w8 = hn::LoadU(d, Wt + 8 * P + c0);
+    const VF bias = hn::LoadU(d, Wt + 9 * P + c0);
+    for (int64_t i = c0; i < full; i += P) {
+      VF acc = hn::MulAdd(hn::LoadU(d, a0 + i), w0, bias);
+      acc = hn::MulAdd(hn::LoadU(d, a0 + i + C), w1, acc);
+      acc = hn::MulAdd(hn::LoadU(d, a0 + i + 2 * C), w2, acc);
+      acc = hn::MulAdd(hn::LoadU(d, a1 + i), w3, acc);
+      acc = hn::MulAdd(hn::LoadU(d, a1 + i + C), w4, acc);
+      acc = hn::MulAdd(hn::LoadU(d, a1 + i + 2 * C), w5, acc);
+      acc = hn::MulAdd(hn::LoadU(d, a2 + i), w6, acc);
+      acc = hn::MulAdd(hn::LoadU(d, a2 + i + C), w7, acc);
+      acc = hn::MulAdd(hn::LoadU(d, a2 + i + 2 * C), w8, acc);
+      hn::StoreU(acc, d, out + i);
     }
-    return;
   }
+  if (full == R) return;
+  const auto m = hn::FirstN(d, size_t(R - full));
+  const int64_t ph = full % P;
   const float* rows[3] = {a0, a1, a2};
-  int64_t ph = 0;  // i mod P
-  for (int64_t i = 0; i < R; i += L) {
-    const size_t n = size_t(std::min(L, R - i));
-    const auto m = hn::FirstN(d, n);
-    VF acc = hn::LoadU(d, Wt + 9 * P + ph);
-    for (int ky = 0; ky < 3; ++ky) {
-      const float* rp = rows[ky] + i;
-      for (int kx = 0; kx < 3; ++kx) {
-        const VF x = n == size_t(L) ? hn::LoadU(d, rp + kx * C) : hn::MaskedLoad(m, d, rp + kx * C);
-        acc = hn::MulAdd(x, hn::LoadU(d, Wt + (ky * 3 + kx) * P + ph), acc);
-      }
-    }
-    if (n == size_t(L)) hn::StoreU(acc, d, out + i);
-    else hn::BlendedStore(acc, m, d, out + i);
-    ph += L;
-    if (ph >= P) ph -= P;
-  }
+  VF acc = hn::LoadU(d, Wt + 9 * P + ph);
+  for (int ky = 0; ky < 3; ++ky)
+    for (int kx = 0; kx < 3; ++kx)
+      acc = hn::MulAdd(hn::MaskedLoad(m, d, rows[ky] + full + kx * C), hn::LoadU(d, Wt + (ky * 3 + kx) * P + ph), acc);
+  hn::BlendedStore(acc, m, d, out + full);
 }
 
 // Layer norm of M rows of C values (biased variance, eps inside the sqrt), affine; x and y may alias.
