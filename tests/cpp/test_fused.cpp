@@ -606,8 +606,8 @@ TEST_P(FusedBf16Products, LongKeyRunsAndARisingMax) {
 
 // float32 inputs with float32_precision="bf16" are rounded to bf16 (nearest even) as they are packed, vectorised with
 // masked tails for rows of any width: forward and backward are bitwise those of inputs rounded beforehand
-// (float_to_bf16), for head widths that are not whole vectors (20 as the SR model's heads, 33, 40, 1) and strided
-// [B, L, H, D] inputs (the neighbouring heads' values, unrounded, must not leak into a row's tail).
+// (float_to_bf16), for widths that are not whole vectors (20 as the SR model's heads, 33, 17, 40, 48, 2, 1) and
+// strided [B, L, H, D] inputs.
 TEST_P(FusedBf16Products, Float32InputsRoundAsWhenRoundedBeforehand) {
   uint32_t seed = 1400;
   for (const auto& [D, Dv, Lq, Lk, strided] :
