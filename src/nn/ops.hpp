@@ -43,7 +43,8 @@ bool has_bf16_products();
 // [K][padded_cols(N)] floats (K even) -> [K/2][padded_cols(N)] words: word (k2, n) holds W[2 k2][n] (low 16 bits)
 // and W[2 k2 + 1][n] (high), rounded to bf16 (nearest even); empty when K is odd.
 std::vector<uint32_t> weight_pairs(const std::vector<float>& w, int64_t N);
-// x rounded to bf16 (nearest even, denormals to zero) into out[n]. Needs has_bf16_products().
+// x rounded to bf16 (nearest even, denormals to zero) into out[n]; out is 4-byte aligned with room for n rounded
+// up to even (an odd n's pad half is written 0). Needs has_bf16_products().
 void round_to_bf16(const float* x, int64_t n, uint16_t* out);
 // gemm_acc_segments on bf16 rows A_s (row stride lda, even; K[s] even) and W2 [sum K / 2][ldw >= padded_cols(N)]
 // words. Needs has_bf16_products().

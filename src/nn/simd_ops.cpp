@@ -163,7 +163,7 @@ void GemmSegments(int nseg, const float* const* A, const int64_t* K, int64_t lda
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
 // ---- bf16 products (the avx512bf16 build) ------------------------------------------------------------------
 // A's rows are bf16 (consecutive k make a word), W's rows are pairs of weight rows (weight_pairs).
-#include "simd/gemm_bf16.inc"  // MicroKernelPairs, SATTN_BF16_ATTR
+#include "simd/gemm_bf16.inc"  // MicroKernelPairs, RoundPairsAlongRow, SATTN_BF16_ATTR
 
 // As Tile on bf16 operands: C[MR rows, NV vectors] += sum_s A_s[m, :2·K2_s] · W2 (K2_s word rows per segment),
 // each float32 accumulator started from C and taking one vdpbf16ps per pair of k, in order. kLast: C's last vector
@@ -246,15 +246,9 @@ SATTN_BF16_ATTR void GemmSegmentsPairs(int nseg, const uint16_t* const* A, const
   }
 }
 
-// out[i] = x[i] rounded to bf16 (nearest even; denormals to zero) for i < n.
+// out[i] = x[i] rounded to bf16 for i < n (pairs along the row: an odd n's pad half written 0).
 SATTN_BF16_ATTR void RoundToBf16(const float* HWY_RESTRICT x, int64_t n, uint16_t* HWY_RESTRICT out) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
-  if (i < n) {
-    const __mmask16 m = __mmask16((1u << (n - i)) - 1u);
-    _mm256_mask_storeu_epi16(out + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + i)));
-  }
+  RoundPairsAlongRow(x, n, reinterpret_cast<uint32_t*>(out));
 }
 #endif
 

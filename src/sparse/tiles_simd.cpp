@@ -239,7 +239,7 @@ void TransposeKeys(const float* HWY_RESTRICT src, int64_t lds, int64_t n, int64_
 
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
 // ---- bf16 products (the avx512bf16 build) ------------------------------------------------------------------
-#include "simd/gemm_bf16.inc"  // GemmPairs
+#include "simd/gemm_bf16.inc"  // GemmPairs, RoundPairsAlongRow, RoundPairsAcrossRows
 
 SATTN_BF16_ATTR void KqPairs(const uint32_t* k2, int64_t n, int64_t d2, const uint32_t* q2t, int64_t ldq, int64_t m,
                              float scale, float* st, int64_t lds) {
@@ -248,18 +248,7 @@ SATTN_BF16_ATTR void KqPairs(const uint32_t* k2, int64_t n, int64_t d2, const ui
 
 SATTN_BF16_ATTR void PackPairsAlongRows(const float* rows, int64_t lds, int64_t n, int64_t width, uint32_t* out,
                                         int64_t ldo) {
-  const int64_t w2 = (width + 1) / 2;
-  const auto live = [width](int64_t at) {
-    return at >= width ? __mmask16(0) : width - at >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (width - at)) - 1u);
-  };
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t x = 0; x < width; x += 32) {  // 32 floats make 16 words (lanes past width load as 0)
-      const __m512 a = _mm512_maskz_loadu_ps(live(x), rows + r * lds + x);
-      const __m512 b = _mm512_maskz_loadu_ps(live(x + 16), rows + r * lds + x + 16);
-      const int64_t words = std::min<int64_t>(16, w2 - x / 2);
-      _mm512_mask_storeu_epi32(out + r * ldo + x / 2, __mmask16((1u << words) - 1u),
-                               (__m512i)_mm512_cvtne2ps_pbh(b, a));
-    }
+  for (int64_t r = 0; r < n; ++r) RoundPairsAlongRow(rows + r * lds, width, out + r * ldo);
 }
 
 SATTN_BF16_ATTR void PvPairs(const float* p, int64_t m, int64_t n, const uint32_t* v2, int64_t ldv, int64_t dv,
@@ -273,17 +262,7 @@ SATTN_BF16_ATTR void PackPairsAcrossRows(const float* rows, int64_t lds, int64_t
                                          int64_t ldo) {
   for (int64_t y = 0; y < (n + 1) / 2; ++y) {
     const float* a = rows + 2 * y * lds;
-    const float* b = 2 * y + 1 < n ? a + lds : nullptr;
-    for (int64_t x = 0; x < ldo; x += 16) {
-      const __mmask16 live = x >= width        ? __mmask16(0)
-                             : width - x >= 16 ? __mmask16(0xFFFF)
-                                               : __mmask16((1u << (width - x)) - 1u);
-      // each row rounded to bf16 (nearest even), its 16 bits widened to the low half of a word
-      const __m512i va = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, a + x)));
-      const __m512i vb = b ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, b + x)))
-                           : _mm512_setzero_si512();
-      _mm512_storeu_si512(out + y * ldo + x, _mm512_or_si512(va, _mm512_slli_epi32(vb, 16)));
-    }
+    RoundPairsAcrossRows(a, 2 * y + 1 < n ? a + lds : nullptr, width, ldo, out + y * ldo);
   }
 }
 

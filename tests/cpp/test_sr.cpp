@@ -188,6 +188,44 @@ std::vector<float> randv(size_t n, unsigned seed) {
   return v;
 }
 
+float bf16_rounded(float x) { return sattn::bf16_to_float(sattn::float_to_bf16(x)); }
+
+// fp64 plain loops of the 3x3 convolutions on [H, W, C] inputs (zero padding).
+// Output channel o at pixel (y, x) of a dense one, PyTorch weight w [Co, Ci, 3, 3] and bias b; with `bf16`, every
+// input and weight rounded to bf16 first; the sum of the terms' magnitudes into *mag when given.
+double conv3x3_ref(const std::vector<float>& in, const std::vector<float>& w, const std::vector<float>& b, int H, int W,
+                   int Ci, int y, int x, int o, bool bf16 = false, double* mag = nullptr) {
+  const auto r = [bf16](float v) { return bf16 ? bf16_rounded(v) : v; };
+  double s = b[size_t(o)], m = std::fabs(b[size_t(o)]);
+  for (int i = 0; i < Ci; ++i)
+    for (int ky = 0; ky < 3; ++ky)
+      for (int kx = 0; kx < 3; ++kx) {
+        const int yy = y + ky - 1, xx = x + kx - 1;
+        if (yy < 0 || yy >= H || xx < 0 || xx >= W) continue;
+        const double t = double(r(w[size_t(((o * Ci + i) * 3 + ky) * 3 + kx)])) * r(in[size_t((yy * W + xx) * Ci + i)]);
+        s += t, m += std::fabs(t);
+      }
+  if (mag) *mag = m;
+  return s;
+}
+// Every channel at pixel (y, x) of act(depthwise(in) + bd), depthwise weights wd [9][C] (depthwise_weight_hwc's
+// layout), act = the exact GELU when `gelu`, else identity.
+std::vector<double> depthwise_act_ref(const std::vector<float>& in, const std::vector<float>& wd,
+                                      const std::vector<float>& bd, int H, int W, int C, int y, int x, bool gelu) {
+  std::vector<double> t(static_cast<size_t>(C));
+  for (int c = 0; c < C; ++c) {
+    double s = bd[size_t(c)];
+    for (int ky = 0; ky < 3; ++ky)
+      for (int kx = 0; kx < 3; ++kx) {
+        const int yy = y + ky - 1, xx = x + kx - 1;
+        if (yy < 0 || yy >= H || xx < 0 || xx >= W) continue;
+        s += double(wd[size_t((ky * 3 + kx) * C + c)]) * in[size_t((yy * W + xx) * C + c)];
+      }
+    t[size_t(c)] = gelu ? 0.5 * s * (1 + std::erf(s / std::sqrt(2.0))) : s;
+  }
+  return t;
+}
+
 TEST(SrOps, Conv3x3AndDepthwiseMatchPlainLoops) {
   // rows are split into four bands per thread: heights around the band counts test the band borders
   for (auto [H, W, Ci, Co, threads] :
@@ -213,14 +251,7 @@ TEST(SrOps, Conv3x3AndDepthwiseMatchPlainLoops) {
     for (int y = 0; y < H; ++y)
       for (int x = 0; x < W; ++x)
         for (int o = 0; o < Co; ++o) {
-          double s = b[size_t(o)];
-          for (int i = 0; i < Ci; ++i)
-            for (int ky = 0; ky < 3; ++ky)
-              for (int kx = 0; kx < 3; ++kx) {
-                const int yy = y + ky - 1, xx = x + kx - 1;
-                if (yy < 0 || yy >= H || xx < 0 || xx >= W) continue;
-                s += double(w[size_t(((o * Ci + i) * 3 + ky) * 3 + kx)]) * in[size_t((yy * W + xx) * Ci + i)];
-              }
+          const double s = conv3x3_ref(in, w, b, H, W, Ci, y, x, o);
           ASSERT_NEAR(out[size_t((y * W + x) * Co + o)], s, 1e-4 * (1 + std::fabs(s)));
         }
     // depthwise on the first Ci channels
@@ -400,17 +431,7 @@ TEST(SrOps, DepthwiseGeluPointwiseMatchesPlainLoops) {
       ASSERT_EQ(0, std::memcmp(out.data(), one.data(), out.size() * sizeof(float))) << H << "x" << W << "x" << C;
       for (int y = 0; y < H; ++y)
         for (int x = 0; x < W; ++x) {
-          std::vector<double> t(static_cast<size_t>(C));
-          for (int c = 0; c < C; ++c) {
-            double s = bd[size_t(c)];
-            for (int ky = 0; ky < 3; ++ky)
-              for (int kx = 0; kx < 3; ++kx) {
-                const int yy = y + ky - 1, xx = x + kx - 1;
-                if (yy < 0 || yy >= H || xx < 0 || xx >= W) continue;
-                s += double(wd[size_t((ky * 3 + kx) * C + c)]) * in[size_t((yy * W + xx) * C + c)];
-              }
-            t[size_t(c)] = gelu ? 0.5 * s * (1 + std::erf(s / std::sqrt(2.0))) : s;
-          }
+          const std::vector<double> t = depthwise_act_ref(in, wd, bd, H, W, C, y, x, gelu);
           for (int o = 0; o < C; ++o) {
             double s = double(res[size_t((y * W + x) * C + o)]) + bp[size_t(o)];
             for (int c = 0; c < C; ++c) s += t[size_t(c)] * pw[size_t(o * C + c)];
@@ -423,7 +444,6 @@ TEST(SrOps, DepthwiseGeluPointwiseMatchesPlainLoops) {
 
 // ---- bf16 products of the GEMMs (weight_pairs / W2) ---------------------------------------------------------
 namespace {
-float bf16_rounded(float x) { return sattn::bf16_to_float(sattn::float_to_bf16(x)); }
 std::vector<std::string> bf16_product_targets() {
   std::vector<std::string> r;
   for (const std::string& t : sattn::testing::simd_target_names())
@@ -540,16 +560,8 @@ TEST(SrOps, Bf16GemmsMatchTheRoundedOperandsInFp64) {
       for (int y = 0; y < H; ++y)
         for (int x = 0; x < W; ++x)
           for (int o = 0; o < Co; ++o) {
-            double s = b[size_t(o)], mag = std::fabs(b[size_t(o)]);
-            for (int i = 0; i < Ci; ++i)
-              for (int ky = 0; ky < 3; ++ky)
-                for (int kx = 0; kx < 3; ++kx) {
-                  const int yy = y + ky - 1, xx = x + kx - 1;
-                  if (yy < 0 || yy >= H || xx < 0 || xx >= W) continue;
-                  const double t = double(bf16_rounded(w[size_t(((o * Ci + i) * 3 + ky) * 3 + kx)])) *
-                                   bf16_rounded(in[size_t((yy * W + xx) * Ci + i)]);
-                  s += t, mag += std::fabs(t);
-                }
+            double mag = 0;
+            const double s = conv3x3_ref(in, w, b, H, W, Ci, y, x, o, true, &mag);
             ASSERT_NEAR(out[size_t((y * W + x) * Co + o)], s, 2e-6 * (1 + mag)) << target << " conv " << Ci;
           }
     }
@@ -571,17 +583,7 @@ TEST(SrOps, Bf16GemmsMatchTheRoundedOperandsInFp64) {
       double moved = 0;
       for (int y = 0; y < H; ++y)
         for (int x = 0; x < W; ++x) {
-          std::vector<double> t(static_cast<size_t>(C));
-          for (int c = 0; c < C; ++c) {
-            double s = bd[size_t(c)];
-            for (int ky = 0; ky < 3; ++ky)
-              for (int kx = 0; kx < 3; ++kx) {
-                const int yy = y + ky - 1, xx = x + kx - 1;
-                if (yy < 0 || yy >= H || xx < 0 || xx >= W) continue;
-                s += double(wd[size_t((ky * 3 + kx) * C + c)]) * in[size_t((yy * W + xx) * C + c)];
-              }
-            t[size_t(c)] = 0.5 * s * (1 + std::erf(s / std::sqrt(2.0)));
-          }
+          const std::vector<double> t = depthwise_act_ref(in, wd, bd, H, W, C, y, x, true);
           for (int o = 0; o < C; ++o) {
             double mag = 0;
             for (int c = 0; c < C; ++c) mag += std::fabs(t[size_t(c)] * pw[size_t(o * C + c)]);
