@@ -130,7 +130,7 @@ def _ring_forward(ring, q, k, v):
                 _merge(out, lse, qs, np.asarray(o2, np.float32), l2)
         if received is not None:
             kv = received()
-    return torch.from_numpy(out).to(q.dtype), torch.from_numpy(lse)
+    return torch.from_numpy(out), torch.from_numpy(lse)  # float32: the backward reads out unrounded
 
 
 def _ring_backward(ring, dout, q, k, v, out, lse):
@@ -172,9 +172,9 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring):
         out, lse = _ring_forward(ring, q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse)  # Di = rowsum(dO * out) from the float32 out, as sattn.torch's
         ctx.ring = ring
-        return out
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -155,11 +155,27 @@ def _empty_as(x):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _empty_out(query, value):
-    """The attention output (query's shape with value's last size) in query's dtype, contiguous."""
-    if value.shape[-1] == query.shape[-1]:
+def _empty_out(query, value, float32_out=False):
+    """The attention output (query's shape with value's last size) in query's dtype, contiguous; float32 for
+    half-precision inputs with float32_out."""
+    dtype = torch.float32 if float32_out and query.dtype in _HALF else query.dtype
+    if value.shape[-1] == query.shape[-1] and dtype == query.dtype:
         return _empty_as(query)
-    return _contiguous_empty(tuple(query.shape[:-1]) + (value.shape[-1],), query.dtype)
+    return _contiguous_empty(tuple(query.shape[:-1]) + (value.shape[-1],), dtype)
+
+
+def _forward_precision(query, float32_precision, float32_out):
+    """The kernels' float32_precision for a forward: bf16 inputs writing a float32 out take "bf16", so that their
+    products and P's rounding are those of a bf16 out (the float32 out is then that out before its rounding)."""
+    if float32_out and query.dtype == torch.bfloat16:
+        return "bf16"
+    return _run_precision(float32_precision)
+
+
+def _grad_in_dtype(grad_out, query):
+    """out's gradient for a backward operator: the float32 out of half-precision inputs (float32_out) gets its
+    gradient through the cast to the inputs' dtype, which is exact to cast back."""
+    return grad_out.to(query.dtype) if grad_out.dtype != query.dtype and query.dtype in _HALF else grad_out
 
 
 # ---- the eager route ----------------------------------------------------------------------------------------------
@@ -213,13 +229,22 @@ def _eager_function(name, forward_impl, setup_context, autograd):
 
 def _run(operator, function, *args):
     """A forward operator's call: through the dispatcher, or on the eager route (the Function where a gradient may
-    be needed, else the body itself)."""
+    be needed, else the body itself). Where a gradient may be needed for half-precision inputs, the operator writes
+    its out in float32 (float32_out, its last argument) and the backward reads that one (Di = rowsum(dO * out)
+    without out's rounding); the caller gets it rounded to the inputs' dtype, the same values as a half out."""
     tensors = [a for a in args if isinstance(a, Tensor)]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    half = args[0].dtype if grad and args[0].dtype in _HALF else None
+    args += (half is not None,)
     if not _eager(tensors):
-        return operator(*args)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return function.apply(*args)
-    return function.impl(*args)
+        outputs = operator(*args)
+    elif grad:
+        outputs = function.apply(*args)
+    else:
+        outputs = function.impl(*args)
+    if half is None:
+        return outputs
+    return (outputs[0].to(half),) + tuple(outputs[1:])
 
 
 # ---- sattn::sdpa_forward / sattn::sdpa_backward -------------------------------------------------------------------
@@ -227,18 +252,19 @@ def _run(operator, function, *args):
 # (additive), at most 4-D and broadcastable to [B, Hq, Lq, Lk]; key_padding_mask bool [B, Lk] (True = padding);
 # causal "none" | "top_left" | "bottom_right"; float32_precision "highest" | "bf16" (AttentionOptions) | "auto"
 # (torch.get_float32_matmul_precision() when the operator runs: "medium" is "bf16"). Returns out
-# [B, Hq, Lq, Ev] (query's dtype) and lse [B, Hq, Lq] (float32; float64 for float64 inputs).
+# [B, Hq, Lq, Ev] (query's dtype; float32 for half-precision inputs with float32_out, see _run) and lse [B, Hq, Lq]
+# (float32; float64 for float64 inputs).
 
 def _sdpa_forward_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
                        key_padding_mask: Optional[Tensor], causal: str, scale: Optional[float], dropout_p: float,
-                       seed: Optional[Tensor], num_threads: int,
-                       float32_precision: str = "highest") -> tuple[Tensor, Tensor]:
+                       seed: Optional[Tensor], num_threads: int, float32_precision: str = "highest",
+                       float32_out: bool = False) -> tuple[Tensor, Tensor]:
     B, Hq, Lq, _ = query.shape
-    out = _empty_out(query, value)
+    out = _empty_out(query, value, float32_out)
     lse = _contiguous_empty((B, Hq, Lq), _stats_dtype(query.dtype))
     _core._torch_sdpa_forward(query, key, value, attn_mask, key_padding_mask, causal, scale,
                               dropout_p, _seed_value(seed), _run_threads(num_threads), out, lse,
-                              _run_precision(float32_precision))
+                              _forward_precision(query, float32_precision, float32_out))
     return out, lse
 
 
@@ -258,10 +284,11 @@ def _describe_4d(query, key, value, attn_mask, key_padding_mask, causal, scale, 
 
 @_sdpa_forward.register_fake
 def _sdpa_forward_fake(query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p, seed, num_threads,
-                       float32_precision="highest"):
+                       float32_precision="highest", float32_out=False):
     _describe_4d(query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p)
     B, Hq, Lq, _ = query.shape
-    return (query.new_empty((B, Hq, Lq, value.shape[-1])),
+    return (query.new_empty((B, Hq, Lq, value.shape[-1]),
+                            dtype=torch.float32 if float32_out and query.dtype in _HALF else query.dtype),
             query.new_empty((B, Hq, Lq), dtype=_stats_dtype(query.dtype)))
 
 
@@ -294,7 +321,7 @@ def _sdpa_backward_fake(grad_out, query, key, value, out, lse, attn_mask, key_pa
 
 
 def _sdpa_setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p, seed, num_threads, precision = inputs
+    query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p, seed, num_threads, precision = inputs[:11]
     out, lse = output
     ctx.save_for_backward(query, key, value, attn_mask, key_padding_mask, seed, out, lse)
     ctx.options = (causal, scale, dropout_p, num_threads, precision)
@@ -304,15 +331,16 @@ def _sdpa_setup_context(ctx, inputs, output):
 
 def _sdpa_autograd(ctx, grad_out, grad_lse):
     if grad_out is None:  # out's gradient undefined (grads are not materialised): no input gets one
-        return (None,) * 11
+        return (None,) * 12
     saved = ctx.saved_tensors  # unpacked once (saved-tensor hooks run at each unpacking)
     query, key, value, attn_mask, key_padding_mask, seed, out, lse = saved
     causal, scale, dropout_p, num_threads, precision = ctx.options
     need_dmask = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
+    grad_out = _grad_in_dtype(grad_out, query)
     backward = _sdpa_backward_impl if _eager_backward(saved, grad_out) else _sdpa_backward
     dq, dk, dv, dmask = backward(grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, causal,
                                  scale, dropout_p, seed, num_threads, need_dmask, precision)
-    return dq, dk, dv, (dmask if need_dmask else None), None, None, None, None, None, None, None
+    return dq, dk, dv, (dmask if need_dmask else None), None, None, None, None, None, None, None, None
 
 
 def _no_double_backward(ctx, *grads):
@@ -407,8 +435,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         threads, precision = _threads(num_threads), _float32_precision(float32_precision)
         if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
                                         or (attn_mask is not None and attn_mask.requires_grad)):
-            return _SdpaFunction.apply(query, key, value, attn_mask, key_padding_mask, causal, scale, 0.0, None,
-                                       threads, precision)[0]
+            half = query.dtype in _HALF  # float32 out for the backward (_run)
+            out = _SdpaFunction.apply(query, key, value, attn_mask, key_padding_mask, causal, scale, 0.0, None,
+                                      threads, precision, half)[0]
+            return out.to(query.dtype) if half else out
         return _sdpa_inference(query, key, value, attn_mask, key_padding_mask, causal, scale, threads, precision)
     for x, name in ((query, "query"), (key, "key"), (value, "value"), (attn_mask, "attn_mask"),
                     (key_padding_mask, "key_padding_mask")):
@@ -448,8 +478,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 # ---- sattn::sparse_forward / sattn::sparse_backward ---------------------------------------------------------------
 # 4-D query [B, Hq, Lq, D], key [B, Hkv, Lk, D], value [B, Hkv, Lk, Dv]; pattern: a spec (sattn.Pattern's repr).
-# Returns out [B, Hq, Lq, Dv] (query's dtype), lse [B, Hq, Lq] (float32/float64) and indices (int64: the selection
-# of TopK / BlockTopK, else empty).
+# Returns out [B, Hq, Lq, Dv] (query's dtype; float32 for half-precision inputs with float32_out), lse [B, Hq, Lq]
+# (float32/float64) and indices (int64: the selection of TopK / BlockTopK, else empty).
 
 @torch.compiler.assume_constant_result
 def _pattern_spec(pattern):
@@ -486,16 +516,17 @@ def _selection_shape(pattern, B, Hq, Lq, Lk):
 def _sparse_forward_impl(query: Tensor, key: Tensor, value: Tensor, pattern: str, scale: Optional[float],
                          enable_gqa: bool, key_padding_mask: Optional[Tensor], block: int,
                          alibi_slopes: Optional[list[float]], softcap: float, bias: Optional[Tensor],
-                         rel_pos_bias: Optional[Tensor], num_threads: int,
-                         float32_precision: str = "highest") -> tuple[Tensor, Tensor, Tensor]:
+                         rel_pos_bias: Optional[Tensor], num_threads: int, float32_precision: str = "highest",
+                         float32_out: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     B, Hq, Lq, _ = query.shape
-    out = _empty_out(query, value)
+    out = _empty_out(query, value, float32_out)
     lse = _contiguous_empty((B, Hq, Lq), _stats_dtype(query.dtype))
     ishape = _selection_shape(pattern, B, Hq, Lq, key.shape[2])
     indices = _contiguous_empty(ishape, torch.int64)
     _core._torch_sparse_forward(query, key, value, pattern, scale, enable_gqa, key_padding_mask, block, alibi_slopes,
                                 softcap, _as_stat_float(bias), _as_stat_float(rel_pos_bias), _run_threads(num_threads),
-                                out, lse, indices if len(ishape) == 4 else None, _run_precision(float32_precision))
+                                out, lse, indices if len(ishape) == 4 else None,
+                                _forward_precision(query, float32_precision, float32_out))
     return out, lse, indices
 
 
@@ -505,9 +536,10 @@ _sparse_forward = torch.library.custom_op("sattn::sparse_forward", _sparse_forwa
 
 @_sparse_forward.register_fake
 def _sparse_forward_fake(query, key, value, pattern, scale, enable_gqa, key_padding_mask, block, alibi_slopes,
-                         softcap, bias, rel_pos_bias, num_threads, float32_precision="highest"):
+                         softcap, bias, rel_pos_bias, num_threads, float32_precision="highest", float32_out=False):
     B, Hq, Lq, _ = query.shape
-    return (query.new_empty((B, Hq, Lq, value.shape[-1])),
+    return (query.new_empty((B, Hq, Lq, value.shape[-1]),
+                            dtype=torch.float32 if float32_out and query.dtype in _HALF else query.dtype),
             query.new_empty((B, Hq, Lq), dtype=_stats_dtype(query.dtype)),
             query.new_empty(_selection_shape(pattern, B, Hq, Lq, key.shape[2]), dtype=torch.int64))
 
@@ -547,7 +579,7 @@ def _sparse_backward_fake(grad_out, query, key, value, out, lse, indices, patter
 
 def _sparse_setup_context(ctx, inputs, output):
     (query, key, value, pattern, scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias,
-     rel_pos_bias, num_threads, float32_precision) = inputs
+     rel_pos_bias, num_threads, float32_precision) = inputs[:14]
     out, lse, indices = output
     ctx.save_for_backward(query, key, value, key_padding_mask, bias, rel_pos_bias, out, lse, indices)
     ctx.options = (pattern, scale, enable_gqa, block, alibi_slopes, softcap, num_threads, float32_precision)
@@ -558,12 +590,13 @@ def _sparse_autograd(ctx, grad_out, grad_lse, grad_indices):
     saved = ctx.saved_tensors
     query, key, value, key_padding_mask, bias, rel_pos_bias, out, lse, indices = saved
     pattern, scale, enable_gqa, block, alibi_slopes, softcap, num_threads, float32_precision = ctx.options
+    grad_out = _grad_in_dtype(grad_out, query)
     backward = _sparse_backward_impl if _eager_backward(saved, grad_out) else _sparse_backward
     dq, dk, dv, dbias, drel = backward(grad_out, query, key, value, out, lse, indices, pattern, scale,
                                        enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias,
                                        rel_pos_bias, num_threads, float32_precision)
     return (dq, dk, dv, None, None, None, None, None, None, None, dbias if bias is not None else None,
-            drel if rel_pos_bias is not None else None, None, None)
+            drel if rel_pos_bias is not None else None, None, None, None)
 
 
 torch.library.register_autograd("sattn::sparse_forward", _sparse_autograd, setup_context=_sparse_setup_context)
@@ -616,15 +649,18 @@ def sparse_attention(query, key, value, pattern, scale=None, enable_gqa=False, *
 
 # ---- sattn::varlen_forward / sattn::varlen_backward ---------------------------------------------------------------
 # Packed sequences: q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv], cu_seqlens int32/int64 [n + 1].
-# Returns out [total_q, Hq, Dv] (q's dtype) and lse [Hq, total_q] (FlashAttention's layout).
+# Returns out [total_q, Hq, Dv] (q's dtype; float32 for half-precision inputs with float32_out) and lse
+# [Hq, total_q] (FlashAttention's layout).
 
 def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: Optional[float],
-                         num_threads: int, float32_precision: str = "highest") -> tuple[Tensor, Tensor]:
-    out = _empty_out(q, v)
+                         num_threads: int, float32_precision: str = "highest",
+                         float32_out: bool = False) -> tuple[Tensor, Tensor]:
+    out = _empty_out(q, v, float32_out)
     lse = _contiguous_empty((q.shape[1], q.shape[0]), _stats_dtype(q.dtype))
     _core._torch_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                                _run_threads(num_threads), out, lse, _run_precision(float32_precision))
+                                _run_threads(num_threads), out, lse,
+                                _forward_precision(q, float32_precision, float32_out))
     return out, lse
 
 
@@ -634,8 +670,9 @@ _varlen_forward = torch.library.custom_op("sattn::varlen_forward", _varlen_forwa
 
 @_varlen_forward.register_fake
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                         num_threads, float32_precision="highest"):
-    return (q.new_empty((q.shape[0], q.shape[1], v.shape[-1])),
+                         num_threads, float32_precision="highest", float32_out=False):
+    return (q.new_empty((q.shape[0], q.shape[1], v.shape[-1]),
+                        dtype=torch.float32 if float32_out and q.dtype in _HALF else q.dtype),
             q.new_empty((q.shape[1], q.shape[0]), dtype=_stats_dtype(q.dtype)))
 
 
@@ -663,7 +700,7 @@ def _varlen_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, num_threads, precision = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, num_threads, precision = inputs[:11]
     out, lse = output
     ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
     ctx.options = (max_seqlen_q, max_seqlen_k, causal, scale, num_threads, precision)
@@ -674,10 +711,11 @@ def _varlen_autograd(ctx, grad_out, grad_lse):
     saved = ctx.saved_tensors
     q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse = saved
     max_seqlen_q, max_seqlen_k, causal, scale, num_threads, precision = ctx.options
+    grad_out = _grad_in_dtype(grad_out, q)
     backward = _varlen_backward_impl if _eager_backward(saved, grad_out) else _varlen_backward
     dq, dk, dv = backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, causal, scale, num_threads, precision)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("sattn::varlen_forward", _varlen_autograd, setup_context=_varlen_setup_context)

@@ -78,10 +78,9 @@ def test_bf16_errors_within_twice_torch(target, dtype):
 def test_bf16_learned_bias_gradients_within_twice_torch_from_the_float32_out(target):
     """bf16 inputs with a bf16 additive mask that needs its gradient (a learned bias; PyTorch's SDPA runs its float32
     math backend then): dq, dk, dv and the mask's gradient within twice torch's largest error + 1e-5. The backward
-    starts from the float32 out of the same values (sattn::sdpa_backward takes it): from the bf16 out that autograd
-    saves, Di = rowsum(dO * out) carries out's rounding, which the math backend's float32 out does not. (The bf16 out
-    itself has P rounded once, as FlashAttention does; its criterion, against torch's own bf16 kernel, is
-    test_bf16_errors_within_twice_torch.)"""
+    starts from the float32 products' out of the same values, as the math backend's does (sattn::sdpa_backward
+    takes it; through autograd, the forward's own float32 out, whose P was rounded once as FlashAttention does; its
+    criterion, against torch's own bf16 kernel, is test_bf16_errors_within_twice_torch)."""
     ops = torch.ops.sattn
     with on_target(target, "bf16 products"):
         rng = np.random.default_rng(7)
@@ -119,44 +118,91 @@ def test_bf16_learned_bias_gradients_within_twice_torch_from_the_float32_out(tar
                 assert err_o <= 2 * err_t + 1e-5, (n, name, err_o, err_t)
 
 
+SPARSE_PROBLEMS = (  # pattern, B, Hq, Hkv, L, D: fixed patterns, GQA, odd D, a content-adaptive selection
+    ("SlidingWindow(64, 64)", 1, 4, 4, 700, 64), ("SlidingWindow(100, 0)", 2, 4, 2, 333, 128),
+    ("Dilated(8, 3)", 1, 2, 2, 257, 65), ("BigBird(16, 3, 1, 2, seed=7)", 1, 2, 1, 300, 64),
+    ("Neighborhood2D(20, 17, 7)", 1, 2, 2, 340, 32), ("BlockTopK(32, 4)", 1, 4, 2, 500, 64),
+    ("SlidingWindow(256, 0)", 2, 8, 8, 1024, 64))
+
+
+def sparse_run(spec, q, k, v, gqa):
+    """sattn.torch.sparse_attention's out and the pattern's allowed keys as a 4-D bool mask [B, Hq, L, L]."""
+    B, hq, L, _ = q.shape
+    if spec.startswith("BlockTopK"):
+        out, idx = st.sparse_attention(q, k, v, spec, enable_gqa=gqa, return_indices=True)
+        allowed = torch.from_numpy(sattn.selection_mask(sattn.parse_pattern(spec), idx.numpy(), L, L))
+    else:
+        out = st.sparse_attention(q, k, v, spec, enable_gqa=gqa)
+        allowed = torch.from_numpy(sattn.parse_pattern(spec).dense_mask(L, L, hq))
+    return out, allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape)).expand(B, hq, L, L)
+
+
 @pytest.mark.parametrize("target", ["default", "avx512bf16", "avx512"])
 def test_bf16_sparse_attention_within_twice_torch(target):
     """bf16 inputs through sattn.torch.sparse_attention (a bf16 out and bf16 gradients: the sparse tiles' bf16
-    products where the CPU has them, P and dS rounded once) against PyTorch's bf16 SDPA with the pattern's dense mask:
-    the largest error of out, dq, dk and dv against the fp64 reference on the same values is at most twice torch's
-    + 1e-5 (fixed patterns, GQA, odd D; the backward's one-pass and two-pass forms)."""
+    products where the CPU has them, P and dS rounded once) against PyTorch's bf16 SDPA kernel with the pattern's
+    dense mask (its flash kernel, which takes the mask as a 4-D additive one; with a bool mask torch computes in
+    float32 instead, the sharper peer of test_half_inputs_on_float32_products_are_the_float32_results_rounded): the
+    largest error of out, dq, dk and dv against the fp64 reference on the same values is at most twice torch's
+    + 1e-5."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     with on_target(target, "sparse tiles"):
-        for n, (spec, B, hq, hkv, L, D) in enumerate((
-                ("SlidingWindow(64, 64)", 1, 4, 4, 700, 64), ("SlidingWindow(100, 0)", 2, 4, 2, 333, 128),
-                ("Dilated(8, 3)", 1, 2, 2, 257, 65), ("BigBird(16, 3, 1, 2, seed=7)", 1, 2, 1, 300, 64),
-                ("Neighborhood2D(20, 17, 7)", 1, 2, 2, 340, 32), ("BlockTopK(32, 4)", 1, 4, 2, 500, 64),
-                ("SlidingWindow(256, 0)", 2, 8, 8, 1024, 64))):
+        for n, (spec, B, hq, hkv, L, D) in enumerate(SPARSE_PROBLEMS):
             g = torch.Generator().manual_seed(200 + n)
             q = torch.randn(B, hq, L, D, generator=g).bfloat16().requires_grad_()
             k, v = (torch.randn(B, hkv, L, D, generator=g).bfloat16().requires_grad_() for _ in range(2))
             dout = torch.randn(B, hq, L, D, generator=g).bfloat16()
             gqa = hq != hkv
-            ours, idx = (st.sparse_attention(q, k, v, spec, enable_gqa=gqa, return_indices=True)
-                         if spec.startswith("BlockTopK") else (st.sparse_attention(q, k, v, spec, enable_gqa=gqa), None))
+            ours, allowed = sparse_run(spec, q, k, v, gqa)
             assert ours.dtype == torch.bfloat16
-            if idx is None:
-                allowed = torch.from_numpy(sattn.parse_pattern(spec).dense_mask(L, L, hq))
-            else:
-                allowed = torch.from_numpy(sattn.selection_mask(sattn.parse_pattern(spec), idx.numpy(), L, L))
             q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
             ref = F.scaled_dot_product_attention(q64, k64, v64, attn_mask=allowed, enable_gqa=gqa)
-            theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
-            err_t = (theirs.double() - ref).abs().max().item()
-            err_o = (ours.double() - ref).abs().max().item()
-            assert err_o <= 2 * err_t + 1e-5, (spec, err_o, err_t)
+            additive = torch.zeros(allowed.shape, dtype=torch.bfloat16).masked_fill(~allowed, float("-inf"))
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # torch's bf16 kernel, or an error (no silent fallback)
+                theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, enable_gqa=gqa)
+                grads_t = torch.autograd.grad(theirs, (q, k, v), dout)
             grads_ref = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
-            grads_t = torch.autograd.grad(theirs, (q, k, v), dout)
             grads_o = torch.autograd.grad(ours, (q, k, v), dout)
-            for name, r, t, o in zip(("dq", "dk", "dv"), grads_ref, grads_t, grads_o):
+            for name, r, t, o in zip(("out", "dq", "dk", "dv"), (ref, *grads_ref), (theirs, *grads_t),
+                                     (ours, *grads_o)):
                 assert o.dtype == torch.bfloat16
                 err_t = (t.double() - r).abs().max().item()
                 err_o = (o.double() - r).abs().max().item()
                 assert err_o <= 2 * err_t + 1e-5, (spec, name, err_o, err_t)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("target", ["avx512", "avx2"])
+def test_half_inputs_on_float32_products_are_the_float32_results_rounded(target, dtype):
+    """Where half-precision inputs take the float32 products (builds without bf16 products; float16 outside the amx
+    forward), sattn.torch's out and gradients are bit for bit those of the same values in float32, rounded once to
+    the inputs' dtype: the forward writes its out in float32 where a gradient may be needed, and the backward's
+    Di = rowsum(dO * out) reads that one (from the rounded out it would carry out's rounding into dq and dk).
+    Dense, causal, GQA, sparse (fixed and content-adaptive patterns) and packed variable-length calls."""
+    cu = torch.tensor([0, 70, 71, 300], dtype=torch.int32)
+    calls = {
+        "sdpa causal gqa": ((1, 8, 2, 300, 64), lambda q, k, v: st.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True)),
+        "sparse": ((2, 4, 4, 333, 64), lambda q, k, v: st.sparse_attention(q, k, v, "SlidingWindow(64, 32)")),
+        "sparse top-k": ((1, 4, 2, 260, 48), lambda q, k, v: st.sparse_attention(q, k, v, "BlockTopK(32, 3)",
+                                                                                  enable_gqa=True)),
+        "varlen": ((0, 4, 2, 300, 64), lambda q, k, v: st.flash_attn_varlen_func(q, k, v, cu, cu, 229, 229,
+                                                                                  causal=True)),
+    }
+    with on_target(target, "float32 products"):
+        for name, ((B, hq, hkv, L, D), fn) in calls.items():
+            g = torch.Generator().manual_seed(len(name))
+            shape = (lambda h: (L, h, D)) if B == 0 else (lambda h: (B, h, L, D))
+            q = torch.randn(shape(hq), generator=g).to(dtype)
+            k, v = (torch.randn(shape(hkv), generator=g).to(dtype) for _ in range(2))
+            dout = torch.randn(shape(hq), generator=g).to(dtype)
+            results = []
+            for xs in ((q, k, v), (q.float(), k.float(), v.float())):
+                xs = [x.clone().requires_grad_() for x in xs]
+                out = fn(*xs)
+                results.append([out, *torch.autograd.grad(out, xs, dout.to(out.dtype))])
+            for what, half, single in zip(("out", "dq", "dk", "dv"), *results):
+                assert half.dtype == dtype and torch.equal(half, single.to(dtype)), (name, what)
 
 
 def test_float32_precision_bf16_rounds_float32_inputs_only_where_the_cpu_has_bf16_products():
