@@ -155,13 +155,46 @@ def _empty_as(x):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _empty_out(query, value, float32_out=False):
-    """The attention output (query's shape with value's last size) in query's dtype, contiguous; float32 for
-    half-precision inputs with float32_out."""
-    dtype = torch.float32 if float32_out and query.dtype in _HALF else query.dtype
-    if value.shape[-1] == query.shape[-1] and dtype == query.dtype:
+def _empty_out(query, value, dtype=None):
+    """The attention output (query's shape with value's last size), contiguous, in query's dtype or `dtype`."""
+    if value.shape[-1] == query.shape[-1] and dtype in (None, query.dtype):
         return _empty_as(query)
-    return _contiguous_empty(tuple(query.shape[:-1]) + (value.shape[-1],), dtype)
+    return _contiguous_empty(tuple(query.shape[:-1]) + (value.shape[-1],), dtype or query.dtype)
+
+
+# Half precision and the backward. The backward computes Di = rowsum(dO * out); from a half out it would carry out's
+# rounding into dq and dk. Where a gradient may be needed (_run), a forward operator on half-precision inputs gets
+# float32_out=True (its last argument): it computes out in float32 (the same products and P rounding as for a half
+# out) and returns it twice, rounded to the inputs' dtype and as it is (its last output, out_float32), which the
+# autograd formula saves for the backward. Otherwise out_float32 is an empty tensor. The rounding happens inside the
+# operator, so eager and compiled calls give the same bits and the gradient reaches the backward in the inputs' dtype.
+
+def _float32_out(query, float32_out):
+    return float32_out and query.dtype in _HALF
+
+
+def _forward_out(query, value, float32_out):
+    """The out the kernels write: float32 for a float32_out call on half-precision inputs."""
+    return _empty_out(query, value, torch.float32 if _float32_out(query, float32_out) else None)
+
+
+def _forward_outputs(query, out, float32_out):
+    """(out in query's dtype, out_float32) from the out the kernels wrote."""
+    if _float32_out(query, float32_out):
+        return out.to(query.dtype), out
+    return out, query.new_empty((0,))
+
+
+def _fake_outputs(query, shape, float32_out):
+    """The fake (out, out_float32) of a forward operator."""
+    return (query.new_empty(shape),
+            query.new_empty(shape if _float32_out(query, float32_out) else (0,),
+                            dtype=torch.float32 if _float32_out(query, float32_out) else query.dtype))
+
+
+def _saved_out(out, out_float32):
+    """The out that the backward reads: the float32 one where the operator made it."""
+    return out_float32 if out_float32.dtype != out.dtype else out
 
 
 def _forward_precision(query, float32_precision, float32_out):
@@ -170,12 +203,6 @@ def _forward_precision(query, float32_precision, float32_out):
     if float32_out and query.dtype == torch.bfloat16:
         return "bf16"
     return _run_precision(float32_precision)
-
-
-def _grad_in_dtype(grad_out, query):
-    """out's gradient for a backward operator: the float32 out of half-precision inputs (float32_out) gets its
-    gradient through the cast to the inputs' dtype, which is exact to cast back."""
-    return grad_out.to(query.dtype) if grad_out.dtype != query.dtype and query.dtype in _HALF else grad_out
 
 
 # ---- the eager route ----------------------------------------------------------------------------------------------
@@ -229,22 +256,16 @@ def _eager_function(name, forward_impl, setup_context, autograd):
 
 def _run(operator, function, *args):
     """A forward operator's call: through the dispatcher, or on the eager route (the Function where a gradient may
-    be needed, else the body itself). Where a gradient may be needed for half-precision inputs, the operator writes
-    its out in float32 (float32_out, its last argument) and the backward reads that one (Di = rowsum(dO * out)
-    without out's rounding); the caller gets it rounded to the inputs' dtype, the same values as a half out."""
+    be needed, else the body itself). Its outputs but the last (out_float32); float32_out where a gradient may be
+    needed (see _float32_out)."""
     tensors = [a for a in args if isinstance(a, Tensor)]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    half = args[0].dtype if grad and args[0].dtype in _HALF else None
-    args += (half is not None,)
+    args += (grad,)
     if not _eager(tensors):
-        outputs = operator(*args)
-    elif grad:
-        outputs = function.apply(*args)
-    else:
-        outputs = function.impl(*args)
-    if half is None:
-        return outputs
-    return (outputs[0].to(half),) + tuple(outputs[1:])
+        return operator(*args)[:-1]
+    if grad:
+        return function.apply(*args)[:-1]
+    return function.impl(*args)[:-1]
 
 
 # ---- sattn::sdpa_forward / sattn::sdpa_backward -------------------------------------------------------------------
@@ -258,14 +279,15 @@ def _run(operator, function, *args):
 def _sdpa_forward_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
                        key_padding_mask: Optional[Tensor], causal: str, scale: Optional[float], dropout_p: float,
                        seed: Optional[Tensor], num_threads: int, float32_precision: str = "highest",
-                       float32_out: bool = False) -> tuple[Tensor, Tensor]:
+                       float32_out: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     B, Hq, Lq, _ = query.shape
-    out = _empty_out(query, value, float32_out)
+    out = _forward_out(query, value, float32_out)
     lse = _contiguous_empty((B, Hq, Lq), _stats_dtype(query.dtype))
     _core._torch_sdpa_forward(query, key, value, attn_mask, key_padding_mask, causal, scale,
                               dropout_p, _seed_value(seed), _run_threads(num_threads), out, lse,
                               _forward_precision(query, float32_precision, float32_out))
-    return out, lse
+    out, out_float32 = _forward_outputs(query, out, float32_out)
+    return out, lse, out_float32
 
 
 _sdpa_forward = torch.library.custom_op("sattn::sdpa_forward", _sdpa_forward_impl, mutates_args=(),
@@ -287,9 +309,8 @@ def _sdpa_forward_fake(query, key, value, attn_mask, key_padding_mask, causal, s
                        float32_precision="highest", float32_out=False):
     _describe_4d(query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p)
     B, Hq, Lq, _ = query.shape
-    return (query.new_empty((B, Hq, Lq, value.shape[-1]),
-                            dtype=torch.float32 if float32_out and query.dtype in _HALF else query.dtype),
-            query.new_empty((B, Hq, Lq), dtype=_stats_dtype(query.dtype)))
+    out, out_float32 = _fake_outputs(query, (B, Hq, Lq, value.shape[-1]), float32_out)
+    return out, query.new_empty((B, Hq, Lq), dtype=_stats_dtype(query.dtype)), out_float32
 
 
 def _sdpa_backward_impl(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
@@ -322,21 +343,20 @@ def _sdpa_backward_fake(grad_out, query, key, value, out, lse, attn_mask, key_pa
 
 def _sdpa_setup_context(ctx, inputs, output):
     query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p, seed, num_threads, precision = inputs[:11]
-    out, lse = output
-    ctx.save_for_backward(query, key, value, attn_mask, key_padding_mask, seed, out, lse)
+    out, lse, out_float32 = output
+    ctx.save_for_backward(query, key, value, attn_mask, key_padding_mask, seed, _saved_out(out, out_float32), lse)
     ctx.options = (causal, scale, dropout_p, num_threads, precision)
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, out_float32)
     ctx.set_materialize_grads(False)  # lse's gradient stays None (no zero tensor made for it at each backward)
 
 
-def _sdpa_autograd(ctx, grad_out, grad_lse):
+def _sdpa_autograd(ctx, grad_out, grad_lse, grad_out_float32):
     if grad_out is None:  # out's gradient undefined (grads are not materialised): no input gets one
         return (None,) * 12
     saved = ctx.saved_tensors  # unpacked once (saved-tensor hooks run at each unpacking)
     query, key, value, attn_mask, key_padding_mask, seed, out, lse = saved
     causal, scale, dropout_p, num_threads, precision = ctx.options
     need_dmask = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
-    grad_out = _grad_in_dtype(grad_out, query)
     backward = _sdpa_backward_impl if _eager_backward(saved, grad_out) else _sdpa_backward
     dq, dk, dv, dmask = backward(grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, causal,
                                  scale, dropout_p, seed, num_threads, need_dmask, precision)
@@ -435,10 +455,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         threads, precision = _threads(num_threads), _float32_precision(float32_precision)
         if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
                                         or (attn_mask is not None and attn_mask.requires_grad)):
-            half = query.dtype in _HALF  # float32 out for the backward (_run)
-            out = _SdpaFunction.apply(query, key, value, attn_mask, key_padding_mask, causal, scale, 0.0, None,
-                                      threads, precision, half)[0]
-            return out.to(query.dtype) if half else out
+            return _SdpaFunction.apply(query, key, value, attn_mask, key_padding_mask, causal, scale, 0.0, None,
+                                       threads, precision, True)[0]
         return _sdpa_inference(query, key, value, attn_mask, key_padding_mask, causal, scale, threads, precision)
     for x, name in ((query, "query"), (key, "key"), (value, "value"), (attn_mask, "attn_mask"),
                     (key_padding_mask, "key_padding_mask")):
@@ -517,9 +535,9 @@ def _sparse_forward_impl(query: Tensor, key: Tensor, value: Tensor, pattern: str
                          enable_gqa: bool, key_padding_mask: Optional[Tensor], block: int,
                          alibi_slopes: Optional[list[float]], softcap: float, bias: Optional[Tensor],
                          rel_pos_bias: Optional[Tensor], num_threads: int, float32_precision: str = "highest",
-                         float32_out: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                         float32_out: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     B, Hq, Lq, _ = query.shape
-    out = _empty_out(query, value, float32_out)
+    out = _forward_out(query, value, float32_out)
     lse = _contiguous_empty((B, Hq, Lq), _stats_dtype(query.dtype))
     ishape = _selection_shape(pattern, B, Hq, Lq, key.shape[2])
     indices = _contiguous_empty(ishape, torch.int64)
@@ -527,7 +545,8 @@ def _sparse_forward_impl(query: Tensor, key: Tensor, value: Tensor, pattern: str
                                 softcap, _as_stat_float(bias), _as_stat_float(rel_pos_bias), _run_threads(num_threads),
                                 out, lse, indices if len(ishape) == 4 else None,
                                 _forward_precision(query, float32_precision, float32_out))
-    return out, lse, indices
+    out, out_float32 = _forward_outputs(query, out, float32_out)
+    return out, lse, indices, out_float32
 
 
 _sparse_forward = torch.library.custom_op("sattn::sparse_forward", _sparse_forward_impl, mutates_args=(),
@@ -538,10 +557,9 @@ _sparse_forward = torch.library.custom_op("sattn::sparse_forward", _sparse_forwa
 def _sparse_forward_fake(query, key, value, pattern, scale, enable_gqa, key_padding_mask, block, alibi_slopes,
                          softcap, bias, rel_pos_bias, num_threads, float32_precision="highest", float32_out=False):
     B, Hq, Lq, _ = query.shape
-    return (query.new_empty((B, Hq, Lq, value.shape[-1]),
-                            dtype=torch.float32 if float32_out and query.dtype in _HALF else query.dtype),
-            query.new_empty((B, Hq, Lq), dtype=_stats_dtype(query.dtype)),
-            query.new_empty(_selection_shape(pattern, B, Hq, Lq, key.shape[2]), dtype=torch.int64))
+    out, out_float32 = _fake_outputs(query, (B, Hq, Lq, value.shape[-1]), float32_out)
+    return (out, query.new_empty((B, Hq, Lq), dtype=_stats_dtype(query.dtype)),
+            query.new_empty(_selection_shape(pattern, B, Hq, Lq, key.shape[2]), dtype=torch.int64), out_float32)
 
 
 def _sparse_backward_impl(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
@@ -580,17 +598,20 @@ def _sparse_backward_fake(grad_out, query, key, value, out, lse, indices, patter
 def _sparse_setup_context(ctx, inputs, output):
     (query, key, value, pattern, scale, enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias,
      rel_pos_bias, num_threads, float32_precision) = inputs[:14]
-    out, lse, indices = output
-    ctx.save_for_backward(query, key, value, key_padding_mask, bias, rel_pos_bias, out, lse, indices)
+    out, lse, indices, out_float32 = output
+    ctx.save_for_backward(query, key, value, key_padding_mask, bias, rel_pos_bias, _saved_out(out, out_float32), lse,
+                          indices)
     ctx.options = (pattern, scale, enable_gqa, block, alibi_slopes, softcap, num_threads, float32_precision)
-    ctx.mark_non_differentiable(lse, indices)
+    ctx.mark_non_differentiable(lse, indices, out_float32)
+    ctx.set_materialize_grads(False)  # no zero tensors for the non-differentiable outputs
 
 
-def _sparse_autograd(ctx, grad_out, grad_lse, grad_indices):
+def _sparse_autograd(ctx, grad_out, grad_lse, grad_indices, grad_out_float32):
+    if grad_out is None:  # out's gradient undefined (grads are not materialised): no input gets one
+        return (None,) * 15
     saved = ctx.saved_tensors
     query, key, value, key_padding_mask, bias, rel_pos_bias, out, lse, indices = saved
     pattern, scale, enable_gqa, block, alibi_slopes, softcap, num_threads, float32_precision = ctx.options
-    grad_out = _grad_in_dtype(grad_out, query)
     backward = _sparse_backward_impl if _eager_backward(saved, grad_out) else _sparse_backward
     dq, dk, dv, dbias, drel = backward(grad_out, query, key, value, out, lse, indices, pattern, scale,
                                        enable_gqa, key_padding_mask, block, alibi_slopes, softcap, bias,
@@ -655,13 +676,14 @@ def sparse_attention(query, key, value, pattern, scale=None, enable_gqa=False, *
 def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: Optional[float],
                          num_threads: int, float32_precision: str = "highest",
-                         float32_out: bool = False) -> tuple[Tensor, Tensor]:
-    out = _empty_out(q, v, float32_out)
+                         float32_out: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    out = _forward_out(q, v, float32_out)
     lse = _contiguous_empty((q.shape[1], q.shape[0]), _stats_dtype(q.dtype))
     _core._torch_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                                 _run_threads(num_threads), out, lse,
                                 _forward_precision(q, float32_precision, float32_out))
-    return out, lse
+    out, out_float32 = _forward_outputs(q, out, float32_out)
+    return out, lse, out_float32
 
 
 _varlen_forward = torch.library.custom_op("sattn::varlen_forward", _varlen_forward_impl, mutates_args=(),
@@ -671,9 +693,8 @@ _varlen_forward = torch.library.custom_op("sattn::varlen_forward", _varlen_forwa
 @_varlen_forward.register_fake
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                          num_threads, float32_precision="highest", float32_out=False):
-    return (q.new_empty((q.shape[0], q.shape[1], v.shape[-1]),
-                        dtype=torch.float32 if float32_out and q.dtype in _HALF else q.dtype),
-            q.new_empty((q.shape[1], q.shape[0]), dtype=_stats_dtype(q.dtype)))
+    out, out_float32 = _fake_outputs(q, (q.shape[0], q.shape[1], v.shape[-1]), float32_out)
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=_stats_dtype(q.dtype)), out_float32
 
 
 def _varlen_backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -701,17 +722,19 @@ def _varlen_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 def _varlen_setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, num_threads, precision = inputs[:11]
-    out, lse = output
-    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
+    out, lse, out_float32 = output
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, _saved_out(out, out_float32), lse)
     ctx.options = (max_seqlen_q, max_seqlen_k, causal, scale, num_threads, precision)
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, out_float32)
+    ctx.set_materialize_grads(False)  # no zero tensors for the non-differentiable outputs
 
 
-def _varlen_autograd(ctx, grad_out, grad_lse):
+def _varlen_autograd(ctx, grad_out, grad_lse, grad_out_float32):
+    if grad_out is None:  # out's gradient undefined (grads are not materialised): no input gets one
+        return (None,) * 12
     saved = ctx.saved_tensors
     q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse = saved
     max_seqlen_q, max_seqlen_k, causal, scale, num_threads, precision = ctx.options
-    grad_out = _grad_in_dtype(grad_out, q)
     backward = _varlen_backward_impl if _eager_backward(saved, grad_out) else _varlen_backward
     dq, dk, dv = backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, causal, scale, num_threads, precision)

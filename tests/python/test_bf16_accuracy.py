@@ -105,8 +105,9 @@ def test_bf16_learned_bias_gradients_within_twice_torch_from_the_float32_out(tar
 
             ref = torch_grads(q.double(), k.double(), v.double(), bias.double())
             theirs = torch_grads(q, k, v, bias)
-            out16, lse = ops.sdpa_forward(q, k, v, bias, None, "none", None, 0.0, None, 1)  # lse as autograd saves it
-            out32, _ = ops.sdpa_forward(q.float(), k.float(), v.float(), bias.float(), None, "none", None, 0.0, None, 1)
+            out16, lse, _ = ops.sdpa_forward(q, k, v, bias, None, "none", None, 0.0, None, 1)  # lse as autograd saves it
+            out32, _, _ = ops.sdpa_forward(q.float(), k.float(), v.float(), bias.float(), None, "none", None, 0.0, None,
+                                           1)
             grads = ops.sdpa_backward(dout, q, k, v, out32, lse, bias, None, "none", None, 0.0, None, 1, True)
             assert grads[0].dtype == torch.bfloat16 and grads[3].dtype == torch.bfloat16
             assert out16.dtype == torch.bfloat16

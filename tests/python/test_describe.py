@@ -71,7 +71,7 @@ def test_fake_implementation_checks_the_operator_call():
 
     with FakeTensorMode():
         q, k, v = torch.zeros(2, 4, 5, 8), torch.zeros(2, 4, 6, 8), torch.zeros(2, 4, 6, 3)
-        out, lse = torch.ops.sattn.sdpa_forward(q, k, v, None, None, "none", None, 0.0, None, 1)
+        out, lse, _ = torch.ops.sattn.sdpa_forward(q, k, v, None, None, "none", None, 0.0, None, 1)
         assert out.shape == (2, 4, 5, 3) and lse.shape == (2, 4, 5)
         with pytest.raises(ValueError, match=r"key: expected embedding size E = 8 \(from query \[2, 4, 5, 8\]\)"):
             torch.ops.sattn.sdpa_forward(q, k[..., :7], v, None, None, "none", None, 0.0, None, 1)

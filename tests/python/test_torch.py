@@ -43,16 +43,6 @@ def grads_of(fn, inputs, seed=0):
     return out, grads
 
 
-def op_node(out):
-    """The autograd node of the attention call that made out: a half-precision out is the operator's float32 one
-    rounded (ToCopyBackward0 above it)."""
-    node = out.grad_fn
-    if out.dtype in (torch.bfloat16, torch.float16):
-        assert type(node).__name__ == "ToCopyBackward0"
-        node = node.next_functions[0][0]
-    return node
-
-
 def qkv(B=2, Hq=4, Hkv=4, Lq=33, Lk=47, E=16, Ev=12, dtype=torch.float32, seed=0, lead=None):
     gen = torch.Generator().manual_seed(seed)
     lead = (B,) if lead is None else lead
@@ -337,7 +327,7 @@ def _sdpa_op_args(dtype=torch.float32, mask=True, dropout=0.0):
 def test_opcheck_sdpa(args):
     a = _sdpa_op_args(**args)
     torch.library.opcheck(torch.ops.sattn.sdpa_forward.default, a)
-    out, lse = torch.ops.sattn.sdpa_forward(*a)
+    out, lse, _ = torch.ops.sattn.sdpa_forward(*a)
     bwd = (torch.randn_like(out), *(x.detach() if x is not None and x.dtype.is_floating_point else x
                                      for x in a[:3]), out.detach(), lse, *a[3:], a[3] is not None)
     bwd = bwd[:6] + ((a[3].detach() if a[3] is not None else None),) + bwd[7:]
@@ -350,14 +340,14 @@ def test_opcheck_sparse_and_varlen():
     for spec in ("SlidingWindow(4, 0)", "TopK(6)"):
         args = (q, k, v, spec, None, False, None, 16, None, 0.0, bias if spec.startswith("S") else None, None, 1)
         torch.library.opcheck(torch.ops.sattn.sparse_forward.default, args)
-        out, lse, idx = torch.ops.sattn.sparse_forward(*args)
+        out, lse, idx, _ = torch.ops.sattn.sparse_forward(*args)
         bwd = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, idx, spec, None, False,
                None, 16, None, 0.0, args[10].detach() if args[10] is not None else None, None, 1)
         torch.library.opcheck(torch.ops.sattn.sparse_backward.default, bwd)
     # float32_precision given (the schemas' defaulted last argument), forward and backward
     args = (q, k, v, "SlidingWindow(4, 0)", None, False, None, 16, None, 0.0, None, None, 1, "bf16")
     torch.library.opcheck(torch.ops.sattn.sparse_forward.default, args)
-    out, lse, idx = torch.ops.sattn.sparse_forward(*args)
+    out, lse, idx, _ = torch.ops.sattn.sparse_forward(*args)
     bwd = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, idx, args[3], None, False,
            None, 16, None, 0.0, None, None, 1, "bf16")
     torch.library.opcheck(torch.ops.sattn.sparse_backward.default, bwd)
@@ -367,10 +357,36 @@ def test_opcheck_sparse_and_varlen():
     q, k, v = (torch.randn(17, 2, 8, generator=gen, requires_grad=True) for _ in range(3))
     args = (q, k, v, cu, cu, max(lens), max(lens), True, None, 1)
     torch.library.opcheck(torch.ops.sattn.varlen_forward.default, args)
-    out, lse = torch.ops.sattn.varlen_forward(*args)
+    out, lse, _ = torch.ops.sattn.varlen_forward(*args)
     torch.library.opcheck(torch.ops.sattn.varlen_backward.default,
                           (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, cu, cu, 9, 9,
                            True, None, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_opcheck_float32_out(dtype):
+    """float32_out=True (the operators' last argument, given where a gradient may be needed): half-precision inputs
+    get out in their dtype and, as the last output, the same out in float32 before its rounding; other dtypes an
+    empty last output. The backward of the operator's autograd formula reads the float32 one."""
+    q, k, v = leaves(*qkv(B=1, Hq=2, Hkv=2, Lq=40, Lk=40, E=8, Ev=8, seed=13, dtype=dtype))
+    cu = torch.tensor([0, 3, 40], dtype=torch.int32)
+    calls = ((torch.ops.sattn.sdpa_forward.default, (q, k, v, None, None, "top_left", None, 0.0, None, 1)),
+             (torch.ops.sattn.sparse_forward.default, (q, k, v, "SlidingWindow(4, 0)", None, False, None, 16, None,
+                                                       0.0, None, None, 1)),
+             (torch.ops.sattn.varlen_forward.default, (q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                                       v[0].transpose(0, 1), cu, cu, 37, 37, True, None, 1)))
+    for op, args in calls:
+        args = args + ("highest", True)
+        torch.library.opcheck(op, args)
+        outputs = op(*args)
+        out, out_float32 = outputs[0], outputs[-1]
+        assert out.dtype == dtype
+        if dtype == torch.float32:
+            assert out_float32.shape == (0,)
+        else:
+            assert out_float32.dtype == torch.float32 and torch.equal(out_float32.to(dtype), out)
+            assert not torch.equal(out_float32, out.float())  # unrounded
+        out.backward(torch.ones_like(out))
 
 
 # ---- the eager route and the operators ----------------------------------------------------------------------------
@@ -411,7 +427,7 @@ def test_eager_route_equals_the_operators_bit_for_bit(name):
     ins = leaves(*(x for x in make() if x is not None))
     call = (lambda *a: fn(*a[:3], a[3] if len(a) > 3 else None))
     out, grads = grads_of(call, ins)
-    assert type(op_node(out)).__name__ == {"sdpa": "SdpaFunctionBackward", "sparse": "SparseFunctionBackward",
+    assert type(out.grad_fn).__name__ == {"sdpa": "SdpaFunctionBackward", "sparse": "SparseFunctionBackward",
                                           "varlen": "VarlenFunctionBackward"}[name]
     with RecordOps() as seen:
         ref, ref_grads = grads_of(call, leaves(*ins))
@@ -463,7 +479,7 @@ def test_common_calls_take_the_short_route_with_the_same_bits(shapes, kw, make_m
     with torch.no_grad():
         assert torch.equal(call(*ins), ref) and len(taken) == 2
     out, grads = grads_of(call, ins)  # a gradient needed: the autograd.Function, no lse skipped
-    assert type(op_node(out)).__name__ == "SdpaFunctionBackward" and len(taken) == 2
+    assert type(out.grad_fn).__name__ == "SdpaFunctionBackward" and len(taken) == 2
     assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
     assert len(grads) == len(ins)
     taken.clear()  # the calls that must not take it
