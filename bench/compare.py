@@ -12,9 +12,10 @@ first in even rounds and torch first in odd ones, and each time is the median of
 the call under torch.no_grad(). Backward: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) on an output
 computed once before the rounds (the forward is not timed). Masks: full (none), causal, bias: an additive float
 mask [1, H, Lq, Lk] in the inputs' dtype shared by the batch (a learned position bias, as in windowed vision
-transformers), whose gradient the backward computes too, or padding: a bool attn_mask [B, 1, 1, Lk] (True = may
-attend) that pads the last eighth of every sequence's keys, as a transformer's padding mask (GFLOP/s count the padded
-keys too). One line per configuration: the median over the rounds of
+transformers), whose gradient the backward computes too, padding: a bool attn_mask [B, 1, 1, Lk] (True = may
+attend) that pads the last eighth of every sequence's keys, as a transformer's padding mask, or bool: a bool
+attn_mask [1, 1, Lq, Lk] with about a tenth of the pairs masked at random (seeded), an arbitrary mask (GFLOP/s count
+the padded or masked keys too). One line per configuration: the median over the rounds of
 each side's time, sattn's GFLOP/s (forward 4·B·H·Lq·Lk·D, backward 2.5x that; half for causal when Lq == Lk), the
 per-round ratios torch ms / sattn ms and their median (> 1: sattn faster). The warm-up outputs (forward) or
 gradients (backward) of the two are compared; a gross mismatch is reported on stderr, the max |diff| goes to --json.
@@ -33,7 +34,7 @@ build/python is also tried when sattn is not importable).
   PYTHONPATH=build/python build/venv/bin/python bench/compare.py                 # the full matrix (defaults)
   PYTHONPATH=build/python build/venv/bin/python bench/compare.py --quick         # smoke test (seconds)
   PYTHONPATH=build/python build/venv/bin/python bench/compare.py [--dtypes fp32,bf16,fp16] [--passes fwd,bwd]
-      [--masks full,causal,bias,padding] [--dims 64,128] [--lens 1024,4096] [--threads 1,2] [--decode-lens 65536]
+      [--masks full,causal,bias,padding,bool] [--dims 64,128] [--lens 1024,4096] [--threads 1,2] [--decode-lens 65536]
       [--decode-dtypes bf16,fp32] [--batch 1] [--heads 8] [--kv-heads H] [--rounds 5] [--reps 1]
       [--sattn build/sattn] [--json out.json]
 
@@ -182,6 +183,8 @@ def run_config(sdpa, dtype_name, pas, mask, D, Lq, Lk, threads, a):
         kw["attn_mask"] = bias
     if mask == "padding":  # every sequence's last eighth of keys is padding (True = may attend)
         kw["attn_mask"] = (torch.arange(Lk) < Lk - Lk // 8).reshape(1, 1, 1, Lk).repeat(a.batch, 1, 1, 1)
+    if mask == "bool":  # an arbitrary mask: about a tenth of the pairs masked (True = may attend)
+        kw["attn_mask"] = torch.rand(1, 1, Lq, Lk, generator=g) >= 0.1
     inputs = (q, k, v) if bias is None else (q, k, v, bias)
     impls = {"sattn": sdpa, "torch": F.scaled_dot_product_attention}
     if pas == "fwd":
@@ -251,7 +254,8 @@ def ints(text, option):
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for opt, what in (("--dtypes", "fp32,bf16,fp16"), ("--passes", "fwd,bwd"), ("--masks", "full,causal,bias,padding"),
+    for opt, what in (("--dtypes", "fp32,bf16,fp16"), ("--passes", "fwd,bwd"),
+                      ("--masks", "full,causal,bias,padding,bool"),
                       ("--dims", "head dims D"), ("--lens", "sequence lengths L (Lq = Lk)"),
                       ("--threads", "thread counts"), ("--decode-lens", "decode key lengths (Lq 1; '' skips decode)"),
                       ("--decode-dtypes", "decode dtypes")):
@@ -293,7 +297,7 @@ def main():
     sattn, sattn_torch = import_sattn()
     dtypes = names(a.dtypes, DTYPE_NAMES, "--dtypes")
     passes = names(a.passes, ("fwd", "bwd"), "--passes")
-    masks = names(a.masks, ("full", "causal", "bias", "padding"), "--masks")
+    masks = names(a.masks, ("full", "causal", "bias", "padding", "bool"), "--masks")
     dims, lens, thread_counts = ints(a.dims, "--dims"), ints(a.lens, "--lens"), ints(a.threads, "--threads")
     decode_lens = ints(a.decode_lens, "--decode-lens")
     decode_dtypes = names(a.decode_dtypes, DTYPE_NAMES, "--decode-dtypes")
