@@ -799,6 +799,21 @@ TEST(Fused, QueryTileFollowsTheQueryCount) {
   for (const auto& e : expect8) EXPECT_EQ(query_tile(e[0], e[1], 8), e[2]) << "Lq " << e[0] << " br " << e[1];
 }
 
+// The default tile: blocks of 64 rows at most, or, without causality, one block of up to 128 or 256 where that
+// computes at least 5 % fewer rows (Lq = 197: 208 rows instead of 4 x 64; Lq = 300 keeps 64: 320 against 320).
+TEST(Fused, DefaultQueryTileTakesLargerBlocksWhereTheyPadLess) {
+  using sattn::fused::default_query_tile;
+  const int64_t expect16[][2] = {{1, 16},   {49, 64},   {64, 64},   {65, 80},  {96, 48},  {100, 112},
+                                 {145, 80}, {197, 208}, {240, 240}, {300, 64}, {577, 64}, {4096, 64}};
+  for (const auto& e : expect16) EXPECT_EQ(default_query_tile(e[0], false, 16), e[1]) << "Lq " << e[0];
+  const int64_t expect8[][2] = {{49, 56}, {65, 72}, {197, 104}, {300, 152}, {577, 120}, {4096, 64}};
+  for (const auto& e : expect8) EXPECT_EQ(default_query_tile(e[0], false, 8), e[1]) << "Lq " << e[0];
+  for (const int64_t lq : {65, 197, 240, 300}) {  // causal: query_tile's blocks of at most 64
+    EXPECT_EQ(default_query_tile(lq, true, 16), sattn::fused::query_tile(lq, 64, 16)) << "Lq " << lq;
+    EXPECT_EQ(default_query_tile(lq, true, 8), sattn::fused::query_tile(lq, 64, 8)) << "Lq " << lq;
+  }
+}
+
 // In float32 a row's out, lse and dQ do not depend on the query tile: the first rows of a call (Lq = 96, 24, 40)
 // are those of a call on those rows alone (a different query tile: 48 against 64, 24 or 32 against 16, 40 or 48
 // against 24 or 32, by the build's granule), bitwise, on every SIMD target; with a bool mask, and with an additive one
@@ -815,7 +830,9 @@ TEST(Fused, RowsDoNotDependOnTheQueryTile) {
       c.causal = lq == 24 ? sattn::Causal::kNone : sattn::Causal::kTopLeft;
       SCOPED_TRACE(target + " " + c.name() + " first rows " + std::to_string(rows));
       const int64_t granule = sattn::fused::forward_ops().query_granule;
-      ASSERT_NE(sattn::fused::query_tile(lq, 64, granule), sattn::fused::query_tile(rows, 64, granule));
+      const bool causal = c.causal != sattn::Causal::kNone;
+      ASSERT_NE(sattn::fused::default_query_tile(lq, causal, granule),
+                sattn::fused::default_query_tile(rows, causal, granule));
       const Problem whole = make_problem(c, ++seed);
       Problem part = whole;
       part.c.Lq = rows;

@@ -209,6 +209,9 @@ struct Params {
 // groups of `granule` rows (ForwardOps::query_granule), the queries split into as few and as even blocks as br
 // allows (fused_kernel.cpp).
 int64_t query_tile(int64_t len_q, int64_t br, int64_t granule);
+// Params::Br unless SATTN_FUSED_BR sets the most rows: query_tile with at most 64 rows, or, without causality, 128
+// or 256 where that computes at least 5 % fewer rows (fused_kernel.cpp).
+int64_t default_query_tile(int64_t len_q, bool causal, int64_t granule);
 
 // One SIMD implementation of the tile loops: the forward's (fused_simd.cpp) and the backward's
 // (fused_backward_simd.cpp).
