@@ -800,7 +800,8 @@ TEST(Fused, QueryTileFollowsTheQueryCount) {
 }
 
 // The default tile: blocks of 64 rows at most, or, without causality, one block of up to 128 or 256 where that
-// computes at least 5 % fewer rows (Lq = 197: 208 rows instead of 4 x 64; Lq = 300 keeps 64: 320 against 320).
+// computes at least 5 % fewer rows (Lq = 197: 208 rows instead of 4 x 64; Lq = 300 keeps 64: 320 against 320), in at
+// least the blocks asked for.
 TEST(Fused, DefaultQueryTileTakesLargerBlocksWhereTheyPadLess) {
   using sattn::fused::default_query_tile;
   const int64_t expect16[][2] = {{1, 16},   {49, 64},   {64, 64},   {65, 80},  {96, 48},  {100, 112},
@@ -808,7 +809,9 @@ TEST(Fused, DefaultQueryTileTakesLargerBlocksWhereTheyPadLess) {
   for (const auto& e : expect16) EXPECT_EQ(default_query_tile(e[0], false, 16), e[1]) << "Lq " << e[0];
   const int64_t expect8[][2] = {{49, 56}, {65, 72}, {197, 104}, {300, 152}, {577, 120}, {4096, 64}};
   for (const auto& e : expect8) EXPECT_EQ(default_query_tile(e[0], false, 8), e[1]) << "Lq " << e[0];
-  for (const int64_t lq : {65, 197, 240, 300}) {  // causal: query_tile's blocks of at most 64
+  EXPECT_EQ(default_query_tile(197, false, 16, 2), 112);  // two blocks at least: 2 x 112 rows
+  EXPECT_EQ(default_query_tile(197, false, 16, 3), 64);   // three: blocks of 64 (the larger ones make one or two)
+  for (const int64_t lq : {65, 197, 240, 300}) {          // causal: query_tile's blocks of at most 64
     EXPECT_EQ(default_query_tile(lq, true, 16), sattn::fused::query_tile(lq, 64, 16)) << "Lq " << lq;
     EXPECT_EQ(default_query_tile(lq, true, 8), sattn::fused::query_tile(lq, 64, 8)) << "Lq " << lq;
   }

@@ -210,8 +210,8 @@ struct Params {
 // allows (fused_kernel.cpp).
 int64_t query_tile(int64_t len_q, int64_t br, int64_t granule);
 // Params::Br unless SATTN_FUSED_BR sets the most rows: query_tile with at most 64 rows, or, without causality, 128
-// or 256 where that computes at least 5 % fewer rows (fused_kernel.cpp).
-int64_t default_query_tile(int64_t len_q, bool causal, int64_t granule);
+// or 256 where that computes at least 5 % fewer rows in at least min_blocks blocks (fused_kernel.cpp).
+int64_t default_query_tile(int64_t len_q, bool causal, int64_t granule, int64_t min_blocks = 1);
 
 // One SIMD implementation of the tile loops: the forward's (fused_simd.cpp) and the backward's
 // (fused_backward_simd.cpp).

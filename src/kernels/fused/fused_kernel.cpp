@@ -46,14 +46,17 @@ int64_t query_tile(int64_t len_q, int64_t br, int64_t granule) {
 // where that computes at least 5 % fewer rows (Lq = 197, a ViT's tokens: one block of 208 rows instead of four of
 // 64, 256 rows; Lq = 65: one of 80 instead of two of 48). Short sequences otherwise compute up to a third more rows
 // than they have; long ones keep 64 (larger blocks of S^T and O^T fall out of the first-level cache), and so do
-// causal calls, whose smaller blocks skip more of the keys past the diagonal.
-int64_t default_query_tile(int64_t len_q, bool causal, int64_t granule) {
-  const auto computed = [len_q](int64_t br) { return (len_q + br - 1) / br * br; };
+// causal calls, whose smaller blocks skip more of the keys past the diagonal. A larger block is taken only if the
+// queries still make at least min_blocks blocks: the caller asks for 8 tasks in all, so that a call of few heads
+// keeps tasks for several threads. (Not the thread count itself: with the bf16 products a row's result depends on
+// its block by rounding, and results must not depend on the thread count.)
+int64_t default_query_tile(int64_t len_q, bool causal, int64_t granule, int64_t min_blocks) {
+  const auto blocks = [len_q](int64_t br) { return (len_q + br - 1) / br; };
   int64_t best = query_tile(len_q, 64, granule);
   if (causal) return best;
   for (const int64_t most : {128, 256}) {
     const int64_t br = query_tile(len_q, most, granule);
-    if (20 * computed(br) <= 19 * computed(best)) best = br;
+    if (20 * blocks(br) * br <= 19 * blocks(best) * best && blocks(br) >= min_blocks) best = br;
   }
   return best;
 }
@@ -93,7 +96,9 @@ Params make_params(const AttentionProblem& pr, const TensorView& q, const Tensor
   p.q_pos0 = pr.query_offset, p.k_pos0 = pr.key_offset, p.pos_stride = pr.position_stride;
   static const int64_t br = env_tile("SATTN_FUSED_BR", 0), bc = env_tile("SATTN_FUSED_BC", 64);
   const int64_t granule = forward_ops().query_granule;
-  p.Br = br > 0 ? query_tile(pr.len_q, br, granule) : default_query_tile(pr.len_q, p.causal, granule);
+  constexpr int64_t kMinTasks = 8;
+  const int64_t heads = std::max<int64_t>(1, p.B * p.Hq), min_blocks = (kMinTasks + heads - 1) / heads;
+  p.Br = br > 0 ? query_tile(pr.len_q, br, granule) : default_query_tile(pr.len_q, p.causal, granule, min_blocks);
   p.Bc = bc;
   return p;
 }
