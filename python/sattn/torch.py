@@ -273,8 +273,8 @@ def _run(operator, function, *args):
 # (additive), at most 4-D and broadcastable to [B, Hq, Lq, Lk]; key_padding_mask bool [B, Lk] (True = padding);
 # causal "none" | "top_left" | "bottom_right"; float32_precision "highest" | "bf16" (AttentionOptions) | "auto"
 # (torch.get_float32_matmul_precision() when the operator runs: "medium" is "bf16"). Returns out
-# [B, Hq, Lq, Ev] (query's dtype; float32 for half-precision inputs with float32_out, see _run) and lse [B, Hq, Lq]
-# (float32; float64 for float64 inputs).
+# [B, Hq, Lq, Ev] (query's dtype), lse [B, Hq, Lq] (float32; float64 for float64 inputs) and out_float32 (see "Half
+# precision and the backward" above).
 
 def _sdpa_forward_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
                        key_padding_mask: Optional[Tensor], causal: str, scale: Optional[float], dropout_p: float,
@@ -496,8 +496,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 # ---- sattn::sparse_forward / sattn::sparse_backward ---------------------------------------------------------------
 # 4-D query [B, Hq, Lq, D], key [B, Hkv, Lk, D], value [B, Hkv, Lk, Dv]; pattern: a spec (sattn.Pattern's repr).
-# Returns out [B, Hq, Lq, Dv] (query's dtype; float32 for half-precision inputs with float32_out), lse [B, Hq, Lq]
-# (float32/float64) and indices (int64: the selection of TopK / BlockTopK, else empty).
+# Returns out [B, Hq, Lq, Dv] (query's dtype), lse [B, Hq, Lq] (float32/float64), indices (int64: the selection of
+# TopK / BlockTopK, else empty) and out_float32.
 
 @torch.compiler.assume_constant_result
 def _pattern_spec(pattern):
@@ -670,8 +670,7 @@ def sparse_attention(query, key, value, pattern, scale=None, enable_gqa=False, *
 
 # ---- sattn::varlen_forward / sattn::varlen_backward ---------------------------------------------------------------
 # Packed sequences: q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv], cu_seqlens int32/int64 [n + 1].
-# Returns out [total_q, Hq, Dv] (q's dtype; float32 for half-precision inputs with float32_out) and lse
-# [Hq, total_q] (FlashAttention's layout).
+# Returns out [total_q, Hq, Dv] (q's dtype), lse [Hq, total_q] (FlashAttention's layout) and out_float32.
 
 def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: Optional[float],
