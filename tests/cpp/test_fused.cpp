@@ -253,12 +253,13 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
 std::vector<Case> sweep() {
   using sattn::Causal;
   std::vector<Case> cs;
-  // Shapes around the 64x64 tile and narrower query tiles (Lq 7, 27, 33, 65, 129, 200), odd D/Dv, Lq != Lk, GQA/MQA;
-  // the one-pass backward with one key group in tiles of each task's own (Lk <= 64) and in the call's (Lq 1100).
+  // Shapes around the 64x64 tile, narrower query tiles (Lq 7, 27, 33, 129, 200) and, without causality, the larger
+  // ones of short sequences in 8 tasks (Lq 65: 80 rows, 197: 208), odd D/Dv, Lq != Lk, GQA/MQA; the one-pass backward
+  // with one key group in tiles of each task's own (Lk <= 64) and in the call's (Lq 1100).
   const int64_t shapes[][7] = {
       {1, 1, 1, 1, 1, 8, 8},       {1, 2, 2, 7, 129, 16, 24},   {2, 4, 2, 65, 63, 17, 9},     {1, 2, 1, 64, 64, 64, 64},
       {1, 3, 1, 129, 130, 80, 80}, {2, 2, 2, 63, 200, 5, 33},   {1, 1, 1, 200, 65, 128, 128}, {3, 2, 1, 33, 47, 1, 3},
-      {2, 2, 1, 27, 90, 24, 40},   {1, 2, 1, 1100, 50, 64, 48},
+      {2, 2, 1, 27, 90, 24, 40},   {1, 2, 1, 1100, 50, 64, 48}, {2, 4, 2, 197, 150, 64, 40},
   };
   const Causal causals[] = {Causal::kNone, Causal::kTopLeft, Causal::kBottomRight};
   int n = 0;
