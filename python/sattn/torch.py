@@ -187,9 +187,9 @@ def _forward_outputs(query, out, float32_out):
 
 def _fake_outputs(query, shape, float32_out):
     """The fake (out, out_float32) of a forward operator."""
-    return (query.new_empty(shape),
-            query.new_empty(shape if _float32_out(query, float32_out) else (0,),
-                            dtype=torch.float32 if _float32_out(query, float32_out) else query.dtype))
+    if _float32_out(query, float32_out):
+        return query.new_empty(shape), query.new_empty(shape, dtype=torch.float32)
+    return query.new_empty(shape), query.new_empty((0,))
 
 
 def _saved_out(out, out_float32):

@@ -569,6 +569,24 @@ def test_compile_fullgraph_matches_eager():
     assert not torch.equal(runs[0][0], runs[1][0])
 
 
+def test_compile_fullgraph_half_precision_gives_eager_bits():
+    """bf16 calls that need a gradient compute out in float32 and round it inside the operator: under
+    torch.compile(fullgraph=True) with inductor the outputs that feed the next operation and the gradients are bit
+    for bit eager's (a rounding outside the operator is a cast that inductor fuses away)."""
+    g = torch.Generator().manual_seed(15)
+    q, k, v = (torch.randn(1, 4, 96, 32, generator=g).bfloat16().requires_grad_() for _ in range(3))
+
+    def f(q, k, v):
+        return st.scaled_dot_product_attention(q, k, v, is_causal=True) + st.sparse_attention(q, k, v,
+                                                                                            "SlidingWindow(16, 0)")
+    eager = f(q, k, v)
+    compiled = torch.compile(f, fullgraph=True)(q, k, v)
+    assert compiled.dtype == torch.bfloat16 and torch.equal(compiled, eager)
+    for a, b in zip(torch.autograd.grad(compiled.float().sum(), (q, k, v)),
+                    torch.autograd.grad(eager.float().sum(), (q, k, v))):
+        assert torch.equal(a, b)
+
+
 def test_compile_fullgraph_and_export_sparse_attention_match_eager():
     """sparse_attention under torch.compile(fullgraph=True): no graph break (the pattern as a spec string or a
     sattn.Pattern), forward and backward, with float32_precision given ('bf16': the bf16 products where the CPU has
