@@ -2,10 +2,10 @@
 """sattn's SDPA against PyTorch's own SDPA on this CPU, in one process, in alternating rounds.
 
 sattn.torch.scaled_dot_product_attention and torch.nn.functional.scaled_dot_product_attention run on the same torch
-tensors (B = --batch, H = --heads query heads over --kv-heads key/value heads, Lq = Lk = L) with the same thread
-count: torch.set_num_threads(t), which sattn.torch reads at every call (sattn.set_num_threads(t) and OpenBLAS's
-pool, bench/torch_threads.py, are set to t too). The matrix is dtype x pass x mask x D x L x threads, plus decode
-(Lq 1, Lk = --decode-lens, forward, no mask, dtypes --decode-dtypes).
+tensors (B = --batch, H = --heads query heads over --kv-heads key/value heads, Lk = L, Lq = --lq or L) with the
+same thread count: torch.set_num_threads(t), which sattn.torch reads at every call (sattn.set_num_threads(t) and
+OpenBLAS's pool, bench/torch_threads.py, are set to t too). The matrix is dtype x pass x mask x D x L x threads,
+plus decode (Lq 1, Lk = --decode-lens, forward, no mask, dtypes --decode-dtypes).
 
 Each configuration gets one warm-up call of each side, then --rounds rounds; a round times sattn and torch, sattn
 first in even rounds and torch first in odd ones, and each time is the median of --reps calls (default 1). Forward:
@@ -264,6 +264,8 @@ def parse_args():
     ap.add_argument("--batch", type=int, default=1, help="B (default 1)")
     ap.add_argument("--heads", type=int, default=8, help="H, query heads (default 8)")
     ap.add_argument("--kv-heads", type=int, help="key/value heads, a divisor of H (default H; fewer: GQA)")
+    ap.add_argument("--lq", type=int, help="query length of every row, keys L (default L; e.g. 4096 queries over "
+                    "77 keys: cross-attention; causal is then torch's is_causal, top-left, on both sides)")
     ap.add_argument("--rounds", type=int, help="alternating rounds per configuration (default 5)")
     ap.add_argument("--reps", type=int, default=1, help="calls per measurement, median taken (default 1)")
     ap.add_argument("--ceiling-n", type=int, help="N of the SGEMM and torch.mm ceilings (default 2048)")
@@ -278,7 +280,8 @@ def parse_args():
             setattr(a, key, QUICK[key] if a.quick and key in QUICK else value)
     if a.kv_heads is None:
         a.kv_heads = a.heads
-    for key in ("batch", "heads", "kv_heads", "rounds", "reps", "ceiling_n", "ceiling_reps"):
+    checked = ("batch", "heads", "kv_heads", "rounds", "reps", "ceiling_n", "ceiling_reps")
+    for key in checked + (("lq",) if a.lq is not None else ()):
         if getattr(a, key) <= 0:
             sys.exit(f"compare.py: --{key.replace('_', '-')}: expected a positive integer")
     if a.heads % a.kv_heads:
@@ -336,7 +339,8 @@ def main():
                      "torch_mm_bf16_gflops": mm16, "torch_mm_bf16_n": n16})
         print(f"  {'dtype':<5} {'pass':<4} {'mask':<6} {'D':>4} {'Lq':>6} {'Lk':>6} {'thr':>3} {'sattn_ms':>10} "
               f"{'torch_ms':>10} {'sattn_GF':>8} {'%fma':>6}  ratio per round, median")
-        configs = [(dt, p, m, D, L, L) for dt in dtypes for p in passes for m in masks for D in dims for L in lens]
+        configs = [(dt, p, m, D, a.lq or L, L)
+                   for dt in dtypes for p in passes for m in masks for D in dims for L in lens]
         configs += [(dt, "fwd", "full", D, 1, L) for dt in decode_dtypes for D in dims for L in decode_lens]
         for dt, p, m, D, Lq, Lk in configs:
             row = run_config(sattn_torch.scaled_dot_product_attention, dt, p, m, D, Lq, Lk, t, a)

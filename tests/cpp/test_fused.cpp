@@ -255,7 +255,7 @@ std::vector<Case> sweep() {
   std::vector<Case> cs;
   // Shapes around the 64x64 tile, narrower query tiles (Lq 7, 27, 33, 129, 200) and, without causality, the larger
   // ones of short sequences in 8 tasks (Lq 65: 80 rows, 197: 208), odd D/Dv, Lq != Lk, GQA/MQA; the one-pass backward
-  // with one key group in tiles of each task's own (Lk <= 64) and in the call's (Lq 1100).
+  // with one key group, in one task per (b, kv head) or in query chunks (Lq 1100: 9 of them).
   const int64_t shapes[][7] = {
       {1, 1, 1, 1, 1, 8, 8},       {1, 2, 2, 7, 129, 16, 24},   {2, 4, 2, 65, 63, 17, 9},     {1, 2, 1, 64, 64, 64, 64},
       {1, 3, 1, 129, 130, 80, 80}, {2, 2, 2, 63, 200, 5, 33},   {1, 1, 1, 200, 65, 128, 128}, {3, 2, 1, 33, 47, 1, 3},
@@ -853,10 +853,11 @@ TEST(Fused, RowsDoNotDependOnTheQueryTile) {
 }
 
 // Problems large enough that the backward's tasks cover several key blocks each (groups of 3 and 4 blocks, the
-// last group shorter): gradients against the reference, and bitwise the same for 1 and 3 threads.
+// last group shorter), and short keys in one group whose query blocks are split into chunks (partial dK and dV):
+// gradients against the reference, and bitwise the same for 1 and 3 threads.
 TEST(Fused, BackwardKeyGroupsMatchReferenceAndThreadCounts) {
   Case a;
-  a.B = 3, a.Hq = 4, a.Hkv = 2, a.Lq = 300, a.Lk = 1180, a.D = 24, a.Dv = 40;  // 19 key blocks in groups of 3
+  a.B = 3, a.Hq = 4, a.Hkv = 2, a.Lq = 150, a.Lk = 1180, a.D = 120, a.Dv = 136;  // 19 key blocks in groups of 3
   a.mask = 1, a.mask_shape = 1, a.padding = 2, a.causal = sattn::Causal::kBottomRight, a.strided = true;
   Case b;
   b.B = 1, b.Hq = b.Hkv = 8, b.Lq = b.Lk = 1030, b.D = b.Dv = 64;  // 17 key blocks in groups of 4
@@ -864,8 +865,15 @@ TEST(Fused, BackwardKeyGroupsMatchReferenceAndThreadCounts) {
   // an additive [Lq, Lk] mask with its gradient: the key groups' dS summed over batch and heads, with key lengths
   Case m = a;
   m.mask = 2;
+  // one key group, 2 kv heads of 2 query heads, 32 query blocks in 8 chunks of 4; with key lengths (some rows of
+  // no key), dropout and a mask; then causal from the bottom right (the first 14 query blocks see no key)
+  Case s;
+  s.B = 2, s.Hq = 4, s.Hkv = 2, s.Lq = 1000, s.Lk = 77, s.D = 40, s.Dv = 24;
+  s.mask = 1, s.padding = 2, s.dropout = 0.1;
+  Case sc = s;
+  sc.causal = sattn::Causal::kBottomRight, sc.mask = 0, sc.padding = 0, sc.dropout = 0, sc.strided = true;
   uint32_t seed = 40;
-  for (const Case& c : {a, b, m}) {
+  for (const Case& c : {a, b, m, s, sc}) {
     SCOPED_TRACE(c.name());
     const Problem pb = make_problem(c, ++seed);
     const FwdResult ref = run_forward(pb, "reference", 2);

@@ -172,16 +172,18 @@ struct Params {
   uint8_t* block_has_nan_row = nullptr;
   const uint8_t* nan_key_block = nullptr;
   // Query-side tiles packed once per (b, h, q block) t = (b * Hq + h) * num_q_blocks + qb:
-  // (scale Q)^T [D x Br], dO^T [Dv x Br], scale Q [Br x pad16(D)], dO [Br x pad16(Dv)], from block pk_t0 on (with
-  // dq_part: the call's buffers hold every block, pk_t0 = 0; a one-pass task that packs its own holds its blocks
-  // only, never where bf16 pairs are packed too, whose buffers are the call's).
+  // (scale Q)^T [D x Br], dO^T [Dv x Br], scale Q [Br x pad16(D)], dO [Br x pad16(Dv)]: in the call's buffers, one
+  // tile per block, or, with pk_one_block (the one-pass backward with one key group), in a task's own buffers that
+  // hold the one block it is computing (with its dQ partial), packed by backward_kvq_task itself. The bf16 pairs
+  // (pk_qp, …) are always the call's, one tile per block.
   float *pk_qt = nullptr, *pk_dot = nullptr, *pk_qr = nullptr, *pk_dor = nullptr;
-  int64_t pk_t0 = 0;
-  float* qt_tile(int64_t t) const { return pk_qt + (t - pk_t0) * D * Br; }
-  float* dot_tile(int64_t t) const { return pk_dot + (t - pk_t0) * Dv * Br; }
-  float* qr_tile(int64_t t) const { return pk_qr + (t - pk_t0) * Br * pad16(D); }
-  float* dor_tile(int64_t t) const { return pk_dor + (t - pk_t0) * Br * pad16(Dv); }
-  float* dq_part_tile(int64_t t, int64_t g) const { return dq_part + ((t - pk_t0) * num_kv_groups() + g) * D * Br; }
+  bool pk_one_block = false;
+  int64_t pk_slot(int64_t t) const { return pk_one_block ? 0 : t; }
+  float* qt_tile(int64_t t) const { return pk_qt + pk_slot(t) * D * Br; }
+  float* dot_tile(int64_t t) const { return pk_dot + pk_slot(t) * Dv * Br; }
+  float* qr_tile(int64_t t) const { return pk_qr + pk_slot(t) * Br * pad16(D); }
+  float* dor_tile(int64_t t) const { return pk_dor + pk_slot(t) * Br * pad16(Dv); }
+  float* dq_part_tile(int64_t t, int64_t g) const { return dq_part + (pk_slot(t) * num_kv_groups() + g) * D * Br; }
   // The one-pass backward (5 tile products instead of 7): a task covers kv_group consecutive key blocks of one
   // (b, kv head) and computes their dK, dV and, for every query block that sees them, a partial dQ^T [D x Br]
   // (unscaled) in dq_part [(b·Hq + h)·nqb + qb][g] (group g of key blocks); reduce_dq_task sums a block's
@@ -189,6 +191,15 @@ struct Params {
   // kv_group 0: the two-pass schedule (dK/dV by key block, then dQ by query block).
   int64_t kv_group = 0;
   float* dq_part = nullptr;
+  // With one key group (num_kv_groups() == 1) the (query head, query block) items of a kv head may be split into
+  // q_chunks contiguous chunks, one task each (task = (b·Hkv + hk)·q_chunks + chunk), whose dK and dV are partial
+  // sums in dkv_part [task][dK: Lk_blocks_rows() x pad16(D), then dV: Lk_blocks_rows() x pad16(Dv)], summed in
+  // chunk order by reduce_kv_task. Like the groups, the chunks depend on the problem only.
+  int64_t q_chunks = 1;
+  float* dkv_part = nullptr;
+  int64_t Lk_blocks_rows() const { return num_k_blocks() * Bc; }
+  int64_t dkv_part_floats() const { return Lk_blocks_rows() * (pad16(D) + pad16(Dv)); }
+  float* dkv_part_tile(int64_t task) const { return dkv_part + task * dkv_part_floats(); }
   int64_t num_kv_groups() const { return (num_k_blocks() + kv_group - 1) / kv_group; }
   // The first query block that can see key kb (causal: i >= kb - offset).
   int64_t first_q_block(int64_t kb) const { return causal ? std::max<int64_t>(0, (kb - causal_offset) / Br) : 0; }
@@ -233,10 +244,14 @@ struct BackwardOps {
   void (*backward_kv_task)(const Params& p, int64_t task);
   // Backward pass 2 (dQ and dmask rows) of one (b, h, q block) task, same numbering as forward.
   void (*backward_q_task)(const Params& p, int64_t task);
-  // One-pass backward (kv_group > 0) of one (b, hkv, key group) task: task = (b * Hkv + hk) * num_kv_groups + g.
+  // One-pass backward (kv_group > 0) of one (b, hkv, key group[, query chunk]) task: task = ((b * Hkv + hk) *
+  // num_kv_groups + g) * q_chunks + chunk. With Params::pk_one_block it packs each query block (pack_q_task,
+  // row_stats_task) before its tiles and writes its dQ (reduce_dq_task) after them.
   void (*backward_kvq_task)(const Params& p, int64_t task);
   // dQ of one (b, h, q block) task of the one-pass backward: the sum of its partials.
   void (*reduce_dq_task)(const Params& p, int64_t task);
+  // dK and dV of one (b, kv head) of the one-pass backward with query chunks: the sum of their partials.
+  void (*reduce_kv_task)(const Params& p, int64_t task);
   // Fills the packed query-side tiles of one (b, h, q block) task.
   void (*pack_q_task)(const Params& p, int64_t task);
   // Backward: recomputes the row max m and log l of the rows of one (b, h, q block) task whose lse needs it

@@ -288,9 +288,14 @@ void RoundedGradProducts(const Params& p, BwdScratch& sc, int64_t b, int64_t hk,
 }
 #endif
 
+void ReduceDQTask(const Params& p, int64_t task);
+void PackQTask(const Params& p, int64_t task);
+void RowStatsTask(const Params& p, int64_t task);
+
 // One-pass backward: dK, dV of the key blocks of group g and their partial dQ^T of every query block that sees
-// them. Loops: query head h, query block qb, key block of the group; dK and dV of a key block add the same tiles
-// in the same order as BackwardKVTask (so they equal its results), and dQ^T is summed over the group's key blocks.
+// them (with query chunks, Params::q_chunks: of the chunk's query blocks, dK and dV partial). Loops: query head h,
+// query block qb, key block of the group; dK and dV of a key block add the same tiles in the same order as
+// BackwardKVTask (so they equal its results without chunks), and dQ^T is summed over the group's key blocks.
 // With Params::dscores, each tile's dS goes there too (the additive mask's gradient); with Params::dmask_part, it is
 // added into the chunk's partial sums.
 void BackwardKVQTask(const Params& p, int64_t task) {
@@ -298,13 +303,16 @@ void BackwardKVQTask(const Params& p, int64_t task) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
   const int64_t nkb = p.num_k_blocks(), nqb = p.num_q_blocks(), ng = p.num_kv_groups(), Br = p.Br, Bc = p.Bc;
-  const int64_t bhk = task / ng, g = task % ng, b = bhk / p.Hkv, hk = bhk % p.Hkv;
+  const int64_t gt = task / p.q_chunks, qc = task % p.q_chunks;
+  const int64_t bhk = gt / ng, g = gt % ng, b = bhk / p.Hkv, hk = bhk % p.Hkv;
   const int64_t kb0 = g * p.kv_group * Bc, kend = std::min(p.Lk, std::min(nkb, (g + 1) * p.kv_group) * Bc);
   const int64_t nblocks = (kend - kb0 + Bc - 1) / Bc;
   const int64_t Dp = Params::pad16(p.D), Dvp = Params::pad16(p.Dv), nvec = Br / N;
+  // the chunk's (query head, query block) items: h = hk·group + item / nqb, qb = item % nqb
+  const int64_t items = p.group * nqb, it0 = items * qc / p.q_chunks, it1 = items * (qc + 1) / p.q_chunks;
   Scratch s_dk, s_dv;
-  float* dK = s_dk.alloc(nblocks * Bc * Dp);
-  float* dV = s_dv.alloc(nblocks * Bc * Dvp);
+  float* dK = p.q_chunks > 1 ? p.dkv_part_tile(task) : s_dk.alloc(nblocks * Bc * Dp);
+  float* dV = p.q_chunks > 1 ? dK + p.Lk_blocks_rows() * Dp : s_dv.alloc(nblocks * Bc * Dvp);
   // the rows of the group's keys, to whole groups of 16 (the tile products' rows); rows past them are neither summed
   // into nor stored
   const int64_t rows = Params::pad16(kend - kb0);
@@ -323,55 +331,93 @@ void BackwardKVQTask(const Params& p, int64_t task) {
       std::memset(p.dscores + ((b * p.Hq + h) * p.Lq + i) * p.Lk + c0, 0, sizeof(float) * size_t(c1 - c0));
   };
   if (kb0 >= klive)
-    for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) zero_scores(h, 0, p.Lq, kb0, kend);
+    for (int64_t it = it0; it < it1; ++it) {
+      const int64_t h = hk * p.group + it / nqb, qb = it % nqb, i0 = qb * Br;
+      zero_scores(h, i0, std::min(Br, p.Lq - i0), kb0, kend);
+      if (p.pk_one_block) ReduceDQTask(p, (b * p.Hq + h) * nqb + qb);  // dQ = 0 (no partial)
+    }
   if (kb0 < klive) {
     BwdScratch sc(p);
-    for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h)
-      for (int64_t qb = 0; qb < nqb; ++qb) {
-        const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0), t = (b * p.Hq + h) * nqb + qb;
-        if (qb < p.first_q_block(kb0)) {
-          zero_scores(h, i0, nq, kb0, kend);
+    for (int64_t it = it0; it < it1; ++it) {
+      const int64_t h = hk * p.group + it / nqb, qb = it % nqb;
+      const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0), t = (b * p.Hq + h) * nqb + qb;
+      if (qb < p.first_q_block(kb0)) {
+        zero_scores(h, i0, nq, kb0, kend);
+        if (p.pk_one_block) ReduceDQTask(p, t);
+        continue;
+      }
+      if (p.pk_one_block) {
+        PackQTask(p, t);
+        if (p.block_has_log_sum[t]) RowStatsTask(p, t);
+      }
+      zero_scores(h, i0, nq, klive, kend);
+      float* dQT = p.dq_part_tile(t, g);
+      // dQ^T: the first computed tile's product starts it from 0 (a sum into zeros, the same values); the rounded
+      // products always add
+      bool dq_started = p.round_grads;
+      if (dq_started) std::memset(dQT, 0, sizeof(float) * size_t(p.D * Br));
+      const float* Qr = p.qr_tile(t);
+      const float* dOr = p.dor_tile(t);
+      for (int64_t kb = kb0; kb < klive; kb += Bc) {
+        const int64_t nk = std::min(Bc, klive - kb), x = (kb - kb0) / Bc;
+        Rows kr{};  // the rounded products read K^T pairs instead
+        if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk, p.round_grads ? nullptr : &kr, nullptr)) {
+          zero_scores(h, i0, nq, kb, kb + nk);
           continue;
         }
-        zero_scores(h, i0, nq, klive, kend);
-        float* dQT = p.dq_part_tile(t, g);
-        std::memset(dQT, 0, sizeof(float) * size_t(p.D * Br));
-        const float* Qr = p.qr_tile(t);
-        const float* dOr = p.dor_tile(t);
-        for (int64_t kb = kb0; kb < klive; kb += Bc) {
-          const int64_t nk = std::min(Bc, klive - kb), x = (kb - kb0) / Bc;
-          Rows kr{};  // the rounded products read K^T pairs instead
-          if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk, p.round_grads ? nullptr : &kr, nullptr)) {
-            zero_scores(h, i0, nq, kb, kb + nk);
-            continue;
-          }
-          // dS^T [nk x Br] into dS [Lq x Lk] rows (one writer per element)
-          if (p.dscores)
-            TransposeRows(sc.w.ST, Br, nk, nq, 1.f, p.dscores + ((b * p.Hq + h) * p.Lq + i0) * p.Lk + kb, p.Lk, nk);
-          if (p.dmask_part) {  // dS^T rows added into the chunk's sums (lanes past Lq are never read)
-            float* part = p.mask_part(b, h) + kb * p.dm_lqp + i0;
-            for (int64_t jj = 0; jj < nk; ++jj)
-              for (int64_t x = 0; x < Br; x += N) {
-                float* at = part + jj * p.dm_lqp + x;
-                hn::StoreU(hn::Add(hn::LoadU(d, at), hn::Load(d, sc.w.ST + jj * Br + x)), d, at);
-              }
-          }
-#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
-          if (p.round_grads) {
-            RoundedGradProducts(p, sc, b, hk, t, kb, nk, dK + x * Bc * Dp, dV + x * Bc * Dvp, dQT);
-            continue;
-          }
-#endif
-          Gemm<true>(sc.w.PdT, Br, 1, dOr, Dvp, dV + x * Bc * Dvp, Dvp, nk, Dvp / N, Br);  // dV += P'^T dO
-          Gemm<true>(sc.w.ST, Br, 1, Qr, Dp, dK + x * Bc * Dp, Dp, nk, Dp / N, Br);        // dK += dS^T (scale Q)
-          Gemm<true>(kr.ptr, 1, kr.stride, sc.w.ST, Br, dQT, Br, p.D, nvec, nk);           // dQ^T += K^T dS^T
+        // dS^T [nk x Br] into dS [Lq x Lk] rows (one writer per element)
+        if (p.dscores)
+          TransposeRows(sc.w.ST, Br, nk, nq, 1.f, p.dscores + ((b * p.Hq + h) * p.Lq + i0) * p.Lk + kb, p.Lk, nk);
+        if (p.dmask_part) {  // dS^T rows added into the chunk's sums (lanes past Lq are never read)
+          float* part = p.mask_part(b, h) + kb * p.dm_lqp + i0;
+          for (int64_t jj = 0; jj < nk; ++jj)
+            for (int64_t x = 0; x < Br; x += N) {
+              float* at = part + jj * p.dm_lqp + x;
+              hn::StoreU(hn::Add(hn::LoadU(d, at), hn::Load(d, sc.w.ST + jj * Br + x)), d, at);
+            }
         }
+#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
+        if (p.round_grads) {
+          RoundedGradProducts(p, sc, b, hk, t, kb, nk, dK + x * Bc * Dp, dV + x * Bc * Dvp, dQT);
+          continue;
+        }
+#endif
+        Gemm<true>(sc.w.PdT, Br, 1, dOr, Dvp, dV + x * Bc * Dvp, Dvp, nk, Dvp / N, Br);         // dV += P'^T dO
+        Gemm<true>(sc.w.ST, Br, 1, Qr, Dp, dK + x * Bc * Dp, Dp, nk, Dp / N, Br);               // dK += dS^T (scale Q)
+        if (dq_started) Gemm<true>(kr.ptr, 1, kr.stride, sc.w.ST, Br, dQT, Br, p.D, nvec, nk);  // dQ^T += K^T dS^T
+        else Gemm<false>(kr.ptr, 1, kr.stride, sc.w.ST, Br, dQT, Br, p.D, nvec, nk);
+        dq_started = true;
       }
+      if (!dq_started) std::memset(dQT, 0, sizeof(float) * size_t(p.D * Br));
+      if (p.pk_one_block) ReduceDQTask(p, t);
+    }
   }
+  if (p.q_chunks > 1) return;  // partial dK and dV: ReduceKVTask
   for (int64_t kb = kb0; kb < kend; kb += Bc) {
     const int64_t x = (kb - kb0) / Bc;
     StoreKeyGrads(p, b, hk, kb, std::min(Bc, kend - kb), dK + x * Bc * Dp, dV + x * Bc * Dvp);
   }
+}
+
+// dK and dV of one (b, kv head) of the one-pass backward with query chunks (Params::q_chunks): the sum of the
+// chunks' partials, in chunk order, into the first's.
+void ReduceKVTask(const Params& p, int64_t bhk) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  const int64_t Dp = Params::pad16(p.D), Dvp = Params::pad16(p.Dv), rows = p.Lk_blocks_rows();
+  float* dK = p.dkv_part_tile(bhk * p.q_chunks);
+  float* dV = dK + rows * Dp;
+  const auto add = [&](float* sum, const float* part, int64_t n) {
+    for (int64_t x = 0; x < n; x += N) hn::Store(hn::Add(hn::Load(d, sum + x), hn::Load(d, part + x)), d, sum + x);
+  };
+  for (int64_t c = 1; c < p.q_chunks; ++c) {  // the rows of the keys (those past Lk are never stored)
+    const float* part = p.dkv_part_tile(bhk * p.q_chunks + c);
+    add(dK, part, p.Lk * Dp);
+    add(dV, part + rows * Dp, p.Lk * Dvp);
+  }
+  const int64_t b = bhk / p.Hkv, hk = bhk % p.Hkv;
+  for (int64_t kb = 0; kb < p.Lk; kb += p.Bc)
+    StoreKeyGrads(p, b, hk, kb, std::min(p.Bc, p.Lk - kb), dK + kb * Dp, dV + kb * Dvp);
 }
 
 // Adds the dS^T tile [nk x Br] of (b, h) into a broadcast mask's gradient, in double: a broadcast element sums
@@ -583,19 +629,20 @@ HWY_AFTER_NAMESPACE();
 namespace sattn::fused {
 
 namespace {
-#define SATTN_FUSED_BACKWARD_OPS(NS)                                                                  \
-  BackwardOps {                                                                                       \
-    &NS::BackwardKVTask, &NS::BackwardQTask, &NS::BackwardKVQTask, &NS::ReduceDQTask, &NS::PackQTask, \
-        &NS::RowStatsTask, &NS::StoreHalfRow, nullptr, false                                          \
+#define SATTN_FUSED_BACKWARD_OPS(NS)                                                                     \
+  BackwardOps {                                                                                          \
+    &NS::BackwardKVTask, &NS::BackwardQTask, &NS::BackwardKVQTask, &NS::ReduceDQTask, &NS::ReduceKVTask, \
+        &NS::PackQTask, &NS::RowStatsTask, &NS::StoreHalfRow, nullptr, false                             \
   }
 const simd::Build<BackwardOps> kBuilds[] = {
 #if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64
-    {simd::Target::kAmx,
-     BackwardOps{&N_AVX3::BackwardKVTask, &N_AVX3::BackwardQTask, &N_AVX3::BackwardKVQTask, &N_AVX3::ReduceDQTask,
-                 &N_AVX3::PackQTask, &N_AVX3::RowStatsTask, &N_AVX3::StoreHalfRow, &N_AVX3::PackKVRowPairs, true}},
+    {simd::Target::kAmx, BackwardOps{&N_AVX3::BackwardKVTask, &N_AVX3::BackwardQTask, &N_AVX3::BackwardKVQTask,
+                                     &N_AVX3::ReduceDQTask, &N_AVX3::ReduceKVTask, &N_AVX3::PackQTask,
+                                     &N_AVX3::RowStatsTask, &N_AVX3::StoreHalfRow, &N_AVX3::PackKVRowPairs, true}},
     {simd::Target::kAvx512Bf16,
      BackwardOps{&N_AVX3::BackwardKVTask, &N_AVX3::BackwardQTask, &N_AVX3::BackwardKVQTask, &N_AVX3::ReduceDQTask,
-                 &N_AVX3::PackQTask, &N_AVX3::RowStatsTask, &N_AVX3::StoreHalfRow, &N_AVX3::PackKVRowPairs, false}},
+                 &N_AVX3::ReduceKVTask, &N_AVX3::PackQTask, &N_AVX3::RowStatsTask, &N_AVX3::StoreHalfRow,
+                 &N_AVX3::PackKVRowPairs, false}},
 #endif
     SATTN_SIMD_BUILDS(SATTN_FUSED_BACKWARD_OPS)};
 }  // namespace

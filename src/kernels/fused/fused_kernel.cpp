@@ -414,19 +414,31 @@ void fused_forward(const ForwardArgs& a) {
   run_tasks(n, a.num_threads, [&](int64_t t) { o.forward_task(p, reverse ? n - 1 - t : t); });
 }
 
-// Key blocks per task of the one-pass backward, from the problem's sizes only (never the thread count): enough
-// groups for 32 tasks where the problem has them, at most 1 MiB of a group's dK and dV accumulators (they stay
-// in a core's L2 while the query blocks stream past; more groups cost more partial dQ copies), and the partial dQ tiles
-// (one float copy of dQ per group) within 256 MiB or 4 copies, whichever allows more.
+// Key blocks per task of the one-pass backward, from the problem's sizes only (never the thread count). Every key
+// block in one group where their dK and dV accumulators take at most 1 MiB (they stay in a core's L2 while the
+// query blocks pass; the tasks' parallelism then comes from query chunks, query_chunks). Otherwise enough groups for
+// 32 tasks where the problem has them, at most 1 MiB of accumulators per group (more groups cost more partial dQ
+// copies), and the partial dQ tiles (one float copy of dQ per group) within 256 MiB or 4 copies, whichever allows
+// more.
 int64_t kv_group_size(const Params& p) {
   const int64_t nkb = p.num_k_blocks();
   const int64_t block_bytes = p.Bc * (Params::pad16(p.D) + Params::pad16(p.Dv)) * int64_t(sizeof(float));
   const int64_t max_group = std::max<int64_t>(1, (int64_t(1024) << 10) / block_bytes);
+  if (nkb <= max_group) return nkb;
   int64_t group = std::clamp<int64_t>(p.B * p.Hkv * nkb / 32, 1, max_group);
   const int64_t copy_bytes = p.B * p.Hq * p.num_q_blocks() * p.Br * p.D * int64_t(sizeof(float));
   const int64_t max_groups = std::max<int64_t>(4, (int64_t(256) << 20) / std::max<int64_t>(copy_bytes, 1));
   while ((nkb + group - 1) / group > max_groups) ++group;
   return std::min(group, nkb);
+}
+
+// Query chunks of the one-pass backward with one key group (Params::q_chunks), from the problem's sizes only:
+// enough for 32 tasks where each chunk keeps at least 4 query blocks (each chunk adds a partial copy of dK and dV,
+// summed by reduce_kv_task). Not with a mask's gradient, whose chunk sums and dS rows the tasks write.
+int64_t query_chunks(const Params& p) {
+  if (p.num_kv_groups() != 1) return 1;
+  const int64_t heads = p.B * p.Hkv, items = p.group * p.num_q_blocks();
+  return std::clamp<int64_t>((32 + heads - 1) / heads, 1, std::max<int64_t>(1, items / 4));
 }
 
 // Packs the query-side tiles of every query block (pack_q_task), then recomputes the row statistics of the blocks
@@ -453,61 +465,41 @@ void place_query_tiles(Params& p, float* base, int64_t blocks) {
   p.pk_dor = p.pk_qr + blocks * p.Br * Params::pad16(p.D);
 }
 
-// The floats of the packed query tiles and dQ partials of the query blocks of one (b, kv head) of the one-pass
-// backward with one key group (Params::pk_t0).
-int64_t own_tile_floats(const Params& p) {
-  const int64_t blocks = p.group * p.num_q_blocks();
-  return query_tile_floats(p, blocks) + blocks * p.D * p.Br;
-}
-
-// Whether every task of the one-pass backward packs its own query tiles into buffers of its own (one key group per
-// (b, kv head), float32 products, and at most 512 KiB of them: they stay in the core's cache).
-bool own_query_tiles(const Params& p, bool bf16_products) {
-  return !bf16_products && p.num_kv_groups() == 1 && own_tile_floats(p) * int64_t(sizeof(float)) <= (512 << 10);
-}
-
 // The backward's one pass over key groups and the sums of the partial dQ tiles (see Params). With one key group
-// per (b, kv head) (short keys), each task of it packs the query blocks of its heads, runs the group and sums their
-// dQ at once, while those tiles are in its core's cache: in buffers of its own when they are small (own_tiles),
-// else in the call's. Apart, each step would stream every tile through memory, which costs short sequences a good
-// part of their time. Otherwise packing comes first, for all query blocks.
-void one_pass_backward(Params& p, const BackwardOps& o, int threads, bool own_tiles) {
+// per (b, kv head) (kv_group_size), one task per (b, kv head, query chunk) packs a query block into buffers of its
+// own, runs the block's tiles and writes its dQ at once (Params::pk_one_block), while the block is in its core's
+// cache (packing every block first streamed all of them through memory twice, which cost short keys a good part of
+// their time); then the chunks' partial dK and dV are summed (reduce_kv_task). Otherwise packing comes first, for
+// all query blocks, and the groups' partial dQ are summed last.
+void one_pass_backward(Params& p, const BackwardOps& o, int threads) {
   const int64_t ng = p.num_kv_groups(), nqb = p.num_q_blocks(), nqt = p.B * p.Hq * nqb, nc = p.num_dm_chunks();
-  const size_t part_n = own_tiles ? 0 : static_cast<size_t>(nqt * ng * p.D * p.Br);
-  const CountedFloats part(part_n, "fused attention backward: the partial dQ tiles");
-  p.dq_part = part.get();
   // Tasks: (batch chunk, kv head[, key group]), the chunk's batches in order (chunks of one batch without
   // dmask_part).
   const auto chunk_batches = [&p](int64_t c) { return std::pair(c * p.dm_chunk, std::min(p.B, (c + 1) * p.dm_chunk)); };
   if (ng == 1) {
-    run_tasks(nc * p.Hkv, threads, [&](int64_t ch) {
-      const int64_t c = ch / p.Hkv, hk = ch % p.Hkv;
+    const int64_t floats = query_tile_floats(p, 1) + p.D * p.Br;  // one block's tiles and its dQ partial
+    const int64_t qcs = p.q_chunks;                               // > 1 only without dmask_part (nc = B)
+    const CountedFloats kv_part(size_t(qcs > 1 ? p.B * p.Hkv * qcs * p.dkv_part_floats() : 0),
+                                "fused attention backward: the partial dK and dV");
+    p.dkv_part = kv_part.get();
+    run_tasks(nc * p.Hkv * qcs, threads, [&](int64_t x) {
+      const int64_t ch = x / qcs, qc = x % qcs, c = ch / p.Hkv, hk = ch % p.Hkv;
       Params tp = p;
-      ScratchPtr<float> own;  // 64-byte aligned: the tiles are loaded with aligned vector loads
-      std::optional<CountedBytes> counted_own;
-      if (own_tiles) {
-        const int64_t floats = own_tile_floats(p);
-        own = scratch_array<float>(size_t(floats), "fused attention backward: a task's query tiles");
-        counted_own.emplace(floats * int64_t(sizeof(float)));
-      }
+      // 64-byte aligned: the tiles are loaded with aligned vector loads
+      const ScratchPtr<float> own =
+          scratch_array<float>(size_t(floats), "fused attention backward: a task's query tiles");
+      const CountedBytes counted_own(floats * int64_t(sizeof(float)));
+      tp.pk_one_block = true;
+      place_query_tiles(tp, own.get(), 1);
+      tp.dq_part = own.get() + query_tile_floats(p, 1);
       const auto [b0, b1] = chunk_batches(c);
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t bhk = b * p.Hkv + hk;
-        const int64_t t0 = bhk * p.group * nqb, t1 = t0 + p.group * nqb;  // query blocks of the group's heads
-        if (own_tiles) {
-          tp.pk_t0 = t0;
-          place_query_tiles(tp, own.get(), t1 - t0);
-          tp.dq_part = own.get() + query_tile_floats(p, t1 - t0);
-        }
-        for (int64_t t = t0; t < t1; ++t) o.pack_q_task(tp, t);
-        for (int64_t t = t0; t < t1; ++t)
-          if (tp.block_has_log_sum[size_t(t)]) o.row_stats_task(tp, t);
-        o.backward_kvq_task(tp, bhk);
-        for (int64_t t = t0; t < t1; ++t) o.reduce_dq_task(tp, t);
-      }
+      for (int64_t b = b0; b < b1; ++b) o.backward_kvq_task(tp, (b * p.Hkv + hk) * qcs + qc);
     });
+    if (qcs > 1) run_tasks(p.B * p.Hkv, threads, [&](int64_t t) { o.reduce_kv_task(p, t); });
     return;
   }
+  const CountedFloats part(size_t(nqt * ng * p.D * p.Br), "fused attention backward: the partial dQ tiles");
+  p.dq_part = part.get();
   prepare_query_blocks(p, o, threads);
   run_tasks(nc * p.Hkv * ng, threads, [&](int64_t t) {
     const int64_t c = t / (p.Hkv * ng), hk = t / ng % p.Hkv, g = t % ng;
@@ -598,7 +590,10 @@ MaskGradient plan_backward(Params& p, const AttentionProblem& pr, const TensorVi
         "SATTN_FUSED_BACKWARD: expected auto, one_pass or two_pass, got '", form, "'");
   if (form == "two_pass") return MaskGradient::kTwoPass;
   p.kv_group = kv_group_size(p);
-  if (!pr.need_dmask) return MaskGradient::kNone;
+  if (!pr.need_dmask) {
+    p.q_chunks = query_chunks(p);
+    return MaskGradient::kNone;
+  }
   if (numel(pr.mask_shape) == p.B * p.Hq * p.Lq * p.Lk && dmask.dtype == DType::kF32 && dmask.is_contiguous())
     return MaskGradient::kDirect;
   const double limit =
@@ -789,7 +784,7 @@ void fused_backward(const BackwardArgs& a) {
   const TensorView dm = half_dmask ? TensorView(staging.get(), DType::kF32, pr.mask_shape) : dmask_out;
   const MaskGradient mask_gradient = plan_backward(p, pr, dm, m4, a.options);
   const bool one_pass = mask_gradient != MaskGradient::kTwoPass;
-  const bool own_tiles = one_pass && own_query_tiles(p, bf16_products);
+  const bool own_tiles = one_pass && p.num_kv_groups() == 1;  // see one_pass_backward
   const size_t pk_n = own_tiles ? 0 : static_cast<size_t>(query_tile_floats(p, nqt));
   // 64-byte aligned: the tiles are loaded with aligned vector loads
   const CountedFloats packed(pk_n, "fused attention backward: the packed query tiles");
@@ -837,16 +832,16 @@ void fused_backward(const BackwardArgs& a) {
   // One pass over key groups (dK, dV and partial dQ; 5 tile products), then the partials summed per query block;
   // the mask's gradient as planned.
   switch (mask_gradient) {
-    case MaskGradient::kNone: one_pass_backward(p, o, threads, own_tiles); break;
+    case MaskGradient::kNone: one_pass_backward(p, o, threads); break;
     case MaskGradient::kDirect:
       p.dscores = dm.ptr<float>();
-      one_pass_backward(p, o, threads, own_tiles);
+      one_pass_backward(p, o, threads);
       break;
     case MaskGradient::kChunkSums: {
       const size_t n = size_t(p.num_dm_chunks() * p.Hkv * p.dm_heads * p.Lk * p.dm_lqp);
       const CountedFloats sums(n, "fused attention backward: the mask gradient's sums");
       p.dmask_part = sums.get();
-      one_pass_backward(p, o, threads, own_tiles);
+      one_pass_backward(p, o, threads);
       store_mask_chunks(p, m4, off, dm, threads);
       break;
     }
@@ -854,7 +849,7 @@ void fused_backward(const BackwardArgs& a) {
       const size_t n = size_t(rows * p.Lk);
       const CountedFloats scores(n, "fused attention backward: the scores' gradient");
       p.dscores = scores.get();
-      one_pass_backward(p, o, threads, own_tiles);
+      one_pass_backward(p, o, threads);
       store_mask_gradient(p, m4, off, dm, threads);
       break;
     }
