@@ -1311,16 +1311,15 @@ TEST(Fused, HalfPrecisionNanKeyRowsMatchUpcast) {
 // that forms P = exp(s - lse) gets P = 1 instead of 1/Lk. Rows i % 3 == 0 carry the bias on every key, rows
 // i % 3 == 1 on every other key. Forward (tiles and split-key decode) and backward against the fp64 reference,
 // for float32, bfloat16 and float16 inputs and every SIMD implementation, and bitwise identical for 1 and 3 threads.
+// Lq = 300 also runs the backward without the mask's gradient, in query chunks (the row statistics recomputed per
+// query block inside the chunks' tasks).
 TEST(Fused, HugeUniformBiasRowsMatchReference) {
   const float lowest = std::numeric_limits<float>::lowest();
   const struct {
     int64_t Lq, Lk, D, Dv;
     float huge;
-  } cases[] = {{70, 100, 16, 12, -1e30f},
-               {70, 100, 16, 12, lowest},
-               {1, 1100, 16, 16, lowest},
-               {3, 1100, 8, 8, -1e30f},
-               {9, 1100, 24, 8, lowest}};
+  } cases[] = {{70, 100, 16, 12, -1e30f}, {70, 100, 16, 12, lowest}, {300, 100, 16, 12, -1e30f},
+               {1, 1100, 16, 16, lowest}, {3, 1100, 8, 8, -1e30f},   {9, 1100, 24, 8, lowest}};
   // lse row by row: |got - ref| <= 2e-5 max(1, |ref|) (rel_err would scale every row by the largest, ~1e30)
   auto lse_ok = [](const Tensor& got, const Tensor& ref) {
     const Tensor g = got.to(DType::kF64), r = ref.to(DType::kF64);
@@ -1359,6 +1358,13 @@ TEST(Fused, HugeUniformBiasRowsMatchReference) {
         const BwdResult g3 = run_backward(in, got, "fused", 3);
         EXPECT_TRUE(bitwise_equal(g1.dq, g3.dq) && bitwise_equal(g1.dk, g3.dk) && bitwise_equal(g1.dv, g3.dv) &&
                     bitwise_equal(g1.dmask, g3.dmask));
+        if (Lq >= 256) {  // the same mask, its gradient not wanted
+          Problem no_dmask = in;
+          no_dmask.c.mask = 0;
+          const BwdResult n1 = run_backward(no_dmask, got, "fused", 1), n3 = run_backward(no_dmask, got, "fused", 3);
+          expect_grads_near(n1, BwdResult{gref.dq, gref.dk, gref.dv, {}});
+          EXPECT_TRUE(bitwise_equal(n1.dq, n3.dq) && bitwise_equal(n1.dk, n3.dk) && bitwise_equal(n1.dv, n3.dv));
+        }
       }
     }
   }
