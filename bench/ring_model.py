@@ -92,16 +92,24 @@ def crossover(c, backward=False):
 
 
 def fused_backward_scratch(c, nq, nk):
-    """The fused backward's scratch (src/kernels/fused/fused_kernel.cpp): packed query tiles (4 float copies of
-    q-sized data), the partial dQ tiles (one float copy of dQ per group of key tiles, kv_group_size), lse_eff/delta."""
+    """The fused backward's scratch (src/kernels/fused/fused_kernel.cpp), lse_eff/delta and: with every key tile in
+    one group (their dK/dV accumulators within 1 MiB, kv_group_size), the query chunks' partial dK and dV
+    (query_chunks; a task's one query tile is negligible); otherwise packed query tiles (4 float copies of q-sized
+    data) and the partial dQ tiles (one float copy of dQ per group of key tiles)."""
     pad = lambda x: -(-x // 16) * 16
     br, bc = (16 if nq <= 16 else 64), 64
     nqb, nkb = -(-nq // br), -(-nk // bc)
+    rows = 2 * c.B * c.H * nq * 4
+    max_group = max(1, (1 << 20) // (bc * 2 * pad(c.D) * 4))
+    if nkb <= max_group:
+        heads, items = c.B * c.Hkv, (c.H // c.Hkv) * nqb
+        chunks = min(max(-(-32 // heads), 1), max(1, items // 4))
+        return rows + (heads * chunks * nkb * bc * 2 * pad(c.D) * 4 if chunks > 1 else 0)
     copy = c.B * c.H * nqb * br * c.D * 4
-    group = min(max(c.B * c.Hkv * nkb // 32, 1), max(1, (1 << 20) // (bc * 2 * pad(c.D) * 4)))
+    group = min(max(c.B * c.Hkv * nkb // 32, 1), max_group)
     group = min(max(group, -(-nkb // max(4, (256 << 20) // max(copy, 1)))), nkb)
     packed = c.B * c.H * nqb * br * (2 * c.D + 2 * pad(c.D)) * 4
-    return packed + -(-nkb // group) * copy + 2 * c.B * c.H * nq * 4
+    return packed + -(-nkb // group) * copy + rows
 
 
 def memory_bytes(c, backward=False):
