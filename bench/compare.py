@@ -280,9 +280,8 @@ def parse_args():
             setattr(a, key, QUICK[key] if a.quick and key in QUICK else value)
     if a.kv_heads is None:
         a.kv_heads = a.heads
-    checked = ("batch", "heads", "kv_heads", "rounds", "reps", "ceiling_n", "ceiling_reps")
-    for key in checked + (("lq",) if a.lq is not None else ()):
-        if getattr(a, key) <= 0:
+    for key in ("batch", "heads", "kv_heads", "rounds", "reps", "ceiling_n", "ceiling_reps", "lq"):
+        if getattr(a, key) is not None and getattr(a, key) <= 0:
             sys.exit(f"compare.py: --{key.replace('_', '-')}: expected a positive integer")
     if a.heads % a.kv_heads:
         sys.exit(f"compare.py: --kv-heads: expected a divisor of --heads ({a.heads}), got {a.kv_heads}")

@@ -352,10 +352,7 @@ void BackwardKVQTask(const Params& p, int64_t task) {
       }
       zero_scores(h, i0, nq, klive, kend);
       float* dQT = p.dq_part_tile(t, g);
-      // dQ^T: the first computed tile's product starts it from 0 (a sum into zeros, the same values); the rounded
-      // products always add
-      bool dq_started = p.round_grads;
-      if (dq_started) std::memset(dQT, 0, sizeof(float) * size_t(p.D * Br));
+      std::memset(dQT, 0, sizeof(float) * size_t(p.D * Br));
       const float* Qr = p.qr_tile(t);
       const float* dOr = p.dor_tile(t);
       for (int64_t kb = kb0; kb < klive; kb += Bc) {
@@ -382,13 +379,10 @@ void BackwardKVQTask(const Params& p, int64_t task) {
           continue;
         }
 #endif
-        Gemm<true>(sc.w.PdT, Br, 1, dOr, Dvp, dV + x * Bc * Dvp, Dvp, nk, Dvp / N, Br);         // dV += P'^T dO
-        Gemm<true>(sc.w.ST, Br, 1, Qr, Dp, dK + x * Bc * Dp, Dp, nk, Dp / N, Br);               // dK += dS^T (scale Q)
-        if (dq_started) Gemm<true>(kr.ptr, 1, kr.stride, sc.w.ST, Br, dQT, Br, p.D, nvec, nk);  // dQ^T += K^T dS^T
-        else Gemm<false>(kr.ptr, 1, kr.stride, sc.w.ST, Br, dQT, Br, p.D, nvec, nk);
-        dq_started = true;
+        Gemm<true>(sc.w.PdT, Br, 1, dOr, Dvp, dV + x * Bc * Dvp, Dvp, nk, Dvp / N, Br);  // dV += P'^T dO
+        Gemm<true>(sc.w.ST, Br, 1, Qr, Dp, dK + x * Bc * Dp, Dp, nk, Dp / N, Br);        // dK += dS^T (scale Q)
+        Gemm<true>(kr.ptr, 1, kr.stride, sc.w.ST, Br, dQT, Br, p.D, nvec, nk);           // dQ^T += K^T dS^T
       }
-      if (!dq_started) std::memset(dQT, 0, sizeof(float) * size_t(p.D * Br));
       if (p.pk_one_block) ReduceDQTask(p, t);
     }
   }

@@ -784,11 +784,11 @@ void fused_backward(const BackwardArgs& a) {
   const TensorView dm = half_dmask ? TensorView(staging.get(), DType::kF32, pr.mask_shape) : dmask_out;
   const MaskGradient mask_gradient = plan_backward(p, pr, dm, m4, a.options);
   const bool one_pass = mask_gradient != MaskGradient::kTwoPass;
-  const bool own_tiles = one_pass && p.num_kv_groups() == 1;  // see one_pass_backward
-  const size_t pk_n = own_tiles ? 0 : static_cast<size_t>(query_tile_floats(p, nqt));
+  const bool tiles_per_task = one_pass && p.num_kv_groups() == 1;  // packed inside the tasks: one_pass_backward
+  const size_t pk_n = tiles_per_task ? 0 : static_cast<size_t>(query_tile_floats(p, nqt));
   // 64-byte aligned: the tiles are loaded with aligned vector loads
   const CountedFloats packed(pk_n, "fused attention backward: the packed query tiles");
-  if (!own_tiles) place_query_tiles(p, packed.get(), nqt);
+  if (!tiles_per_task) place_query_tiles(p, packed.get(), nqt);
   // bf16 products (a build that has them; bf16 inputs, or float32 ones when allowed): K, V and the query-side
   // tiles also as bf16 pairs; dO only when it is bf16 or may be rounded (else dP = V dO^T stays float32).
   WorkspaceVector<uint32_t> kv_pairs;  // zeroed by resize

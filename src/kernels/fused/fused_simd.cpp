@@ -408,8 +408,8 @@ void ForwardTask(const Params& p, int64_t task) {
   if (kend > kbeg) PackTransposed(p.q, b, h, i0, nq, D, Br, p.scale, QT);
 
   // Query tiles of up to 32 rows (a few queries over many keys) do too little arithmetic per key for the hardware
-  // prefetchers to keep up: each key block prefetches the next one's float32 K and V rows (Zen 4, Lq 16, Lk 4096,
-  // one thread: 13 % faster; docs/PERFORMANCE.md).
+  // prefetchers to keep up: each key block prefetches the next one's float32 K and V rows (docs/PERFORMANCE.md,
+  // "Short keys": a few queries over many keys).
   const bool prefetch = k_direct && v_direct && Br <= 32;
   for (int64_t kb = kbeg; kb < kend; kb += Bc) {
     const int64_t nk = std::min(Bc, kend - kb);
