@@ -97,6 +97,8 @@ struct Params {
   // dO^T in pairs along D and Dv.
   uint32_t* v_row_pairs = nullptr;
   uint32_t *pk_qp = nullptr, *pk_dop = nullptr;
+  // dO^T is packed too (pk_dop): dO bf16, or rounding allowed. Where these query tiles live: pk_one_block below.
+  bool dout_pairs = false;
   // round_grads: the one-pass backward's other three products on bf16 pairs too, with P' and dS rounded to bf16
   // once, as FlashAttention does (Float32Precision::kBF16, or bf16 inputs whose dq, dk and dv are stored in bf16,
   // whose own rounding is of the same size): dV += P'^T dO and dK += scale dS^T Q take P'^T and dS^T in pairs along
@@ -175,7 +177,7 @@ struct Params {
   // (scale Q)^T [D x Br], dO^T [Dv x Br], scale Q [Br x pad16(D)], dO [Br x pad16(Dv)]: in the call's buffers, one
   // tile per block, or, with pk_one_block (the one-pass backward with one key group), in a task's own buffers that
   // hold the one block it is computing (with its dQ partial), packed by backward_kvq_task itself. The bf16 pairs
-  // (pk_qp, …) are always the call's, one tile per block.
+  // (pk_qp, pk_dop, pk_qrp, pk_dorp) are placed the same way, in the call's buffers or in the task's.
   float *pk_qt = nullptr, *pk_dot = nullptr, *pk_qr = nullptr, *pk_dor = nullptr;
   bool pk_one_block = false;
   int64_t pk_slot(int64_t t) const { return pk_one_block ? 0 : t; }
@@ -183,6 +185,10 @@ struct Params {
   float* dot_tile(int64_t t) const { return pk_dot + pk_slot(t) * Dv * Br; }
   float* qr_tile(int64_t t) const { return pk_qr + pk_slot(t) * Br * pad16(D); }
   float* dor_tile(int64_t t) const { return pk_dor + pk_slot(t) * Br * pad16(Dv); }
+  uint32_t* qp_tile(int64_t t) const { return pk_qp + pk_slot(t) * d_pairs() * Br; }
+  uint32_t* dop_tile(int64_t t) const { return pk_dop + pk_slot(t) * dv_pairs() * Br; }
+  uint32_t* qrp_tile(int64_t t) const { return pk_qrp + pk_slot(t) * (Br / 2) * pad16(D); }
+  uint32_t* dorp_tile(int64_t t) const { return pk_dorp + pk_slot(t) * (Br / 2) * pad16(Dv); }
   float* dq_part_tile(int64_t t, int64_t g) const { return dq_part + (pk_slot(t) * num_kv_groups() + g) * D * Br; }
   // The one-pass backward (5 tile products instead of 7): a task covers kv_group consecutive key blocks of one
   // (b, kv head) and computes their dK, dV and, for every query block that sees them, a partial dQ^T [D x Br]

@@ -138,10 +138,10 @@ bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, 
         if (mul != 1.f) ScaleRows(C, nk, Br, mul);
       } else GemmBf16<false, false>(A, K2, 1, B, Br, 0, C, Br, nk, nvec, K2, mul);
     };
-    product(p.k_pairs + (kv * p.Lk + kb) * D2, D2, p.pk_qp + t * D2 * Br, w.ST, p.scale);
+    product(p.k_pairs + (kv * p.Lk + kb) * D2, D2, p.qp_tile(t), w.ST, p.scale);
     if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, w.bias, w.pad, w.ST);
     if (p.pk_dop) {
-      product(p.v_row_pairs + (kv * p.Lk + kb) * Dv2, Dv2, p.pk_dop + t * Dv2 * Br, w.dPT, 1.f);
+      product(p.v_row_pairs + (kv * p.Lk + kb) * Dv2, Dv2, p.dop_tile(t), w.dPT, 1.f);
       if (vr_out) *vr_out = RowsOf(p.v, b, hk, kb, nk, p.Dv, w.vbuf);
     } else {
       const Rows vr = RowsOf(p.v, b, hk, kb, nk, p.Dv, w.vbuf);
@@ -270,19 +270,17 @@ void RoundedGradProducts(const Params& p, BwdScratch& sc, int64_t b, int64_t hk,
   if (p.amx_tiles) {  // the same three products on the tiles (K^T pairs per key block, Params::kt_pairs_head_words)
     namespace amx = simd::amx;
     CleanVectorsForTiles();
-    amx::gemm_pairs<AmxTiles, true, false>(sc.pd_pairs, Br2, p.pk_dorp + t * Br2 * Dvp, Dvp, 0, dV, Dvp, nk, Dvp, Br,
-                                           1.f);
+    amx::gemm_pairs<AmxTiles, true, false>(sc.pd_pairs, Br2, p.dorp_tile(t), Dvp, 0, dV, Dvp, nk, Dvp, Br, 1.f);
     CleanVectorsForTiles();
-    amx::gemm_pairs<AmxTiles, false, false>(sc.ds_pairs, Br2, p.pk_qrp + t * Br2 * Dp, Dp, 0, sc.dk_tile, Dp, nk, Dp,
-                                            Br, 1.f);
+    amx::gemm_pairs<AmxTiles, false, false>(sc.ds_pairs, Br2, p.qrp_tile(t), Dp, 0, sc.dk_tile, Dp, nk, Dp, Br, 1.f);
     AddScaledRows(dK, sc.dk_tile, nk * Dp, p.scale);  // dK += scale · (dS^T Q)
     const uint32_t* ktb = p.kt_pairs + (b * p.Hkv + hk) * p.kt_pairs_head_words() + kb / 2 * p.D;
     CleanVectorsForTiles();
     amx::gemm_pairs<AmxTiles, true, false>(ktb, p.Bc / 2, sc.ds_key_pairs, Br, 0, dQT, Br, p.D, Br, nk, 1.f);
     return;
   }
-  GemmBf16<true, false>(sc.pd_pairs, Br2, 1, p.pk_dorp + t * Br2 * Dvp, Dvp, 0, dV, Dvp, nk, Dvp / 16, Br2, 1.f);
-  GemmBf16<true, false>(sc.ds_pairs, Br2, 1, p.pk_qrp + t * Br2 * Dp, Dp, 0, dK, Dp, nk, Dp / 16, Br2, p.scale);
+  GemmBf16<true, false>(sc.pd_pairs, Br2, 1, p.dorp_tile(t), Dvp, 0, dV, Dvp, nk, Dvp / 16, Br2, 1.f);
+  GemmBf16<true, false>(sc.ds_pairs, Br2, 1, p.qrp_tile(t), Dp, 0, dK, Dp, nk, Dp / 16, Br2, p.scale);
   const uint32_t* kt = p.kt_pairs + ((b * p.Hkv + hk) * p.lk_pairs() + kb / 2) * p.D;
   GemmKeyPairs<false>(kt, p.D, sc.ds_key_pairs, Br, 0, dQT, Br, Br / 16, nk, sc.kt_last);
 }
@@ -504,11 +502,11 @@ void PackQTask(const Params& p, int64_t task) {
   PackRows(RowsOf(p.dout, b, h, i0, nq, p.Dv, buf), nq, p.Dv, Dvp, Br, 1.f, dor, p.dot_tile(task));
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
   if (p.pk_qp) {  // Q^T and dO^T (when dO is bf16 too) in bf16 pairs; a NaN row of q is zeroed below
-    PackTransposedPairs(p.q, b, h, i0, nq, p.D, Br, p.pk_qp + task * p.d_pairs() * Br);
-    if (p.pk_dop) PackTransposedPairs(p.dout, b, h, i0, nq, p.Dv, Br, p.pk_dop + task * p.dv_pairs() * Br);
+    PackTransposedPairs(p.q, b, h, i0, nq, p.D, Br, p.qp_tile(task));
+    if (p.pk_dop) PackTransposedPairs(p.dout, b, h, i0, nq, p.Dv, Br, p.dop_tile(task));
     if (p.pk_qrp) {
-      PackRowPairsAlongRows(p.q, b, h, i0, nq, p.D, Dp, Br, p.pk_qrp + task * (Br / 2) * Dp);
-      PackRowPairsAlongRows(p.dout, b, h, i0, nq, p.Dv, Dvp, Br, p.pk_dorp + task * (Br / 2) * Dvp);
+      PackRowPairsAlongRows(p.q, b, h, i0, nq, p.D, Dp, Br, p.qrp_tile(task));
+      PackRowPairsAlongRows(p.dout, b, h, i0, nq, p.Dv, Dvp, Br, p.dorp_tile(task));
     }
   }
 #endif
@@ -533,9 +531,9 @@ void PackQTask(const Params& p, int64_t task) {
     if (hn::AllFalse(d, nan)) continue;
     for (int64_t x = 0; x < p.D; ++x) qr[ii * Dp + x] = qt[x * Br + ii] = 0.f;
     if (p.pk_qp)
-      for (int64_t x = 0; x < p.d_pairs(); ++x) p.pk_qp[(task * p.d_pairs() + x) * Br + ii] = 0;
+      for (int64_t x = 0; x < p.d_pairs(); ++x) p.qp_tile(task)[x * Br + ii] = 0;
     if (p.pk_qrp)  // the row's half of its pairs
-      for (int64_t x = 0; x < p.D; ++x) p.pk_qrp[(task * (Br / 2) + ii / 2) * Dp + x] &= ii % 2 ? 0xFFFFu : 0xFFFF0000u;
+      for (int64_t x = 0; x < p.D; ++x) p.qrp_tile(task)[ii / 2 * Dp + x] &= ii % 2 ? 0xFFFFu : 0xFFFF0000u;
     p.nan_row[row0 + ii] = 1;
     p.lse_eff[row0 + ii] = std::numeric_limits<float>::infinity();
     p.delta[row0 + ii] = 0.f;

@@ -465,6 +465,24 @@ void place_query_tiles(Params& p, float* base, int64_t blocks) {
   p.pk_dor = p.pk_qr + blocks * p.Br * Params::pad16(p.D);
 }
 
+// The words of the bf16 query tiles (Params::pk_qp, pk_dop, pk_qrp, pk_dorp) of `blocks` query blocks: Q^T pairs,
+// dO^T pairs (Params::dout_pairs) and, with round_grads, the row pairs of Q and dO.
+int64_t query_pair_words(const Params& p, int64_t blocks) {
+  const int64_t rows = p.round_grads ? (p.Br / 2) * (Params::pad16(p.D) + Params::pad16(p.Dv)) : 0;
+  return blocks * (p.Br * p.d_pairs() + (p.dout_pairs ? p.Br * p.dv_pairs() : 0) + rows);
+}
+
+// Points the bf16 query tiles of p at `base`, laid out for `blocks` query blocks (query_pair_words of them).
+void place_query_pairs(Params& p, uint32_t* base, int64_t blocks) {
+  p.pk_qp = base;
+  uint32_t* next = p.pk_qp + blocks * p.Br * p.d_pairs();
+  if (p.dout_pairs) p.pk_dop = next, next += blocks * p.Br * p.dv_pairs();
+  if (p.round_grads) {
+    p.pk_qrp = next;
+    p.pk_dorp = p.pk_qrp + blocks * (p.Br / 2) * Params::pad16(p.D);
+  }
+}
+
 // The backward's one pass over key groups and the sums of the partial dQ tiles (see Params). With one key group
 // per (b, kv head) (kv_group_size), one task per (b, kv head, query chunk) packs a query block into buffers of its
 // own, runs the block's tiles and writes its dQ at once (Params::pk_one_block), while the block is in its core's
@@ -477,8 +495,10 @@ void one_pass_backward(Params& p, const BackwardOps& o, int threads) {
   // dmask_part).
   const auto chunk_batches = [&p](int64_t c) { return std::pair(c * p.dm_chunk, std::min(p.B, (c + 1) * p.dm_chunk)); };
   if (ng == 1) {
-    const int64_t floats = query_tile_floats(p, 1) + p.D * p.Br;  // one block's tiles and its dQ partial
-    const int64_t qcs = p.q_chunks;                               // > 1 only without dmask_part (nc = B)
+    // one block's tiles, its dQ partial and, with bf16 products, its bf16 tiles (words of the same size as floats)
+    const int64_t pair_words = p.k_pairs ? query_pair_words(p, 1) : 0;
+    const int64_t floats = query_tile_floats(p, 1) + p.D * p.Br + pair_words;
+    const int64_t qcs = p.q_chunks;  // > 1 only without dmask_part (nc = B)
     const CountedFloats kv_part(size_t(qcs > 1 ? p.B * p.Hkv * qcs * p.dkv_part_floats() : 0),
                                 "fused attention backward: the partial dK and dV");
     p.dkv_part = kv_part.get();
@@ -492,6 +512,7 @@ void one_pass_backward(Params& p, const BackwardOps& o, int threads) {
       tp.pk_one_block = true;
       place_query_tiles(tp, own.get(), 1);
       tp.dq_part = own.get() + query_tile_floats(p, 1);
+      if (pair_words > 0) place_query_pairs(tp, reinterpret_cast<uint32_t*>(tp.dq_part + p.D * p.Br), 1);
       const auto [b0, b1] = chunk_batches(c);
       for (int64_t b = b0; b < b1; ++b) o.backward_kvq_task(tp, (b * p.Hkv + hk) * qcs + qc);
     });
@@ -803,21 +824,15 @@ void fused_backward(const BackwardArgs& a) {
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.Lk * p.dv_pairs();
     p.amx_tiles = o.amx_tiles;
     const int64_t kt_words = p.round_grads ? p.B * p.Hkv * p.kt_pairs_head_words() : 0;
-    const bool dout_pairs = p.dout.dtype == DType::kBF16 || bf16_precision || p.round_grads;
-    const int64_t q_words = nqt * p.Br * p.d_pairs(), do_words = dout_pairs ? nqt * p.Br * p.dv_pairs() : 0;
-    const int64_t rows_words = p.round_grads ? nqt * (p.Br / 2) * (Params::pad16(p.D) + Params::pad16(p.Dv)) : 0;
+    p.dout_pairs = p.dout.dtype == DType::kBF16 || bf16_precision || p.round_grads;
+    // the query blocks' bf16 tiles: the call's, or each task's own (one_pass_backward) where the float32 ones are
+    const int64_t q_words = tiles_per_task ? 0 : query_pair_words(p, nqt);
     kv_pairs.resize(size_t(k_words + v_words + kt_words));
-    counted_pairs.emplace(int64_t((k_words + v_words + kt_words + q_words + do_words + rows_words) * sizeof(uint32_t)));
-    q_pairs = workspace_array<uint32_t>(size_t(q_words + do_words + rows_words),
-                                        "fused attention backward: the packed bf16 query tiles");
+    counted_pairs.emplace(int64_t((k_words + v_words + kt_words + q_words) * sizeof(uint32_t)));
+    q_pairs = workspace_array<uint32_t>(size_t(q_words), "fused attention backward: the packed bf16 query tiles");
     p.k_pairs = kv_pairs.data(), p.v_row_pairs = p.k_pairs + k_words;
     if (p.round_grads) p.kt_pairs = p.v_row_pairs + v_words;
-    p.pk_qp = q_pairs.get();
-    if (dout_pairs) p.pk_dop = p.pk_qp + q_words;
-    if (p.round_grads) {
-      p.pk_qrp = p.pk_qp + q_words + do_words;
-      p.pk_dorp = p.pk_qrp + nqt * (p.Br / 2) * Params::pad16(p.D);
-    }
+    if (!tiles_per_task) place_query_pairs(p, q_pairs.get(), nqt);
     run_tasks(p.B * p.Hkv, threads, [&](int64_t t) { o.pack_kv_pairs(p, t); });
   }
   // Rows whose lse cannot carry log l (a huge bias on every key): the exact row max and log-sum, recomputed (after
