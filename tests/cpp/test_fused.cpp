@@ -665,6 +665,28 @@ TEST_P(FusedBf16Products, KeysPastTheLengthAreNeverReadIntoTheRoundedProducts) {
   EXPECT_TRUE(bitwise_equal(g.dk, g_inf.dk) && bitwise_equal(g.dv, g_inf.dv));
 }
 
+// With one key group (few keys), the backward's tasks pack each query tile, its bf16 pairs included (Q^T, dO^T and
+// the row pairs of Q and dO with float32_precision="bf16"), into buffers of their own: the scratch does not grow
+// with the queries. 8192 and 16384 queries over 77 keys take the same 32 query chunks; tiles in the call's buffers
+// would add 128 query blocks' worth of pairs (2.9 MB) to the longer call.
+TEST_P(FusedBf16Products, OneGroupBackwardPacksQueryPairsPerTask) {
+  int64_t peak[2] = {0, 0};
+  for (const int64_t Lq : {8192, 16384}) {
+    Case c;
+    c.Lq = Lq, c.Lk = 77, c.D = c.Dv = 40;
+    SCOPED_TRACE(c.name());
+    Problem pb = make_problem(c, 41);
+    pb.opt.float32_precision = sattn::Float32Precision::kBF16;
+    const FwdResult f = run_forward(pb, "fused", 2);
+    sattn::fused::workspace_reset_peak();
+    run_backward(pb, f, "fused", 2);
+    peak[Lq == 16384] = sattn::fused::workspace_peak_bytes();
+  }
+  const int64_t pair_bytes_per_block = 4 * (64 * 20 + 64 * 20 + 32 * (48 + 48));  // Br = 64, D = Dv = 40
+  EXPECT_LT(peak[1] - peak[0], 128 * pair_bytes_per_block / 4)
+      << "scratch peak " << peak[0] << " bytes at Lq 8192, " << peak[1] << " at 16384";
+}
+
 INSTANTIATE_TEST_SUITE_P(Simd, FusedBf16Products, ::testing::Values("amx", "avx512bf16"),
                          [](const auto& info) { return info.param; });
 
