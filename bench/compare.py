@@ -43,6 +43,10 @@ override it. --decode-lens '' skips decode. --kv-heads below --heads times group
 enable_gqa=True; query head h reads key/value head h // (H / Hkv)). --reps is the number of calls per measurement;
 --rounds sets how many measurements each side gets. --json writes every row (header, ceilings, one per
 configuration with every round's times and which side went first) to a file.
+
+--layout blhd: q, k and v are views of [B, L, H, D] memory (a fused projection's output split into heads), and each
+timed call is followed by out.transpose(1, 2).reshape(B, Lq, H·D), a transformer's next step: a view where out has the
+query's layout, a copy where it does not (the backward then takes the gradient of that [B, Lq, H·D] tensor).
 """
 import openblas_env  # noqa: F401  (first: OpenBLAS reads OPENBLAS_CORETYPE as numpy / torch load it)
 import argparse
@@ -175,8 +179,12 @@ def run_config(sdpa, dtype_name, pas, mask, D, Lq, Lk, threads, a):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     causal = mask == "causal"
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(a.batch, a.heads, Lq, D, generator=g).to(dtype)
-    k, v = (torch.randn(a.batch, a.kv_heads, Lk, D, generator=g).to(dtype) for _ in range(2))
+    if a.layout == "blhd":  # views of [B, L, H, D] memory
+        q = torch.randn(a.batch, Lq, a.heads, D, generator=g).to(dtype).transpose(1, 2)
+        k, v = (torch.randn(a.batch, Lk, a.kv_heads, D, generator=g).to(dtype).transpose(1, 2) for _ in range(2))
+    else:
+        q = torch.randn(a.batch, a.heads, Lq, D, generator=g).to(dtype)
+        k, v = (torch.randn(a.batch, a.kv_heads, Lk, D, generator=g).to(dtype) for _ in range(2))
     kw = {"enable_gqa": True} if a.kv_heads != a.heads else {}
     bias = torch.randn(1, a.heads, Lq, Lk, generator=g).to(dtype) if mask == "bias" else None
     if bias is not None:
@@ -187,6 +195,9 @@ def run_config(sdpa, dtype_name, pas, mask, D, Lq, Lk, threads, a):
         kw["attn_mask"] = torch.rand(1, 1, Lq, Lk, generator=g) >= 0.1
     inputs = (q, k, v) if bias is None else (q, k, v, bias)
     impls = {"sattn": sdpa, "torch": F.scaled_dot_product_attention}
+    if a.layout == "blhd":  # each call followed by the merge of the heads
+        impls = {n: (lambda *x, fn=fn, **o: fn(*x, **o).transpose(1, 2).reshape(a.batch, Lq, a.heads * D))
+                 for n, fn in impls.items()}
     if pas == "fwd":
         ctx = torch.no_grad
         calls = {n: (lambda fn=fn: fn(q, k, v, is_causal=causal, **kw)) for n, fn in impls.items()}
@@ -197,6 +208,8 @@ def run_config(sdpa, dtype_name, pas, mask, D, Lq, Lk, threads, a):
         for x in inputs:
             x.requires_grad_(True)
         dout = torch.randn(a.batch, a.heads, Lq, D, generator=g).to(dtype)
+        if a.layout == "blhd":
+            dout = dout.transpose(1, 2).reshape(a.batch, Lq, a.heads * D)
         # once; the rounds time the backward
         outs = {n: fn(q, k, v, is_causal=causal, **kw) for n, fn in impls.items()}
         calls = {n: (lambda out=out: torch.autograd.grad(out, inputs, dout, retain_graph=True))
@@ -266,6 +279,9 @@ def parse_args():
     ap.add_argument("--kv-heads", type=int, help="key/value heads, a divisor of H (default H; fewer: GQA)")
     ap.add_argument("--lq", type=int, help="query length of every row, keys L (default L; e.g. 4096 queries over "
                     "77 keys: cross-attention; causal is then torch's is_causal, top-left, on both sides)")
+    ap.add_argument("--layout", choices=("bhld", "blhd"), default="bhld",
+                    help="q, k, v contiguous [B, H, L, D] (default) or views of [B, L, H, D] memory, each call then "
+                    "followed by out.transpose(1, 2).reshape(B, Lq, H*D) (see above)")
     ap.add_argument("--rounds", type=int, help="alternating rounds per configuration (default 5)")
     ap.add_argument("--reps", type=int, default=1, help="calls per measurement, median taken (default 1)")
     ap.add_argument("--ceiling-n", type=int, help="N of the SGEMM and torch.mm ceilings (default 2048)")
@@ -311,11 +327,12 @@ def main():
     print(f"sattn {sattn.__version__} ({os.path.dirname(sattn.__file__)}): fused kernel SIMD build {simd['fused']} "
           f"(selected {simd['selected']}; this CPU runs {', '.join(simd['available'])})")
     print(f"torch {torch.__version__} (CPU capability {cap}); B={a.batch} H={a.heads} Hkv={a.kv_heads}, "
+          f"{'q, k, v from [B, L, H, D] memory, out merged to [B, L, H*D], ' if a.layout == 'blhd' else ''}"
           f"{a.rounds} rounds of {a.reps} call(s) per side, alternating which goes first; "
           "ratio = torch ms / sattn ms (> 1: sattn faster)")
     rows = [{"kind": "env", "cpu": model, "isa_flags": isa, "sattn_version": sattn.__version__, "sattn_simd": simd,
              "torch_version": torch.__version__, "torch_cpu_capability": cap, "batch": a.batch, "heads": a.heads,
-             "kv_heads": a.kv_heads,
+             "kv_heads": a.kv_heads, "layout": a.layout,
              "rounds": a.rounds, "reps": a.reps}]
 
     for t in thread_counts:

@@ -155,8 +155,13 @@ def _empty_as(x):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _empty_out(query, value, dtype=None):
-    """The attention output (query's shape with value's last size), contiguous, in query's dtype or `dtype`."""
+def _empty_out(query, value, dtype=None, query_layout=False):
+    """The attention output (query's shape with value's last size), in query's dtype or `dtype`: contiguous, or with
+    query_layout (SDPA's out, Ev == E) in the query's memory layout (torch.empty_like), as torch's SDPA makes it: a
+    query viewed from [B, L, H, E] memory (a fused projection's) gives an out laid out the same way, so that
+    `out.transpose(1, 2).reshape(B, L, H * E)`, a transformer's next step, is a view, not a copy."""
+    if query_layout and value.shape[-1] == query.shape[-1]:
+        return torch.empty_like(query, dtype=dtype or query.dtype)
     if value.shape[-1] == query.shape[-1] and dtype in (None, query.dtype):
         return _empty_as(query)
     return _contiguous_empty(tuple(query.shape[:-1]) + (value.shape[-1],), dtype or query.dtype)
@@ -173,9 +178,9 @@ def _float32_out(query, float32_out):
     return float32_out and query.dtype in _HALF
 
 
-def _forward_out(query, value, float32_out):
-    """The out the kernels write: float32 for a float32_out call on half-precision inputs."""
-    return _empty_out(query, value, torch.float32 if _float32_out(query, float32_out) else None)
+def _forward_out(query, value, float32_out, query_layout=False):
+    """The out the kernels write: float32 for a float32_out call on half-precision inputs (layout: _empty_out)."""
+    return _empty_out(query, value, torch.float32 if _float32_out(query, float32_out) else None, query_layout)
 
 
 def _forward_outputs(query, out, float32_out):
@@ -185,11 +190,16 @@ def _forward_outputs(query, out, float32_out):
     return out, query.new_empty((0,))
 
 
-def _fake_outputs(query, shape, float32_out):
-    """The fake (out, out_float32) of a forward operator."""
+def _fake_outputs(query, shape, float32_out, query_layout=False):
+    """The fake (out, out_float32) of a forward operator, laid out as the real ones (_empty_out)."""
+    def empty(dtype=None):
+        if query_layout and shape[-1] == query.shape[-1]:
+            return torch.empty_like(query, dtype=dtype or query.dtype)
+        return query.new_empty(shape, dtype=dtype or query.dtype)
+
     if _float32_out(query, float32_out):
-        return query.new_empty(shape), query.new_empty(shape, dtype=torch.float32)
-    return query.new_empty(shape), query.new_empty((0,))
+        return empty(), empty(torch.float32)
+    return empty(), query.new_empty((0,))
 
 
 def _saved_out(out, out_float32):
@@ -281,7 +291,7 @@ def _sdpa_forward_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Opt
                        seed: Optional[Tensor], num_threads: int, float32_precision: str = "highest",
                        float32_out: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     B, Hq, Lq, _ = query.shape
-    out = _forward_out(query, value, float32_out)
+    out = _forward_out(query, value, float32_out, query_layout=True)
     lse = _contiguous_empty((B, Hq, Lq), _stats_dtype(query.dtype))
     _core._torch_sdpa_forward(query, key, value, attn_mask, key_padding_mask, causal, scale,
                               dropout_p, _seed_value(seed), _run_threads(num_threads), out, lse,
@@ -309,7 +319,7 @@ def _sdpa_forward_fake(query, key, value, attn_mask, key_padding_mask, causal, s
                        float32_precision="highest", float32_out=False):
     _describe_4d(query, key, value, attn_mask, key_padding_mask, causal, scale, dropout_p)
     B, Hq, Lq, _ = query.shape
-    out, out_float32 = _fake_outputs(query, (B, Hq, Lq, value.shape[-1]), float32_out)
+    out, out_float32 = _fake_outputs(query, (B, Hq, Lq, value.shape[-1]), float32_out, query_layout=True)
     return out, query.new_empty((B, Hq, Lq), dtype=_stats_dtype(query.dtype)), out_float32
 
 
@@ -390,7 +400,7 @@ def _sdpa_inference(query, key, value, attn_mask, key_padding_mask, causal, scal
     """An eager call that needs no gradient, on plain 4-D CPU tensors with at most a 4-D attn_mask and no dropout
     (inference's common call, decoding included, where the fixed cost of a call matters most): the forward operator's
     body without the log-sum-exp, which only the backward reads (one tensor less to make; the same output bits)."""
-    out = _empty_out(query, value)
+    out = _empty_out(query, value, query_layout=True)
     _core._torch_sdpa_forward(query, key, value, attn_mask, key_padding_mask, causal, scale, 0.0, 0,
                               _run_threads(num_threads), out, None, _run_precision(float32_precision))
     return out

@@ -56,6 +56,24 @@ def test_mask_rows_compare_outputs_and_every_gradient(tmp_path, mask):
     assert all(r["max_rel_diff"] < 1e-5 for r in rows), rows
 
 
+@pytest.mark.skipif(not os.path.exists(CLI), reason=f"CLI {CLI} not built")
+def test_blhd_layout_times_the_call_with_the_merge_of_the_heads(tmp_path):
+    """--layout blhd: q, k, v viewed from [B, L, H, D] memory, each call followed by the merge of the heads into
+    [B, Lq, H·D]; outputs and gradients (through the merge, GQA too) agree, and the layout is in the --json header."""
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, SCRIPT, "--dtypes", "fp32", "--passes", "fwd,bwd", "--masks", "full,causal",
+                           "--dims", "16", "--lens", "24", "--batch", "2", "--heads", "4", "--kv-heads", "2",
+                           "--layout", "blhd", "--threads", "1", "--rounds", "1", "--decode-lens", "",
+                           "--ceiling-n", "64", "--ceiling-reps", "1", "--sattn", CLI, "--json", str(out)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout
+    assert "differ" not in proc.stdout and "out merged to [B, L, H*D]" in proc.stdout, proc.stdout
+    rows = json.loads(out.read_text())
+    assert rows[0]["layout"] == "blhd"
+    sdpa = [r for r in rows if r["kind"] == "sdpa"]
+    assert len(sdpa) == 4 and all(r["max_rel_diff"] < 1e-5 for r in sdpa), sdpa
+
+
 def test_mha_script_times_both_modules_in_every_mode():
     script = os.path.join(REPO, "bench", "compare_mha.py")
     proc = subprocess.run([sys.executable, script, "--batch", "2", "--lens", "5", "--embed", "16", "--heads", "2",

@@ -475,7 +475,7 @@ def test_common_calls_take_the_short_route_with_the_same_bits(shapes, kw, make_m
     taken, inference = [], st._sdpa_inference
     monkeypatch.setattr(st, "_sdpa_inference", lambda *a: taken.append(1) or inference(*a))
     out = call(q, k, v)
-    assert taken and torch.equal(out, ref) and out.dtype == q.dtype and out.is_contiguous()
+    assert taken and torch.equal(out, ref) and out.dtype == q.dtype and out.stride() == ref.stride()
     with torch.no_grad():
         assert torch.equal(call(*ins), ref) and len(taken) == 2
     out, grads = grads_of(call, ins)  # a gradient needed: the autograd.Function, no lse skipped
@@ -525,6 +525,43 @@ def test_features_that_must_see_the_operators_get_them():
     with torch.no_grad(), pytest.warns(UserWarning, match="batching rule"):  # torch's per-sample fallback
         batched = torch.func.vmap(st.scaled_dot_product_attention)(q, k, v)
         assert torch.equal(batched, torch.stack([st.scaled_dot_product_attention(*x) for x in zip(q, k, v)]))
+
+
+def _query_layouts(B=2, H=3, L=20, E=8, dtype=torch.float32):
+    """q, k, v [B, H, L, E] views of the memory layouts transformers make: contiguous, a fused projection's [B, L, 3,
+    H, E] (batch first), and [L, B, 3, H, E] (sequence first, as nn.MultiheadAttention)."""
+    g = torch.Generator().manual_seed(5)
+    yield "contiguous", tuple(torch.randn(B, H, L, E, generator=g, dtype=dtype) for _ in range(3))
+    packed = torch.randn(B, L, 3, H, E, generator=g, dtype=dtype)
+    yield "batch first", tuple(packed[:, :, i].transpose(1, 2) for i in range(3))
+    packed = torch.randn(L, B, 3, H, E, generator=g, dtype=dtype)
+    yield "sequence first", tuple(packed[:, :, i].permute(1, 2, 0, 3) for i in range(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad", [False, True])
+def test_out_has_the_query_layout_as_torch_sdpa(dtype, grad):
+    """The output takes the query's memory layout, as torch's own SDPA makes it: from a fused projection's q the
+    usual next step, out.transpose(1, 2).reshape(B, L, H * E), is a view, not a copy. Eager (both routes) and
+    compiled (the operator's fake output has the real strides: inductor checks them) alike."""
+    for name, (q, k, v) in _query_layouts(dtype=dtype):
+        q, k, v = (t.requires_grad_(grad) for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(q, k, v)
+        out = st.scaled_dot_product_attention(q, k, v)
+        assert out.stride() == ref.stride(), name
+        assert rel_err(out, ref) <= (1e-5 if dtype == torch.float32 else 1e-2), name
+        if name == "batch first":
+            B, H, L, E = out.shape
+            assert out.transpose(1, 2).reshape(B, L, H * E).data_ptr() == out.data_ptr()
+        with RecordOps() as seen:  # the operators' route (a dispatch mode): the same layout and values
+            via_op = st.scaled_dot_product_attention(q, k, v)
+        assert seen.ops[0] == "sdpa_forward.default" and via_op.stride() == ref.stride(), name
+        assert torch.equal(via_op, out), name
+    q, k, v = (t.requires_grad_(grad) for t in next(t for n, t in _query_layouts(dtype=dtype) if n == "batch first"))
+    compiled = torch.compile(lambda a, b, c: st.scaled_dot_product_attention(a, b, c).transpose(1, 2).flatten(-2) * 2,
+                             fullgraph=True)
+    eager = st.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(-2) * 2
+    assert torch.equal(compiled(q, k, v), eager)
 
 
 # ---- torch.compile and torch.export -------------------------------------------------------------------------------
