@@ -155,12 +155,19 @@ def _empty_as(x):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _query_layout(query, ev, asked):
+    """Whether the output (last size ev) takes the query's layout (_empty_out): rows of unit stride, as torch's output
+    always has."""
+    return asked and ev == query.shape[-1] and query.stride(-1) == 1
+
+
 def _empty_out(query, value, dtype=None, query_layout=False):
     """The attention output (query's shape with value's last size), in query's dtype or `dtype`: contiguous, or with
-    query_layout (SDPA's out, Ev == E) in the query's memory layout (torch.empty_like), as torch's SDPA makes it: a
-    query viewed from [B, L, H, E] memory (a fused projection's) gives an out laid out the same way, so that
-    `out.transpose(1, 2).reshape(B, L, H * E)`, a transformer's next step, is a view, not a copy."""
-    if query_layout and value.shape[-1] == query.shape[-1]:
+    query_layout (SDPA's out, Ev == E, the query's last dimension of unit stride) in the query's memory layout
+    (torch.empty_like), as torch's SDPA makes it: a query viewed from [B, L, H, E] memory (a fused projection's) gives
+    an out laid out the same way, so that `out.transpose(1, 2).reshape(B, L, H * E)`, a transformer's next step, is a
+    view, not a copy."""
+    if _query_layout(query, value.shape[-1], query_layout):
         return torch.empty_like(query, dtype=dtype or query.dtype)
     if value.shape[-1] == query.shape[-1] and dtype in (None, query.dtype):
         return _empty_as(query)
@@ -193,7 +200,7 @@ def _forward_outputs(query, out, float32_out):
 def _fake_outputs(query, shape, float32_out, query_layout=False):
     """The fake (out, out_float32) of a forward operator, laid out as the real ones (_empty_out)."""
     def empty(dtype=None):
-        if query_layout and shape[-1] == query.shape[-1]:
+        if _query_layout(query, shape[-1], query_layout):
             return torch.empty_like(query, dtype=dtype or query.dtype)
         return query.new_empty(shape, dtype=dtype or query.dtype)
 

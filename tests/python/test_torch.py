@@ -529,13 +529,15 @@ def test_features_that_must_see_the_operators_get_them():
 
 def _query_layouts(B=2, H=3, L=20, E=8, dtype=torch.float32):
     """q, k, v [B, H, L, E] views of the memory layouts transformers make: contiguous, a fused projection's [B, L, 3,
-    H, E] (batch first), and [L, B, 3, H, E] (sequence first, as nn.MultiheadAttention)."""
+    H, E] (batch first), and [L, B, 3, H, E] (sequence first, as nn.MultiheadAttention); and a q stored by columns."""
     g = torch.Generator().manual_seed(5)
     yield "contiguous", tuple(torch.randn(B, H, L, E, generator=g, dtype=dtype) for _ in range(3))
     packed = torch.randn(B, L, 3, H, E, generator=g, dtype=dtype)
     yield "batch first", tuple(packed[:, :, i].transpose(1, 2) for i in range(3))
     packed = torch.randn(L, B, 3, H, E, generator=g, dtype=dtype)
     yield "sequence first", tuple(packed[:, :, i].permute(1, 2, 0, 3) for i in range(3))
+    q = torch.randn(B, H, E, L, generator=g, dtype=dtype).transpose(2, 3)  # columns of unit stride: out contiguous
+    yield "columns", (q, *(torch.randn(B, H, L, E, generator=g, dtype=dtype) for _ in range(2)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
