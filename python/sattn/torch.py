@@ -155,10 +155,10 @@ def _empty_as(x):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _query_layout(query, ev, asked):
-    """Whether the output (last size ev) takes the query's layout (_empty_out): rows of unit stride, as torch's output
-    always has."""
-    return asked and ev == query.shape[-1] and query.stride(-1) == 1
+def _can_take_query_layout(query, ev):
+    """Whether an output of last size ev can take the query's layout (_empty_out): the same last size, rows of unit
+    stride (as torch's output always has)."""
+    return ev == query.shape[-1] and query.stride(-1) == 1
 
 
 def _empty_out(query, value, dtype=None, query_layout=False):
@@ -167,7 +167,7 @@ def _empty_out(query, value, dtype=None, query_layout=False):
     (torch.empty_like), as torch's SDPA makes it: a query viewed from [B, L, H, E] memory (a fused projection's) gives
     an out laid out the same way, so that `out.transpose(1, 2).reshape(B, L, H * E)`, a transformer's next step, is a
     view, not a copy."""
-    if _query_layout(query, value.shape[-1], query_layout):
+    if query_layout and _can_take_query_layout(query, value.shape[-1]):
         return torch.empty_like(query, dtype=dtype or query.dtype)
     if value.shape[-1] == query.shape[-1] and dtype in (None, query.dtype):
         return _empty_as(query)
@@ -200,7 +200,7 @@ def _forward_outputs(query, out, float32_out):
 def _fake_outputs(query, shape, float32_out, query_layout=False):
     """The fake (out, out_float32) of a forward operator, laid out as the real ones (_empty_out)."""
     def empty(dtype=None):
-        if _query_layout(query, shape[-1], query_layout):
+        if query_layout and _can_take_query_layout(query, shape[-1]):
             return torch.empty_like(query, dtype=dtype or query.dtype)
         return query.new_empty(shape, dtype=dtype or query.dtype)
 
