@@ -960,6 +960,37 @@ TEST(Fused, FullShapeMaskGradientIsWrittenDirectlyWhateverSizeOneStrides) {
   EXPECT_LT(sattn::fused::workspace_peak_bytes(), c.B * c.Hq * c.Lq * c.Lk * 4);
 }
 
+// A full-shape float32 mask's gradient of 1 MiB and more is written with non-temporal stores where a whole vector
+// of a gradient row is aligned (Params::stream_dscores), and with plain stores elsewhere: rows of 900 keys (3600
+// bytes) start at every multiple of 16 bytes, and the last query block (44 of 300 rows, 8 of 520) ends in a partial
+// vector. Against the
+// reference, bitwise the same for 1 and 3 threads, and the same values as the two-pass schedule, which writes the
+// gradient without them.
+TEST(Fused, LargeMaskGradientIsStreamedAroundTheCaches) {
+  Case wide;
+  wide.B = 1, wide.Hq = 2, wide.Hkv = 1, wide.Lq = 300, wide.Lk = 900, wide.mask = 2;
+  Case square = wide;
+  square.Lq = square.Lk = 520, square.causal = sattn::Causal::kTopLeft;
+  uint32_t seed = 90;
+  for (const Case& c : {wide, square}) {
+    SCOPED_TRACE(c.name());
+    ASSERT_GE(c.B * c.Hq * c.Lq * c.Lk * 4, int64_t(1) << 20);
+    const Problem pb = make_problem(c, ++seed);
+    const FwdResult ref = run_forward(pb, "reference", 2);
+    const FwdResult ref32 = as_f32(ref);
+    const BwdResult gref = run_backward(pb, ref, "reference", 2);
+    const BwdResult g1 = run_backward(pb, ref32, "fused", 1);
+    expect_grads_near(g1, gref);
+    EXPECT_TRUE(bitwise_equal(g1.dmask, run_backward(pb, ref32, "fused", 3).dmask));
+    const sattn::testing::ScopedEnv env("SATTN_FUSED_BACKWARD", "two_pass");
+    const Tensor two_pass = run_backward(pb, ref32, "fused", 2).dmask;
+    ASSERT_EQ(two_pass.numel(), g1.dmask.numel());
+    int64_t differ = 0;  // as values: the two-pass sums start from +0, so a dS of -0 comes out as +0 there
+    for (int64_t x = 0; x < two_pass.numel(); ++x) differ += g1.dmask.data<float>()[x] != two_pass.data<float>()[x];
+    EXPECT_EQ(differ, 0);
+  }
+}
+
 // A float mask [B or 1, Hq or 1, Lq, Lk] whose gradient is not the dS itself (a mask shared by the batch or the
 // heads, or a gradient in another dtype) is summed per chunk of batches and kv head inside the backward's tasks,
 // without a [B, Hq, Lq, Lk] buffer: chunks of two batches with a last chunk of one (B = 41), sums over kv heads

@@ -142,6 +142,9 @@ struct Params {
   // The one-pass backward's form of it: dS [B·Hq·Lq·Lk] of every score, written by the tasks (each element by one,
   // 0 where no tile is computed) and then summed into the mask's shape by the driver in a fixed order.
   float* dscores = nullptr;
+  // dS goes to dscores with non-temporal stores (TransposeRows<true>): dscores is the caller's gradient (nothing
+  // here reads it again) and larger than a core's second-level cache, so that its lines would only evict the tiles'.
+  bool stream_dscores = false;
   // Or, for a mask [B or 1, Hq or 1, Lq, Lk] whose gradient is not written directly: partial sums of dS^T per chunk
   // of dm_chunk batches and kv head, in dmask_part [chunk][Hkv][dm_heads][Lk][dm_lqp] (keys along the rows, as the
   // tiles hold dS^T; dm_heads = group when the mask has heads, else 1; dm_lqp = Lq rounded up to Br). A task of the

@@ -7,6 +7,7 @@
 #include <hwy/foreach_target.h>  // must come before highway.h
 
 #include <hwy/aligned_allocator.h>
+#include <hwy/cache_control.h>
 #include <hwy/highway.h>
 #include <hwy/contrib/math/math-inl.h>
 
@@ -361,8 +362,11 @@ void BackwardKVQTask(const Params& p, int64_t task) {
           continue;
         }
         // dS^T [nk x Br] into dS [Lq x Lk] rows (one writer per element)
-        if (p.dscores)
-          TransposeRows(sc.w.ST, Br, nk, nq, 1.f, p.dscores + ((b * p.Hq + h) * p.Lq + i0) * p.Lk + kb, p.Lk, nk);
+        if (p.dscores) {
+          float* ds = p.dscores + ((b * p.Hq + h) * p.Lq + i0) * p.Lk + kb;
+          if (p.stream_dscores) TransposeRows<true>(sc.w.ST, Br, nk, nq, 1.f, ds, p.Lk, nk);
+          else TransposeRows(sc.w.ST, Br, nk, nq, 1.f, ds, p.Lk, nk);
+        }
         if (p.dmask_part) {  // dS^T rows added into the chunk's sums (lanes past Lq are never read)
           float* part = p.mask_part(b, h) + kb * p.dm_lqp + i0;
           for (int64_t jj = 0; jj < nk; ++jj)
@@ -384,7 +388,8 @@ void BackwardKVQTask(const Params& p, int64_t task) {
       if (p.pk_one_block) ReduceDQTask(p, t);
     }
   }
-  if (p.q_chunks > 1) return;  // partial dK and dV: ReduceKVTask
+  if (p.stream_dscores) hwy::FlushStream();  // the non-temporal stores of dS, before the task ends
+  if (p.q_chunks > 1) return;                // partial dK and dV: ReduceKVTask
   for (int64_t kb = kb0; kb < kend; kb += Bc) {
     const int64_t x = (kb - kb0) / Bc;
     StoreKeyGrads(p, b, hk, kb, std::min(Bc, kend - kb), dK + x * Bc * Dp, dV + x * Bc * Dvp);
