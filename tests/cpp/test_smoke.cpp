@@ -22,6 +22,22 @@ TEST(Smoke, TensorSizeOverflowIsAnError) {
   EXPECT_EQ(sattn::Tensor(sattn::DType::kF32, {0, big}).numel(), 0);
 }
 
+// A tensor's storage starts on a cache line (64 bytes; whole vectors aligned, the kernels' non-temporal stores),
+// from 4 MiB on on a 2 MiB page, and is zeroed.
+TEST(Smoke, TensorStorageIsCacheLineAlignedAndZeroed) {
+  for (const int64_t n : {int64_t(0), int64_t(1), int64_t(3), int64_t(1000), int64_t(5) << 20}) {
+    const sattn::Tensor t(sattn::DType::kU8, {n});
+    const auto at = reinterpret_cast<uintptr_t>(t.data());
+    EXPECT_EQ(at % 64, 0u) << n << " bytes";
+    if (n >= int64_t(4) << 20) {
+      EXPECT_EQ(at % (uintptr_t(2) << 20), 0u) << n << " bytes";
+    }
+    int64_t nonzero = 0;
+    for (int64_t x = 0; x < n; ++x) nonzero += t.data<uint8_t>()[x] != 0;
+    EXPECT_EQ(nonzero, 0) << n << " bytes";
+  }
+}
+
 TEST(Smoke, ShapeTextWritesWhatShapeToStringReturns) {
   for (const sattn::Shape& s : {sattn::Shape{}, sattn::Shape{3}, sattn::Shape{2, 0, 41}})
     EXPECT_EQ(sattn::message::concat(sattn::shape_text(s)), sattn::shape_to_string(s));
