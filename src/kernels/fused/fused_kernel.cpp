@@ -591,8 +591,8 @@ bool plan_mask_chunks(Params& p, const int64_t (&m4)[4], double limit) {
 // call's memory limit for L x L buffers); past it, the two-pass schedule, which sums dS into the mask's shape as it
 // goes.
 constexpr double kMaxScoreBytes = double(int64_t(256) << 20);
-// From this size on, a mask gradient written directly goes around the caches (Params::stream_dscores): the second-
-// level cache of one core on current x86 (1 MiB on Zen 4 and Sapphire Rapids, 2 MiB on Emerald Rapids).
+// From this size on, a mask gradient written directly goes around the caches (Params::stream_dscores): about the
+// second-level cache of one core on current x86 (1 MiB on Zen 4, 2 MiB on Sapphire Rapids).
 constexpr int64_t kStreamScoreBytes = int64_t(1) << 20;
 
 // The backward's schedule and how it computes the additive mask's gradient (docs/fused.md).
