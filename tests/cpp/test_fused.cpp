@@ -874,6 +874,28 @@ TEST(Fused, RowsDoNotDependOnTheQueryTile) {
   }
 }
 
+// The fused backward of pb on one thread, checked against the fp64 reference and bitwise against three threads
+// (dq, dk, dv and, with an additive mask, its gradient); returned with the float32 forward it was given.
+struct CheckedBackward {
+  FwdResult ref32;
+  BwdResult g1;
+};
+CheckedBackward backward_checked_against_reference(const Problem& pb, bool mask_gradient) {
+  const FwdResult ref = run_forward(pb, "reference", 2);
+  CheckedBackward r{as_f32(ref), {}};
+  const BwdResult gref = run_backward(pb, ref, "reference", 2);
+  r.g1 = run_backward(pb, r.ref32, "fused", 1);
+  expect_grads_near(r.g1, gref);
+  const BwdResult g3 = run_backward(pb, r.ref32, "fused", 3);
+  EXPECT_TRUE(bitwise_equal(r.g1.dq, g3.dq));
+  EXPECT_TRUE(bitwise_equal(r.g1.dk, g3.dk));
+  EXPECT_TRUE(bitwise_equal(r.g1.dv, g3.dv));
+  if (mask_gradient) {
+    EXPECT_TRUE(bitwise_equal(r.g1.dmask, g3.dmask));
+  }
+  return r;
+}
+
 // Problems large enough that the backward's tasks cover several key blocks each (groups of 3 and 4 blocks, the
 // last group shorter), and short keys in one group whose query blocks are split into chunks (partial dK and dV):
 // gradients against the reference, and bitwise the same for 1 and 3 threads.
@@ -897,19 +919,7 @@ TEST(Fused, BackwardKeyGroupsMatchReferenceAndThreadCounts) {
   uint32_t seed = 40;
   for (const Case& c : {a, b, m, s, sc}) {
     SCOPED_TRACE(c.name());
-    const Problem pb = make_problem(c, ++seed);
-    const FwdResult ref = run_forward(pb, "reference", 2);
-    const FwdResult ref32 = as_f32(ref);
-    const BwdResult gref = run_backward(pb, ref, "reference", 2);
-    const BwdResult g1 = run_backward(pb, ref32, "fused", 1);
-    expect_grads_near(g1, gref);
-    const BwdResult g3 = run_backward(pb, ref32, "fused", 3);
-    EXPECT_TRUE(bitwise_equal(g1.dq, g3.dq));
-    EXPECT_TRUE(bitwise_equal(g1.dk, g3.dk));
-    EXPECT_TRUE(bitwise_equal(g1.dv, g3.dv));
-    if (c.mask == 2) {
-      EXPECT_TRUE(bitwise_equal(g1.dmask, g3.dmask));
-    }
+    backward_checked_against_reference(make_problem(c, ++seed), c.mask == 2);
   }
 }
 
@@ -963,9 +973,8 @@ TEST(Fused, FullShapeMaskGradientIsWrittenDirectlyWhateverSizeOneStrides) {
 // A full-shape float32 mask's gradient of 1 MiB and more is written with non-temporal stores where a whole vector
 // of a gradient row is aligned (Params::stream_dscores), and with plain stores elsewhere: rows of 900 keys (3600
 // bytes) start at every multiple of 16 bytes, and the last query block (44 of 300 rows, 8 of 520) ends in a partial
-// vector. Against the
-// reference, bitwise the same for 1 and 3 threads, and the same values as the two-pass schedule, which writes the
-// gradient without them.
+// vector. Against the reference, bitwise the same for 1 and 3 threads, and the same values as the two-pass
+// schedule, which writes the gradient without them.
 TEST(Fused, LargeMaskGradientIsStreamedAroundTheCaches) {
   Case wide;
   wide.B = 1, wide.Hq = 2, wide.Hkv = 1, wide.Lq = 300, wide.Lk = 900, wide.mask = 2;
@@ -976,12 +985,7 @@ TEST(Fused, LargeMaskGradientIsStreamedAroundTheCaches) {
     SCOPED_TRACE(c.name());
     ASSERT_GE(c.B * c.Hq * c.Lq * c.Lk * 4, int64_t(1) << 20);
     const Problem pb = make_problem(c, ++seed);
-    const FwdResult ref = run_forward(pb, "reference", 2);
-    const FwdResult ref32 = as_f32(ref);
-    const BwdResult gref = run_backward(pb, ref, "reference", 2);
-    const BwdResult g1 = run_backward(pb, ref32, "fused", 1);
-    expect_grads_near(g1, gref);
-    EXPECT_TRUE(bitwise_equal(g1.dmask, run_backward(pb, ref32, "fused", 3).dmask));
+    const auto [ref32, g1] = backward_checked_against_reference(pb, true);
     const sattn::testing::ScopedEnv env("SATTN_FUSED_BACKWARD", "two_pass");
     const Tensor two_pass = run_backward(pb, ref32, "fused", 2).dmask;
     ASSERT_EQ(two_pass.numel(), g1.dmask.numel());
