@@ -470,11 +470,26 @@ void PlanarToU8Rgb(const float* r, const float* g, const float* b, int64_t n, ui
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
+#include "simd/amx_tiles.hpp"
 #include "simd/dispatch.hpp"
 #include "simd/target.hpp"
 
 namespace sattn::nn {
 namespace {
+#if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64 && defined(__GNUC__)
+// GemmSegmentsPairs on the AMX tiles (the amx build): each C element is its old value plus one tile product per
+// chunk of the sum (simd::amx::gemm_segments_pairs), in a fixed order whatever its position: results do not depend
+// on how rows are batched. They differ from the vdpbf16ps build's in the float32 rounding of the sums.
+void GemmSegmentsPairsAmx(int nseg, const uint16_t* const* A, const int64_t* K, int64_t lda, int64_t M,
+                          const uint32_t* W2, int64_t ldw, int64_t N, float* C, int64_t ldc) {
+  constexpr int kMaxSeg = 16;
+  const uint32_t* a[kMaxSeg];
+  int64_t k2[kMaxSeg];
+  for (int s = 0; s < nseg; ++s) a[s] = reinterpret_cast<const uint32_t*>(A[s]), k2[s] = K[s] / 2;
+  simd::amx::gemm_segments_pairs<simd::amx::HardwareTiles>(nseg, a, k2, lda / 2, M, W2, ldw, N, C, ldc);
+}
+#endif
+
 struct Ops {
   void (*gemm_segments)(int, const float* const*, const int64_t*, int64_t, int64_t, const float*, int64_t, int64_t,
                         float*, int64_t);
@@ -489,16 +504,17 @@ struct Ops {
                               int64_t, float*, int64_t);
   void (*round_to_bf16)(const float*, int64_t, uint16_t*);
 };
-// The builds without bf16 products (their last two entries null), then the avx512bf16 one.
+// The builds without bf16 products (their last two entries null), and the amx and avx512bf16 ones.
 #define SATTN_NN_OPS_WITH(NS, PAIRS, ROUND)                                                                        \
   Ops {                                                                                                            \
     &NS::GemmSegments, &NS::DepthwiseRow3, &NS::LayerNormRows, &NS::GeluInplace, &NS::PlanarToU8Rgb, &NS::AddRows, \
         &NS::AddSquaredDeviations, PAIRS, ROUND                                                                    \
   }
 #define SATTN_NN_OPS(NS) SATTN_NN_OPS_WITH(NS, nullptr, nullptr)
-#if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64
-#define SATTN_NN_OPS_BF16 \
-  {simd::Target::kAvx512Bf16, SATTN_NN_OPS_WITH(N_AVX3, &N_AVX3::GemmSegmentsPairs, &N_AVX3::RoundToBf16)},
+#if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64 && defined(__GNUC__)
+#define SATTN_NN_OPS_BF16                                                                       \
+  {simd::Target::kAmx, SATTN_NN_OPS_WITH(N_AVX3, &GemmSegmentsPairsAmx, &N_AVX3::RoundToBf16)}, \
+      {simd::Target::kAvx512Bf16, SATTN_NN_OPS_WITH(N_AVX3, &N_AVX3::GemmSegmentsPairs, &N_AVX3::RoundToBf16)},
 #else
 #define SATTN_NN_OPS_BF16
 #endif

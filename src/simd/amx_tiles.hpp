@@ -14,7 +14,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <type_traits>
+#include <vector>
 
 namespace sattn::simd::amx {
 
@@ -29,6 +31,14 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
   TileConfig() {
     for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = kTileRows;
+  }
+  // Tiles 0..3 (accumulators) 16 x 16 floats, the left operands 4 and 5 16 rows of `pairs` words, the right
+  // operands 6 and 7 `pairs` rows of 16 words: products that sum `pairs` (1..16) pairs per instruction.
+  static TileConfig for_sum_chunk(int pairs) {
+    TileConfig c;
+    for (int t = 4; t < 6; ++t) c.colsb[t] = uint16_t(4 * pairs);
+    for (int t = 6; t < 8; ++t) c.rows[t] = uint8_t(pairs);
+    return c;
   }
 };
 static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
@@ -91,8 +101,8 @@ SATTN_AMX_DOT(3, 5, 7)
 template <class Tiles>
 class TileConfigScope {
  public:
-  explicit TileConfigScope(bool active) : active_(active) {
-    if (active_) Tiles::configure(TileConfig{});
+  explicit TileConfigScope(bool active, const TileConfig& config = TileConfig{}) : active_(active) {
+    if (active_) Tiles::configure(config);
   }
   ~TileConfigScope() {
     if (active_) Tiles::release();
@@ -120,24 +130,29 @@ void load_b(const uint32_t* p, int64_t ld) {
 // half of pair K2 − 1 is zeroed (it holds an element past the sum).
 inline void stage_a(const uint32_t* A, int64_t lda, int64_t m0, int64_t M, int64_t k0, int64_t K2, bool odd_k,
                     uint32_t* out) {
-  for (int r = 0; r < kTileRows; ++r)
-    for (int c = 0; c < kTileRows; ++c) {
-      const int64_t m = m0 + r, k = k0 + c;
-      uint32_t w = m < M && k < K2 ? A[m * lda + k] : 0u;
-      if (odd_k && k == K2 - 1) w &= 0xFFFFu;
-      out[r * kTileRows + c] = w;
-    }
+  const int64_t n = std::min<int64_t>(kTileRows, K2 - k0);  // words of the chunk inside the sum
+  for (int r = 0; r < kTileRows; ++r) {
+    uint32_t* o = out + r * kTileRows;
+    const bool live = m0 + r < M;
+    if (live) std::copy_n(A + (m0 + r) * lda + k0, n, o);
+    std::fill(o + (live ? n : 0), o + kTileRows, 0u);
+    if (live && odd_k && k0 + n == K2) o[n - 1] &= 0xFFFFu;
+  }
 }
 
 // Pair rows [k0, k0 + 16) x columns [n0, n0 + 16) of B, zero past K2 (and the high half of pair K2 − 1 with odd K).
 inline void stage_b(const uint32_t* B, int64_t ldb, int64_t n0, int64_t k0, int64_t K2, bool odd_k, uint32_t* out) {
-  for (int r = 0; r < kTileRows; ++r)
-    for (int c = 0; c < kTileRows; ++c) {
-      const int64_t k = k0 + r;
-      uint32_t w = k < K2 ? B[k * ldb + n0 + c] : 0u;
-      if (odd_k && k == K2 - 1) w &= 0xFFFFu;
-      out[r * kTileRows + c] = w;
+  for (int r = 0; r < kTileRows; ++r) {
+    uint32_t* o = out + r * kTileRows;
+    const int64_t k = k0 + r;
+    if (k >= K2) {
+      std::fill(o, o + kTileRows, 0u);
+      continue;
     }
+    std::copy_n(B + k * ldb + n0, kTileRows, o);
+    if (odd_k && k == K2 - 1)
+      for (int c = 0; c < kTileRows; ++c) o[c] &= 0xFFFFu;
+  }
 }
 
 template <class Tiles, int i, int j>
@@ -279,6 +294,123 @@ template <class Tiles, bool kAcc, bool kSplit, bool kSplitA = false>
 void gemm_pairs(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, int64_t lo, float* C, int64_t ldc,
                 int64_t M, int64_t N, int64_t K, float mul, int64_t alo = 0) {
   PairsProduct<Tiles, kAcc, kSplit, kSplitA>{A, lda, B, ldb, lo, C, ldc, M, N, K, mul, alo}.run();
+}
+
+namespace detail {
+
+// Rows x columns (each <= 16) of C into a zeroed 16 x 16 tile buffer, and back.
+inline void stage_c_in(const float* C, int64_t ldc, int rows, int cols, float* out) {
+  std::fill(out, out + kTileRows * kTileRows, 0.f);
+  for (int r = 0; r < rows; ++r) std::copy(C + r * ldc, C + r * ldc + cols, out + r * kTileRows);
+}
+inline void stage_c_out(const float* in, int rows, int cols, float* C, int64_t ldc) {
+  for (int r = 0; r < rows; ++r) std::copy(in + r * kTileRows, in + r * kTileRows + cols, C + r * ldc);
+}
+
+// One block of MB x NB accumulator tiles of gemm_segments_pairs: row tile i reads segment s at a[i][s] (rows lda[i]
+// words apart) and has rows[i] rows of C, column tile j is cols[j] columns wide, from C at column n0.
+template <class Tiles, int MB, int NB>
+void segments_block(int nseg, const uint32_t* const (*a)[16], const int64_t* lda, const int* rows, const int64_t* K2,
+                    const uint32_t* W2, int64_t ldw, int64_t n0, const int* cols, int64_t kc, float* C, int64_t ldc) {
+  alignas(64) float c_stage[2][2][kTileRows * kTileRows];
+  auto direct = [&](int i, int j) { return rows[i] == kTileRows && cols[j] == kTileRows; };
+  auto c_at = [&](int i, int j) { return C + i * kTileRows * ldc + n0 + j * kTileRows; };
+  auto init = [&](auto ic, auto jc) {
+    constexpr int i = decltype(ic)::value, j = decltype(jc)::value;
+    if (direct(i, j)) return Tiles::template load<2 * i + j>(c_at(i, j), ldc * 4);
+    stage_c_in(c_at(i, j), ldc, rows[i], cols[j], c_stage[i][j]);
+    Tiles::template load<2 * i + j>(c_stage[i][j], kTileRows * 4);
+  };
+  auto finish = [&](auto ic, auto jc) {
+    constexpr int i = decltype(ic)::value, j = decltype(jc)::value;
+    if (direct(i, j)) return Tiles::template store<2 * i + j>(c_at(i, j), ldc * 4);
+    Tiles::template store<2 * i + j>(c_stage[i][j], kTileRows * 4);
+    stage_c_out(c_stage[i][j], rows[i], cols[j], c_at(i, j), ldc);
+  };
+  using I0 = std::integral_constant<int, 0>;
+  using I1 = std::integral_constant<int, 1>;
+  init(I0{}, I0{});
+  if constexpr (NB > 1) init(I0{}, I1{});
+  if constexpr (MB > 1) init(I1{}, I0{});
+  if constexpr (MB > 1 && NB > 1) init(I1{}, I1{});
+  const uint32_t* w = W2 + n0;
+  for (int s = 0; s < nseg; ++s) {
+    for (int64_t k0 = 0; k0 < K2[s]; k0 += kc) {
+      load_a<Tiles, 0>(a[0][s] + k0, lda[0]);
+      if constexpr (MB > 1) load_a<Tiles, 1>(a[1][s] + k0, lda[1]);
+      load_b<Tiles, 0>(w + k0 * ldw, ldw);
+      if constexpr (NB > 1) load_b<Tiles, 1>(w + k0 * ldw + kTileRows, ldw);
+      dot<Tiles, 0, 0>();
+      if constexpr (NB > 1) dot<Tiles, 0, 1>();
+      if constexpr (MB > 1) dot<Tiles, 1, 0>();
+      if constexpr (MB > 1 && NB > 1) dot<Tiles, 1, 1>();
+    }
+    w += K2[s] * ldw;
+  }
+  finish(I0{}, I0{});
+  if constexpr (NB > 1) finish(I0{}, I1{});
+  if constexpr (MB > 1) finish(I1{}, I0{});
+  if constexpr (MB > 1 && NB > 1) finish(I1{}, I1{});
+}
+
+}  // namespace detail
+
+// C[m, :N] += Σ_s A_s[m, :K2_s] · W2_s for m < M (nseg <= 16 segments), all in pairs of bf16 (32-bit words):
+// - A_s rows of K2_s words at A[s] + m·lda (rows may overlap: lda < K2_s);
+// - W2 = [W2_0; W2_1; ...] stacked, [Σ K2_s] rows of ldw words, readable to N rounded up to 16 words;
+// - C rows ldc floats apart; nothing past column N or row M is read or written.
+// Each product instruction sums kc pairs: the largest kc <= 16 that divides every K2_s (the tiles are configured for
+// it, TileConfig::for_sum_chunk, for the call). Every element of C is its old value plus one tile product per chunk
+// of kc pairs, segments in order and chunks ascending, whatever the row or column it is in: results do not depend
+// on how rows are batched.
+template <class Tiles>
+void gemm_segments_pairs(int nseg, const uint32_t* const* A, const int64_t* K2, int64_t lda, int64_t M,
+                         const uint32_t* W2, int64_t ldw, int64_t N, float* C, int64_t ldc) {
+  constexpr int kMaxSeg = 16;
+  constexpr int64_t T = kTileRows;
+  int64_t g = 0, max_k2 = 0;
+  for (int s = 0; s < nseg; ++s) {
+    g = std::gcd(g, K2[s]);
+    max_k2 = std::max(max_k2, K2[s]);
+  }
+  if (g == 0 || M <= 0 || N <= 0) return;  // nothing to add
+  int64_t kc = T;
+  while (g % kc != 0) --kc;
+  TileConfigScope<Tiles> scope(true, TileConfig::for_sum_chunk(int(kc)));
+  // The rows of a last, partial row tile, zero-padded to 16 rows (a tile load reads 16 rows).
+  const int64_t tail_m0 = M / T * T;
+  const int tail_rows = int(M - tail_m0);
+  thread_local std::vector<uint32_t> tail;
+  const uint32_t* tail_a[kMaxSeg] = {};
+  if (tail_rows > 0) {
+    tail.assign(size_t(nseg * T * max_k2), 0u);
+    for (int s = 0; s < nseg; ++s) {
+      uint32_t* t = tail.data() + s * T * max_k2;
+      for (int r = 0; r < tail_rows; ++r) std::copy_n(A[s] + (tail_m0 + r) * lda, K2[s], t + r * max_k2);
+      tail_a[s] = t;
+    }
+  }
+  for (int64_t n0 = 0; n0 < N; n0 += 2 * T) {
+    const int cols[2] = {int(std::min(T, N - n0)), int(std::clamp<int64_t>(N - n0 - T, 0, T))};
+    for (int64_t m0 = 0; m0 < M; m0 += 2 * T) {
+      const uint32_t* a[2][kMaxSeg];
+      int64_t ld[2];
+      int rows[2];
+      for (int i = 0; i < 2; ++i) {
+        const int64_t m = m0 + i * T;
+        rows[i] = int(std::clamp<int64_t>(M - m, 0, T));
+        const bool staged = m == tail_m0 && tail_rows > 0;
+        ld[i] = staged ? max_k2 : lda;
+        for (int s = 0; s < nseg; ++s) a[i][s] = staged ? tail_a[s] : rows[i] > 0 ? A[s] + m * lda : nullptr;
+      }
+      float* c = C + m0 * ldc;
+      using detail::segments_block;
+      if (rows[1] > 0 && cols[1] > 0) segments_block<Tiles, 2, 2>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, kc, c, ldc);
+      else if (rows[1] > 0) segments_block<Tiles, 2, 1>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, kc, c, ldc);
+      else if (cols[1] > 0) segments_block<Tiles, 1, 2>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, kc, c, ldc);
+      else segments_block<Tiles, 1, 1>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, kc, c, ldc);
+    }
+  }
 }
 
 }  // namespace sattn::simd::amx

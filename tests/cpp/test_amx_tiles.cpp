@@ -2,6 +2,7 @@
 // shapes: on a software model of the tiles everywhere, and on the CPU's tiles where it has AMX-BF16.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -25,12 +26,15 @@ float bf16_value(uint32_t bits16) {
   return f;
 }
 
-// The tiles as the architecture describes them: 8 tiles of 16 rows x 64 bytes; tdpbf16ps adds, per element and
-// per pair k, the low then the high product, each addition rounded to float32. It refuses work before a
-// configuration of 16 x 64-byte tiles is loaded, and tile numbers outside the product's roles.
+// The tiles as the architecture describes them: 8 tiles of up to 16 rows x 64 bytes, each of the rows and bytes per
+// row its configuration gives (palette 1); a load fills the configured part and zeroes the rest. tdpbf16ps adds, per
+// element and per pair k, the low then the high product, each addition rounded to float32, over the pairs of the
+// left operand's configured row width, which must equal the right operand's configured rows. It refuses work
+// before a configuration is loaded, and tile numbers outside the product's roles.
 struct EmulatedTiles {
   struct State {
     bool configured = false;
+    int rows[8] = {}, colsb[8] = {};
     uint32_t tile[8][16][16] = {};
   };
   static State& state() {
@@ -42,8 +46,11 @@ struct EmulatedTiles {
   }
   static void configure(const TileConfig& c) {
     if (c.palette_id != 1 || c.start_row != 0) throw std::logic_error("palette 1 from row 0 expected");
-    for (int t = 0; t < 8; ++t)
-      if (c.colsb[t] != 64 || c.rows[t] != 16) throw std::logic_error("16 x 64-byte tiles expected");
+    for (int t = 0; t < 8; ++t) {
+      if (c.rows[t] < 1 || c.rows[t] > 16 || c.colsb[t] < 4 || c.colsb[t] > 64 || c.colsb[t] % 4 != 0)
+        throw std::logic_error("tiles of 1..16 rows of 4..64 bytes (whole words) expected");
+      state().rows[t] = c.rows[t], state().colsb[t] = c.colsb[t];
+    }
     state().configured = true;
   }
   static void release() { state().configured = false; }
@@ -55,23 +62,31 @@ struct EmulatedTiles {
   template <int t>
   static void load(const void* base, int64_t stride) {
     require_configured();
-    for (int r = 0; r < 16; ++r) std::memcpy(state().tile[t][r], static_cast<const char*>(base) + r * stride, 64);
+    auto& s = state();
+    std::memset(s.tile[t], 0, sizeof s.tile[t]);
+    for (int r = 0; r < s.rows[t]; ++r)
+      std::memcpy(s.tile[t][r], static_cast<const char*>(base) + r * stride, size_t(s.colsb[t]));
   }
   template <int t>
   static void store(void* base, int64_t stride) {
     require_configured();
-    for (int r = 0; r < 16; ++r) std::memcpy(static_cast<char*>(base) + r * stride, state().tile[t][r], 64);
+    auto& s = state();
+    for (int r = 0; r < s.rows[t]; ++r)
+      std::memcpy(static_cast<char*>(base) + r * stride, s.tile[t][r], size_t(s.colsb[t]));
   }
   template <int c, int a, int b>
   static void dot() {
     static_assert(c >= 0 && c < 4 && a >= 4 && a < 6 && b >= 6 && b < 8, "accumulator, left, right tiles");
     require_configured();
     auto& s = state();
-    for (int m = 0; m < 16; ++m)
-      for (int n = 0; n < 16; ++n) {
+    const int K = s.colsb[a] / 4;
+    if (s.rows[b] != K || s.rows[a] != s.rows[c] || s.colsb[b] != s.colsb[c])
+      throw std::logic_error("tdpbf16ps: tile shapes do not match");
+    for (int m = 0; m < s.rows[c]; ++m)
+      for (int n = 0; n < s.colsb[c] / 4; ++n) {
         float acc;
         std::memcpy(&acc, &s.tile[c][m][n], sizeof acc);
-        for (int k = 0; k < 16; ++k) {
+        for (int k = 0; k < K; ++k) {
           const uint32_t x = s.tile[a][m][k], y = s.tile[b][k][n];
           acc += bf16_value(x & 0xFFFFu) * bf16_value(y & 0xFFFFu);
           acc += bf16_value(x >> 16) * bf16_value(y >> 16);
@@ -196,7 +211,97 @@ TEST(AmxTiles, TheModelRefusesWorkWithoutAConfiguration) {
                std::logic_error);
 }
 
+// gemm_segments_pairs (the nn GEMMs' amx build) on Tiles: C += Σ_s A_s · W_s over segments whose pair counts share
+// a divisor from 16 down to 1 (the configured chunk), rows that overlap (the 3x3 convolution's), partial row and
+// column tiles; every element of C against float64, nothing past M x N touched (C's padding columns and the row
+// below hold sentinels, W's columns past N NaN), and every row alone bitwise equal to the same row inside the batch.
+template <class Tiles>
+void check_segments(std::mt19937& rng) {
+  using sattn::simd::amx::gemm_segments_pairs;
+  std::normal_distribution<float> normal(0.f, 1.f);
+  struct Seg {
+    int64_t M, N, lda;
+    std::vector<int64_t> K2;
+  };
+  const Seg shapes[] = {{256, 40, 20, {60, 60, 60}},  // a 3x3 convolution's output row, C = 40
+                        {37, 40, 20, {20}},           // a linear layer
+                        {50, 120, 20, {20}},          // qkv
+                        {33, 40, 40, {40}},           // fc2
+                        {17, 12, 20, {60, 60, 60}},   // the upsampling convolution (N = 12)
+                        {16, 16, 16, {16}},           // whole tiles
+                        {1, 1, 1, {1}},               // one element
+                        {21, 70, 7, {6, 10}},         // chunks of 2 pairs
+                        {19, 33, 13, {13, 26, 13}},   // chunks of 13
+                        {40, 64, 9, {9}},             // chunks of 9
+                        {5, 17, 3, {7, 14}}};         // chunks of 7, rows overlapping
+  for (const Seg& sh : shapes) {
+    const int nseg = int(sh.K2.size());
+    int64_t sumk = 0, maxk = 0;
+    for (int64_t k : sh.K2) sumk += k, maxk = std::max(maxk, k);
+    const int64_t ldw = (sh.N + 15) / 16 * 16, ldc = sh.N + 3;
+    auto A = std::vector<std::vector<uint32_t>>(size_t(nseg));
+    for (auto& a : A) {
+      a.resize(size_t((sh.M - 1) * sh.lda + maxk));
+      for (auto& w : a) w = to_bf16(normal(rng)) | uint32_t(to_bf16(normal(rng))) << 16;
+    }
+    std::vector<uint32_t> W(size_t(sumk * ldw), kNaNPair);  // NaN in the columns past N: none may reach C
+    for (int64_t k = 0; k < sumk; ++k)
+      for (int64_t n = 0; n < sh.N; ++n)
+        W[size_t(k * ldw + n)] = to_bf16(normal(rng)) | uint32_t(to_bf16(normal(rng))) << 16;
+    std::vector<float> C(size_t((sh.M + 1) * ldc));
+    for (auto& x : C) x = normal(rng);
+    const auto C0 = C;
+    std::vector<const uint32_t*> a(size_t(nseg), nullptr);
+    for (int s = 0; s < nseg; ++s) a[size_t(s)] = A[size_t(s)].data();
+    gemm_segments_pairs<Tiles>(nseg, a.data(), sh.K2.data(), sh.lda, sh.M, W.data(), ldw, sh.N, C.data(), ldc);
+    const std::string where =
+        "M " + std::to_string(sh.M) + " N " + std::to_string(sh.N) + " K2[0] " + std::to_string(sh.K2[0]);
+    auto elem = [](uint32_t w, int half) { return double(bf16_value(half ? w >> 16 : w & 0xFFFFu)); };
+    for (int64_t m = 0; m <= sh.M; ++m) {
+      for (int64_t n = 0; n < ldc; ++n) {
+        const size_t i = size_t(m * ldc + n);
+        if (m == sh.M || n >= sh.N) {
+          ASSERT_EQ(C[i], C0[i]) << where << ": element (" << m << ", " << n << ") outside C changed";
+          continue;
+        }
+        double want = C0[i], magnitude = std::fabs(C0[i]);
+        int64_t w0 = 0;
+        for (int s = 0; s < nseg; ++s) {
+          for (int64_t k = 0; k < sh.K2[size_t(s)]; ++k)
+            for (int half = 0; half < 2; ++half) {
+              const double t =
+                  elem(A[size_t(s)][size_t(m * sh.lda + k)], half) * elem(W[size_t((w0 + k) * ldw + n)], half);
+              want += t, magnitude += std::fabs(t);
+            }
+          w0 += sh.K2[size_t(s)];
+        }
+        ASSERT_NEAR(C[i], want, 4e-7 * magnitude * double(2 * sumk + 2))
+            << where << ": element (" << m << ", " << n << ")";
+      }
+      if (m == sh.M) break;
+      std::vector<float> row(C0.begin() + m * ldc, C0.begin() + (m + 1) * ldc);
+      std::vector<const uint32_t*> am(size_t(nseg), nullptr);
+      for (int s = 0; s < nseg; ++s) am[size_t(s)] = a[size_t(s)] + m * sh.lda;
+      gemm_segments_pairs<Tiles>(nseg, am.data(), sh.K2.data(), sh.lda, 1, W.data(), ldw, sh.N, row.data(), ldc);
+      ASSERT_EQ(0, std::memcmp(row.data(), &C[size_t(m * ldc)], size_t(sh.N) * sizeof(float)))
+          << where << ": row " << m << " alone differs";
+    }
+  }
+}
+
+TEST(AmxTiles, SegmentProductsOnTheTileModelMatchFloat64) {
+  std::mt19937 rng(11);
+  check_segments<EmulatedTiles>(rng);
+}
+
 #if defined(__x86_64__) && defined(__GNUC__)
+TEST(AmxTiles, SegmentProductsOnTheCpuTilesMatchFloat64) {
+  const std::string why = sattn::simd::amx_unavailable_reason();
+  if (!why.empty()) GTEST_SKIP() << "no AMX tiles here: " << why;
+  std::mt19937 rng(11);
+  check_segments<sattn::simd::amx::HardwareTiles>(rng);
+}
+
 TEST(AmxTiles, ProductsOnTheCpuTilesMatchFloat64OverAwkwardShapes) {
   const std::string why = sattn::simd::amx_unavailable_reason();
   if (!why.empty()) GTEST_SKIP() << "no AMX tiles here: " << why;
