@@ -74,9 +74,9 @@ struct Params {
   int64_t num_kv_chunks() const { return kv_chunk > 0 ? (Lk + kv_chunk - 1) / kv_chunk : 1; }
 
   // bf16 products (the amx and avx512bf16 builds, bf16 inputs): K and V rounded to bf16 once, in 32-bit words of two
-  // bf16 each, the pairs that vdpbf16ps multiplies and adds: k_pairs [B·Hkv][Lk][D2] holds (k[j, 2x], k[j, 2x+1]) and
-  // v_pairs [B·Hkv][Lk2][Dv] holds (v[2y, x], v[2y + 1, x]), D2 = ⌈D/2⌉, Lk2 = ⌈Lk/2⌉, zero past D and Lk. The
-  // forward tiles then compute S = Q K^T and O += P V with bf16 pairs and float32 sums; nullptr: float32 products.
+  // bf16 each, the pairs that vdpbf16ps multiplies and adds: k_pairs [B·Hkv][Lk][k_pair_stride()] holds (k[j, 2x], k[j,
+  // 2x+1]) and v_pairs [B·Hkv][Lk2][Dv] holds (v[2y, x], v[2y + 1, x]), D2 = ⌈D/2⌉, Lk2 = ⌈Lk/2⌉, zero past D and Lk.
+  // The forward tiles then compute S = Q K^T and O += P V with bf16 pairs and float32 sums; nullptr: float32 products.
   uint32_t* k_pairs = nullptr;
   uint32_t* v_pairs = nullptr;
   // P·V takes P rounded to bf16 once (Float32Precision::kBF16, or bf16 inputs with a bf16 out), else as two bf16 parts
@@ -89,6 +89,10 @@ struct Params {
   bool split_halves = false;
   int64_t k_lo_words = 0, v_lo_words = 0;
   int64_t d_pairs() const { return (D + 1) / 2; }
+  // Words per row of the forward's k_pairs and rows of its Q^T pairs: d_pairs(), on the amx tiles (but split_halves)
+  // rounded up to 16 with zero words, so that S^T = K Q^T loads whole tiles where D is not a multiple of 32 (one
+  // tile product sums up to 16 pairs: the padding adds no product, and saves staging every partial tile).
+  int64_t k_pair_stride() const { return amx_tiles && !split_halves ? (d_pairs() + 15) / 16 * 16 : d_pairs(); }
   int64_t dv_pairs() const { return (Dv + 1) / 2; }
   int64_t lk_pairs() const { return (Lk + 1) / 2; }
   // The backward's bf16 products (S^T = K Q^T and dP^T = V dO^T; the other three take float32 operands and stay
@@ -111,15 +115,19 @@ struct Params {
   // The amx build: those bf16 products on AMX tiles (tdpbf16ps, simd/amx_tiles.hpp) instead of vdpbf16ps. Its tiles
   // take the left operand with rows along the sum, so the forward's v_pairs hold V^T per slab of pv_keys() keys,
   // kPvTiles key blocks (the forward sums their P into O^T in one product: ForwardKeysAmx):
-  // [B·Hkv][num_pv_slabs][Dv][pv_keys/2] words, pair y of dimension x at (y / S2)·Dv·S2 + x·S2 + y % S2 with
-  // S2 = pv_keys/2, zero past Lk. (A tile's 16 rows are then S2 words apart; rows of a whole [Dv][Lk2] V^T would be
-  // Lk2 words apart, a multiple of 4 KiB at long lengths, and all fall into the same L1 set.)
+  // [B·Hkv][num_pv_slabs][vt_rows][pv_keys/2] words, pair y of dimension x at (y / S2)·vt_rows·S2 + x·S2 + y % S2
+  // with S2 = pv_keys/2, zero past Lk and Dv. (A tile's 16 rows are then S2 words apart; rows of a whole [Dv][Lk2]
+  // V^T would be Lk2 words apart, a multiple of 4 KiB at long lengths, and all fall into the same L1 set.) vt_rows,
+  // Dv rounded up to 16, is also the forward's rows of O^T: O^T += V^T P^T runs on whole tiles, the pad rows zero.
   bool amx_tiles = false;
   static constexpr int64_t kPvTiles = 4;
   int64_t pv_keys() const { return amx_tiles ? kPvTiles * Bc : Bc; }
   int64_t num_pv_slabs() const { return (Lk + pv_keys() - 1) / pv_keys(); }
   // Words of v_pairs per (b, kv head).
-  int64_t v_pairs_head_words() const { return amx_tiles ? num_pv_slabs() * (pv_keys() / 2) * Dv : lk_pairs() * Dv; }
+  int64_t vt_rows() const { return amx_tiles ? (Dv + 15) / 16 * 16 : Dv; }
+  int64_t v_pairs_head_words() const {
+    return amx_tiles ? num_pv_slabs() * (pv_keys() / 2) * vt_rows() : lk_pairs() * Dv;
+  }
   // Words of kt_pairs per (b, kv head); the amx build holds K^T per key block as it holds V^T: [num_k_blocks][D]
   // [Bc/2], and computes all five backward products on tiles.
   int64_t kt_pairs_head_words() const { return amx_tiles ? num_k_blocks() * (Bc / 2) * D : lk_pairs() * D; }

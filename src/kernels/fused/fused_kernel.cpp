@@ -400,7 +400,7 @@ void fused_forward(const ForwardArgs& a) {
   p.round_p = !p.split_halves && (a.options.float32_precision == Float32Precision::kBF16 ||
                                   (p.q.dtype == DType::kBF16 && p.out.dtype == DType::kBF16));
   if (bf16_products) {
-    const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.v_pairs_head_words();
+    const int64_t k_words = p.B * p.Hkv * p.Lk * p.k_pair_stride(), v_words = p.B * p.Hkv * p.v_pairs_head_words();
     const int64_t parts = p.split_halves ? 2 : 1;  // the remainders of float16 values after the rounded ones
     kv_pairs.resize(size_t(parts * (k_words + v_words)));
     counted_pairs.emplace(int64_t(parts * (k_words + v_words) * sizeof(uint32_t)));

@@ -451,7 +451,7 @@ void ForwardTask(const Params& p, int64_t task) {
 struct Bf16ForwardTile {
   int64_t b, h, i0, nq, kend;
   const uint32_t *kp, *vp;  // this head's K pairs and V (or V^T) pairs
-  uint32_t* QP;             // Q^T pairs [D2 x Br]
+  uint32_t* QP;             // Q^T pairs [k_pair_stride() x Br]
   float* ST[2];             // S^T [Bc x Br]; the second for the amx loop, which computes the next while using one
   float *OT, *M, *L, *MX, *bias, *PT;
   uint32_t* PP;  // P^T pairs [pv_keys/2 x Br], hi and lo
@@ -483,7 +483,8 @@ SATTN_BF16_ATTR void SoftmaxIntoPairs(const Params& p, const Bf16ForwardTile& t,
 // summing the four part products (P is in two parts already: round_p is off).
 template <bool kHalves>
 SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t) {
-  const int64_t Br = p.Br, Bc = p.Bc, D2 = p.d_pairs(), S = p.pv_keys(), S2 = S / 2, lo_offset = S2 * Br;
+  const int64_t Br = p.Br, Bc = p.Bc, D2 = p.d_pairs(), D2s = p.k_pair_stride(), Dvt = p.vt_rows(), S = p.pv_keys(),
+                S2 = S / 2, lo_offset = S2 * Br;
   namespace amx = simd::amx;
   const auto next_live = [&](int64_t kb, TileMask& tm) {  // fills bias and pad for the block it returns
     for (; kb < t.kend; kb += Bc)
@@ -493,18 +494,18 @@ SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t) {
   const auto scores = [&](int64_t kb, float* ST) {
     const int64_t nk = std::min(Bc, t.kend - kb);
     return amx::PairsProduct<AmxTiles, false, kHalves, kHalves>{
-        t.kp + kb * D2, D2, t.QP, Br, kHalves ? D2 * Br : 0, ST, Br, nk, Br, 2 * D2, 1.f, p.k_lo_words};
+        t.kp + kb * D2s, D2s, t.QP, Br, kHalves ? D2 * Br : 0, ST, Br, nk, Br, 2 * D2s, 1.f, p.k_lo_words};
   };
   int64_t buf_k0 = 0, buf_n = 0;  // keys [buf_k0, buf_k0 + buf_n) have their P in t.PP, not yet in O^T
   const auto flush = [&] {
     if (buf_n == 0) return;
-    const uint32_t* vt = t.vp + buf_k0 / S * p.Dv * S2 + buf_k0 % S / 2;  // their V^T pairs, rows S2 words apart
+    const uint32_t* vt = t.vp + buf_k0 / S * Dvt * S2 + buf_k0 % S / 2;  // their V^T pairs, rows S2 words apart
     if (kHalves)
-      amx::gemm_pairs<AmxTiles, true, true, true>(vt, S2, t.PP, Br, lo_offset, t.OT, Br, p.Dv, Br, buf_n, 1.f,
+      amx::gemm_pairs<AmxTiles, true, true, true>(vt, S2, t.PP, Br, lo_offset, t.OT, Br, Dvt, Br, buf_n, 1.f,
                                                   p.v_lo_words);
     else if (p.round_p)
-      amx::gemm_pairs<AmxTiles, true, false>(vt, S2, t.PP, Br, lo_offset, t.OT, Br, p.Dv, Br, buf_n, 1.f);
-    else amx::gemm_pairs<AmxTiles, true, true>(vt, S2, t.PP, Br, lo_offset, t.OT, Br, p.Dv, Br, buf_n, 1.f);
+      amx::gemm_pairs<AmxTiles, true, false>(vt, S2, t.PP, Br, lo_offset, t.OT, Br, Dvt, Br, buf_n, 1.f);
+    else amx::gemm_pairs<AmxTiles, true, true>(vt, S2, t.PP, Br, lo_offset, t.OT, Br, Dvt, Br, buf_n, 1.f);
     buf_n = 0;
   };
   TileMask tm;
@@ -563,7 +564,8 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   if (!p.k_pairs) return ForwardTask(p, task);  // decode and float32 inputs: the float32 products
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
-  const int64_t nqb = p.num_q_blocks(), Br = p.Br, Bc = p.Bc, Dv = p.Dv, nvec = Br / N, D2 = p.d_pairs();
+  const int64_t nqb = p.num_q_blocks(), Br = p.Br, Bc = p.Bc, Dv = p.Dv, nvec = Br / N, D2 = p.d_pairs(),
+                D2s = p.k_pair_stride();
   const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
   const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
   int64_t kend = p.Lk;
@@ -577,12 +579,12 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
                     i0,
                     nq,
                     kend,
-                    p.k_pairs + (b * p.Hkv + hk) * p.Lk * D2,
+                    p.k_pairs + (b * p.Hkv + hk) * p.Lk * D2s,
                     p.v_pairs + (b * p.Hkv + hk) * p.v_pairs_head_words()};
-  t.QP = reinterpret_cast<uint32_t*>(s_qp.alloc(D2 * Br * (p.split_halves ? 2 : 1)));
+  t.QP = reinterpret_cast<uint32_t*>(s_qp.alloc(D2s * Br * (p.split_halves ? 2 : 1)));
   t.ST[0] = s_st.alloc(Bc * Br * (p.amx_tiles ? 2 : 1));
   t.ST[1] = t.ST[0] + (p.amx_tiles ? Bc * Br : 0);
-  t.OT = s_ot.alloc(Dv * Br);
+  t.OT = s_ot.alloc(p.vt_rows() * Br);  // the pad rows (amx) stay zero
   t.M = s_ml.alloc(3 * Br);
   t.L = t.M + Br;
   t.MX = t.L + Br;
@@ -594,9 +596,10 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
 
   std::fill(t.M, t.M + Br, kNegInf);
   std::fill(t.L, t.L + Br, 0.f);
-  std::memset(t.OT, 0, sizeof(float) * size_t(Dv * Br));
+  std::memset(t.OT, 0, sizeof(float) * size_t(p.vt_rows() * Br));
   if (p.split_halves) PackTransposedHalfPairs(p.q, b, h, i0, nq, p.D, Br, t.QP, D2 * Br);
   else PackTransposedPairs(p.q, b, h, i0, nq, p.D, Br, t.QP);
+  std::fill(t.QP + D2 * Br, t.QP + D2s * Br, 0u);  // the pad rows of k_pair_stride()
   if (p.amx_tiles) {
     const AmxTaskScope tile_config(true);
     if (p.split_halves) ForwardKeysAmx<true>(p, t);
