@@ -1,6 +1,6 @@
-// Matrix products on AMX tiles (TMUL, tdpbf16ps) over bf16 pairs, for the fused kernel's amx build, and the
-// tile instructions they use behind a small interface so that the same product code runs on a software model of
-// the tiles (tests/cpp/test_amx_tiles.cpp) on machines without AMX.
+// Matrix products on AMX tiles (TMUL, tdpbf16ps) over bf16 pairs, for the amx builds of the fused kernel and the nn
+// GEMMs, and the tile instructions they use behind a small interface so that the same product code runs on a
+// software model of the tiles (tests/cpp/test_amx_tiles.cpp) on machines without AMX.
 //
 // A tile is 16 rows of 64 bytes. tdpbf16ps C, A, B adds, for every element of the float32 tile C [16 x 16],
 //   C[m][n] += Σ_k A.lo[m][k]·B.lo[k][n] + A.hi[m][k]·B.hi[k][n]
