@@ -37,8 +37,8 @@ inline int64_t padded_cols(int64_t n) { return (n + 15) / 16 * 16; }
 // padded_cols(N) columns), multiply on bf16 operands with float32 sums when it is given and the SIMD target in use
 // has bf16 products (has_bf16_products: vdpbf16ps on the avx512bf16 target, the AMX tiles on amx): the inputs are
 // rounded to bf16 (nearest even, denormals to zero), each output element is one chain of pair products (amx: of tile
-// products) in a fixed order, so results still do not depend on row batching or thread count. Otherwise (no W2, no bf16 products, an odd K) they use the
-// float32 weight: bitwise the float32 results.
+// products) in a fixed order, so results still do not depend on row batching or thread count. Otherwise (no W2, no
+// bf16 products, an odd K) they use the float32 weight: bitwise the float32 results.
 bool has_bf16_products();
 // [K][padded_cols(N)] floats (K even) -> [K/2][padded_cols(N)] words: word (k2, n) holds W[2 k2][n] (low 16 bits)
 // and W[2 k2 + 1][n] (high), rounded to bf16 (nearest even); empty when K is odd.
