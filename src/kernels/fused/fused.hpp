@@ -121,7 +121,8 @@ struct Params {
   // Dv rounded up to 16, is also the forward's rows of O^T: O^T += V^T P^T runs on whole tiles, the pad rows zero.
   bool amx_tiles = false;
   static constexpr int64_t kPvTiles = 4;
-  int64_t pv_keys() const { return amx_tiles ? kPvTiles * Bc : Bc; }
+  // (No longer than the keys rounded up to a key block: short keys would pack, zero and read slabs of mostly padding.)
+  int64_t pv_keys() const { return amx_tiles ? std::min(kPvTiles * Bc, (Lk + Bc - 1) / Bc * Bc) : Bc; }
   int64_t num_pv_slabs() const { return (Lk + pv_keys() - 1) / pv_keys(); }
   // Words of v_pairs per (b, kv head).
   int64_t vt_rows() const { return amx_tiles ? (Dv + 15) / 16 * 16 : Dv; }
