@@ -308,24 +308,38 @@ inline void stage_c_out(const float* in, int rows, int cols, float* C, int64_t l
 }
 
 // One block of MB x NB accumulator tiles of gemm_segments_pairs: row tile i reads segment s at a[i][s] (rows lda[i]
-// words apart) and has rows[i] rows of C, column tile j is cols[j] columns wide, from C at column n0.
+// words apart) and has rows[i] rows of C, column tile j is cols[j] columns wide, from C at column n0. The tiles start
+// from C where from_c, else from zero, and C becomes alpha times them, plus C where accumulate and not from_c.
+// Chunks of kc pairs; a last chunk of a segment shorter than kc goes through zero-padded staging buffers.
 template <class Tiles, int MB, int NB>
 void segments_block(int nseg, const uint32_t* const (*a)[16], const int64_t* lda, const int* rows, const int64_t* K2,
-                    const uint32_t* W2, int64_t ldw, int64_t n0, const int* cols, int64_t kc, float* C, int64_t ldc) {
+                    const uint32_t* W2, int64_t ldw, int64_t n0, const int* cols, int64_t kc, float* C, int64_t ldc,
+                    bool accumulate, float alpha) {
   alignas(64) float c_stage[2][2][kTileRows * kTileRows];
+  alignas(64) uint32_t a_stage[2][kTileRows * kTileRows];
+  alignas(64) uint32_t b_stage[2][kTileRows * kTileRows];
+  const bool from_c = accumulate && alpha == 1.f;
   auto direct = [&](int i, int j) { return rows[i] == kTileRows && cols[j] == kTileRows; };
   auto c_at = [&](int i, int j) { return C + i * kTileRows * ldc + n0 + j * kTileRows; };
   auto init = [&](auto ic, auto jc) {
     constexpr int i = decltype(ic)::value, j = decltype(jc)::value;
+    if (!from_c) return Tiles::template zero<2 * i + j>();
     if (direct(i, j)) return Tiles::template load<2 * i + j>(c_at(i, j), ldc * 4);
     stage_c_in(c_at(i, j), ldc, rows[i], cols[j], c_stage[i][j]);
     Tiles::template load<2 * i + j>(c_stage[i][j], kTileRows * 4);
   };
   auto finish = [&](auto ic, auto jc) {
     constexpr int i = decltype(ic)::value, j = decltype(jc)::value;
-    if (direct(i, j)) return Tiles::template store<2 * i + j>(c_at(i, j), ldc * 4);
+    if (direct(i, j) && alpha == 1.f && (from_c || !accumulate))
+      return Tiles::template store<2 * i + j>(c_at(i, j), ldc * 4);
     Tiles::template store<2 * i + j>(c_stage[i][j], kTileRows * 4);
-    stage_c_out(c_stage[i][j], rows[i], cols[j], c_at(i, j), ldc);
+    if (from_c) return stage_c_out(c_stage[i][j], rows[i], cols[j], c_at(i, j), ldc);
+    float* c = c_at(i, j);
+    for (int r = 0; r < rows[i]; ++r)
+      for (int x = 0; x < cols[j]; ++x) {
+        const float v = alpha * c_stage[i][j][r * kTileRows + x];
+        c[r * ldc + x] = accumulate ? c[r * ldc + x] + v : v;
+      }
   };
   using I0 = std::integral_constant<int, 0>;
   using I1 = std::integral_constant<int, 1>;
@@ -336,10 +350,29 @@ void segments_block(int nseg, const uint32_t* const (*a)[16], const int64_t* lda
   const uint32_t* w = W2 + n0;
   for (int s = 0; s < nseg; ++s) {
     for (int64_t k0 = 0; k0 < K2[s]; k0 += kc) {
-      load_a<Tiles, 0>(a[0][s] + k0, lda[0]);
-      if constexpr (MB > 1) load_a<Tiles, 1>(a[1][s] + k0, lda[1]);
-      load_b<Tiles, 0>(w + k0 * ldw, ldw);
-      if constexpr (NB > 1) load_b<Tiles, 1>(w + k0 * ldw + kTileRows, ldw);
+      const int64_t kw = std::min(kc, K2[s] - k0);
+      if (kw == kc) {
+        load_a<Tiles, 0>(a[0][s] + k0, lda[0]);
+        if constexpr (MB > 1) load_a<Tiles, 1>(a[1][s] + k0, lda[1]);
+        load_b<Tiles, 0>(w + k0 * ldw, ldw);
+        if constexpr (NB > 1) load_b<Tiles, 1>(w + k0 * ldw + kTileRows, ldw);
+      } else {  // a short last chunk (kc = 16): the kw pairs, zeros after them
+        for (int i = 0; i < MB; ++i)
+          for (int r = 0; r < kTileRows; ++r) {
+            uint32_t* o = a_stage[i] + r * kTileRows;
+            std::copy_n(a[i][s] + r * lda[i] + k0, kw, o);
+            std::fill(o + kw, o + kTileRows, 0u);
+          }
+        for (int j = 0; j < NB; ++j) {
+          for (int64_t r = 0; r < kw; ++r)
+            std::copy_n(w + (k0 + r) * ldw + j * kTileRows, kTileRows, b_stage[j] + r * kTileRows);
+          std::fill(b_stage[j] + kw * kTileRows, b_stage[j] + kTileRows * kTileRows, 0u);
+        }
+        load_a<Tiles, 0>(a_stage[0], kTileRows);
+        if constexpr (MB > 1) load_a<Tiles, 1>(a_stage[1], kTileRows);
+        load_b<Tiles, 0>(b_stage[0], kTileRows);
+        if constexpr (NB > 1) load_b<Tiles, 1>(b_stage[1], kTileRows);
+      }
       dot<Tiles, 0, 0>();
       if constexpr (NB > 1) dot<Tiles, 0, 1>();
       if constexpr (MB > 1) dot<Tiles, 1, 0>();
@@ -355,17 +388,20 @@ void segments_block(int nseg, const uint32_t* const (*a)[16], const int64_t* lda
 
 }  // namespace detail
 
-// C[m, :N] += Σ_s A_s[m, :K2_s] · W2_s for m < M (nseg <= 16 segments), all in pairs of bf16 (32-bit words):
+// C[m, :N] = (accumulate ? C[m, :N] : 0) + alpha · Σ_s A_s[m, :K2_s] · W2_s for m < M (nseg <= 16 segments), all
+// in pairs of bf16 (32-bit words):
 // - A_s rows of K2_s words at A[s] + m·lda (rows may overlap: lda < K2_s);
 // - W2 = [W2_0; W2_1; ...] stacked, [Σ K2_s] rows of ldw words, readable to N rounded up to 16 words;
 // - C rows ldc floats apart; nothing past column N or row M is read or written.
-// Each product instruction sums kc pairs: the largest kc <= 16 that divides every K2_s (the tiles are configured for
-// it, TileConfig::for_sum_chunk, for the call). Every element of C is its old value plus one tile product per chunk
-// of kc pairs, segments in order and chunks ascending, whatever the row or column it is in: results do not depend
-// on how rows are batched.
+// Each product instruction sums kc pairs: the largest kc <= 16 that divides every K2_s where that is 8 or more (the
+// tiles are configured for it, TileConfig::for_sum_chunk, for the call), else 16 with each segment's last, shorter
+// chunk staged. Every element of C is a fixed sequence of tile products (segments in order, chunks ascending),
+// started from C where accumulate with alpha 1, whatever the row or column it is in: results do not depend on how
+// rows are batched.
 template <class Tiles>
 void gemm_segments_pairs(int nseg, const uint32_t* const* A, const int64_t* K2, int64_t lda, int64_t M,
-                         const uint32_t* W2, int64_t ldw, int64_t N, float* C, int64_t ldc) {
+                         const uint32_t* W2, int64_t ldw, int64_t N, float* C, int64_t ldc, bool accumulate = true,
+                         float alpha = 1.f) {
   constexpr int kMaxSeg = 16;
   constexpr int64_t T = kTileRows;
   int64_t g = 0, max_k2 = 0;
@@ -373,9 +409,15 @@ void gemm_segments_pairs(int nseg, const uint32_t* const* A, const int64_t* K2, 
     g = std::gcd(g, K2[s]);
     max_k2 = std::max(max_k2, K2[s]);
   }
-  if (g == 0 || M <= 0 || N <= 0) return;  // nothing to add
+  if (M <= 0 || N <= 0) return;
+  if (g == 0) {  // nothing to add
+    if (!accumulate)
+      for (int64_t m = 0; m < M; ++m) std::fill(C + m * ldc, C + m * ldc + N, 0.f);
+    return;
+  }
   int64_t kc = T;
   while (g % kc != 0) --kc;
+  if (kc < T / 2) kc = T;
   TileConfigScope<Tiles> scope(true, TileConfig::for_sum_chunk(int(kc)));
   // The rows of a last, partial row tile, zero-padded to 16 rows (a tile load reads 16 rows).
   const int64_t tail_m0 = M / T * T;
@@ -405,10 +447,13 @@ void gemm_segments_pairs(int nseg, const uint32_t* const* A, const int64_t* K2, 
       }
       float* c = C + m0 * ldc;
       using detail::segments_block;
-      if (rows[1] > 0 && cols[1] > 0) segments_block<Tiles, 2, 2>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, kc, c, ldc);
-      else if (rows[1] > 0) segments_block<Tiles, 2, 1>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, kc, c, ldc);
-      else if (cols[1] > 0) segments_block<Tiles, 1, 2>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, kc, c, ldc);
-      else segments_block<Tiles, 1, 1>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, kc, c, ldc);
+      if (rows[1] > 0 && cols[1] > 0)
+        segments_block<Tiles, 2, 2>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, kc, c, ldc, accumulate, alpha);
+      else if (rows[1] > 0)
+        segments_block<Tiles, 2, 1>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, kc, c, ldc, accumulate, alpha);
+      else if (cols[1] > 0)
+        segments_block<Tiles, 1, 2>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, kc, c, ldc, accumulate, alpha);
+      else segments_block<Tiles, 1, 1>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, kc, c, ldc, accumulate, alpha);
     }
   }
 }

@@ -10,9 +10,9 @@
 namespace sattn::simd {
 
 // Widest first; each target's instructions include those of the targets after it. avx512bf16 is AVX-512 with the
-// AVX512-BF16 dot products (vdpbf16ps); amx adds the AMX-BF16 tile products (tdpbf16ps). The fused kernel and the nn
-// GEMMs have builds for these two (their bf16 products), the sparse tiles one avx512bf16 build for both; the TopK
-// scan runs its avx512 build under them.
+// AVX512-BF16 dot products (vdpbf16ps); amx adds the AMX-BF16 tile products (tdpbf16ps). The fused kernel, the
+// sparse tiles and the nn GEMMs have builds for these two (their bf16 products); the TopK scan runs its avx512 build
+// under them.
 enum class Target : int { kAmx = 0, kAvx512Bf16 = 1, kAvx512 = 2, kAvx2 = 3, kSse4 = 4, kPortable = 5 };
 inline constexpr int kNumTargets = 6;
 

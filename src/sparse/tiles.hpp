@@ -28,7 +28,7 @@ void softmax_backward(const float* p, float* dp, int64_t m, int64_t n, const flo
 // P = exp(S - lse_i) in place for a tile whose rows have a final log-sum-exp (rows with lse = -inf get 0).
 void probabilities(float* s, int64_t m, int64_t n, const float* lse);
 
-// ---- bf16 products (vdpbf16ps: the avx512bf16 build, which the amx target runs too) -----------------------------
+// ---- bf16 products (vdpbf16ps: the avx512bf16 build; the amx build: kq_pairs and pv_pairs on AMX tiles) ---------
 // For bf16 inputs whose output is bf16 as well: S from bf16 pairs with float32 sums, P rounded to bf16 once for P·V
 // (FlashAttention's convention, as the fused kernel's). Operands hold bf16 values exactly in float32, packed as
 // 32-bit words of two bf16 along the summed dimension. Only where has_bf16_products() is true.

@@ -17,7 +17,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
+#include "simd/amx_tiles.hpp"
 #include "sparse/tiles.hpp"
 
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -272,6 +274,28 @@ SATTN_BF16_ATTR void AtxPairs(const float* a, int64_t m, int64_t n, const uint32
   PackPairsAcrossRows(a, n, m, n, a2, lda);
   GemmPairs(a2, 1, lda, x2, ldx, out, ldo, n, d, (m + 1) / 2, alpha, true);
 }
+
+// AtxPairs on the AMX tiles (the amx build), whose left operand has its rows along the sum: A's pairs across its rows
+// (a2, packed as AtxPairs packs them) transposed 16 x 16 words at a time into A^T's rows [n x ⌈m/2⌉], then one tile
+// product per block (simd::amx::gemm_segments_pairs).
+SATTN_BF16_ATTR void AtxPairsTiles(const float* a, int64_t m, int64_t n, const uint32_t* x2, int64_t ldx, int64_t d,
+                                   float alpha, uint32_t* a2, float* out, int64_t ldo) {
+  const int64_t lda = (n + 15) / 16 * 16, m2 = (m + 1) / 2, m2p = (m2 + 15) / 16 * 16;
+  PackPairsAcrossRows(a, n, m, n, a2, lda);  // [m2 x lda], zero past n
+  thread_local std::vector<uint32_t> at;
+  at.resize(size_t(lda * m2p));
+  for (int64_t y0 = 0; y0 < m2; y0 += 16)
+    for (int64_t j0 = 0; j0 < lda; j0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = y0 + i < m2 ? _mm512_loadu_si512(a2 + (y0 + i) * lda + j0) : _mm512_setzero_si512();
+      Transpose16x16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(at.data() + (j0 + i) * m2p + y0, r[i]);
+    }
+  const uint32_t* rows[1] = {at.data()};
+  const int64_t k2[1] = {m2};
+  simd::amx::gemm_segments_pairs<simd::amx::HardwareTiles>(1, rows, k2, m2p, n, x2, ldx, d, out, ldo, true, alpha);
+}
 #endif
 
 }  // namespace HWY_NAMESPACE
@@ -279,12 +303,32 @@ SATTN_BF16_ATTR void AtxPairs(const float* a, int64_t m, int64_t n, const uint32
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
+#include "simd/amx_tiles.hpp"
 #include "simd/dispatch.hpp"
 #include "simd/target.hpp"
 
 namespace sattn::sparse::tiles {
 
 namespace {
+
+#if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64 && defined(__GNUC__)
+// kq_pairs and pv_pairs on the AMX tiles (the amx build; simd::amx::gemm_segments_pairs); atx_pairs is
+// N_AVX3::AtxPairsTiles.
+void KqPairsAmx(const uint32_t* k2, int64_t n, int64_t d2, const uint32_t* q2t, int64_t ldq, int64_t m, float scale,
+                float* st, int64_t lds) {
+  const uint32_t* a[1] = {k2};
+  const int64_t k[1] = {d2};
+  simd::amx::gemm_segments_pairs<simd::amx::HardwareTiles>(1, a, k, d2, n, q2t, ldq, m, st, lds, false, scale);
+}
+void PvPairsAmx(const float* p, int64_t m, int64_t n, const uint32_t* v2, int64_t ldv, int64_t dv, uint32_t* p2,
+                float* acc) {
+  const int64_t n2 = (n + 1) / 2;  // P's rows in pairs along the keys, an odd n's last pair ending in 0
+  N_AVX3::PackPairsAlongRows(p, n, m, n, p2, n2);
+  const uint32_t* a[1] = {p2};
+  const int64_t k[1] = {n2};
+  simd::amx::gemm_segments_pairs<simd::amx::HardwareTiles>(1, a, k, n2, m, v2, ldv, dv, acc, dv);
+}
+#endif
 
 struct Ops {
   void (*qk)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float, float*);
@@ -303,18 +347,21 @@ struct Ops {
                     int64_t);
 };
 
-// The builds without bf16 products (their last five entries null), then the avx512bf16 one.
+// The builds without bf16 products (their last five entries null), then the amx and avx512bf16 ones.
 #define SATTN_TILE_OPS(NS)                                                                                        \
   Ops {                                                                                                           \
     &NS::Qk, &NS::SoftmaxUpdate, &NS::Pv, &NS::Atx, &NS::SoftmaxBackward, &NS::Probabilities, &NS::TransposeKeys, \
         nullptr, nullptr, nullptr, nullptr, nullptr                                                               \
   }
-#if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64
-#define SATTN_TILE_OPS_BF16                                                                      \
-  {simd::Target::kAvx512Bf16,                                                                    \
-   Ops{&N_AVX3::Qk, &N_AVX3::SoftmaxUpdate, &N_AVX3::Pv, &N_AVX3::Atx, &N_AVX3::SoftmaxBackward, \
-       &N_AVX3::Probabilities, &N_AVX3::TransposeKeys, &N_AVX3::KqPairs, &N_AVX3::PvPairs,       \
-       &N_AVX3::PackPairsAcrossRows, &N_AVX3::PackPairsAlongRows, &N_AVX3::AtxPairs}},
+#if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64 && defined(__GNUC__)
+#define SATTN_TILE_OPS_BF16_WITH(KQ, PV, ATX)                                                                         \
+  Ops {                                                                                                               \
+    &N_AVX3::Qk, &N_AVX3::SoftmaxUpdate, &N_AVX3::Pv, &N_AVX3::Atx, &N_AVX3::SoftmaxBackward, &N_AVX3::Probabilities, \
+        &N_AVX3::TransposeKeys, KQ, PV, &N_AVX3::PackPairsAcrossRows, &N_AVX3::PackPairsAlongRows, ATX                \
+  }
+#define SATTN_TILE_OPS_BF16                                                                         \
+  {simd::Target::kAmx, SATTN_TILE_OPS_BF16_WITH(&KqPairsAmx, &PvPairsAmx, &N_AVX3::AtxPairsTiles)}, \
+      {simd::Target::kAvx512Bf16, SATTN_TILE_OPS_BF16_WITH(&N_AVX3::KqPairs, &N_AVX3::PvPairs, &N_AVX3::AtxPairs)},
 #else
 #define SATTN_TILE_OPS_BF16
 #endif

@@ -211,10 +211,11 @@ TEST(AmxTiles, TheModelRefusesWorkWithoutAConfiguration) {
                std::logic_error);
 }
 
-// gemm_segments_pairs (the nn GEMMs' amx build) on Tiles: C += Σ_s A_s · W_s over segments whose pair counts share
-// a divisor from 16 down to 1 (the configured chunk), rows that overlap (the 3x3 convolution's), partial row and
-// column tiles; every element of C against float64, nothing past M x N touched (C's padding columns and the row
-// below hold sentinels, W's columns past N NaN), and every row alone bitwise equal to the same row inside the batch.
+// gemm_segments_pairs (the amx builds of the nn GEMMs and the sparse tiles) on Tiles: C (+)= alpha Σ_s A_s · W_s
+// over segments whose pair counts share a divisor of 8 to 16 (the configured chunk) or not (chunks of 16, the last
+// ones staged), rows that overlap (the 3x3 convolution's), partial row and column tiles; every element of C against
+// float64, nothing past M x N touched (C's padding columns and the row below hold sentinels, W's columns past N NaN),
+// and every row alone bitwise equal to the same row inside the batch.
 template <class Tiles>
 void check_segments(std::mt19937& rng) {
   using sattn::simd::amx::gemm_segments_pairs;
@@ -230,10 +231,13 @@ void check_segments(std::mt19937& rng) {
                         {17, 12, 20, {60, 60, 60}},   // the upsampling convolution (N = 12)
                         {16, 16, 16, {16}},           // whole tiles
                         {1, 1, 1, {1}},               // one element
-                        {21, 70, 7, {6, 10}},         // chunks of 2 pairs
+                        {21, 70, 7, {6, 10}},         // chunks of 16, each segment's one staged
                         {19, 33, 13, {13, 26, 13}},   // chunks of 13
                         {40, 64, 9, {9}},             // chunks of 9
-                        {5, 17, 3, {7, 14}}};         // chunks of 7, rows overlapping
+                        {5, 17, 3, {7, 14}},          // chunks of 16, the last ones staged, rows overlapping
+                        {33, 20, 37, {37}},           // 16, 16 and 5 staged
+                        {64, 64, 32, {32}},           // whole tiles
+                        {48, 48, 24, {24}}};          // chunks of 12
   for (const Seg& sh : shapes) {
     const int nseg = int(sh.K2.size());
     int64_t sumk = 0, maxk = 0;
@@ -253,9 +257,14 @@ void check_segments(std::mt19937& rng) {
     const auto C0 = C;
     std::vector<const uint32_t*> a(size_t(nseg), nullptr);
     for (int s = 0; s < nseg; ++s) a[size_t(s)] = A[size_t(s)].data();
-    gemm_segments_pairs<Tiles>(nseg, a.data(), sh.K2.data(), sh.lda, sh.M, W.data(), ldw, sh.N, C.data(), ldc);
-    const std::string where =
-        "M " + std::to_string(sh.M) + " N " + std::to_string(sh.N) + " K2[0] " + std::to_string(sh.K2[0]);
+    // C += Σ, C = alpha Σ, C += alpha Σ, C = Σ in turn over the shapes
+    const int variant = int(&sh - shapes) % 4;
+    const bool accumulate = variant % 2 == 0;
+    const float alpha = variant == 0 || variant == 3 ? 1.f : variant == 1 ? 0.125f : -0.5f;
+    gemm_segments_pairs<Tiles>(nseg, a.data(), sh.K2.data(), sh.lda, sh.M, W.data(), ldw, sh.N, C.data(), ldc,
+                               accumulate, alpha);
+    const std::string where = "M " + std::to_string(sh.M) + " N " + std::to_string(sh.N) + " K2[0] " +
+                              std::to_string(sh.K2[0]) + (accumulate ? " acc" : "") + " alpha " + std::to_string(alpha);
     auto elem = [](uint32_t w, int half) { return double(bf16_value(half ? w >> 16 : w & 0xFFFFu)); };
     for (int64_t m = 0; m <= sh.M; ++m) {
       for (int64_t n = 0; n < ldc; ++n) {
@@ -264,25 +273,27 @@ void check_segments(std::mt19937& rng) {
           ASSERT_EQ(C[i], C0[i]) << where << ": element (" << m << ", " << n << ") outside C changed";
           continue;
         }
-        double want = C0[i], magnitude = std::fabs(C0[i]);
+        double sum = 0, magnitude = 0;
         int64_t w0 = 0;
         for (int s = 0; s < nseg; ++s) {
           for (int64_t k = 0; k < sh.K2[size_t(s)]; ++k)
             for (int half = 0; half < 2; ++half) {
               const double t =
                   elem(A[size_t(s)][size_t(m * sh.lda + k)], half) * elem(W[size_t((w0 + k) * ldw + n)], half);
-              want += t, magnitude += std::fabs(t);
+              sum += t, magnitude += std::fabs(t);
             }
           w0 += sh.K2[size_t(s)];
         }
-        ASSERT_NEAR(C[i], want, 4e-7 * magnitude * double(2 * sumk + 2))
-            << where << ": element (" << m << ", " << n << ")";
+        const double c0 = accumulate ? double(C0[i]) : 0.0, want = c0 + alpha * sum;
+        const double tol = 4e-7 * (std::fabs(alpha) * magnitude + std::fabs(c0)) * double(2 * sumk + 2);
+        ASSERT_NEAR(C[i], want, tol) << where << ": element (" << m << ", " << n << ")";
       }
       if (m == sh.M) break;
       std::vector<float> row(C0.begin() + m * ldc, C0.begin() + (m + 1) * ldc);
       std::vector<const uint32_t*> am(size_t(nseg), nullptr);
       for (int s = 0; s < nseg; ++s) am[size_t(s)] = a[size_t(s)] + m * sh.lda;
-      gemm_segments_pairs<Tiles>(nseg, am.data(), sh.K2.data(), sh.lda, 1, W.data(), ldw, sh.N, row.data(), ldc);
+      gemm_segments_pairs<Tiles>(nseg, am.data(), sh.K2.data(), sh.lda, 1, W.data(), ldw, sh.N, row.data(), ldc,
+                                 accumulate, alpha);
       ASSERT_EQ(0, std::memcmp(row.data(), &C[size_t(m * ldc)], size_t(sh.N) * sizeof(float)))
           << where << ": row " << m << " alone differs";
     }

@@ -36,7 +36,7 @@ TEST(SparseTiles, ProductsMatchFp64InEveryBuild) {
   EXPECT_EQ(isas.back(), "portable");
   for (const std::string& isa : isas) {
     const sattn::testing::ScopedSimdTarget target(isa);
-    ASSERT_EQ(isa == "amx" ? "avx512bf16" : isa, tiles::simd_build());  // amx runs the vdpbf16ps build
+    ASSERT_EQ(isa, tiles::simd_build());
     uint64_t seed = 1;
     for (const auto& sz : kSizes) {
       const int64_t m = sz[0], n = sz[1], d = sz[2], pad = 3;
@@ -114,7 +114,8 @@ std::vector<float> randv_bf16(size_t n, uint64_t seed) {
   return x;
 }
 
-// The bf16 products (the avx512bf16 build; amx runs it too) against fp64 sums of the same bf16 values: kq_pairs
+// The bf16 products (the avx512bf16 build; the amx one, kq_pairs and pv_pairs on the tiles) against fp64 sums of the
+// same bf16 values: kq_pairs
 // within float32 rounding, pv_pairs and atx_pairs within float32 rounding of the sums of the rounded operands
 // (P or A rounded to bf16 inside), the packings bit for bit
 // (floats rounded to nearest even); odd widths and key counts, strides wider than the rows, nothing written outside

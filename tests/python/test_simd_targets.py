@@ -17,11 +17,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TRAIN = os.path.join(REPO, "sr", "train")
 WEIGHTS = os.path.join(REPO, "sr", "weights", "sattn_sr_x2.safetensors")
 COMPONENTS = ("fused", "sparse_tiles", "topk", "nn")
-BF16_TARGETS = ("amx", "avx512bf16")  # the fused kernel's and nn's bf16 products (the sparse tiles': vdpbf16ps)
-# the components with builds for both bf16 targets, and those with one avx512bf16 build that both run (top-k runs
-# its avx512 build under them)
-TILE_COMPONENTS = ("fused", "nn")
-VDPBF16_COMPONENTS = ("sparse_tiles",)
+BF16_TARGETS = ("amx", "avx512bf16")  # the bf16 products of the fused kernel, the sparse tiles and nn
+# the components with builds for both bf16 targets (top-k runs its avx512 build under them)
+TILE_COMPONENTS = ("fused", "sparse_tiles", "nn")
 
 
 def test_report_and_selection():
@@ -33,11 +31,11 @@ def test_report_and_selection():
         for name in t["available"]:
             sattn.set_simd_target(name)
             now = sattn.simd_targets()
-            # amx and avx512bf16 differ in the fused kernel and nn; the sparse tiles run their avx512bf16 build
-            # under both, top-k its avx512 build
+            # amx and avx512bf16 differ in the fused kernel, the sparse tiles and nn; top-k runs its avx512 build
+            # under both
             assert now["selected"] == name, now
             for c in COMPONENTS:
-                bf16_build = name if c in TILE_COMPONENTS else "avx512bf16" if c in VDPBF16_COMPONENTS else "avx512"
+                bf16_build = name if c in TILE_COMPONENTS else "avx512"
                 assert now[c] == (bf16_build if name in BF16_TARGETS else name), (c, now)
         sattn.set_simd_target("base")  # an older name of the portable target
         assert sattn.simd_targets()["selected"] == "portable"
@@ -148,10 +146,10 @@ def test_every_component_runs_the_target_set_by_SATTN_SIMD(target, problems, sr_
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
-    # amx, avx512bf16: the fused kernel and nn have a build of each, the sparse tiles one avx512bf16 build for both
+    # amx, avx512bf16: the fused kernel, the sparse tiles and nn have a build of each, top-k its avx512 one
     assert report["selected"] == target, report
     for c in COMPONENTS:
-        bf16_build = target if c in TILE_COMPONENTS else "avx512bf16" if c in VDPBF16_COMPONENTS else "avx512"
+        bf16_build = target if c in TILE_COMPONENTS else "avx512"
         assert report[c] == (bf16_build if target in BF16_TARGETS else target), (c, report)
     got = np.load(npz)
     p = problems
