@@ -1,6 +1,6 @@
-// Matrix products on AMX tiles (TMUL, tdpbf16ps) over bf16 pairs, for the amx builds of the fused kernel and the nn
-// GEMMs, and the tile instructions they use behind a small interface so that the same product code runs on a
-// software model of the tiles (tests/cpp/test_amx_tiles.cpp) on machines without AMX.
+// Matrix products on AMX tiles (TMUL, tdpbf16ps) over bf16 pairs, for the amx builds of the fused kernel, the sparse
+// tiles and the nn GEMMs, and the tile instructions they use behind a small interface so that the same product code
+// runs on a software model of the tiles (tests/cpp/test_amx_tiles.cpp) on machines without AMX.
 //
 // A tile is 16 rows of 64 bytes. tdpbf16ps C, A, B adds, for every element of the float32 tile C [16 x 16],
 //   C[m][n] += Σ_k A.lo[m][k]·B.lo[k][n] + A.hi[m][k]·B.hi[k][n]
@@ -8,8 +8,9 @@
 // the summed dimension, B's rows are pairs of rows of the right-hand matrix (the layout vdpbf16ps takes too).
 // The hardware treats bf16 denormals as zero and rounds each addition to float32.
 //
-// Every tile here is 16 x 64 bytes (one configuration, palette 1), loaded by TileConfigScope for the duration of
-// a task; partial tiles (rows, columns or summed pairs past the matrix) go through zero-padded staging buffers.
+// The tiles are configured (palette 1) by TileConfigScope: for the duration of a fused-kernel task all 16 x 64 bytes
+// (gemm_pairs), for one call of gemm_segments_pairs with its operands summing a chunk of up to 16 pairs; partial
+// tiles (rows, columns or summed pairs past the matrix) go through zero-padded staging buffers.
 #pragma once
 
 #include <algorithm>
