@@ -156,6 +156,35 @@ inline void stage_b(const uint32_t* B, int64_t ldb, int64_t n0, int64_t k0, int6
   }
 }
 
+// Rows x columns (each <= 16) of C into a zeroed 16 x 16 tile buffer, and back.
+inline void stage_c_in(const float* C, int64_t ldc, int rows, int cols, float* out) {
+  std::fill(out, out + kTileRows * kTileRows, 0.f);
+  for (int r = 0; r < rows; ++r) std::copy(C + r * ldc, C + r * ldc + cols, out + r * kTileRows);
+}
+inline void stage_c_out(const float* in, int rows, int cols, float* C, int64_t ldc) {
+  for (int r = 0; r < rows; ++r) std::copy(in + r * kTileRows, in + r * kTileRows + cols, C + r * ldc);
+}
+// C = mul · T (+ C with acc) over rows x columns, T a stored 16 x 16 accumulator tile.
+inline void store_scaled(const float* t, int64_t rows, int cols, float mul, bool acc, float* C, int64_t ldc) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int x = 0; x < cols; ++x) {
+      const float v = mul * t[r * kTileRows + x];
+      C[r * ldc + x] = acc ? C[r * ldc + x] + v : v;
+    }
+}
+
+// f(i, j) (as integral constants) for the MB x NB accumulator tiles of a block, in the order C(0,0), C(0,1),
+// C(1,0), C(1,1).
+using I0 = std::integral_constant<int, 0>;
+using I1 = std::integral_constant<int, 1>;
+template <int MB, int NB, class F>
+void for_each_tile(F&& f) {
+  f(I0{}, I0{});
+  if constexpr (NB > 1) f(I0{}, I1{});
+  if constexpr (MB > 1) f(I1{}, I0{});
+  if constexpr (MB > 1 && NB > 1) f(I1{}, I1{});
+}
+
 template <class Tiles, int i, int j>
 void dot() {
   Tiles::template dot<2 * i + j, 4 + i, 6 + j>();
@@ -187,19 +216,9 @@ void block(const uint32_t* A, int64_t lda, int64_t alo, const uint32_t* B, int64
     float* c = C + (m0 + kTileRows * i) * ldc + n0 + kTileRows * j;
     if (direct && full[i]) return Tiles::template store<2 * i + j>(c, ldc * 4);
     Tiles::template store<2 * i + j>(c_stage, kTileRows * 4);
-    const int64_t rows = std::min<int64_t>(kTileRows, M - (m0 + kTileRows * i));
-    for (int64_t r = 0; r < rows; ++r)
-      for (int x = 0; x < kTileRows; ++x) {
-        const float v = mul * c_stage[r * kTileRows + x];
-        c[r * ldc + x] = kAcc ? c[r * ldc + x] + v : v;
-      }
+    store_scaled(c_stage, std::min<int64_t>(kTileRows, M - (m0 + kTileRows * i)), kTileRows, mul, kAcc, c, ldc);
   };
-  using I0 = std::integral_constant<int, 0>;
-  using I1 = std::integral_constant<int, 1>;
-  init(I0{}, I0{});
-  if constexpr (NB > 1) init(I0{}, I1{});
-  if constexpr (MB > 1) init(I1{}, I0{});
-  if constexpr (MB > 1 && NB > 1) init(I1{}, I1{});
+  for_each_tile<MB, NB>(init);
 
   for (int64_t k0 = 0; k0 < K2; k0 += kTileRows) {
     // A chunk is loaded in place when it lies inside the matrix and holds no element past an odd K.
@@ -218,11 +237,8 @@ void block(const uint32_t* A, int64_t lda, int64_t alo, const uint32_t* B, int64
       stage_b(b, ldb, n, k0, K2, odd_k, b_stage[j]);
       load_b<Tiles, j>(b_stage[j], kTileRows);
     };
-    auto dots = [&] {
-      dot<Tiles, 0, 0>();
-      if constexpr (NB > 1) dot<Tiles, 0, 1>();
-      if constexpr (MB > 1) dot<Tiles, 1, 0>();
-      if constexpr (MB > 1 && NB > 1) dot<Tiles, 1, 1>();
+    auto dots = [] {
+      for_each_tile<MB, NB>([](auto ic, auto jc) { dot<Tiles, decltype(ic)::value, decltype(jc)::value>(); });
     };
     constexpr int kParts = kSplit ? 2 : 1;
     for (int apart = 0; apart < (kSplitA ? 2 : 1); ++apart) {
@@ -242,10 +258,7 @@ void block(const uint32_t* A, int64_t lda, int64_t alo, const uint32_t* B, int64
     }
   }
 
-  finish(I0{}, I0{});
-  if constexpr (NB > 1) finish(I0{}, I1{});
-  if constexpr (MB > 1) finish(I1{}, I0{});
-  if constexpr (MB > 1 && NB > 1) finish(I1{}, I1{});
+  for_each_tile<MB, NB>(finish);
 }
 
 }  // namespace detail
@@ -299,15 +312,6 @@ void gemm_pairs(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, 
 
 namespace detail {
 
-// Rows x columns (each <= 16) of C into a zeroed 16 x 16 tile buffer, and back.
-inline void stage_c_in(const float* C, int64_t ldc, int rows, int cols, float* out) {
-  std::fill(out, out + kTileRows * kTileRows, 0.f);
-  for (int r = 0; r < rows; ++r) std::copy(C + r * ldc, C + r * ldc + cols, out + r * kTileRows);
-}
-inline void stage_c_out(const float* in, int rows, int cols, float* C, int64_t ldc) {
-  for (int r = 0; r < rows; ++r) std::copy(in + r * kTileRows, in + r * kTileRows + cols, C + r * ldc);
-}
-
 // One block of MB x NB accumulator tiles of gemm_segments_pairs: row tile i reads segment s at a[i][s] (rows lda[i]
 // words apart) and has rows[i] rows of C, column tile j is cols[j] columns wide, from C at column n0. The tiles start
 // from C where from_c, else from zero, and C becomes alpha times them, plus C where accumulate and not from_c.
@@ -335,56 +339,31 @@ void segments_block(int nseg, const uint32_t* const (*a)[16], const int64_t* lda
       return Tiles::template store<2 * i + j>(c_at(i, j), ldc * 4);
     Tiles::template store<2 * i + j>(c_stage[i][j], kTileRows * 4);
     if (from_c) return stage_c_out(c_stage[i][j], rows[i], cols[j], c_at(i, j), ldc);
-    float* c = c_at(i, j);
-    for (int r = 0; r < rows[i]; ++r)
-      for (int x = 0; x < cols[j]; ++x) {
-        const float v = alpha * c_stage[i][j][r * kTileRows + x];
-        c[r * ldc + x] = accumulate ? c[r * ldc + x] + v : v;
-      }
+    store_scaled(c_stage[i][j], rows[i], cols[j], alpha, accumulate, c_at(i, j), ldc);
   };
-  using I0 = std::integral_constant<int, 0>;
-  using I1 = std::integral_constant<int, 1>;
-  init(I0{}, I0{});
-  if constexpr (NB > 1) init(I0{}, I1{});
-  if constexpr (MB > 1) init(I1{}, I0{});
-  if constexpr (MB > 1 && NB > 1) init(I1{}, I1{});
+  const auto dots = [](auto ic, auto jc) { dot<Tiles, decltype(ic)::value, decltype(jc)::value>(); };
+  for_each_tile<MB, NB>(init);
   const uint32_t* w = W2 + n0;
   for (int s = 0; s < nseg; ++s) {
     for (int64_t k0 = 0; k0 < K2[s]; k0 += kc) {
-      const int64_t kw = std::min(kc, K2[s] - k0);
-      if (kw == kc) {
+      if (k0 + kc <= K2[s]) {
         load_a<Tiles, 0>(a[0][s] + k0, lda[0]);
         if constexpr (MB > 1) load_a<Tiles, 1>(a[1][s] + k0, lda[1]);
         load_b<Tiles, 0>(w + k0 * ldw, ldw);
         if constexpr (NB > 1) load_b<Tiles, 1>(w + k0 * ldw + kTileRows, ldw);
-      } else {  // a short last chunk (kc = 16): the kw pairs, zeros after them
-        for (int i = 0; i < MB; ++i)
-          for (int r = 0; r < kTileRows; ++r) {
-            uint32_t* o = a_stage[i] + r * kTileRows;
-            std::copy_n(a[i][s] + r * lda[i] + k0, kw, o);
-            std::fill(o + kw, o + kTileRows, 0u);
-          }
-        for (int j = 0; j < NB; ++j) {
-          for (int64_t r = 0; r < kw; ++r)
-            std::copy_n(w + (k0 + r) * ldw + j * kTileRows, kTileRows, b_stage[j] + r * kTileRows);
-          std::fill(b_stage[j] + kw * kTileRows, b_stage[j] + kTileRows * kTileRows, 0u);
-        }
+      } else {  // a short last chunk (kc = 16): the kw pairs, zeros after them (16 rows of A: the tail's padded)
+        for (int i = 0; i < MB; ++i) stage_a(a[i][s], lda[i], 0, kTileRows, k0, K2[s], false, a_stage[i]);
+        for (int j = 0; j < NB; ++j) stage_b(w, ldw, j * kTileRows, k0, K2[s], false, b_stage[j]);
         load_a<Tiles, 0>(a_stage[0], kTileRows);
         if constexpr (MB > 1) load_a<Tiles, 1>(a_stage[1], kTileRows);
         load_b<Tiles, 0>(b_stage[0], kTileRows);
         if constexpr (NB > 1) load_b<Tiles, 1>(b_stage[1], kTileRows);
       }
-      dot<Tiles, 0, 0>();
-      if constexpr (NB > 1) dot<Tiles, 0, 1>();
-      if constexpr (MB > 1) dot<Tiles, 1, 0>();
-      if constexpr (MB > 1 && NB > 1) dot<Tiles, 1, 1>();
+      for_each_tile<MB, NB>(dots);
     }
     w += K2[s] * ldw;
   }
-  finish(I0{}, I0{});
-  if constexpr (NB > 1) finish(I0{}, I1{});
-  if constexpr (MB > 1) finish(I1{}, I0{});
-  if constexpr (MB > 1 && NB > 1) finish(I1{}, I1{});
+  for_each_tile<MB, NB>(finish);
 }
 
 }  // namespace detail
