@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <limits>
 #include <new>
 
@@ -129,6 +130,55 @@ HWY_INLINE int64_t DecodePrefetchRows(bool near) {
 }
 template <typename T>
 constexpr int64_t kLineElems = 64 / sizeof(T);
+// Sums of the lanes of 8 vectors, out[j] = sum of a[j]'s lanes, by a transposing tree (about 3 operations per vector,
+// where one vector's own lane sum takes about 9): within every 128-bit block the vectors are interleaved in pairs and
+// added, then the pairs' results as 64-bit halves, leaving in each block its partial sums of 4 vectors; the blocks
+// are added last.
+HWY_INLINE void SumsOfLanes8(const VF (&a)[8], float* out) {
+#if HWY_TARGET == HWY_SCALAR
+  for (int j = 0; j < 8; ++j) out[j] = hn::GetLane(a[j]);
+#else
+  const DF d;
+  const hn::Repartition<double, DF> dd;
+  constexpr size_t kN = hn::MaxLanes(DF());
+  const auto pair = [&](VF x, VF y) { return hn::Add(hn::InterleaveLower(d, x, y), hn::InterleaveUpper(d, x, y)); };
+  const auto quad = [&](VF xy, VF zw) {
+    const auto x64 = hn::BitCast(dd, xy), z64 = hn::BitCast(dd, zw);
+    return hn::Add(hn::BitCast(d, hn::InterleaveLower(dd, x64, z64)),
+                   hn::BitCast(d, hn::InterleaveUpper(dd, x64, z64)));
+  };
+  const VF v0 = quad(pair(a[0], a[1]), pair(a[2], a[3])), v1 = quad(pair(a[4], a[5]), pair(a[6], a[7]));
+  if constexpr (kN == 4) {
+    hn::StoreU(v0, d, out), hn::StoreU(v1, d, out + 4);
+  } else if constexpr (kN == 8) {
+    hn::StoreU(hn::Add(hn::ConcatLowerLower(d, v1, v0), hn::ConcatUpperUpper(d, v1, v0)), d, out);
+  } else {  // 512-bit vectors
+    const VF w = hn::Add(hn::ConcatLowerLower(d, v1, v0), hn::ConcatUpperUpper(d, v1, v0));
+    const VF z = hn::Add(w, hn::SwapAdjacentBlocks(w));  // blocks: sums of a[0..3] twice, then of a[4..7] twice
+    const hn::Half<DF> dh;
+    const hn::Half<decltype(dh)> dq;
+    hn::StoreU(hn::LowerHalf(dq, hn::LowerHalf(dh, z)), dq, out);
+    hn::StoreU(hn::LowerHalf(dq, hn::UpperHalf(dh, z)), dq, out + 4);
+  }
+#endif
+}
+
+// The products of keys [J0, J0 + G) along their rows, one vector of each row at a time: acc[ii][j] += Q[ii] · K[j].
+// A template argument J0, so that the accumulators have constant indices and stay in registers.
+template <int J0, int G, int NQ, int KEYS, typename T>
+HWY_INLINE void DecodeProducts(const T* k, int64_t kstride, const float* Q, int64_t qstride, int64_t Dfull,
+                               VF (&acc)[NQ][KEYS]) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  for (int64_t x = 0; x < Dfull; x += N) {
+    VF qv[NQ];
+    for (int ii = 0; ii < NQ; ++ii) qv[ii] = hn::Load(d, Q + ii * qstride + x);
+    for (int j = J0; j < J0 + G; ++j) {
+      const VF kv = LoadRowVec(d, k + j * kstride + x);
+      for (int ii = 0; ii < NQ; ++ii) acc[ii][j] = hn::MulAdd(kv, qv[ii], acc[ii][j]);
+    }
+  }
+}
 template <int NQ, int KEYS, typename T>
 HWY_INLINE void DecodeScores(const T* k, int64_t kstride, const float* Q, int64_t qstride, int64_t D, float* S,
                              int64_t sstride, bool near) {
@@ -143,19 +193,18 @@ HWY_INLINE void DecodeScores(const T* k, int64_t kstride, const float* Q, int64_
     for (int j = 0; j < KEYS; ++j)
       for (int64_t x = 0; x < D; x += kLineElems<T>) hwy::Prefetch(k + (j + ahead) * kstride + x);
   constexpr int G = sizeof(T) == 2 ? (KEYS % 2 == 0 ? 2 : 1) : KEYS;  // keys per pass along the rows
-  for (int j0 = 0; j0 < KEYS; j0 += G)
-    for (int64_t x = 0; x < Dfull; x += N) {
-      VF qv[NQ];
-      for (int ii = 0; ii < NQ; ++ii) qv[ii] = hn::Load(d, Q + ii * qstride + x);
-      for (int j = j0; j < j0 + G; ++j) {
-        const VF kv = LoadRowVec(d, k + j * kstride + x);
-        for (int ii = 0; ii < NQ; ++ii) acc[ii][j] = hn::MulAdd(kv, qv[ii], acc[ii][j]);
-      }
-    }
+  [&]<int... P>(std::integer_sequence<int, P...>) {
+    (DecodeProducts<P * G, G>(k, kstride, Q, qstride, Dfull, acc), ...);
+  }
+  (std::make_integer_sequence<int, KEYS / G>{});
   // The lane sums first, in a loop of constant trip counts only: with the tail's loop inside it, the compiler kept acc
   // in memory and stored every accumulator on each step of the products.
-  for (int ii = 0; ii < NQ; ++ii)
-    for (int j = 0; j < KEYS; ++j) S[ii * sstride + j] = hn::GetLane(hn::SumOfLanes(d, acc[ii][j]));
+  if constexpr (NQ == 1 && KEYS == 8) {
+    SumsOfLanes8(acc[0], S);
+  } else {
+    for (int ii = 0; ii < NQ; ++ii)
+      for (int j = 0; j < KEYS; ++j) S[ii * sstride + j] = hn::GetLane(hn::SumOfLanes(d, acc[ii][j]));
+  }
   if (Dfull < D)
     for (int ii = 0; ii < NQ; ++ii)
       for (int j = 0; j < KEYS; ++j) {
@@ -309,8 +358,14 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
         }
     for (int ii = 0; ii < NQ; ++ii) {  // online softmax of row ii over the tile's keys
       float* srow = S + ii * Bc;
-      float mx = kNegInf;
-      for (int64_t jj = 0; jj < nk; ++jj) mx = std::max(mx, srow[jj]);
+      // The tile's maximum, NaN scores ignored as std::max(mx, s) does (their exponentials make the row NaN): lanes
+      // first, so that no chain of one max per key waits on the last.
+      VF vmax = hn::Set(d, kNegInf);
+      int64_t jm = 0;
+      for (; jm + N <= nk; jm += N)
+        vmax = hn::IfThenElse(hn::Gt(hn::LoadU(d, srow + jm), vmax), hn::LoadU(d, srow + jm), vmax);
+      float mx = hn::GetLane(hn::MaxOfLanes(d, vmax));
+      for (; jm < nk; ++jm) mx = std::max(mx, srow[jm]);
       const float m_new = std::max(M[ii], mx);
       const float m_use = m_new == kNegInf ? 0.f : m_new;
       const float alpha = std::exp(M[ii] - m_use);
