@@ -199,8 +199,14 @@ HWY_INLINE void DecodeScores(const T* k, int64_t kstride, const float* Q, int64_
   (std::make_integer_sequence<int, KEYS / G>{});
   // The lane sums first, in a loop of constant trip counts only: with the tail's loop inside it, the compiler kept acc
   // in memory and stored every accumulator on each step of the products.
-  if constexpr (NQ == 1 && KEYS == 8) {
-    SumsOfLanes8(acc[0], S);
+  if constexpr (NQ * KEYS == 8) {
+    VF flat[8];
+    for (int ii = 0; ii < NQ; ++ii)
+      for (int j = 0; j < KEYS; ++j) flat[ii * KEYS + j] = acc[ii][j];
+    float sums[8];
+    SumsOfLanes8(flat, sums);
+    for (int ii = 0; ii < NQ; ++ii)
+      for (int j = 0; j < KEYS; ++j) S[ii * sstride + j] = sums[ii * KEYS + j];
   } else {
     for (int ii = 0; ii < NQ; ++ii)
       for (int j = 0; j < KEYS; ++j) S[ii * sstride + j] = hn::GetLane(hn::SumOfLanes(d, acc[ii][j]));
