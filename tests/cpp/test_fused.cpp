@@ -1572,13 +1572,10 @@ TEST(FusedDecode, SplitKeysMatchReference) {
                                {3, 1030, 7, 9},   {2, 300, 17, 40},  {4, 64, 16, 16}};
   int n = 0;
   for (const auto& s : shapes)
-    for (int variant = 0; variant < 4; ++variant, ++n) {  // GQA groups of 2 and 4, and (variant 3) no groups
+    for (int variant = 0; variant < 4; ++variant, ++n) {
+      constexpr int64_t kv_heads[] = {2, 2, 1, 4};  // GQA groups of 2 and 4, and none
       Case c;
-      c.B = 2, c.Hq = 4,
-      c.Hkv = variant == 2   ? 1
-              : variant == 3 ? 4
-                             : 2,
-      c.Lq = s[0], c.Lk = s[1], c.D = s[2], c.Dv = s[3];
+      c.B = 2, c.Hq = 4, c.Hkv = kv_heads[variant], c.Lq = s[0], c.Lk = s[1], c.D = s[2], c.Dv = s[3];
       c.causal = variant == 1 ? Causal::kBottomRight : Causal::kNone;
       c.mask = n % 3, c.mask_shape = n % 4, c.padding = (n + 1) % 3, c.dropout = variant == 2 ? 0.2 : 0.0;
       c.strided = variant == 0;

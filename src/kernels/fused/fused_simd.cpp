@@ -368,8 +368,10 @@ void DecodeRows(const Params& p, int64_t b, int64_t hk, const int64_t* rh, const
       // first, so that no chain of one max per key waits on the last.
       VF vmax = hn::Set(d, kNegInf);
       int64_t jm = 0;
-      for (; jm + N <= nk; jm += N)
-        vmax = hn::IfThenElse(hn::Gt(hn::LoadU(d, srow + jm), vmax), hn::LoadU(d, srow + jm), vmax);
+      for (; jm + N <= nk; jm += N) {
+        const VF sv = hn::LoadU(d, srow + jm);
+        vmax = hn::IfThenElse(hn::Gt(sv, vmax), sv, vmax);
+      }
       float mx = hn::GetLane(hn::MaxOfLanes(d, vmax));
       for (; jm < nk; ++jm) mx = std::max(mx, srow[jm]);
       const float m_new = std::max(M[ii], mx);
