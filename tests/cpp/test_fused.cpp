@@ -605,6 +605,47 @@ TEST_P(FusedBf16Products, LongKeyRunsAndARisingMax) {
   }
 }
 
+// Keys longer than one pass of the amx forward (Params::key_pass: 4 slabs of 256 keys): its tasks take up to 4 query
+// blocks of a head in turn on each pass (Lq 300: 5 blocks, a task of 4 and one of 1), and every block computes what
+// it would alone: the float32 tolerances against the fp64 reference, with masks, padding, both causal alignments
+// (bottom-right: each block's keys end in another pass), dropout, GQA, strided inputs, bf16 and float16 inputs (the
+// latter as two bf16 parts on amx), float32 and bf16 outputs; bitwise the same for 1 and 3 threads.
+TEST_P(FusedBf16Products, QueryBlocksShareThePassesOverLongKeys) {
+  using sattn::Causal;
+  uint32_t seed = 1700;
+  const Causal causals[] = {Causal::kNone, Causal::kBottomRight, Causal::kTopLeft};
+  for (int variant = 0; variant < 6; ++variant) {
+    Case c;
+    c.B = 1, c.Hq = 4, c.Hkv = variant % 2 ? 2 : 4, c.Lq = 300, c.Lk = variant == 3 ? 2100 : 1500;
+    c.D = variant == 4 ? 128 : 64, c.Dv = variant == 4 ? 128 : 48;
+    c.causal = causals[variant % 3], c.mask = variant % 3, c.mask_shape = variant % 4, c.padding = variant == 1 ? 2 : 0;
+    c.dropout = variant == 5 ? 0.2 : 0.0, c.strided = variant == 2;
+    SCOPED_TRACE(c.name());
+    const Problem pb = make_problem(c, ++seed);
+    for (const DType in_dtype : {DType::kBF16, DType::kF16}) {
+      const RoundedInputs r = rounded_inputs(pb, in_dtype);
+      const FwdResult ref = run_forward(r.up, "reference", 1);
+      for (const DType out_dtype : {DType::kF32, DType::kBF16}) {
+        if (in_dtype == DType::kF16 && out_dtype == DType::kBF16) continue;
+        SCOPED_TRACE(std::string(sattn::to_string(in_dtype)) + " in, " + sattn::to_string(out_dtype) + " out");
+        sattn::AttentionOptions o = r.in.opt;
+        o.kernel = "fused";
+        const auto forward = [&](int threads) {
+          o.num_threads = threads;
+          FwdResult f{Tensor(out_dtype, {c.B, c.Hq, c.Lq, c.Dv}), Tensor(DType::kF32, {c.B, c.Hq, c.Lq}), ""};
+          sattn::scaled_dot_product_attention(r.in.q.view, r.in.k.view, r.in.v.view, o,
+                                              {f.out.view(), f.lse.view(), {}});
+          return f;
+        };
+        const FwdResult got = forward(1), got3 = forward(3);
+        EXPECT_LE(rel_err(got.out, ref.out), out_dtype == DType::kF32 ? 2e-5 : kBf16OutTol);
+        EXPECT_LE(rel_err(got.lse, ref.lse), 2e-5);
+        EXPECT_TRUE(bitwise_equal(got.out, got3.out) && bitwise_equal(got.lse, got3.lse));
+      }
+    }
+  }
+}
+
 // float32 inputs with float32_precision="bf16" are rounded to bf16 (nearest even) as they are packed, vectorised with
 // masked tails for rows of any width: forward and backward are bitwise those of inputs rounded beforehand
 // (float_to_bf16), for widths that are not whole vectors (20 as the SR model's heads, 33, 17, 40, 48, 2, 1) and

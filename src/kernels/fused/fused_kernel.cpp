@@ -243,6 +243,8 @@ bool fused_supports(const AttentionProblem& p, std::string* why) {
 // Decode (few queries, many keys): the keys are split into chunks of this many keys (rounded up to whole key
 // tiles) — a function of the problem only, never of the thread count — and the partials merged in chunk order.
 constexpr int64_t kDecodeMaxQueries = 16, kDecodeChunk = 512;
+// The amx forward's passes over the keys (Params::key_pass): slabs of P·V per pass, and query blocks per task.
+constexpr int64_t kAmxKeyPassBlocks = 4, kAmxQueryBlocksPerTask = Params::kMaxQBlocksPerTask;
 
 void decode_forward(const ForwardArgs& a, Params& p, const ForwardOps& o) {
   p.kv_chunk = (kDecodeChunk + p.Bc - 1) / p.Bc * p.Bc;
@@ -408,7 +410,15 @@ void fused_forward(const ForwardArgs& a) {
     if (p.split_halves) p.k_lo_words = k_words, p.v_lo_words = v_words;
     run_tasks(p.B * p.Hkv, a.num_threads, [&](int64_t t) { o.pack_kv_pairs(p, t); });
   }
-  const int64_t n = p.B * p.Hq * p.num_q_blocks();
+  if (bf16_products && p.amx_tiles && p.Lk > kAmxKeyPassBlocks * p.pv_keys()) {
+    // The passes are a function of the problem; how many blocks take turns on them only decides what stays in L2
+    // (every block computes the same either way), so the threads keep at least 4 tasks each.
+    p.key_pass = kAmxKeyPassBlocks * p.pv_keys();
+    const int64_t blocks = p.B * p.Hq * p.num_q_blocks(), threads = std::max(1, a.num_threads);
+    p.q_blocks_per_task =
+        std::clamp<int64_t>(blocks / (4 * threads), 1, std::min(kAmxQueryBlocksPerTask, p.num_q_blocks()));
+  }
+  const int64_t n = p.B * p.Hq * p.num_q_tasks();
   // Causal: the last query blocks are the most expensive; start them first (order does not change results).
   const bool reverse = p.causal;
   run_tasks(n, a.num_threads, [&](int64_t t) { o.forward_task(p, reverse ? n - 1 - t : t); });

@@ -545,12 +545,13 @@ SATTN_BF16_ATTR void SoftmaxIntoPairs(const Params& p, const Bf16ForwardTile& t,
 // added to the scaled scores. kHalves (Params::split_halves): K, Q and V in two bf16 parts each, every product
 // summing the four part products (P is in two parts already: round_p is off).
 template <bool kHalves>
-SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t) {
+SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t, int64_t k0, int64_t k1) {
   const int64_t Br = p.Br, Bc = p.Bc, D2 = p.d_pairs(), D2s = p.k_pair_stride(), Dvt = p.vt_rows(), S = p.pv_keys(),
                 S2 = S / 2, lo_offset = S2 * Br;
   namespace amx = simd::amx;
+  const int64_t kstop = std::min(k1, t.kend);  // keys [k0, kstop): whole key blocks, k0 a multiple of pv_keys()
   const auto next_live = [&](int64_t kb, TileMask& tm) {  // fills bias and pad for the block it returns
-    for (; kb < t.kend; kb += Bc)
+    for (; kb < kstop; kb += Bc)
       if (!(tm = PrepareTileMask(p, t.b, t.h, t.i0, t.nq, kb, std::min(Bc, t.kend - kb), t.bias, t.pad)).skip) break;
     return kb;
   };
@@ -572,9 +573,9 @@ SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t) {
     buf_n = 0;
   };
   TileMask tm;
-  int64_t kb = next_live(0, tm);
-  if (kb < t.kend) scores(kb, t.ST[0]).run();
-  for (int cur = 0; kb < t.kend; cur ^= 1) {
+  int64_t kb = next_live(k0, tm);
+  if (kb < kstop) scores(kb, t.ST[0]).run();
+  for (int cur = 0; kb < kstop; cur ^= 1) {
     const int64_t nk = std::min(Bc, t.kend - kb);
     float* ST = t.ST[cur];
     float fold = p.scale;
@@ -586,8 +587,8 @@ SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t) {
     if (buf_n == 0) buf_k0 = kb;
     TileMask tm_next;
     const int64_t kb_next = next_live(kb + Bc, tm_next);
-    const auto next = scores(std::min(kb_next, t.kend - 1), t.ST[cur ^ 1]);
-    const int64_t nblocks = kb_next < t.kend ? next.num_blocks() : 0;
+    const auto next = scores(std::min(kb_next, kstop - 1), t.ST[cur ^ 1]);
+    const int64_t nblocks = kb_next < kstop ? next.num_blocks() : 0;
     int64_t done = 0;
     SoftmaxIntoPairs(p, t, kb, nk, ST, fold, t.PP + buf_n / 2 * Br, lo_offset, [&](int64_t) {
       if (done < nblocks) CleanVectorsForTiles(), next.run_block(done++);
@@ -627,64 +628,93 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   if (!p.k_pairs) return ForwardTask(p, task);  // decode and float32 inputs: the float32 products
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
-  const int64_t nqb = p.num_q_blocks(), Br = p.Br, Bc = p.Bc, Dv = p.Dv, nvec = Br / N, D2 = p.d_pairs(),
-                D2s = p.k_pair_stride();
-  const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
-  const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
-  int64_t kend = p.Lk;
-  if (p.key_len) kend = std::min(kend, p.key_len[b]);
-  if (p.causal) kend = std::min(kend, i0 + nq - 1 + p.causal_offset + 1);
+  const int64_t nqb = p.num_q_blocks(), nqt = p.num_q_tasks(), Br = p.Br, Bc = p.Bc, Dv = p.Dv, nvec = Br / N,
+                D2 = p.d_pairs(), D2s = p.k_pair_stride();
+  // task = (b * Hq + h) * num_q_tasks + qt: query blocks [qt · q_blocks_per_task, +q_blocks_per_task) of (b, h)
+  const int64_t bh = task / nqt, qt = task % nqt, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
+  const int64_t qb0 = qt * p.q_blocks_per_task, ntiles = std::min(p.q_blocks_per_task, nqb - qb0);
+  const int64_t qp_words = D2s * Br * (p.split_halves ? 2 : 1), ot_floats = p.vt_rows() * Br;
 
+  // Per query block: Q^T pairs, O^T, M, L, MX. Shared by the blocks (used within one block's turn on the keys):
+  // S^T, P pairs, the bias and padding of a key block, the dropped P.
   Scratch s_qp, s_st, s_ot, s_ml, s_bias, s_pp, s_pt, s_vlast, s_o;
   uint8_t pad[1024];  // Bc <= 1024 (checked by the driver)
-  Bf16ForwardTile t{b,
-                    h,
-                    i0,
-                    nq,
-                    kend,
-                    p.k_pairs + (b * p.Hkv + hk) * p.Lk * D2s,
-                    p.v_pairs + (b * p.Hkv + hk) * p.v_pairs_head_words()};
-  t.QP = reinterpret_cast<uint32_t*>(s_qp.alloc(D2s * Br * (p.split_halves ? 2 : 1)));
-  t.ST[0] = s_st.alloc(Bc * Br * (p.amx_tiles ? 2 : 1));
-  t.ST[1] = t.ST[0] + (p.amx_tiles ? Bc * Br : 0);
-  t.OT = s_ot.alloc(p.vt_rows() * Br);  // the pad rows (amx) stay zero
-  t.M = s_ml.alloc(3 * Br);
-  t.L = t.M + Br;
-  t.MX = t.L + Br;
-  t.bias = p.mask != MaskKind::kNone ? s_bias.alloc(Bc * Br) : nullptr;
-  t.PP = reinterpret_cast<uint32_t*>(s_pp.alloc(p.pv_keys() / 2 * Br * 2));
-  t.PT = p.dropout_p > 0 ? s_pt.alloc(Bc * Br) : nullptr;
-  t.pad = pad;
+  auto* QP = reinterpret_cast<uint32_t*>(s_qp.alloc(ntiles * qp_words));
+  float* ST = s_st.alloc(Bc * Br * (p.amx_tiles ? 2 : 1));
+  float* OT = s_ot.alloc(ntiles * ot_floats);  // the pad rows (amx) stay zero
+  float* ML = s_ml.alloc(ntiles * 3 * Br);
+  float* bias = p.mask != MaskKind::kNone ? s_bias.alloc(Bc * Br) : nullptr;
+  auto* PP = reinterpret_cast<uint32_t*>(s_pp.alloc(p.pv_keys() / 2 * Br * 2));
+  float* PT = p.dropout_p > 0 ? s_pt.alloc(Bc * Br) : nullptr;
   auto* vlast = reinterpret_cast<uint32_t*>(s_vlast.alloc(Dv));
+  std::memset(OT, 0, sizeof(float) * size_t(ntiles * ot_floats));
 
-  std::fill(t.M, t.M + Br, kNegInf);
-  std::fill(t.L, t.L + Br, 0.f);
-  std::memset(t.OT, 0, sizeof(float) * size_t(p.vt_rows() * Br));
-  if (p.split_halves) PackTransposedHalfPairs(p.q, b, h, i0, nq, p.D, Br, t.QP, D2 * Br);
-  else PackTransposedPairs(p.q, b, h, i0, nq, p.D, Br, t.QP);
-  std::fill(t.QP + D2 * Br, t.QP + D2s * Br, 0u);  // the pad rows of k_pair_stride()
+  Bf16ForwardTile tiles[Params::kMaxQBlocksPerTask];
+  int64_t kend_max = 0;
+  for (int64_t g = 0; g < ntiles; ++g) {
+    const int64_t i0 = (qb0 + g) * Br, nq = std::min(Br, p.Lq - i0);
+    int64_t kend = p.Lk;
+    if (p.key_len) kend = std::min(kend, p.key_len[b]);
+    if (p.causal) kend = std::min(kend, i0 + nq - 1 + p.causal_offset + 1);
+    kend_max = std::max(kend_max, kend);
+    Bf16ForwardTile& t = tiles[g];
+    t = Bf16ForwardTile{b,
+                        h,
+                        i0,
+                        nq,
+                        kend,
+                        p.k_pairs + (b * p.Hkv + hk) * p.Lk * D2s,
+                        p.v_pairs + (b * p.Hkv + hk) * p.v_pairs_head_words()};
+    t.QP = QP + g * qp_words;
+    t.ST[0] = ST;
+    t.ST[1] = ST + (p.amx_tiles ? Bc * Br : 0);
+    t.OT = OT + g * ot_floats;
+    t.M = ML + g * 3 * Br;
+    t.L = t.M + Br;
+    t.MX = t.L + Br;
+    t.bias = bias;
+    t.PP = PP;
+    t.PT = PT;
+    t.pad = pad;
+    std::fill(t.M, t.M + Br, kNegInf);
+    std::fill(t.L, t.L + Br, 0.f);
+    if (p.split_halves) PackTransposedHalfPairs(p.q, b, h, i0, nq, p.D, Br, t.QP, D2 * Br);
+    else PackTransposedPairs(p.q, b, h, i0, nq, p.D, Br, t.QP);
+    std::fill(t.QP + D2 * Br, t.QP + D2s * Br, 0u);  // the pad rows of k_pair_stride()
+  }
   if (p.amx_tiles) {
     const AmxTaskScope tile_config(true);
-    if (p.split_halves) ForwardKeysAmx<true>(p, t);
-    else ForwardKeysAmx<false>(p, t);
+    const int64_t pass = p.key_pass > 0 ? p.key_pass : std::max<int64_t>(kend_max, 1);
+    for (int64_t k0 = 0; k0 < kend_max; k0 += pass)
+      for (int64_t g = 0; g < ntiles; ++g) {
+        if (k0 >= tiles[g].kend) continue;
+        if (p.split_halves) ForwardKeysAmx<true>(p, tiles[g], k0, k0 + pass);
+        else ForwardKeysAmx<false>(p, tiles[g], k0, k0 + pass);
+      }
   } else {
-    for (int64_t kb = 0; kb < kend; kb += Bc) {
-      const int64_t nk = std::min(Bc, kend - kb);
-      const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, t.bias, pad);
-      if (tm.skip) continue;
-      GemmBf16<false, false>(t.kp + kb * D2, D2, 1, t.QP, Br, 0, t.ST[0], Br, nk, nvec, D2, p.scale);  // scale K Q^T
-      if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, t.bias, pad, t.ST[0]);
-      if (!t.PT && TileMaxMoves(p, nk, t.ST[0], 1.f, t.M, t.MX)) MoveTileMax(p, t.MX, t.M, t.L, t.OT);
-      SoftmaxIntoPairs(p, t, kb, nk, t.ST[0], 1.f, t.PP, (nk + 1) / 2 * Br, [](int64_t) {});
-      const uint32_t* vt = t.vp + kb / 2 * Dv;  // O^T += V^T P^T
-      const int64_t lo = (nk + 1) / 2 * Br;
-      if (p.round_p) GemmKeyPairs<false>(vt, Dv, t.PP, Br, lo, t.OT, Br, nvec, nk, vlast);
-      else GemmKeyPairs<true>(vt, Dv, t.PP, Br, lo, t.OT, Br, nvec, nk, vlast);
+    for (int64_t g = 0; g < ntiles; ++g) {  // one block per task (q_blocks_per_task is the amx build's)
+      Bf16ForwardTile& t = tiles[g];
+      for (int64_t kb = 0; kb < t.kend; kb += Bc) {
+        const int64_t nk = std::min(Bc, t.kend - kb);
+        const TileMask tm = PrepareTileMask(p, b, h, t.i0, t.nq, kb, nk, t.bias, pad);
+        if (tm.skip) continue;
+        GemmBf16<false, false>(t.kp + kb * D2, D2, 1, t.QP, Br, 0, t.ST[0], Br, nk, nvec, D2, p.scale);  // scale K Q^T
+        if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, t.i0, kb, nk, t.bias, pad, t.ST[0]);
+        if (!t.PT && TileMaxMoves(p, nk, t.ST[0], 1.f, t.M, t.MX)) MoveTileMax(p, t.MX, t.M, t.L, t.OT);
+        SoftmaxIntoPairs(p, t, kb, nk, t.ST[0], 1.f, t.PP, (nk + 1) / 2 * Br, [](int64_t) {});
+        const uint32_t* vt = t.vp + kb / 2 * Dv;  // O^T += V^T P^T
+        const int64_t lo = (nk + 1) / 2 * Br;
+        if (p.round_p) GemmKeyPairs<false>(vt, Dv, t.PP, Br, lo, t.OT, Br, nvec, nk, vlast);
+        else GemmKeyPairs<true>(vt, Dv, t.PP, Br, lo, t.OT, Br, nvec, nk, vlast);
+      }
     }
   }
   float* O = s_o.alloc(Br * Params::pad16(Dv));
-  TransposeToRows(t.OT, Dv, Br, nq, O, Params::pad16(Dv));
-  FinishRows(p, b, h, i0, nq, 0, t.M, t.L, DenseRows{O, Params::pad16(Dv)});
+  for (int64_t g = 0; g < ntiles; ++g) {
+    const Bf16ForwardTile& t = tiles[g];
+    TransposeToRows(t.OT, Dv, Br, t.nq, O, Params::pad16(Dv));
+    FinishRows(p, b, h, t.i0, t.nq, 0, t.M, t.L, DenseRows{O, Params::pad16(Dv)});
+  }
 }
 #endif  // HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
 
