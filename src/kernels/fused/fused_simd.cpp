@@ -536,8 +536,10 @@ SATTN_BF16_ATTR void SoftmaxIntoPairs(const Params& p, const Bf16ForwardTile& t,
   else SoftmaxToPairs<true>(p, nk, ST, fold, out, lo_offset, t.M, t.L, between);
 }
 
-// The amx build's key loop. The tiles take S^T of the next live key block while the vector units run this
-// block's softmax (its blocks are issued between the softmax's lane groups; out-of-order execution overlaps them).
+// The amx build's key loop over keys [k0, k1) (all of them, or a pass of Params::key_pass keys that begins on a
+// slab; the P left at its end goes into O^T, as it would at the slab's end). The tiles take S^T of the next live
+// key block while the vector units run this block's softmax (its blocks are issued between the softmax's lane
+// groups; out-of-order execution overlaps them).
 // The P of consecutive key blocks collect in t.PP, up to a slab of pv_keys() keys, and go into O^T in one product
 // O^T += V^T P^T (one load and store of each O^T tile per slab instead of per key block): before the max moves
 // (it rescales O^T), at the end of a slab or of a run of live blocks, and after every block with dropout. The tiles
