@@ -605,11 +605,12 @@ TEST_P(FusedBf16Products, LongKeyRunsAndARisingMax) {
   }
 }
 
-// Keys longer than one pass of the amx forward (Params::key_pass: 4 slabs of 256 keys): its tasks take up to 4 query
-// blocks of a head in turn on each pass (Lq 300: 5 blocks, a task of 4 and one of 1), and every block computes what
-// it would alone: the float32 tolerances against the fp64 reference, with masks, padding, both causal alignments
-// (bottom-right: each block's keys end in another pass), dropout, GQA, strided inputs, bf16 and float16 inputs (the
-// latter as two bf16 parts on amx), float32 and bf16 outputs; bitwise the same for 1 and 3 threads.
+// Keys longer than one pass of the amx forward (Params::key_pass: 4 slabs of 256 keys): its tasks take query blocks
+// of a head in turn on each pass (4 heads of Lq 300: 20 blocks of 64, in tasks of 2, 2 and 1 per head), and every
+// block computes what it would alone: the float32 tolerances against the fp64 reference, with masks, padding, both
+// causal alignments (bottom-right: each block's keys end in another pass), dropout, GQA, strided inputs, bf16 and
+// float16 inputs (the latter as two bf16 parts on amx), float32 and bf16 outputs; bitwise the same for 1 and 3
+// threads, and (without masks and dropout) bitwise what each head computes alone (5 blocks: one per task).
 TEST_P(FusedBf16Products, QueryBlocksShareThePassesOverLongKeys) {
   using sattn::Causal;
   uint32_t seed = 1700;
@@ -641,6 +642,23 @@ TEST_P(FusedBf16Products, QueryBlocksShareThePassesOverLongKeys) {
         EXPECT_LE(rel_err(got.out, ref.out), out_dtype == DType::kF32 ? 2e-5 : kBf16OutTol);
         EXPECT_LE(rel_err(got.lse, ref.lse), 2e-5);
         EXPECT_TRUE(bitwise_equal(got.out, got3.out) && bitwise_equal(got.lse, got3.lse));
+        if (c.mask != 0 || c.padding != 0 || c.dropout > 0) continue;
+        const auto head = [](TensorView t, int64_t h) {  // head h of t as a one-head view
+          t.data = static_cast<char*>(t.data) + h * t.strides[1] * int64_t(sattn::dtype_size(t.dtype));
+          t.shape[1] = 1;
+          return t;
+        };
+        const size_t out_row = size_t(c.Lq * c.Dv) * sattn::dtype_size(out_dtype), lse_row = size_t(c.Lq) * 4;
+        for (int64_t h = 0; h < c.Hq; ++h) {
+          Tensor out1(out_dtype, {1, 1, c.Lq, c.Dv}), lse1(DType::kF32, {1, 1, c.Lq});
+          const int64_t hk = h / (c.Hq / c.Hkv);
+          sattn::scaled_dot_product_attention(head(r.in.q.view, h), head(r.in.k.view, hk), head(r.in.v.view, hk), o,
+                                              {out1.view(), lse1.view(), {}});
+          EXPECT_EQ(std::memcmp(out1.data(), static_cast<const char*>(got.out.data()) + h * out_row, out_row), 0)
+              << "head " << h << " alone";
+          EXPECT_EQ(std::memcmp(lse1.data(), static_cast<const char*>(got.lse.data()) + h * lse_row, lse_row), 0)
+              << "head " << h << " alone";
+        }
       }
     }
   }

@@ -124,10 +124,10 @@ struct Params {
   // (No longer than the keys rounded up to a key block: short keys would pack, zero and read slabs of mostly padding.)
   int64_t pv_keys() const { return amx_tiles ? std::min(kPvTiles * Bc, (Lk + Bc - 1) / Bc * Bc) : Bc; }
   int64_t num_pv_slabs() const { return (Lk + pv_keys() - 1) / pv_keys(); }
-  // The amx forward's tasks (set by the driver where the keys are longer than one pass): each takes
-  // q_blocks_per_task query blocks of one head, and goes over the keys in passes of key_pass keys (a multiple of
-  // pv_keys()), every block of the task taking its turn on a pass, so that the pass's K and V pairs are read from L2
-  // by all of them. Each block computes what it computes alone: its P·V slabs end at the same keys.
+  // The amx forward's tasks (set by the driver where the keys are longer than one pass, from the problem only): each
+  // takes q_blocks_per_task query blocks of one head, and goes over the keys in passes of key_pass keys (a multiple
+  // of pv_keys()), every block of the task taking its turn on a pass, so that the pass's K and V pairs are read from
+  // L2 by all of them. Each block computes what it computes alone: its P·V slabs end at the same keys.
   static constexpr int64_t kMaxQBlocksPerTask = 4;
   int64_t q_blocks_per_task = 1, key_pass = 0;
   int64_t num_q_tasks() const { return (num_q_blocks() + q_blocks_per_task - 1) / q_blocks_per_task; }

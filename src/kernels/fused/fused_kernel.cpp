@@ -23,6 +23,10 @@ namespace sattn {
 namespace fused {
 namespace {
 
+// The forward's tasks where the problem allows: query tiles low enough for this many (make_params), query blocks
+// grouped (Params::q_blocks_per_task) only down to it.
+constexpr int64_t kMinTasks = 8;
+
 int64_t env_tile(const char* name, int64_t fallback) {
   const int64_t v = env::get_integer(name, 16, 1024, fallback);
   check(v % 16 == 0, ErrorKind::kInvalidArgument, name, ": expected a multiple of 16 in [16, 1024], got ", v);
@@ -96,7 +100,6 @@ Params make_params(const AttentionProblem& pr, const TensorView& q, const Tensor
   p.q_pos0 = pr.query_offset, p.k_pos0 = pr.key_offset, p.pos_stride = pr.position_stride;
   static const int64_t br = env_tile("SATTN_FUSED_BR", 0), bc = env_tile("SATTN_FUSED_BC", 64);
   const int64_t granule = forward_ops().query_granule;
-  constexpr int64_t kMinTasks = 8;
   const int64_t heads = std::max<int64_t>(1, p.B * p.Hq), min_blocks = (kMinTasks + heads - 1) / heads;
   p.Br = br > 0 ? query_tile(pr.len_q, br, granule) : default_query_tile(pr.len_q, p.causal, granule, min_blocks);
   p.Bc = bc;
@@ -243,8 +246,8 @@ bool fused_supports(const AttentionProblem& p, std::string* why) {
 // Decode (few queries, many keys): the keys are split into chunks of this many keys (rounded up to whole key
 // tiles) — a function of the problem only, never of the thread count — and the partials merged in chunk order.
 constexpr int64_t kDecodeMaxQueries = 16, kDecodeChunk = 512;
-// The amx forward's passes over the keys (Params::key_pass): slabs of P·V per pass, and query blocks per task.
-constexpr int64_t kAmxKeyPassBlocks = 4, kAmxQueryBlocksPerTask = Params::kMaxQBlocksPerTask;
+// The amx forward's passes over the keys (Params::key_pass): slabs of P·V per pass.
+constexpr int64_t kAmxKeyPassBlocks = 4;
 
 void decode_forward(const ForwardArgs& a, Params& p, const ForwardOps& o) {
   p.kv_chunk = (kDecodeChunk + p.Bc - 1) / p.Bc * p.Bc;
@@ -411,12 +414,10 @@ void fused_forward(const ForwardArgs& a) {
     run_tasks(p.B * p.Hkv, a.num_threads, [&](int64_t t) { o.pack_kv_pairs(p, t); });
   }
   if (bf16_products && p.amx_tiles && p.Lk > kAmxKeyPassBlocks * p.pv_keys()) {
-    // The passes are a function of the problem; how many blocks take turns on them only decides what stays in L2
-    // (every block computes the same either way), so the threads keep at least 4 tasks each.
+    // Functions of the problem only (every block computes the same whatever the grouping): at least kMinTasks tasks.
     p.key_pass = kAmxKeyPassBlocks * p.pv_keys();
-    const int64_t blocks = p.B * p.Hq * p.num_q_blocks(), threads = std::max(1, a.num_threads);
-    p.q_blocks_per_task =
-        std::clamp<int64_t>(blocks / (4 * threads), 1, std::min(kAmxQueryBlocksPerTask, p.num_q_blocks()));
+    p.q_blocks_per_task = std::clamp<int64_t>(p.B * p.Hq * p.num_q_blocks() / kMinTasks, 1,
+                                              std::min(Params::kMaxQBlocksPerTask, p.num_q_blocks()));
   }
   const int64_t n = p.B * p.Hq * p.num_q_tasks();
   // Causal: the last query blocks are the most expensive; start them first (order does not change results).

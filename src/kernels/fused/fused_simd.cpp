@@ -686,7 +686,7 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   }
   if (p.amx_tiles) {
     const AmxTaskScope tile_config(true);
-    const int64_t pass = p.key_pass > 0 ? p.key_pass : std::max<int64_t>(kend_max, 1);
+    const int64_t pass = p.key_pass > 0 ? p.key_pass : kend_max;  // one pass over all keys
     for (int64_t k0 = 0; k0 < kend_max; k0 += pass)
       for (int64_t g = 0; g < ntiles; ++g) {
         if (k0 >= tiles[g].kend) continue;
