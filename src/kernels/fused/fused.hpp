@@ -124,10 +124,12 @@ struct Params {
   // (No longer than the keys rounded up to a key block: short keys would pack, zero and read slabs of mostly padding.)
   int64_t pv_keys() const { return amx_tiles ? std::min(kPvTiles * Bc, (Lk + Bc - 1) / Bc * Bc) : Bc; }
   int64_t num_pv_slabs() const { return (Lk + pv_keys() - 1) / pv_keys(); }
-  // The amx forward's tasks (set by the driver where the keys are longer than one pass, from the problem only): each
-  // takes q_blocks_per_task query blocks of one head, and goes over the keys in passes of key_pass keys (a multiple
-  // of pv_keys()), every block of the task taking its turn on a pass, so that the pass's K and V pairs are read from
-  // L2 by all of them. Each block computes what it computes alone: its P·V slabs end at the same keys.
+  // The forward's tasks on the amx build's bf16 products and on the float32 products (set by the driver where the
+  // keys are longer than one pass, from the problem only): each takes q_blocks_per_task query blocks of one head,
+  // and goes over the keys in passes of key_pass keys (a multiple of pv_keys() for the bf16 products, of Bc for the
+  // float32 ones), every block of the task taking its turn on a pass, so that the pass's K and V (or their pairs)
+  // are read from L2 by all of them. Each block computes what it computes alone: its key blocks (and P·V slabs) end
+  // at the same keys.
   static constexpr int64_t kMaxQBlocksPerTask = 4;
   int64_t q_blocks_per_task = 1, key_pass = 0;
   int64_t num_q_tasks() const { return (num_q_blocks() + q_blocks_per_task - 1) / q_blocks_per_task; }
@@ -253,7 +255,7 @@ int64_t default_query_tile(int64_t len_q, bool causal, int64_t granule, int64_t 
 // (fused_backward_simd.cpp).
 struct ForwardOps {
   // Forward of one (b, h, q block[, key chunk]) task: task = ((b * Hq + h) * num_q_blocks + qb) * chunks + c
-  // (with decode_group: (b * Hkv + hk) * chunks + c; with q_blocks_per_task > 1, the amx build's bf16 products:
+  // (with decode_group: (b * Hkv + hk) * chunks + c; with q_blocks_per_task > 1 (never with chunks):
   // (b * Hq + h) * num_q_tasks + qt, query blocks [qt · q_blocks_per_task, +q_blocks_per_task)).
   void (*forward_task)(const Params& p, int64_t task);
   // Builds with bf16 products (nullptr elsewhere): fills k_pairs and v_pairs of one (b, kv head) task.

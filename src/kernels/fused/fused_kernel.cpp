@@ -249,6 +249,14 @@ constexpr int64_t kDecodeMaxQueries = 16, kDecodeChunk = 512;
 // The amx forward's passes over the keys (Params::key_pass): slabs of P·V per pass.
 constexpr int64_t kAmxKeyPassBlocks = 4;
 
+// The float32 products' passes over the keys: whole key blocks of about 256 KiB of float32 K and V rows (256 keys at
+// D = 128, 512 at 64), which the query blocks of a task then read from L2 (at L = 4096 a head's K and V take 4 MiB
+// at D = 128, more than a core's L2). Found by measurement (docs/PERFORMANCE.md): 128 to 1024 keys ran alike.
+int64_t float_key_pass(const Params& p) {
+  const int64_t key_bytes = (p.D + p.Dv) * int64_t(sizeof(float));
+  return std::max<int64_t>(1, (int64_t(256) << 10) / key_bytes / p.Bc) * p.Bc;
+}
+
 void decode_forward(const ForwardArgs& a, Params& p, const ForwardOps& o) {
   p.kv_chunk = (kDecodeChunk + p.Bc - 1) / p.Bc * p.Bc;
   const int64_t C = p.num_kv_chunks(), rows = p.B * p.Hq * p.Lq;
@@ -413,9 +421,11 @@ void fused_forward(const ForwardArgs& a) {
     if (p.split_halves) p.k_lo_words = k_words, p.v_lo_words = v_words;
     run_tasks(p.B * p.Hkv, a.num_threads, [&](int64_t t) { o.pack_kv_pairs(p, t); });
   }
-  if (bf16_products && p.amx_tiles && p.Lk > kAmxKeyPassBlocks * p.pv_keys()) {
-    // Functions of the problem only (every block computes the same whatever the grouping): at least kMinTasks tasks.
-    p.key_pass = kAmxKeyPassBlocks * p.pv_keys();
+  // Passes over long keys (Params::key_pass), functions of the problem only (every block computes the same whatever
+  // the grouping), grouping query blocks down to at least kMinTasks tasks.
+  const int64_t pass = bf16_products ? (p.amx_tiles ? kAmxKeyPassBlocks * p.pv_keys() : 0) : float_key_pass(p);
+  if (pass > 0 && p.Lk > pass) {
+    p.key_pass = pass;
     p.q_blocks_per_task = std::clamp<int64_t>(p.B * p.Hq * p.num_q_blocks() / kMinTasks, 1,
                                               std::min(Params::kMaxQBlocksPerTask, p.num_q_blocks()));
   }

@@ -434,14 +434,21 @@ void ForwardTask(const Params& p, int64_t task) {
       default: return DecodeRows<4>(p, b, hk, rh, ri, kbeg, kend, chunk);
     }
   }
-  const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
-  const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
-
-  int64_t kend = p.Lk, kbeg = 0;
-  if (p.kv_chunk > 0) kbeg = chunk * p.kv_chunk, kend = std::min(kend, kbeg + p.kv_chunk);
-  if (p.key_len) kend = std::min(kend, p.key_len[b]);
-  if (p.causal) kend = std::min(kend, i0 + nq - 1 + p.causal_offset + 1);
-  if (p.Lq <= kDecodeRows) {  // keys in lanes (Lq = 1..4)
+  // task = (b * Hq + h) * num_q_tasks + qt: query blocks [qt · q_blocks_per_task, +q_blocks_per_task) of (b, h)
+  const int64_t nqt = p.num_q_tasks();
+  const int64_t bh = task / nqt, qt = task % nqt, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
+  const int64_t qb0 = qt * p.q_blocks_per_task, ntiles = std::min(p.q_blocks_per_task, nqb - qb0);
+  // The keys of the query block that starts at row i0 (nq rows).
+  const auto key_end = [&](int64_t i0, int64_t nq) {
+    int64_t kend = p.Lk;
+    if (p.kv_chunk > 0) kend = std::min(kend, (chunk + 1) * p.kv_chunk);
+    if (p.key_len) kend = std::min(kend, p.key_len[b]);
+    if (p.causal) kend = std::min(kend, i0 + nq - 1 + p.causal_offset + 1);
+    return kend;
+  };
+  const int64_t kbeg = p.kv_chunk > 0 ? chunk * p.kv_chunk : 0;
+  if (p.Lq <= kDecodeRows) {  // keys in lanes (Lq = 1..4; one query block)
+    const int64_t i0 = qb0 * Br, nq = std::min(Br, p.Lq - i0), kend = key_end(i0, nq);
     int64_t rh[kDecodeRows], ri[kDecodeRows];
     for (int64_t r = 0; r < nq; ++r) rh[r] = h, ri[r] = i0 + r;
     switch (nq) {
@@ -452,51 +459,74 @@ void ForwardTask(const Params& p, int64_t task) {
     }
   }
 
+  // Per query block: Q^T, O^T, M, L. Shared by the blocks (used within one block's turn on the keys): S^T, the bias
+  // and padding of a key block, K and V rows widened to float32, the dropped P.
   Scratch s_qt, s_st, s_ot, s_ml, s_bias, s_kbuf, s_vbuf, s_pt;
-  float* QT = s_qt.alloc(D * Br);
+  float* QT = s_qt.alloc(ntiles * D * Br);
   float* ST = s_st.alloc(Bc * Br);
-  float* OT = s_ot.alloc(Dv * Br);
-  float* M = s_ml.alloc(2 * Br);
-  float* L = M + Br;
+  float* OT = s_ot.alloc(ntiles * Dv * Br);
+  float* ML = s_ml.alloc(ntiles * 2 * Br);
   float* bias = p.mask != MaskKind::kNone ? s_bias.alloc(Bc * Br) : nullptr;
   const bool k_direct = p.k.dtype == DType::kF32 && p.k.sd == 1, v_direct = p.v.dtype == DType::kF32 && p.v.sd == 1;
   float* kbuf = k_direct ? nullptr : s_kbuf.alloc(Bc * D);
   float* vbuf = v_direct ? nullptr : s_vbuf.alloc(Bc * Dv);
   float* PT = p.dropout_p > 0 ? s_pt.alloc(Bc * Br) : nullptr;
   uint8_t pad[1024];  // Bc <= 1024 (checked by the driver)
+  std::memset(OT, 0, sizeof(float) * size_t(ntiles * Dv * Br));
+  std::fill(ML, ML + ntiles * 2 * Br, kNegInf);
 
-  std::fill(M, M + Br, kNegInf);
-  std::fill(L, L + Br, 0.f);
-  std::memset(OT, 0, sizeof(float) * size_t(Dv * Br));
-  if (kend > kbeg) PackTransposed(p.q, b, h, i0, nq, D, Br, p.scale, QT);
+  struct Tile {
+    int64_t i0, nq, kend;
+    float *QT, *OT, *M, *L;
+  } tiles[Params::kMaxQBlocksPerTask];
+  int64_t kend_max = kbeg;
+  for (int64_t g = 0; g < ntiles; ++g) {
+    Tile& t = tiles[g];
+    t.i0 = (qb0 + g) * Br, t.nq = std::min(Br, p.Lq - t.i0), t.kend = key_end(t.i0, t.nq);
+    t.QT = QT + g * D * Br, t.OT = OT + g * Dv * Br, t.M = ML + g * 2 * Br, t.L = t.M + Br;
+    std::fill(t.L, t.L + Br, 0.f);
+    if (t.kend > kbeg) PackTransposed(p.q, b, h, t.i0, t.nq, D, Br, p.scale, t.QT);
+    kend_max = std::max(kend_max, t.kend);
+  }
 
   // Query tiles of up to 32 rows (a few queries over many keys) do too little arithmetic per key for the hardware
   // prefetchers to keep up: each key block prefetches the next one's float32 K and V rows (docs/PERFORMANCE.md,
   // "Short keys": a few queries over many keys).
   const bool prefetch = k_direct && v_direct && Br <= 32;
-  for (int64_t kb = kbeg; kb < kend; kb += Bc) {
-    const int64_t nk = std::min(Bc, kend - kb);
-    if (prefetch && kb + Bc < kend) {
-      const float* kn = static_cast<const float*>(p.k.data) + b * p.k.sb + hk * p.k.sh + (kb + Bc) * p.k.sl;
-      const float* vn = static_cast<const float*>(p.v.data) + b * p.v.sb + hk * p.v.sh + (kb + Bc) * p.v.sl;
-      for (int64_t j = 0; j < std::min(Bc, kend - kb - Bc); ++j) {
-        for (int64_t x = 0; x < D; x += kLineElems<float>) hwy::Prefetch(kn + j * p.k.sl + x);
-        for (int64_t x = 0; x < Dv; x += kLineElems<float>) hwy::Prefetch(vn + j * p.v.sl + x);
+  // The key blocks [k0, k1) of query block t.
+  const auto keys = [&](const Tile& t, int64_t k0, int64_t k1) {
+    for (int64_t kb = k0; kb < k1; kb += Bc) {
+      const int64_t nk = std::min(Bc, k1 - kb);
+      if (prefetch && kb + Bc < t.kend) {  // (across the end of a pass too: a lone block goes on there)
+        const float* kn = static_cast<const float*>(p.k.data) + b * p.k.sb + hk * p.k.sh + (kb + Bc) * p.k.sl;
+        const float* vn = static_cast<const float*>(p.v.data) + b * p.v.sb + hk * p.v.sh + (kb + Bc) * p.v.sl;
+        for (int64_t j = 0; j < std::min(Bc, t.kend - kb - Bc); ++j) {
+          for (int64_t x = 0; x < D; x += kLineElems<float>) hwy::Prefetch(kn + j * p.k.sl + x);
+          for (int64_t x = 0; x < Dv; x += kLineElems<float>) hwy::Prefetch(vn + j * p.v.sl + x);
+        }
       }
+      const TileMask tm = PrepareTileMask(p, b, h, t.i0, t.nq, kb, nk, bias, pad);
+      if (tm.skip) continue;
+      const Rows kr = RowsOf(p.k, b, hk, kb, nk, D, kbuf);
+      Gemm<false>(kr.ptr, kr.stride, 1, t.QT, Br, ST, Br, nk, nvec, D);  // S^T = K (scale Q)^T
+      if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, t.i0, kb, nk, bias, pad, ST);
+      const float* P = SoftmaxTile(p, b, h, t.i0, t.nq, kb, nk, ST, PT, t.OT, t.M, t.L);
+      const Rows vr = RowsOf(p.v, b, hk, kb, nk, Dv, vbuf);
+      Gemm<true>(vr.ptr, 1, vr.stride, P, Br, t.OT, Br, Dv, nvec, nk);  // O^T += V^T P^T
     }
-    const TileMask tm = PrepareTileMask(p, b, h, i0, nq, kb, nk, bias, pad);
-    if (tm.skip) continue;
-    const Rows kr = RowsOf(p.k, b, hk, kb, nk, D, kbuf);
-    Gemm<false>(kr.ptr, kr.stride, 1, QT, Br, ST, Br, nk, nvec, D);  // S^T = K (scale Q)^T
-    if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, bias, pad, ST);
-    const float* P = SoftmaxTile(p, b, h, i0, nq, kb, nk, ST, PT, OT, M, L);
-    const Rows vr = RowsOf(p.v, b, hk, kb, nk, Dv, vbuf);
-    Gemm<true>(vr.ptr, 1, vr.stride, P, Br, OT, Br, Dv, nvec, nk);  // O^T += V^T P^T
-  }
+  };
+  // Passes of key_pass keys (Params::key_pass), each block taking its turn, so that a pass's K and V rows are read
+  // from L2 by all of them; a pass starts on a key block, so each block computes exactly what it computes alone.
+  const int64_t pass = p.key_pass > 0 ? p.key_pass : kend_max - kbeg;
+  for (int64_t k0 = kbeg; k0 < kend_max; k0 += pass)
+    for (int64_t g = 0; g < ntiles; ++g) keys(tiles[g], k0, std::min(k0 + pass, tiles[g].kend));
 
-  if (p.kv_chunk > 0)
-    FinishRows(p, b, h, i0, nq, chunk, M, L, [&](int64_t ii, int64_t dd) { return OT[dd * Br + ii]; });
-  else FinishTransposedRows(p, b, h, i0, nq, M, L, OT);
+  for (int64_t g = 0; g < ntiles; ++g) {
+    const Tile& t = tiles[g];
+    if (p.kv_chunk > 0)
+      FinishRows(p, b, h, t.i0, t.nq, chunk, t.M, t.L, [&](int64_t ii, int64_t dd) { return t.OT[dd * Br + ii]; });
+    else FinishTransposedRows(p, b, h, t.i0, t.nq, t.M, t.L, t.OT);
+  }
 }
 
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
