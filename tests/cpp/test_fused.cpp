@@ -324,6 +324,44 @@ INSTANTIATE_TEST_SUITE_P(Simd, FusedSweep, ::testing::Values("amx", "avx512bf16"
 // The targets whose fused kernel has bf16 products: amx (tdpbf16ps tiles) and avx512bf16 (vdpbf16ps).
 bool has_bf16_products(const std::string& simd) { return simd == "amx" || simd == "avx512bf16"; }
 
+// The cases of the tests of passes over long keys (QueryBlocksShareThePassesOverLongKeys): 4 heads of Lq 300
+// (20 blocks of 64, in tasks of 2, 2 and 1 per head), Lk 1500, D 64, Dv 48; variant 0: no mask; 1: GQA, causal
+// bottom-right, a mask, padding; 2: strided, causal top-left, a mask; 3: GQA, Lk 2100; 4: D = Dv = 128, causal
+// bottom-right, a mask; 5: GQA, causal top-left, a mask, dropout.
+Case long_keys_case(int variant) {
+  using sattn::Causal;
+  const Causal causals[] = {Causal::kNone, Causal::kBottomRight, Causal::kTopLeft};
+  Case c;
+  c.B = 1, c.Hq = 4, c.Hkv = variant % 2 ? 2 : 4, c.Lq = 300, c.Lk = variant == 3 ? 2100 : 1500;
+  c.D = variant == 4 ? 128 : 64, c.Dv = variant == 4 ? 128 : 48;
+  c.causal = causals[variant % 3], c.mask = variant % 3, c.mask_shape = variant % 4, c.padding = variant == 1 ? 2 : 0;
+  c.dropout = variant == 5 ? 0.2 : 0.0, c.strided = variant == 2;
+  return c;
+}
+
+// Each head of `in` computed alone (a one-head call, so one query block per task) is bitwise the same head of
+// `got`, the call on all of c.Hq heads with options o (the output's dtype that of got.out).
+void expect_each_head_alone_bitwise(const Problem& in, const Case& c, const sattn::AttentionOptions& o,
+                                    const FwdResult& got) {
+  const auto head = [](TensorView t, int64_t h) {  // head h of t as a one-head view
+    t.data = static_cast<char*>(t.data) + h * t.strides[1] * int64_t(sattn::dtype_size(t.dtype));
+    t.shape[1] = 1;
+    return t;
+  };
+  const DType out_dtype = got.out.dtype();
+  const size_t out_row = size_t(c.Lq * c.Dv) * sattn::dtype_size(out_dtype), lse_row = size_t(c.Lq) * 4;
+  for (int64_t h = 0; h < c.Hq; ++h) {
+    Tensor out1(out_dtype, {1, 1, c.Lq, c.Dv}), lse1(DType::kF32, {1, 1, c.Lq});
+    const int64_t hk = h / (c.Hq / c.Hkv);
+    sattn::scaled_dot_product_attention(head(in.q.view, h), head(in.k.view, hk), head(in.v.view, hk), o,
+                                        {out1.view(), lse1.view(), {}});
+    EXPECT_EQ(std::memcmp(out1.data(), static_cast<const char*>(got.out.data()) + h * out_row, out_row), 0)
+        << "head " << h << " alone";
+    EXPECT_EQ(std::memcmp(lse1.data(), static_cast<const char*>(got.lse.data()) + h * lse_row, lse_row), 0)
+        << "head " << h << " alone";
+  }
+}
+
 // Keys longer than one pass of the float32 products (about 256 KiB of K and V rows: 576 keys at D 64, Dv 48, 256 at
 // D = Dv = 128): a task takes the query blocks of a head in turn on each pass (4 heads of Lq 300: 20 blocks of 64, in
 // tasks of 2, 2 and 1 per head), and every block computes what it would alone: the float32 tolerances against the
@@ -332,15 +370,9 @@ bool has_bf16_products(const std::string& simd) { return simd == "amx" || simd =
 // float16 inputs; bitwise the same for 1 and 3 threads, and (without masks and dropout) bitwise what each head
 // computes alone (5 blocks: one per task).
 TEST_P(FusedSweep, QueryBlocksShareThePassesOverLongKeys) {
-  using sattn::Causal;
   uint32_t seed = 1800;
-  const Causal causals[] = {Causal::kNone, Causal::kBottomRight, Causal::kTopLeft};
   for (int variant = 0; variant < 6; ++variant) {
-    Case c;
-    c.B = 1, c.Hq = 4, c.Hkv = variant % 2 ? 2 : 4, c.Lq = 300, c.Lk = variant == 3 ? 2100 : 1500;
-    c.D = variant == 4 ? 128 : 64, c.Dv = variant == 4 ? 128 : 48;
-    c.causal = causals[variant % 3], c.mask = variant % 3, c.mask_shape = variant % 4, c.padding = variant == 1 ? 2 : 0;
-    c.dropout = variant == 5 ? 0.2 : 0.0, c.strided = variant == 2;
+    const Case c = long_keys_case(variant);
     SCOPED_TRACE(c.name());
     const Problem pb = make_problem(c, ++seed);
     for (const DType in_dtype : {DType::kF32, DType::kF16}) {
@@ -362,22 +394,7 @@ TEST_P(FusedSweep, QueryBlocksShareThePassesOverLongKeys) {
       EXPECT_LE(rel_err(got.lse, ref.lse), 2e-5);
       EXPECT_TRUE(bitwise_equal(got.out, got3.out) && bitwise_equal(got.lse, got3.lse));
       if (c.mask != 0 || c.padding != 0 || c.dropout > 0) continue;
-      const auto head = [](TensorView t, int64_t h) {  // head h of t as a one-head view
-        t.data = static_cast<char*>(t.data) + h * t.strides[1] * int64_t(sattn::dtype_size(t.dtype));
-        t.shape[1] = 1;
-        return t;
-      };
-      const size_t out_row = size_t(c.Lq * c.Dv) * 4, lse_row = size_t(c.Lq) * 4;
-      for (int64_t h = 0; h < c.Hq; ++h) {
-        Tensor out1(DType::kF32, {1, 1, c.Lq, c.Dv}), lse1(DType::kF32, {1, 1, c.Lq});
-        const int64_t hk = h / (c.Hq / c.Hkv);
-        sattn::scaled_dot_product_attention(head(in.q.view, h), head(in.k.view, hk), head(in.v.view, hk), o,
-                                            {out1.view(), lse1.view(), {}});
-        EXPECT_EQ(std::memcmp(out1.data(), static_cast<const char*>(got.out.data()) + h * out_row, out_row), 0)
-            << "head " << h << " alone";
-        EXPECT_EQ(std::memcmp(lse1.data(), static_cast<const char*>(got.lse.data()) + h * lse_row, lse_row), 0)
-            << "head " << h << " alone";
-      }
+      expect_each_head_alone_bitwise(in, c, o, got);
     }
   }
 }
@@ -670,15 +687,9 @@ TEST_P(FusedBf16Products, LongKeyRunsAndARisingMax) {
 // float16 inputs (the latter as two bf16 parts on amx), float32 and bf16 outputs; bitwise the same for 1 and 3
 // threads, and (without masks and dropout) bitwise what each head computes alone (5 blocks: one per task).
 TEST_P(FusedBf16Products, QueryBlocksShareThePassesOverLongKeys) {
-  using sattn::Causal;
   uint32_t seed = 1700;
-  const Causal causals[] = {Causal::kNone, Causal::kBottomRight, Causal::kTopLeft};
   for (int variant = 0; variant < 6; ++variant) {
-    Case c;
-    c.B = 1, c.Hq = 4, c.Hkv = variant % 2 ? 2 : 4, c.Lq = 300, c.Lk = variant == 3 ? 2100 : 1500;
-    c.D = variant == 4 ? 128 : 64, c.Dv = variant == 4 ? 128 : 48;
-    c.causal = causals[variant % 3], c.mask = variant % 3, c.mask_shape = variant % 4, c.padding = variant == 1 ? 2 : 0;
-    c.dropout = variant == 5 ? 0.2 : 0.0, c.strided = variant == 2;
+    const Case c = long_keys_case(variant);
     SCOPED_TRACE(c.name());
     const Problem pb = make_problem(c, ++seed);
     for (const DType in_dtype : {DType::kBF16, DType::kF16}) {
@@ -701,22 +712,7 @@ TEST_P(FusedBf16Products, QueryBlocksShareThePassesOverLongKeys) {
         EXPECT_LE(rel_err(got.lse, ref.lse), 2e-5);
         EXPECT_TRUE(bitwise_equal(got.out, got3.out) && bitwise_equal(got.lse, got3.lse));
         if (c.mask != 0 || c.padding != 0 || c.dropout > 0) continue;
-        const auto head = [](TensorView t, int64_t h) {  // head h of t as a one-head view
-          t.data = static_cast<char*>(t.data) + h * t.strides[1] * int64_t(sattn::dtype_size(t.dtype));
-          t.shape[1] = 1;
-          return t;
-        };
-        const size_t out_row = size_t(c.Lq * c.Dv) * sattn::dtype_size(out_dtype), lse_row = size_t(c.Lq) * 4;
-        for (int64_t h = 0; h < c.Hq; ++h) {
-          Tensor out1(out_dtype, {1, 1, c.Lq, c.Dv}), lse1(DType::kF32, {1, 1, c.Lq});
-          const int64_t hk = h / (c.Hq / c.Hkv);
-          sattn::scaled_dot_product_attention(head(r.in.q.view, h), head(r.in.k.view, hk), head(r.in.v.view, hk), o,
-                                              {out1.view(), lse1.view(), {}});
-          EXPECT_EQ(std::memcmp(out1.data(), static_cast<const char*>(got.out.data()) + h * out_row, out_row), 0)
-              << "head " << h << " alone";
-          EXPECT_EQ(std::memcmp(lse1.data(), static_cast<const char*>(got.lse.data()) + h * lse_row, lse_row), 0)
-              << "head " << h << " alone";
-        }
+        expect_each_head_alone_bitwise(r.in, c, o, got);
       }
     }
   }

@@ -133,6 +133,14 @@ struct Params {
   static constexpr int64_t kMaxQBlocksPerTask = 4;
   int64_t q_blocks_per_task = 1, key_pass = 0;
   int64_t num_q_tasks() const { return (num_q_blocks() + q_blocks_per_task - 1) / q_blocks_per_task; }
+  // Forward task (b * Hq + h) * num_q_tasks + qt: query blocks [qb0, qb0 + count) of (b, h).
+  struct QueryTask {
+    int64_t b, h, qb0, count;
+  };
+  QueryTask query_task(int64_t task) const {
+    const int64_t nqt = num_q_tasks(), bh = task / nqt, qb0 = task % nqt * q_blocks_per_task;
+    return {bh / Hq, bh % Hq, qb0, std::min(q_blocks_per_task, num_q_blocks() - qb0)};
+  }
   // Words of v_pairs per (b, kv head).
   int64_t vt_rows() const { return amx_tiles ? (Dv + 15) / 16 * 16 : Dv; }
   int64_t v_pairs_head_words() const {
@@ -240,6 +248,13 @@ struct Params {
   static int64_t pad16(int64_t x) { return (x + 15) / 16 * 16; }
 
   int64_t num_q_blocks() const { return (Lq + Br - 1) / Br; }
+  // The end of the keys that query rows [i0, i0 + nq) of batch b may attend: key lengths and causality.
+  int64_t key_end(int64_t b, int64_t i0, int64_t nq) const {
+    int64_t kend = Lk;
+    if (key_len) kend = std::min(kend, key_len[b]);
+    if (causal) kend = std::min(kend, i0 + nq - 1 + causal_offset + 1);
+    return kend;
+  }
   int64_t num_k_blocks() const { return (Lk + Bc - 1) / Bc; }
 };
 

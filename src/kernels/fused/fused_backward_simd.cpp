@@ -449,9 +449,7 @@ void BackwardQTask(const Params& p, int64_t task) {
   const int64_t nqb = p.num_q_blocks(), Br = p.Br, Bc = p.Bc, nvec = Br / N;
   const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq;
   const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
-  int64_t kend = p.Lk;
-  if (p.key_len) kend = std::min(kend, p.key_len[b]);
-  if (p.causal) kend = std::min(kend, i0 + nq - 1 + p.causal_offset + 1);
+  const int64_t kend = p.key_end(b, i0, nq);
   BwdScratch sc(p);
   Scratch s_dqt;
   float* dQT = s_dqt.alloc(p.D * Br);
@@ -555,9 +553,7 @@ void RowStatsTask(const Params& p, int64_t task) {
   const int64_t nqb = p.num_q_blocks(), Br = p.Br, Bc = p.Bc, nvec = Br / N;
   const int64_t bh = task / nqb, qb = task % nqb, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
   const int64_t i0 = qb * Br, nq = std::min(Br, p.Lq - i0);
-  int64_t kend = p.Lk;
-  if (p.key_len) kend = std::min(kend, p.key_len[b]);
-  if (p.causal) kend = std::min(kend, i0 + nq - 1 + p.causal_offset + 1);
+  const int64_t kend = p.key_end(b, i0, nq);
   Scratch s_st, s_ml, s_bias, s_kbuf;
   float* ST = s_st.alloc(Bc * Br);
   float* M = s_ml.alloc(2 * Br);

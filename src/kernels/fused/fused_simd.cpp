@@ -416,16 +416,14 @@ void WidenRows(const View4& t, int64_t b, int64_t h, int64_t L, int64_t width, f
 void ForwardTask(const Params& p, int64_t task) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
-  const int64_t nqb = p.num_q_blocks(), Br = p.Br, Bc = p.Bc, D = p.D, Dv = p.Dv, nvec = Br / N;
-  // Split keys (decode): task = ((b * Hq + h) * nqb + qb) * nchunks + chunk, keys [chunk·kv_chunk, +kv_chunk).
+  const int64_t Br = p.Br, Bc = p.Bc, D = p.D, Dv = p.Dv, nvec = Br / N;
+  // Split keys (decode): task = ((b * Hq + h) * num_q_blocks + qb) * nchunks + chunk, keys [chunk·kv_chunk, +kv_chunk).
   const int64_t nchunks = p.num_kv_chunks(), chunk = task % nchunks;
   task /= nchunks;
   if (p.decode_group) {  // GQA decode: task = (b * Hkv + hk) * nchunks + chunk, rows = group heads x Lq queries
     const int64_t b = task / p.Hkv, hk = task % p.Hkv, nr = p.group * p.Lq;
-    int64_t kend = p.Lk, kbeg = 0;
+    int64_t kend = p.key_end(b, 0, p.Lq), kbeg = 0;
     if (p.kv_chunk > 0) kbeg = chunk * p.kv_chunk, kend = std::min(kend, kbeg + p.kv_chunk);
-    if (p.key_len) kend = std::min(kend, p.key_len[b]);
-    if (p.causal) kend = std::min(kend, p.Lq - 1 + p.causal_offset + 1);
     int64_t rh[kDecodeRows], ri[kDecodeRows];
     for (int64_t r = 0; r < nr; ++r) rh[r] = hk * p.group + r / p.Lq, ri[r] = r % p.Lq;
     switch (nr) {
@@ -434,17 +432,12 @@ void ForwardTask(const Params& p, int64_t task) {
       default: return DecodeRows<4>(p, b, hk, rh, ri, kbeg, kend, chunk);
     }
   }
-  // task = (b * Hq + h) * num_q_tasks + qt: query blocks [qt · q_blocks_per_task, +q_blocks_per_task) of (b, h)
-  const int64_t nqt = p.num_q_tasks();
-  const int64_t bh = task / nqt, qt = task % nqt, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
-  const int64_t qb0 = qt * p.q_blocks_per_task, ntiles = std::min(p.q_blocks_per_task, nqb - qb0);
-  // The keys of the query block that starts at row i0 (nq rows).
+  const Params::QueryTask qt = p.query_task(task);
+  const int64_t b = qt.b, h = qt.h, hk = h / p.group, qb0 = qt.qb0, ntiles = qt.count;
+  // The keys of the query block that starts at row i0 (nq rows), within this task's chunk.
   const auto key_end = [&](int64_t i0, int64_t nq) {
-    int64_t kend = p.Lk;
-    if (p.kv_chunk > 0) kend = std::min(kend, (chunk + 1) * p.kv_chunk);
-    if (p.key_len) kend = std::min(kend, p.key_len[b]);
-    if (p.causal) kend = std::min(kend, i0 + nq - 1 + p.causal_offset + 1);
-    return kend;
+    const int64_t kend = p.key_end(b, i0, nq);
+    return p.kv_chunk > 0 ? std::min(kend, (chunk + 1) * p.kv_chunk) : kend;
   };
   const int64_t kbeg = p.kv_chunk > 0 ? chunk * p.kv_chunk : 0;
   if (p.Lq <= kDecodeRows) {  // keys in lanes (Lq = 1..4; one query block)
@@ -660,11 +653,9 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   if (!p.k_pairs) return ForwardTask(p, task);  // decode and float32 inputs: the float32 products
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
-  const int64_t nqb = p.num_q_blocks(), nqt = p.num_q_tasks(), Br = p.Br, Bc = p.Bc, Dv = p.Dv, nvec = Br / N,
-                D2 = p.d_pairs(), D2s = p.k_pair_stride();
-  // task = (b * Hq + h) * num_q_tasks + qt: query blocks [qt · q_blocks_per_task, +q_blocks_per_task) of (b, h)
-  const int64_t bh = task / nqt, qt = task % nqt, b = bh / p.Hq, h = bh % p.Hq, hk = h / p.group;
-  const int64_t qb0 = qt * p.q_blocks_per_task, ntiles = std::min(p.q_blocks_per_task, nqb - qb0);
+  const int64_t Br = p.Br, Bc = p.Bc, Dv = p.Dv, nvec = Br / N, D2 = p.d_pairs(), D2s = p.k_pair_stride();
+  const Params::QueryTask qt = p.query_task(task);
+  const int64_t b = qt.b, h = qt.h, hk = h / p.group, qb0 = qt.qb0, ntiles = qt.count;
   const int64_t qp_words = D2s * Br * (p.split_halves ? 2 : 1), ot_floats = p.vt_rows() * Br;
 
   // Per query block: Q^T pairs, O^T, M, L, MX. Shared by the blocks (used within one block's turn on the keys):
@@ -684,10 +675,7 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   Bf16ForwardTile tiles[Params::kMaxQBlocksPerTask];
   int64_t kend_max = 0;
   for (int64_t g = 0; g < ntiles; ++g) {
-    const int64_t i0 = (qb0 + g) * Br, nq = std::min(Br, p.Lq - i0);
-    int64_t kend = p.Lk;
-    if (p.key_len) kend = std::min(kend, p.key_len[b]);
-    if (p.causal) kend = std::min(kend, i0 + nq - 1 + p.causal_offset + 1);
+    const int64_t i0 = (qb0 + g) * Br, nq = std::min(Br, p.Lq - i0), kend = p.key_end(b, i0, nq);
     kend_max = std::max(kend_max, kend);
     Bf16ForwardTile& t = tiles[g];
     t = Bf16ForwardTile{b,
