@@ -251,7 +251,7 @@ constexpr int64_t kAmxKeyPassBlocks = 4;
 
 // The float32 products' passes over the keys: whole key blocks of about 256 KiB of float32 K and V rows (256 keys at
 // D = 128, 512 at 64), which the query blocks of a task then read from L2 (at L = 4096 a head's K and V take 4 MiB
-// at D = 128, more than a core's L2). Found by measurement (docs/PERFORMANCE.md): 128 to 1024 keys ran alike.
+// at D = 128, more than a core's L2). Found by measurement (docs/fused.md): 128 to 1024 keys ran alike.
 int64_t float_key_pass(const Params& p) {
   const int64_t key_bytes = (p.D + p.Dv) * int64_t(sizeof(float));
   return std::max<int64_t>(1, (int64_t(256) << 10) / key_bytes / p.Bc) * p.Bc;
