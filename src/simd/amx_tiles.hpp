@@ -190,6 +190,31 @@ void dot() {
   Tiles::template dot<2 * i + j, 4 + i, 6 + j>();
 }
 
+// The common case of block: 2 x 2 whole tiles, K2 a multiple of 16, no staging and no second parts, the
+// accumulators straight from and to C, in a loop of nothing but the tile instructions. (Through the general loop, with
+// its staging branches, lambdas and calls, the bf16 forward's S^T blocks ran 5–10 % slower on an AMX Xeon.)
+template <class Tiles, bool kAcc>
+__attribute__((always_inline)) inline void whole_block(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb,
+                                                       float* C, int64_t ldc, int64_t m0, int64_t n0, int64_t K2) {
+  constexpr int64_t T = kTileRows;
+  float* c = C + m0 * ldc + n0;
+  const uint32_t *a = A + m0 * lda, *b = B + n0;
+  const int64_t sa = lda * 4, sb = ldb * 4, sc = ldc * 4;
+  if constexpr (kAcc) {
+    Tiles::template load<0>(c, sc), Tiles::template load<1>(c + T, sc);
+    Tiles::template load<2>(c + T * ldc, sc), Tiles::template load<3>(c + T * ldc + T, sc);
+  } else {
+    Tiles::template zero<0>(), Tiles::template zero<1>(), Tiles::template zero<2>(), Tiles::template zero<3>();
+  }
+  for (int64_t k0 = 0; k0 < K2; k0 += T) {
+    Tiles::template load<4>(a + k0, sa), Tiles::template load<5>(a + T * lda + k0, sa);
+    Tiles::template load<6>(b + k0 * ldb, sb), Tiles::template load<7>(b + k0 * ldb + T, sb);
+    dot<Tiles, 0, 0>(), dot<Tiles, 0, 1>(), dot<Tiles, 1, 0>(), dot<Tiles, 1, 1>();
+  }
+  Tiles::template store<0>(c, sc), Tiles::template store<1>(c + T, sc);
+  Tiles::template store<2>(c + T * ldc, sc), Tiles::template store<3>(c + T * ldc + T, sc);
+}
+
 // One block of MB x NB accumulator tiles: rows [m0, m0 + 16·MB) ∩ [0, M), columns [n0, n0 + 16·NB).
 template <class Tiles, int MB, int NB, bool kAcc, bool kSplit, bool kSplitA>
 void block(const uint32_t* A, int64_t lda, int64_t alo, const uint32_t* B, int64_t ldb, int64_t lo, float* C,
@@ -201,6 +226,9 @@ void block(const uint32_t* A, int64_t lda, int64_t alo, const uint32_t* B, int64
   // With mul 1 the accumulators go straight to C (full rows), with kAcc starting from C itself; otherwise they
   // start from zero and are combined with C after, through a staging buffer.
   const bool direct = mul == 1.f;
+  if constexpr (MB == 2 && NB == 2 && !kSplit && !kSplitA)
+    if (direct && full[1] && !odd_k && K2 % kTileRows == 0)
+      return whole_block<Tiles, kAcc>(A, lda, B, ldb, C, ldc, m0, n0, K2);
   alignas(64) uint32_t a_stage[2][kTileRows * kTileRows];
   alignas(64) uint32_t b_stage[2][kTileRows * kTileRows];
   alignas(64) float c_stage[kTileRows * kTileRows];
