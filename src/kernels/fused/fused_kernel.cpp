@@ -406,7 +406,7 @@ void fused_forward(const ForwardArgs& a) {
       o.pack_kv_pairs && p.Lq > kDecodeRows && (takes_bf16_products(p.q.dtype, a.options) || p.split_halves);
   const DenseKV dense_kv(p, a.num_threads, !bf16_products);
   // bf16 products (a build that has them; bf16 inputs, or float32 ones when allowed): K and V as bf16 pairs, once.
-  WorkspaceVector<uint32_t> kv_pairs;  // zeroed by resize
+  WorkspacePtr<uint32_t> kv_pairs;  // every word written by pack_kv_pairs (padding included)
   std::optional<CountedBytes> counted_pairs;
   // P rounded to bf16 once for P·V where rounding is allowed, or where the inputs and the output are bf16 (the
   // output's own rounding is of the same size); else as two bf16 parts, to float32 accuracy.
@@ -415,9 +415,9 @@ void fused_forward(const ForwardArgs& a) {
   if (bf16_products) {
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.k_pair_stride(), v_words = p.B * p.Hkv * p.v_pairs_head_words();
     const int64_t parts = p.split_halves ? 2 : 1;  // the remainders of float16 values after the rounded ones
-    kv_pairs.resize(size_t(parts * (k_words + v_words)));
+    kv_pairs = workspace_array<uint32_t>(size_t(parts * (k_words + v_words)), "fused attention: K and V as bf16 pairs");
     counted_pairs.emplace(int64_t(parts * (k_words + v_words) * sizeof(uint32_t)));
-    p.k_pairs = kv_pairs.data(), p.v_pairs = p.k_pairs + parts * k_words;
+    p.k_pairs = kv_pairs.get(), p.v_pairs = p.k_pairs + parts * k_words;
     if (p.split_halves) p.k_lo_words = k_words, p.v_lo_words = v_words;
     run_tasks(p.B * p.Hkv, a.num_threads, [&](int64_t t) { o.pack_kv_pairs(p, t); });
   }
