@@ -542,7 +542,18 @@ struct Bf16ForwardTile {
   float *OT, *M, *L, *MX, *bias, *PT;
   uint32_t* PP;  // P^T pairs [pv_keys/2 x Br], hi and lo
   uint8_t* pad;
+  float* sums;             // [Br]: a tile's sums of P while its max check is pending (ForwardKeysAmx)
+  int64_t check_wait = 0;  // key blocks to go before the max check is folded into the softmax again
 };
+
+// True where every lane of M [Br] is finite or +inf (not -inf, not NaN).
+SATTN_BF16_ATTR inline bool AllAboveNegInf(const float* M, int64_t Br) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  auto below = hn::FirstN(d, 0);
+  for (int64_t x = 0; x < Br; x += N) below = hn::Or(below, hn::Not(hn::Gt(hn::Load(d, M + x), hn::Set(d, kNegInf))));
+  return hn::AllFalse(d, below);
+}
 
 // The online softmax of S^T (scores divided by fold) into P^T pairs at out (their lo parts lo_offset words on),
 // against the max the caller has moved where TileMaxMoves asked; between(x) runs before each group of query
@@ -569,6 +580,14 @@ SATTN_BF16_ATTR void SoftmaxIntoPairs(const Params& p, const Bf16ForwardTile& t,
 // store unscaled sums: the scale goes into the softmax's exponent (fold), or onto S^T first where a float bias is
 // added to the scaled scores. kHalves (Params::split_halves): K, Q and V in two bf16 parts each, every product
 // summing the four part products (P is in two parts already: round_p is off).
+inline constexpr int64_t kCheckWait = 4;
+// l [n] += sums [n], one vector at a time (the same addition SoftmaxToPairs makes).
+SATTN_BF16_ATTR inline void AddRows(float* L, const float* sums, int64_t n) {
+  const DF d;
+  for (int64_t x = 0; x < n; x += int64_t(hn::Lanes(d)))
+    hn::Store(hn::Add(hn::Load(d, L + x), hn::Load(d, sums + x)), d, L + x);
+}
+
 template <bool kHalves>
 SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t, int64_t k0, int64_t k1) {
   const int64_t Br = p.Br, Bc = p.Bc, D2 = p.d_pairs(), D2s = p.k_pair_stride(), Dvt = p.vt_rows(), S = p.pv_keys(),
@@ -606,7 +625,12 @@ SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t, int64_t
     float fold = p.scale;
     if (tm.has_bias || !(p.scale > 0.f)) ScaleRows(ST, nk, Br, p.scale), fold = 1.f;
     if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, t.i0, kb, nk, t.bias, t.pad, ST);
-    const bool moves = !t.PT && TileMaxMoves(p, nk, ST, fold, t.M, t.MX);
+    // Step 1 (the tile max) folded into the softmax's pass where every lane has its max already (the usual case
+    // after a row's first block): P against the max as it is, redone in the rare tile whose max moves after all
+    // (then step 1 goes first for the next kCheckWait blocks). Without dropout, on key blocks of a multiple of 4.
+    const bool check_in_softmax = !t.PT && nk % 4 == 0 && t.check_wait == 0 && AllAboveNegInf(t.M, Br);
+    if (t.check_wait > 0) --t.check_wait;
+    const bool moves = !t.PT && !check_in_softmax && TileMaxMoves(p, nk, ST, fold, t.M, t.MX);
     if (moves || t.PT || kb != buf_k0 + buf_n || kb / S != buf_k0 / S) flush();
     if (moves) MoveTileMax(p, t.MX, t.M, t.L, t.OT);
     if (buf_n == 0) buf_k0 = kb;
@@ -615,9 +639,26 @@ SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t, int64_t
     const auto next = scores(std::min(kb_next, kstop - 1), t.ST[cur ^ 1]);
     const int64_t nblocks = kb_next < kstop ? next.num_blocks() : 0;
     int64_t done = 0;
-    SoftmaxIntoPairs(p, t, kb, nk, ST, fold, t.PP + buf_n / 2 * Br, lo_offset, [&](int64_t) {
+    const auto between = [&](int64_t) {
       if (done < nblocks) CleanVectorsForTiles(), next.run_block(done++);
-    });
+    };
+    if (check_in_softmax) {
+      uint32_t* out = t.PP + buf_n / 2 * Br;
+      const bool moved =
+          p.round_p ? SoftmaxToPairs<false, true>(p, nk, ST, fold, out, lo_offset, t.M, t.L, between, t.MX, t.sums)
+                    : SoftmaxToPairs<true, true>(p, nk, ST, fold, out, lo_offset, t.M, t.L, between, t.MX, t.sums);
+      if (!moved) {
+        AddRows(t.L, t.sums, Br);
+      } else {  // as if step 1 had said so: the P before this block into O^T, the max moved, this block's P again
+        flush();
+        MoveTileMax(p, t.MX, t.M, t.L, t.OT);
+        buf_k0 = kb;
+        SoftmaxIntoPairs(p, t, kb, nk, ST, fold, t.PP, lo_offset, [](int64_t) {});
+        t.check_wait = kCheckWait;
+      }
+    } else {
+      SoftmaxIntoPairs(p, t, kb, nk, ST, fold, t.PP + buf_n / 2 * Br, lo_offset, between);
+    }
     while (done < nblocks) next.run_block(done++);
     buf_n += nk;
     if (t.PT || nk % 2) flush();  // dropout rescales O^T in the next SoftmaxTile; an odd tile ends the keys
@@ -665,7 +706,7 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   auto* QP = reinterpret_cast<uint32_t*>(s_qp.alloc(ntiles * qp_words));
   float* ST = s_st.alloc(Bc * Br * (p.amx_tiles ? 2 : 1));
   float* OT = s_ot.alloc(ntiles * ot_floats);  // the pad rows (amx) stay zero
-  float* ML = s_ml.alloc(ntiles * 3 * Br);
+  float* ML = s_ml.alloc(ntiles * 4 * Br);
   float* bias = p.mask != MaskKind::kNone ? s_bias.alloc(Bc * Br) : nullptr;
   auto* PP = reinterpret_cast<uint32_t*>(s_pp.alloc(p.pv_keys() / 2 * Br * 2));
   float* PT = p.dropout_p > 0 ? s_pt.alloc(Bc * Br) : nullptr;
@@ -689,9 +730,10 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
     t.ST[0] = ST;
     t.ST[1] = ST + (p.amx_tiles ? Bc * Br : 0);
     t.OT = OT + g * ot_floats;
-    t.M = ML + g * 3 * Br;
+    t.M = ML + g * 4 * Br;
     t.L = t.M + Br;
     t.MX = t.L + Br;
+    t.sums = t.MX + Br;
     t.bias = bias;
     t.PP = PP;
     t.PT = PT;
