@@ -555,6 +555,15 @@ SATTN_BF16_ATTR inline bool AllAboveNegInf(const float* M, int64_t Br) {
   return hn::AllFalse(d, below);
 }
 
+// Key blocks that check their max first after a block whose max moved in the softmax's own check.
+inline constexpr int64_t kCheckWait = 4;
+// l [n] += sums [n], one vector at a time (the same addition SoftmaxToPairs makes).
+SATTN_BF16_ATTR inline void AddRows(float* L, const float* sums, int64_t n) {
+  const DF d;
+  for (int64_t x = 0; x < n; x += int64_t(hn::Lanes(d)))
+    hn::Store(hn::Add(hn::Load(d, L + x), hn::Load(d, sums + x)), d, L + x);
+}
+
 // The online softmax of S^T (scores divided by fold) into P^T pairs at out (their lo parts lo_offset words on),
 // against the max the caller has moved where TileMaxMoves asked; between(x) runs before each group of query
 // lanes x (the amx loop's next S^T product). With dropout, SoftmaxTile moves the max and rescales O^T itself.
@@ -580,14 +589,6 @@ SATTN_BF16_ATTR void SoftmaxIntoPairs(const Params& p, const Bf16ForwardTile& t,
 // store unscaled sums: the scale goes into the softmax's exponent (fold), or onto S^T first where a float bias is
 // added to the scaled scores. kHalves (Params::split_halves): K, Q and V in two bf16 parts each, every product
 // summing the four part products (P is in two parts already: round_p is off).
-inline constexpr int64_t kCheckWait = 4;
-// l [n] += sums [n], one vector at a time (the same addition SoftmaxToPairs makes).
-SATTN_BF16_ATTR inline void AddRows(float* L, const float* sums, int64_t n) {
-  const DF d;
-  for (int64_t x = 0; x < n; x += int64_t(hn::Lanes(d)))
-    hn::Store(hn::Add(hn::Load(d, L + x), hn::Load(d, sums + x)), d, L + x);
-}
-
 template <bool kHalves>
 SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t, int64_t k0, int64_t k1) {
   const int64_t Br = p.Br, Bc = p.Bc, D2 = p.d_pairs(), D2s = p.k_pair_stride(), Dvt = p.vt_rows(), S = p.pv_keys(),
