@@ -94,11 +94,14 @@ struct Params {
   // tile product sums up to 16 pairs: the padding adds no product, and saves staging every partial tile).
   int64_t k_pair_stride() const { return amx_tiles && !split_halves ? (d_pairs() + 15) / 16 * 16 : d_pairs(); }
   int64_t dv_pairs() const { return (Dv + 1) / 2; }
+  // Words per row of the backward's v_row_pairs and rows of its dO^T pairs, padded as k_pair_stride() is (the
+  // backward's k_pairs and Q^T pairs take k_pair_stride() too): dP^T = V dO^T loads whole tiles.
+  int64_t dv_pair_stride() const { return amx_tiles && !split_halves ? (dv_pairs() + 15) / 16 * 16 : dv_pairs(); }
   int64_t lk_pairs() const { return (Lk + 1) / 2; }
   // The backward's bf16 products (S^T = K Q^T and dP^T = V dO^T; the other three take float32 operands and stay
-  // float32): k_pairs as above with the rows that hold a NaN zeroed, v_row_pairs [B·Hkv][Lk][Dv2] holds
-  // (v[j, 2x], v[j, 2x+1]); per query block t, pk_qp [D2 x Br] and pk_dop [Dv2 x Br] words: Q^T (unscaled) and
-  // dO^T in pairs along D and Dv.
+  // float32): k_pairs as above with the rows that hold a NaN zeroed, v_row_pairs [B·Hkv][Lk][dv_pair_stride()]
+  // holds (v[j, 2x], v[j, 2x+1]); per query block t, pk_qp [k_pair_stride() x Br] and pk_dop [dv_pair_stride() x Br]
+  // words: Q^T (unscaled) and dO^T in pairs along D and Dv (pad words and rows zero).
   uint32_t* v_row_pairs = nullptr;
   uint32_t *pk_qp = nullptr, *pk_dop = nullptr;
   // dO^T is packed too (pk_dop): dO bf16, or rounding allowed. Where these query tiles live: pk_one_block below.
@@ -214,8 +217,8 @@ struct Params {
   float* dot_tile(int64_t t) const { return pk_dot + pk_slot(t) * Dv * Br; }
   float* qr_tile(int64_t t) const { return pk_qr + pk_slot(t) * Br * pad16(D); }
   float* dor_tile(int64_t t) const { return pk_dor + pk_slot(t) * Br * pad16(Dv); }
-  uint32_t* qp_tile(int64_t t) const { return pk_qp + pk_slot(t) * d_pairs() * Br; }
-  uint32_t* dop_tile(int64_t t) const { return pk_dop + pk_slot(t) * dv_pairs() * Br; }
+  uint32_t* qp_tile(int64_t t) const { return pk_qp + pk_slot(t) * k_pair_stride() * Br; }
+  uint32_t* dop_tile(int64_t t) const { return pk_dop + pk_slot(t) * dv_pair_stride() * Br; }
   uint32_t* qrp_tile(int64_t t) const { return pk_qrp + pk_slot(t) * (Br / 2) * pad16(D); }
   uint32_t* dorp_tile(int64_t t) const { return pk_dorp + pk_slot(t) * (Br / 2) * pad16(Dv); }
   float* dq_part_tile(int64_t t, int64_t g) const { return dq_part + (pk_slot(t) * num_kv_groups() + g) * D * Br; }

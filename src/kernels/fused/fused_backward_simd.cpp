@@ -129,7 +129,7 @@ bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, 
   };
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
   if (p.k_pairs) {  // bf16 inputs on the bf16 products: S^T = scale K Q^T, and dP'^T = V dO^T when dO is bf16 too
-    const int64_t D2 = p.d_pairs(), Dv2 = p.dv_pairs(), kv = b * p.Hkv + hk;
+    const int64_t D2 = p.k_pair_stride(), Dv2 = p.dv_pair_stride(), kv = b * p.Hkv + hk;  // rows of pairs, padded
     if (kr_out) *kr_out = k_rows();
     // On the amx build the tiles multiply the same pairs (the task holds the tile configuration).
     const auto product = [&](const uint32_t* A, int64_t K2, const uint32_t* B, float* C, float mul) {
@@ -506,7 +506,11 @@ void PackQTask(const Params& p, int64_t task) {
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
   if (p.pk_qp) {  // Q^T and dO^T (when dO is bf16 too) in bf16 pairs; a NaN row of q is zeroed below
     PackTransposedPairs(p.q, b, h, i0, nq, p.D, Br, p.qp_tile(task));
-    if (p.pk_dop) PackTransposedPairs(p.dout, b, h, i0, nq, p.Dv, Br, p.dop_tile(task));
+    std::fill(p.qp_tile(task) + p.d_pairs() * Br, p.qp_tile(task) + p.k_pair_stride() * Br, 0u);  // pad rows
+    if (p.pk_dop) {
+      PackTransposedPairs(p.dout, b, h, i0, nq, p.Dv, Br, p.dop_tile(task));
+      std::fill(p.dop_tile(task) + p.dv_pairs() * Br, p.dop_tile(task) + p.dv_pair_stride() * Br, 0u);
+    }
     if (p.pk_qrp) {
       PackRowPairsAlongRows(p.q, b, h, i0, nq, p.D, Dp, Br, p.qrp_tile(task));
       PackRowPairsAlongRows(p.dout, b, h, i0, nq, p.Dv, Dvp, Br, p.dorp_tile(task));
@@ -586,11 +590,12 @@ void RowStatsTask(const Params& p, int64_t task) {
 // head): task = b * Hkv + hk.
 void PackKVRowPairs(const Params& p, int64_t task) {
   const int64_t b = task / p.Hkv, hk = task % p.Hkv;
-  PackRowPairs(p.k, b * p.k.sb + hk * p.k.sh, p.Lk, p.D, true, p.k_pairs + task * p.Lk * p.d_pairs());
-  PackRowPairs(p.v, b * p.v.sb + hk * p.v.sh, p.Lk, p.Dv, false, p.v_row_pairs + task * p.Lk * p.dv_pairs());
+  const int64_t D2 = p.k_pair_stride(), Dv2 = p.dv_pair_stride();  // words per row, pad words zeroed
+  PackRowPairs(p.k, b * p.k.sb + hk * p.k.sh, p.Lk, p.D, true, p.k_pairs + task * p.Lk * D2, D2);
+  PackRowPairs(p.v, b * p.v.sb + hk * p.v.sh, p.Lk, p.Dv, false, p.v_row_pairs + task * p.Lk * Dv2, Dv2);
   if (!p.kt_pairs) return;
   // kt_pairs from the k_pairs just packed (NaN rows already zero): (k[2y, x], k[2y + 1, x]).
-  const int64_t D2 = p.d_pairs(), Lk2 = p.lk_pairs(), Bc2 = p.Bc / 2;
+  const int64_t Lk2 = p.lk_pairs(), Bc2 = p.Bc / 2;
   // the bf16 elements of k_pairs' rows (2·D2 halves apart)
   const auto* k16 = reinterpret_cast<const uint16_t*>(p.k_pairs + task * p.Lk * D2);
   uint32_t* kt = p.kt_pairs + task * p.kt_pairs_head_words();

@@ -490,14 +490,14 @@ void place_query_tiles(Params& p, float* base, int64_t blocks) {
 // dO^T pairs (Params::dout_pairs) and, with round_grads, the row pairs of Q and dO.
 int64_t query_pair_words(const Params& p, int64_t blocks) {
   const int64_t rows = p.round_grads ? (p.Br / 2) * (Params::pad16(p.D) + Params::pad16(p.Dv)) : 0;
-  return blocks * (p.Br * p.d_pairs() + (p.dout_pairs ? p.Br * p.dv_pairs() : 0) + rows);
+  return blocks * (p.Br * p.k_pair_stride() + (p.dout_pairs ? p.Br * p.dv_pair_stride() : 0) + rows);
 }
 
 // Points the bf16 query tiles of p at `base`, laid out for `blocks` query blocks (query_pair_words of them).
 void place_query_pairs(Params& p, uint32_t* base, int64_t blocks) {
   p.pk_qp = base;
-  uint32_t* next = p.pk_qp + blocks * p.Br * p.d_pairs();
-  if (p.dout_pairs) p.pk_dop = next, next += blocks * p.Br * p.dv_pairs();
+  uint32_t* next = p.pk_qp + blocks * p.Br * p.k_pair_stride();
+  if (p.dout_pairs) p.pk_dop = next, next += blocks * p.Br * p.dv_pair_stride();
   if (p.round_grads) {
     p.pk_qrp = next;
     p.pk_dorp = p.pk_qrp + blocks * (p.Br / 2) * Params::pad16(p.D);
@@ -845,8 +845,8 @@ void fused_backward(const BackwardArgs& a) {
     // anyway; the two-pass schedule and the mask's gradient keep float32 products.
     const bool bf16_grads = p.dq.dtype == DType::kBF16 && p.dk.dtype == DType::kBF16 && p.dv.dtype == DType::kBF16;
     p.round_grads = one_pass && !pr.need_dmask && (bf16_precision || bf16_grads);
-    const int64_t k_words = p.B * p.Hkv * p.Lk * p.d_pairs(), v_words = p.B * p.Hkv * p.Lk * p.dv_pairs();
-    p.amx_tiles = o.amx_tiles;
+    p.amx_tiles = o.amx_tiles;  // (before the pair strides, which it pads)
+    const int64_t k_words = p.B * p.Hkv * p.Lk * p.k_pair_stride(), v_words = p.B * p.Hkv * p.Lk * p.dv_pair_stride();
     const int64_t kt_words = p.round_grads ? p.B * p.Hkv * p.kt_pairs_head_words() : 0;
     p.dout_pairs = p.dout.dtype == DType::kBF16 || bf16_precision || p.round_grads;
     // the query blocks' bf16 tiles: the call's, or each task's own (one_pass_backward) where the float32 ones are
