@@ -89,14 +89,15 @@ struct Params {
   bool split_halves = false;
   int64_t k_lo_words = 0, v_lo_words = 0;
   int64_t d_pairs() const { return (D + 1) / 2; }
-  // Words per row of the forward's k_pairs and rows of its Q^T pairs: d_pairs(), on the amx tiles (but split_halves)
-  // rounded up to 16 with zero words, so that S^T = K Q^T loads whole tiles where D is not a multiple of 32 (one
-  // tile product sums up to 16 pairs: the padding adds no product, and saves staging every partial tile).
-  int64_t k_pair_stride() const { return amx_tiles && !split_halves ? (d_pairs() + 15) / 16 * 16 : d_pairs(); }
+  // Words per row of k_pairs and rows of the Q^T pairs: d_pairs(), on the amx tiles (but split_halves) rounded up
+  // to 16 with zero words (tile_pair_stride), so that S^T = K Q^T loads whole tiles where D is not a multiple of 32
+  // (one tile product sums up to 16 pairs: the padding adds no product, and saves staging every partial tile).
+  int64_t k_pair_stride() const { return tile_pair_stride(d_pairs()); }
+  int64_t tile_pair_stride(int64_t pairs) const { return amx_tiles && !split_halves ? pad16(pairs) : pairs; }
   int64_t dv_pairs() const { return (Dv + 1) / 2; }
   // Words per row of the backward's v_row_pairs and rows of its dO^T pairs, padded as k_pair_stride() is (the
   // backward's k_pairs and Q^T pairs take k_pair_stride() too): dP^T = V dO^T loads whole tiles.
-  int64_t dv_pair_stride() const { return amx_tiles && !split_halves ? (dv_pairs() + 15) / 16 * 16 : dv_pairs(); }
+  int64_t dv_pair_stride() const { return tile_pair_stride(dv_pairs()); }
   int64_t lk_pairs() const { return (Lk + 1) / 2; }
   // The backward's bf16 products (S^T = K Q^T and dP^T = V dO^T; the other three take float32 operands and stay
   // float32): k_pairs as above with the rows that hold a NaN zeroed, v_row_pairs [B·Hkv][Lk][dv_pair_stride()]

@@ -557,12 +557,6 @@ SATTN_BF16_ATTR inline bool AllAboveNegInf(const float* M, int64_t Br) {
 
 // Key blocks that check their max first after a block whose max moved in the softmax's own check.
 inline constexpr int64_t kCheckWait = 4;
-// l [n] += sums [n], one vector at a time (the same addition SoftmaxToPairs makes).
-SATTN_BF16_ATTR inline void AddRows(float* L, const float* sums, int64_t n) {
-  const DF d;
-  for (int64_t x = 0; x < n; x += int64_t(hn::Lanes(d)))
-    hn::Store(hn::Add(hn::Load(d, L + x), hn::Load(d, sums + x)), d, L + x);
-}
 
 // The online softmax of S^T (scores divided by fold) into P^T pairs at out (their lo parts lo_offset words on),
 // against the max the caller has moved where TileMaxMoves asked; between(x) runs before each group of query
@@ -649,7 +643,7 @@ SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t, int64_t
           p.round_p ? SoftmaxToPairs<false, true>(p, nk, ST, fold, out, lo_offset, t.M, t.L, between, t.MX, t.sums)
                     : SoftmaxToPairs<true, true>(p, nk, ST, fold, out, lo_offset, t.M, t.L, between, t.MX, t.sums);
       if (!moved) {
-        AddRows(t.L, t.sums, Br);
+        AddScaledRows(t.L, t.sums, Br, 1.f);  // l += the sums (times 1: exact, the same sum)
       } else {  // as if step 1 had said so: the P before this block into O^T, the max moved, this block's P again
         flush();
         MoveTileMax(p, t.MX, t.M, t.L, t.OT);
