@@ -57,6 +57,8 @@ void linear(const float* x, int64_t M, int64_t K, const float* W, const float* b
   const int64_t blocks = (M + kBlock - 1) / kBlock;
   parallel_for(blocks, threads, [&](int64_t b) {
     const int64_t m0 = b * kBlock, m1 = std::min(M, m0 + kBlock);
+    // The bias rows written first: the GEMM's tiles starting from the bias row instead (same bits, no pass over y)
+    // measured no faster in the SR model, as the GEMM's stores then pay for bringing y's lines into the cache.
     if (bias)
       for (int64_t m = m0; m < m1; ++m) std::memcpy(y + m * N, bias, size_t(N) * sizeof(float));
     else std::fill(y + m0 * N, y + m1 * N, 0.0f);
