@@ -680,6 +680,40 @@ TEST_P(FusedBf16Products, LongKeyRunsAndARisingMax) {
   }
 }
 
+// The float32 forward's online softmax over scores that grow along the keys (up to about 20x: the running max moves
+// in most key blocks, by a lot, and O^T is rescaled each time) with runs of masked keys, and over flat scores with
+// whole skipped tiles, both causal alignments and key lengths that end in a partial block; on every SIMD
+// implementation, the float32 tolerance against the fp64 reference and bitwise the same for 1 and 3 threads.
+TEST(Fused, Float32RisingMaxAndSkippedTiles) {
+  uint32_t seed = 1700;
+  const auto simds = sattn::testing::simd_target_names();
+  for (const int64_t Lk : {333, 700}) {
+    for (const sattn::Causal causal : {sattn::Causal::kNone, sattn::Causal::kTopLeft, sattn::Causal::kBottomRight}) {
+      Case c;
+      c.B = 2, c.Hq = 2, c.Hkv = 1, c.Lq = 130, c.Lk = Lk, c.D = 48, c.Dv = 40, c.mask = 1, c.mask_shape = 2;
+      c.causal = causal;
+      Problem pb = make_problem(c, ++seed);
+      float* kd = pb.k.storage.data<float>();  // batch 0: scores growing along the keys
+      for (int64_t j = 0; j < Lk; ++j)
+        for (int64_t x = 0; x < c.D; ++x) kd[j * c.D + x] *= 1.f + 20.f * float(j) / float(Lk);
+      uint8_t* keep = pb.mask.data<uint8_t>();
+      for (int64_t j = 0; j < Lk; ++j) {
+        keep[j] = (j / 37) % 4 != 1 && keep[j] ? 1 : 0;  // batch 0: runs of 37 masked keys
+        keep[Lk + j] = j < 64 || j >= 192;  // batch 1 (its max rarely moves): keys [64, 192) masked, two tiles skipped
+      }
+      const FwdResult ref = run_forward(pb, "reference", 1);
+      for (const std::string& simd : simds) {
+        SCOPED_TRACE(c.name() + " " + simd);
+        const sattn::testing::ScopedSimdTarget simd_target(simd);
+        const FwdResult got = run_forward(pb, "fused", 1), got3 = run_forward(pb, "fused", 3);
+        EXPECT_LE(rel_err(got.out, ref.out), 2e-5);
+        EXPECT_LE(rel_err(got.lse, ref.lse), 2e-5);
+        EXPECT_TRUE(bitwise_equal(got.out, got3.out) && bitwise_equal(got.lse, got3.lse));
+      }
+    }
+  }
+}
+
 // Keys longer than one pass of the amx forward (Params::key_pass: 4 slabs of 256 keys): its tasks take query blocks
 // of a head in turn on each pass (4 heads of Lq 300: 20 blocks of 64, in tasks of 2, 2 and 1 per head), and every
 // block computes what it would alone: the float32 tolerances against the fp64 reference, with masks, padding, both
