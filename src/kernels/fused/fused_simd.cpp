@@ -413,6 +413,14 @@ void WidenRows(const View4& t, int64_t b, int64_t h, int64_t L, int64_t width, f
   for (int64_t j0 = 0; j0 < L; j0 += 64) RowsOf(t, b, h, j0, std::min<int64_t>(64, L - j0), width, out + j0 * width);
 }
 
+// Params::vt_blocks of key block task % num_k_blocks of (b, kv head) task / num_k_blocks: V^T [Dv x Bc], keys past
+// Lk zero (the same values: each a multiplication by 1).
+void PackVtBlock(const Params& p, int64_t task, float* out) {
+  const int64_t nkb = p.num_k_blocks(), bh = task / nkb, kb = task % nkb * p.Bc, nk = std::min(p.Bc, p.Lk - kb);
+  const float* v = static_cast<const float*>(p.v.data) + bh / p.Hkv * p.v.sb + bh % p.Hkv * p.v.sh + kb * p.v.sl;
+  TransposeRows(v, p.v.sl, nk, p.Dv, 1.f, out + task * p.Dv * p.Bc, p.Bc, p.Bc);
+}
+
 void ForwardTask(const Params& p, int64_t task) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
@@ -504,8 +512,13 @@ void ForwardTask(const Params& p, int64_t task) {
       Gemm<false>(kr.ptr, kr.stride, 1, t.QT, Br, ST, Br, nk, nvec, D);  // S^T = K (scale Q)^T
       if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, t.i0, kb, nk, bias, pad, ST);
       const float* P = SoftmaxTile(p, b, h, t.i0, t.nq, kb, nk, ST, PT, t.OT, t.M, t.L);
-      const Rows vr = RowsOf(p.v, b, hk, kb, nk, Dv, vbuf);
-      Gemm<true>(vr.ptr, 1, vr.stride, P, Br, t.OT, Br, Dv, nvec, nk);  // O^T += V^T P^T
+      if (p.vt_blocks) {  // O^T += V^T P^T, V^T's rows Bc apart
+        const float* vt = p.vt_blocks + ((b * p.Hkv + hk) * p.num_k_blocks() + kb / Bc) * Dv * Bc;
+        Gemm<true>(vt, Bc, 1, P, Br, t.OT, Br, Dv, nvec, nk);
+      } else {
+        const Rows vr = RowsOf(p.v, b, hk, kb, nk, Dv, vbuf);
+        Gemm<true>(vr.ptr, 1, vr.stride, P, Br, t.OT, Br, Dv, nvec, nk);  // O^T += V^T P^T
+      }
     }
   };
   // Passes of key_pass keys (Params::key_pass), each block taking its turn, so that a pass's K and V rows are read
@@ -790,12 +803,13 @@ namespace {
 std::atomic<int64_t> g_workspace{0}, g_workspace_peak{0};
 
 #define SATTN_FUSED_FORWARD_OPS(NS) \
-  ForwardOps { &NS::ForwardTask, nullptr, false, &NS::WidenRows, NS::kQueryGranule }
+  ForwardOps { &NS::ForwardTask, nullptr, false, &NS::WidenRows, NS::kQueryGranule, &NS::PackVtBlock }
 const simd::Build<ForwardOps> kBuilds[] = {
 #if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64
-    {simd::Target::kAmx, ForwardOps{&N_AVX3::ForwardTaskBf16, &N_AVX3::PackKVPairs, true, &N_AVX3::WidenRows, 16}},
+    {simd::Target::kAmx,
+     ForwardOps{&N_AVX3::ForwardTaskBf16, &N_AVX3::PackKVPairs, true, &N_AVX3::WidenRows, 16, &N_AVX3::PackVtBlock}},
     {simd::Target::kAvx512Bf16,
-     ForwardOps{&N_AVX3::ForwardTaskBf16, &N_AVX3::PackKVPairs, false, &N_AVX3::WidenRows, 16}},
+     ForwardOps{&N_AVX3::ForwardTaskBf16, &N_AVX3::PackKVPairs, false, &N_AVX3::WidenRows, 16, &N_AVX3::PackVtBlock}},
 #endif
     SATTN_SIMD_BUILDS(SATTN_FUSED_FORWARD_OPS)};
 }  // namespace
