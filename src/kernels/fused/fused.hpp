@@ -61,8 +61,7 @@ struct Params {
   int64_t Br = 64, Bc = 64;
   // The float32 forward's V^T per key block (ForwardOps::pack_vt, where a kv head's V is read by several query
   // blocks): [B·Hkv][num_k_blocks()][Dv][Bc], zero past Lk, so that O^T += V^T P^T reads its left operand along rows
-  // (broadcasts from V's rows, one row per key, made that product about 9 % slower than S^T = K Q^T); nullptr: V's
-  // rows in place.
+  // (broadcasts from V's rows, one row per key, made it the slower of the two products); nullptr: V's rows in place.
   const float* vt_blocks = nullptr;
 
   // Decode: keys split into chunks of kv_chunk (a multiple of Bc; 0 = no split) whose partial results
@@ -290,8 +289,7 @@ struct ForwardOps {
   // Params::Br is a multiple of it (the rows of a tile are whole vectors of queries): the build's float lanes, at
   // least 8; 16 in the builds with bf16 products (their pairs and tiles take 16 queries at a time).
   int64_t query_granule = 16;
-  // Params::vt_blocks of one key block: task = (b * Hkv + hk) * num_k_blocks + kb, written at out + task·Dv·Bc
-  // (float32 V with unit element stride).
+  // Params::vt_blocks of one key block: task = (b * Hkv + hk) * num_k_blocks + kb, written at out + task·Dv·Bc.
   void (*pack_vt)(const Params& p, int64_t task, float* out) = nullptr;
 };
 struct BackwardOps {

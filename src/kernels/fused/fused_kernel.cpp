@@ -183,7 +183,7 @@ struct DenseRows {
 // read bf16 or float16 K and V (not where the bf16 products take them as pairs), widened once per call.
 struct DenseKV {
   DenseRows k, v;
-  // with_v false: K only (the float32 forward transposes a float32 V into Params::vt_blocks from its rows in place).
+  // with_v false: K only (the float32 forward transposes V into Params::vt_blocks from its rows in place).
   DenseKV(Params& p, int threads, bool halves, bool with_v = true) {
     if (p.num_q_blocks() == 1 && p.group == 1) return;
     k.make(p.k, p.B, p.Hkv, p.Lk, p.D, threads, halves);
@@ -406,14 +406,13 @@ void fused_forward(const ForwardArgs& a) {
   const bool bf16_products =
       o.pack_kv_pairs && p.Lq > kDecodeRows && (takes_bf16_products(p.q.dtype, a.options) || p.split_halves);
   // The float32 products: V^T per key block (Params::vt_blocks) where a kv head's V is read by at least 4 query
-  // blocks (the transposition reads and writes V once; each reading block saves about a tenth of its P·V product).
-  // A float32 V is transposed from its rows in place (no dense copy of them first), a half-precision one from its
-  // widened copy.
+  // blocks (the transposition reads and writes V once, in place of the dense copy a strided or half-precision V
+  // would get; every reading block's P·V product then reads V^T along rows).
   const bool vt = !bf16_products && p.Lq > kDecodeRows && p.group * p.num_q_blocks() >= 4 && o.pack_vt;
-  const DenseKV dense_kv(p, a.num_threads, !bf16_products, !(vt && p.v.dtype == DType::kF32 && p.v.sd == 1));
+  const DenseKV dense_kv(p, a.num_threads, !bf16_products, !vt);
   WorkspacePtr<float> vt_blocks;
   std::optional<CountedBytes> counted_vt;
-  if (vt && p.v.dtype == DType::kF32 && p.v.sd == 1) {
+  if (vt) {
     const int64_t blocks = p.B * p.Hkv * p.num_k_blocks(), n = blocks * p.Dv * p.Bc;
     vt_blocks = workspace_array<float>(size_t(n), "fused attention: V^T per key block");
     counted_vt.emplace(int64_t(n * sizeof(float)));

@@ -414,11 +414,12 @@ void WidenRows(const View4& t, int64_t b, int64_t h, int64_t L, int64_t width, f
 }
 
 // Params::vt_blocks of key block task % num_k_blocks of (b, kv head) task / num_k_blocks: V^T [Dv x Bc], keys past
-// Lk zero (the same values: each a multiplication by 1).
+// Lk zero; the float32 rows the forward would read (RowsOf: in place, or widened exactly), each value times 1.
 void PackVtBlock(const Params& p, int64_t task, float* out) {
   const int64_t nkb = p.num_k_blocks(), bh = task / nkb, kb = task % nkb * p.Bc, nk = std::min(p.Bc, p.Lk - kb);
-  const float* v = static_cast<const float*>(p.v.data) + bh / p.Hkv * p.v.sb + bh % p.Hkv * p.v.sh + kb * p.v.sl;
-  TransposeRows(v, p.v.sl, nk, p.Dv, 1.f, out + task * p.Dv * p.Bc, p.Bc, p.Bc);
+  Scratch s_rows;
+  const Rows r = RowsOf(p.v, bh / p.Hkv, bh % p.Hkv, kb, nk, p.Dv, s_rows.alloc(nk * p.Dv));
+  TransposeRows(r.ptr, r.stride, nk, p.Dv, 1.f, out + task * p.Dv * p.Bc, p.Bc, p.Bc);
 }
 
 void ForwardTask(const Params& p, int64_t task) {
