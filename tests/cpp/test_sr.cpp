@@ -305,16 +305,23 @@ TEST(SrOps, LinearLayerNormGelu) {
       }
     }
   }
-  std::vector<float> v;
-  for (int i = -4000; i <= 4000; ++i) v.push_back(float(i) * 0.0025f);  // [-10, 10]
-  v.push_back(-1e30f), v.push_back(1e30f), v.push_back(0.f);
-  auto ref = v;
-  sattn::nn::gelu_inplace(v.data(), int64_t(v.size()));
-  EXPECT_LE(std::fabs(v[v.size() - 3]), 0.0f) << "gelu(-1e30) must be -0 or 0";
-  for (size_t i = 0; i < v.size(); ++i) {
-    const double x = ref[i], e = 0.5 * x * (1 + std::erf(x / std::sqrt(2.0)));
-    // erf within 4.2e-7 (+ float rounding): |error| <= 0.5 |x| 5e-7 + 1 ulp
-    ASSERT_NEAR(v[i], e, 0.5 * std::fabs(x) * 5e-7 + 1e-7 + 1.2e-7 * std::fabs(e)) << "x = " << x;
+  // GELU on every SIMD target
+  std::vector<float> ref;
+  for (int i = -4000; i <= 4000; ++i) ref.push_back(float(i) * 0.0025f);              // [-10, 10]
+  for (int i = 0; i < 20000; ++i) ref.push_back(float(i - 10000) * 0.0004f + 1e-4f);  // [-4, 4]: the clamp's range
+  ref.push_back(-1e30f), ref.push_back(1e30f), ref.push_back(0.f);
+  for (const std::string& target : sattn::testing::simd_target_names()) {
+    SCOPED_TRACE(target);
+    const sattn::testing::ScopedSimdTarget scoped(target);
+    auto v = ref;
+    sattn::nn::gelu_inplace(v.data(), int64_t(v.size()));
+    EXPECT_LE(std::fabs(v[v.size() - 3]), 0.0f) << "gelu(-1e30) must be -0 or 0";
+    EXPECT_EQ(v[v.size() - 2], 1e30f);
+    for (size_t i = 0; i < v.size(); ++i) {
+      const double x = ref[i], e = 0.5 * x * (1 + std::erf(x / std::sqrt(2.0)));
+      // erf within 4.2e-7 (+ float rounding): |error| <= 0.5 |x| 5e-7 + 1 ulp
+      ASSERT_NEAR(v[i], e, 0.5 * std::fabs(x) * 5e-7 + 1e-7 + 1.2e-7 * std::fabs(e)) << "x = " << x;
+    }
   }
 }
 
