@@ -290,9 +290,11 @@ class FusedSweep : public ::testing::TestWithParam<std::string> {
     if (std::find(avail.begin(), avail.end(), GetParam()) == avail.end())
       GTEST_SKIP() << "this CPU has no " << GetParam();
     target_.emplace(GetParam());
+    tiles_.emplace("SATTN_FUSED_TILE_MIN_WORK", "0");  // the bf16 products on the sweep's short keys too
   }
-  void TearDown() override { target_.reset(); }
+  void TearDown() override { tiles_.reset(), target_.reset(); }
   std::optional<sattn::testing::ScopedSimdTarget> target_;
+  std::optional<sattn::testing::ScopedEnv> tiles_;
 };
 
 TEST_P(FusedSweep, ForwardAndBackwardMatchReference) {
@@ -411,9 +413,11 @@ class FusedBf16Products : public ::testing::TestWithParam<std::string> {
                    << (GetParam() == "amx" ? sattn::simd::amx_unavailable_reason() : "no AVX512-BF16")
                    << "): its bf16 products are not tested here";
     target_.emplace(GetParam());
+    tiles_.emplace("SATTN_FUSED_TILE_MIN_WORK", "0");  // the bf16 products on the sweep's short keys too
   }
-  void TearDown() override { target_.reset(); }
+  void TearDown() override { tiles_.reset(), target_.reset(); }
   std::optional<sattn::testing::ScopedSimdTarget> target_;
+  std::optional<sattn::testing::ScopedEnv> tiles_;
 };
 
 TEST_P(FusedBf16Products, MatchReference) {
@@ -847,6 +851,7 @@ TEST(FusedAmx, AgreesWithTheAvx512Bf16BuildToFloat32Rounding) {
   if (std::find(avail.begin(), avail.end(), "amx") == avail.end())
     GTEST_SKIP() << "this CPU does not run amx (" << sattn::simd::amx_unavailable_reason()
                  << "): its tiles are not compared with vdpbf16ps here";
+  const sattn::testing::ScopedEnv tiles("SATTN_FUSED_TILE_MIN_WORK", "0");  // the sweep's short keys too
   uint32_t seed = 1700;
   double worst = 0, worst_norm = 0;
   for (const Case& c : sweep()) {
@@ -1439,6 +1444,7 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
   Case c;
   c.Hq = 2, c.Hkv = 2, c.Lq = 77, c.Lk = 90, c.D = 40, c.Dv = 83, c.causal = sattn::Causal::kTopLeft;  // rows past 64
   const Problem pb = make_problem(c, 5);
+  const sattn::testing::ScopedEnv tiles("SATTN_FUSED_TILE_MIN_WORK", "0");  // float16 as two bf16 at D 40 too
   for (const std::string& simd : sattn::testing::simd_target_names())
     for (DType dt : {DType::kBF16, DType::kF16}) {
       const sattn::testing::ScopedSimdTarget simd_target(simd);
@@ -1488,6 +1494,50 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
 
 // A key row holding a NaN, with bf16 and float16 inputs, every SIMD target: the backward (and forward) give what
 // the same values in float32 give (the backward zeroes such rows wherever K is read; float32 products: bitwise).
+// The forward takes the bf16 products only where they pay for their fixed costs per query tile: bf16 inputs and
+// float32 ones under kBF16 from D·Lk = 2048 on, float16 (amx only, as two bf16 each) past D·Lk = 4096 with D a
+// multiple of 16. Below, the float32 products: bitwise what the inputs' float32 values give under kHighest.
+// SATTN_FUSED_TILE_MIN_WORK=0 puts every size on the bf16 products.
+TEST(Fused, ShortKeysTakeTheFloat32Products) {
+  struct Size {
+    int64_t D, Lk;
+    DType dt;
+    bool tiles;  // on amx; avx512bf16 has no float16 products
+  };
+  const Size sizes[] = {{20, 64, DType::kF32, false},  {20, 103, DType::kF32, true}, {32, 63, DType::kBF16, false},
+                        {32, 64, DType::kBF16, true},  {64, 64, DType::kF16, false}, {64, 65, DType::kF16, true},
+                        {40, 512, DType::kF16, false}, {128, 32, DType::kBF16, true}};
+  bool ran = false;
+  for (const std::string& simd : sattn::testing::simd_target_names()) {
+    if (!has_bf16_products(simd)) continue;
+    ran = true;
+    const sattn::testing::ScopedSimdTarget target(simd);
+    for (const Size& z : sizes)
+      for (const char* min_work : {"", "0"}) {
+        const bool tiles = std::string(min_work) == "0" ? z.dt != DType::kF16 || simd == "amx"
+                                                        : z.tiles && (z.dt != DType::kF16 || simd == "amx");
+        SCOPED_TRACE(simd + " D " + std::to_string(z.D) + " Lk " + std::to_string(z.Lk) + " " + sattn::to_string(z.dt) +
+                     " SATTN_FUSED_TILE_MIN_WORK='" + min_work + "'");
+        const sattn::testing::ScopedEnv env("SATTN_FUSED_TILE_MIN_WORK", min_work);
+        Case c;
+        c.Hq = 2, c.Hkv = 2, c.Lq = 70, c.Lk = z.Lk, c.D = z.D, c.Dv = z.D;
+        const Problem pb = make_problem(c, 31);
+        const Tensor q = Tensor::from_view(pb.q.view).to(z.dt), k = Tensor::from_view(pb.k.view).to(z.dt),
+                     v = Tensor::from_view(pb.v.view).to(z.dt);
+        const Tensor qf = q.to(DType::kF32), kf = k.to(DType::kF32), vf = v.to(DType::kF32);
+        sattn::AttentionOptions o = pb.opt;
+        o.kernel = "fused";
+        Tensor want(DType::kF32, {c.B, c.Hq, c.Lq, c.Dv}), got(DType::kF32, {c.B, c.Hq, c.Lq, c.Dv});
+        sattn::scaled_dot_product_attention(qf, kf, vf, o, {want.view(), {}, {}});
+        if (z.dt == DType::kF32) o.float32_precision = sattn::Float32Precision::kBF16;
+        sattn::scaled_dot_product_attention(q, k, v, o, {got.view(), {}, {}});
+        EXPECT_EQ(bitwise_equal(got, want), !tiles);
+        EXPECT_LE(rel_err(got, want), z.dt == DType::kF32 ? 1e-2 : 2e-5);
+      }
+  }
+  if (!ran) GTEST_SKIP() << "this CPU has no bf16 products (amx, avx512bf16): nothing to choose between";
+}
+
 TEST(Fused, HalfPrecisionNanKeyRowsMatchUpcast) {
   Case c;
   c.Hq = 2, c.Hkv = 2, c.Lq = 40, c.Lk = 70, c.D = 24, c.Dv = 16;
@@ -1833,6 +1883,7 @@ TEST_P(FusedOracleBf16Out, MatchNaiveFp64OnEverySimdTarget) {
   co.mask_grad = false;
   co.weights = false;
   co.tol = 1e-2;
+  const sattn::testing::ScopedEnv tiles("SATTN_FUSED_TILE_MIN_WORK", "0");  // the bf16 products on short keys too
   bool skipped = false;
   EXPECT_TRUE(sattn::testing::check_every_simd_target(problem, co, &skipped));
   if (skipped) GTEST_SKIP() << "fused does not support " << GetParam().name();

@@ -82,11 +82,11 @@ def test_varlen_half_inputs_match_upcast(dtype_name):
     else:
         dt = np.float16
     rng = np.random.default_rng(2)
-    lens = [5, 33]
-    q, k, v = (packed(rng, lens, 2, 16).astype(dt) for _ in range(3))
+    lens = [5, 70]  # D·Lk past 4096: long enough keys for the bf16 products of the amx and avx512bf16 builds
+    q, k, v = (packed(rng, lens, 2, 64).astype(dt) for _ in range(3))
     cu = np.cumsum([0] + lens).astype(np.int32)
-    out = sattn.flash_attn_varlen(q, k, v, cu, cu, 33, 33, causal=True)
-    ref = sattn.flash_attn_varlen(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), cu, cu, 33, 33,
+    out = sattn.flash_attn_varlen(q, k, v, cu, cu, 70, 70, causal=True)
+    ref = sattn.flash_attn_varlen(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), cu, cu, 70, 70,
                                   causal=True)
     # Half-precision inputs are read natively and the output has their dtype (as FlashAttention's); the kernel
     # computes in float32, so it is the float32 result rounded once. The bf16 products (amx, avx512bf16 builds) round
@@ -106,8 +106,8 @@ def test_varlen_half_inputs_match_upcast(dtype_name):
     else:
         np.testing.assert_array_equal(out, ref.astype(dt))
     dout = rng.standard_normal(out.shape).astype(dt)
-    out_l, lse = sattn.flash_attn_varlen(q, k, v, cu, cu, 33, 33, causal=True, return_lse=True)
-    grads = sattn.flash_attn_varlen_backward(dout, q, k, v, out_l, lse, cu, cu, 33, 33, causal=True)
+    out_l, lse = sattn.flash_attn_varlen(q, k, v, cu, cu, 70, 70, causal=True, return_lse=True)
+    grads = sattn.flash_attn_varlen_backward(dout, q, k, v, out_l, lse, cu, cu, 70, 70, causal=True)
     assert lse.dtype == np.float32 and all(g.dtype == np.dtype(dt) for g in grads)
 
 

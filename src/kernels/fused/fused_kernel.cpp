@@ -314,6 +314,18 @@ bool takes_bf16_products(DType dtype, const AttentionOptions& options) {
   return dtype == DType::kBF16 || (dtype == DType::kF32 && options.float32_precision == Float32Precision::kBF16);
 }
 
+// Whether the forward's bf16 products pay for their fixed costs per query tile (Q^T packed in pairs, O^T transposed
+// back, the online softmax's per-tile steps), which the float32 products on short keys do not have: from D·Lk = 2048
+// on, and for float16 as two bf16 (four tile products per product, `halves`) past 4096 with D a multiple of 16 (no
+// padded pair chunk). Below, the float32 products (exact: rounding is allowed, never required) were faster on the
+// AMX Xeon, whatever Lq (docs/fused.md). SATTN_FUSED_TILE_MIN_WORK sets the least D·Lk for both (0: always).
+bool bf16_products_pay(const Params& p, bool halves) {
+  const int64_t work = p.D * p.Lk;
+  const long long forced = env::get_integer("SATTN_FUSED_TILE_MIN_WORK", 0, 1LL << 40, -1);
+  if (forced >= 0) return work >= forced;
+  return halves ? p.D % 16 == 0 && work > 4096 : work >= 2048;
+}
+
 // Whether a float16 view holds an infinity (+-inf: exponent all ones, mantissa zero). Tasks per (b, head), any order.
 bool has_half_infinity(const View4& t, int64_t B, int64_t H, int64_t L, int64_t width, int threads) {
   std::atomic<bool> found{false};
@@ -399,12 +411,13 @@ void fused_forward(const ForwardArgs& a) {
   }
   p.amx_tiles = o.amx_tiles;
   // float16 as two bf16 each on the tiles, unless an input holds an infinity (inf · 0 between the parts)
-  p.split_halves = o.amx_tiles && p.q.dtype == DType::kF16 && p.Lq > kDecodeRows &&
+  p.split_halves = o.amx_tiles && p.q.dtype == DType::kF16 && p.Lq > kDecodeRows && bf16_products_pay(p, true) &&
                    !has_half_infinity(p.q, p.B, p.Hq, p.Lq, p.D, a.num_threads) &&
                    !has_half_infinity(p.k, p.B, p.Hkv, p.Lk, p.D, a.num_threads) &&
                    !has_half_infinity(p.v, p.B, p.Hkv, p.Lk, p.Dv, a.num_threads);
   const bool bf16_products =
-      o.pack_kv_pairs && p.Lq > kDecodeRows && (takes_bf16_products(p.q.dtype, a.options) || p.split_halves);
+      o.pack_kv_pairs && p.Lq > kDecodeRows &&
+      ((takes_bf16_products(p.q.dtype, a.options) && bf16_products_pay(p, false)) || p.split_halves);
   // The float32 products: V^T per key block (Params::vt_blocks) where a kv head's V is read by at least 4 query
   // blocks (the transposition reads and writes V once, in place of the dense copy a strided or half-precision V
   // would get; every reading block's P·V product then reads V^T along rows).
