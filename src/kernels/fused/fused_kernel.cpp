@@ -422,7 +422,8 @@ void fused_forward(const ForwardArgs& a) {
   // blocks (the transposition reads and writes V once, in place of the dense copy a strided or half-precision V
   // would get; every reading block's P·V product then reads V^T along rows).
   const bool vt = !bf16_products && p.Lq > kDecodeRows && p.group * p.num_q_blocks() >= 4 && o.pack_vt;
-  const DenseKV dense_kv(p, a.num_threads, !bf16_products, !vt);
+  std::optional<DenseKV> dense_kv;  // the bf16 products read K and V once, into pairs: no dense copy first
+  if (!bf16_products) dense_kv.emplace(p, a.num_threads, true, !vt);
   WorkspacePtr<float> vt_blocks;
   std::optional<CountedBytes> counted_vt;
   if (vt) {
