@@ -9,8 +9,9 @@
 // The hardware treats bf16 denormals as zero and rounds each addition to float32.
 //
 // The tiles are configured (palette 1) by TileConfigScope: for the duration of a fused-kernel task all 16 x 64 bytes
-// (gemm_pairs), for one call of gemm_segments_pairs with its operands summing a chunk of up to 16 pairs; partial
-// tiles (rows, columns or summed pairs past the matrix) go through zero-padded staging buffers.
+// (gemm_pairs), for one call of gemm_segments_pairs with its operands summing a chunk of up to 16 pairs (and once
+// more for its last column block, where C's last column tile is partial, with that tile as wide as C's columns);
+// other partial tiles (rows, columns or summed pairs past the matrix) go through zero-padded staging buffers.
 #pragma once
 
 #include <algorithm>
@@ -39,6 +40,13 @@ struct alignas(64) TileConfig {
     TileConfig c;
     for (int t = 4; t < 6; ++t) c.colsb[t] = uint16_t(4 * pairs);
     for (int t = 6; t < 8; ++t) c.rows[t] = uint8_t(pairs);
+    return c;
+  }
+  // for_sum_chunk with column tile j (accumulators j and 2 + j, right operand 6 + j) `cols` floats wide (1..16):
+  // a last, partial column tile of C read and written in place.
+  static TileConfig for_sum_chunk(int pairs, int j, int cols) {
+    TileConfig c = for_sum_chunk(pairs);
+    c.colsb[j] = c.colsb[2 + j] = c.colsb[6 + j] = uint16_t(4 * cols);
     return c;
   }
 };
@@ -341,18 +349,19 @@ void gemm_pairs(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, 
 namespace detail {
 
 // One block of MB x NB accumulator tiles of gemm_segments_pairs: row tile i reads segment s at a[i][s] (rows lda[i]
-// words apart) and has rows[i] rows of C, column tile j is cols[j] columns wide, from C at column n0. The tiles start
-// from C where from_c, else from zero, and C becomes alpha times them, plus C where accumulate and not from_c.
-// Chunks of kc pairs; a last chunk of a segment shorter than kc goes through zero-padded staging buffers.
+// words apart) and has rows[i] rows of C, column tile j is cols[j] columns wide, from C at column n0, in tiles
+// configured tile_cols[j] floats wide (16, or cols[j] for a last, partial column tile). The tiles start from C where
+// from_c, else from zero, and C becomes alpha times them, plus C where accumulate and not from_c. Chunks of kc pairs;
+// a last chunk of a segment shorter than kc, and the C of a partial row tile, go through zero-padded staging buffers.
 template <class Tiles, int MB, int NB>
 void segments_block(int nseg, const uint32_t* const (*a)[16], const int64_t* lda, const int* rows, const int64_t* K2,
-                    const uint32_t* W2, int64_t ldw, int64_t n0, const int* cols, int64_t kc, float* C, int64_t ldc,
-                    bool accumulate, float alpha) {
+                    const uint32_t* W2, int64_t ldw, int64_t n0, const int* cols, const int* tile_cols, int64_t kc,
+                    float* C, int64_t ldc, bool accumulate, float alpha) {
   alignas(64) float c_stage[2][2][kTileRows * kTileRows];
   alignas(64) uint32_t a_stage[2][kTileRows * kTileRows];
   alignas(64) uint32_t b_stage[2][kTileRows * kTileRows];
   const bool from_c = accumulate && alpha == 1.f;
-  auto direct = [&](int i, int j) { return rows[i] == kTileRows && cols[j] == kTileRows; };
+  auto direct = [&](int i, int j) { return rows[i] == kTileRows && cols[j] == tile_cols[j]; };
   auto c_at = [&](int i, int j) { return C + i * kTileRows * ldc + n0 + j * kTileRows; };
   auto init = [&](auto ic, auto jc) {
     constexpr int i = decltype(ic)::value, j = decltype(jc)::value;
@@ -426,7 +435,6 @@ void gemm_segments_pairs(int nseg, const uint32_t* const* A, const int64_t* K2, 
   int64_t kc = T;
   while (g % kc != 0) --kc;
   if (kc < T / 2) kc = T;
-  TileConfigScope<Tiles> scope(true, TileConfig::for_sum_chunk(int(kc)));
   // The rows of a last, partial row tile, zero-padded to 16 rows (a tile load reads 16 rows).
   const int64_t tail_m0 = M / T * T;
   const int tail_rows = int(M - tail_m0);
@@ -440,7 +448,10 @@ void gemm_segments_pairs(int nseg, const uint32_t* const* A, const int64_t* K2, 
       tail_a[s] = t;
     }
   }
-  for (int64_t n0 = 0; n0 < N; n0 += 2 * T) {
+  // The column blocks of whole tiles, then the last block with a partial tile (N % 16 columns), its tile configured
+  // that wide: C read and written in place rather than through staging buffers.
+  const int64_t n_whole = N % T == 0 ? N : N / (2 * T) * (2 * T);
+  const auto column_block = [&](int64_t n0, const int* tile_cols) {
     const int cols[2] = {int(std::min(T, N - n0)), int(std::clamp<int64_t>(N - n0 - T, 0, T))};
     for (int64_t m0 = 0; m0 < M; m0 += 2 * T) {
       const uint32_t* a[2][kMaxSeg];
@@ -456,13 +467,25 @@ void gemm_segments_pairs(int nseg, const uint32_t* const* A, const int64_t* K2, 
       float* c = C + m0 * ldc;
       using detail::segments_block;
       if (rows[1] > 0 && cols[1] > 0)
-        segments_block<Tiles, 2, 2>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, kc, c, ldc, accumulate, alpha);
+        segments_block<Tiles, 2, 2>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, tile_cols, kc, c, ldc, accumulate, alpha);
       else if (rows[1] > 0)
-        segments_block<Tiles, 2, 1>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, kc, c, ldc, accumulate, alpha);
+        segments_block<Tiles, 2, 1>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, tile_cols, kc, c, ldc, accumulate, alpha);
       else if (cols[1] > 0)
-        segments_block<Tiles, 1, 2>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, kc, c, ldc, accumulate, alpha);
-      else segments_block<Tiles, 1, 1>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, kc, c, ldc, accumulate, alpha);
+        segments_block<Tiles, 1, 2>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, tile_cols, kc, c, ldc, accumulate, alpha);
+      else
+        segments_block<Tiles, 1, 1>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, tile_cols, kc, c, ldc, accumulate, alpha);
     }
+  };
+  if (n_whole > 0) {
+    const TileConfigScope<Tiles> scope(true, TileConfig::for_sum_chunk(int(kc)));
+    const int whole[2] = {int(T), int(T)};
+    for (int64_t n0 = 0; n0 < n_whole; n0 += 2 * T) column_block(n0, whole);
+  }
+  if (n_whole < N) {
+    const int j = N - n_whole > T ? 1 : 0, width = int(N % T);  // the partial tile: the block's first or second
+    const TileConfigScope<Tiles> scope(true, TileConfig::for_sum_chunk(int(kc), j, width));
+    const int tile_cols[2] = {j == 0 ? width : int(T), j == 1 ? width : int(T)};
+    column_block(n_whole, tile_cols);
   }
 }
 
