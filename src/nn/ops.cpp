@@ -51,8 +51,10 @@ std::vector<uint32_t> weight_pairs(const std::vector<float>& w, int64_t N) {
   return r;
 }
 
-void linear(const float* x, int64_t M, int64_t K, const float* W, const float* bias, int64_t N, float* y, int threads,
-            const uint32_t* W2) {
+namespace {
+// y[m, :] = bias (or 0) and then gemm(m0, m1) += the products, in fixed blocks of rows across threads.
+template <class Gemm>
+void linear_blocks(int64_t M, const float* bias, int64_t N, float* y, int threads, Gemm&& gemm) {
   constexpr int64_t kBlock = 256;
   const int64_t blocks = (M + kBlock - 1) / kBlock;
   parallel_for(blocks, threads, [&](int64_t b) {
@@ -62,7 +64,24 @@ void linear(const float* x, int64_t M, int64_t K, const float* W, const float* b
     if (bias)
       for (int64_t m = m0; m < m1; ++m) std::memcpy(y + m * N, bias, size_t(N) * sizeof(float));
     else std::fill(y + m0 * N, y + m1 * N, 0.0f);
+    gemm(m0, m1);
+  });
+}
+}  // namespace
+
+void linear(const float* x, int64_t M, int64_t K, const float* W, const float* bias, int64_t N, float* y, int threads,
+            const uint32_t* W2) {
+  linear_blocks(M, bias, N, y, threads, [&](int64_t m0, int64_t m1) {
     gemm_acc(x + m0 * K, K, m1 - m0, K, W, padded_cols(N), N, y + m0 * N, N, W2);
+  });
+}
+
+void linear(const uint16_t* x, int64_t M, int64_t K, const float* bias, int64_t N, float* y, int threads,
+            const uint32_t* W2) {
+  linear_blocks(M, bias, N, y, threads, [&](int64_t m0, int64_t m1) {
+    const uint16_t* a[1] = {x + m0 * K};
+    const int64_t k[1] = {K};
+    gemm_acc_segments_pairs(1, a, k, K, m1 - m0, W2, padded_cols(N), N, y + m0 * N, N);
   });
 }
 
@@ -182,11 +201,20 @@ void dw_act_pw_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float
   int64_t P = 0;
   const std::vector<float> wt = tile_depthwise(Wd, dw_b, C, &P);
   const int64_t rowc = W * C;
+  // with the bf16 products: the activations rounded to bf16 as they are written (the GEMM's A operand)
+  const bool pairs = PW2 && C % 2 == 0 && has_bf16_products();
   for_each_padded_row(in, H, W, C, threads, [&](int64_t y, const float* r0, const float* r1, const float* r2) {
     thread_local Buffer t_buf;
+    thread_local std::vector<uint16_t> t2;
     float* t = t_buf.get(rowc);
     depthwise_row_3(r0, r1, r2, W, C, wt.data(), P, t);
-    if (gelu) gelu_inplace(t, rowc);
+    if (pairs) {
+      t2.resize(size_t(rowc + 1));
+      if (gelu) gelu_to_bf16(t, rowc, t2.data());
+      else round_to_bf16(t, rowc, t2.data());
+    } else if (gelu) {
+      gelu_inplace(t, rowc);
+    }
     float* o = out + y * rowc;
     const float* r = res + y * rowc;
     if (pw_b && o == r) {  // in place (the usual residual call): no aliasing question for the vectoriser
@@ -203,7 +231,13 @@ void dw_act_pw_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float
     } else if (o != r) {
       std::memmove(o, r, size_t(rowc) * sizeof(float));
     }
-    gemm_acc(t, C, W, C, PW, padded_cols(C), C, o, C, PW2);
+    if (pairs) {
+      const uint16_t* a[1] = {t2.data()};
+      const int64_t k[1] = {C};
+      gemm_acc_segments_pairs(1, a, k, C, W, PW2, padded_cols(C), C, o, C);
+    } else {
+      gemm_acc(t, C, W, C, PW, padded_cols(C), C, o, C, PW2);
+    }
   });
 }
 

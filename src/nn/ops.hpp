@@ -46,6 +46,12 @@ std::vector<uint32_t> weight_pairs(const std::vector<float>& w, int64_t N);
 // x rounded to bf16 (nearest even, denormals to zero) into out[n]; out is 4-byte aligned with room for n rounded
 // up to even (an odd n's pad half is written 0). Needs has_bf16_products().
 void round_to_bf16(const float* x, int64_t n, uint16_t* out);
+// gelu_inplace's values, and layer_norm's rows [M, C], rounded to bf16 into out / y as round_to_bf16 rounds them
+// (bitwise), without the float32 values in memory: the A operand of a GEMM on the bf16 products. gelu_to_bf16 writes
+// an odd n's pad half 0. Need has_bf16_products().
+void gelu_to_bf16(const float* x, int64_t n, uint16_t* out);
+void layer_norm_to_bf16(const float* x, int64_t M, int64_t C, const float* gamma, const float* beta, float eps,
+                        uint16_t* y);
 // gemm_acc_segments on bf16 rows A_s (row stride lda, even; K[s] even) and W2 [sum K / 2][ldw >= padded_cols(N)]
 // words. Needs has_bf16_products().
 void gemm_acc_segments_pairs(int nseg, const uint16_t* const* A, const int64_t* K, int64_t lda, int64_t M,
@@ -67,6 +73,10 @@ void gemm_acc_segments(int nseg, const float* const* A, const int64_t* K, int64_
 // Rows split across `threads` in fixed blocks (bitwise identical for any thread count).
 void linear(const float* x, int64_t M, int64_t K, const float* W, const float* bias, int64_t N, float* y, int threads,
             const uint32_t* W2 = nullptr);
+// linear on x already rounded to bf16 ([M, K] bf16, K even) with the weight's bf16 pairs W2 (weight_pairs): what
+// the linear above computes from the float32 x with W2, bitwise. Needs has_bf16_products().
+void linear(const uint16_t* x, int64_t M, int64_t K, const float* bias, int64_t N, float* y, int threads,
+            const uint32_t* W2);
 
 // 3x3 convolution, padding 1 (zeros), stride 1, HWC: in [H, W, Cin], W9 [9 taps (ky*3+kx)][Cin][padded_cols(Cout)]
 // (conv3x3_weight_hwc), bias [Cout] (may be null), out [H, W, Cout] (overwritten; may be in itself when

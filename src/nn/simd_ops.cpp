@@ -160,6 +160,48 @@ void GemmSegments(int nseg, const float* const* A, const int64_t* K, int64_t lda
   }
 }
 
+// GELU 0.5 x (1 + erf(x / sqrt 2)) of a vector, erf as z·P(z²)/Q(z²) on z clamped to [-4, 4] (the float32 rational
+// approximation of Eigen/XLA; |error| <= 4.2e-7).
+HWY_INLINE VF GeluVec(DF d, VF v) {
+  const VF kInvSqrt2 = hn::Set(d, 0.70710678118654752440f), four = hn::Set(d, 4.0f), one = hn::Set(d, 1.0f),
+           half = hn::Set(d, 0.5f);
+  const VF z = hn::Min(four, hn::Max(hn::Neg(four), hn::Mul(v, kInvSqrt2))), z2 = hn::Mul(z, z);
+  VF p = hn::Set(d, -2.72614225801306e-10f);
+  p = hn::MulAdd(p, z2, hn::Set(d, 2.77068142495902e-08f));
+  p = hn::MulAdd(p, z2, hn::Set(d, -2.10102402082508e-06f));
+  p = hn::MulAdd(p, z2, hn::Set(d, -5.69250639462346e-05f));
+  p = hn::MulAdd(p, z2, hn::Set(d, -7.34990630326855e-04f));
+  p = hn::MulAdd(p, z2, hn::Set(d, -2.95459980854025e-03f));
+  p = hn::MulAdd(p, z2, hn::Set(d, -1.60960333262415e-02f));
+  VF q = hn::Set(d, -1.45660718464996e-05f);
+  q = hn::MulAdd(q, z2, hn::Set(d, -2.13374055278905e-04f));
+  q = hn::MulAdd(q, z2, hn::Set(d, -1.68282697438203e-03f));
+  q = hn::MulAdd(q, z2, hn::Set(d, -7.37332916720468e-03f));
+  q = hn::MulAdd(q, z2, hn::Set(d, -1.42647390514189e-02f));
+  const VF erf = hn::Min(one, hn::Max(hn::Neg(one), hn::Div(hn::Mul(z, p), q)));  // keeps 1 + erf >= 0
+  return hn::Mul(hn::Mul(half, v), hn::Add(one, erf));
+}
+
+// LayerNorm's statistics of one row p [C] (masked loads past C): the mean as a vector and 1/sqrt(var + eps).
+HWY_INLINE void RowNormStats(DF d, const float* p, int64_t C, float invC, float eps, VF& mv, VF& inv) {
+  const int64_t L = int64_t(hn::Lanes(d));
+  VF s = hn::Zero(d);
+  for (int64_t c = 0; c < C; c += L) {
+    const auto m = hn::FirstN(d, size_t(std::min(L, C - c)));
+    s = hn::Add(s, hn::MaskedLoad(m, d, p + c));
+  }
+  const float mean = hn::GetLane(hn::SumOfLanes(d, s)) * invC;
+  mv = hn::Set(d, mean);
+  VF q = hn::Zero(d);
+  for (int64_t c = 0; c < C; c += L) {
+    const auto m = hn::FirstN(d, size_t(std::min(L, C - c)));
+    const VF t = hn::IfThenElseZero(m, hn::Sub(hn::MaskedLoad(m, d, p + c), mv));
+    q = hn::MulAdd(t, t, q);
+  }
+  const float var = hn::GetLane(hn::SumOfLanes(d, q)) * invC;
+  inv = hn::Set(d, 1.0f / std::sqrt(var + eps));
+}
+
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
 // ---- bf16 products (the avx512bf16 build) ------------------------------------------------------------------
 // A's rows are bf16 (consecutive k make a word), W's rows are pairs of weight rows (weight_pairs).
@@ -250,6 +292,40 @@ SATTN_BF16_ATTR void GemmSegmentsPairs(int nseg, const uint16_t* const* A, const
 SATTN_BF16_ATTR void RoundToBf16(const float* HWY_RESTRICT x, int64_t n, uint16_t* HWY_RESTRICT out) {
   RoundPairsAlongRow(x, n, reinterpret_cast<uint32_t*>(out));
 }
+
+// 16 floats (the lanes of `live`) rounded to bf16 at out, as RoundToBf16 rounds them.
+SATTN_BF16_ATTR inline void StoreRoundedBf16(__m512 v, __mmask16 live, uint16_t* out) {
+  _mm256_mask_storeu_epi16(out, live, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// GeluInplace's values rounded to bf16 into out[n], as RoundToBf16 of them (an odd n's pad half written 0).
+SATTN_BF16_ATTR void GeluToBf16(const float* HWY_RESTRICT x, int64_t n, uint16_t* HWY_RESTRICT out) {
+  const DF d;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 live = LiveLanes(n - i);
+    StoreRoundedBf16(GeluVec(d, VF{_mm512_maskz_loadu_ps(live, x + i)}).raw, live, out + i);
+  }
+  if (n % 2) out[n] = 0;
+}
+
+// LayerNormRows's general loop with its rows rounded to bf16 into y [M, C], as RoundToBf16 of them.
+SATTN_BF16_ATTR void LayerNormRowsToBf16(const float* x, int64_t M, int64_t C, const float* gamma, const float* beta,
+                                         float eps, uint16_t* y) {
+  const DF d;
+  const float invC = 1.0f / float(C);
+  for (int64_t r = 0; r < M; ++r) {
+    const float* p = x + r * C;
+    VF mv, inv;
+    RowNormStats(d, p, C, invC, eps, mv, inv);
+    for (int64_t c = 0; c < C; c += 16) {
+      const __mmask16 live = LiveLanes(C - c);
+      const auto m = hn::FirstN(d, size_t(std::min<int64_t>(16, C - c)));
+      const VF t = hn::Mul(hn::Sub(hn::MaskedLoad(m, d, p + c), mv), inv);
+      StoreRoundedBf16(hn::MulAdd(t, hn::MaskedLoad(m, d, gamma + c), hn::MaskedLoad(m, d, beta + c)).raw, live,
+                       y + r * C + c);
+    }
+  }
+}
 #endif
 
 // One output row of a depthwise 3x3 from three zero-padded input rows [W+2, C] (a0 above, a1, a2 below): out[x, c]
@@ -322,21 +398,8 @@ void LayerNormRows(const float* x, int64_t M, int64_t C, const float* gamma, con
   }
   for (int64_t r = 0; r < M; ++r) {
     const float* p = x + r * C;
-    VF s = hn::Zero(d);
-    for (int64_t c = 0; c < C; c += L) {
-      const auto m = hn::FirstN(d, size_t(std::min(L, C - c)));
-      s = hn::Add(s, hn::MaskedLoad(m, d, p + c));
-    }
-    const float mean = hn::GetLane(hn::SumOfLanes(d, s)) * invC;
-    const VF mv = hn::Set(d, mean);
-    VF q = hn::Zero(d);
-    for (int64_t c = 0; c < C; c += L) {
-      const auto m = hn::FirstN(d, size_t(std::min(L, C - c)));
-      const VF t = hn::IfThenElseZero(m, hn::Sub(hn::MaskedLoad(m, d, p + c), mv));
-      q = hn::MulAdd(t, t, q);
-    }
-    const float var = hn::GetLane(hn::SumOfLanes(d, q)) * invC;
-    const VF inv = hn::Set(d, 1.0f / std::sqrt(var + eps));
+    VF mv, inv;
+    RowNormStats(d, p, C, invC, eps, mv, inv);
     float* o = y + r * C;
     for (int64_t c = 0; c < C; c += L) {
       const auto m = hn::FirstN(d, size_t(std::min(L, C - c)));
@@ -347,32 +410,15 @@ void LayerNormRows(const float* x, int64_t M, int64_t C, const float* gamma, con
   }
 }
 
-// GELU 0.5 x (1 + erf(x / sqrt 2)), erf as z·P(z²)/Q(z²) on z clamped to [-4, 4] (the float32 rational
-// approximation of Eigen/XLA; |error| <= 4.2e-7), in place.
+// GELU (GeluVec) in place.
 void GeluInplace(float* x, int64_t n) {
   const DF d;
   const int64_t L = int64_t(hn::Lanes(d));
-  const VF kInvSqrt2 = hn::Set(d, 0.70710678118654752440f), four = hn::Set(d, 4.0f), one = hn::Set(d, 1.0f),
-           half = hn::Set(d, 0.5f);
   for (int64_t i = 0; i < n; i += L) {
     const size_t cnt = size_t(std::min(L, n - i));
     const auto m = hn::FirstN(d, cnt);
     const VF v = cnt == size_t(L) ? hn::LoadU(d, x + i) : hn::MaskedLoad(m, d, x + i);
-    const VF z = hn::Min(four, hn::Max(hn::Neg(four), hn::Mul(v, kInvSqrt2))), z2 = hn::Mul(z, z);
-    VF p = hn::Set(d, -2.72614225801306e-10f);
-    p = hn::MulAdd(p, z2, hn::Set(d, 2.77068142495902e-08f));
-    p = hn::MulAdd(p, z2, hn::Set(d, -2.10102402082508e-06f));
-    p = hn::MulAdd(p, z2, hn::Set(d, -5.69250639462346e-05f));
-    p = hn::MulAdd(p, z2, hn::Set(d, -7.34990630326855e-04f));
-    p = hn::MulAdd(p, z2, hn::Set(d, -2.95459980854025e-03f));
-    p = hn::MulAdd(p, z2, hn::Set(d, -1.60960333262415e-02f));
-    VF q = hn::Set(d, -1.45660718464996e-05f);
-    q = hn::MulAdd(q, z2, hn::Set(d, -2.13374055278905e-04f));
-    q = hn::MulAdd(q, z2, hn::Set(d, -1.68282697438203e-03f));
-    q = hn::MulAdd(q, z2, hn::Set(d, -7.37332916720468e-03f));
-    q = hn::MulAdd(q, z2, hn::Set(d, -1.42647390514189e-02f));
-    const VF erf = hn::Min(one, hn::Max(hn::Neg(one), hn::Div(hn::Mul(z, p), q)));  // keeps 1 + erf >= 0
-    const VF r = hn::Mul(hn::Mul(half, v), hn::Add(one, erf));
+    const VF r = GeluVec(d, v);
     if (cnt == size_t(L)) hn::StoreU(r, d, x + i);
     else hn::BlendedStore(r, m, d, x + i);
   }
@@ -503,18 +549,22 @@ struct Ops {
   void (*gemm_segments_pairs)(int, const uint16_t* const*, const int64_t*, int64_t, int64_t, const uint32_t*, int64_t,
                               int64_t, float*, int64_t);
   void (*round_to_bf16)(const float*, int64_t, uint16_t*);
+  void (*gelu_to_bf16)(const float*, int64_t, uint16_t*);
+  void (*layer_norm_rows_to_bf16)(const float*, int64_t, int64_t, const float*, const float*, float, uint16_t*);
 };
-// The builds without bf16 products (their last two entries null), and the amx and avx512bf16 ones.
-#define SATTN_NN_OPS_WITH(NS, PAIRS, ROUND)                                                                        \
+// The builds without bf16 products (their last four entries null), and the amx and avx512bf16 ones.
+#define SATTN_NN_OPS_WITH(NS, PAIRS, ROUND, GELU2, LN2)                                                            \
   Ops {                                                                                                            \
     &NS::GemmSegments, &NS::DepthwiseRow3, &NS::LayerNormRows, &NS::GeluInplace, &NS::PlanarToU8Rgb, &NS::AddRows, \
-        &NS::AddSquaredDeviations, PAIRS, ROUND                                                                    \
+        &NS::AddSquaredDeviations, PAIRS, ROUND, GELU2, LN2                                                        \
   }
-#define SATTN_NN_OPS(NS) SATTN_NN_OPS_WITH(NS, nullptr, nullptr)
+#define SATTN_NN_OPS(NS) SATTN_NN_OPS_WITH(NS, nullptr, nullptr, nullptr, nullptr)
 #if (HWY_TARGETS & HWY_AVX3) && HWY_ARCH_X86_64 && defined(__GNUC__)
-#define SATTN_NN_OPS_BF16                                                                       \
-  {simd::Target::kAmx, SATTN_NN_OPS_WITH(N_AVX3, &GemmSegmentsPairsAmx, &N_AVX3::RoundToBf16)}, \
-      {simd::Target::kAvx512Bf16, SATTN_NN_OPS_WITH(N_AVX3, &N_AVX3::GemmSegmentsPairs, &N_AVX3::RoundToBf16)},
+#define SATTN_NN_OPS_BF16_WITH(PAIRS) \
+  SATTN_NN_OPS_WITH(N_AVX3, PAIRS, &N_AVX3::RoundToBf16, &N_AVX3::GeluToBf16, &N_AVX3::LayerNormRowsToBf16)
+#define SATTN_NN_OPS_BF16                                              \
+  {simd::Target::kAmx, SATTN_NN_OPS_BF16_WITH(&GemmSegmentsPairsAmx)}, \
+      {simd::Target::kAvx512Bf16, SATTN_NN_OPS_BF16_WITH(&N_AVX3::GemmSegmentsPairs)},
 #else
 #define SATTN_NN_OPS_BF16
 #endif
@@ -553,6 +603,17 @@ void round_to_bf16(const float* x, int64_t n, uint16_t* out) {
   if (!has_bf16_products())
     fail(ErrorKind::kInternal, "round_to_bf16: the SIMD target in use (", simd_build(), ") has no bf16 products");
   ops().round_to_bf16(x, n, out);
+}
+void gelu_to_bf16(const float* x, int64_t n, uint16_t* out) {
+  if (!has_bf16_products())
+    fail(ErrorKind::kInternal, "gelu_to_bf16: the SIMD target in use (", simd_build(), ") has no bf16 products");
+  ops().gelu_to_bf16(x, n, out);
+}
+void layer_norm_to_bf16(const float* x, int64_t M, int64_t C, const float* gamma, const float* beta, float eps,
+                        uint16_t* y) {
+  if (!has_bf16_products())
+    fail(ErrorKind::kInternal, "layer_norm_to_bf16: the SIMD target in use (", simd_build(), ") has no bf16 products");
+  ops().layer_norm_rows_to_bf16(x, M, C, gamma, beta, eps, y);
 }
 void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W, int64_t ldw, int64_t N, float* C,
               int64_t ldc, const uint32_t* W2) {

@@ -480,6 +480,35 @@ TEST(SrOps, Bf16GemmsMatchTheRoundedOperandsInFp64) {
         ASSERT_EQ(r[i], e) << target << ": " << x[i];
       }
     }
+    {  // GELU and LayerNorm straight into bf16, and linear on bf16 rows: bitwise round_to_bf16 of the float32
+       // values, and linear's results from the float32 rows
+      std::vector<float> x = randv(1001, 31);
+      for (auto& v : x) v *= 4.f;
+      x.push_back(1e30f), x.push_back(-1e30f);  // 1003 values
+      auto g = x;
+      sattn::nn::gelu_inplace(g.data(), int64_t(g.size()));
+      std::vector<uint16_t> want(g.size() + 1, 0xFFFFu), got(g.size() + 1, 0xFFFFu);
+      sattn::nn::round_to_bf16(g.data(), int64_t(g.size()), want.data());
+      sattn::nn::gelu_to_bf16(x.data(), int64_t(x.size()), got.data());
+      ASSERT_EQ(got, want) << target << ": gelu_to_bf16";  // odd count: the pad half 0 in both
+      for (const int C : {40, 48, 50}) {
+        const int M = 13;
+        const auto xs = randv(size_t(M * C), 32), gs = randv(size_t(C), 33), bs = randv(size_t(C), 34);
+        std::vector<float> ln(size_t(M * C));
+        sattn::nn::layer_norm(xs.data(), M, C, gs.data(), bs.data(), 1e-5f, ln.data());
+        std::vector<uint16_t> lw(ln.size()), lg(ln.size());
+        sattn::nn::round_to_bf16(ln.data(), int64_t(ln.size()), lw.data());
+        sattn::nn::layer_norm_to_bf16(xs.data(), M, C, gs.data(), bs.data(), 1e-5f, lg.data());
+        ASSERT_EQ(lg, lw) << target << ": layer_norm_to_bf16, C " << C;
+        const int N = 56;
+        const auto w = randv(size_t(C * sattn::nn::padded_cols(N)), 35), b = randv(size_t(N), 36);
+        const auto w2 = sattn::nn::weight_pairs(w, N);
+        std::vector<float> y(size_t(M * N)), y2(y.size());
+        sattn::nn::linear(ln.data(), M, C, w.data(), b.data(), N, y.data(), 2, w2.data());
+        sattn::nn::linear(lg.data(), M, C, b.data(), N, y2.data(), 2, w2.data());
+        ASSERT_EQ(y2, y) << target << ": linear on bf16 rows, C " << C;
+      }
+    }
     // C += sum_s A_s · W_s on rounded operands, shapes around the tiles (rows 1..13, columns 1..130 with whole,
     // masked and half last vectors), overlapping A rows (lda < K) as the 3x3 convolution uses them
     for (auto [M, N, K0, K1, lda] :
