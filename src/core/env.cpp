@@ -19,7 +19,7 @@ const std::vector<Variable>& variables() {
       {"SATTN_FUSED_BR", "the fused kernel's query tile rows (a multiple of 16 in [16, 1024]; for measurements)"},
       {"SATTN_FUSED_BC", "the fused kernel's key tile columns (a multiple of 16 in [16, 1024]; for measurements)"},
       {"SATTN_FUSED_TILE_MIN_WORK",
-       "the least D·Lk at which the forward takes the bf16 products for bf16, float16 or (float32_precision bf16) "
+       "the least D·Lk at which the fused kernel takes the bf16 products for bf16, float16 or (float32_precision bf16) "
        "float32 inputs (default 2048; float16 on AMX 4097 with D a multiple of 16; 0: always; for tests and "
        "measurements)"},
       {"SATTN_FUSED_BACKWARD",

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <algorithm>
+#include <array>
 #include <limits>
 #include <optional>
 #include <random>
@@ -1496,8 +1497,9 @@ TEST(Fused, HalfPrecisionInputsMatchUpcast) {
 // the same values in float32 give (the backward zeroes such rows wherever K is read; float32 products: bitwise).
 // The forward takes the bf16 products only where they pay for their fixed costs per query tile: bf16 inputs and
 // float32 ones under kBF16 from D·Lk = 2048 on, float16 (amx only, as two bf16 each) past D·Lk = 4096 with D a
-// multiple of 16. Below, the float32 products: bitwise what the inputs' float32 values give under kHighest.
-// SATTN_FUSED_TILE_MIN_WORK=0 puts every size on the bf16 products.
+// multiple of 16. Below, the float32 products: bitwise what the inputs' float32 values give under kHighest. The
+// backward likewise from D·Lk = 2048 (float16 never). SATTN_FUSED_TILE_MIN_WORK=0 puts every size on the bf16
+// products.
 TEST(Fused, ShortKeysTakeTheFloat32Products) {
   struct Size {
     int64_t D, Lk;
@@ -1533,6 +1535,23 @@ TEST(Fused, ShortKeysTakeTheFloat32Products) {
         sattn::scaled_dot_product_attention(q, k, v, o, {got.view(), {}, {}});
         EXPECT_EQ(bitwise_equal(got, want), !tiles);
         EXPECT_LE(rel_err(got, want), z.dt == DType::kF32 ? 1e-2 : 2e-5);
+        // the backward from the same out and lse
+        Tensor lse(DType::kF32, {c.B, c.Hq, c.Lq});
+        sattn::AttentionOptions oh = pb.opt;
+        oh.kernel = "fused";
+        sattn::scaled_dot_product_attention(qf, kf, vf, oh, {want.view(), lse.view(), {}});
+        const auto grads = [&](const Tensor& gq, const Tensor& gk, const Tensor& gv,
+                               const sattn::AttentionOptions& go) {
+          Tensor dq(DType::kF32, gq.shape()), dk(DType::kF32, gk.shape()), dv(DType::kF32, gv.shape());
+          sattn::scaled_dot_product_attention_backward(pb.dout.view, gq, gk, gv, want, lse, go,
+                                                       {dq.view(), dk.view(), dv.view(), {}});
+          return std::array<Tensor, 3>{dq, dk, dv};
+        };
+        const auto gw = grads(qf, kf, vf, oh), gg = grads(q, k, v, o);
+        const bool tiles_bwd = tiles && z.dt != DType::kF16;
+        EXPECT_EQ(bitwise_equal(gg[0], gw[0]) && bitwise_equal(gg[1], gw[1]) && bitwise_equal(gg[2], gw[2]),
+                  !tiles_bwd);
+        for (int g = 0; g < 3; ++g) EXPECT_LE(rel_err(gg[size_t(g)], gw[size_t(g)]), z.dt == DType::kF32 ? 2e-2 : 1e-4);
       }
   }
   if (!ran) GTEST_SKIP() << "this CPU has no bf16 products (amx, avx512bf16): nothing to choose between";

@@ -314,11 +314,12 @@ bool takes_bf16_products(DType dtype, const AttentionOptions& options) {
   return dtype == DType::kBF16 || (dtype == DType::kF32 && options.float32_precision == Float32Precision::kBF16);
 }
 
-// Whether the forward's bf16 products pay for their fixed costs per query tile (Q^T packed in pairs, O^T transposed
-// back, the online softmax's per-tile steps), which the float32 products on short keys do not have: from D·Lk = 2048
-// on, and for float16 as two bf16 (four tile products per product, `halves`) past 4096 with D a multiple of 16 (no
-// padded pair chunk). Below, the float32 products (exact: rounding is allowed, never required) were faster on the
-// AMX Xeon, whatever Lq (docs/fused.md). SATTN_FUSED_TILE_MIN_WORK sets the least D·Lk for both (0: always).
+// Whether the bf16 products pay for their fixed costs per query tile (Q^T packed in pairs, O^T transposed back, the
+// online softmax's per-tile steps), which the float32 products on short keys do not have: from D·Lk = 2048 on, and
+// for float16 as two bf16 (the amx forward: four tile products per product, `halves`) past 4096 with D a multiple of
+// 16 (no padded pair chunk). Below, the float32 products (exact: rounding is allowed, never required) were faster on
+// the AMX Xeon, forward and backward, whatever Lq (docs/fused.md). SATTN_FUSED_TILE_MIN_WORK sets the least D·Lk for
+// both (0: always).
 bool bf16_products_pay(const Params& p, bool halves) {
   const int64_t work = p.D * p.Lk;
   const long long forced = env::get_integer("SATTN_FUSED_TILE_MIN_WORK", 0, 1LL << 40, -1);
@@ -804,7 +805,8 @@ void fused_backward(const BackwardArgs& a) {
   p.dq = out_view4(a.grads.dq), p.dk = out_view4(a.grads.dk), p.dv = out_view4(a.grads.dv);
   const BackwardOps& o = backward_ops();
   const int threads = a.num_threads;
-  const bool bf16_products = o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options);
+  const bool bf16_products =
+      o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options) && bf16_products_pay(p, false);
   const DenseKV dense_kv(p, threads, !bf16_products);
 
   // Row statistics: lse (+inf for rows without any allowed key, so that P = exp(s - lse) = 0); which query blocks
