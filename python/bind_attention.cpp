@@ -138,7 +138,7 @@ pyb::tuple explain(const pyb::object& q_obj, const pyb::object& k_obj, const pyb
   for (const auto& [name, why] : explain_kernels(p))
     kernels.append(pyb::make_tuple(name, why.empty() ? pyb::object(pyb::none()) : pyb::object(pyb::str(why))));
   pyb::list targets;
-  for (const auto& [name, why] : explain_simd_targets(q.dtype, o.float32_precision))
+  for (const auto& [name, why] : explain_simd_targets(p, o.float32_precision))
     targets.append(pyb::make_tuple(name, why.empty() ? pyb::object(pyb::none()) : pyb::object(pyb::str(why))));
   return pyb::make_tuple(p.to_string(), kernels, targets);
 }

@@ -27,6 +27,10 @@ SimdTargets simd_targets();
 // target, it has nothing for this dtype/option (amx and avx512bf16: only bf16 inputs, or float32 ones with
 // Float32Precision::kBF16), or a wider build runs. float64 inputs run the reference kernel: every entry says so.
 std::vector<std::pair<std::string, std::string>> explain_simd_targets(DType dtype, Float32Precision precision);
+// The same for one problem (its query dtype, pass, head dim and key length): also "not used" for the bf16 targets
+// where its keys are too short for the bf16 products to pay (docs/fused.md) and for float16 inputs in the backward.
+std::vector<std::pair<std::string, std::string>> explain_simd_targets(const AttentionProblem& problem,
+                                                                      Float32Precision precision);
 
 // Selects a target by name: "amx", "avx512bf16", "avx512", "avx2", "sse4", "portable" or "auto" (the widest this CPU
 // runs); amx and avx512bf16 differ from avx512 only in the fused kernel's bf16 products (AMX tiles, vdpbf16ps). The

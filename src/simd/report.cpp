@@ -39,13 +39,14 @@ SimdTargets simd_targets() {
 
 void set_simd_target(const std::string& name) { simd::select(simd::parse(name, "set_simd_target")); }
 
-std::vector<std::pair<std::string, std::string>> explain_simd_targets(DType dtype, Float32Precision precision) {
+namespace {
+// The table's entries for inputs of `dtype` that take the bf16 products (bf16_products) or not, `no_bf16` saying why
+// not where a bf16 target would otherwise run.
+std::vector<std::pair<std::string, std::string>> explain_targets(DType dtype, bool bf16_products,
+                                                                 const std::string& no_bf16) {
   using simd::Target;
   const Target selected = simd::selected(), picked = simd::parse(fused::simd_build(), "fused build");
   // The fused kernel's build under `selected`: the bf16 entry serves only the inputs that take the bf16 products.
-  // float16 inputs take the amx build's tiles in the forward (each value as two bf16), never vdpbf16ps.
-  const bool bf16_products = dtype == DType::kBF16 || (dtype == DType::kF32 && precision == Float32Precision::kBF16) ||
-                             (dtype == DType::kF16 && picked == Target::kAmx);
   const bool bf16_build = picked == Target::kAmx || picked == Target::kAvx512Bf16;
   const Target used = bf16_build && !bf16_products ? Target::kAvx512 : picked;
   const char* needs[simd::kNumTargets] = {"",  // amx: simd::amx_unavailable_reason()
@@ -68,15 +69,48 @@ std::vector<std::pair<std::string, std::string>> explain_simd_targets(DType dtyp
       why = std::string("wider than the selected target '") + simd::name(selected) +
             "' (SATTN_SIMD or set_simd_target chose it)";
     } else if ((t == Target::kAmx || t == Target::kAvx512Bf16) && t != used && !bf16_products) {
-      why = dtype == DType::kF16
-                ? "float16 inputs take bf16 products only on AMX tiles (each value as two bf16), else the float32 ones"
-                : "float32 inputs take the bf16 products only with float32_precision='bf16'";
+      why = no_bf16;
     } else if (t != used) {
       why = std::string("the wider '") + simd::name(used) + "' build runs";
     }
     out.emplace_back(simd::name(t), why);
   }
   return out;
+}
+
+// Whether inputs of `dtype` under `precision` take the bf16 products of the selected build (float16: the amx
+// forward's tiles, each value as two bf16), and why not.
+bool takes_bf16(DType dtype, Float32Precision precision, bool forward, std::string* why) {
+  const bool amx = simd::parse(fused::simd_build(), "fused build") == simd::Target::kAmx;
+  if (dtype == DType::kF16) {
+    *why =
+        "float16 inputs take bf16 products only in the forward on AMX tiles (each value as two bf16), else the "
+        "float32 ones";
+    return amx && forward;
+  }
+  *why = "float32 inputs take the bf16 products only with float32_precision='bf16'";
+  return dtype == DType::kBF16 || (dtype == DType::kF32 && precision == Float32Precision::kBF16);
+}
+}  // namespace
+
+std::vector<std::pair<std::string, std::string>> explain_simd_targets(DType dtype, Float32Precision precision) {
+  std::string why;
+  const bool bf16 = takes_bf16(dtype, precision, true, &why);
+  return explain_targets(dtype, bf16, why);
+}
+
+std::vector<std::pair<std::string, std::string>> explain_simd_targets(const AttentionProblem& problem,
+                                                                      Float32Precision precision) {
+  std::string why;
+  bool bf16 = takes_bf16(problem.dtype_q, precision, !problem.backward, &why);
+  const bool halves = problem.dtype_q == DType::kF16;
+  if (bf16 && !fused::bf16_products_pay(problem.head_dim, problem.len_k, halves)) {
+    bf16 = false;
+    why = "keys too short for the bf16 products to pay (D·Lk = " + std::to_string(problem.head_dim * problem.len_k) +
+          (halves ? ", at most 4096, or D not a multiple of 16" : ", below 2048") +
+          "; SATTN_FUSED_TILE_MIN_WORK): the float32 products";
+  }
+  return explain_targets(problem.dtype_q, bf16, why);
 }
 
 }  // namespace sattn

@@ -200,7 +200,8 @@ def test_bad_SATTN_SIMD_is_an_error_naming_the_variable_and_SATTN_SPARSE_ISA_say
 
 def test_explain_kernels_lists_every_target_used_or_why_not():
     rng = np.random.default_rng(4)
-    q32 = rng.standard_normal((1, 2, 8, 16)).astype(np.float32)
+    q32 = rng.standard_normal((1, 2, 512, 16)).astype(np.float32)  # keys long enough for the bf16 products to pay
+    short = rng.standard_normal((1, 2, 8, 16)).astype(np.float32)  # D·Lk 128: the float32 products
     names = ["amx", "avx512bf16", "avx512", "avx2", "sse4", "portable"]
     avail = sattn.simd_targets()["available"]
     before = sattn.simd_targets()["selected"]
@@ -228,7 +229,16 @@ def test_explain_kernels_lists_every_target_used_or_why_not():
                 assert r16["amx"] is None and r16["avx512bf16"] == "the wider 'amx' build runs", r16
                 assert report(q32, float32_precision="bf16")["avx512bf16"] == "the wider 'amx' build runs"
             else:
-                assert r16[widest].startswith("float16 inputs take bf16 products only on AMX tiles"), r16
+                assert r16[widest].startswith("float16 inputs take bf16 products only in the forward on AMX"), r16
+            assert report(q32.astype(np.float16), backward=True)[widest].startswith(
+                "float16 inputs take bf16 products only in the forward on AMX")
+            assert report(q32, float32_precision="bf16", backward=True)[widest] is None
+            rs = report(short, float32_precision="bf16")
+            assert rs[widest].startswith("keys too short for the bf16 products to pay (D·Lk = 128, below 2048"), rs
+            assert rs["avx512"] is None, rs
+            if widest == "amx":
+                rs = report(short.astype(np.float16))
+                assert rs["amx"].startswith("keys too short for the bf16 products to pay (D·Lk = 128, at most"), rs
         narrower = names[names.index(used) + 1]
         if narrower in avail:
             assert r[narrower] == f"the wider '{used}' build runs"

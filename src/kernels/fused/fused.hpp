@@ -326,6 +326,11 @@ inline bool lse_needs_row_stats(float lse) {
   return magnitude >= 1024.f && magnitude <= 3.4028234663852886e38f;  // finite: empty rows have lse_eff = +inf
 }
 
+// Whether the bf16 products pay for their fixed costs per query tile at head dim D and Lk keys: from D·Lk = 2048 on,
+// and for float16 as two bf16 (`halves`, the amx forward) past 4096 with D a multiple of 16; below, the float32
+// products run (fused_kernel.cpp, docs/fused.md). SATTN_FUSED_TILE_MIN_WORK sets the least D·Lk for both.
+bool bf16_products_pay(int64_t D, int64_t Lk, bool halves);
+
 // The builds of the tile loops for the selected SIMD target (simd/target.hpp), and its target's name.
 const ForwardOps& forward_ops();
 const BackwardOps& backward_ops();

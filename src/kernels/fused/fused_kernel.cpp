@@ -65,6 +65,17 @@ int64_t default_query_tile(int64_t len_q, bool causal, int64_t granule, int64_t 
   return best;
 }
 
+// Measured on the AMX Xeon (docs/fused.md): below these sizes the float32 products (exact: rounding is allowed,
+// never required) were faster, forward and backward, whatever Lq; the bf16 products' fixed costs per query tile (Q^T
+// packed in pairs, O^T transposed back, the online softmax's per-tile steps) outweigh their cheaper products there.
+// float16 as two bf16 takes four tile products per product, and a D not a multiple of 16 a padded pair chunk.
+bool bf16_products_pay(int64_t D, int64_t Lk, bool halves) {
+  const int64_t work = D * Lk;
+  const long long forced = env::get_integer("SATTN_FUSED_TILE_MIN_WORK", 0, 1LL << 40, -1);
+  if (forced >= 0) return work >= forced;
+  return halves ? D % 16 == 0 && work > 4096 : work >= 2048;
+}
+
 namespace {
 
 View4 view4(const TensorView& t) {
@@ -314,18 +325,7 @@ bool takes_bf16_products(DType dtype, const AttentionOptions& options) {
   return dtype == DType::kBF16 || (dtype == DType::kF32 && options.float32_precision == Float32Precision::kBF16);
 }
 
-// Whether the bf16 products pay for their fixed costs per query tile (Q^T packed in pairs, O^T transposed back, the
-// online softmax's per-tile steps), which the float32 products on short keys do not have: from D·Lk = 2048 on, and
-// for float16 as two bf16 (the amx forward: four tile products per product, `halves`) past 4096 with D a multiple of
-// 16 (no padded pair chunk). Below, the float32 products (exact: rounding is allowed, never required) were faster on
-// the AMX Xeon, forward and backward, whatever Lq (docs/fused.md). SATTN_FUSED_TILE_MIN_WORK sets the least D·Lk for
-// both (0: always).
-bool bf16_products_pay(const Params& p, bool halves) {
-  const int64_t work = p.D * p.Lk;
-  const long long forced = env::get_integer("SATTN_FUSED_TILE_MIN_WORK", 0, 1LL << 40, -1);
-  if (forced >= 0) return work >= forced;
-  return halves ? p.D % 16 == 0 && work > 4096 : work >= 2048;
-}
+bool bf16_products_pay(const Params& p, bool halves) { return fused::bf16_products_pay(p.D, p.Lk, halves); }
 
 // Whether a float16 view holds an infinity (+-inf: exponent all ones, mantissa zero). Tasks per (b, head), any order.
 bool has_half_infinity(const View4& t, int64_t B, int64_t H, int64_t L, int64_t width, int threads) {
