@@ -85,6 +85,34 @@ void linear(const uint16_t* x, int64_t M, int64_t K, const float* bias, int64_t 
   });
 }
 
+void layer_norm_linear(const float* x, int64_t M, int64_t C, const float* gamma, const float* beta, float eps,
+                       const float* W, const float* bias, int64_t N, float* y, const uint32_t* W2) {
+  if (pairs_run(W2, C)) {
+    thread_local std::vector<uint16_t> a2;
+    a2.resize(size_t(M * C));
+    layer_norm_to_bf16(x, M, C, gamma, beta, eps, a2.data());
+    return linear(a2.data(), M, C, bias, N, y, 1, W2);
+  }
+  thread_local Buffer a_buf;
+  float* a = a_buf.get(M * C);
+  layer_norm(x, M, C, gamma, beta, eps, a);
+  linear(a, M, C, W, bias, N, y, 1, W2);
+}
+
+void gelu_gemm_acc(float* h, int64_t M, int64_t K, const float* W, int64_t N, float* C, int64_t ldc,
+                   const uint32_t* W2) {
+  if (pairs_run(W2, K)) {
+    thread_local std::vector<uint16_t> h2;
+    h2.resize(size_t(M * K + 1));
+    gelu_to_bf16(h, M * K, h2.data());
+    const uint16_t* a[1] = {h2.data()};
+    const int64_t k[1] = {K};
+    return gemm_acc_segments_pairs(1, a, k, K, M, W2, padded_cols(N), N, C, ldc);
+  }
+  gelu_inplace(h, M * K);
+  gemm_acc(h, K, M, K, W, padded_cols(N), N, C, ldc, W2);
+}
+
 namespace {
 // Runs f(y, above, centre, below) for every row y of in [H, W, C]: three zero-padded rows [W+2, C] (input rows
 // y-1, y, y+1; zeros outside the image) for the 3x3 convolutions, without a padded copy of the whole input (a
@@ -158,7 +186,7 @@ void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float
   check(!add || lo_add >= lo_out + sizeof(float) * uintptr_t(H * W * Cout) ||
             lo_out >= lo_add + sizeof(float) * uintptr_t(H * W * Cout),
         ErrorKind::kInternal, "conv3x3_hwc: add must not overlap out");
-  const bool pairs = W2 && Cin % 2 == 0 && has_bf16_products();
+  const bool pairs = pairs_run(W2, Cin);
   for_each_padded_row(in, H, W, Cin, threads, [&](int64_t y, const float* r0, const float* r1, const float* r2) {
     float* o = out + y * W * Cout;
     for (int64_t x = 0; x < W; ++x)
@@ -201,20 +229,10 @@ void dw_act_pw_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float
   int64_t P = 0;
   const std::vector<float> wt = tile_depthwise(Wd, dw_b, C, &P);
   const int64_t rowc = W * C;
-  // with the bf16 products: the activations rounded to bf16 as they are written (the GEMM's A operand)
-  const bool pairs = PW2 && C % 2 == 0 && has_bf16_products();
   for_each_padded_row(in, H, W, C, threads, [&](int64_t y, const float* r0, const float* r1, const float* r2) {
     thread_local Buffer t_buf;
-    thread_local std::vector<uint16_t> t2;
     float* t = t_buf.get(rowc);
     depthwise_row_3(r0, r1, r2, W, C, wt.data(), P, t);
-    if (pairs) {
-      t2.resize(size_t(rowc + 1));
-      if (gelu) gelu_to_bf16(t, rowc, t2.data());
-      else round_to_bf16(t, rowc, t2.data());
-    } else if (gelu) {
-      gelu_inplace(t, rowc);
-    }
     float* o = out + y * rowc;
     const float* r = res + y * rowc;
     if (pw_b && o == r) {  // in place (the usual residual call): no aliasing question for the vectoriser
@@ -231,13 +249,8 @@ void dw_act_pw_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float
     } else if (o != r) {
       std::memmove(o, r, size_t(rowc) * sizeof(float));
     }
-    if (pairs) {
-      const uint16_t* a[1] = {t2.data()};
-      const int64_t k[1] = {C};
-      gemm_acc_segments_pairs(1, a, k, C, W, PW2, padded_cols(C), C, o, C);
-    } else {
-      gemm_acc(t, C, W, C, PW, padded_cols(C), C, o, C, PW2);
-    }
+    if (gelu) gelu_gemm_acc(t, W, C, PW, C, o, C, PW2);
+    else gemm_acc(t, C, W, C, PW, padded_cols(C), C, o, C, PW2);
   });
 }
 

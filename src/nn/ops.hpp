@@ -40,6 +40,9 @@ inline int64_t padded_cols(int64_t n) { return (n + 15) / 16 * 16; }
 // products) in a fixed order, so results still do not depend on row batching or thread count. Otherwise (no W2, no
 // bf16 products, an odd K) they use the float32 weight: bitwise the float32 results.
 bool has_bf16_products();
+// Whether a product with weight pairs W2 (may be null) summing K values runs on them: W2 given, K even,
+// has_bf16_products(). The functions below taking W2 decide by it.
+inline bool pairs_run(const uint32_t* W2, int64_t K) { return W2 && K % 2 == 0 && has_bf16_products(); }
 // [K][padded_cols(N)] floats (K even) -> [K/2][padded_cols(N)] words: word (k2, n) holds W[2 k2][n] (low 16 bits)
 // and W[2 k2 + 1][n] (high), rounded to bf16 (nearest even); empty when K is odd.
 std::vector<uint32_t> weight_pairs(const std::vector<float>& w, int64_t N);
@@ -77,6 +80,14 @@ void linear(const float* x, int64_t M, int64_t K, const float* W, const float* b
 // the linear above computes from the float32 x with W2, bitwise. Needs has_bf16_products().
 void linear(const uint16_t* x, int64_t M, int64_t K, const float* bias, int64_t N, float* y, int threads,
             const uint32_t* W2);
+// y = linear(layer_norm(x)) on one thread: x [M, C], the LayerNorm's rows written straight in bf16 where W2's
+// products run (pairs_run; layer_norm_to_bf16), else in float32; bitwise layer_norm then linear.
+void layer_norm_linear(const float* x, int64_t M, int64_t C, const float* gamma, const float* beta, float eps,
+                       const float* W, const float* bias, int64_t N, float* y, const uint32_t* W2 = nullptr);
+// C[m, :] += gelu(h[m, :]) · W for m < M: h [M, K] (gelu_inplace'd where W2's products do not run, else read only
+// and its GELU written straight in bf16, gelu_to_bf16), W [K][padded_cols(N)]; bitwise gelu_inplace then gemm_acc.
+void gelu_gemm_acc(float* h, int64_t M, int64_t K, const float* W, int64_t N, float* C, int64_t ldc,
+                   const uint32_t* W2 = nullptr);
 
 // 3x3 convolution, padding 1 (zeros), stride 1, HWC: in [H, W, Cin], W9 [9 taps (ky*3+kx)][Cin][padded_cols(Cout)]
 // (conv3x3_weight_hwc), bias [Cout] (may be null), out [H, W, Cout] (overwritten; may be in itself when

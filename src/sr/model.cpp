@@ -133,14 +133,13 @@ struct WindowGrid {
 };
 
 // Tokens per chunk of routed windows: a chunk's activations (tokens, LayerNorm, qkv, attention, MLP hidden: about
-// 1.5 KiB per token at C 40) stay in a core's L2 between its steps. 256 ran the x2 model on a 256x256 crop 3-5 %
+// 1.5 KiB per token at C 40) stay in a core's L2 between its steps. 256 ran the x2 model on a 256x256 crop 2.5-5 %
 // faster than 1024 (one window of 16x16, four of 8x8; docs/sr_cpp.md), in both precisions, sparse and dense.
 constexpr int64_t kChunkTokens = 256;
 
 // Per-thread scratch of a chunk of routed windows, reused across chunks and blocks.
 struct WindowScratch {
-  std::vector<float> xw, a, qkv, o, t, h;
-  std::vector<uint16_t> a2, h2;  // a and h in bf16, where the bf16 products take them (nn::linear on bf16 rows)
+  std::vector<float> xw, qkv, o, t, h;
   std::vector<uint8_t> mask;
 };
 
@@ -212,24 +211,10 @@ void mlp_and_scatter(const BlockW& b, const BlockCtx& cx, const WindowGrid& wg, 
   add_row_bias(sc.xw.data(), M, C, b.proj_b.data(), sc.t.data());
   nn::gemm_acc(sc.o.data(), C, M, C, b.proj.data(), nn::padded_cols(C), C, sc.t.data(), C,
                b.proj.pairs_for(cx.precision));
-  const uint32_t *fc1_pairs = b.fc1.pairs_for(cx.precision), *fc2_pairs = b.fc2.pairs_for(cx.precision);
-  if (fc1_pairs && nn::has_bf16_products()) {  // LN2 and GELU write the bf16 rows the products take
-    nn::layer_norm_to_bf16(sc.t.data(), M, C, b.n2_w.data(), b.n2_b.data(), cx.ln_eps, sc.a2.data());
-    nn::linear(sc.a2.data(), M, C, b.fc1_b.data(), hid, sc.h.data(), 1, fc1_pairs);
-  } else {
-    nn::layer_norm(sc.t.data(), M, C, b.n2_w.data(), b.n2_b.data(), cx.ln_eps, sc.a.data());
-    nn::linear(sc.a.data(), M, C, b.fc1.data(), b.fc1_b.data(), hid, sc.h.data(), 1, fc1_pairs);
-  }
+  nn::layer_norm_linear(sc.t.data(), M, C, b.n2_w.data(), b.n2_b.data(), cx.ln_eps, b.fc1.data(), b.fc1_b.data(), hid,
+                        sc.h.data(), b.fc1.pairs_for(cx.precision));
   add_row_bias(sc.t.data(), M, C, b.fc2_b.data(), sc.o.data());
-  if (fc2_pairs && nn::has_bf16_products()) {
-    nn::gelu_to_bf16(sc.h.data(), M * hid, sc.h2.data());
-    const uint16_t* a[1] = {sc.h2.data()};
-    const int64_t k[1] = {hid};
-    nn::gemm_acc_segments_pairs(1, a, k, hid, M, fc2_pairs, nn::padded_cols(C), C, sc.o.data(), C);
-  } else {
-    nn::gelu_inplace(sc.h.data(), M * hid);
-    nn::gemm_acc(sc.h.data(), hid, M, hid, b.fc2.data(), nn::padded_cols(C), C, sc.o.data(), C, fc2_pairs);
-  }
+  nn::gelu_gemm_acc(sc.h.data(), M, hid, b.fc2.data(), C, sc.o.data(), C, b.fc2.pairs_for(cx.precision));
   // xw += g * (t + mlp - xw), scattered back to the (un-rolled) pixels
   for (int64_t i = 0; i < nw; ++i) {
     const int64_t n = windows[i];
@@ -251,26 +236,18 @@ void run_window_chunk(const BlockW& b, const BlockCtx& cx, const WindowGrid& wg,
   const int64_t L = wg.L, C = wg.C, M = nw * L, hid = cx.hid;
   thread_local WindowScratch sc;
   sc.xw.resize(size_t(M * C));
-  sc.a.resize(size_t(M * C));
   sc.qkv.resize(size_t(M * 3 * C));
   sc.o.resize(size_t(M * C));
   sc.t.resize(size_t(M * C));
   sc.h.resize(size_t(M * hid));
-  sc.a2.resize(size_t(M * C));
-  sc.h2.resize(size_t(M * hid + 1));
   for (int64_t i = 0; i < nw; ++i) {
     float* dst = sc.xw.data() + i * L * C;
     wg.for_each_run(windows[i], [&](int64_t l, const float* p, int64_t count) {
       std::memcpy(dst + l * C, p, size_t(count * C) * sizeof(float));
     });
   }
-  if (const uint32_t* qkv_pairs = b.qkv.pairs_for(cx.precision); qkv_pairs && nn::has_bf16_products()) {
-    nn::layer_norm_to_bf16(sc.xw.data(), M, C, b.n1_w.data(), b.n1_b.data(), cx.ln_eps, sc.a2.data());
-    nn::linear(sc.a2.data(), M, C, b.qkv_b.data(), 3 * C, sc.qkv.data(), 1, qkv_pairs);
-  } else {
-    nn::layer_norm(sc.xw.data(), M, C, b.n1_w.data(), b.n1_b.data(), cx.ln_eps, sc.a.data());
-    nn::linear(sc.a.data(), M, C, b.qkv.data(), b.qkv_b.data(), 3 * C, sc.qkv.data(), 1, qkv_pairs);
-  }
+  nn::layer_norm_linear(sc.xw.data(), M, C, b.n1_w.data(), b.n1_b.data(), cx.ln_eps, b.qkv.data(), b.qkv_b.data(),
+                        3 * C, sc.qkv.data(), b.qkv.pairs_for(cx.precision));
   // one attention call per run of consecutive windows that all need the mask or all do not (in place, no copies)
   for (int64_t i0 = 0, i1; i0 < nw; i0 = i1) {
     const bool with_mask = wg.needs_mask(windows[i0]);
@@ -336,13 +313,13 @@ void probe_window(const BlockW& b, const BlockCtx& cx, const float* y, int64_t n
                   bool routed, AttentionProbe* probe) {
   const int64_t H = cx.H, W = cx.W, C = cx.C, ws = b.ws, s = b.cyclic_shift ? ws / 2 : 0, L = ws * ws;
   const int64_t nwx = W / ws, wy = n / nwx, wx = n % nwx, heads = cx.heads, hd = cx.hd;
-  std::vector<float> xw(size_t(L * C)), a(size_t(L * C)), qkv(size_t(L * 3 * C));
+  std::vector<float> xw(size_t(L * C)), qkv(size_t(L * 3 * C));
   for (int64_t l = 0; l < L; ++l) {
     const int64_t py = (wy * ws + l / ws + s) % H, px = (wx * ws + l % ws + s) % W;
     std::memcpy(&xw[size_t(l * C)], y + (py * W + px) * C, size_t(C) * sizeof(float));
   }
-  nn::layer_norm(xw.data(), L, C, b.n1_w.data(), b.n1_b.data(), cx.ln_eps, a.data());
-  nn::linear(a.data(), L, C, b.qkv.data(), b.qkv_b.data(), 3 * C, qkv.data(), 1, b.qkv.pairs_for(cx.precision));
+  nn::layer_norm_linear(xw.data(), L, C, b.n1_w.data(), b.n1_b.data(), cx.ln_eps, b.qkv.data(), b.qkv_b.data(), 3 * C,
+                        qkv.data(), b.qkv.pairs_for(cx.precision));
   const Shape shape{1, heads, L, hd}, strides{L * 3 * C, hd, 3 * C, 1};
   TensorView q(qkv.data(), DType::kF32, shape, strides), k(qkv.data() + C, DType::kF32, shape, strides),
       v(qkv.data() + 2 * C, DType::kF32, shape, strides);

@@ -507,6 +507,23 @@ TEST(SrOps, Bf16GemmsMatchTheRoundedOperandsInFp64) {
         sattn::nn::linear(ln.data(), M, C, w.data(), b.data(), N, y.data(), 2, w2.data());
         sattn::nn::linear(lg.data(), M, C, b.data(), N, y2.data(), 2, w2.data());
         ASSERT_EQ(y2, y) << target << ": linear on bf16 rows, C " << C;
+        // the two fused steps: LayerNorm into linear, GELU into a GEMM, with and without the pairs
+        for (const bool with_pairs : {true, false}) {
+          const uint32_t* pw = with_pairs ? w2.data() : nullptr;
+          std::vector<float> want(y.size()), got(y.size());
+          sattn::nn::linear(ln.data(), M, C, w.data(), b.data(), N, want.data(), 1, pw);
+          sattn::nn::layer_norm_linear(xs.data(), M, C, gs.data(), bs.data(), 1e-5f, w.data(), b.data(), N, got.data(),
+                                       pw);
+          ASSERT_EQ(got, want) << target << ": layer_norm_linear, C " << C << (with_pairs ? " pairs" : "");
+          const auto wg = randv(size_t(N * sattn::nn::padded_cols(C)), 37);
+          const auto wg2 = sattn::nn::weight_pairs(wg, C);
+          std::vector<float> h = y, hg = h, cw = randv(size_t(M * C), 38), cg = cw;
+          sattn::nn::gelu_inplace(h.data(), int64_t(h.size()));
+          sattn::nn::gemm_acc(h.data(), N, M, N, wg.data(), sattn::nn::padded_cols(C), C, cw.data(), C,
+                              with_pairs ? wg2.data() : nullptr);
+          sattn::nn::gelu_gemm_acc(hg.data(), M, N, wg.data(), C, cg.data(), C, with_pairs ? wg2.data() : nullptr);
+          ASSERT_EQ(cg, cw) << target << ": gelu_gemm_acc, C " << C << (with_pairs ? " pairs" : "");
+        }
       }
     }
     // C += sum_s A_s · W_s on rounded operands, shapes around the tiles (rows 1..13, columns 1..130 with whole,

@@ -325,8 +325,6 @@ bool takes_bf16_products(DType dtype, const AttentionOptions& options) {
   return dtype == DType::kBF16 || (dtype == DType::kF32 && options.float32_precision == Float32Precision::kBF16);
 }
 
-bool bf16_products_pay(const Params& p, bool halves) { return fused::bf16_products_pay(p.D, p.Lk, halves); }
-
 // Whether a float16 view holds an infinity (+-inf: exponent all ones, mantissa zero). Tasks per (b, head), any order.
 bool has_half_infinity(const View4& t, int64_t B, int64_t H, int64_t L, int64_t width, int threads) {
   std::atomic<bool> found{false};
@@ -412,13 +410,13 @@ void fused_forward(const ForwardArgs& a) {
   }
   p.amx_tiles = o.amx_tiles;
   // float16 as two bf16 each on the tiles, unless an input holds an infinity (inf · 0 between the parts)
-  p.split_halves = o.amx_tiles && p.q.dtype == DType::kF16 && p.Lq > kDecodeRows && bf16_products_pay(p, true) &&
-                   !has_half_infinity(p.q, p.B, p.Hq, p.Lq, p.D, a.num_threads) &&
+  p.split_halves = o.amx_tiles && p.q.dtype == DType::kF16 && p.Lq > kDecodeRows &&
+                   bf16_products_pay(p.D, p.Lk, true) && !has_half_infinity(p.q, p.B, p.Hq, p.Lq, p.D, a.num_threads) &&
                    !has_half_infinity(p.k, p.B, p.Hkv, p.Lk, p.D, a.num_threads) &&
                    !has_half_infinity(p.v, p.B, p.Hkv, p.Lk, p.Dv, a.num_threads);
   const bool bf16_products =
       o.pack_kv_pairs && p.Lq > kDecodeRows &&
-      ((takes_bf16_products(p.q.dtype, a.options) && bf16_products_pay(p, false)) || p.split_halves);
+      ((takes_bf16_products(p.q.dtype, a.options) && bf16_products_pay(p.D, p.Lk, false)) || p.split_halves);
   // The float32 products: V^T per key block (Params::vt_blocks) where a kv head's V is read by at least 4 query
   // blocks (the transposition reads and writes V once, in place of the dense copy a strided or half-precision V
   // would get; every reading block's P·V product then reads V^T along rows).
@@ -806,7 +804,7 @@ void fused_backward(const BackwardArgs& a) {
   const BackwardOps& o = backward_ops();
   const int threads = a.num_threads;
   const bool bf16_products =
-      o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options) && bf16_products_pay(p, false);
+      o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options) && bf16_products_pay(p.D, p.Lk, false);
   const DenseKV dense_kv(p, threads, !bf16_products);
 
   // Row statistics: lse (+inf for rows without any allowed key, so that P = exp(s - lse) = 0); which query blocks
