@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 
 #include "core/threads.hpp"
 #include "sattn/error.hpp"
@@ -121,9 +122,12 @@ namespace {
 // the two vCPUs); a band's thread keeps its rows y-1, y, y+1 in a 3-row ring, and row y+1 enters the ring before
 // f(y, ...) runs, so f may overwrite row y of `in` (in-place convolutions, same row size). The two rows bordering
 // a band belong to a neighbour band, which may overwrite them first, so they are copied beforehand. f is called
-// once per row, with the same rows whatever the split (results do not depend on the thread count).
-template <typename F>
+// once per row, with the same rows whatever the split (results do not depend on the thread count). T = float: the
+// rows as they are; T = uint16_t: rounded to bf16 as they enter the ring (round_to_bf16; C even), the A operand of
+// the bf16 products, each row rounded once.
+template <typename T, typename F>
 void for_each_padded_row(const float* in, int64_t H, int64_t W, int64_t C, int threads, F&& f) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, uint16_t>);
   const int64_t rowc = W * C, rowp = (W + 2) * C;
   const int64_t nb = threads <= 1 ? 1 : std::max<int64_t>(1, std::min<int64_t>(4 * int64_t(threads), H));
   auto band = [&](int64_t b) { return std::pair<int64_t, int64_t>{H * b / nb, H * (b + 1) / nb}; };
@@ -136,27 +140,27 @@ void for_each_padded_row(const float* in, int64_t H, int64_t W, int64_t C, int t
   }
   parallel_for(nb, threads, [&](int64_t b) {
     thread_local Buffer ring_buf;
-    float* ring = ring_buf.get(3 * rowp);
+    T* ring = reinterpret_cast<T*>(ring_buf.get((3 * rowp * int64_t(sizeof(T)) + 3) / 4));
     // Plain variables, not a structured binding: clang before 16 cannot capture those in the lambdas below.
     const int64_t y0 = band(b).first, y1 = band(b).second;
     auto slot = [&](int64_t r) { return ring + ((r + 3) % 3) * rowp; };
     auto load = [&](int64_t r) {  // padded input row r into its ring slot
-      float* d = slot(r);
-      std::fill(d, d + C, 0.0f);
-      std::fill(d + (W + 1) * C, d + rowp, 0.0f);
+      T* d = slot(r);
+      std::fill(d, d + C, T(0));
+      std::fill(d + (W + 1) * C, d + rowp, T(0));
       if (r < 0 || r >= H) {
-        std::fill(d + C, d + (W + 1) * C, 0.0f);
+        std::fill(d + C, d + (W + 1) * C, T(0));
         return;
       }
       const float* src = r == y0 - 1 ? edge + (2 * b) * rowc : r == y1 ? edge + (2 * b + 1) * rowc : in + r * rowc;
-      std::memcpy(d + C, src, size_t(rowc) * sizeof(float));
+      if constexpr (std::is_same_v<T, float>) std::memcpy(d + C, src, size_t(rowc) * sizeof(float));
+      else round_to_bf16(src, rowc, d + C);
     };
     load(y0 - 1);
     load(y0);
     for (int64_t y = y0; y < y1; ++y) {
       load(y + 1);
-      f(y, static_cast<const float*>(slot(y - 1)), static_cast<const float*>(slot(y)),
-        static_cast<const float*>(slot(y + 1)));
+      f(y, static_cast<const T*>(slot(y - 1)), static_cast<const T*>(slot(y)), static_cast<const T*>(slot(y + 1)));
     }
   });
 }
@@ -186,40 +190,33 @@ void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float
   check(!add || lo_add >= lo_out + sizeof(float) * uintptr_t(H * W * Cout) ||
             lo_out >= lo_add + sizeof(float) * uintptr_t(H * W * Cout),
         ErrorKind::kInternal, "conv3x3_hwc: add must not overlap out");
-  const bool pairs = pairs_run(W2, Cin);
-  for_each_padded_row(in, H, W, Cin, threads, [&](int64_t y, const float* r0, const float* r1, const float* r2) {
+  // One GEMM per output row: o = bias, o += the three kernel rows' products (A rows in float32 or, for the bf16
+  // products, in bf16 as the ring rounded them; Cin even: every pixel starts a word), then o += add.
+  const auto row = [&](int64_t y, const auto* r0, const auto* r1, const auto* r2) {
     float* o = out + y * W * Cout;
     for (int64_t x = 0; x < W; ++x)
       for (int64_t c = 0; c < Cout; ++c) o[x * Cout + c] = bias ? bias[c] : 0.0f;
     const int64_t k[3] = {3 * Cin, 3 * Cin, 3 * Cin};
-    if (pairs) {  // the three padded rows in bf16 (Cin even: every pixel starts a word)
-      const int64_t rowp = (W + 2) * Cin;
-      thread_local std::vector<uint16_t> rows2;
-      rows2.resize(size_t(3 * rowp));
-      const float* rows[3] = {r0, r1, r2};
-      const uint16_t* a2[3];
-      for (int i = 0; i < 3; ++i) {
-        round_to_bf16(rows[i], rowp, rows2.data() + i * rowp);
-        a2[i] = rows2.data() + i * rowp;
-      }
-      gemm_acc_segments_pairs(3, a2, k, Cin, W, W2, padded_cols(Cout), Cout, o, Cout);
-    } else {
-      const float* a[3] = {r0, r1, r2};
-      gemm_acc_segments(3, a, k, Cin, W, W9, padded_cols(Cout), Cout, o, Cout);
-    }
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(r0)>>;
+    const T* a[3] = {r0, r1, r2};
+    if constexpr (std::is_same_v<T, uint16_t>)
+      gemm_acc_segments_pairs(3, a, k, Cin, W, W2, padded_cols(Cout), Cout, o, Cout);
+    else gemm_acc_segments(3, a, k, Cin, W, W9, padded_cols(Cout), Cout, o, Cout);
     if (add) {
       const float* __restrict ad = add + y * W * Cout;
       float* __restrict oo = o;
       for (int64_t i = 0; i < W * Cout; ++i) oo[i] += ad[i];
     }
-  });
+  };
+  if (pairs_run(W2, Cin)) for_each_padded_row<uint16_t>(in, H, W, Cin, threads, row);
+  else for_each_padded_row<float>(in, H, W, Cin, threads, row);
 }
 
 void depthwise3x3_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float* Wd, const float* bias, float* out,
                       int threads) {
   int64_t P = 0;
   const std::vector<float> wt = tile_depthwise(Wd, bias, C, &P);
-  for_each_padded_row(in, H, W, C, threads, [&](int64_t y, const float* r0, const float* r1, const float* r2) {
+  for_each_padded_row<float>(in, H, W, C, threads, [&](int64_t y, const float* r0, const float* r1, const float* r2) {
     depthwise_row_3(r0, r1, r2, W, C, wt.data(), P, out + y * W * C);
   });
 }
@@ -229,7 +226,7 @@ void dw_act_pw_hwc(const float* in, int64_t H, int64_t W, int64_t C, const float
   int64_t P = 0;
   const std::vector<float> wt = tile_depthwise(Wd, dw_b, C, &P);
   const int64_t rowc = W * C;
-  for_each_padded_row(in, H, W, C, threads, [&](int64_t y, const float* r0, const float* r1, const float* r2) {
+  for_each_padded_row<float>(in, H, W, C, threads, [&](int64_t y, const float* r0, const float* r1, const float* r2) {
     thread_local Buffer t_buf;
     float* t = t_buf.get(rowc);
     depthwise_row_3(r0, r1, r2, W, C, wt.data(), P, t);
