@@ -780,9 +780,15 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
       }
     }
   }
-  float* O = s_o.alloc(Br * Params::pad16(Dv));
+  // Rows straight to out: O^T times 1/l in place, stored through transposes; a key chunk's partial rows through
+  // FinishRows (rows of O transposed first).
+  float* O = p.kv_chunk > 0 ? s_o.alloc(Br * Params::pad16(Dv)) : nullptr;
   for (int64_t g = 0; g < ntiles; ++g) {
     const Bf16ForwardTile& t = tiles[g];
+    if (p.kv_chunk == 0) {
+      FinishTransposedRows(p, b, h, t.i0, t.nq, t.M, t.L, t.OT);
+      continue;
+    }
     TransposeToRows(t.OT, Dv, Br, t.nq, O, Params::pad16(Dv));
     FinishRows(p, b, h, t.i0, t.nq, 0, t.M, t.L, DenseRows{O, Params::pad16(Dv)});
   }
