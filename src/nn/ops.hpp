@@ -56,9 +56,11 @@ void gelu_to_bf16(const float* x, int64_t n, uint16_t* out);
 void layer_norm_to_bf16(const float* x, int64_t M, int64_t C, const float* gamma, const float* beta, float eps,
                         uint16_t* y);
 // gemm_acc_segments on bf16 rows A_s (row stride lda, even; K[s] even) and W2 [sum K / 2][ldw >= padded_cols(N)]
-// words. Needs has_bf16_products().
+// words. With `init` (a row of N floats), every row of C starts from it instead of from C (C only written): the
+// same bits as C set to init rows first. Needs has_bf16_products().
 void gemm_acc_segments_pairs(int nseg, const uint16_t* const* A, const int64_t* K, int64_t lda, int64_t M,
-                             const uint32_t* W2, int64_t ldw, int64_t N, float* C, int64_t ldc);
+                             const uint32_t* W2, int64_t ldw, int64_t N, float* C, int64_t ldc,
+                             const float* init = nullptr);
 
 // C[m, :] += A[m, :] · W for m < M: A [M, K] (row stride lda), W [K, N] (row stride ldw >= N), C [M, N] (row
 // stride ldc). Fastest with ldw >= padded_cols(N) (readable padding).

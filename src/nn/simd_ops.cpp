@@ -268,16 +268,16 @@ HWY_INLINE void RowNormStats(DF d, const float* p, int64_t C, float invC, float 
 template <int MR, int NV, int kLast>
 SATTN_BF16_ATTR HWY_NOINLINE void TilePairs(int nseg, const uint32_t* const* A, const int64_t* K2, int64_t lda2,
                                             const uint32_t* HWY_RESTRICT W2, int64_t ldw, __mmask16 tail,
-                                            float* HWY_RESTRICT C, int64_t ldc) {
+                                            float* C, int64_t ldc, const float* I, int64_t ldi) {
   constexpr int NF = kLast == 2 ? NV - 1 : NV;  // 512-bit vectors
   __m512 acc[MR][NF > 0 ? NF : 1];
   __m256 acch[MR];
-  for (int m = 0; m < MR; ++m) {
+  for (int m = 0; m < MR; ++m) {  // the accumulators start from I (C itself, or an init row: ldi 0)
     for (int v = 0; v < NF; ++v) {
-      const float* p = C + m * ldc + v * 16;
+      const float* p = I + m * ldi + v * 16;
       acc[m][v] = (kLast == 1 && v == NV - 1) ? _mm512_maskz_loadu_ps(tail, p) : _mm512_loadu_ps(p);
     }
-    acch[m] = kLast == 2 ? _mm256_loadu_ps(C + m * ldc + NF * 16) : _mm256_setzero_ps();
+    acch[m] = kLast == 2 ? _mm256_loadu_ps(I + m * ldi + NF * 16) : _mm256_setzero_ps();
   }
   const uint32_t* w = W2;
   for (int s = 0; s < nseg; ++s) {
@@ -297,32 +297,34 @@ SATTN_BF16_ATTR HWY_NOINLINE void TilePairs(int nseg, const uint32_t* const* A, 
 template <int MR, int NV = kNV>
 SATTN_BF16_ATTR HWY_INLINE void TilePairsNV(int nv, int last, int nseg, const uint32_t* const* A, const int64_t* K2,
                                             int64_t lda2, const uint32_t* W2, int64_t ldw, __mmask16 tail, float* C,
-                                            int64_t ldc) {
+                                            int64_t ldc, const float* I, int64_t ldi) {
   if constexpr (NV >= 1) {
     if (nv == NV) {
-      if (last == 2) return TilePairs<MR, NV, 2>(nseg, A, K2, lda2, W2, ldw, tail, C, ldc);
-      if (last == 1) return TilePairs<MR, NV, 1>(nseg, A, K2, lda2, W2, ldw, tail, C, ldc);
-      return TilePairs<MR, NV, 0>(nseg, A, K2, lda2, W2, ldw, tail, C, ldc);
+      if (last == 2) return TilePairs<MR, NV, 2>(nseg, A, K2, lda2, W2, ldw, tail, C, ldc, I, ldi);
+      if (last == 1) return TilePairs<MR, NV, 1>(nseg, A, K2, lda2, W2, ldw, tail, C, ldc, I, ldi);
+      return TilePairs<MR, NV, 0>(nseg, A, K2, lda2, W2, ldw, tail, C, ldc, I, ldi);
     }
-    TilePairsNV<MR, NV - 1>(nv, last, nseg, A, K2, lda2, W2, ldw, tail, C, ldc);
+    TilePairsNV<MR, NV - 1>(nv, last, nseg, A, K2, lda2, W2, ldw, tail, C, ldc, I, ldi);
   }
 }
 
 template <int MR = kMR>
 SATTN_BF16_ATTR HWY_INLINE void TilePairsMR(int mr, int nv, int last, int nseg, const uint32_t* const* A,
                                             const int64_t* K2, int64_t lda2, const uint32_t* W2, int64_t ldw,
-                                            __mmask16 tail, float* C, int64_t ldc) {
+                                            __mmask16 tail, float* C, int64_t ldc, const float* I, int64_t ldi) {
   if constexpr (MR >= 1) {
-    if (mr == MR) return TilePairsNV<MR>(nv, last, nseg, A, K2, lda2, W2, ldw, tail, C, ldc);
-    TilePairsMR<MR - 1>(mr, nv, last, nseg, A, K2, lda2, W2, ldw, tail, C, ldc);
+    if (mr == MR) return TilePairsNV<MR>(nv, last, nseg, A, K2, lda2, W2, ldw, tail, C, ldc, I, ldi);
+    TilePairsMR<MR - 1>(mr, nv, last, nseg, A, K2, lda2, W2, ldw, tail, C, ldc, I, ldi);
   }
 }
 
 // As GemmSegments on bf16 operands: C[m, :N] += sum_s A_s[m, :K_s] · W2_s for m < M; A_s bf16 rows of lda (even)
 // values, K_s even, W2 [sum K_s / 2][ldw >= N rounded up to 16 words]. Each C element is one vdpbf16ps chain in a
 // fixed order (segments, then k ascending) whatever its position: results do not depend on how rows are batched.
+// With `init`, the chains start from that row instead of from C.
 SATTN_BF16_ATTR void GemmSegmentsPairs(int nseg, const uint16_t* const* A, const int64_t* K, int64_t lda, int64_t M,
-                                       const uint32_t* W2, int64_t ldw, int64_t N, float* C, int64_t ldc) {
+                                       const uint32_t* W2, int64_t ldw, int64_t N, float* C, int64_t ldc,
+                                       const float* init) {
   constexpr int64_t L = 16, panel = kNV * L;
   constexpr int kMaxSeg = 16;
   const uint32_t* Am[kMaxSeg];
@@ -337,7 +339,7 @@ SATTN_BF16_ATTR void GemmSegmentsPairs(int nseg, const uint16_t* const* A, const
       const int64_t rem = cols - (nv - 1) * L;
       const int last = rem == L ? 0 : rem == L / 2 ? 2 : 1;
       TilePairsMR(mr, nv, last, nseg, Am, K2, lda / 2, W2 + n0, ldw, __mmask16((1u << rem) - 1u), C + m0 * ldc + n0,
-                  ldc);
+                  ldc, init ? init + n0 : C + m0 * ldc + n0, init ? 0 : ldc);
     }
   }
 }
@@ -581,12 +583,13 @@ namespace {
 // chunk of the sum (simd::amx::gemm_segments_pairs), in a fixed order whatever its position: results do not depend
 // on how rows are batched. They differ from the vdpbf16ps build's in the float32 rounding of the sums.
 void GemmSegmentsPairsAmx(int nseg, const uint16_t* const* A, const int64_t* K, int64_t lda, int64_t M,
-                          const uint32_t* W2, int64_t ldw, int64_t N, float* C, int64_t ldc) {
+                          const uint32_t* W2, int64_t ldw, int64_t N, float* C, int64_t ldc, const float* init) {
   constexpr int kMaxSeg = 16;
   const uint32_t* a[kMaxSeg];
   int64_t k2[kMaxSeg];
   for (int s = 0; s < nseg; ++s) a[s] = reinterpret_cast<const uint32_t*>(A[s]), k2[s] = K[s] / 2;
-  simd::amx::gemm_segments_pairs<simd::amx::HardwareTiles>(nseg, a, k2, lda / 2, M, W2, ldw, N, C, ldc);
+  simd::amx::gemm_segments_pairs<simd::amx::HardwareTiles>(nseg, a, k2, lda / 2, M, W2, ldw, N, C, ldc, true, 1.f,
+                                                            init);
 }
 #endif
 
@@ -601,7 +604,7 @@ struct Ops {
   void (*add_squared_deviations)(const float*, int64_t, int64_t, const float*, float*);
   // the bf16 products: null but in the avx512bf16 build
   void (*gemm_segments_pairs)(int, const uint16_t* const*, const int64_t*, int64_t, int64_t, const uint32_t*, int64_t,
-                              int64_t, float*, int64_t);
+                              int64_t, float*, int64_t, const float*);
   void (*round_to_bf16)(const float*, int64_t, uint16_t*);
   void (*gelu_to_bf16)(const float*, int64_t, uint16_t*);
   void (*layer_norm_rows_to_bf16)(const float*, int64_t, int64_t, const float*, const float*, float, uint16_t*);
@@ -640,7 +643,7 @@ void gemm_acc_segments(int nseg, const float* const* A, const int64_t* K, int64_
 }
 bool has_bf16_products() { return ops().gemm_segments_pairs != nullptr; }
 void gemm_acc_segments_pairs(int nseg, const uint16_t* const* A, const int64_t* K, int64_t lda, int64_t M,
-                             const uint32_t* W2, int64_t ldw, int64_t N, float* C, int64_t ldc) {
+                             const uint32_t* W2, int64_t ldw, int64_t N, float* C, int64_t ldc, const float* init) {
   if (!has_bf16_products())
     fail(ErrorKind::kInternal, "gemm_acc_segments_pairs: the SIMD target in use (", simd_build(),
          ") has no bf16 products");
@@ -651,7 +654,7 @@ void gemm_acc_segments_pairs(int nseg, const uint16_t* const* A, const int64_t* 
   if (M <= 0 || N <= 0) return;
   check(ldw >= padded_cols(N), ErrorKind::kInternal, "gemm_acc_segments_pairs: ldw ", ldw, " < padded N ",
         padded_cols(N));
-  ops().gemm_segments_pairs(nseg, A, K, lda, M, W2, ldw, N, C, ldc);
+  ops().gemm_segments_pairs(nseg, A, K, lda, M, W2, ldw, N, C, ldc, init);
 }
 void round_to_bf16(const float* x, int64_t n, uint16_t* out) {
   if (!has_bf16_products())

@@ -350,21 +350,23 @@ namespace detail {
 
 // One block of MB x NB accumulator tiles of gemm_segments_pairs: row tile i reads segment s at a[i][s] (rows lda[i]
 // words apart) and has rows[i] rows of C, column tile j is cols[j] columns wide, from C at column n0, in tiles
-// configured tile_cols[j] floats wide (16, or cols[j] for a last, partial column tile). The tiles start from C where
-// from_c, else from zero, and C becomes alpha times them, plus C where accumulate and not from_c. Chunks of kc pairs;
-// a last chunk of a segment shorter than kc, and the C of a partial row tile, go through zero-padded staging buffers.
+// configured tile_cols[j] floats wide (16, or cols[j] for a last, partial column tile). The tiles start from the
+// row init_row (at column n0, every tile row loading it: row stride 0) where given, else from C where from_c, else from
+// zero, and C becomes alpha times them, plus C where accumulate and not from_c. Chunks of kc pairs; a last chunk of a
+// segment shorter than kc, and the C of a partial row tile, go through zero-padded staging buffers.
 template <class Tiles, int MB, int NB>
 void segments_block(int nseg, const uint32_t* const (*a)[16], const int64_t* lda, const int* rows, const int64_t* K2,
                     const uint32_t* W2, int64_t ldw, int64_t n0, const int* cols, const int* tile_cols, int64_t kc,
-                    float* C, int64_t ldc, bool accumulate, float alpha) {
+                    float* C, int64_t ldc, bool accumulate, float alpha, const float* init_row) {
   alignas(64) float c_stage[2][2][kTileRows * kTileRows];
   alignas(64) uint32_t a_stage[2][kTileRows * kTileRows];
   alignas(64) uint32_t b_stage[2][kTileRows * kTileRows];
-  const bool from_c = accumulate && alpha == 1.f;
+  const bool from_c = init_row || (accumulate && alpha == 1.f);
   auto direct = [&](int i, int j) { return rows[i] == kTileRows && cols[j] == tile_cols[j]; };
   auto c_at = [&](int i, int j) { return C + i * kTileRows * ldc + n0 + j * kTileRows; };
   auto init = [&](auto ic, auto jc) {
     constexpr int i = decltype(ic)::value, j = decltype(jc)::value;
+    if (init_row) return Tiles::template load<2 * i + j>(init_row + n0 + j * kTileRows, 0);
     if (!from_c) return Tiles::template zero<2 * i + j>();
     if (direct(i, j)) return Tiles::template load<2 * i + j>(c_at(i, j), ldc * 4);
     stage_c_in(c_at(i, j), ldc, rows[i], cols[j], c_stage[i][j]);
@@ -406,7 +408,8 @@ void segments_block(int nseg, const uint32_t* const (*a)[16], const int64_t* lda
 }  // namespace detail
 
 // C[m, :N] = (accumulate ? C[m, :N] : 0) + alpha · Σ_s A_s[m, :K2_s] · W2_s for m < M (nseg <= 16 segments), all
-// in pairs of bf16 (32-bit words):
+// in pairs of bf16 (32-bit words); with `init` (a row of N floats, accumulate and alpha 1), C[m, :N] = init +
+// Σ_s ..., the same bits as C set to init rows first, without reading C:
 // - A_s rows of K2_s words at A[s] + m·lda (rows may overlap: lda < K2_s);
 // - W2 = [W2_0; W2_1; ...] stacked, [Σ K2_s] rows of ldw words, readable to N rounded up to 16 words;
 // - C rows ldc floats apart; nothing past column N or row M is read or written.
@@ -418,7 +421,7 @@ void segments_block(int nseg, const uint32_t* const (*a)[16], const int64_t* lda
 template <class Tiles>
 void gemm_segments_pairs(int nseg, const uint32_t* const* A, const int64_t* K2, int64_t lda, int64_t M,
                          const uint32_t* W2, int64_t ldw, int64_t N, float* C, int64_t ldc, bool accumulate = true,
-                         float alpha = 1.f) {
+                         float alpha = 1.f, const float* init = nullptr) {
   constexpr int kMaxSeg = 16;
   constexpr int64_t T = kTileRows;
   int64_t g = 0, max_k2 = 0;
@@ -428,7 +431,9 @@ void gemm_segments_pairs(int nseg, const uint32_t* const* A, const int64_t* K2, 
   }
   if (M <= 0 || N <= 0) return;
   if (g == 0) {  // nothing to add
-    if (!accumulate)
+    if (init)
+      for (int64_t m = 0; m < M; ++m) std::copy(init, init + N, C + m * ldc);
+    else if (!accumulate)
       for (int64_t m = 0; m < M; ++m) std::fill(C + m * ldc, C + m * ldc + N, 0.f);
     return;
   }
@@ -467,13 +472,17 @@ void gemm_segments_pairs(int nseg, const uint32_t* const* A, const int64_t* K2, 
       float* c = C + m0 * ldc;
       using detail::segments_block;
       if (rows[1] > 0 && cols[1] > 0)
-        segments_block<Tiles, 2, 2>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, tile_cols, kc, c, ldc, accumulate, alpha);
+        segments_block<Tiles, 2, 2>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, tile_cols, kc, c, ldc, accumulate, alpha,
+                                    init);
       else if (rows[1] > 0)
-        segments_block<Tiles, 2, 1>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, tile_cols, kc, c, ldc, accumulate, alpha);
+        segments_block<Tiles, 2, 1>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, tile_cols, kc, c, ldc, accumulate, alpha,
+                                    init);
       else if (cols[1] > 0)
-        segments_block<Tiles, 1, 2>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, tile_cols, kc, c, ldc, accumulate, alpha);
+        segments_block<Tiles, 1, 2>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, tile_cols, kc, c, ldc, accumulate, alpha,
+                                    init);
       else
-        segments_block<Tiles, 1, 1>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, tile_cols, kc, c, ldc, accumulate, alpha);
+        segments_block<Tiles, 1, 1>(nseg, a, ld, rows, K2, W2, ldw, n0, cols, tile_cols, kc, c, ldc, accumulate, alpha,
+                                    init);
     }
   };
   if (n_whole > 0) {

@@ -297,6 +297,20 @@ void check_segments(std::mt19937& rng) {
       ASSERT_EQ(0, std::memcmp(row.data(), &C[size_t(m * ldc)], size_t(sh.N) * sizeof(float)))
           << where << ": row " << m << " alone differs";
     }
+    // From an init row (exactly N floats): C = init + Σ without reading C (NaN inside M x N), bitwise C set to the
+    // init rows and then accumulated; nothing outside M x N touched.
+    std::vector<float> init(size_t(sh.N));
+    for (auto& x : init) x = normal(rng);
+    std::vector<float> from_init = C0, from_rows = C0;
+    for (int64_t m = 0; m < sh.M; ++m)
+      for (int64_t n = 0; n < sh.N; ++n)
+        from_init[size_t(m * ldc + n)] = std::numeric_limits<float>::quiet_NaN(),
+                                  from_rows[size_t(m * ldc + n)] = init[size_t(n)];
+    gemm_segments_pairs<Tiles>(nseg, a.data(), sh.K2.data(), sh.lda, sh.M, W.data(), ldw, sh.N, from_init.data(), ldc,
+                               true, 1.f, init.data());
+    gemm_segments_pairs<Tiles>(nseg, a.data(), sh.K2.data(), sh.lda, sh.M, W.data(), ldw, sh.N, from_rows.data(), ldc);
+    ASSERT_EQ(0, std::memcmp(from_init.data(), from_rows.data(), from_rows.size() * sizeof(float)))
+        << where << ": from the init row";
   }
 }
 
