@@ -305,7 +305,7 @@ void check_segments(std::mt19937& rng) {
     for (int64_t m = 0; m < sh.M; ++m)
       for (int64_t n = 0; n < sh.N; ++n)
         from_init[size_t(m * ldc + n)] = std::numeric_limits<float>::quiet_NaN(),
-                                  from_rows[size_t(m * ldc + n)] = init[size_t(n)];
+                                   from_rows[size_t(m * ldc + n)] = init[size_t(n)];
     gemm_segments_pairs<Tiles>(nseg, a.data(), sh.K2.data(), sh.lda, sh.M, W.data(), ldw, sh.N, from_init.data(), ldc,
                                true, 1.f, init.data());
     gemm_segments_pairs<Tiles>(nseg, a.data(), sh.K2.data(), sh.lda, sh.M, W.data(), ldw, sh.N, from_rows.data(), ldc);
