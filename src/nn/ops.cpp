@@ -196,16 +196,22 @@ void conv3x3_hwc(const float* in, int64_t H, int64_t W, int64_t Cin, const float
         ErrorKind::kInternal, "conv3x3_hwc: add must not overlap out");
   // One GEMM per output row: o = bias, o += the three kernel rows' products (A rows in float32 or, for the bf16
   // products, in bf16 as the ring rounded them; Cin even: every pixel starts a word), then o += add.
+  // (The bf16 products start from the bias row itself, gemm_acc_segments_pairs's init: the same bits.)
+  std::vector<float> zeros;
+  if (!bias) zeros.assign(size_t(Cout), 0.0f);
+  const float* init = bias ? bias : zeros.data();
   const auto row = [&](int64_t y, const auto* r0, const auto* r1, const auto* r2) {
     float* o = out + y * W * Cout;
-    for (int64_t x = 0; x < W; ++x)
-      for (int64_t c = 0; c < Cout; ++c) o[x * Cout + c] = bias ? bias[c] : 0.0f;
     const int64_t k[3] = {3 * Cin, 3 * Cin, 3 * Cin};
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(r0)>>;
     const T* a[3] = {r0, r1, r2};
-    if constexpr (std::is_same_v<T, uint16_t>)
-      gemm_acc_segments_pairs(3, a, k, Cin, W, W2, padded_cols(Cout), Cout, o, Cout);
-    else gemm_acc_segments(3, a, k, Cin, W, W9, padded_cols(Cout), Cout, o, Cout);
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      gemm_acc_segments_pairs(3, a, k, Cin, W, W2, padded_cols(Cout), Cout, o, Cout, init);
+    } else {
+      for (int64_t x = 0; x < W; ++x)
+        for (int64_t c = 0; c < Cout; ++c) o[x * Cout + c] = init[c];
+      gemm_acc_segments(3, a, k, Cin, W, W9, padded_cols(Cout), Cout, o, Cout);
+    }
     if (add) {
       const float* __restrict ad = add + y * W * Cout;
       float* __restrict oo = o;
