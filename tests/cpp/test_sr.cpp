@@ -227,10 +227,12 @@ std::vector<double> depthwise_act_ref(const std::vector<float>& in, const std::v
 }
 
 TEST(SrOps, Conv3x3AndDepthwiseMatchPlainLoops) {
-  // rows are split into four bands per thread: heights around the band counts test the band borders
+  // rows are split into four bands per thread: heights around the band counts test the band borders; rows of more
+  // than one span of the depthwise row (about 1280 values), the last one partial, with and without a masked tail
   for (auto [H, W, Ci, Co, threads] :
        {std::tuple{5, 7, 3, 9, 2}, std::tuple{1, 1, 2, 2, 2}, std::tuple{6, 9, 40, 67, 2}, std::tuple{11, 4, 12, 12, 3},
-        std::tuple{3, 5, 8, 8, 4}}) {
+        std::tuple{3, 5, 8, 8, 4}, std::tuple{4, 37, 40, 40, 2}, std::tuple{3, 150, 12, 12, 2},
+        std::tuple{2, 131, 11, 11, 1}}) {
     const auto in = randv(size_t(H * W * Ci), 1), w = randv(size_t(Co * Ci * 9), 2), b = randv(size_t(Co), 3);
     const auto w9 = sattn::nn::conv3x3_weight_hwc(w.data(), Co, Ci);
     std::vector<float> out(size_t(H * W * Co)), one(out.size());
@@ -418,9 +420,10 @@ TEST(SrOps, PlanarToU8RgbRoundsExactlyAsTheScalarFormula) {
 TEST(SrOps, DepthwiseGeluPointwiseMatchesPlainLoops) {
   // out = res + pw_b + act(dw(in) + dw_b) · PW, in place on `in` (the model's cheap path) and with act = identity
   // rows are split into four bands per thread: heights around the band counts test the band borders
-  for (auto [H, W, C, threads] : {std::tuple{5, 7, 3, 2}, std::tuple{1, 1, 2, 2}, std::tuple{4, 9, 40, 2},
-                                  std::tuple{13, 6, 40, 3}, std::tuple{2, 5, 7, 3}, std::tuple{9, 4, 16, 1},
-                                  std::tuple{7, 3, 5, 7}, std::tuple{6, 5, 48, 2}, std::tuple{3, 4, 64, 3}}) {
+  for (auto [H, W, C, threads] :
+       {std::tuple{5, 7, 3, 2}, std::tuple{1, 1, 2, 2}, std::tuple{4, 9, 40, 2}, std::tuple{13, 6, 40, 3},
+        std::tuple{2, 5, 7, 3}, std::tuple{9, 4, 16, 1}, std::tuple{7, 3, 5, 7}, std::tuple{6, 5, 48, 2},
+        std::tuple{3, 4, 64, 3}, std::tuple{3, 41, 40, 2}}) {
     const auto in = randv(size_t(H * W * C), 11), res = randv(size_t(H * W * C), 12), wd = randv(size_t(9 * C), 13),
                bd = randv(size_t(C), 14), pw = randv(size_t(C * C), 15), bp = randv(size_t(C), 16);
     for (bool gelu : {true, false}) {
