@@ -236,24 +236,43 @@ HWY_INLINE VF GeluVec(DF d, VF v) {
 #endif
 }
 
-// LayerNorm's statistics of one row p [C] (masked loads past C): the mean as a vector and 1/sqrt(var + eps).
-HWY_INLINE void RowNormStats(DF d, const float* p, int64_t C, float invC, float eps, VF& mv, VF& inv) {
+#include "simd/lane_sums.inc"  // SumsOfLanes8
+
+// LayerNorm's statistics of the rows j < n <= 8 of x [n, C] (masked loads past C unless kWhole: C a whole number of
+// vectors): mean[j] and inv[j] = 1/sqrt(var + eps). Each row sums its vectors lane-wise, then the lanes of the 8
+// rows are summed at once (SumsOfLanes8, a third of the operations of one lane sum per row); a row's statistics do not
+// depend on the rows beside it.
+template <bool kWhole>
+HWY_INLINE void RowNormStats8(DF d, const float* x, int64_t C, int n, float invC, float eps, float* mean, float* inv) {
   const int64_t L = int64_t(hn::Lanes(d));
-  VF s = hn::Zero(d);
-  for (int64_t c = 0; c < C; c += L) {
-    const auto m = hn::FirstN(d, size_t(std::min(L, C - c)));
-    s = hn::Add(s, hn::MaskedLoad(m, d, p + c));
+  const auto load = [&](const float* p, int64_t c) {
+    return kWhole ? hn::LoadU(d, p + c) : hn::MaskedLoad(hn::FirstN(d, size_t(std::min(L, C - c))), d, p + c);
+  };
+  VF v[8];
+  // (the row loops unrolled, so that the 8 sums stay in registers)
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    v[j] = hn::Zero(d);
+    if (j < n)
+      for (int64_t c = 0; c < C; c += L) v[j] = hn::Add(v[j], load(x + j * C, c));
   }
-  const float mean = hn::GetLane(hn::SumOfLanes(d, s)) * invC;
-  mv = hn::Set(d, mean);
-  VF q = hn::Zero(d);
-  for (int64_t c = 0; c < C; c += L) {
-    const auto m = hn::FirstN(d, size_t(std::min(L, C - c)));
-    const VF t = hn::IfThenElseZero(m, hn::Sub(hn::MaskedLoad(m, d, p + c), mv));
-    q = hn::MulAdd(t, t, q);
+  SumsOfLanes8(v, mean);
+  for (int j = 0; j < 8; ++j) mean[j] *= invC;
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    const VF mv = hn::Set(d, mean[j]);
+    v[j] = hn::Zero(d);
+    if (j < n)
+      for (int64_t c = 0; c < C; c += L) {  // deviations, zero past C
+        const VF t =
+            kWhole ? hn::Sub(load(x + j * C, c), mv)
+                   : hn::IfThenElseZero(hn::FirstN(d, size_t(std::min(L, C - c))), hn::Sub(load(x + j * C, c), mv));
+        v[j] = hn::MulAdd(t, t, v[j]);
+      }
   }
-  const float var = hn::GetLane(hn::SumOfLanes(d, q)) * invC;
-  inv = hn::Set(d, 1.0f / std::sqrt(var + eps));
+  float var[8];
+  SumsOfLanes8(v, var);
+  for (int j = 0; j < n; ++j) inv[j] = 1.0f / std::sqrt(var[j] * invC + eps);
 }
 
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
@@ -369,16 +388,20 @@ SATTN_BF16_ATTR void LayerNormRowsToBf16(const float* x, int64_t M, int64_t C, c
                                          float eps, uint16_t* y) {
   const DF d;
   const float invC = 1.0f / float(C);
-  for (int64_t r = 0; r < M; ++r) {
-    const float* p = x + r * C;
-    VF mv, inv;
-    RowNormStats(d, p, C, invC, eps, mv, inv);
-    for (int64_t c = 0; c < C; c += 16) {
-      const __mmask16 live = LiveLanes(C - c);
-      const auto m = hn::FirstN(d, size_t(std::min<int64_t>(16, C - c)));
-      const VF t = hn::Mul(hn::Sub(hn::MaskedLoad(m, d, p + c), mv), inv);
-      StoreRoundedBf16(hn::MulAdd(t, hn::MaskedLoad(m, d, gamma + c), hn::MaskedLoad(m, d, beta + c)).raw, live,
-                       y + r * C + c);
+  for (int64_t r0 = 0; r0 < M; r0 += 8) {
+    const int n = int(std::min<int64_t>(8, M - r0));
+    float mean[8], inv[8];
+    RowNormStats8<false>(d, x + r0 * C, C, n, invC, eps, mean, inv);
+    for (int j = 0; j < n; ++j) {
+      const float* p = x + (r0 + j) * C;
+      const VF mv = hn::Set(d, mean[j]), iv = hn::Set(d, inv[j]);
+      for (int64_t c = 0; c < C; c += 16) {
+        const __mmask16 live = LiveLanes(C - c);
+        const auto m = hn::FirstN(d, size_t(std::min<int64_t>(16, C - c)));
+        const VF t = hn::Mul(hn::Sub(hn::MaskedLoad(m, d, p + c), mv), iv);
+        StoreRoundedBf16(hn::MulAdd(t, hn::MaskedLoad(m, d, gamma + c), hn::MaskedLoad(m, d, beta + c)).raw, live,
+                         y + (r0 + j) * C + c);
+      }
     }
   }
 }
@@ -438,38 +461,31 @@ void LayerNormRows(const float* x, int64_t M, int64_t C, const float* gamma, con
   const DF d;
   const int64_t L = int64_t(hn::Lanes(d));
   const float invC = 1.0f / float(C);
-  if (C % L == 0) {
-    // Whole vectors (the SR model's C = 48 and 64): plain loads instead of masked ones, the same sums in the same
-    // order as the general loop below, so the results are bitwise those of that loop.
-    for (int64_t r = 0; r < M; ++r) {
-      const float* p = x + r * C;
-      VF s = hn::Zero(d);
-      for (int64_t c = 0; c < C; c += L) s = hn::Add(s, hn::LoadU(d, p + c));
-      const VF mv = hn::Set(d, hn::GetLane(hn::SumOfLanes(d, s)) * invC);
-      VF q = hn::Zero(d);
-      for (int64_t c = 0; c < C; c += L) {
-        const VF t = hn::Sub(hn::LoadU(d, p + c), mv);
-        q = hn::MulAdd(t, t, q);
+  // Whole vectors (the SR model's C = 48 and 64): plain loads instead of masked ones, the same sums in the same order
+  // as with masks, so the results are bitwise those of the general loop.
+  const bool whole = C % L == 0;
+  for (int64_t r0 = 0; r0 < M; r0 += 8) {
+    const int n = int(std::min<int64_t>(8, M - r0));
+    float mean[8], inv[8];
+    if (whole) RowNormStats8<true>(d, x + r0 * C, C, n, invC, eps, mean, inv);
+    else RowNormStats8<false>(d, x + r0 * C, C, n, invC, eps, mean, inv);
+    for (int j = 0; j < n; ++j) {
+      const float* p = x + (r0 + j) * C;
+      float* o = y + (r0 + j) * C;
+      const VF mv = hn::Set(d, mean[j]), iv = hn::Set(d, inv[j]);
+      if (whole) {
+        for (int64_t c = 0; c < C; c += L) {
+          const VF t = hn::Mul(hn::Sub(hn::LoadU(d, p + c), mv), iv);
+          hn::StoreU(hn::MulAdd(t, hn::LoadU(d, gamma + c), hn::LoadU(d, beta + c)), d, o + c);
+        }
+        continue;
       }
-      const VF inv = hn::Set(d, 1.0f / std::sqrt(hn::GetLane(hn::SumOfLanes(d, q)) * invC + eps));
-      float* o = y + r * C;
       for (int64_t c = 0; c < C; c += L) {
-        const VF t = hn::Mul(hn::Sub(hn::LoadU(d, p + c), mv), inv);
-        hn::StoreU(hn::MulAdd(t, hn::LoadU(d, gamma + c), hn::LoadU(d, beta + c)), d, o + c);
+        const auto m = hn::FirstN(d, size_t(std::min(L, C - c)));
+        const VF t = hn::Mul(hn::Sub(hn::MaskedLoad(m, d, p + c), mv), iv);
+        const VF v = hn::MulAdd(t, hn::MaskedLoad(m, d, gamma + c), hn::MaskedLoad(m, d, beta + c));
+        hn::BlendedStore(v, m, d, o + c);
       }
-    }
-    return;
-  }
-  for (int64_t r = 0; r < M; ++r) {
-    const float* p = x + r * C;
-    VF mv, inv;
-    RowNormStats(d, p, C, invC, eps, mv, inv);
-    float* o = y + r * C;
-    for (int64_t c = 0; c < C; c += L) {
-      const auto m = hn::FirstN(d, size_t(std::min(L, C - c)));
-      const VF t = hn::Mul(hn::Sub(hn::MaskedLoad(m, d, p + c), mv), inv);
-      const VF v = hn::MulAdd(t, hn::MaskedLoad(m, d, gamma + c), hn::MaskedLoad(m, d, beta + c));
-      hn::BlendedStore(v, m, d, o + c);
     }
   }
 }

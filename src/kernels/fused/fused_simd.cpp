@@ -130,38 +130,7 @@ HWY_INLINE int64_t DecodePrefetchRows(bool near) {
 }
 template <typename T>
 constexpr int64_t kLineElems = 64 / sizeof(T);
-// Sums of the lanes of 8 vectors, out[j] = sum of a[j]'s lanes, by a transposing tree (about 3 operations per vector,
-// where one vector's own lane sum takes about 9): within every 128-bit block the vectors are interleaved in pairs and
-// added, then the pairs' results as 64-bit halves, leaving in each block its partial sums of 4 vectors; the blocks
-// are added last.
-HWY_INLINE void SumsOfLanes8(const VF (&a)[8], float* out) {
-#if HWY_TARGET == HWY_SCALAR
-  for (int j = 0; j < 8; ++j) out[j] = hn::GetLane(a[j]);
-#else
-  const DF d;
-  const hn::Repartition<double, DF> dd;
-  constexpr size_t kN = hn::MaxLanes(DF());
-  const auto pair = [&](VF x, VF y) { return hn::Add(hn::InterleaveLower(d, x, y), hn::InterleaveUpper(d, x, y)); };
-  const auto quad = [&](VF xy, VF zw) {
-    const auto x64 = hn::BitCast(dd, xy), z64 = hn::BitCast(dd, zw);
-    return hn::Add(hn::BitCast(d, hn::InterleaveLower(dd, x64, z64)),
-                   hn::BitCast(d, hn::InterleaveUpper(dd, x64, z64)));
-  };
-  const VF v0 = quad(pair(a[0], a[1]), pair(a[2], a[3])), v1 = quad(pair(a[4], a[5]), pair(a[6], a[7]));
-  if constexpr (kN == 4) {
-    hn::StoreU(v0, d, out), hn::StoreU(v1, d, out + 4);
-  } else if constexpr (kN == 8) {
-    hn::StoreU(hn::Add(hn::ConcatLowerLower(d, v1, v0), hn::ConcatUpperUpper(d, v1, v0)), d, out);
-  } else {  // 512-bit vectors
-    const VF w = hn::Add(hn::ConcatLowerLower(d, v1, v0), hn::ConcatUpperUpper(d, v1, v0));
-    const VF z = hn::Add(w, hn::SwapAdjacentBlocks(w));  // blocks: sums of a[0..3] twice, then of a[4..7] twice
-    const hn::Half<DF> dh;
-    const hn::Half<decltype(dh)> dq;
-    hn::StoreU(hn::LowerHalf(dq, hn::LowerHalf(dh, z)), dq, out);
-    hn::StoreU(hn::LowerHalf(dq, hn::UpperHalf(dh, z)), dq, out + 4);
-  }
-#endif
-}
+#include "simd/lane_sums.inc"  // SumsOfLanes8
 
 // The products of keys [J0, J0 + G) along their rows, one vector of each row at a time: acc[ii][j] += Q[ii] · K[j].
 // A template argument J0, so that the accumulators have constant indices and stay in registers.
