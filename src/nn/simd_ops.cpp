@@ -699,7 +699,7 @@ void layer_norm_to_bf16(const float* x, int64_t M, int64_t C, const float* gamma
 void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W, int64_t ldw, int64_t N, float* C,
               int64_t ldc, const uint32_t* W2) {
   if (pairs_run(W2, K)) {
-    thread_local std::vector<uint16_t> a2;
+    thread_local AlignedVector<uint16_t> a2;
     a2.resize(size_t(M * K));
     if (lda == K) round_to_bf16(A, M * K, a2.data());
     else

@@ -139,7 +139,8 @@ constexpr int64_t kChunkTokens = 256;
 
 // Per-thread scratch of a chunk of routed windows, reused across chunks and blocks.
 struct WindowScratch {
-  std::vector<float> xw, qkv, o, t, h;
+  // cache-line aligned: rows of the GEMMs' tiles split fewer lines
+  nn::AlignedVector<float> xw, qkv, o, t, h;
   std::vector<uint8_t> mask;
 };
 

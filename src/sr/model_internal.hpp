@@ -17,7 +17,7 @@ namespace sattn::sr {
 // products take under UpscaleOptions::float32_precision = kBF16.
 struct GemmWeight {
   std::vector<float> f;
-  std::vector<uint32_t> pairs;  // empty for an odd K
+  nn::AlignedVector<uint32_t> pairs;  // empty for an odd K
   GemmWeight() = default;
   GemmWeight(std::vector<float> w, int64_t n) : f(std::move(w)), pairs(nn::weight_pairs(f, n)) {}
   const float* data() const { return f.data(); }

@@ -597,6 +597,8 @@ TEST(SrOps, Bf16GemmsMatchTheRoundedOperandsInFp64) {
       // odd K: no pairs, the float32 weight
       const auto wo = sattn::nn::transpose_weight(w.data(), N, K - 1);
       EXPECT_TRUE(sattn::nn::weight_pairs(wo, N).empty());
+      // every pair row starts a cache line (the rows are padded_cols(N) words: whole lines)
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(w2.data()) % 64, 0u) << target;
     }
     for (auto [H, W, Ci, Co] :
          {std::tuple{5, 7, 40, 40}, std::tuple{6, 9, 40, 12}, std::tuple{4, 3, 8, 48}, std::tuple{7, 5, 3, 40}}) {
