@@ -16,10 +16,10 @@ namespace sattn::sr {
 // A GEMM weight in nn's layout ([K][padded_cols(N)] floats) and its bf16 pairs (nn::weight_pairs), which the
 // products take under UpscaleOptions::float32_precision = kBF16.
 struct GemmWeight {
-  std::vector<float> f;
+  nn::AlignedVector<float> f;         // cache-line aligned, as the pairs
   nn::AlignedVector<uint32_t> pairs;  // empty for an odd K
   GemmWeight() = default;
-  GemmWeight(std::vector<float> w, int64_t n) : f(std::move(w)), pairs(nn::weight_pairs(f, n)) {}
+  GemmWeight(const std::vector<float>& w, int64_t n) : f(w.begin(), w.end()), pairs(nn::weight_pairs(w, n)) {}
   const float* data() const { return f.data(); }
   // the pairs when `precision` asks for bf16 products, else null (the float32 weight)
   const uint32_t* pairs_for(Float32Precision precision) const {
