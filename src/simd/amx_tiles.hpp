@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
+#include <stdexcept>
 #include <type_traits>
 #include <vector>
 
@@ -429,6 +430,8 @@ void gemm_segments_pairs(int nseg, const uint32_t* const* A, const int64_t* K2, 
     g = std::gcd(g, K2[s]);
     max_k2 = std::max(max_k2, K2[s]);
   }
+  if (init && !(accumulate && alpha == 1.f))
+    throw std::invalid_argument("gemm_segments_pairs: an init row needs accumulate and alpha 1");
   if (M <= 0 || N <= 0) return;
   if (g == 0) {  // nothing to add
     if (init)
