@@ -40,11 +40,11 @@ float* Buffer::get(int64_t n) {
   return p_;
 }
 
-AlignedVector<uint32_t> weight_pairs(const std::vector<float>& w, int64_t N) {
+WorkspaceVector<uint32_t> weight_pairs(const std::vector<float>& w, int64_t N) {
   const int64_t ld = padded_cols(N), K = int64_t(w.size()) / ld;
   check(K * ld == int64_t(w.size()), ErrorKind::kInternal, "weight_pairs: ", w.size(), " values are not rows of ", ld);
   if (K % 2 != 0) return {};
-  AlignedVector<uint32_t> r(size_t(K / 2 * ld));
+  WorkspaceVector<uint32_t> r(size_t(K / 2 * ld));
   for (int64_t k2 = 0; k2 < K / 2; ++k2)
     for (int64_t n = 0; n < ld; ++n)
       r[size_t(k2 * ld + n)] = uint32_t(float_to_bf16(w[size_t(2 * k2 * ld + n)])) |
@@ -93,7 +93,7 @@ void linear(const uint16_t* x, int64_t M, int64_t K, const float* bias, int64_t 
 void layer_norm_linear(const float* x, int64_t M, int64_t C, const float* gamma, const float* beta, float eps,
                        const float* W, const float* bias, int64_t N, float* y, const uint32_t* W2) {
   if (pairs_run(W2, C)) {
-    thread_local AlignedVector<uint16_t> a2;
+    thread_local WorkspaceVector<uint16_t> a2;
     a2.resize(size_t(M * C));
     layer_norm_to_bf16(x, M, C, gamma, beta, eps, a2.data());
     return linear(a2.data(), M, C, bias, N, y, 1, W2);
@@ -107,7 +107,7 @@ void layer_norm_linear(const float* x, int64_t M, int64_t C, const float* gamma,
 void gelu_gemm_acc(float* h, int64_t M, int64_t K, const float* W, int64_t N, float* C, int64_t ldc,
                    const uint32_t* W2) {
   if (pairs_run(W2, K)) {
-    thread_local AlignedVector<uint16_t> h2;
+    thread_local WorkspaceVector<uint16_t> h2;
     h2.resize(size_t(M * K + 1));
     gelu_to_bf16(h, M * K, h2.data());
     const uint16_t* a[1] = {h2.data()};

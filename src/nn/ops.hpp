@@ -5,10 +5,10 @@
 // over output channels, contiguous in memory, so they vectorise.
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
-#include <new>
 #include <vector>
+
+#include "core/workspace.hpp"
 
 namespace sattn::nn {
 
@@ -45,29 +45,11 @@ bool has_bf16_products();
 // Whether a product with weight pairs W2 (may be null) summing K values runs on them: W2 given, K even,
 // has_bf16_products(). The functions below taking W2 decide by it.
 inline bool pairs_run(const uint32_t* W2, int64_t K) { return W2 && K % 2 == 0 && has_bf16_products(); }
-// std::allocator's counterpart for 64-byte (cache line) aligned storage: the operands whose rows the AMX tiles load
-// (a tile row split across two cache lines loads slower), so that rows of a whole number of lines never split.
-template <class T>
-struct CacheLineAllocator {
-  using value_type = T;
-  CacheLineAllocator() = default;
-  template <class U>
-  CacheLineAllocator(const CacheLineAllocator<U>&) {}
-  T* allocate(std::size_t n) {
-    void* p = ::operator new(n * sizeof(T), std::align_val_t(64));
-    return static_cast<T*>(p);
-  }
-  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
-  friend bool operator==(const CacheLineAllocator&, const CacheLineAllocator&) { return true; }
-  friend bool operator!=(const CacheLineAllocator&, const CacheLineAllocator&) { return false; }
-};
-template <class T>
-using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
-
 // [K][padded_cols(N)] floats (K even) -> [K/2][padded_cols(N)] words: word (k2, n) holds W[2 k2][n] (low 16 bits)
-// and W[2 k2 + 1][n] (high), rounded to bf16 (nearest even); empty when K is odd. Cache-line aligned: every row
-// (padded_cols(N) words, a whole number of lines) starts a line.
-AlignedVector<uint32_t> weight_pairs(const std::vector<float>& w, int64_t N);
+// and W[2 k2 + 1][n] (high), rounded to bf16 (nearest even); empty when K is odd. In workspace memory (64-byte
+// aligned): every row (padded_cols(N) words, a whole number of cache lines) starts a line, as the AMX tiles load
+// rows fastest (a tile row split across two lines loads slower).
+WorkspaceVector<uint32_t> weight_pairs(const std::vector<float>& w, int64_t N);
 // x rounded to bf16 (nearest even, denormals to zero) into out[n]; out is 4-byte aligned with room for n rounded
 // up to even (an odd n's pad half is written 0). Needs has_bf16_products().
 void round_to_bf16(const float* x, int64_t n, uint16_t* out);

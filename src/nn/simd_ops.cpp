@@ -424,8 +424,8 @@ void DepthwiseRow3(const float* a0, const float* a1, const float* a2, int64_t W,
   // vector instead of 19); then the row's last partial vector, masked. Each output is bias + the 9 taps in order
   // (ky, kx), whatever the loop: the same sums as a flat loop over the row, bitwise. The row goes in spans of whole
   // periods of about kDepthwiseSpan values, all phases of a span before the next, so that the span of the three
-  // input rows stays in L1 across its phases (a whole row of 256 x 40 values per phase streamed the rows from L2:
-  // the SR model's conv paths 32.8 -> 29.4 ms at x2 on the 256 x 256 crop, one thread; 640 and 2560 alike).
+  // input rows stays in L1 across its phases (a whole row of 256 x 40 values per phase streams them from L2;
+  // docs/sr_cpp.md has the measurement).
   constexpr int64_t kDepthwiseSpan = 1280;
   const int64_t span = P * std::max<int64_t>(1, kDepthwiseSpan / P);
   for (int64_t x0 = 0; x0 < full; x0 += span) {
@@ -704,7 +704,7 @@ void layer_norm_to_bf16(const float* x, int64_t M, int64_t C, const float* gamma
 void gemm_acc(const float* A, int64_t lda, int64_t M, int64_t K, const float* W, int64_t ldw, int64_t N, float* C,
               int64_t ldc, const uint32_t* W2) {
   if (pairs_run(W2, K)) {
-    thread_local AlignedVector<uint16_t> a2;
+    thread_local WorkspaceVector<uint16_t> a2;
     a2.resize(size_t(M * K));
     if (lda == K) round_to_bf16(A, M * K, a2.data());
     else

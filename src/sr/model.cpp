@@ -140,7 +140,7 @@ constexpr int64_t kChunkTokens = 256;
 // Per-thread scratch of a chunk of routed windows, reused across chunks and blocks.
 struct WindowScratch {
   // cache-line aligned: rows of the GEMMs' tiles split fewer lines
-  nn::AlignedVector<float> xw, qkv, o, t, h;
+  WorkspaceVector<float> xw, qkv, o, t, h;
   std::vector<uint8_t> mask;
 };
 

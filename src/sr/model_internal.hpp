@@ -16,8 +16,8 @@ namespace sattn::sr {
 // A GEMM weight in nn's layout ([K][padded_cols(N)] floats) and its bf16 pairs (nn::weight_pairs), which the
 // products take under UpscaleOptions::float32_precision = kBF16.
 struct GemmWeight {
-  nn::AlignedVector<float> f;         // cache-line aligned, as the pairs
-  nn::AlignedVector<uint32_t> pairs;  // empty for an odd K
+  WorkspaceVector<float> f;         // cache-line aligned, as the pairs
+  WorkspaceVector<uint32_t> pairs;  // empty for an odd K
   GemmWeight() = default;
   GemmWeight(const std::vector<float>& w, int64_t n) : f(w.begin(), w.end()), pairs(nn::weight_pairs(w, n)) {}
   const float* data() const { return f.data(); }
