@@ -89,7 +89,7 @@ bool takes_bf16(DType dtype, Float32Precision precision, bool forward, std::stri
     return amx && forward;
   }
   *why = "float32 inputs take the bf16 products only with float32_precision='bf16'";
-  return dtype == DType::kBF16 || (dtype == DType::kF32 && precision == Float32Precision::kBF16);
+  return fused::takes_bf16_products(dtype, precision);
 }
 }  // namespace
 

@@ -330,6 +330,10 @@ inline bool lse_needs_row_stats(float lse) {
 // and for float16 as two bf16 (`halves`, the amx forward) past 4096 with D a multiple of 16; below, the float32
 // products run (fused_kernel.cpp, docs/fused.md). SATTN_FUSED_TILE_MIN_WORK sets the least D·Lk for both.
 bool bf16_products_pay(int64_t D, int64_t Lk, bool halves);
+// Whether inputs of `dtype` take the bf16 products of a build that has them: bf16 always (exact operands), float32
+// when Float32Precision::kBF16 allows rounding them; float16 not (bf16 holds 3 bits fewer), except in the forward of
+// the amx build, which takes each float16 value as two bf16 (Params::split_halves, decided in fused_forward).
+bool takes_bf16_products(DType dtype, Float32Precision precision);
 
 // The builds of the tile loops for the selected SIMD target (simd/target.hpp), and its target's name.
 const ForwardOps& forward_ops();

@@ -76,6 +76,10 @@ bool bf16_products_pay(int64_t D, int64_t Lk, bool halves) {
   return halves ? D % 16 == 0 && work > 4096 : work >= 2048;
 }
 
+bool takes_bf16_products(DType dtype, Float32Precision precision) {
+  return dtype == DType::kBF16 || (dtype == DType::kF32 && precision == Float32Precision::kBF16);
+}
+
 namespace {
 
 View4 view4(const TensorView& t) {
@@ -318,13 +322,6 @@ void decode_forward(const ForwardArgs& a, Params& p, const ForwardOps& o) {
   });
 }
 
-// Whether inputs of `dtype` take the bf16 products of a build that has them: bf16 always (exact operands), float32
-// when Float32Precision::kBF16 allows rounding them; float16 not (bf16 holds 3 bits fewer), except in the forward of
-// the amx build, which takes each float16 value as two bf16 (Params::split_halves, decided in fused_forward).
-bool takes_bf16_products(DType dtype, const AttentionOptions& options) {
-  return dtype == DType::kBF16 || (dtype == DType::kF32 && options.float32_precision == Float32Precision::kBF16);
-}
-
 // Whether a float16 view holds an infinity (+-inf: exponent all ones, mantissa zero). Tasks per (b, head), any order.
 bool has_half_infinity(const View4& t, int64_t B, int64_t H, int64_t L, int64_t width, int threads) {
   std::atomic<bool> found{false};
@@ -416,7 +413,8 @@ void fused_forward(const ForwardArgs& a) {
                    !has_half_infinity(p.v, p.B, p.Hkv, p.Lk, p.Dv, a.num_threads);
   const bool bf16_products =
       o.pack_kv_pairs && p.Lq > kDecodeRows &&
-      ((takes_bf16_products(p.q.dtype, a.options) && bf16_products_pay(p.D, p.Lk, false)) || p.split_halves);
+      ((takes_bf16_products(p.q.dtype, a.options.float32_precision) && bf16_products_pay(p.D, p.Lk, false)) ||
+       p.split_halves);
   // The float32 products: V^T per key block (Params::vt_blocks) where a kv head's V is read by at least 4 query
   // blocks (the transposition reads and writes V once, in place of the dense copy a strided or half-precision V
   // would get; every reading block's P·V product then reads V^T along rows).
@@ -803,8 +801,8 @@ void fused_backward(const BackwardArgs& a) {
   p.dq = out_view4(a.grads.dq), p.dk = out_view4(a.grads.dk), p.dv = out_view4(a.grads.dv);
   const BackwardOps& o = backward_ops();
   const int threads = a.num_threads;
-  const bool bf16_products =
-      o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options) && bf16_products_pay(p.D, p.Lk, false);
+  const bool bf16_products = o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options.float32_precision) &&
+                             bf16_products_pay(p.D, p.Lk, false);
   const DenseKV dense_kv(p, threads, !bf16_products);
 
   // Row statistics: lse (+inf for rows without any allowed key, so that P = exp(s - lse) = 0); which query blocks
