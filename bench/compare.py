@@ -21,8 +21,9 @@ per-round ratios torch ms / sattn ms and their median (> 1: sattn faster). The w
 gradients (backward) of the two are compared; a gross mismatch is reported on stderr, the max |diff| goes to --json.
 
 Ceilings, once per thread count before its rows: the FMA limit (independent vector FMA chains of sattn's selected SIMD
-build on that many threads) and OpenBLAS SGEMM at N=2048, both from `build/sattn bench --json` (the OpenBLAS that
-sattn bench opens; --sattn names the binary), torch.mm at N=2048 in fp32 and bf16 (median of 5 after a warm-up;
+build on that many threads; under the amx and avx512bf16 builds also the vdpbf16ps limit, the same with AVX512-BF16
+dot products) and OpenBLAS SGEMM at N=2048, all from `build/sattn bench --json` (the OpenBLAS that sattn bench
+opens; --sattn names the binary), torch.mm at N=2048 in fp32 and bf16 (median of 5 after a warm-up;
 at N=256 where one call at N=2048 would take over a second, as bf16 does on a CPU without bf16 products).
 Each row's sattn_GF is also given as a share of the FMA limit (%fma; bf16 products on AMX tiles or vdpbf16ps are not
 bound by it).
@@ -124,8 +125,9 @@ def median_ms(fn, reps):
 
 
 def sattn_ceilings(binary, threads, n, reps):
-    """(FMA limit GFLOP/s or None where the build has none, OpenBLAS SGEMM GFLOP/s, its core) from `sattn bench
-    --json` (its attention row, tiny, is ignored), or None without the binary."""
+    """(FMA limit GFLOP/s or None where the build has none, OpenBLAS SGEMM GFLOP/s, its core, vdpbf16ps limit
+    GFLOP/s or None where not measured) from `sattn bench --json` (its attention row, tiny, is ignored), or None
+    without the binary."""
     if not os.path.exists(binary):
         return None
     r = subprocess.run([binary, "bench", "--json", "--threads", str(threads), "--lens", "64", "--dims", "64",
@@ -135,8 +137,8 @@ def sattn_ceilings(binary, threads, n, reps):
         sys.exit(f"compare.py: {binary} bench failed ({r.returncode}): {r.stderr.strip()}")
     rows = json.loads(r.stdout)
     sgemm = next(x for x in rows if x["kind"] == "sgemm")
-    fma = next((x["gflops"] for x in rows if x["kind"] == "fma_limit"), 0.0)
-    return fma or None, sgemm["gflops"], sgemm.get("blas_core", "?")
+    limit = next((x for x in rows if x["kind"] == "fma_limit"), {})
+    return limit.get("gflops") or None, sgemm["gflops"], sgemm.get("blas_core", "?"), limit.get("bf16_dot_gflops") or None
 
 
 def mm_ceiling(dtype, n, reps):
@@ -346,10 +348,14 @@ def main():
         mm16, n16 = mm_ceiling(torch.bfloat16, a.ceiling_n, a.ceiling_reps)
         no_binary = f"n/a (no {a.sattn}; --sattn names it)"
         fma_text = f"{fma:.1f} GFLOP/s" if fma else ("n/a (portable build)" if ceil else no_binary)
+        dot = ceil[3] if ceil else None
+        if dot:
+            fma_text += f", vdpbf16ps limit {dot:.1f} GFLOP/s"
         sg_text = f"{ceil[1]:.1f} GFLOP/s (OpenBLAS {ceil[2]})" if ceil else no_binary
         print(f"\nthreads={t}  FMA limit {fma_text}; N={a.ceiling_n}: sgemm {sg_text}; torch.mm fp32 {mm32:.1f}"
               f"{at_n(n32, a.ceiling_n)}, bf16 {mm16:.1f}{at_n(n16, a.ceiling_n)} GFLOP/s", flush=True)
         rows.append({"kind": "ceiling", "threads": t, "n": a.ceiling_n, "fma_limit_gflops": fma,
+                     "vdpbf16ps_limit_gflops": dot,
                      "sgemm_gflops": ceil[1] if ceil else None, "blas_core": ceil[2] if ceil else None,
                      "torch_mm_fp32_gflops": mm32, "torch_mm_fp32_n": n32,
                      "torch_mm_bf16_gflops": mm16, "torch_mm_bf16_n": n16})

@@ -1,5 +1,6 @@
 // The measured FMA limit (src/simd/fma_limit.cpp), the ceiling of `sattn bench`: which build runs under each target,
-// a finite rate where there is one, none for the portable build, and errors that name the argument.
+// a finite rate where there is one, none for the portable build, the vdpbf16ps limit under the bf16 targets only,
+// and errors that name the argument.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -27,6 +28,13 @@ TEST(FmaLimit, EveryTargetMeasuresItsOwnBuild) {
       EXPECT_EQ(r.gflops, 0.0) << "the portable build has no FMA limit to report";
     } else {
       EXPECT_TRUE(std::isfinite(r.gflops) && r.gflops > 0.1) << name << ": " << r.gflops;
+    }
+    // The vdpbf16ps limit: measured only under the targets whose bf16 products use them (available() lists those
+    // only on a CPU with AVX512-BF16).
+    if (t == Target::kAmx || t == Target::kAvx512Bf16) {
+      EXPECT_TRUE(std::isfinite(r.bf16_dot_gflops) && r.bf16_dot_gflops > 0.1) << name << ": " << r.bf16_dot_gflops;
+    } else {
+      EXPECT_EQ(r.bf16_dot_gflops, 0.0) << name;
     }
   }
 }

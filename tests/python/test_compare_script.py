@@ -1,4 +1,5 @@
-"""bench/compare.py on a tiny problem: its ceilings (the FMA limit and SGEMM from `sattn bench --json`, torch.mm),
+"""bench/compare.py on a tiny problem: its ceilings (the FMA limit, the vdpbf16ps limit where measured and SGEMM from
+`sattn bench --json`, torch.mm),
 each row's share of the FMA limit, and its --json file, written atomically (an existing file is replaced whole)."""
 import json
 import os
@@ -36,6 +37,12 @@ def test_tiny_run_reports_ceilings_and_shares_of_the_fma_limit(tmp_path):
     else:
         assert fma > 0
         assert row["sattn_pct_fma_limit"] == pytest.approx(100 * row["sattn_gflops"] / fma)
+    # the vdpbf16ps limit: measured under the builds with bf16 dot products, printed with the FMA limit
+    dot = ceiling["vdpbf16ps_limit_gflops"]
+    if sattn.simd_targets()["selected"] in ("amx", "avx512bf16"):
+        assert dot > 0 and f"vdpbf16ps limit {dot:.1f} GFLOP/s" in proc.stdout, proc.stdout
+    else:
+        assert dot is None and "vdpbf16ps" not in proc.stdout, proc.stdout
 
 
 @pytest.mark.skipif(not os.path.exists(CLI), reason=f"CLI {CLI} not built")

@@ -4,7 +4,8 @@
 // GFLOP/s: forward 4·B·H·Lq·Lk·D (half of it for causal), backward 2.5x the forward. Two ceilings, measured in the
 // same process before the rows of each thread count: "% fma" divides by the FMA limit (independent vector FMA
 // chains of the selected SIMD build on that many threads, simd/fma_limit.hpp), "% sgemm" by the cblas_sgemm rate
-// (N=2048, same thread count). Benchmarks are only meaningful on an idle machine.
+// (N=2048, same thread count). Under the amx and avx512bf16 builds the header also gives the vdpbf16ps limit (the
+// same with AVX512-BF16 dot products). Benchmarks are only meaningful on an idle machine.
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -91,13 +92,18 @@ void run_bench(const BenchConfig& cfg_in) {
       std::printf("threads=%lld  FMA limit: ", (long long)t);
       if (fma.gflops > 0) std::printf("%.1f GFLOP/s (%s)", fma.gflops, fma.build);
       else std::printf("n/a (portable build)");
+      if (fma.bf16_dot_gflops > 0) std::printf("  vdpbf16ps limit: %.1f GFLOP/s", fma.bf16_dot_gflops);
       if (cfg.sgemm_n > 0)
         std::printf("  sgemm N=%lld: %.1f GFLOP/s%s", (long long)cfg.sgemm_n, sg,
                     blas_core().empty() ? "" : (" (OpenBLAS " + blas_core() + ")").c_str());
       else std::printf("  sgemm skipped (--sgemm-n 0)");
       std::printf("  simd=%s\n", fused::simd_build());
     }
-    rows.push_back({{"kind", "fma_limit"}, {"threads", t}, {"gflops", fma.gflops}, {"simd", fma.build}});  // 0: n/a
+    rows.push_back({{"kind", "fma_limit"},
+                    {"threads", t},
+                    {"gflops", fma.gflops},  // 0: n/a
+                    {"simd", fma.build},
+                    {"bf16_dot_gflops", fma.bf16_dot_gflops}});  // 0: not measured (not amx / avx512bf16)
     rows.push_back({{"kind", "sgemm"}, {"threads", t}, {"n", cfg.sgemm_n}, {"gflops", sg}, {"blas_core", blas_core()}});
     if (tty)
       std::printf("  %-4s %6s %-6s %-3s %10s %9s %7s %8s %10s %s\n", "D", "L", "mask", "pass", "median_ms", "GFLOP/s",
