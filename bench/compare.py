@@ -138,7 +138,8 @@ def sattn_ceilings(binary, threads, n, reps):
     rows = json.loads(r.stdout)
     sgemm = next(x for x in rows if x["kind"] == "sgemm")
     limit = next((x for x in rows if x["kind"] == "fma_limit"), {})
-    return limit.get("gflops") or None, sgemm["gflops"], sgemm.get("blas_core", "?"), limit.get("bf16_dot_gflops") or None
+    dot = limit.get("bf16_dot_gflops") or None
+    return limit.get("gflops") or None, sgemm["gflops"], sgemm.get("blas_core", "?"), dot
 
 
 def mm_ceiling(dtype, n, reps):
