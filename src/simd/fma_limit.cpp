@@ -133,9 +133,9 @@ FmaLimit fma_limit(int threads, double seconds) {
   // kernel of that build may run faster than its FMA chains: no limit to report.
   if (build.target == Target::kPortable) return r;
   r.gflops = measure_gflops(build.ops, 2.0 * kFmaChains, threads, seconds);
+  // (a selected amx or avx512bf16 target is one this CPU runs, vdpbf16ps included)
   const Target sel = selected();
-  if (const ChainsFn dot = dot_bf16_chains();
-      dot && (sel == Target::kAmx || sel == Target::kAvx512Bf16) && cpu_runs(Target::kAvx512Bf16))
+  if (const ChainsFn dot = dot_bf16_chains(); dot && (sel == Target::kAmx || sel == Target::kAvx512Bf16))
     r.bf16_dot_gflops = measure_gflops(dot, 4.0 * 16, threads, seconds);
   return r;
 }
