@@ -36,8 +36,8 @@ build/python is also tried when sattn is not importable).
   PYTHONPATH=build/python build/venv/bin/python bench/compare.py --quick         # smoke test (seconds)
   PYTHONPATH=build/python build/venv/bin/python bench/compare.py [--dtypes fp32,bf16,fp16] [--passes fwd,bwd]
       [--masks full,causal,bias,padding,bool] [--dims 64,128] [--lens 1024,4096] [--threads 1,2] [--decode-lens 65536]
-      [--decode-dtypes bf16,fp32] [--batch 1] [--heads 8] [--kv-heads H] [--rounds 5] [--reps 1]
-      [--sattn build/sattn] [--json out.json]
+      [--decode-dtypes bf16,fp32] [--batch 1] [--heads 8] [--kv-heads H] [--float32-precision highest]
+      [--rounds 5] [--reps 1] [--sattn build/sattn] [--json out.json]
 
 --quick: L 256, D 64, 2 rounds, 1 thread, decode Lk 1024, ceilings at N=512 (3 reps); options given explicitly
 override it. --decode-lens '' skips decode. --kv-heads below --heads times grouped-query attention (both sides with
@@ -285,6 +285,9 @@ def parse_args():
     ap.add_argument("--layout", choices=("bhld", "blhd"), default="bhld",
                     help="q, k, v contiguous [B, H, L, D] (default) or views of [B, L, H, D] memory, each call then "
                     "followed by out.transpose(1, 2).reshape(B, Lq, H*D) (see above)")
+    ap.add_argument("--float32-precision", choices=("highest", "high", "medium"), default="highest",
+                    help="torch.set_float32_matmul_precision for the run, which sattn.torch follows ('high': float32 "
+                         "as two bf16 in sattn's AMX forward; 'medium': rounded to bf16); default highest")
     ap.add_argument("--rounds", type=int, help="alternating rounds per configuration (default 5)")
     ap.add_argument("--reps", type=int, default=1, help="calls per measurement, median taken (default 1)")
     ap.add_argument("--ceiling-n", type=int, help="N of the SGEMM and torch.mm ceilings (default 2048)")
@@ -323,6 +326,7 @@ def main():
     decode_lens = ints(a.decode_lens, "--decode-lens")
     decode_dtypes = names(a.decode_dtypes, DTYPE_NAMES, "--decode-dtypes")
 
+    torch.set_float32_matmul_precision(a.float32_precision)  # both sides (sattn.torch follows torch's setting)
     model, isa = cpu_info()
     simd = sattn.simd_targets()
     cap = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "?"
@@ -331,11 +335,12 @@ def main():
           f"(selected {simd['selected']}; this CPU runs {', '.join(simd['available'])})")
     print(f"torch {torch.__version__} (CPU capability {cap}); B={a.batch} H={a.heads} Hkv={a.kv_heads}, "
           f"{'q, k, v from [B, L, H, D] memory, out merged to [B, L, H*D], ' if a.layout == 'blhd' else ''}"
+          f"float32 matmul precision {a.float32_precision}; "
           f"{a.rounds} rounds of {a.reps} call(s) per side, alternating which goes first; "
           "ratio = torch ms / sattn ms (> 1: sattn faster)")
     rows = [{"kind": "env", "cpu": model, "isa_flags": isa, "sattn_version": sattn.__version__, "sattn_simd": simd,
              "torch_version": torch.__version__, "torch_cpu_capability": cap, "batch": a.batch, "heads": a.heads,
-             "kv_heads": a.kv_heads, "layout": a.layout,
+             "kv_heads": a.kv_heads, "layout": a.layout, "float32_precision": a.float32_precision,
              "rounds": a.rounds, "reps": a.reps}]
 
     for t in thread_counts:

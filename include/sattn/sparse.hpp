@@ -27,7 +27,7 @@ struct EngineOptions {
   // kBF16: the forward and the backward may take the bf16 products (vdpbf16ps: q, k, v and dout rounded to bf16,
   // P and dS rounded once) for float32 inputs too, where the CPU has them, as bf16 inputs with a bf16 out (forward)
   // or bf16 gradients (backward) always do; score mods with parameters keep the backward on float32 products.
-  // docs/sparse.md.
+  // kHigh is kHighest here. docs/sparse.md.
   Float32Precision float32_precision = Float32Precision::kHighest;
 };
 

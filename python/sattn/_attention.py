@@ -154,9 +154,9 @@ def _as_array(x, name):
 
 
 def _check_float32_precision(x):
-    if x not in ("highest", "bf16") or not isinstance(x, str):
+    if not isinstance(x, str) or x not in ("highest", "high", "bf16"):
         raise (_value_error if isinstance(x, str) else _type_error)(
-            f"float32_precision: expected 'highest' or 'bf16', got {x!r}")
+            f"float32_precision: expected 'highest', 'high' or 'bf16', got {x!r}")
     return x
 
 
@@ -254,9 +254,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     is_causal with causal_alignment 'top_left' (PyTorch: key j <= query i) or 'bottom_right' (FlashAttention:
     j <= i + Lk - Lq); intersected with attn_mask when both are given (PyTorch raises instead).
     A query row with no allowed key returns 0 (PyTorch returns NaN) and lse = -inf.
-    float32_precision: 'highest' (default) or 'bf16', as torch.set_float32_matmul_precision('medium'): float32
-    inputs and the softmax probabilities may be rounded to bfloat16 in the fused kernel's products where the CPU
-    has bf16 products (the amx and avx512bf16 SIMD targets) — faster, about 2^-9 relative per rounding; elsewhere no change.
+    float32_precision: 'highest' (default), 'high' or 'bf16', as torch.set_float32_matmul_precision's 'highest',
+    'high' and 'medium'. 'bf16': float32 inputs and the softmax probabilities may be rounded to bfloat16 in the fused
+    kernel's products where the CPU has bf16 products (the amx and avx512bf16 SIMD targets) — faster, about 2^-9
+    relative per rounding. 'high': the forward on the amx target takes each float32 value as the sum of two bfloat16
+    (within about 2^-17 relative) on the AMX tiles — faster, nearly float32 accuracy. Elsewhere no change.
     (bfloat16 inputs, whose out here is bfloat16, round the probabilities once on those targets in any case.)
     query_offset, key_offset, position_stride: the call is one shard of a longer sequence (sequence parallelism, as
     sattn.dist does): query row i sits at global position query_offset + position_stride * i, key j at

@@ -106,19 +106,19 @@ def _run_threads(num_threads):
 
 
 def _float32_precision(x):
-    """The operators' float32_precision argument: 'highest', 'bf16', or 'auto' (None) for torch's setting, read when
-    the operator runs (dynamo cannot trace torch.get_float32_matmul_precision, as for the thread count)."""
+    """The operators' float32_precision argument: 'highest', 'high', 'bf16', or 'auto' (None) for torch's setting, read
+    when the operator runs (dynamo cannot trace torch.get_float32_matmul_precision, as for the thread count)."""
     if x is None:
         return "auto"
-    if not isinstance(x, str) or x not in ("highest", "bf16"):
+    if not isinstance(x, str) or x not in ("highest", "high", "bf16"):
         raise (_core.InvalidArgumentError if isinstance(x, str) else TypeError)(
-            f"float32_precision: expected None, 'highest' or 'bf16', got {x!r}")
+            f"float32_precision: expected None, 'highest', 'high' or 'bf16', got {x!r}")
     return x
 
 
 def _run_precision(x):
     if x == "auto":
-        return "bf16" if torch.get_float32_matmul_precision() == "medium" else "highest"
+        return {"medium": "bf16", "high": "high"}.get(torch.get_float32_matmul_precision(), "highest")
     return x
 
 
@@ -288,8 +288,8 @@ def _run(operator, function, *args):
 # ---- sattn::sdpa_forward / sattn::sdpa_backward -------------------------------------------------------------------
 # 4-D query [B, Hq, Lq, E], key [B, Hkv, Lk, E], value [B, Hkv, Lk, Ev]; attn_mask bool (True = may attend) or float
 # (additive), at most 4-D and broadcastable to [B, Hq, Lq, Lk]; key_padding_mask bool [B, Lk] (True = padding);
-# causal "none" | "top_left" | "bottom_right"; float32_precision "highest" | "bf16" (AttentionOptions) | "auto"
-# (torch.get_float32_matmul_precision() when the operator runs: "medium" is "bf16"). Returns out
+# causal "none" | "top_left" | "bottom_right"; float32_precision "highest" | "high" | "bf16" (AttentionOptions) |
+# "auto" (torch.get_float32_matmul_precision() when the operator runs: "medium" is "bf16"). Returns out
 # [B, Hq, Lq, Ev] (query's dtype), lse [B, Hq, Lq] (float32; float64 for float64 inputs) and out_float32 (see "Half
 # precision and the backward" above).
 
@@ -456,9 +456,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     j <= query i) or "bottom_right" (FlashAttention: j <= i + Lk - Lq); with attn_mask the two are intersected.
     A query row with no allowed key gives 0 (as torch 2.x). Dropout's seed comes from torch's default generator.
     Differentiable with respect to query, key, value and a float attn_mask.
-    float32_precision: 'highest' or 'bf16' (float32 inputs and the softmax probabilities may be rounded to bfloat16
-    in the products where the CPU has bf16 products: faster, about 2^-9 relative per rounding); None (default)
-    follows torch.get_float32_matmul_precision(): 'medium' means 'bf16', 'high' and 'highest' mean 'highest'.
+    float32_precision: 'highest', 'high' or 'bf16'. 'bf16': float32 inputs and the softmax probabilities may be
+    rounded to bfloat16 in the products where the CPU has bf16 products (faster, about 2^-9 relative per rounding).
+    'high': the forward on AMX takes each float32 value as the sum of two bfloat16 (within about 2^-17 relative;
+    faster, the backward as 'highest'). None (default) follows torch.get_float32_matmul_precision(): 'medium' means
+    'bf16', 'high' 'high' and 'highest' 'highest'.
     """
     if (type(query) is Tensor and type(key) is Tensor and type(value) is Tensor
             and (attn_mask is None or (type(attn_mask) is Tensor and attn_mask.is_cpu and attn_mask.dim() <= 4))
@@ -652,8 +654,8 @@ def sparse_attention(query, key, value, pattern, scale=None, enable_gqa=False, *
     its spec (e.g. "SlidingWindow(256, 256)", "TopK(32)"); the keyword arguments are sattn.sparse_attention's
     (docs/sparse.md). Returns out [B, Hq, Lq, Dv] in the inputs' dtype; with return_lse=True also lse
     [B, Hq, Lq], with return_indices=True the TopK/BlockTopK selection (int64); neither is differentiable.
-    float32_precision: 'highest', 'bf16' (float32 inputs may take the bf16 products, forward and backward) or
-    None (torch.get_float32_matmul_precision(), 'medium' being 'bf16')."""
+    float32_precision: 'highest', 'bf16' (float32 inputs may take the bf16 products, forward and backward), 'high'
+    (here as 'highest') or None (torch.get_float32_matmul_precision(), 'medium' being 'bf16')."""
     for x, name in ((query, "query"), (key, "key"), (value, "value")):
         _check_tensor(x, name)
     _check_same_dtype(query, key, value)

@@ -23,12 +23,19 @@ Causal parse_causal(const std::string& text, const char* argument_name) {
   fail(ErrorKind::kInvalidArgument, argument_name, ": expected 'none', 'top_left' or 'bottom_right', got '", text, "'");
 }
 
-const char* to_string(Float32Precision precision) { return precision == Float32Precision::kBF16 ? "bf16" : "highest"; }
+const char* to_string(Float32Precision precision) {
+  switch (precision) {
+    case Float32Precision::kBF16: return "bf16";
+    case Float32Precision::kHigh: return "high";
+    default: return "highest";
+  }
+}
 
 Float32Precision parse_float32_precision(const std::string& text, const char* argument_name) {
   if (text == "highest") return Float32Precision::kHighest;
+  if (text == "high") return Float32Precision::kHigh;
   if (text == "bf16") return Float32Precision::kBF16;
-  fail(ErrorKind::kInvalidArgument, argument_name, ": expected 'highest' or 'bf16', got '", text, "'");
+  fail(ErrorKind::kInvalidArgument, argument_name, ": expected 'highest', 'high' or 'bf16', got '", text, "'");
 }
 
 }  // namespace sattn

@@ -78,8 +78,8 @@ std::vector<std::pair<std::string, std::string>> explain_targets(DType dtype, bo
   return out;
 }
 
-// Whether inputs of `dtype` under `precision` take the bf16 products of the selected build (float16: the amx
-// forward's tiles, each value as two bf16), and why not.
+// Whether inputs of `dtype` under `precision` take the bf16 products of the selected build (float16, and float32
+// under kHigh: the amx forward's tiles, each value as two bf16), and why not.
 bool takes_bf16(DType dtype, Float32Precision precision, bool forward, std::string* why) {
   const bool amx = simd::parse(fused::simd_build(), "fused build") == simd::Target::kAmx;
   if (dtype == DType::kF16) {
@@ -88,7 +88,14 @@ bool takes_bf16(DType dtype, Float32Precision precision, bool forward, std::stri
         "float32 ones";
     return amx && forward;
   }
-  *why = "float32 inputs take the bf16 products only with float32_precision='bf16'";
+  if (dtype == DType::kF32 && precision == Float32Precision::kHigh) {
+    *why =
+        "float32 inputs under float32_precision='high' take bf16 products only in the forward on AMX tiles (each "
+        "value as two bf16), else the float32 ones";
+    return amx && forward;
+  }
+  *why = amx ? "float32 inputs take the bf16 products only with float32_precision='bf16' (or 'high', in the forward)"
+             : "float32 inputs take the bf16 products only with float32_precision='bf16'";
   return fused::takes_bf16_products(dtype, precision);
 }
 }  // namespace
@@ -103,7 +110,8 @@ std::vector<std::pair<std::string, std::string>> explain_simd_targets(const Atte
                                                                       Float32Precision precision) {
   std::string why;
   bool bf16 = takes_bf16(problem.dtype_q, precision, !problem.backward, &why);
-  const bool halves = problem.dtype_q == DType::kF16;
+  const bool halves = problem.dtype_q == DType::kF16 ||
+                      (problem.dtype_q == DType::kF32 && precision == Float32Precision::kHigh);  // two bf16 each
   if (bf16 && !fused::bf16_products_pay(problem.head_dim, problem.len_k, halves)) {
     bf16 = false;
     why = "keys too short for the bf16 products to pay (D·Lk = " + std::to_string(problem.head_dim * problem.len_k) +

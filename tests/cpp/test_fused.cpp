@@ -462,16 +462,20 @@ bool same_nans_and_close(const Tensor& got, const Tensor& want, double tol) {
   return true;
 }
 
-// A float16 [B, H, L, D] tensor's values with their elements two apart (a last-dimension stride of 2).
-Input spread_half(const Tensor& t) {
+// A float16 or float32 [B, H, L, D] tensor's values with their elements two apart (a last-dimension stride of 2; NaN
+// between them).
+Input spread_rows(const Tensor& t) {
   const int64_t B = t.shape()[0], H = t.shape()[1], L = t.shape()[2], D = t.shape()[3];
   Input in;
-  in.storage = Tensor(DType::kF16, {B, H, L, 2 * D});
-  const auto* src = static_cast<const uint16_t*>(t.data());
-  auto* dst = static_cast<uint16_t*>(in.storage.data());
-  for (int64_t r = 0; r < B * H * L; ++r)
-    for (int64_t x = 0; x < D; ++x) dst[r * 2 * D + 2 * x] = src[r * D + x], dst[r * 2 * D + 2 * x + 1] = 0x7E00u;
-  in.view = TensorView(in.storage.data(), DType::kF16, {B, H, L, D}, {H * L * 2 * D, L * 2 * D, 2 * D, 2});
+  in.storage = Tensor(t.dtype(), {B, H, L, 2 * D});
+  const auto spread = [&](auto* dst, const auto* src, auto nan) {
+    for (int64_t r = 0; r < B * H * L; ++r)
+      for (int64_t x = 0; x < D; ++x) dst[r * 2 * D + 2 * x] = src[r * D + x], dst[r * 2 * D + 2 * x + 1] = nan;
+  };
+  if (t.dtype() == DType::kF32)
+    spread(in.storage.data<float>(), t.data<float>(), std::numeric_limits<float>::quiet_NaN());
+  else spread(static_cast<uint16_t*>(in.storage.data()), static_cast<const uint16_t*>(t.data()), uint16_t(0x7E00u));
+  in.view = TensorView(in.storage.data(), t.dtype(), {B, H, L, D}, {H * L * 2 * D, L * 2 * D, 2 * D, 2});
   return in;
 }
 
@@ -493,7 +497,7 @@ TEST_P(FusedBf16Products, Float16InputsMatchReference) {
     const FwdResult got3 = run_forward(in, "fused", 3);
     EXPECT_TRUE(bitwise_equal(got.out, got3.out) && bitwise_equal(got.lse, got3.lse));
     if (c.strided) {  // elements two apart (NaN between them): the same values packed, the same results
-      const Input qs = spread_half(r.q), ks = spread_half(r.k), vs = spread_half(r.v);
+      const Input qs = spread_rows(r.q), ks = spread_rows(r.k), vs = spread_rows(r.v);
       Problem sp = in;
       sp.q.view = qs.view, sp.k.view = ks.view, sp.v.view = vs.view;
       const FwdResult got_s = run_forward(sp, "fused", 1);
@@ -516,6 +520,77 @@ TEST_P(FusedBf16Products, Float16InputsMatchReference) {
       EXPECT_TRUE(bitwise_equal(got.out, want.out) && bitwise_equal(got.lse, want.lse));
     }
     EXPECT_TRUE(same_nans_and_close(got.out, want.out, 2e-5) && same_nans_and_close(got.lse, want.lse, 2e-5));
+  }
+}
+
+// float32 inputs under Float32Precision::kHigh: the amx forward takes each value as two bf16 parts, as it takes
+// float16 inputs (decode, Lq <= 4, excepted). Float32 inputs holding float16 values split exactly: bitwise the
+// float16 inputs' results. Full
+// float32 values come within kHighTol of the fp64 reference (the parts carry about 16 significant bits, 2^-17
+// relative per operand; measured up to 2.2e-5 on this sweep; the float32 products' tolerance is 2e-5, the
+// bf16 rounding's 1e-2), and not as the float32 products (the parts ran); bitwise the same for 1 and 3 threads. The
+// backward, and the forward of the avx512bf16 build, are the float32 products: bitwise kHighest. So is a forward
+// whose q, k or v holds a value the parts cannot carry (an infinity, a NaN, a float32 that rounds past bf16's
+// largest value).
+constexpr double kHighTol = 1e-4;
+
+TEST_P(FusedBf16Products, Float32HighTakesTwoBf16Parts) {
+  const bool amx = GetParam() == "amx";
+  uint32_t seed = 1700;
+  double worst = 0;
+  for (const Case& c : sweep()) {
+    SCOPED_TRACE(c.name());
+    Problem pb = make_problem(c, ++seed);
+    const FwdResult ref = run_forward(pb, "reference", 1);
+    const FwdResult highest = run_forward(pb, "fused", 1);
+    const BwdResult ghighest = run_backward(pb, as_f32(ref), "fused", 1);
+    pb.opt.float32_precision = sattn::Float32Precision::kHigh;
+    const FwdResult got = run_forward(pb, "fused", 1), got3 = run_forward(pb, "fused", 3);
+    EXPECT_TRUE(bitwise_equal(got.out, got3.out) && bitwise_equal(got.lse, got3.lse));
+    const BwdResult g = run_backward(pb, as_f32(ref), "fused", 1);
+    EXPECT_TRUE(bitwise_equal(g.dq, ghighest.dq) && bitwise_equal(g.dk, ghighest.dk) &&
+                bitwise_equal(g.dv, ghighest.dv));
+    if (!amx) {
+      EXPECT_TRUE(bitwise_equal(got.out, highest.out) && bitwise_equal(got.lse, highest.lse));
+      continue;
+    }
+    const double e = std::max(rel_err(got.out, ref.out), rel_err(got.lse, ref.lse));
+    worst = std::max(worst, e);
+    EXPECT_LE(e, kHighTol);
+    if (c.Lq <= 4) continue;         // decode: the float32 products (their own path for float16 inputs)
+    if (max_abs(highest.out) > 0) {  // (not every row masked)
+      EXPECT_FALSE(bitwise_equal(got.out, highest.out));
+    }
+    if (c.strided) {  // elements two apart (NaN between them): the same values split, the same results
+      const Tensor qc = Tensor::from_view(pb.q.view), kc = Tensor::from_view(pb.k.view),
+                   vc = Tensor::from_view(pb.v.view);
+      const Input qs = spread_rows(qc), ks = spread_rows(kc), vs = spread_rows(vc);
+      Problem sp = pb;
+      sp.q.view = qs.view, sp.k.view = ks.view, sp.v.view = vs.view;
+      const FwdResult got_s = run_forward(sp, "fused", 1);
+      EXPECT_TRUE(bitwise_equal(got.out, got_s.out) && bitwise_equal(got.lse, got_s.lse));
+    }
+    const RoundedInputs r = rounded_inputs(pb, DType::kF16);  // float16 values, as float16 and as float32
+    const FwdResult h16 = run_forward(r.in, "fused", 1), h32 = run_forward(r.up, "fused", 1);
+    EXPECT_TRUE(bitwise_equal(h16.out, h32.out) && bitwise_equal(h16.lse, h32.lse));
+  }
+  if (amx)
+    std::printf("float32_precision high: worst error %.3g against the fp64 reference (tolerance %g)\n", worst,
+                kHighTol);
+  Case c;
+  c.Hq = 2, c.Hkv = 2, c.Lq = 70, c.Lk = 81, c.D = 24, c.Dv = 40;
+  for (int which = 0; which < 9; ++which) {
+    const uint32_t bits[3] = {0x7F7F8000u, 0xFF800000u, 0x7FC00000u};  // rounds to bf16's infinity, -inf, NaN
+    char what[64];
+    std::snprintf(what, sizeof what, "value bits 0x%08X in %c", unsigned(bits[which / 3]), "qkv"[which % 3]);
+    SCOPED_TRACE(what);
+    Problem pb = make_problem(c, 9);
+    Tensor* t[3] = {&pb.q.storage, &pb.k.storage, &pb.v.storage};  // (not strided: storage = view)
+    std::memcpy(static_cast<float*>(t[which % 3]->data()) + 77, &bits[which / 3], sizeof(uint32_t));
+    const FwdResult highest = run_forward(pb, "fused", 1);
+    pb.opt.float32_precision = sattn::Float32Precision::kHigh;
+    const FwdResult got = run_forward(pb, "fused", 1);
+    EXPECT_TRUE(bitwise_equal(got.out, highest.out) && bitwise_equal(got.lse, highest.lse));
   }
 }
 
@@ -1382,11 +1457,12 @@ TEST(Fused, ReusedWorkspaceGivesTheFreshResultsBitwise) {
 TEST(Fused, Float32PrecisionBf16RoundsOnlyWhereAllowed) {
   EXPECT_EQ(sattn::parse_float32_precision("bf16"), sattn::Float32Precision::kBF16);
   EXPECT_EQ(sattn::parse_float32_precision("highest"), sattn::Float32Precision::kHighest);
+  EXPECT_EQ(sattn::parse_float32_precision("high"), sattn::Float32Precision::kHigh);
   try {
     sattn::parse_float32_precision("medium", "--float32-precision");
     ADD_FAILURE() << "no error";
   } catch (const sattn::Error& e) {
-    EXPECT_EQ(std::string(e.what()), "--float32-precision: expected 'highest' or 'bf16', got 'medium'");
+    EXPECT_EQ(std::string(e.what()), "--float32-precision: expected 'highest', 'high' or 'bf16', got 'medium'");
   }
   const auto avail = sattn::testing::simd_target_names();
   const bool has_bf16 = std::any_of(avail.begin(), avail.end(), has_bf16_products);

@@ -220,7 +220,7 @@ def test_float32_precision_bf16_rounds_float32_inputs_only_where_the_cpu_has_bf1
     else:
         np.testing.assert_array_equal(rounded, highest)  # nothing to round with on this target
     for bad, err in (("medium", ValueError), (16, TypeError)):
-        with pytest.raises(err, match="float32_precision: expected 'highest' or 'bf16'"):
+        with pytest.raises(err, match="float32_precision: expected 'highest', 'high' or 'bf16'"):
             sattn.scaled_dot_product_attention(q, k, v, float32_precision=bad)
 
 
@@ -245,8 +245,49 @@ def test_sattn_torch_follows_torch_float32_matmul_precision():
         assert (got.double() - want).abs().max() <= 5e-2 * max(1.0, want.abs().max().item())
     if sattn.simd_targets()["fused"] in ("amx", "avx512bf16"):
         assert not torch.equal(medium, highest)
-    with pytest.raises(sattn.InvalidArgumentError, match="float32_precision: expected None, 'highest' or 'bf16'"):
+    with pytest.raises(sattn.InvalidArgumentError,
+                       match="float32_precision: expected None, 'highest', 'high' or 'bf16'"):
         st.scaled_dot_product_attention(q, k, v, float32_precision="medium")
+
+
+def test_float32_precision_high_takes_two_bf16_parts_in_the_amx_forward():
+    """float32_precision='high' (torch.set_float32_matmul_precision('high')): on the amx target the forward takes each
+    float32 value as two bf16 parts: within 1e-4 of the float64 result (measured up to 1.6e-5 here), 50 times closer
+    than 'bf16', and not the 'highest' bits; the backward stays the float32 products (bitwise 'highest'). Elsewhere
+    'high' is 'highest'. sattn.torch follows torch's 'high' setting the same way."""
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((1, 4, 300, 64)).astype(np.float32) for _ in range(3))
+    ref = sattn.scaled_dot_product_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                                             is_causal=True)
+    highest, lse = sattn.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+    high, high_lse = sattn.scaled_dot_product_attention(q, k, v, is_causal=True, float32_precision="high",
+                                                        return_lse=True)
+    rounded = sattn.scaled_dot_product_attention(q, k, v, is_causal=True, float32_precision="bf16")
+    if sattn.simd_targets()["fused"] == "amx":
+        err = np.abs(high - ref).max()
+        assert 0 < np.abs(high - highest).max() and err <= 1e-4 and err * 50 <= np.abs(rounded - ref).max()
+    else:
+        np.testing.assert_array_equal(high, highest)
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    for a, b in zip(sattn.scaled_dot_product_attention_backward(do, q, k, v, highest, lse, is_causal=True),
+                    sattn.scaled_dot_product_attention_backward(do, q, k, v, highest, lse, is_causal=True,
+                                                                float32_precision="high")):
+        np.testing.assert_array_equal(a, b)
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        followed = st.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+        grads = torch.autograd.grad(followed, (tq, tk, tv), torch.from_numpy(do))
+    finally:
+        torch.set_float32_matmul_precision(before)
+    np.testing.assert_array_equal(followed.detach().numpy(), high)
+    # the backward of that out and lse, on the float32 products
+    for a, b in zip(grads, sattn.scaled_dot_product_attention_backward(do, q, k, v, high, high_lse, is_causal=True)):
+        np.testing.assert_array_equal(a.numpy(), b)
+    pattern = sattn.parse_pattern("SlidingWindow(40, 40)")  # the sparse engine: 'high' is 'highest'
+    np.testing.assert_array_equal(sattn.sparse_attention(q, k, v, pattern, float32_precision="high"),
+                                  sattn.sparse_attention(q, k, v, pattern))
 
 
 def test_sparse_float32_precision_bf16_rounds_float32_inputs_only_where_the_cpu_has_bf16_products():

@@ -209,7 +209,8 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--threads", cfg.threads, "thread counts, comma separated")->capture_default_str();
   cmd->add_option("--dtype", cfg.dtype, "f32, bf16 or f16 inputs")->capture_default_str();
   cmd->add_option("--float32-precision", cfg.float32_precision,
-                  "highest or bf16 (float32 values may be rounded to bfloat16 in the products; see sattn attn --help)")
+                  "highest, high or bf16 (float32 values as two bfloat16 in the AMX forward, or rounded to bfloat16 "
+                  "in the products; see sattn attn --help)")
       ->capture_default_str();
   cmd->add_option("--kernel", cfg.kernel, "kernel to force (fused, reference, auto)")->capture_default_str();
   cmd->add_option("--lq", cfg.lq, "query length (0 = L; e.g. 1 for decode, keys L; causal is then bottom-right)")

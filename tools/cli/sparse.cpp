@@ -128,7 +128,8 @@ void add_sparse_run(CLI::App& app) {
   cmd->add_option("--indices", a.indices, "selected key (block) indices .npy (TopK / BlockTopK)");
   cmd->add_option("--float32-precision", a.float32_precision,
                   "highest or bf16 (float32 inputs may take the forward's bf16 products where the CPU has them, "
-                  "rounded to bfloat16: faster, about 2^-9 relative per rounding; docs/sparse.md)")
+                  "rounded to bfloat16: faster, about 2^-9 relative per rounding; docs/sparse.md); high runs as "
+                  "highest here")
       ->capture_default_str();
   cmd->callback([] { run_sparse(a); });
 }
@@ -300,7 +301,7 @@ void add_sparse_bench(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--float32-precision", a.float32_precision,
                   "highest or bf16 (float32 inputs on the bf16 products where the CPU has them, forward and "
-                  "backward)")
+                  "backward); high runs as highest here")
       ->capture_default_str();
   cmd->callback([] { run_sparse_bench(a); });
 }

@@ -85,19 +85,21 @@ struct Params {
   uint32_t* v_pairs = nullptr;
   // P·V takes P rounded to bf16 once (Float32Precision::kBF16, or bf16 inputs with a bf16 out), else as two bf16 parts
   bool round_p = false;
-  // float16 inputs on the amx tiles: every float16 is the sum of two bf16 exactly (its 11 significant bits are the 8
-  // of its bf16 rounding and at most 3 more), so K and V are packed twice, the rounded values (k_pairs, v_pairs)
-  // and the remainders half_lo words after them, and Q likewise per task; every product then sums all four part
-  // products, each exact in float32, and is as accurate as the float32 products (the inputs' own values, no
-  // rounding). Inputs holding an infinity do not take this path (inf · 0 between parts would make a NaN).
-  bool split_halves = false;
+  // Each input value as two bf16 on the amx tiles (the forward of float16 inputs, and of float32 ones under
+  // Float32Precision::kHigh): K and V are packed twice, the rounded values (k_pairs, v_pairs) and the remainders
+  // k_lo_words / v_lo_words after them, and Q likewise per task; every product then sums all four part products,
+  // each exact in float32. Every float16 is the sum of its two parts exactly (its 11 significant bits are the 8 of
+  // its bf16 rounding and at most 3 more), so those products are as accurate as the float32 ones; a float32 value is
+  // within 2^-17 of its two (relative). Inputs holding an infinity (inf · 0 between parts would make a NaN), or
+  // float32 ones holding a NaN or a value that rounds past bf16's largest, do not take this path.
+  bool split_bf16 = false;
   int64_t k_lo_words = 0, v_lo_words = 0;
   int64_t d_pairs() const { return (D + 1) / 2; }
-  // Words per row of k_pairs and rows of the Q^T pairs: d_pairs(), on the amx tiles (but split_halves) rounded up
+  // Words per row of k_pairs and rows of the Q^T pairs: d_pairs(), on the amx tiles (but split_bf16) rounded up
   // to 16 with zero words (tile_pair_stride), so that S^T = K Q^T loads whole tiles where D is not a multiple of 32
   // (one tile product sums up to 16 pairs: the padding adds no product, and saves staging every partial tile).
   int64_t k_pair_stride() const { return tile_pair_stride(d_pairs()); }
-  int64_t tile_pair_stride(int64_t pairs) const { return amx_tiles && !split_halves ? pad16(pairs) : pairs; }
+  int64_t tile_pair_stride(int64_t pairs) const { return amx_tiles && !split_bf16 ? pad16(pairs) : pairs; }
   int64_t dv_pairs() const { return (Dv + 1) / 2; }
   // Words per row of the backward's v_row_pairs and rows of its dO^T pairs, padded as k_pair_stride() is (the
   // backward's k_pairs and Q^T pairs take k_pair_stride() too): dP^T = V dO^T loads whole tiles.
@@ -332,7 +334,8 @@ inline bool lse_needs_row_stats(float lse) {
 bool bf16_products_pay(int64_t D, int64_t Lk, bool halves);
 // Whether inputs of `dtype` take the bf16 products of a build that has them: bf16 always (exact operands), float32
 // when Float32Precision::kBF16 allows rounding them; float16 not (bf16 holds 3 bits fewer), except in the forward of
-// the amx build, which takes each float16 value as two bf16 (Params::split_halves, decided in fused_forward).
+// the amx build, which takes each float16 value as two bf16 (Params::split_bf16, decided in fused_forward; so does
+// float32 under Float32Precision::kHigh).
 bool takes_bf16_products(DType dtype, Float32Precision precision);
 
 // The builds of the tile loops for the selected SIMD target (simd/target.hpp), and its target's name.

@@ -322,21 +322,34 @@ void decode_forward(const ForwardArgs& a, Params& p, const ForwardOps& o) {
   });
 }
 
-// Whether a float16 view holds an infinity (+-inf: exponent all ones, mantissa zero). Tasks per (b, head), any order.
-bool has_half_infinity(const View4& t, int64_t B, int64_t H, int64_t L, int64_t width, int threads) {
+// Whether a view holds a value that two bf16 parts cannot carry (Params::split_bf16): for float16 an infinity
+// (+-inf: exponent all ones, mantissa zero; inf · 0 between the parts would make a NaN), for float32 also NaN and
+// the finite values that round to bf16's infinity (magnitude bits from 0x7F7F8000 on). Tasks per (b, head), any order.
+bool has_unsplittable(const View4& t, int64_t B, int64_t H, int64_t L, int64_t width, int threads) {
   std::atomic<bool> found{false};
   run_tasks(B * H, threads, [&](int64_t task) {
     const int64_t b = task / H, h = task % H;
-    const auto* data = static_cast<const uint16_t*>(t.data);
-    uint16_t inf = 0;  // an integer OR that the compiler vectorises
-    for (int64_t j = 0; j < L; ++j) {
-      const uint16_t* row = data + b * t.sb + h * t.sh + j * t.sl;
-      if (t.sd == 1)
-        for (int64_t x = 0; x < width; ++x) inf |= uint16_t((row[x] & 0x7FFFu) == 0x7C00u);
-      else
-        for (int64_t x = 0; x < width; ++x) inf |= uint16_t((row[x * t.sd] & 0x7FFFu) == 0x7C00u);
+    uint32_t bad = 0;  // an integer OR that the compiler vectorises
+    if (t.dtype == DType::kF16) {
+      const auto* data = static_cast<const uint16_t*>(t.data);
+      for (int64_t j = 0; j < L; ++j) {
+        const uint16_t* row = data + b * t.sb + h * t.sh + j * t.sl;
+        if (t.sd == 1)
+          for (int64_t x = 0; x < width; ++x) bad |= uint32_t((row[x] & 0x7FFFu) == 0x7C00u);
+        else
+          for (int64_t x = 0; x < width; ++x) bad |= uint32_t((row[x * t.sd] & 0x7FFFu) == 0x7C00u);
+      }
+    } else {
+      const auto* data = static_cast<const uint32_t*>(t.data);
+      for (int64_t j = 0; j < L; ++j) {
+        const uint32_t* row = data + b * t.sb + h * t.sh + j * t.sl;
+        if (t.sd == 1)
+          for (int64_t x = 0; x < width; ++x) bad |= uint32_t((row[x] & 0x7FFFFFFFu) >= 0x7F7F8000u);
+        else
+          for (int64_t x = 0; x < width; ++x) bad |= uint32_t((row[x * t.sd] & 0x7FFFFFFFu) >= 0x7F7F8000u);
+      }
     }
-    if (inf) found = true;
+    if (bad) found = true;
   });
   return found;
 }
@@ -406,15 +419,18 @@ void fused_forward(const ForwardArgs& a) {
     return;
   }
   p.amx_tiles = o.amx_tiles;
-  // float16 as two bf16 each on the tiles, unless an input holds an infinity (inf · 0 between the parts)
-  p.split_halves = o.amx_tiles && p.q.dtype == DType::kF16 && p.Lq > kDecodeRows &&
-                   bf16_products_pay(p.D, p.Lk, true) && !has_half_infinity(p.q, p.B, p.Hq, p.Lq, p.D, a.num_threads) &&
-                   !has_half_infinity(p.k, p.B, p.Hkv, p.Lk, p.D, a.num_threads) &&
-                   !has_half_infinity(p.v, p.B, p.Hkv, p.Lk, p.Dv, a.num_threads);
+  // float16, and float32 under kHigh, as two bf16 each on the tiles, unless an input holds a value the parts cannot
+  // carry
+  const bool split_dtype =
+      p.q.dtype == DType::kF16 || (p.q.dtype == DType::kF32 && a.options.float32_precision == Float32Precision::kHigh);
+  p.split_bf16 = o.amx_tiles && split_dtype && p.Lq > kDecodeRows && bf16_products_pay(p.D, p.Lk, true) &&
+                 !has_unsplittable(p.q, p.B, p.Hq, p.Lq, p.D, a.num_threads) &&
+                 !has_unsplittable(p.k, p.B, p.Hkv, p.Lk, p.D, a.num_threads) &&
+                 !has_unsplittable(p.v, p.B, p.Hkv, p.Lk, p.Dv, a.num_threads);
   const bool bf16_products =
       o.pack_kv_pairs && p.Lq > kDecodeRows &&
       ((takes_bf16_products(p.q.dtype, a.options.float32_precision) && bf16_products_pay(p.D, p.Lk, false)) ||
-       p.split_halves);
+       p.split_bf16);
   // The float32 products: V^T per key block (Params::vt_blocks) where a kv head's V is read by at least 4 query
   // blocks (the transposition reads and writes V once, in place of the dense copy a strided or half-precision V
   // would get; every reading block's P·V product then reads V^T along rows).
@@ -435,15 +451,15 @@ void fused_forward(const ForwardArgs& a) {
   std::optional<CountedBytes> counted_pairs;
   // P rounded to bf16 once for P·V where rounding is allowed, or where the inputs and the output are bf16 (the
   // output's own rounding is of the same size); else as two bf16 parts, to float32 accuracy.
-  p.round_p = !p.split_halves && (a.options.float32_precision == Float32Precision::kBF16 ||
-                                  (p.q.dtype == DType::kBF16 && p.out.dtype == DType::kBF16));
+  p.round_p = !p.split_bf16 && (a.options.float32_precision == Float32Precision::kBF16 ||
+                                (p.q.dtype == DType::kBF16 && p.out.dtype == DType::kBF16));
   if (bf16_products) {
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.k_pair_stride(), v_words = p.B * p.Hkv * p.v_pairs_head_words();
-    const int64_t parts = p.split_halves ? 2 : 1;  // the remainders of float16 values after the rounded ones
+    const int64_t parts = p.split_bf16 ? 2 : 1;  // the remainders after the rounded values
     kv_pairs = workspace_array<uint32_t>(size_t(parts * (k_words + v_words)), "fused attention: K and V as bf16 pairs");
     counted_pairs.emplace(int64_t(parts * (k_words + v_words) * sizeof(uint32_t)));
     p.k_pairs = kv_pairs.get(), p.v_pairs = p.k_pairs + parts * k_words;
-    if (p.split_halves) p.k_lo_words = k_words, p.v_lo_words = v_words;
+    if (p.split_bf16) p.k_lo_words = k_words, p.v_lo_words = v_words;
     run_tasks(p.B * p.Hkv, a.num_threads, [&](int64_t t) { o.pack_kv_pairs(p, t); });
   }
   // Passes over long keys (Params::key_pass), functions of the problem only (every block computes the same whatever

@@ -564,9 +564,9 @@ SATTN_BF16_ATTR void SoftmaxIntoPairs(const Params& p, const Bf16ForwardTile& t,
 // O^T += V^T P^T (one load and store of each O^T tile per slab instead of per key block): before the max moves
 // (it rescales O^T), at the end of a slab or of a run of live blocks, and after every block with dropout. The tiles
 // store unscaled sums: the scale goes into the softmax's exponent (fold), or onto S^T first where a float bias is
-// added to the scaled scores. kHalves (Params::split_halves): K, Q and V in two bf16 parts each, every product
+// added to the scaled scores. kSplit (Params::split_bf16): K, Q and V in two bf16 parts each, every product
 // summing the four part products (P is in two parts already: round_p is off).
-template <bool kHalves>
+template <bool kSplit>
 SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t, int64_t k0, int64_t k1) {
   const int64_t Br = p.Br, Bc = p.Bc, D2 = p.d_pairs(), D2s = p.k_pair_stride(), Dvt = p.vt_rows(), S = p.pv_keys(),
                 S2 = S / 2, lo_offset = S2 * Br;
@@ -579,14 +579,14 @@ SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t, int64_t
   };
   const auto scores = [&](int64_t kb, float* ST) {
     const int64_t nk = std::min(Bc, t.kend - kb);
-    return amx::PairsProduct<AmxTiles, false, kHalves, kHalves>{
-        t.kp + kb * D2s, D2s, t.QP, Br, kHalves ? D2 * Br : 0, ST, Br, nk, Br, 2 * D2s, 1.f, p.k_lo_words};
+    return amx::PairsProduct<AmxTiles, false, kSplit, kSplit>{
+        t.kp + kb * D2s, D2s, t.QP, Br, kSplit ? D2 * Br : 0, ST, Br, nk, Br, 2 * D2s, 1.f, p.k_lo_words};
   };
   int64_t buf_k0 = 0, buf_n = 0;  // keys [buf_k0, buf_k0 + buf_n) have their P in t.PP, not yet in O^T
   const auto flush = [&] {
     if (buf_n == 0) return;
     const uint32_t* vt = t.vp + buf_k0 / S * Dvt * S2 + buf_k0 % S / 2;  // their V^T pairs, rows S2 words apart
-    if (kHalves)
+    if (kSplit)
       amx::gemm_pairs<AmxTiles, true, true, true>(vt, S2, t.PP, Br, lo_offset, t.OT, Br, Dvt, Br, buf_n, 1.f,
                                                   p.v_lo_words);
     else if (p.round_p)
@@ -675,7 +675,7 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
   const int64_t Br = p.Br, Bc = p.Bc, Dv = p.Dv, nvec = Br / N, D2 = p.d_pairs(), D2s = p.k_pair_stride();
   const Params::QueryTask qt = p.query_task(task);
   const int64_t b = qt.b, h = qt.h, hk = h / p.group, qb0 = qt.qb0, ntiles = qt.count;
-  const int64_t qp_words = D2s * Br * (p.split_halves ? 2 : 1), ot_floats = p.vt_rows() * Br;
+  const int64_t qp_words = D2s * Br * (p.split_bf16 ? 2 : 1), ot_floats = p.vt_rows() * Br;
 
   // Per query block: Q^T pairs, O^T, M, L, MX. Shared by the blocks (used within one block's turn on the keys):
   // S^T, P pairs, the bias and padding of a key block, the dropped P.
@@ -718,7 +718,7 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
     t.pad = pad;
     std::fill(t.M, t.M + Br, kNegInf);
     std::fill(t.L, t.L + Br, 0.f);
-    if (p.split_halves) PackTransposedHalfPairs(p.q, b, h, i0, nq, p.D, Br, t.QP, D2 * Br);
+    if (p.split_bf16) PackTransposedSplitPairs(p.q, b, h, i0, nq, p.D, Br, t.QP, D2 * Br);
     else PackTransposedPairs(p.q, b, h, i0, nq, p.D, Br, t.QP);
     std::fill(t.QP + D2 * Br, t.QP + D2s * Br, 0u);  // the pad rows of k_pair_stride()
   }
@@ -728,7 +728,7 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
     for (int64_t k0 = 0; k0 < kend_max; k0 += pass)
       for (int64_t g = 0; g < ntiles; ++g) {
         if (k0 >= tiles[g].kend) continue;
-        if (p.split_halves) ForwardKeysAmx<true>(p, tiles[g], k0, k0 + pass);
+        if (p.split_bf16) ForwardKeysAmx<true>(p, tiles[g], k0, k0 + pass);
         else ForwardKeysAmx<false>(p, tiles[g], k0, k0 + pass);
       }
   } else {
