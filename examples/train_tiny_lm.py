@@ -206,6 +206,9 @@ def parse_args():
     p.add_argument("--timed", type=int, default=20, help="timed steps per implementation; medians are reported (20)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads(N); sattn.torch follows "
                    "torch.get_num_threads() (default: torch's own default)")
+    p.add_argument("--float32-precision", choices=("highest", "high", "medium"), default="highest",
+                   help="torch.set_float32_matmul_precision for both runs, which sattn.torch follows ('high': float32 "
+                   "as two bf16 in sattn's AMX forward; 'medium': rounded to bf16) (highest)")
     p.add_argument("--compile", action="store_true", help="wrap both models with torch.compile(fullgraph=True); the "
                    "first step then includes compiling (its time is printed)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend with --compile (inductor)")
@@ -236,14 +239,17 @@ def main():
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch.set_float32_matmul_precision(args.float32_precision)
     result = {"command": " ".join([sys.executable] + sys.argv), "torch": torch.__version__,
               "sattn": sattn.__version__, "threads": torch.get_num_threads(), "context": args.context,
               "compile": args.backend if args.compile else None, "seed": args.seed, "lr": args.lr,
+              "float32_precision": args.float32_precision,
               "loadavg_start": os.getloadavg()}
     print(f"command: {result['command']}")
     mode = f"torch.compile(fullgraph=True, backend={args.backend})" if args.compile else "eager"
     print(f"torch {torch.__version__}, sattn {sattn.__version__}, {torch.get_num_threads()} thread(s), context "
-          f"{args.context}, {mode}, load average {' '.join('%.2f' % a for a in os.getloadavg())}")
+          f"{args.context}, {mode}, float32 matmul precision {args.float32_precision}, load average "
+          f"{' '.join('%.2f' % a for a in os.getloadavg())}")
 
     text = make_corpus()
     chars = sorted(set(text))
