@@ -79,7 +79,7 @@ void bind_fused(pybind11::module_& m) {
         "Attention over packed variable-length sequences (FlashAttention's varlen convention; causal is "
         "bottom-right within each sequence). q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv]; "
         "returns out [total_q, Hq, Dv] and, with return_lse=True, (out, lse [Hq, total_q]). "
-        "float32_precision as in scaled_dot_product_attention ('highest' or 'bf16').");
+        "float32_precision as in scaled_dot_product_attention ('highest', 'high' or 'bf16').");
   m.def("flash_attn_varlen_backward", &varlen_backward, "dout"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a,
         "cu_seqlens_q"_a, "cu_seqlens_k"_a, "max_seqlen_q"_a, "max_seqlen_k"_a, "causal"_a = false,
         "scale"_a = pybind11::none(), "float32_precision"_a = "highest",

@@ -271,7 +271,7 @@ def favor_projection(head_dim: typing.SupportsInt | typing.SupportsIndex, num_fe
     """
 def flash_attn_varlen(q: typing.Any, k: typing.Any, v: typing.Any, cu_seqlens_q: typing.Any, cu_seqlens_k: typing.Any, max_seqlen_q: typing.SupportsInt | typing.SupportsIndex, max_seqlen_k: typing.SupportsInt | typing.SupportsIndex, causal: bool = False, scale: typing.SupportsFloat | typing.SupportsIndex | None = None, return_lse: bool = False, float32_precision: str = 'highest') -> typing.Any:
     """
-    Attention over packed variable-length sequences (FlashAttention's varlen convention; causal is bottom-right within each sequence). q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv]; returns out [total_q, Hq, Dv] and, with return_lse=True, (out, lse [Hq, total_q]). float32_precision as in scaled_dot_product_attention ('highest' or 'bf16').
+    Attention over packed variable-length sequences (FlashAttention's varlen convention; causal is bottom-right within each sequence). q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv]; returns out [total_q, Hq, Dv] and, with return_lse=True, (out, lse [Hq, total_q]). float32_precision as in scaled_dot_product_attention ('highest', 'high' or 'bf16').
     """
 def flash_attn_varlen_backward(dout: typing.Any, q: typing.Any, k: typing.Any, v: typing.Any, out: typing.Any, lse: typing.Any, cu_seqlens_q: typing.Any, cu_seqlens_k: typing.Any, max_seqlen_q: typing.SupportsInt | typing.SupportsIndex, max_seqlen_k: typing.SupportsInt | typing.SupportsIndex, causal: bool = False, scale: typing.SupportsFloat | typing.SupportsIndex | None = None, float32_precision: str = 'highest') -> tuple:
     """
