@@ -81,6 +81,24 @@ def test_blhd_layout_times_the_call_with_the_merge_of_the_heads(tmp_path):
     assert len(sdpa) == 4 and all(r["max_rel_diff"] < 1e-5 for r in sdpa), sdpa
 
 
+@pytest.mark.skipif(not os.path.exists(CLI), reason=f"CLI {CLI} not built")
+def test_float32_precision_is_set_for_both_sides(tmp_path):
+    """--float32-precision high: torch.set_float32_matmul_precision("high") for the run, which sattn.torch follows
+    (float32 as two bf16 in the amx forward); named in the header and the --json env row, the outputs within 1e-4."""
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, SCRIPT, "--dtypes", "fp32", "--passes", "fwd", "--masks", "full,causal",
+                           "--dims", "64", "--lens", "256", "--heads", "2", "--threads", "1", "--rounds", "1",
+                           "--decode-lens", "", "--float32-precision", "high", "--ceiling-n", "64",
+                           "--ceiling-reps", "1", "--sattn", CLI, "--json", str(out)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout
+    assert "float32 matmul precision high" in proc.stdout and "differ" not in proc.stdout, proc.stdout
+    rows = json.loads(out.read_text())
+    assert rows[0]["float32_precision"] == "high"
+    sdpa = [r for r in rows if r["kind"] == "sdpa"]
+    assert len(sdpa) == 2 and all(r["max_rel_diff"] < 1e-4 for r in sdpa), sdpa
+
+
 def test_mha_script_times_both_modules_in_every_mode():
     script = os.path.join(REPO, "bench", "compare_mha.py")
     proc = subprocess.run([sys.executable, script, "--batch", "2", "--lens", "5", "--embed", "16", "--heads", "2",
