@@ -225,7 +225,7 @@ __attribute__((always_inline)) inline void whole_block(const uint32_t* A, int64_
 }
 
 // One block of MB x NB accumulator tiles: rows [m0, m0 + 16·MB) ∩ [0, M), columns [n0, n0 + 16·NB).
-template <class Tiles, int MB, int NB, bool kAcc, bool kSplit, bool kSplitA>
+template <class Tiles, int MB, int NB, bool kAcc, bool kSplit, bool kSplitA, bool kLoLo>
 void block(const uint32_t* A, int64_t lda, int64_t alo, const uint32_t* B, int64_t ldb, int64_t lo, float* C,
            int64_t ldc, int64_t M, int64_t m0, int64_t n0, int64_t K, float mul) {
   const int64_t K2 = (K + 1) / 2;
@@ -285,6 +285,7 @@ void block(const uint32_t* A, int64_t lda, int64_t alo, const uint32_t* B, int64
       // The second part of A takes B's parts in reverse order: the last one loaded is still in its tiles.
       for (int part = 0; part < kParts; ++part) {
         const int bpart = apart == 0 ? part : kParts - 1 - part;
+        if (!kLoLo && apart == 1 && bpart == 1) continue;  // (B's second part is not loaded again either)
         if (apart == 0 || part > 0) {
           const uint32_t* b = B + bpart * lo;
           load_b_tile(I0{}, b);
@@ -305,12 +306,14 @@ void block(const uint32_t* A, int64_t lda, int64_t alo, const uint32_t* B, int64
 // - B2 [K2 x N] words, pair row k at B + k·ldb; kSplit adds a second right-hand matrix `lo` words after B (the
 //   rounding errors of a float32 operand split into two bf16);
 // - kSplitA adds a second left-hand matrix `alo` words after A, multiplied by B (and B's second part) alike;
+//   !kLoLo drops the product of the two second parts (three products: the two rounding errors' product, 2^-18
+//   relative for float32 operands split into two bf16, is below what the split itself leaves out);
 // - N a multiple of 16; C rows ldc floats apart.
 // With odd K the high halves of pair K2 − 1 (elements past the sum) do not reach C, whatever they hold.
 // mul 1 stores the accumulators straight into C (full rows of 16); any other factor goes through a staging
 // buffer and scalar code, so callers with a factor to apply on every element do better to apply it themselves.
 // The tiles must be configured (TileConfigScope).
-template <class Tiles, bool kAcc, bool kSplit, bool kSplitA = false>
+template <class Tiles, bool kAcc, bool kSplit, bool kSplitA = false, bool kLoLo = true>
 struct PairsProduct {
   const uint32_t* A;
   int64_t lda;
@@ -329,10 +332,12 @@ struct PairsProduct {
     const bool two_rows = M - m0 > T, two_cols = N - n0 > T;
     using detail::block;
     if (two_rows && two_cols)
-      block<Tiles, 2, 2, kAcc, kSplit, kSplitA>(A, lda, alo, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
-    else if (two_rows) block<Tiles, 2, 1, kAcc, kSplit, kSplitA>(A, lda, alo, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
-    else if (two_cols) block<Tiles, 1, 2, kAcc, kSplit, kSplitA>(A, lda, alo, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
-    else block<Tiles, 1, 1, kAcc, kSplit, kSplitA>(A, lda, alo, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
+      block<Tiles, 2, 2, kAcc, kSplit, kSplitA, kLoLo>(A, lda, alo, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
+    else if (two_rows)
+      block<Tiles, 2, 1, kAcc, kSplit, kSplitA, kLoLo>(A, lda, alo, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
+    else if (two_cols)
+      block<Tiles, 1, 2, kAcc, kSplit, kSplitA, kLoLo>(A, lda, alo, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
+    else block<Tiles, 1, 1, kAcc, kSplit, kSplitA, kLoLo>(A, lda, alo, B, ldb, lo, C, ldc, M, m0, n0, K, mul);
   }
   void run() const {
     for (int64_t i = 0; i < num_blocks(); ++i) run_block(i);
@@ -341,10 +346,10 @@ struct PairsProduct {
 
 // The whole product at once; PairsProduct runs the same blocks one at a time, so that a caller can interleave
 // them with vector work (the tiles compute while the vector units run, in out-of-order execution).
-template <class Tiles, bool kAcc, bool kSplit, bool kSplitA = false>
+template <class Tiles, bool kAcc, bool kSplit, bool kSplitA = false, bool kLoLo = true>
 void gemm_pairs(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, int64_t lo, float* C, int64_t ldc,
                 int64_t M, int64_t N, int64_t K, float mul, int64_t alo = 0) {
-  PairsProduct<Tiles, kAcc, kSplit, kSplitA>{A, lda, B, ldb, lo, C, ldc, M, N, K, mul, alo}.run();
+  PairsProduct<Tiles, kAcc, kSplit, kSplitA, kLoLo>{A, lda, B, ldb, lo, C, ldc, M, N, K, mul, alo}.run();
 }
 
 namespace detail {

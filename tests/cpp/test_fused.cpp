@@ -524,10 +524,10 @@ TEST_P(FusedBf16Products, Float16InputsMatchReference) {
 }
 
 // float32 inputs under Float32Precision::kHigh: the amx forward takes each value as two bf16 parts, as it takes
-// float16 inputs (decode, Lq <= 4, excepted). Float32 inputs holding float16 values split exactly: bitwise the
-// float16 inputs' results. Full
+// float16 inputs (decode, Lq <= 4, excepted), with three part products (the two lo parts' product dropped). Float32
+// inputs holding bf16 values split into themselves and zero: bitwise the bf16 inputs' results (float32 out). Full
 // float32 values come within kHighTol of the fp64 reference (the parts carry about 16 significant bits, 2^-17
-// relative per operand; measured up to 2.2e-5 on this sweep; the float32 products' tolerance is 2e-5, the
+// relative per operand; measured up to 4.0e-5 on this sweep; the float32 products' tolerance is 2e-5, the
 // bf16 rounding's 1e-2), and not as the float32 products (the parts ran); bitwise the same for 1 and 3 threads. The
 // backward, and the forward of the avx512bf16 build, are the float32 products: bitwise kHighest. So is a forward
 // whose q, k or v holds a value the parts cannot carry (an infinity, a NaN, a float32 that rounds past bf16's
@@ -570,7 +570,7 @@ TEST_P(FusedBf16Products, Float32HighTakesTwoBf16Parts) {
       const FwdResult got_s = run_forward(sp, "fused", 1);
       EXPECT_TRUE(bitwise_equal(got.out, got_s.out) && bitwise_equal(got.lse, got_s.lse));
     }
-    const RoundedInputs r = rounded_inputs(pb, DType::kF16);  // float16 values, as float16 and as float32
+    const RoundedInputs r = rounded_inputs(pb, DType::kBF16);  // bf16 values, as bf16 and as float32
     const FwdResult h16 = run_forward(r.in, "fused", 1), h32 = run_forward(r.up, "fused", 1);
     EXPECT_TRUE(bitwise_equal(h16.out, h32.out) && bitwise_equal(h16.lse, h32.lse));
   }

@@ -87,10 +87,11 @@ struct Params {
   bool round_p = false;
   // Each input value as two bf16 on the amx tiles (the forward of float16 inputs, and of float32 ones under
   // Float32Precision::kHigh): K and V are packed twice, the rounded values (k_pairs, v_pairs) and the remainders
-  // k_lo_words / v_lo_words after them, and Q likewise per task; every product then sums all four part products,
-  // each exact in float32. Every float16 is the sum of its two parts exactly (its 11 significant bits are the 8 of
-  // its bf16 rounding and at most 3 more), so those products are as accurate as the float32 ones; a float32 value is
-  // within 2^-17 of its two (relative). Inputs holding an infinity (inf · 0 between parts would make a NaN), or
+  // k_lo_words / v_lo_words after them, and Q likewise per task; every product then sums the part products, each
+  // exact in float32. Every float16 is the sum of its two parts exactly (its 11 significant bits are the 8 of its
+  // bf16 rounding and at most 3 more), so its four part products are as accurate as the float32 ones; a float32 value
+  // is within 2^-17 of its two (relative), and its products drop the product of the two rounding errors (three part
+  // products, 2^-18 relative). Inputs holding an infinity (inf · 0 between parts would make a NaN), or
   // float32 ones holding a NaN or a value that rounds past bf16's largest, do not take this path.
   bool split_bf16 = false;
   int64_t k_lo_words = 0, v_lo_words = 0;

@@ -565,8 +565,9 @@ SATTN_BF16_ATTR void SoftmaxIntoPairs(const Params& p, const Bf16ForwardTile& t,
 // (it rescales O^T), at the end of a slab or of a run of live blocks, and after every block with dropout. The tiles
 // store unscaled sums: the scale goes into the softmax's exponent (fold), or onto S^T first where a float bias is
 // added to the scaled scores. kSplit (Params::split_bf16): K, Q and V in two bf16 parts each, every product
-// summing the four part products (P is in two parts already: round_p is off).
-template <bool kSplit>
+// summing the four part products (P is in two parts already: round_p is off), or three without kLoLo (float32
+// inputs, whose parts are not exact anyway: the two rounding errors' product dropped, as bfloat16x3 does).
+template <bool kSplit, bool kLoLo = true>
 SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t, int64_t k0, int64_t k1) {
   const int64_t Br = p.Br, Bc = p.Bc, D2 = p.d_pairs(), D2s = p.k_pair_stride(), Dvt = p.vt_rows(), S = p.pv_keys(),
                 S2 = S / 2, lo_offset = S2 * Br;
@@ -579,7 +580,7 @@ SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t, int64_t
   };
   const auto scores = [&](int64_t kb, float* ST) {
     const int64_t nk = std::min(Bc, t.kend - kb);
-    return amx::PairsProduct<AmxTiles, false, kSplit, kSplit>{
+    return amx::PairsProduct<AmxTiles, false, kSplit, kSplit, kLoLo>{
         t.kp + kb * D2s, D2s, t.QP, Br, kSplit ? D2 * Br : 0, ST, Br, nk, Br, 2 * D2s, 1.f, p.k_lo_words};
   };
   int64_t buf_k0 = 0, buf_n = 0;  // keys [buf_k0, buf_k0 + buf_n) have their P in t.PP, not yet in O^T
@@ -587,8 +588,8 @@ SATTN_BF16_ATTR void ForwardKeysAmx(const Params& p, Bf16ForwardTile& t, int64_t
     if (buf_n == 0) return;
     const uint32_t* vt = t.vp + buf_k0 / S * Dvt * S2 + buf_k0 % S / 2;  // their V^T pairs, rows S2 words apart
     if (kSplit)
-      amx::gemm_pairs<AmxTiles, true, true, true>(vt, S2, t.PP, Br, lo_offset, t.OT, Br, Dvt, Br, buf_n, 1.f,
-                                                  p.v_lo_words);
+      amx::gemm_pairs<AmxTiles, true, true, true, kLoLo>(vt, S2, t.PP, Br, lo_offset, t.OT, Br, Dvt, Br, buf_n, 1.f,
+                                                         p.v_lo_words);
     else if (p.round_p)
       amx::gemm_pairs<AmxTiles, true, false>(vt, S2, t.PP, Br, lo_offset, t.OT, Br, Dvt, Br, buf_n, 1.f);
     else amx::gemm_pairs<AmxTiles, true, true>(vt, S2, t.PP, Br, lo_offset, t.OT, Br, Dvt, Br, buf_n, 1.f);
@@ -728,7 +729,8 @@ SATTN_BF16_ATTR void ForwardTaskBf16(const Params& p, int64_t task) {
     for (int64_t k0 = 0; k0 < kend_max; k0 += pass)
       for (int64_t g = 0; g < ntiles; ++g) {
         if (k0 >= tiles[g].kend) continue;
-        if (p.split_bf16) ForwardKeysAmx<true>(p, tiles[g], k0, k0 + pass);
+        if (p.split_bf16 && p.q.dtype == DType::kF32) ForwardKeysAmx<true, false>(p, tiles[g], k0, k0 + pass);
+        else if (p.split_bf16) ForwardKeysAmx<true>(p, tiles[g], k0, k0 + pass);
         else ForwardKeysAmx<false>(p, tiles[g], k0, k0 + pass);
       }
   } else {
