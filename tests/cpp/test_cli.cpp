@@ -142,6 +142,24 @@ TEST_F(Cli, BenchSgemmPeerUsesTheCpusKernels) {
   EXPECT_EQ(core_of(forced.out), "Prescott") << forced.out;
 }
 
+// The header and every JSON row name the dtype and float32_precision that ran; a bad precision is refused by name.
+TEST_F(Cli, BenchNamesTheFloat32Precision) {
+  const std::string args = "bench --dims 16 --lens 32 --masks full --passes fwd --threads 1 --reps 1 --sgemm-n 0";
+  CliRun r = run(args + " --float32-precision high");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("dtype=f32  float32_precision=high"), std::string::npos) << r.out;
+  r = run(args + " --float32-precision high --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const nlohmann::json rows = nlohmann::json::parse(r.out);
+  const auto attention = std::find_if(rows.begin(), rows.end(), [](const auto& x) { return x["kind"] == "attention"; });
+  ASSERT_NE(attention, rows.end()) << r.out;
+  EXPECT_EQ((*attention)["float32_precision"], "high") << r.out;
+  r = run(args + " --float32-precision medium");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("--float32-precision: expected 'highest', 'high' or 'bf16', got 'medium'"), std::string::npos)
+      << r.err;
+}
+
 TEST_F(Cli, BenchReportsTheFmaLimitAndEachRowsShareOfIt) {
   const CliRun r = run("bench --dims 8 --lens 16 --masks full --passes fwd --threads 1 --reps 1 --sgemm-n 0 --json");
   ASSERT_EQ(r.code, 0) << r.err;

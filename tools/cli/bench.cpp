@@ -97,7 +97,8 @@ void run_bench(const BenchConfig& cfg_in) {
         std::printf("  sgemm N=%lld: %.1f GFLOP/s%s", (long long)cfg.sgemm_n, sg,
                     blas_core().empty() ? "" : (" (OpenBLAS " + blas_core() + ")").c_str());
       else std::printf("  sgemm skipped (--sgemm-n 0)");
-      std::printf("  simd=%s\n", fused::simd_build());
+      std::printf("  simd=%s  dtype=%s  float32_precision=%s\n", fused::simd_build(), cfg.dtype.c_str(),
+                  to_string(precision));
     }
     rows.push_back({{"kind", "fma_limit"},
                     {"threads", t},
@@ -181,6 +182,7 @@ void run_bench(const BenchConfig& cfg_in) {
                             {"mask", mask},
                             {"pass", pass},
                             {"dtype", cfg.dtype},
+                            {"float32_precision", to_string(precision)},
                             {"median_ms", ms},
                             {"gflops", gf},
                             {"pct_fma_limit", pct_fma},
