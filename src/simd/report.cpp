@@ -82,16 +82,9 @@ std::vector<std::pair<std::string, std::string>> explain_targets(DType dtype, bo
 // under kHigh: the amx forward's tiles, each value as two bf16), and why not.
 bool takes_bf16(DType dtype, Float32Precision precision, bool forward, std::string* why) {
   const bool amx = simd::parse(fused::simd_build(), "fused build") == simd::Target::kAmx;
-  if (dtype == DType::kF16) {
-    *why =
-        "float16 inputs take bf16 products only in the forward on AMX tiles (each value as two bf16), else the "
-        "float32 ones";
-    return amx && forward;
-  }
-  if (dtype == DType::kF32 && precision == Float32Precision::kHigh) {
-    *why =
-        "float32 inputs under float32_precision='high' take bf16 products only in the forward on AMX tiles (each "
-        "value as two bf16), else the float32 ones";
+  if (fused::takes_split_bf16(dtype, precision)) {
+    *why = std::string(dtype == DType::kF16 ? "float16 inputs" : "float32 inputs under float32_precision='high'") +
+           " take bf16 products only in the forward on AMX tiles (each value as two bf16), else the float32 ones";
     return amx && forward;
   }
   *why = amx ? "float32 inputs take the bf16 products only with float32_precision='bf16' (or 'high', in the forward)"
@@ -110,8 +103,7 @@ std::vector<std::pair<std::string, std::string>> explain_simd_targets(const Atte
                                                                       Float32Precision precision) {
   std::string why;
   bool bf16 = takes_bf16(problem.dtype_q, precision, !problem.backward, &why);
-  const bool halves = problem.dtype_q == DType::kF16 ||
-                      (problem.dtype_q == DType::kF32 && precision == Float32Precision::kHigh);  // two bf16 each
+  const bool halves = fused::takes_split_bf16(problem.dtype_q, precision);  // two bf16 each
   if (bf16 && !fused::bf16_products_pay(problem.head_dim, problem.len_k, halves)) {
     bf16 = false;
     why = "keys too short for the bf16 products to pay (D·Lk = " + std::to_string(problem.head_dim * problem.len_k) +

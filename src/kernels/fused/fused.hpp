@@ -338,6 +338,9 @@ bool bf16_products_pay(int64_t D, int64_t Lk, bool halves);
 // the amx build, which takes each float16 value as two bf16 (Params::split_bf16, decided in fused_forward; so does
 // float32 under Float32Precision::kHigh).
 bool takes_bf16_products(DType dtype, Float32Precision precision);
+// Whether inputs of `dtype` take the amx forward's tiles as two bf16 each (Params::split_bf16, where the keys are
+// long enough and the values allow it): float16, and float32 under Float32Precision::kHigh.
+bool takes_split_bf16(DType dtype, Float32Precision precision);
 
 // The builds of the tile loops for the selected SIMD target (simd/target.hpp), and its target's name.
 const ForwardOps& forward_ops();

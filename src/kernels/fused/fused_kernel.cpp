@@ -80,6 +80,10 @@ bool takes_bf16_products(DType dtype, Float32Precision precision) {
   return dtype == DType::kBF16 || (dtype == DType::kF32 && precision == Float32Precision::kBF16);
 }
 
+bool takes_split_bf16(DType dtype, Float32Precision precision) {
+  return dtype == DType::kF16 || (dtype == DType::kF32 && precision == Float32Precision::kHigh);
+}
+
 namespace {
 
 View4 view4(const TensorView& t) {
@@ -330,25 +334,18 @@ bool has_unsplittable(const View4& t, int64_t B, int64_t H, int64_t L, int64_t w
   run_tasks(B * H, threads, [&](int64_t task) {
     const int64_t b = task / H, h = task % H;
     uint32_t bad = 0;  // an integer OR that the compiler vectorises
-    if (t.dtype == DType::kF16) {
-      const auto* data = static_cast<const uint16_t*>(t.data);
+    const auto scan = [&](const auto* data, auto is_bad) {
       for (int64_t j = 0; j < L; ++j) {
-        const uint16_t* row = data + b * t.sb + h * t.sh + j * t.sl;
+        const auto* row = data + b * t.sb + h * t.sh + j * t.sl;
         if (t.sd == 1)
-          for (int64_t x = 0; x < width; ++x) bad |= uint32_t((row[x] & 0x7FFFu) == 0x7C00u);
+          for (int64_t x = 0; x < width; ++x) bad |= uint32_t(is_bad(row[x]));
         else
-          for (int64_t x = 0; x < width; ++x) bad |= uint32_t((row[x * t.sd] & 0x7FFFu) == 0x7C00u);
+          for (int64_t x = 0; x < width; ++x) bad |= uint32_t(is_bad(row[x * t.sd]));
       }
-    } else {
-      const auto* data = static_cast<const uint32_t*>(t.data);
-      for (int64_t j = 0; j < L; ++j) {
-        const uint32_t* row = data + b * t.sb + h * t.sh + j * t.sl;
-        if (t.sd == 1)
-          for (int64_t x = 0; x < width; ++x) bad |= uint32_t((row[x] & 0x7FFFFFFFu) >= 0x7F7F8000u);
-        else
-          for (int64_t x = 0; x < width; ++x) bad |= uint32_t((row[x * t.sd] & 0x7FFFFFFFu) >= 0x7F7F8000u);
-      }
-    }
+    };
+    if (t.dtype == DType::kF16)
+      scan(static_cast<const uint16_t*>(t.data), [](uint16_t w) { return (w & 0x7FFFu) == 0x7C00u; });
+    else scan(static_cast<const uint32_t*>(t.data), [](uint32_t w) { return (w & 0x7FFFFFFFu) >= 0x7F7F8000u; });
     if (bad) found = true;
   });
   return found;
@@ -421,10 +418,8 @@ void fused_forward(const ForwardArgs& a) {
   p.amx_tiles = o.amx_tiles;
   // float16, and float32 under kHigh, as two bf16 each on the tiles, unless an input holds a value the parts cannot
   // carry
-  const bool split_dtype =
-      p.q.dtype == DType::kF16 || (p.q.dtype == DType::kF32 && a.options.float32_precision == Float32Precision::kHigh);
-  p.split_bf16 = o.amx_tiles && split_dtype && p.Lq > kDecodeRows && bf16_products_pay(p.D, p.Lk, true) &&
-                 !has_unsplittable(p.q, p.B, p.Hq, p.Lq, p.D, a.num_threads) &&
+  p.split_bf16 = o.amx_tiles && takes_split_bf16(p.q.dtype, a.options.float32_precision) && p.Lq > kDecodeRows &&
+                 bf16_products_pay(p.D, p.Lk, true) && !has_unsplittable(p.q, p.B, p.Hq, p.Lq, p.D, a.num_threads) &&
                  !has_unsplittable(p.k, p.B, p.Hkv, p.Lk, p.D, a.num_threads) &&
                  !has_unsplittable(p.v, p.B, p.Hkv, p.Lk, p.Dv, a.num_threads);
   const bool bf16_products =
