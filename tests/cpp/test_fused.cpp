@@ -571,8 +571,8 @@ TEST_P(FusedBf16Products, Float32HighTakesTwoBf16Parts) {
       EXPECT_TRUE(bitwise_equal(got.out, got_s.out) && bitwise_equal(got.lse, got_s.lse));
     }
     const RoundedInputs r = rounded_inputs(pb, DType::kBF16);  // bf16 values, as bf16 and as float32
-    const FwdResult h16 = run_forward(r.in, "fused", 1), h32 = run_forward(r.up, "fused", 1);
-    EXPECT_TRUE(bitwise_equal(h16.out, h32.out) && bitwise_equal(h16.lse, h32.lse));
+    const FwdResult from_bf16 = run_forward(r.in, "fused", 1), from_f32 = run_forward(r.up, "fused", 1);
+    EXPECT_TRUE(bitwise_equal(from_bf16.out, from_f32.out) && bitwise_equal(from_bf16.lse, from_f32.lse));
   }
   if (amx)
     std::printf("float32_precision high: worst error %.3g against the fp64 reference (tolerance %g)\n", worst,
