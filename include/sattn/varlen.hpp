@@ -15,7 +15,7 @@ struct VarlenOptions {
   std::optional<double> scale;  // default 1/sqrt(D)
   std::string kernel;           // "" = automatic (fused for f32/bf16/f16)
   int num_threads = 0;          // 0 = SATTN_NUM_THREADS or the hardware's
-  // kBF16: float32 inputs may take the bf16 products; kHigh: the amx forward takes them as two bf16 each
+  // kBF16: float32 inputs may take the bf16 products; kHigh: the amx target takes them as two bf16 each
   // (AttentionOptions::float32_precision)
   Float32Precision float32_precision = Float32Precision::kHighest;
 };

@@ -257,8 +257,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     float32_precision: 'highest' (default), 'high' or 'bf16', as torch.set_float32_matmul_precision's 'highest',
     'high' and 'medium'. 'bf16': float32 inputs and the softmax probabilities may be rounded to bfloat16 in the fused
     kernel's products where the CPU has bf16 products (the amx and avx512bf16 SIMD targets) — faster, about 2^-9
-    relative per rounding. 'high': the forward on the amx target takes each float32 value as the sum of two bfloat16
-    (within about 2^-17 relative) on the AMX tiles — faster, nearly float32 accuracy. Elsewhere no change.
+    relative per rounding. 'high': the amx target takes each float32 value as the sum of two bfloat16 (within about
+    2^-17 relative) on the AMX tiles, forward and backward — faster, nearly float32 accuracy. Elsewhere no change.
     (bfloat16 inputs, whose out here is bfloat16, round the probabilities once on those targets in any case.)
     query_offset, key_offset, position_stride: the call is one shard of a longer sequence (sequence parallelism, as
     sattn.dist does): query row i sits at global position query_offset + position_stride * i, key j at

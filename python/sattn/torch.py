@@ -458,8 +458,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Differentiable with respect to query, key, value and a float attn_mask.
     float32_precision: 'highest', 'high' or 'bf16'. 'bf16': float32 inputs and the softmax probabilities may be
     rounded to bfloat16 in the products where the CPU has bf16 products (faster, about 2^-9 relative per rounding).
-    'high': the forward on AMX takes each float32 value as the sum of two bfloat16 (within about 2^-17 relative;
-    faster, the backward as 'highest'). None (default) follows torch.get_float32_matmul_precision(): 'medium' means
+    'high': on AMX each float32 value is taken as the sum of two bfloat16 (within about 2^-17 relative; faster,
+    forward and backward). None (default) follows torch.get_float32_matmul_precision(): 'medium' means
     'bf16', 'high' 'high' and 'highest' 'highest'.
     """
     if (type(query) is Tensor and type(key) is Tensor and type(value) is Tensor

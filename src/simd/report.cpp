@@ -78,16 +78,23 @@ std::vector<std::pair<std::string, std::string>> explain_targets(DType dtype, bo
   return out;
 }
 
-// Whether inputs of `dtype` under `precision` take the bf16 products of the selected build (float16, and float32
-// under kHigh: the amx forward's tiles, each value as two bf16), and why not.
+// Whether inputs of `dtype` under `precision` take the bf16 products of the selected build (float16 in the
+// forward, and float32 under kHigh, forward and backward: the amx tiles, each value as two bf16), and why not.
 bool takes_bf16(DType dtype, Float32Precision precision, bool forward, std::string* why) {
   const bool amx = simd::parse(fused::simd_build(), "fused build") == simd::Target::kAmx;
   if (fused::takes_split_bf16(dtype, precision)) {
-    *why = std::string(dtype == DType::kF16 ? "float16 inputs" : "float32 inputs under float32_precision='high'") +
-           " take bf16 products only in the forward on AMX tiles (each value as two bf16), else the float32 ones";
-    return amx && forward;
+    if (dtype == DType::kF16) {
+      *why =
+          "float16 inputs take bf16 products only in the forward on AMX tiles (each value as two bf16), else the "
+          "float32 ones";
+      return amx && forward;
+    }
+    *why =
+        "float32 inputs under float32_precision='high' take bf16 products only on AMX tiles (each value as two "
+        "bf16), else the float32 ones";
+    return amx;
   }
-  *why = amx ? "float32 inputs take the bf16 products only with float32_precision='bf16' (or 'high', in the forward)"
+  *why = amx ? "float32 inputs take the bf16 products only with float32_precision='bf16' or 'high'"
              : "float32 inputs take the bf16 products only with float32_precision='bf16'";
   return fused::takes_bf16_products(dtype, precision);
 }

@@ -524,20 +524,35 @@ TEST_P(FusedBf16Products, Float16InputsMatchReference) {
 }
 
 // float32 inputs under Float32Precision::kHigh: the amx forward takes each value as two bf16 parts, as it takes
-// float16 inputs (decode, Lq <= 4, excepted), with three part products (the two lo parts' product dropped). Float32
-// inputs holding bf16 values split into themselves and zero: bitwise the bf16 inputs' results (float32 out). Full
-// float32 values come within kHighTol of the fp64 reference (the parts carry about 16 significant bits, 2^-17
-// relative per operand; measured up to 4.0e-5 on this sweep; the float32 products' tolerance is 2e-5, the
-// bf16 rounding's 1e-2), and not as the float32 products (the parts ran); bitwise the same for 1 and 3 threads. The
-// backward, and the forward of the avx512bf16 build, are the float32 products: bitwise kHighest. So is a forward
-// whose q, k or v holds a value the parts cannot carry (an infinity, a NaN, a float32 that rounds past bf16's
-// largest value).
-constexpr double kHighTol = 1e-4;
+// float16 inputs (decode, Lq <= 4, excepted), with three part products (the two lo parts' product dropped), and so
+// does the amx backward: S^T = K Q^T and dP^T = V dO^T, and in its one pass without the mask's gradient also dV, dK
+// and dQ with P' and dS in two parts (with the mask's gradient those three are the float32 products). Float32
+// inputs holding bf16 values split into themselves and zero: bitwise the bf16 inputs' results (float32 out; the
+// gradients, from a bf16 dO, where dV, dK and dQ are float32 products). Full float32 values come within kHighTol (out,
+// lse) and kHighGradTol (dq, dk, dv, the mask's gradient) of the fp64 reference: the parts carry about 16 significant
+// bits, 2^-17 relative per operand, 128 times float32's 2^-24. Measured on this sweep: out and lse up to 4.0e-5; the
+// gradients 1e-5 to 6e-5, but dq 1.1e-4 where D = 1 and the gradient of a mask broadcast over the keys 4.0e-4 (that sum
+// of dS over a row cancels to about 0; the float32 products' own error there is 1.6e-5, 25 times their usual); the
+// float32 products' tolerances are 2e-5 forward and 1e-4 backward, bf16's 1e-2 and 3e-2. Not as the float32 products
+// (the parts ran); bitwise the same for 1 and 3 threads. The avx512bf16 build runs the float32 products: bitwise
+// kHighest. So does a pass whose q, k or v (or dO, backward) holds a value the parts cannot carry (an infinity, a NaN,
+// a float32 that rounds past bf16's largest value).
+constexpr double kHighTol = 1e-4, kHighGradTol = 1e-3;
+
+double max_grad_err(const BwdResult& got, const BwdResult& ref) {
+  double e = std::max({rel_err(got.dq, ref.dq), rel_err(got.dk, ref.dk), rel_err(got.dv, ref.dv)});
+  if (ref.dmask.data() != nullptr) e = std::max(e, rel_err(got.dmask, ref.dmask));
+  return e;
+}
+bool grads_bitwise_equal(const BwdResult& a, const BwdResult& b) {
+  return bitwise_equal(a.dq, b.dq) && bitwise_equal(a.dk, b.dk) && bitwise_equal(a.dv, b.dv) &&
+         (a.dmask.data() == nullptr || bitwise_equal(a.dmask, b.dmask));
+}
 
 TEST_P(FusedBf16Products, Float32HighTakesTwoBf16Parts) {
   const bool amx = GetParam() == "amx";
   uint32_t seed = 1700;
-  double worst = 0;
+  double worst = 0, worst_grad = 0;
   for (const Case& c : sweep()) {
     SCOPED_TRACE(c.name());
     Problem pb = make_problem(c, ++seed);
@@ -547,18 +562,24 @@ TEST_P(FusedBf16Products, Float32HighTakesTwoBf16Parts) {
     pb.opt.float32_precision = sattn::Float32Precision::kHigh;
     const FwdResult got = run_forward(pb, "fused", 1), got3 = run_forward(pb, "fused", 3);
     EXPECT_TRUE(bitwise_equal(got.out, got3.out) && bitwise_equal(got.lse, got3.lse));
-    const BwdResult g = run_backward(pb, as_f32(ref), "fused", 1);
-    EXPECT_TRUE(bitwise_equal(g.dq, ghighest.dq) && bitwise_equal(g.dk, ghighest.dk) &&
-                bitwise_equal(g.dv, ghighest.dv));
+    const BwdResult g = run_backward(pb, as_f32(ref), "fused", 1), g3 = run_backward(pb, as_f32(ref), "fused", 3);
+    EXPECT_TRUE(grads_bitwise_equal(g, g3));
     if (!amx) {
       EXPECT_TRUE(bitwise_equal(got.out, highest.out) && bitwise_equal(got.lse, highest.lse));
+      EXPECT_TRUE(grads_bitwise_equal(g, ghighest));
       continue;
     }
     const double e = std::max(rel_err(got.out, ref.out), rel_err(got.lse, ref.lse));
     worst = std::max(worst, e);
     EXPECT_LE(e, kHighTol);
-    if (c.Lq <= 4) continue;         // decode: the float32 products (their own path for float16 inputs)
-    if (max_abs(highest.out) > 0) {  // (not every row masked)
+    const double eg = max_grad_err(g, run_backward(pb, ref, "reference", 1));
+    worst_grad = std::max(worst_grad, eg);
+    EXPECT_LE(eg, kHighGradTol);
+    if (max_abs(ghighest.dk) > 0) {  // (not every score masked)
+      EXPECT_FALSE(grads_bitwise_equal(g, ghighest));
+    }
+    const bool decode = c.Lq <= 4;  // the forward's decode: the float32 products (their own path for float16 inputs)
+    if (!decode && max_abs(highest.out) > 0) {
       EXPECT_FALSE(bitwise_equal(got.out, highest.out));
     }
     if (c.strided) {  // elements two apart (NaN between them): the same values split, the same results
@@ -569,28 +590,45 @@ TEST_P(FusedBf16Products, Float32HighTakesTwoBf16Parts) {
       sp.q.view = qs.view, sp.k.view = ks.view, sp.v.view = vs.view;
       const FwdResult got_s = run_forward(sp, "fused", 1);
       EXPECT_TRUE(bitwise_equal(got.out, got_s.out) && bitwise_equal(got.lse, got_s.lse));
+      EXPECT_TRUE(grads_bitwise_equal(g, run_backward(sp, as_f32(ref), "fused", 1)));
     }
-    const RoundedInputs r = rounded_inputs(pb, DType::kBF16);  // bf16 values, as bf16 and as float32
-    const FwdResult from_bf16 = run_forward(r.in, "fused", 1), from_f32 = run_forward(r.up, "fused", 1);
-    EXPECT_TRUE(bitwise_equal(from_bf16.out, from_f32.out) && bitwise_equal(from_bf16.lse, from_f32.lse));
+    // bf16 values (dO too), as bf16 and as float32
+    RoundedInputs r = rounded_inputs(pb, DType::kBF16);
+    const Tensor dout = pb.dout.storage.to(DType::kBF16), doutf = dout.to(DType::kF32);
+    r.in.dout.view = dout.view(), r.up.dout.view = doutf.view();
+    if (!decode) {
+      const FwdResult from_bf16 = run_forward(r.in, "fused", 1), from_f32 = run_forward(r.up, "fused", 1);
+      EXPECT_TRUE(bitwise_equal(from_bf16.out, from_f32.out) && bitwise_equal(from_bf16.lse, from_f32.lse));
+    }
+    if (c.mask == 2) {  // with the mask's gradient, dV, dK and dQ stay float32 products (P' and dS are not split)
+      EXPECT_TRUE(grads_bitwise_equal(run_backward(r.in, as_f32(ref), "fused", 1),
+                                      run_backward(r.up, as_f32(ref), "fused", 1)));
+    }
   }
   if (amx)
-    std::printf("float32_precision high: worst error %.3g against the fp64 reference (tolerance %g)\n", worst,
-                kHighTol);
+    std::printf(
+        "float32_precision high: worst error against the fp64 reference %.3g forward (tolerance %g), %.3g "
+        "backward (tolerance %g)\n",
+        worst, kHighTol, worst_grad, kHighGradTol);
   Case c;
   c.Hq = 2, c.Hkv = 2, c.Lq = 70, c.Lk = 81, c.D = 24, c.Dv = 40;
-  for (int which = 0; which < 9; ++which) {
+  for (int which = 0; which < 12; ++which) {
     const uint32_t bits[3] = {0x7F7F8000u, 0xFF800000u, 0x7FC00000u};  // rounds to bf16's infinity, -inf, NaN
     char what[64];
-    std::snprintf(what, sizeof what, "value bits 0x%08X in %c", unsigned(bits[which / 3]), "qkv"[which % 3]);
+    std::snprintf(what, sizeof what, "value bits 0x%08X in %s", unsigned(bits[which % 3]),
+                  std::array{"q", "k", "v", "dO"}[which / 3]);
     SCOPED_TRACE(what);
     Problem pb = make_problem(c, 9);
-    Tensor* t[3] = {&pb.q.storage, &pb.k.storage, &pb.v.storage};  // (not strided: storage = view)
-    std::memcpy(static_cast<float*>(t[which % 3]->data()) + 77, &bits[which / 3], sizeof(uint32_t));
+    Tensor* t[4] = {&pb.q.storage, &pb.k.storage, &pb.v.storage, &pb.dout.storage};  // (not strided: storage = view)
+    std::memcpy(static_cast<float*>(t[which / 3]->data()) + 77, &bits[which % 3], sizeof(uint32_t));
     const FwdResult highest = run_forward(pb, "fused", 1);
+    const BwdResult ghighest = run_backward(pb, highest, "fused", 1);
     pb.opt.float32_precision = sattn::Float32Precision::kHigh;
-    const FwdResult got = run_forward(pb, "fused", 1);
-    EXPECT_TRUE(bitwise_equal(got.out, highest.out) && bitwise_equal(got.lse, highest.lse));
+    if (which < 9) {  // (dO: the forward does not read it)
+      const FwdResult got = run_forward(pb, "fused", 1);
+      EXPECT_TRUE(bitwise_equal(got.out, highest.out) && bitwise_equal(got.lse, highest.lse));
+    }
+    EXPECT_TRUE(grads_bitwise_equal(run_backward(pb, highest, "fused", 1), ghighest));
   }
 }
 
@@ -1669,12 +1707,12 @@ TEST(Fused, HugeUniformBiasRowsMatchReference) {
     float huge;
   } cases[] = {{70, 100, 16, 12, -1e30f}, {70, 100, 16, 12, lowest}, {300, 100, 16, 12, -1e30f},
                {1, 1100, 16, 16, lowest}, {3, 1100, 8, 8, -1e30f},   {9, 1100, 24, 8, lowest}};
-  // lse row by row: |got - ref| <= 2e-5 max(1, |ref|) (rel_err would scale every row by the largest, ~1e30)
-  auto lse_ok = [](const Tensor& got, const Tensor& ref) {
+  // lse row by row: |got - ref| <= tol max(1, |ref|) (rel_err would scale every row by the largest, ~1e30)
+  auto lse_ok = [](const Tensor& got, const Tensor& ref, double tol = 2e-5) {
     const Tensor g = got.to(DType::kF64), r = ref.to(DType::kF64);
     for (int64_t x = 0; x < g.numel(); ++x) {
       const double a = g.data<double>()[x], b = r.data<double>()[x];
-      if (!(a == b || std::fabs(a - b) <= 2e-5 * std::max(1.0, std::fabs(b)))) return false;
+      if (!(a == b || std::fabs(a - b) <= tol * std::max(1.0, std::fabs(b)))) return false;
     }
     return true;
   };
@@ -1713,6 +1751,21 @@ TEST(Fused, HugeUniformBiasRowsMatchReference) {
           const BwdResult n1 = run_backward(no_dmask, got, "fused", 1), n3 = run_backward(no_dmask, got, "fused", 3);
           expect_grads_near(n1, BwdResult{gref.dq, gref.dk, gref.dv, {}});
           EXPECT_TRUE(bitwise_equal(n1.dq, n3.dq) && bitwise_equal(n1.dk, n3.dk) && bitwise_equal(n1.dv, n3.dv));
+        }
+        if (dt != DType::kF32) continue;
+        // float32_precision "high" (on amx: two bf16 parts per value; elsewhere "highest"), with and without the
+        // mask's gradient, within its tolerances (Float32HighTakesTwoBf16Parts); the parts on these short keys too
+        const sattn::testing::ScopedEnv tiles("SATTN_FUSED_TILE_MIN_WORK", "0");
+        Problem high = in;
+        high.opt.float32_precision = sattn::Float32Precision::kHigh;
+        const FwdResult hf = run_forward(high, "fused", 2);
+        EXPECT_LE(rel_err(hf.out, ref.out), kHighTol);
+        EXPECT_TRUE(lse_ok(hf.lse, ref.lse, kHighTol));
+        for (const bool dmask : {true, false}) {
+          high.c.mask = dmask ? 2 : 0;
+          const BwdResult h1 = run_backward(high, hf, "fused", 1), h3 = run_backward(high, hf, "fused", 3);
+          EXPECT_LE(max_grad_err(h1, dmask ? gref : BwdResult{gref.dq, gref.dk, gref.dv, {}}), kHighGradTol);
+          EXPECT_TRUE(grads_bitwise_equal(h1, h3));
         }
       }
     }

@@ -115,7 +115,7 @@ void add_attn_command(CLI::App& app) {
       ->default_str("0");
   cmd->add_flag("--fp64", a->fp64, "Accumulate in float64 (reference kernel) even for float32 inputs");
   cmd->add_option("--float32-precision", a->float32_precision,
-                  "highest: float32 accuracy in every product; high: the forward on AMX tiles (amx) takes each "
+                  "highest: float32 accuracy in every product; high: the AMX tiles (amx) take each "
                   "float32 value as the sum of two bfloat16 (within about 2^-17 relative), as "
                   "torch.set_float32_matmul_precision('high'); bf16: float32 inputs and the softmax probabilities "
                   "may be rounded to bfloat16 in the fused kernel's products where the CPU has bf16 products "

@@ -211,7 +211,7 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--threads", cfg.threads, "thread counts, comma separated")->capture_default_str();
   cmd->add_option("--dtype", cfg.dtype, "f32, bf16 or f16 inputs")->capture_default_str();
   cmd->add_option("--float32-precision", cfg.float32_precision,
-                  "highest, high or bf16 (float32 values as two bfloat16 in the AMX forward, or rounded to bfloat16 "
+                  "highest, high or bf16 (float32 values as two bfloat16 on the AMX tiles, or rounded to bfloat16 "
                   "in the products; see sattn attn --help)")
       ->capture_default_str();
   cmd->add_option("--kernel", cfg.kernel, "kernel to force (fused, reference, auto)")->capture_default_str();

@@ -93,8 +93,12 @@ struct Params {
   // is within 2^-17 of its two (relative), and its products drop the product of the two rounding errors (three part
   // products, 2^-18 relative). Inputs holding an infinity (inf · 0 between parts would make a NaN), or
   // float32 ones holding a NaN or a value that rounds past bf16's largest, do not take this path.
+  // The backward takes it for float32 inputs under kHigh (dO checked too): its S^T = K Q^T and dP^T = V dO^T on the
+  // parts (k_pairs and v_row_pairs with their lo parts k_lo_words and v_lo_words on, the Q^T and dO^T pairs with theirs
+  // after the hi rows of each tile: pair_parts()), and its other three products too where split_grads.
   bool split_bf16 = false;
   int64_t k_lo_words = 0, v_lo_words = 0;
+  int64_t pair_parts() const { return split_bf16 ? 2 : 1; }
   int64_t d_pairs() const { return (D + 1) / 2; }
   // Words per row of k_pairs and rows of the Q^T pairs: d_pairs(), on the amx tiles (but split_bf16) rounded up
   // to 16 with zero words (tile_pair_stride), so that S^T = K Q^T loads whole tiles where D is not a multiple of 32
@@ -120,8 +124,14 @@ struct Params {
   // the queries and pk_qrp [Br/2 x pad16(D)], pk_dorp [Br/2 x pad16(Dv)] words per query block t: Q (unscaled) and
   // dO in pairs along the queries (q[2y, x], q[2y + 1, x]); dQ^T += K^T dS^T takes kt_pairs [B·Hkv][Lk2][D] words
   // (k[2y, x], k[2y + 1, x]) (rows that hold a NaN zeroed, zero past Lk) and dS^T in pairs along the keys.
-  bool round_grads = false;
+  // split_grads (split_bf16 in the one-pass backward without the mask's gradient): the same three products on the
+  // amx tiles with every operand as two bf16 parts instead (three part products each), to float32's range and about
+  // 16 significant bits: P'^T and dS^T split, pk_qrp and pk_dorp with their lo rows after the hi ones of each tile,
+  // kt_pairs with its lo parts kt_lo_words on.
+  bool round_grads = false, split_grads = false;
+  bool grad_pairs() const { return round_grads || split_grads; }
   uint32_t* kt_pairs = nullptr;
+  int64_t kt_lo_words = 0;
   uint32_t *pk_qrp = nullptr, *pk_dorp = nullptr;
   // The amx build: those bf16 products on AMX tiles (tdpbf16ps, simd/amx_tiles.hpp) instead of vdpbf16ps. Its tiles
   // take the left operand with rows along the sum, so the forward's v_pairs hold V^T per slab of pv_keys() keys,
@@ -225,10 +235,11 @@ struct Params {
   float* dot_tile(int64_t t) const { return pk_dot + pk_slot(t) * Dv * Br; }
   float* qr_tile(int64_t t) const { return pk_qr + pk_slot(t) * Br * pad16(D); }
   float* dor_tile(int64_t t) const { return pk_dor + pk_slot(t) * Br * pad16(Dv); }
-  uint32_t* qp_tile(int64_t t) const { return pk_qp + pk_slot(t) * k_pair_stride() * Br; }
-  uint32_t* dop_tile(int64_t t) const { return pk_dop + pk_slot(t) * dv_pair_stride() * Br; }
-  uint32_t* qrp_tile(int64_t t) const { return pk_qrp + pk_slot(t) * (Br / 2) * pad16(D); }
-  uint32_t* dorp_tile(int64_t t) const { return pk_dorp + pk_slot(t) * (Br / 2) * pad16(Dv); }
+  // (split_bf16: each holds its hi rows, then its lo rows)
+  uint32_t* qp_tile(int64_t t) const { return pk_qp + pk_slot(t) * pair_parts() * k_pair_stride() * Br; }
+  uint32_t* dop_tile(int64_t t) const { return pk_dop + pk_slot(t) * pair_parts() * dv_pair_stride() * Br; }
+  uint32_t* qrp_tile(int64_t t) const { return pk_qrp + pk_slot(t) * pair_parts() * (Br / 2) * pad16(D); }
+  uint32_t* dorp_tile(int64_t t) const { return pk_dorp + pk_slot(t) * pair_parts() * (Br / 2) * pad16(Dv); }
   float* dq_part_tile(int64_t t, int64_t g) const { return dq_part + (pk_slot(t) * num_kv_groups() + g) * D * Br; }
   // The one-pass backward (5 tile products instead of 7): a task covers kv_group consecutive key blocks of one
   // (b, kv head) and computes their dK, dV and, for every query block that sees them, a partial dQ^T [D x Br]

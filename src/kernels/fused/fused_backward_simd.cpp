@@ -128,21 +128,25 @@ bool ComputeTile(const Params& p, BwdTile& w, int64_t b, int64_t h, int64_t i0, 
     return kr;
   };
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
-  if (p.k_pairs) {  // bf16 inputs on the bf16 products: S^T = scale K Q^T, and dP'^T = V dO^T when dO is bf16 too
+  if (p.k_pairs) {  // the bf16 products: S^T = scale K Q^T, and dP'^T = V dO^T when dO is packed too (Params)
     const int64_t D2 = p.k_pair_stride(), Dv2 = p.dv_pair_stride(), kv = b * p.Hkv + hk;  // rows of pairs, padded
     if (kr_out) *kr_out = k_rows();
     // On the amx build the tiles multiply the same pairs (the task holds the tile configuration).
-    const auto product = [&](const uint32_t* A, int64_t K2, const uint32_t* B, float* C, float mul) {
+    // split_bf16: A's lo parts alo words on, B's after its K2 hi rows; three part products (lo·lo dropped)
+    const auto product = [&](const uint32_t* A, int64_t K2, int64_t alo, const uint32_t* B, float* C, float mul) {
       if (p.amx_tiles) {
         CleanVectorsForTiles();
-        simd::amx::gemm_pairs<AmxTiles, false, false>(A, K2, B, Br, 0, C, Br, nk, Br, 2 * K2, 1.f);
+        if (p.split_bf16)
+          simd::amx::gemm_pairs<AmxTiles, false, true, true, false>(A, K2, B, Br, K2 * Br, C, Br, nk, Br, 2 * K2, 1.f,
+                                                                    alo);
+        else simd::amx::gemm_pairs<AmxTiles, false, false>(A, K2, B, Br, 0, C, Br, nk, Br, 2 * K2, 1.f);
         if (mul != 1.f) ScaleRows(C, nk, Br, mul);
       } else GemmBf16<false, false>(A, K2, 1, B, Br, 0, C, Br, nk, nvec, K2, mul);
     };
-    product(p.k_pairs + (kv * p.Lk + kb) * D2, D2, p.qp_tile(t), w.ST, p.scale);
+    product(p.k_pairs + (kv * p.Lk + kb) * D2, D2, p.k_lo_words, p.qp_tile(t), w.ST, p.scale);
     if (tm.has_bias || tm.has_pad || tm.causal_partial) ApplyTileMask(p, tm, i0, kb, nk, w.bias, w.pad, w.ST);
     if (p.pk_dop) {
-      product(p.v_row_pairs + (kv * p.Lk + kb) * Dv2, Dv2, p.dop_tile(t), w.dPT, 1.f);
+      product(p.v_row_pairs + (kv * p.Lk + kb) * Dv2, Dv2, p.v_lo_words, p.dop_tile(t), w.dPT, 1.f);
       if (vr_out) *vr_out = RowsOf(p.v, b, hk, kb, nk, p.Dv, w.vbuf);
     } else {
       const Rows vr = RowsOf(p.v, b, hk, kb, nk, p.Dv, w.vbuf);
@@ -190,8 +194,10 @@ struct BwdScratch {
   BwdTile w{};
   uint8_t pad[1024];
   // round_grads: P'^T and dS^T in pairs along the queries [Bc x Br/2] words, dS^T in pairs along the keys
-  // [Bc/2 x Br], and one row of K^T pairs [D] for an odd last key (GemmKeyPairs).
+  // [Bc/2 x Br], and one row of K^T pairs [D] for an odd last key (GemmKeyPairs); split_grads: each of the three
+  // with its lo parts after it (tile_words on).
   uint32_t *pd_pairs = nullptr, *ds_pairs = nullptr, *ds_key_pairs = nullptr, *kt_last = nullptr;
+  int64_t tile_words = 0;
   float* dk_tile = nullptr;  // the amx build's dS^T Q [Bc x pad16(D)], before it is scaled into dK
   Scratch s_dk_tile;
   explicit BwdScratch(const Params& p) {
@@ -202,12 +208,13 @@ struct BwdScratch {
     w.kbuf = s_kbuf.alloc(p.Bc * p.D);
     w.vbuf = s_vbuf.alloc(p.Bc * p.Dv);
     w.pad = pad;
-    if (p.round_grads) {
-      const int64_t tile_words = p.Bc * p.Br / 2;
-      pd_pairs = reinterpret_cast<uint32_t*>(s_pairs.alloc(3 * tile_words + Params::pad16(p.D)));
-      ds_pairs = pd_pairs + tile_words;
-      ds_key_pairs = ds_pairs + tile_words;
-      kt_last = ds_key_pairs + tile_words;
+    if (p.grad_pairs()) {
+      tile_words = p.Bc * p.Br / 2;
+      const int64_t parts = p.pair_parts() * tile_words;
+      pd_pairs = reinterpret_cast<uint32_t*>(s_pairs.alloc(3 * parts + Params::pad16(p.D)));
+      ds_pairs = pd_pairs + parts;
+      ds_key_pairs = ds_pairs + parts;
+      kt_last = ds_key_pairs + parts;
       if (p.amx_tiles) dk_tile = s_dk_tile.alloc(p.Bc * Params::pad16(p.D));
     }
   }
@@ -260,6 +267,28 @@ void BackwardKVTask(const Params& p, int64_t task) {
 }
 
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
+// split_grads: dV += P'^T dO, dK += scale dS^T Q and dQ^T += K^T dS^T of one computed tile (P'^T in sc.w.PdT, dS^T
+// in sc.w.ST) on the amx tiles, every operand as two bf16 parts (three part products: the lo parts' product dropped).
+void SplitGradProducts(const Params& p, BwdScratch& sc, int64_t b, int64_t hk, int64_t t, int64_t kb, int64_t nk,
+                       float* dK, float* dV, float* dQT) {
+  namespace amx = simd::amx;
+  const int64_t Br = p.Br, Br2 = Br / 2, Dp = Params::pad16(p.D), Dvp = Params::pad16(p.Dv), tw = sc.tile_words;
+  PackRowsAsSplitPairs(sc.w.PdT, nk, Br, sc.pd_pairs, tw);
+  PackRowsAsSplitPairs(sc.w.ST, nk, Br, sc.ds_pairs, tw);
+  PackProbabilityPairs<true>(sc.w.ST, nk, Br, sc.ds_key_pairs, tw);
+  CleanVectorsForTiles();
+  amx::gemm_pairs<AmxTiles, true, true, true, false>(sc.pd_pairs, Br2, p.dorp_tile(t), Dvp, Br2 * Dvp, dV, Dvp, nk, Dvp,
+                                                     Br, 1.f, tw);
+  CleanVectorsForTiles();
+  amx::gemm_pairs<AmxTiles, false, true, true, false>(sc.ds_pairs, Br2, p.qrp_tile(t), Dp, Br2 * Dp, sc.dk_tile, Dp, nk,
+                                                      Dp, Br, 1.f, tw);
+  AddScaledRows(dK, sc.dk_tile, nk * Dp, p.scale);  // dK += scale · (dS^T Q)
+  const uint32_t* ktb = p.kt_pairs + (b * p.Hkv + hk) * p.kt_pairs_head_words() + kb / 2 * p.D;
+  CleanVectorsForTiles();
+  amx::gemm_pairs<AmxTiles, true, true, true, false>(ktb, p.Bc / 2, sc.ds_key_pairs, Br, tw, dQT, Br, p.D, Br, nk, 1.f,
+                                                     p.kt_lo_words);
+}
+
 // round_grads: dV += P'^T dO, dK += scale dS^T Q and dQ^T += K^T dS^T of one computed tile (P'^T in sc.w.PdT,
 // dS^T in sc.w.ST) on the bf16 products, P' and dS rounded to bf16 once.
 void RoundedGradProducts(const Params& p, BwdScratch& sc, int64_t b, int64_t hk, int64_t t, int64_t kb, int64_t nk,
@@ -357,7 +386,7 @@ void BackwardKVQTask(const Params& p, int64_t task) {
       for (int64_t kb = kb0; kb < klive; kb += Bc) {
         const int64_t nk = std::min(Bc, klive - kb), x = (kb - kb0) / Bc;
         Rows kr{};  // the rounded products read K^T pairs instead
-        if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk, p.round_grads ? nullptr : &kr, nullptr)) {
+        if (!ComputeTile(p, sc.w, b, h, i0, nq, kb, nk, p.grad_pairs() ? nullptr : &kr, nullptr)) {
           zero_scores(h, i0, nq, kb, kb + nk);
           continue;
         }
@@ -376,6 +405,10 @@ void BackwardKVQTask(const Params& p, int64_t task) {
             }
         }
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
+        if (p.split_grads) {
+          SplitGradProducts(p, sc, b, hk, t, kb, nk, dK + x * Bc * Dp, dV + x * Bc * Dvp, dQT);
+          continue;
+        }
         if (p.round_grads) {
           RoundedGradProducts(p, sc, b, hk, t, kb, nk, dK + x * Bc * Dp, dV + x * Bc * Dvp, dQT);
           continue;
@@ -504,7 +537,14 @@ void PackQTask(const Params& p, int64_t task) {
   PackRows(RowsOf(p.q, b, h, i0, nq, p.D, buf), nq, p.D, Dp, Br, p.scale, qr, qt);
   PackRows(RowsOf(p.dout, b, h, i0, nq, p.Dv, buf), nq, p.Dv, Dvp, Br, 1.f, dor, p.dot_tile(task));
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
-  if (p.pk_qp) {  // Q^T and dO^T (when dO is bf16 too) in bf16 pairs; a NaN row of q is zeroed below
+  if (p.split_bf16) {  // Q^T and dO^T as two bf16 parts each, the lo rows after the hi ones (no NaN: Params)
+    PackTransposedSplitPairs(p.q, b, h, i0, nq, p.D, Br, p.qp_tile(task), p.k_pair_stride() * Br);
+    PackTransposedSplitPairs(p.dout, b, h, i0, nq, p.Dv, Br, p.dop_tile(task), p.dv_pair_stride() * Br);
+    if (p.split_grads) {
+      PackRowPairsAlongRowsSplit(p.q, b, h, i0, nq, p.D, Dp, Br, p.qrp_tile(task), Br / 2 * Dp);
+      PackRowPairsAlongRowsSplit(p.dout, b, h, i0, nq, p.Dv, Dvp, Br, p.dorp_tile(task), Br / 2 * Dvp);
+    }
+  } else if (p.pk_qp) {  // Q^T and dO^T (when dO is bf16 too) in bf16 pairs; a NaN row of q is zeroed below
     PackTransposedPairs(p.q, b, h, i0, nq, p.D, Br, p.qp_tile(task));
     std::fill(p.qp_tile(task) + p.d_pairs() * Br, p.qp_tile(task) + p.k_pair_stride() * Br, 0u);  // pad rows
     if (p.pk_dop) {
@@ -586,19 +626,10 @@ void RowStatsTask(const Params& p, int64_t task) {
 }
 
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64
-// k_pairs (rows with a NaN zeroed, as ZeroNanRows does for the float32 products) and v_row_pairs of one (b, kv
-// head): task = b * Hkv + hk.
-void PackKVRowPairs(const Params& p, int64_t task) {
-  const int64_t b = task / p.Hkv, hk = task % p.Hkv;
-  const int64_t D2 = p.k_pair_stride(), Dv2 = p.dv_pair_stride();  // words per row, pad words zeroed
-  PackRowPairs(p.k, b * p.k.sb + hk * p.k.sh, p.Lk, p.D, true, p.k_pairs + task * p.Lk * D2, D2);
-  PackRowPairs(p.v, b * p.v.sb + hk * p.v.sh, p.Lk, p.Dv, false, p.v_row_pairs + task * p.Lk * Dv2, Dv2);
-  if (!p.kt_pairs) return;
-  // kt_pairs from the k_pairs just packed (NaN rows already zero): (k[2y, x], k[2y + 1, x]).
-  const int64_t Lk2 = p.lk_pairs(), Bc2 = p.Bc / 2;
-  // the bf16 elements of k_pairs' rows (2·D2 halves apart)
-  const auto* k16 = reinterpret_cast<const uint16_t*>(p.k_pairs + task * p.Lk * D2);
-  uint32_t* kt = p.kt_pairs + task * p.kt_pairs_head_words();
+// K^T pairs of one (b, kv head) into kt (Params::kt_pairs, the amx layout per key block) from the bf16 elements of its
+// rows of k_pairs at k16 (2·k_pair_stride() halves apart).
+void PackKeyPairsTransposed(const Params& p, const uint16_t* k16, uint32_t* kt) {
+  const int64_t D2 = p.k_pair_stride(), Lk2 = p.lk_pairs(), Bc2 = p.Bc / 2;
   const auto pair_row = [&](int64_t y, uint32_t* out) {
     const uint16_t* r0 = k16 + 2 * y * 2 * D2;
     PairsAcrossRowsContiguous(r0, 2 * y + 1 < p.Lk ? r0 + 2 * D2 : nullptr, p.D, out);
@@ -614,6 +645,29 @@ void PackKVRowPairs(const Params& p, int64_t task) {
     pair_row(y, rows.data());
     for (int64_t x = 0; x < p.D; ++x) kt[p.amx_tiles ? (y / Bc2 * p.D + x) * Bc2 + y % Bc2 : y * p.D + x] = rows[x];
   }
+}
+
+// k_pairs (rows with a NaN zeroed, as ZeroNanRows does for the float32 products) and v_row_pairs of one (b, kv
+// head): task = b * Hkv + hk.
+void PackKVRowPairs(const Params& p, int64_t task) {
+  const int64_t b = task / p.Hkv, hk = task % p.Hkv;
+  const int64_t D2 = p.k_pair_stride(), Dv2 = p.dv_pair_stride();  // words per row, pad words zeroed
+  if (p.split_bf16) {  // hi and lo parts (K and V hold no NaN there: Params::split_bf16)
+    uint32_t *kp = p.k_pairs + task * p.Lk * D2, *vp = p.v_row_pairs + task * p.Lk * Dv2;
+    for (int64_t j = 0; j < p.Lk; ++j) {
+      RowPairsSplitAt(p.k, b * p.k.sb + hk * p.k.sh + j * p.k.sl, p.D, kp + j * D2, kp + j * D2 + p.k_lo_words);
+      RowPairsSplitAt(p.v, b * p.v.sb + hk * p.v.sh + j * p.v.sl, p.Dv, vp + j * Dv2, vp + j * Dv2 + p.v_lo_words);
+    }
+  } else {
+    PackRowPairs(p.k, b * p.k.sb + hk * p.k.sh, p.Lk, p.D, true, p.k_pairs + task * p.Lk * D2, D2);
+    PackRowPairs(p.v, b * p.v.sb + hk * p.v.sh, p.Lk, p.Dv, false, p.v_row_pairs + task * p.Lk * Dv2, Dv2);
+  }
+  if (!p.kt_pairs) return;
+  // kt_pairs from the k_pairs just packed (NaN rows already zero): (k[2y, x], k[2y + 1, x]); split_grads: the hi
+  // parts' and then the lo parts'.
+  for (int64_t part = 0; part < p.pair_parts(); ++part)
+    PackKeyPairsTransposed(p, reinterpret_cast<const uint16_t*>(p.k_pairs + part * p.k_lo_words + task * p.Lk * D2),
+                           p.kt_pairs + part * p.kt_lo_words + task * p.kt_pairs_head_words());
 }
 #endif
 

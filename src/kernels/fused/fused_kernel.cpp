@@ -523,20 +523,20 @@ void place_query_tiles(Params& p, float* base, int64_t blocks) {
 }
 
 // The words of the bf16 query tiles (Params::pk_qp, pk_dop, pk_qrp, pk_dorp) of `blocks` query blocks: Q^T pairs,
-// dO^T pairs (Params::dout_pairs) and, with round_grads, the row pairs of Q and dO.
+// dO^T pairs (Params::dout_pairs) and, with round_grads or split_grads, the row pairs of Q and dO.
 int64_t query_pair_words(const Params& p, int64_t blocks) {
-  const int64_t rows = p.round_grads ? (p.Br / 2) * (Params::pad16(p.D) + Params::pad16(p.Dv)) : 0;
-  return blocks * (p.Br * p.k_pair_stride() + (p.dout_pairs ? p.Br * p.dv_pair_stride() : 0) + rows);
+  const int64_t rows = p.grad_pairs() ? p.pair_parts() * (p.Br / 2) * (Params::pad16(p.D) + Params::pad16(p.Dv)) : 0;
+  return blocks * (p.pair_parts() * p.Br * (p.k_pair_stride() + (p.dout_pairs ? p.dv_pair_stride() : 0)) + rows);
 }
 
 // Points the bf16 query tiles of p at `base`, laid out for `blocks` query blocks (query_pair_words of them).
 void place_query_pairs(Params& p, uint32_t* base, int64_t blocks) {
   p.pk_qp = base;
-  uint32_t* next = p.pk_qp + blocks * p.Br * p.k_pair_stride();
-  if (p.dout_pairs) p.pk_dop = next, next += blocks * p.Br * p.dv_pair_stride();
-  if (p.round_grads) {
+  uint32_t* next = p.pk_qp + blocks * p.pair_parts() * p.Br * p.k_pair_stride();
+  if (p.dout_pairs) p.pk_dop = next, next += blocks * p.pair_parts() * p.Br * p.dv_pair_stride();
+  if (p.grad_pairs()) {
     p.pk_qrp = next;
-    p.pk_dorp = p.pk_qrp + blocks * (p.Br / 2) * Params::pad16(p.D);
+    p.pk_dorp = p.pk_qrp + blocks * p.pair_parts() * (p.Br / 2) * Params::pad16(p.D);
   }
 }
 
@@ -812,8 +812,17 @@ void fused_backward(const BackwardArgs& a) {
   p.dq = out_view4(a.grads.dq), p.dk = out_view4(a.grads.dk), p.dv = out_view4(a.grads.dv);
   const BackwardOps& o = backward_ops();
   const int threads = a.num_threads;
-  const bool bf16_products = o.pack_kv_pairs && takes_bf16_products(p.q.dtype, a.options.float32_precision) &&
-                             bf16_products_pay(p.D, p.Lk, false);
+  // float32 inputs under kHigh: the products on the amx tiles with two bf16 parts per value (Params::split_bf16 and
+  // split_grads), unless an input or dO holds a value the parts cannot carry
+  p.split_bf16 = o.amx_tiles && p.q.dtype == DType::kF32 && takes_split_bf16(p.q.dtype, a.options.float32_precision) &&
+                 bf16_products_pay(p.D, p.Lk, true) && !has_unsplittable(p.q, p.B, p.Hq, p.Lq, p.D, threads) &&
+                 !has_unsplittable(p.k, p.B, p.Hkv, p.Lk, p.D, threads) &&
+                 !has_unsplittable(p.v, p.B, p.Hkv, p.Lk, p.Dv, threads) &&
+                 !has_unsplittable(p.dout, p.B, p.Hq, p.Lq, p.Dv, threads);
+  const bool bf16_products =
+      o.pack_kv_pairs &&
+      ((takes_bf16_products(p.q.dtype, a.options.float32_precision) && bf16_products_pay(p.D, p.Lk, false)) ||
+       p.split_bf16);
   const DenseKV dense_kv(p, threads, !bf16_products);
 
   // Row statistics: lse (+inf for rows without any allowed key, so that P = exp(s - lse) = 0); which query blocks
@@ -879,20 +888,25 @@ void fused_backward(const BackwardArgs& a) {
   if (bf16_products) {
     const bool bf16_precision = a.options.float32_precision == Float32Precision::kBF16;
     // All five products on bf16 pairs (P' and dS rounded once) where rounding is allowed or the gradients are bf16
-    // anyway; the two-pass schedule and the mask's gradient keep float32 products.
+    // anyway, or in two parts each under kHigh; the two-pass schedule and the mask's gradient keep float32 products
+    // for dV, dK and dQ.
     const bool bf16_grads = p.dq.dtype == DType::kBF16 && p.dk.dtype == DType::kBF16 && p.dv.dtype == DType::kBF16;
-    p.round_grads = one_pass && !pr.need_dmask && (bf16_precision || bf16_grads);
-    p.amx_tiles = o.amx_tiles;  // (before the pair strides, which it pads)
+    p.round_grads = one_pass && !pr.need_dmask && !p.split_bf16 && (bf16_precision || bf16_grads);
+    p.split_grads = one_pass && !pr.need_dmask && p.split_bf16;
+    p.amx_tiles = o.amx_tiles;             // (before the pair strides, which it pads)
+    const int64_t parts = p.pair_parts();  // split_bf16: the lo parts after the hi ones
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.k_pair_stride(), v_words = p.B * p.Hkv * p.Lk * p.dv_pair_stride();
-    const int64_t kt_words = p.round_grads ? p.B * p.Hkv * p.kt_pairs_head_words() : 0;
-    p.dout_pairs = p.dout.dtype == DType::kBF16 || bf16_precision || p.round_grads;
+    const int64_t kt_words = p.grad_pairs() ? parts * p.B * p.Hkv * p.kt_pairs_head_words() : 0;
+    p.dout_pairs = p.dout.dtype == DType::kBF16 || bf16_precision || p.round_grads || p.split_bf16;
     // the query blocks' bf16 tiles: the call's, or each task's own (one_pass_backward) where the float32 ones are
     const int64_t q_words = tiles_per_task ? 0 : query_pair_words(p, nqt);
-    kv_pairs.resize(size_t(k_words + v_words + kt_words));
-    counted_pairs.emplace(int64_t((k_words + v_words + kt_words + q_words) * sizeof(uint32_t)));
+    kv_pairs.resize(size_t(parts * (k_words + v_words) + kt_words));
+    counted_pairs.emplace(int64_t((parts * (k_words + v_words) + kt_words + q_words) * sizeof(uint32_t)));
     q_pairs = workspace_array<uint32_t>(size_t(q_words), "fused attention backward: the packed bf16 query tiles");
-    p.k_pairs = kv_pairs.data(), p.v_row_pairs = p.k_pairs + k_words;
-    if (p.round_grads) p.kt_pairs = p.v_row_pairs + v_words;
+    p.k_pairs = kv_pairs.data(), p.v_row_pairs = p.k_pairs + parts * k_words;
+    if (p.split_bf16) p.k_lo_words = k_words, p.v_lo_words = v_words;
+    if (p.grad_pairs()) p.kt_pairs = p.v_row_pairs + parts * v_words;
+    if (p.split_grads) p.kt_lo_words = kt_words / 2;
     if (!tiles_per_task) place_query_pairs(p, q_pairs.get(), nqt);
     run_tasks(p.B * p.Hkv, threads, [&](int64_t t) { o.pack_kv_pairs(p, t); });
   }
