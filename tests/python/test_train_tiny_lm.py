@@ -1,6 +1,7 @@
 """examples/train_tiny_lm.py --smoke: a tiny language model trained with torch's SDPA and with sattn.torch's from the
 same weights on the same batches gives the same per-step losses (1e-3 relative over 20 steps at context 256), also
-under torch.set_float32_matmul_precision("high") (sattn's AMX tiles then take float32 as two bf16, forward and backward)."""
+under torch.set_float32_matmul_precision("high") (sattn's AMX tiles then take float32 as two bf16, forward and
+backward)."""
 import os
 import subprocess
 import sys
