@@ -3,8 +3,7 @@
 
 B = 1, H = 2, L = 4096 (--len), D = 64 and 128, unit-normal float32 inputs; max |error| / max |reference| of out, dq,
 dk and dv. On a CPU without bf16 products (neither the amx nor the avx512bf16 SIMD target) the rows are the same;
-"high" differs from "highest" only on the amx target, in the forward (the gradients then differ through the out and
-lse that the backward reads).
+"high" differs from "highest" only on the amx target (forward and backward).
 
   PYTHONPATH=build/python build/venv/bin/python bench/float32_precision_error.py [--len 4096]
 """
