@@ -27,8 +27,8 @@ Causal parse_causal(const std::string& text, const char* argument_name = "causal
 // dO in the backward) as the sum of two bfloat16 parts (the value rounded to bf16, then the rest rounded to bf16;
 // about 16 significant bits, 2^-17 relative) and P (backward: P' and dS) in two parts, every product summing three
 // part products on the AMX tiles (the two rounding errors' product dropped, as "bfloat16x3") with float32 sums; the
-// backward with the mask's gradient takes the parts in S and dP only. Elsewhere (other targets, decode, inputs
-// holding an infinity, a NaN or a value past bf16's range) it keeps float32 accuracy. kBF16
+// two-pass backward (a mask's gradient past the memory limit) takes the parts in S and dP only. Elsewhere (other
+// targets, decode, inputs holding an infinity, a NaN or a value past bf16's range) it keeps float32 accuracy. kBF16
 // allows rounding them to bfloat16 where the CPU has bf16 products (the avx512bf16 and amx SIMD targets): float32
 // q/k/v/dO, the softmax probabilities P of the forward's P·V and the backward's P' and dS are then rounded to bf16
 // (2^-9 relative each) with float32 sums — faster, less accurate. Elsewhere (other targets, float16 inputs, the

@@ -124,10 +124,10 @@ struct Params {
   // the queries and pk_qrp [Br/2 x pad16(D)], pk_dorp [Br/2 x pad16(Dv)] words per query block t: Q (unscaled) and
   // dO in pairs along the queries (q[2y, x], q[2y + 1, x]); dQ^T += K^T dS^T takes kt_pairs [B·Hkv][Lk2][D] words
   // (k[2y, x], k[2y + 1, x]) (rows that hold a NaN zeroed, zero past Lk) and dS^T in pairs along the keys.
-  // split_grads (split_bf16 in the one-pass backward without the mask's gradient): the same three products on the
-  // amx tiles with every operand as two bf16 parts instead (three part products each), to float32's range and about
-  // 16 significant bits: P'^T and dS^T split, pk_qrp and pk_dorp with their lo rows after the hi ones of each tile,
-  // kt_pairs with its lo parts kt_lo_words on.
+  // split_grads (split_bf16 in the one-pass backward): the same three products on the amx tiles with every operand
+  // as two bf16 parts instead (three part products each), to float32's range and about 16 significant bits: P'^T and
+  // dS^T split, pk_qrp and pk_dorp with their lo rows after the hi ones of each tile, kt_pairs with its lo parts
+  // kt_lo_words on.
   bool round_grads = false, split_grads = false;
   bool grad_pairs() const { return round_grads || split_grads; }
   uint32_t* kt_pairs = nullptr;

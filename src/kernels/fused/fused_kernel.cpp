@@ -887,12 +887,12 @@ void fused_backward(const BackwardArgs& a) {
   std::optional<CountedBytes> counted_pairs;
   if (bf16_products) {
     const bool bf16_precision = a.options.float32_precision == Float32Precision::kBF16;
-    // All five products on bf16 pairs (P' and dS rounded once) where rounding is allowed or the gradients are bf16
-    // anyway, or in two parts each under kHigh; the two-pass schedule and the mask's gradient keep float32 products
-    // for dV, dK and dQ.
+    // All five products on bf16 pairs: P' and dS rounded once where rounding is allowed or the gradients are bf16
+    // anyway (not with the mask's gradient), or in two parts each under kHigh; the two-pass schedule keeps float32
+    // products for dV, dK and dQ.
     const bool bf16_grads = p.dq.dtype == DType::kBF16 && p.dk.dtype == DType::kBF16 && p.dv.dtype == DType::kBF16;
     p.round_grads = one_pass && !pr.need_dmask && !p.split_bf16 && (bf16_precision || bf16_grads);
-    p.split_grads = one_pass && !pr.need_dmask && p.split_bf16;
+    p.split_grads = one_pass && p.split_bf16;
     p.amx_tiles = o.amx_tiles;             // (before the pair strides, which it pads)
     const int64_t parts = p.pair_parts();  // split_bf16: the lo parts after the hi ones
     const int64_t k_words = p.B * p.Hkv * p.Lk * p.k_pair_stride(), v_words = p.B * p.Hkv * p.Lk * p.dv_pair_stride();
