@@ -635,6 +635,30 @@ TEST_P(FusedBf16Products, Float32HighTakesTwoBf16Parts) {
   }
 }
 
+// float32_precision "high" in the one-pass backward over several groups of key blocks (each task a group, dQ summed
+// over the groups' partials; the sweep's keys fit one group): within kHighGradTol of the fp64 reference, not the
+// "highest" bits on amx (bitwise them on avx512bf16), and bitwise the same for 1 and 3 threads. GQA, D = Dv = 128
+// (16 key blocks a group), full and causal, with and without a float mask's gradient.
+TEST_P(FusedBf16Products, Float32HighBackwardOverKeyGroups) {
+  const bool amx = GetParam() == "amx";
+  for (int variant = 0; variant < 3; ++variant) {
+    Case c;
+    c.B = 1, c.Hq = 4, c.Hkv = 2, c.Lq = 300, c.Lk = 1500, c.D = c.Dv = 128;
+    if (variant == 1) c.causal = sattn::Causal::kTopLeft;
+    if (variant == 2) c.mask = 2, c.mask_shape = 1;
+    SCOPED_TRACE(c.name());
+    Problem pb = make_problem(c, 60 + variant);
+    const FwdResult ref = run_forward(pb, "reference", 2);
+    const BwdResult gref = run_backward(pb, ref, "reference", 2);
+    const BwdResult highest = run_backward(pb, as_f32(ref), "fused", 2);
+    pb.opt.float32_precision = sattn::Float32Precision::kHigh;
+    const BwdResult g1 = run_backward(pb, as_f32(ref), "fused", 1), g3 = run_backward(pb, as_f32(ref), "fused", 3);
+    EXPECT_TRUE(grads_bitwise_equal(g1, g3));
+    EXPECT_LE(max_grad_err(g1, gref), kHighGradTol);
+    EXPECT_EQ(grads_bitwise_equal(g1, highest), !amx);
+  }
+}
+
 // bf16 inputs whose out, dq, dk and dv are stored in bf16 too (as PyTorch returns them): there the bf16 products
 // take P (forward) and P', dS (backward) rounded to bf16 once, as FlashAttention does, an error of the size of
 // the outputs' own rounding. Against the fp64 reference on the same bf16 values (rel_err; the rounding of the exact
