@@ -536,7 +536,7 @@ TEST_P(FusedBf16Products, Float16InputsMatchReference) {
 // float32 products' tolerances are 2e-5 forward and 1e-4 backward, bf16's 1e-2 and 3e-2. Not as the float32 products
 // (the parts ran); bitwise the same for 1 and 3 threads. The avx512bf16 build runs the float32 products: bitwise
 // kHighest. So does a pass whose q, k or v (or dO, backward) holds a value the parts cannot carry (an infinity, a NaN,
-// a float32 that rounds past bf16's largest value).
+// a float32 that rounds past bf16's largest value), and so does a backward whose dO is not float32.
 constexpr double kHighTol = 1e-4, kHighGradTol = 1e-3;
 
 double max_grad_err(const BwdResult& got, const BwdResult& ref) {
@@ -632,6 +632,17 @@ TEST_P(FusedBf16Products, Float32HighTakesTwoBf16Parts) {
       EXPECT_TRUE(bitwise_equal(got.out, highest.out) && bitwise_equal(got.lse, highest.lse));
     }
     EXPECT_TRUE(grads_bitwise_equal(run_backward(pb, highest, "fused", 1), ghighest));
+  }
+  // a dO of another dtype than the float32 inputs': the backward's float32 products (bitwise kHighest)
+  for (const DType dt : {DType::kF64, DType::kBF16, DType::kF16}) {
+    SCOPED_TRACE("dO in " + std::string(sattn::to_string(dt)));
+    Problem pb = make_problem(c, 10);
+    const Tensor dout = pb.dout.storage.to(dt);
+    pb.dout.view = dout.view();
+    const FwdResult f = run_forward(pb, "fused", 1);
+    const BwdResult ghighest = run_backward(pb, f, "fused", 1);
+    pb.opt.float32_precision = sattn::Float32Precision::kHigh;
+    EXPECT_TRUE(grads_bitwise_equal(run_backward(pb, f, "fused", 1), ghighest));
   }
 }
 

@@ -812,10 +812,11 @@ void fused_backward(const BackwardArgs& a) {
   p.dq = out_view4(a.grads.dq), p.dk = out_view4(a.grads.dk), p.dv = out_view4(a.grads.dv);
   const BackwardOps& o = backward_ops();
   const int threads = a.num_threads;
-  // float32 inputs under kHigh: the products on the amx tiles with two bf16 parts per value (Params::split_bf16 and
-  // split_grads), unless an input or dO holds a value the parts cannot carry
-  p.split_bf16 = o.amx_tiles && p.q.dtype == DType::kF32 && takes_split_bf16(p.q.dtype, a.options.float32_precision) &&
-                 bf16_products_pay(p.D, p.Lk, true) && !has_unsplittable(p.q, p.B, p.Hq, p.Lq, p.D, threads) &&
+  // float32 inputs and dO under kHigh: the products on the amx tiles with two bf16 parts per value
+  // (Params::split_bf16 and split_grads), unless an input or dO holds a value the parts cannot carry
+  p.split_bf16 = o.amx_tiles && p.q.dtype == DType::kF32 && p.dout.dtype == DType::kF32 &&
+                 takes_split_bf16(p.q.dtype, a.options.float32_precision) && bf16_products_pay(p.D, p.Lk, true) &&
+                 !has_unsplittable(p.q, p.B, p.Hq, p.Lq, p.D, threads) &&
                  !has_unsplittable(p.k, p.B, p.Hkv, p.Lk, p.D, threads) &&
                  !has_unsplittable(p.v, p.B, p.Hkv, p.Lk, p.Dv, threads) &&
                  !has_unsplittable(p.dout, p.B, p.Hq, p.Lq, p.Dv, threads);
