@@ -195,9 +195,9 @@ struct BwdScratch {
   uint8_t pad[1024];
   // round_grads: P'^T and dS^T in pairs along the queries [Bc x Br/2] words, dS^T in pairs along the keys
   // [Bc/2 x Br], and one row of K^T pairs [D] for an odd last key (GemmKeyPairs); split_grads: each of the three
-  // with its lo parts after it (tile_words on).
+  // with its lo parts after it (tile_words() on).
   uint32_t *pd_pairs = nullptr, *ds_pairs = nullptr, *ds_key_pairs = nullptr, *kt_last = nullptr;
-  int64_t tile_words = 0;
+  static int64_t tile_words(const Params& p) { return p.Bc * p.Br / 2; }
   float* dk_tile = nullptr;  // the amx build's dS^T Q [Bc x pad16(D)], before it is scaled into dK
   Scratch s_dk_tile;
   explicit BwdScratch(const Params& p) {
@@ -209,8 +209,7 @@ struct BwdScratch {
     w.vbuf = s_vbuf.alloc(p.Bc * p.Dv);
     w.pad = pad;
     if (p.grad_pairs()) {
-      tile_words = p.Bc * p.Br / 2;
-      const int64_t parts = p.pair_parts() * tile_words;
+      const int64_t parts = p.pair_parts() * tile_words(p);
       pd_pairs = reinterpret_cast<uint32_t*>(s_pairs.alloc(3 * parts + Params::pad16(p.D)));
       ds_pairs = pd_pairs + parts;
       ds_key_pairs = ds_pairs + parts;
@@ -272,7 +271,8 @@ void BackwardKVTask(const Params& p, int64_t task) {
 void SplitGradProducts(const Params& p, BwdScratch& sc, int64_t b, int64_t hk, int64_t t, int64_t kb, int64_t nk,
                        float* dK, float* dV, float* dQT) {
   namespace amx = simd::amx;
-  const int64_t Br = p.Br, Br2 = Br / 2, Dp = Params::pad16(p.D), Dvp = Params::pad16(p.Dv), tw = sc.tile_words;
+  const int64_t Br = p.Br, Br2 = Br / 2, Dp = Params::pad16(p.D), Dvp = Params::pad16(p.Dv),
+                tw = BwdScratch::tile_words(p);
   PackRowsAsSplitPairs(sc.w.PdT, nk, Br, sc.pd_pairs, tw);
   PackRowsAsSplitPairs(sc.w.ST, nk, Br, sc.ds_pairs, tw);
   PackProbabilityPairs<true>(sc.w.ST, nk, Br, sc.ds_key_pairs, tw);

@@ -351,6 +351,13 @@ bool has_unsplittable(const View4& t, int64_t B, int64_t H, int64_t L, int64_t w
   return found;
 }
 
+// Whether q, k and v hold no value that two bf16 parts cannot carry (has_unsplittable).
+bool qkv_splittable(const Params& p, int threads) {
+  return !has_unsplittable(p.q, p.B, p.Hq, p.Lq, p.D, threads) &&
+         !has_unsplittable(p.k, p.B, p.Hkv, p.Lk, p.D, threads) &&
+         !has_unsplittable(p.v, p.B, p.Hkv, p.Lk, p.Dv, threads);
+}
+
 // A row of Lk bool flags (one byte each, `step` apart): the length of its run of `valid` flags from key 0 when every
 // later flag is the other value, else -1 (a valid key after an invalid one).
 int64_t valid_run(const uint8_t* row, int64_t step, int64_t len_k, bool valid) {
@@ -419,9 +426,7 @@ void fused_forward(const ForwardArgs& a) {
   // float16, and float32 under kHigh, as two bf16 each on the tiles, unless an input holds a value the parts cannot
   // carry
   p.split_bf16 = o.amx_tiles && takes_split_bf16(p.q.dtype, a.options.float32_precision) && p.Lq > kDecodeRows &&
-                 bf16_products_pay(p.D, p.Lk, true) && !has_unsplittable(p.q, p.B, p.Hq, p.Lq, p.D, a.num_threads) &&
-                 !has_unsplittable(p.k, p.B, p.Hkv, p.Lk, p.D, a.num_threads) &&
-                 !has_unsplittable(p.v, p.B, p.Hkv, p.Lk, p.Dv, a.num_threads);
+                 bf16_products_pay(p.D, p.Lk, true) && qkv_splittable(p, a.num_threads);
   const bool bf16_products =
       o.pack_kv_pairs && p.Lq > kDecodeRows &&
       ((takes_bf16_products(p.q.dtype, a.options.float32_precision) && bf16_products_pay(p.D, p.Lk, false)) ||
@@ -814,11 +819,8 @@ void fused_backward(const BackwardArgs& a) {
   const int threads = a.num_threads;
   // float32 inputs and dO under kHigh: the products on the amx tiles with two bf16 parts per value
   // (Params::split_bf16 and split_grads), unless an input or dO holds a value the parts cannot carry
-  p.split_bf16 = o.amx_tiles && p.q.dtype == DType::kF32 && p.dout.dtype == DType::kF32 &&
-                 takes_split_bf16(p.q.dtype, a.options.float32_precision) && bf16_products_pay(p.D, p.Lk, true) &&
-                 !has_unsplittable(p.q, p.B, p.Hq, p.Lq, p.D, threads) &&
-                 !has_unsplittable(p.k, p.B, p.Hkv, p.Lk, p.D, threads) &&
-                 !has_unsplittable(p.v, p.B, p.Hkv, p.Lk, p.Dv, threads) &&
+  p.split_bf16 = o.amx_tiles && a.options.float32_precision == Float32Precision::kHigh && p.q.dtype == DType::kF32 &&
+                 p.dout.dtype == DType::kF32 && bf16_products_pay(p.D, p.Lk, true) && qkv_splittable(p, threads) &&
                  !has_unsplittable(p.dout, p.B, p.Hq, p.Lq, p.Dv, threads);
   const bool bf16_products =
       o.pack_kv_pairs &&
